@@ -1,0 +1,123 @@
+"""EngineConfig: every engine setting, validated in one place.
+
+Field names are a contract: they are the `parameters` keys of `config.pbtxt` (DESIGN.md), named after
+TensorRT-LLM's backend where it has one. `from_params` maps the strings Triton hands us into typed
+fields; `validate` is the single place a bad value is refused, with the key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+BATCHING_MODES = ("inflight", "dynamic", "static", "none")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass
+class EngineConfig:
+    model_path: str = ""
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    kv_block_size: int = 16
+    # Explicit KV capacity in tokens; 0 sizes it from kv_cache_free_gpu_mem_fraction on CUDA and
+    # from cpu_kv_cache_tokens on CPU.
+    max_tokens_in_paged_kv_cache: int = 0
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    cpu_kv_cache_tokens: int = 65536
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    enable_chunked_context: bool = True
+    enable_kv_cache_reuse: bool = False
+    batching_mode: str = "inflight"
+    max_queue_size: int = 1024  # waiting requests beyond this are refused at once; 0: unbounded
+    max_queue_delay_microseconds: int = 50000  # static/dynamic: longest wait for a batch to fill
+    executor_static_batch_size: int = -1  # -1: off; N: static batches of N (forces batching_mode=static)
+    dynamic_padding_threshold: float = 1.1  # dynamic: a batch holds lengths within this factor
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
+        """Build from config.pbtxt string parameters; unknown keys and bad values raise ValueError."""
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in params.items():
+            if key not in types:
+                raise ValueError(
+                    f"unknown parameter '{key}'; allowed parameters: {', '.join(sorted(types))}")
+            values[key] = _parse(key, str(raw).strip(), types[key])
+        values.update(overrides)
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.executor_static_batch_size not in (-1, 0) and self.executor_static_batch_size > 0:
+            self.batching_mode = "static"
+        self.validate()
+
+    def validate(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("batch_scheduler_policy", self.batch_scheduler_policy, POLICIES)
+        _choice("batching_mode", self.batching_mode, BATCHING_MODES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
+        _at_least("kv_block_size", self.kv_block_size, 1)
+        _at_least("max_tokens_in_paged_kv_cache", self.max_tokens_in_paged_kv_cache, 0)
+        _at_least("cpu_kv_cache_tokens", self.cpu_kv_cache_tokens, 1)
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
+            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1]; "
+                             f"got {self.kv_cache_free_gpu_mem_fraction}")
+        _at_least("max_num_seqs", self.max_num_seqs, 1)
+        _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _at_least("max_model_len", self.max_model_len, 0)
+        _at_least("max_queue_size", self.max_queue_size, 0)
+        _at_least("max_queue_delay_microseconds", self.max_queue_delay_microseconds, 0)
+        if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
+            raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
+                             f"got {self.executor_static_batch_size}")
+        if self.dynamic_padding_threshold < 1.0:
+            raise ValueError("dynamic_padding_threshold must be >= 1.0; "
+                             f"got {self.dynamic_padding_threshold}")
+
+    @property
+    def static_batch_size(self) -> int:
+        return self.executor_static_batch_size if self.executor_static_batch_size > 0 else self.max_num_seqs
+
+
+def _parse(key: str, raw: str, typ: Any) -> Any:
+    name = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    try:
+        if name == "bool":
+            low = raw.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError
+        if name == "int":
+            return int(raw)
+        if name == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"parameter '{key}' must be {_KIND[name]}; got '{raw}'") from None
+    return raw
+
+
+_KIND = {"bool": "true or false", "int": "an integer", "float": "a number"}
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {', '.join(allowed)}; got '{value}'")
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{key} must be >= {low}; got {value}")

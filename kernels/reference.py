@@ -1,0 +1,127 @@
+"""Torch references for every kernel, with the same signatures as the Triton wrappers.
+
+They are the CPU path of the engine and the oracle of the kernel tests, so they favour clarity and
+float32 accumulation over speed.
+
+Shapes (T tokens in the flat batch, H query heads, G kv heads, D head dim, NB cache blocks,
+BS block size, S sequences, MB max blocks per sequence):
+  k_cache, v_cache: [NB, BS, G, D]      block_tables: [S, MB] int32
+  slot_mapping: [T] int64, slot = block * BS + offset; -1 means "do not store"
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, G, D] into the paged cache at slot_mapping [T] (in place)."""
+    nb, bs, g, d = k_cache.shape
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(nb * bs, g, d)[slots] = key[valid].to(k_cache.dtype)
+    v_cache.view(nb * bs, g, d)[slots] = value[valid].to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence as [length, G, D]."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    blocks = cache[block_table[:nblocks].long()]  # [n, BS, G, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [Q, H, D], k/v [K, G, D] -> [Q, H, D], GQA by repeating kv heads; float32 math."""
+    h, g = q.shape[1], k.shape[1]
+    k = k.float().repeat_interleave(h // g, dim=1)
+    v = v.float().repeat_interleave(h // g, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence. q [S, H, D]; seq_lens [S] = cached tokens to attend to
+    (the query's own K/V already stored). Returns [S, H, D]."""
+    s, h, d = q.shape
+    if s == 0:
+        return torch.empty_like(q)
+    bs, g = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(seq_lens.max())
+    nblocks = (max_len + bs - 1) // bs
+    tables = block_tables[:, :nblocks].long()
+    # Padded gather: [S, nblocks*BS, G, D]; positions past seq_len are masked to -inf.
+    k = k_cache[tables].reshape(s, nblocks * bs, g, d).float().repeat_interleave(h // g, dim=2)
+    v = v_cache[tables].reshape(s, nblocks * bs, g, d).float().repeat_interleave(h // g, dim=2)
+    scores = torch.einsum("shd,skhd->shk", q.float(), k) * scale
+    pos = torch.arange(nblocks * bs, device=q.device)
+    mask = pos[None, :] < seq_lens.to(q.device).long()[:, None]  # [S, K]
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("shk,skhd->shd", probs, v).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention for packed query chunks that read the paged cache.
+
+    q [T, H, D] holds S sequences back to back, sequence i at rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
+    seq_lens[i] counts all cached tokens of sequence i, the chunk's own included (already stored),
+    so the chunk's queries sit at positions seq_lens[i] - q_len .. seq_lens[i] - 1. Earlier context
+    (a previous chunk, a reused prefix) is read from the cache like the rest.
+    """
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i in range(len(lens)):
+        start, end, length = cu[i], cu[i + 1], lens[i]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k = _gather_context(k_cache, block_tables[i], length)
+        v = _gather_context(v_cache, block_tables[i], length)
+        q_pos = torch.arange(length - q_len, length, device=q.device)
+        k_pos = torch.arange(length, device=q.device)
+        mask = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, Q, K]
+        out[start:end] = _attend(q[start:end], k, v, scale, mask)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm. x [T, N]. With residual: h = x + residual, else h = x.
+    Returns (rmsnorm(h) * weight, h): the second is the next layer's residual."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed).to(x.dtype), h
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) RoPE as in HF Llama. q [T, H, D], k [T, G, D], positions [T],
+    cos/sin caches [max_pos, D/2] in float32. Returns new (q, k)."""
+    cos = cos_cache[positions.long()][:, None, :]
+    sin = sin_cache[positions.long()][:, None, :]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    half = x.shape[-1] // 2
+    gate, up = x[..., :half].float(), x[..., half:].float()
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
