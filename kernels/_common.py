@@ -1,0 +1,72 @@
+"""Helpers shared by the kernel wrappers: argument checks, output allocation, device facts.
+
+Nothing here launches a kernel. The wrappers call `alloc` through this module (not a copy of the
+name) so the tests can swap it for a NaN-filling version and catch elements a kernel never writes.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def alloc(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output (or scratch buffer); every element is written by a kernel."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_device(name: str, *tensors: torch.Tensor) -> None:
+    """All tensors on one device, and a device the Triton kernels can run on."""
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"{name}: all tensors must be on one device; got {device} and {t.device}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{name}: the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set "
+                         f"before triton is imported to run them on the CPU; got device {device}")
+
+
+def check_dtype(name: str, arg: str, t: torch.Tensor, allowed: tuple) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ValueError(f"{name}: {arg} must have dtype in ({names}); got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_ndim(name: str, arg: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: {arg} must be {ndim}-D {layout}; got shape {tuple(t.shape)}")
+
+
+def check_cache(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    check_ndim(name, "k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"{name}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    check_dtype(name, "k_cache", k_cache, FLOAT_DTYPES)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device. On the CPU (the interpreter runs programs one at a
+    time, so parallelism is moot) a small stand-in keeps the same heuristics meaningful."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4

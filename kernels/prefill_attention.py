@@ -1,0 +1,217 @@
+"""Prefill (context) attention: causal, variable-length packed query chunks over the paged cache.
+
+Sequence i's queries are rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q, at positions
+seq_lens[i] - q_len .. seq_lens[i] - 1; its keys/values (the chunk's own already stored, plus any
+earlier chunk or reused prefix) are read from the paged cache through its block table. So one
+kernel serves plain prefill, chunked prefill and prefix reuse.
+
+Design (flash-attention 2 forward):
+- One program per (query tile of BLOCK_M rows, sequence, query head); GQA by mapping the query
+  head to its kv head (the other heads of the group hit the same K/V in L2).
+- Online softmax in the exp2 domain, fp32 accumulators, `tl.dot` for QK^T and PV.
+- The kv loop runs in two phases: tiles that lie wholly before the tile's first query position
+  need no causal or length mask; only the tiles on the diagonal are masked (-inf).
+- K/V tokens are gathered through the block table per token, so any cache block size works.
+
+The grid's first dimension must cover the longest chunk. Pass `max_q_len` when the caller knows it
+(the engine does); otherwise the wrapper uses it from cu_seqlens_q when that lives on the CPU, or
+the total token count (a safe bound; surplus programs exit at once) rather than sync the device.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _common as C
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, k_ptrs, v_ptrs, kv_mask, scores_mask, scale_log2,
+                 MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One kv tile of the online softmax. k_ptrs/v_ptrs [BLOCK_N, BLOCK_D]."""
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * scale_log2
+    if MASKED:
+        qk = tl.where(scores_mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_bts, stride_btb,
+    stride_ot, stride_oh, stride_od,
+    QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+
+    q_begin = tl.load(cu_seqlens_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int32) - q_begin
+    if tile_m * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx_len = seq_len - q_len                      # cached tokens before this chunk
+    kvh = head // QUERY_GROUP
+
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < HEAD_DIM
+    rows = (q_begin + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q_pos = ctx_len + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    k_base = k_cache_ptr + kvh * stride_kh + offs_d[None, :] * stride_kd
+    v_base = v_cache_ptr + kvh * stride_vh + offs_d[None, :] * stride_vd
+
+    first_pos = ctx_len + tile_m * BLOCK_M          # < seq_len since this tile has a query
+    diag_start = (first_pos // BLOCK_N) * BLOCK_N   # keys below this are visible to every row
+    kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
+
+    # Phase 1: whole tiles before the diagonal, no masks on the kv positions.
+    for n0 in range(0, diag_start, BLOCK_N):
+        pos = n0 + offs_n
+        blk = tl.load(table + (pos // BLOCK_SIZE) * stride_btb).to(tl.int64)
+        row = (pos % BLOCK_SIZE).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i,
+            k_base + (blk * stride_kb + row * stride_ko)[:, None],
+            v_base + (blk * stride_vb + row * stride_vo)[:, None],
+            mask_d[None, :], None, scale_log2, MASKED=False, IEEE=IEEE)
+
+    # Phase 2: the diagonal tiles, causal and length masks.
+    for n0 in range(diag_start, kv_end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < kv_end
+        blk = tl.load(table + (pos // BLOCK_SIZE) * stride_btb, mask=mask_n, other=0).to(tl.int64)
+        row = (pos % BLOCK_SIZE).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i,
+            k_base + (blk * stride_kb + row * stride_ko)[:, None],
+            v_base + (blk * stride_vb + row * stride_vo)[:, None],
+            mask_n[:, None] & mask_d[None, :],
+            mask_n[None, :] & (pos[None, :] <= q_pos[:, None]),
+            scale_log2, MASKED=True, IEEE=IEEE)
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _default_blocks(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). fp32 tiles are halved to fit shared memory."""
+    if device.type != "cuda":
+        return 32, 32, 4, 1            # the interpreter: small tiles waste less on short chunks
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float, *, max_q_len: Optional[int] = None,
+                      block_m: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
+    """Causal attention for packed query chunks that read the paged cache.
+
+    q [T, H, D]: S sequences back to back, sequence i at rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
+    (cu_seqlens_q [S+1], int32/int64, starting at 0). seq_lens[i] counts all cached tokens of
+    sequence i, the chunk's own included (already stored). Returns [T, H, D] in q's dtype.
+
+    Keyword-only: max_q_len (the longest chunk, sizes the grid), block_m/block_n (tile sizes,
+    powers of two >= 16).
+    """
+    name = "prefill_attention"
+    C.check_ndim(name, "q", q, 3, "[tokens, num_heads, head_dim]")
+    C.check_cache(name, k_cache, v_cache)
+    C.check_ndim(name, "block_tables", block_tables, 2, "[num_seqs, max_blocks]")
+    C.check_dtype(name, "q", q, C.FLOAT_DTYPES)
+    C.check_dtype(name, "block_tables", block_tables, C.INDEX_DTYPES)
+    C.check_dtype(name, "cu_seqlens_q", cu_seqlens_q, C.INDEX_DTYPES)
+    C.check_dtype(name, "seq_lens", seq_lens, C.INDEX_DTYPES)
+    t, h, d = q.shape
+    nb, bs, g, cd = k_cache.shape
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if cd != d:
+        raise ValueError(f"{name}: q head_dim {d} != cache head_dim {cd}")
+    if h % g != 0:
+        raise ValueError(f"{name}: num_heads {h} must be a multiple of num_kv_heads {g}")
+    if seq_lens.dim() != 1:
+        raise ValueError(f"{name}: seq_lens must be 1-D [num_seqs]; got shape {tuple(seq_lens.shape)}")
+    s = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (s + 1,):
+        raise ValueError(f"{name}: cu_seqlens_q must have shape ({s + 1},) for {s} sequences; "
+                         f"got {tuple(cu_seqlens_q.shape)}")
+    if block_tables.shape[0] != s:
+        raise ValueError(f"{name}: block_tables has {block_tables.shape[0]} rows for {s} sequences")
+    for arg, tensor in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if tensor.shape[0] > 1 and tensor.stride(0) != 1:
+            raise ValueError(f"{name}: {arg} must be contiguous")
+    if d < 16:
+        raise ValueError(f"{name}: head_dim must be >= 16 (tl.dot); got {d}")
+    C.check_device(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    if not math.isfinite(scale):
+        raise ValueError(f"{name}: scale must be finite; got {scale}")
+
+    out = C.alloc((t, h, d), q.dtype, q.device)
+    if t == 0 or s == 0:
+        return out
+    bm, bn, num_warps, num_stages = _default_blocks(q.dtype, d, q.device)
+    bm, bn = block_m or bm, block_n or bn
+    for arg, v in (("block_m", bm), ("block_n", bn)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name}: {arg} must be a power of two >= 16; got {v}")
+    if max_q_len is None:
+        if cu_seqlens_q.device.type == "cpu":
+            max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        else:
+            max_q_len = t
+    if max_q_len <= 0:
+        return out
+    grid = (C.cdiv(max_q_len, bm), s, h)
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        float(scale) * LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        QUERY_GROUP=h // g, HEAD_DIM=d, BLOCK_SIZE=bs,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, C.next_pow2(d)), IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
