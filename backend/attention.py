@@ -1,0 +1,46 @@
+"""The attention seam: one context object carries a step's attention metadata to every layer.
+
+The flat batch holds decode tokens first (one query per sequence), then prefill chunks. Each layer
+stores its new K/V into the paged cache through the slot mapping, then runs decode attention on the
+first part and prefill (context) attention on the rest. Which implementation runs (Triton kernels
+or torch references) is chosen once, in `ops`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.dispatch import KernelOps
+
+
+@dataclass
+class AttentionContext:
+    ops: KernelOps
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache [NB, BS, G, D]
+    scale: float
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [num_decodes, MB] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, the query's own token included
+    prefill_block_tables: torch.Tensor  # [num_prefills, MB] int32
+    prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32, the chunk included
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, G, D] -> [T, H, D]."""
+        k_cache, v_cache = self.kv_caches[layer]
+        self.ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        nd = self.num_decode_tokens
+        if nd == q.shape[0]:
+            return self.ops.decode_attention(q, k_cache, v_cache, self.decode_block_tables,
+                                             self.decode_seq_lens, self.scale)
+        if nd == 0:
+            return self.ops.prefill_attention(q, k_cache, v_cache, self.prefill_block_tables,
+                                              self.prefill_cu_seqlens_q, self.prefill_seq_lens, self.scale)
+        out = torch.empty_like(q)
+        out[:nd] = self.ops.decode_attention(q[:nd], k_cache, v_cache, self.decode_block_tables,
+                                             self.decode_seq_lens, self.scale)
+        out[nd:] = self.ops.prefill_attention(q[nd:], k_cache, v_cache, self.prefill_block_tables,
+                                              self.prefill_cu_seqlens_q, self.prefill_seq_lens, self.scale)
+        return out

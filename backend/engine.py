@@ -1,0 +1,268 @@
+"""The engine: one step is schedule -> run -> postprocess.
+
+`LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly).
+`AsyncEngine` runs it on its own thread for the server: requests arrive from any thread, outputs
+leave through per-request callbacks, aborts take effect before the next step.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional, Union
+
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.loader import load_model_config
+from backend.outputs import RequestOutput, StopStringMatcher
+from backend.request import Request, RequestStatus, SamplingParams
+from backend.runner import ModelRunner
+from backend.scheduler import Scheduler
+from backend.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+Prompt = Union[str, list[int]]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_queue_size requests already."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if not config.model_path:
+            raise ValueError("model_path is required (a Hugging Face checkpoint directory)")
+        self.config = config
+        self.model_config = load_model_config(config.model_path)
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len)
+        self._detok: dict[str, tuple[Optional[IncrementalDetokenizer], StopStringMatcher]] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:  # beyond the window we would attend where HF does not
+            limit = min(limit, self.model_config.sliding_window)
+        if self.config.max_model_len == 0:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds what the model "
+                             f"supports ({limit})")
+        return self.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # -- requests -------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                     arrival_time: Optional[float] = None) -> Request:
+        """Tokenize and check a request against every limit; raises ValueError saying which."""
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: send input_ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        eos = self.model_config.eos_token_ids
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        return Request(request_id, ids, params, eos, arrival_time)
+
+    def check_queue(self, pending: int = 0) -> None:
+        limit = self.config.max_queue_size
+        if limit and len(self.scheduler.waiting) + pending >= limit:
+            raise QueueFullError(f"queue full: {limit} requests are waiting (max_queue_size); retry later")
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if self.tokenizer else None
+        self._detok[request.request_id] = (detok, StopStringMatcher(request.params.stop))
+        self.prompt_tokens_total += request.num_prompt_tokens
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        self.check_queue()
+        request = self.make_request(request_id, prompt, params)
+        self.add(request)
+        return request
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        request = self.scheduler.abort(request_id)
+        return self._output(request, []) if request is not None else None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        out = self.scheduler.schedule(now)
+        if out.is_empty:
+            return []
+        try:
+            sampled = self.runner.run(out, self.blocks)
+        except Exception as exc:  # a failed step fails its own requests, not the engine
+            log.exception("model step failed")
+            return self._fail([s.request for s in out.seqs], f"model step failed: {exc!r}")
+        self.scheduler.postprocess(out, sampled, time.monotonic())
+        self.generation_tokens_total += len(sampled)
+        results = []
+        for seq in out.seqs:
+            req = seq.request
+            if req.request_id in sampled:
+                results.append(self._output(req, [sampled[req.request_id]]))
+        return results
+
+    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        results = []
+        for req in requests:
+            if not req.status.finished:
+                req.error = message
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            results.append(self._output(req, []))
+        return results
+
+    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        """Detokenize new tokens, apply stop strings, and package what the caller sees."""
+        detok, stops = self._detok[req.request_id]
+        delta = ""
+        if detok is not None:
+            delta = detok.add(new_ids) if new_ids else ""
+            if req.status.finished:
+                delta += detok.flush()
+        if stops.feed(delta) and not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        if req.status.finished:
+            del self._detok[req.request_id]
+            self.runner.sampler.forget(req.request_id)
+        new_text = stops.emit(final=req.status.finished)
+        return RequestOutput(req.request_id, req.prompt_token_ids, new_ids, list(req.output_token_ids),
+                             new_text, stops.emitted, req.status.finished, req.finish_reason, req.error)
+
+    def stats(self) -> dict[str, Union[int, float]]:
+        b = self.blocks
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": b.num_blocks,
+            "kv_blocks_used": b.num_used_blocks,
+            "kv_blocks_free": b.num_free_blocks,
+            "kv_cache_usage_ratio": b.num_used_blocks / b.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class AsyncEngine:
+    """LLMEngine on its own thread. add_request validates in the caller's thread (raising
+    ValueError or QueueFullError) and queues; the loop admits, steps and calls back."""
+
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self._lock = threading.Condition()
+        self._new: deque[tuple[Request, OutputCallback]] = deque()
+        self._aborts: deque[str] = deque()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="inflight-engine", daemon=True)
+        self._thread.start()
+
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    vocab_size = property(lambda self: self.engine.vocab_size)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    on_output: OutputCallback) -> None:
+        request = self.engine.make_request(request_id, prompt, params)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            if request_id in self._callbacks:
+                raise ValueError(f"request_id '{request_id}' is already running; use a new id")
+            self.engine.check_queue(len(self._new))
+            self._callbacks[request_id] = on_output
+            self._new.append((request, on_output))
+            self._lock.notify()
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            known = request_id in self._callbacks
+            if known:
+                self._aborts.append(request_id)
+                self._lock.notify()
+            return known
+
+    def stats(self) -> dict[str, Union[int, float]]:
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        self._thread.join(timeout)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and not self._new and not self._aborts and not self.engine.has_work():
+                    self._lock.wait()
+                if self._stopped:
+                    break
+                new, self._new = list(self._new), deque()
+                aborts, self._aborts = list(self._aborts), deque()
+            for request, _ in new:
+                self.engine.add(request)
+            outputs = [o for rid in aborts if (o := self.engine.abort(rid)) is not None]
+            outputs += self.engine.step()
+            if not outputs and self.engine.has_work():
+                time.sleep(0.001)  # a batching gate is holding requests back; poll gently
+            self._deliver(outputs)
+        self._drain()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            callback = self._callbacks.get(output.request_id)
+            if output.finished:
+                with self._lock:
+                    self._callbacks.pop(output.request_id, None)
+            if callback is None:
+                continue
+            try:
+                callback(output)
+            except Exception:  # a broken client must not take the loop down
+                log.exception("output callback for %s failed; aborting it", output.request_id)
+                if not output.finished:
+                    self.abort(output.request_id)
+
+    def _drain(self) -> None:
+        """On shutdown every request still known gets a final 'abort' output."""
+        with self._lock:
+            new = list(self._new)
+            self._new.clear()
+        for request, _ in new:
+            self.engine.add(request)
+        outputs = [o for r in list(self.engine.scheduler.iter_requests())
+                   if (o := self.engine.abort(r.request_id)) is not None]
+        self._deliver(outputs)

@@ -1,0 +1,148 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) over a flat batch with no padding.
+
+Differences between the three are configuration, not code: Qwen2 has q/k/v biases and often tied
+embeddings; Llama 3 adds llama3 rope scaling; Mistral may set a sliding window (the engine caps
+max_model_len at it). q/k/v and gate/up projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.attention import AttentionContext
+from backend.loader import ModelConfig
+from kernels.dispatch import KernelOps
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        t = h.shape[0]
+        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = ctx.ops.rotary_embedding(q, k, positions, rope[0], rope[1])
+        out = ctx.attend(self.layer, q, k, v.contiguous())
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+
+
+class RMSNormWeight(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, ctx: AttentionContext, rope):
+        ops = ctx.ops
+        norm = self.input_layernorm
+        h, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
+        h = self.self_attn(h, positions, ctx, rope)
+        norm = self.post_attention_layernorm
+        h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
+        return self.mlp(h, ops), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, ctx, rope)
+        h, _ = ctx.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # -- weights --------------------------------------------------------------------------------
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; fail on missing or unknown names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            name = hf_name.removeprefix("model.")
+            parts = name.split(".")
+            fused = next((p for p in parts if p in self._FUSED), None)
+            if fused is None:
+                self._copy(params, name, tensor, None, loaded)
+                continue
+            target, shard = self._FUSED[fused]
+            name = name.replace(fused, target)
+            self._copy(params, name, tensor, shard, loaded)
+        if self.cfg.tie_word_embeddings or "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        for name in list(loaded):  # a fused weight counts once all of its shards arrived
+            if "#" in name:
+                base = name.split("#")[0]
+                shards = 3 if base.endswith("qkv_proj.weight") or base.endswith("qkv_proj.bias") else 2
+                if all(f"{base}#{i}" in loaded for i in range(shards)):
+                    loaded.add(base)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _copy(self, params, name, tensor, shard, loaded) -> None:
+        if name not in params:
+            raise ValueError(f"checkpoint has an unexpected weight '{name}'")
+        param = params[name]
+        if shard is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight '{name}' has shape {tuple(tensor.shape)}; expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+            return
+        if name.split(".")[-2] == "qkv_proj":
+            sizes = self.layers[0].self_attn.split
+        else:
+            sizes = (param.shape[0] // 2,) * 2
+        offset = sum(sizes[:shard])
+        expected = (sizes[shard],) + tuple(param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight for '{name}' shard {shard} has shape {tuple(tensor.shape)}; expected {expected}")
+        param.data[offset:offset + sizes[shard]].copy_(tensor)
+        loaded.add(f"{name}#{shard}")

@@ -1,0 +1,63 @@
+"""Capacity policies: who may hold KV blocks. Batch forming (who computes how many tokens this step)
+lives in the scheduler; these classes only answer "may this request start?" and "how do we make
+room?". One small class per policy behind one interface, after TensorRT-LLM's
+GuaranteedNoEvictScheduler and MaxUtilizationScheduler. No torch here.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from backend.block_manager import BlockManager
+from backend.request import Request
+
+
+class CapacityPolicy:
+    name = ""
+    may_preempt = False
+
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+
+    def can_admit(self, request: Request, running: Sequence[Request], first_chunk_tokens: int) -> bool:
+        raise NotImplementedError
+
+    def check_invariant(self, running: Sequence[Request]) -> None:
+        """Raise AssertionError when the policy's promise does not hold for `running`."""
+
+
+class GuaranteedNoEvict(CapacityPolicy):
+    """Start a request only when the blocks to finish it, and those every running request may still
+    need, fit in the cache together. A started request therefore never waits for blocks."""
+    name = "guaranteed_no_evict"
+
+    def reserved_blocks(self, running: Sequence[Request]) -> int:
+        return sum(self.blocks.blocks_for(r.max_total_tokens) for r in running)
+
+    def can_admit(self, request: Request, running: Sequence[Request], first_chunk_tokens: int) -> bool:
+        need = self.blocks.blocks_for(request.max_total_tokens)
+        return self.reserved_blocks(running) + need <= self.blocks.num_blocks
+
+    def check_invariant(self, running: Sequence[Request]) -> None:
+        reserved = self.reserved_blocks(running)
+        assert reserved <= self.blocks.num_blocks, (
+            f"no-evict reservation broken: running requests may need {reserved} blocks "
+            f"of {self.blocks.num_blocks}")
+        for r in running:
+            assert self.blocks.num_blocks_of(r.request_id) <= self.blocks.blocks_for(r.max_total_tokens)
+
+
+class MaxUtilization(CapacityPolicy):
+    """Start a request when this step's blocks fit; when blocks run out later, the scheduler
+    preempts the newest running request and recomputes it from its tokens."""
+    name = "max_utilization"
+    may_preempt = True
+
+    def can_admit(self, request: Request, running: Sequence[Request], first_chunk_tokens: int) -> bool:
+        return self.blocks.can_grow(request.request_id, first_chunk_tokens)
+
+
+POLICIES = {p.name: p for p in (GuaranteedNoEvict, MaxUtilization)}
+
+
+def make_policy(name: str, blocks: BlockManager) -> CapacityPolicy:
+    return POLICIES[name](blocks)

@@ -1,0 +1,157 @@
+"""The model runner: the only layer that touches torch devices.
+
+It loads the weights, owns the paged KV cache tensors, turns a SchedulerOutput into flat inputs
+(token ids, positions, slot mapping, block tables, sequence lengths), runs the model and samples.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from backend.attention import AttentionContext
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.loader import ModelConfig, iter_weights
+from backend.models.llama import LlamaForCausalLM
+from backend.models.rope_cache import rope_cos_sin
+from backend.sampler import Sampler
+from backend.scheduler import ScheduledSeq, SchedulerOutput
+from kernels.dispatch import get_ops
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}' requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less exact
+    return _DTYPES.get(model_cfg.torch_dtype, torch.bfloat16)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
+        self.ops = get_ops(config.attention_backend, self.device)
+        self.block_size = config.kv_block_size
+        with torch.device("meta"):  # no host copy, no random init: every weight is loaded below
+            model = LlamaForCausalLM(model_cfg).to(self.dtype)
+        model = model.to_empty(device=self.device)
+        model.load_weights(iter_weights(config.model_path))
+        self.model = model.eval()
+        cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
+                                model_cfg.rope_scaling)
+        self.rope = (cos.to(self.device), sin.to(self.device))
+        self.sampler = Sampler(config.seed)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(model_cfg.num_layers)]
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", self.num_blocks, self.block_size,
+                 self.num_blocks * self._bytes_per_block() / 2**20, self.device)
+
+    # -- KV cache sizing ------------------------------------------------------------------------
+    def _bytes_per_block(self) -> int:
+        c = self.model_cfg
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.max_tokens_in_paged_kv_cache > 0:
+            return max(1, cfg.max_tokens_in_paged_kv_cache // self.block_size)
+        if self.device.type != "cuda":
+            return max(1, cfg.cpu_kv_cache_tokens // self.block_size)
+        self._warm_up()
+        free, _total = torch.cuda.mem_get_info(self.device)
+        blocks = int(free * cfg.kv_cache_free_gpu_mem_fraction) // self._bytes_per_block()
+        if blocks < 1:
+            raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.2f} GiB free)")
+        return blocks
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run one full-budget forward pass with a throwaway cache so that the activation peak is
+        already taken from the free memory the KV cache is sized from."""
+        c = self.model_cfg
+        n = min(self.config.max_num_batched_tokens, len(self.rope[0]))
+        nblocks = -(-n // self.block_size)
+        shape = (nblocks, self.block_size, c.num_kv_heads, c.head_dim)
+        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(c.num_layers)]
+        table = torch.arange(nblocks, dtype=torch.int32, device=self.device)[None]
+        ctx = self._context(caches, torch.arange(n, device=self.device), 0,
+                            table[:0], table[0, :0], table,
+                            torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                            torch.tensor([n], dtype=torch.int32, device=self.device))
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), ctx, self.rope)
+        self.model.logits(hidden[-1:])
+        del caches, ctx, hidden
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    # -- one step -------------------------------------------------------------------------------
+    def _context(self, caches, slots, num_decodes, d_tables, d_lens, p_tables, p_cu, p_lens) -> AttentionContext:
+        return AttentionContext(self.ops, caches, self.model_cfg.head_dim ** -0.5, slots, num_decodes,
+                                d_tables, d_lens, p_tables, p_cu, p_lens)
+
+    def _tables(self, seqs: list[ScheduledSeq], blocks: BlockManager) -> torch.Tensor:
+        tables = [blocks.block_table(s.request.request_id) for s in seqs]
+        width = max((len(t) for t in tables), default=0)
+        padded = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            padded[i, :len(t)] = t
+        return torch.from_numpy(padded).to(self.device, non_blocking=True)
+
+    def _prepare(self, out: SchedulerOutput, blocks: BlockManager):
+        seqs = out.seqs
+        ids, positions, slots = [], [], []
+        bs = self.block_size
+        for s in seqs:
+            pos = np.arange(s.start, s.start + s.num_new_tokens)
+            table = np.asarray(blocks.block_table(s.request.request_id), dtype=np.int64)
+            ids.extend(s.request.all_token_ids[s.start:s.start + s.num_new_tokens])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        dev = self.device
+        as_t = lambda a, dt: torch.from_numpy(np.asarray(a, dtype=dt)).to(dev, non_blocking=True)
+        q_lens = [s.num_new_tokens for s in out.prefills]
+        ctx = self._context(
+            self.kv_caches, as_t(np.concatenate(slots), np.int64), len(out.decodes),
+            self._tables(out.decodes, blocks), as_t([s.start + 1 for s in out.decodes], np.int32),
+            self._tables(out.prefills, blocks), as_t(np.concatenate([[0], np.cumsum(q_lens)]), np.int32),
+            as_t([s.start + s.num_new_tokens for s in out.prefills], np.int32))
+        # Logits are needed only at the last token of each sequence that samples this step.
+        ends = np.cumsum([s.num_new_tokens for s in seqs]) - 1
+        sample_rows = [int(e) for e, s in zip(ends, seqs) if s.samples]
+        return as_t(ids, np.int64), as_t(np.concatenate(positions), np.int64), ctx, sample_rows
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput, blocks: BlockManager) -> dict[str, int]:
+        """Run one step; returns the sampled token of every sequence that reached its end."""
+        ids, positions, ctx, rows = self._prepare(out, blocks)
+        hidden = self.model(ids, positions, ctx, self.rope)
+        sampling = [s.request for s in out.seqs if s.samples]
+        if not sampling:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens = self.sampler.sample(logits, sampling)
+        return {r.request_id: t for r, t in zip(sampling, tokens)}
