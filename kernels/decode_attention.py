@@ -147,13 +147,14 @@ def _decode_merge_kernel(
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Split-K factor: 1 when batch * kv_heads programs already give every SM a few programs to
-    overlap memory latency with; otherwise enough splits to reach ~4 programs per SM, with at least
+    """Split-K factor: 1 when batch * kv_heads programs already give every SM two or more programs
+    (enough to overlap one program's memory latency with another's loads, and the tail of the last
+    wave is small); otherwise enough splits to reach ~4 programs per SM, with at least
     MIN_TOKENS_PER_SPLIT tokens per split and at most MAX_SPLITS."""
     programs = max(1, batch * num_kv_heads)
-    target = 4 * num_sms
-    if programs >= target:
+    if programs >= 2 * num_sms:
         return 1
+    target = 4 * num_sms
     by_len = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     return max(1, min(C.cdiv(target, programs), by_len, MAX_SPLITS))
 
