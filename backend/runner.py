@@ -15,7 +15,7 @@ from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
-from backend.models.rope_cache import rope_cos_sin
+from kernels.rope import rope_cos_sin
 from backend.sampler import Sampler
 from backend.scheduler import ScheduledSeq, SchedulerOutput
 from kernels.dispatch import get_ops
