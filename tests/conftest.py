@@ -12,3 +12,12 @@ except ImportError:  # pragma: no cover
     _HAS_CUDA = False
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory):
+    """The embedded default model (what `inflight make-model` writes), made once per session."""
+    from backend.make_model import make_model
+    return make_model(tmp_path_factory.mktemp("default-model"))

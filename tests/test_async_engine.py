@@ -1,0 +1,146 @@
+"""The threaded engine the server uses: streaming callbacks, aborts, queue limits, step faults."""
+import threading
+import time
+
+import pytest
+
+from backend import LLM, EngineConfig, SamplingParams
+from backend.engine import AsyncEngine, QueueFullError
+
+
+class Collector:
+    def __init__(self):
+        self.outputs = {}
+        self.done = {}
+        self.lock = threading.Lock()
+        self.all_done = threading.Event()
+        self.expected = 0
+
+    def __call__(self, out):
+        with self.lock:
+            self.outputs.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                assert out.request_id not in self.done, "two final outputs"
+                self.done[out.request_id] = out
+                if len(self.done) == self.expected:
+                    self.all_done.set()
+
+
+@pytest.fixture
+def engine(default_model_dir):
+    eng = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=8,
+                                   max_tokens_in_paged_kv_cache=2048, max_queue_size=64))
+    yield eng
+    eng.shutdown()
+
+
+def wait_idle(eng, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = eng.stats()
+        if s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0 and s["kv_blocks_used"] == 0:
+            return s
+        time.sleep(0.01)
+    raise AssertionError(f"engine did not go idle: {eng.stats()}")
+
+
+def test_streams_match_offline_generation(engine, default_model_dir):
+    prompts = [f"request number {i} about batching" for i in range(12)]
+    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0) for i in range(12)]
+    sink = Collector()
+    sink.expected = len(prompts)
+    threads = [threading.Thread(target=engine.add_request, args=(f"r{i}", p, sp, sink))
+               for i, (p, sp) in enumerate(zip(prompts, params))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sink.all_done.wait(60)
+    expected = LLM(str(default_model_dir)).generate(prompts, params)
+    for i, exp in enumerate(expected):
+        steps = sink.outputs[f"r{i}"]
+        streamed = [t for o in steps for t in o.new_token_ids]
+        assert streamed == exp.token_ids == steps[-1].token_ids
+        assert "".join(o.new_text for o in steps) == exp.text == steps[-1].text
+        assert steps[-1].finish_reason == exp.finish_reason
+    wait_idle(engine)
+
+
+def test_abort_mid_stream_frees_blocks_and_ends_with_abort(engine):
+    sink = Collector()
+    sink.expected = 1
+    started = threading.Event()
+
+    def on_output(out):
+        started.set()
+        sink(out)
+
+    engine.add_request("long", "a long story", SamplingParams(max_tokens=500, ignore_eos=True), on_output)
+    assert started.wait(30)
+    assert engine.stats()["kv_blocks_used"] > 0
+    assert engine.abort("long")
+    assert sink.all_done.wait(30)
+    final = sink.done["long"]
+    assert final.finish_reason == "abort" and len(final.token_ids) < 500
+    wait_idle(engine)
+    assert not engine.abort("long"), "aborting a finished request reports it unknown"
+
+
+def test_duplicate_request_id_and_queue_full(default_model_dir):
+    eng = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=1, max_queue_size=2))
+    try:
+        sink = Collector()
+        sink.expected = 3
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        eng.add_request("a", "one", params, sink)
+        with pytest.raises(ValueError, match="request_id 'a' is already running"):
+            eng.add_request("a", "again", params, sink)
+        time.sleep(0.2)  # "a" is running; the queue takes two more
+        eng.add_request("b", "two", params, sink)
+        eng.add_request("c", "three", params, sink)
+        with pytest.raises(QueueFullError, match="max_queue_size"):
+            eng.add_request("d", "four", params, sink)
+        for rid in "abc":
+            eng.abort(rid)
+        assert sink.all_done.wait(30)
+        assert {o.finish_reason for o in sink.done.values()} == {"abort"}
+        wait_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
+    runner = engine.engine.runner
+    real_run = runner.run
+    calls = {"n": 0}
+
+    def flaky(out, blocks):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault")
+        return real_run(out, blocks)
+
+    monkeypatch.setattr(runner, "run", flaky)
+    sink = Collector()
+    sink.expected = 1
+    engine.add_request("victim", "x", SamplingParams(max_tokens=50, ignore_eos=True), sink)
+    assert sink.all_done.wait(30)
+    assert sink.done["victim"].finish_reason == "error"
+    assert "injected fault" in sink.done["victim"].error
+    wait_idle(engine)
+    after = Collector()
+    after.expected = 1
+    engine.add_request("survivor", "y", SamplingParams(max_tokens=5, temperature=0), after)
+    assert after.all_done.wait(30)
+    assert after.done["survivor"].finish_reason in ("length", "stop")
+
+
+def test_shutdown_finishes_every_request(default_model_dir):
+    eng = AsyncEngine(EngineConfig(model_path=str(default_model_dir)))
+    sink = Collector()
+    sink.expected = 3
+    for i in range(3):
+        eng.add_request(f"s{i}", "z", SamplingParams(max_tokens=1000, ignore_eos=True), sink)
+    eng.shutdown()
+    assert sink.all_done.wait(10)
+    assert {o.finish_reason for o in sink.done.values()} == {"abort"}
