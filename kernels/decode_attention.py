@@ -12,7 +12,8 @@ Design (flash-decoding):
 - Online softmax in the exp2 domain (scale folded with log2(e)), positions past the split's end
   masked to -inf.
 - Split-K: when batch * kv_heads programs cannot fill the GPU, each sequence's context is cut into
-  NUM_SPLITS ranges (tile-aligned, sized per sequence), each split writes its normalised partial
+  num_splits ranges (tile-aligned, sized per sequence; a runtime argument, so a new split count
+  does not compile a new kernel), each split writes its normalised partial
   output and log-sum-exp, and a second small kernel merges them. With one split the first kernel
   writes the output directly and the merge is skipped.
 - A sequence of length 0 produces zeros (the torch reference produces NaN for it).
@@ -48,9 +49,10 @@ def _decode_attention_kernel(
     stride_os, stride_oh, stride_od,
     stride_ps, stride_ph, stride_pk, stride_pd,
     stride_ls, stride_lh, stride_lk,
+    num_splits,
     QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,7 +60,7 @@ def _decode_attention_kernel(
     seq64 = seq.to(tl.int64)
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -106,7 +108,7 @@ def _decode_attention_kernel(
     has = l_i > 0.0                                   # false for an empty split or sequence
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     out_mask = mask_h[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -122,14 +124,14 @@ def _decode_merge_kernel(
     stride_ps, stride_ph, stride_pk, stride_pd,
     stride_ls, stride_lh, stride_lk,
     stride_os, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_k = offs_k < NUM_SPLITS
+    mask_k = offs_k < num_splits
     mask_d = offs_d < HEAD_DIM
 
     lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + offs_k * stride_lk,
@@ -225,16 +227,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         float(scale) * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_o.stride(), *part_lse.stride(),
+        num_splits,
         QUERY_GROUP=qg, HEAD_DIM=d, BLOCK_SIZE=bs,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_merge_kernel[(s, h)](
             part_o, part_lse, out,
             *part_o.stride(), *part_lse.stride(), *out.stride(),
-            HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            num_splits,
+            HEAD_DIM=d, BLOCK_D=block_d,
             BLOCK_SPLITS=max(2, C.next_pow2(num_splits)),
             num_warps=4 if block_d >= 128 else 2,
         )
