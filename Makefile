@@ -1,0 +1,38 @@
+# inflight: the two commands on a fresh machine are `make serve` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.inflight-installed
+MODEL := models/default
+CONFIG := model_repository/llm/config.pbtxt
+SERVE_ARGS ?=
+
+.PHONY: setup model config serve test clean-config help
+
+help:
+	@echo "make setup   create .venv and install the project with its test extras (idempotent)"
+	@echo "make model   write the default model into $(MODEL) if missing"
+	@echo "make config  render $(CONFIG) (keeps hand edits; 'inflight config --force' to redo)"
+	@echo "make serve   setup + model + config, then start tritonserver on 8000/8001/8002"
+	@echo "make test    setup, then run the whole test suite"
+
+# Re-installs only when pyproject.toml changes (or the venv is new).
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e '.[test]'
+	@touch $(STAMP)
+
+model: setup
+	@test -f $(MODEL)/config.json || $(VENV)/bin/inflight make-model --out $(MODEL)
+
+config: setup
+	$(VENV)/bin/inflight config
+
+serve: model config
+	$(VENV)/bin/inflight serve $(SERVE_ARGS)
+
+test: setup
+	$(PY) -m pytest -q

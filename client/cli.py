@@ -1,0 +1,219 @@
+"""The `inflight` command line: make-model, config, serve, generate, bench."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from templates.render import parse_param
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _make_model(argv: list[str]) -> int:
+    from backend.make_model import main
+    return main(argv) or 0
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("client.bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "client.bench":
+            raise
+        print("inflight bench: not yet available in this checkout (client/bench.py is missing)",
+              file=sys.stderr)
+        return 2
+    return bench.main(argv) or 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from templates.render import run
+    return run(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from client.server import MODEL_NAME, ServerError, TritonServer
+    from templates.render import DEFAULT_OUTPUT, read_parameters, write_config
+
+    repository = Path(args.model_repository)
+    config = repository / MODEL_NAME / "config.pbtxt"
+    if not config.exists():
+        if config.resolve() != DEFAULT_OUTPUT.resolve():
+            print(f"inflight serve: {config} does not exist", file=sys.stderr)
+            return 2
+        write_config(config)
+        print(f"inflight serve: rendered {config} (edit it to tune the engine)")
+    params = dict(args.param)
+    model_path = args.model_path or params.get("model_path") or read_parameters(config.read_text()).get("model_path", "")
+    resolved = Path(model_path) if Path(model_path).is_absolute() else REPO_ROOT / model_path
+    if args.model_path is None and not resolved.is_dir():
+        print(f"inflight serve: no model at {resolved}. Make the default one with "
+              f"`inflight make-model --out {resolved}` (or `make model`), or pass --model-path DIR.",
+              file=sys.stderr)
+        return 2
+    if args.model_path is not None and not Path(args.model_path).is_dir():
+        print(f"inflight serve: --model-path {args.model_path} is not a folder", file=sys.stderr)
+        return 2
+
+    server = TritonServer(repository, params=params, model_path=args.model_path, host=args.host,
+                          http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, log_verbose=args.log_verbose,
+                          log_to_console=True)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.start()
+        server.wait_ready(args.ready_timeout)
+        _print_usage(server)
+        while server.process is not None and server.process.poll() is None:
+            time.sleep(0.5)
+        code = server.process.returncode if server.process is not None else 0
+        print(f"inflight serve: tritonserver exited with code {code}", file=sys.stderr)
+        return code or 1
+    except ServerError as exc:
+        print(f"inflight serve: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninflight serve: stopping", file=sys.stderr)
+        return 0
+    finally:
+        for sig in previous:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _print_usage(server) -> None:
+    host = "localhost" if server.host in ("0.0.0.0", "127.0.0.1", "") else server.host
+    http, grpc = f"{host}:{server.http_port}", f"{host}:{server.grpc_port}"
+    body = '{"text_input": "Once upon a time", "max_tokens": 32}'
+    print(f"""
+inflight: model 'llm' is ready.
+  gRPC     {grpc}     inflight generate "Once upon a time" --stream --url {grpc}
+  HTTP     {http}     curl -s {http}/v2/models/llm/generate -d '{body}'
+                        curl -sN {http}/v2/models/llm/generate_stream -d '{body}'
+                        (HTTP `infer` refuses decoupled models: use generate / generate_stream)
+  metrics  http://{host}:{server.metrics_port}/metrics   (inflight_* beside Triton's own)
+Ctrl-C stops the server.
+""", flush=True)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from client.protocol import GenerationError
+
+    options = {k: v for k, v in dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop_words=args.stop or None, ignore_eos=args.ignore_eos or None,
+        min_tokens=args.min_tokens,
+        exclude_input_in_output=True if args.stream else (not args.echo),
+    ).items() if v is not None}
+    protocol = args.protocol or ("http" if args.url and args.url.startswith(("http://", "https://")) else "grpc")
+    if protocol == "grpc":
+        from client.grpc import DEFAULT_URL, GrpcClient
+        client = GrpcClient(args.url or DEFAULT_URL)
+        chunks = lambda: client.stream(args.prompt, stream=args.stream, **options)  # noqa: E731
+    else:
+        from client.http import DEFAULT_URL, HttpClient
+        client = HttpClient(args.url or DEFAULT_URL)
+        if args.stream:
+            chunks = lambda: client.stream(args.prompt, **options)  # noqa: E731
+        else:
+            chunks = lambda: iter([_single(client.generate(args.prompt, **options))])  # noqa: E731
+    reason = None
+    try:
+        for chunk in chunks():
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            reason = chunk.finish_reason or reason
+    except GenerationError as exc:
+        print(f"\ninflight generate: {exc}", file=sys.stderr)
+        return 1
+    except (ConnectionError, OSError) as exc:
+        print(f"\ninflight generate: cannot reach the server ({exc}); is `inflight serve` running?",
+              file=sys.stderr)
+        return 1
+    except Exception as exc:  # tritonclient raises its own exception type for transport errors
+        if type(exc).__name__ != "InferenceServerException":
+            raise
+        print(f"\ninflight generate: {exc}", file=sys.stderr)
+        return 1
+    print()
+    if args.verbose:
+        print(f"[finish_reason: {reason}]", file=sys.stderr)
+    return 0
+
+
+def _single(result):
+    from client.protocol import Chunk
+    return Chunk(result.text, result.token_ids, result.finish_reason, result.num_input_tokens,
+                 result.num_output_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inflight",
+        description="An LLM backend for Triton Inference Server: in-flight batching, paged KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("make-model", add_help=False,
+                   help="write the small random-weight default model (see `inflight make-model --help`)")
+
+    from templates.render import add_arguments
+    p = sub.add_parser("config", help="render model_repository/llm/config.pbtxt from the template")
+    add_arguments(p)
+
+    p = sub.add_parser("serve", help="run the local tritonserver on the model repository")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--model-path", help="serve this Hugging Face checkpoint folder")
+    p.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
+                   help="override a config.pbtxt parameter for this run (repeatable)")
+    p.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for the model to load (default 600)")
+
+    p = sub.add_parser("generate", help="send one prompt and print the answer as it arrives")
+    p.add_argument("prompt")
+    p.add_argument("--stream", action="store_true", help="print each step's text as it arrives")
+    p.add_argument("--url", help="server address (default localhost:8001 for grpc, localhost:8000 for http)")
+    p.add_argument("--protocol", choices=("grpc", "http"),
+                   help="default grpc (http when --url starts with http://)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--min-tokens", type=int)
+    p.add_argument("--echo", action="store_true", help="print the prompt before the answer (non-streaming)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the finish reason")
+
+    sub.add_parser("bench", add_help=False, help="benchmark a running server (see `inflight bench --help`)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "make-model":
+        return _make_model(argv[1:])
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    return {"config": _config, "serve": _serve, "generate": _generate}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

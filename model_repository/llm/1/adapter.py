@@ -1,0 +1,432 @@
+"""The logic between Triton and the engine, kept out of model.py and free of Triton imports.
+
+- `engine_config`: config.pbtxt `parameters` + the instance's device -> `EngineConfig`.
+- `parse_request`: a request's input tensors (numpy arrays by name) -> prompt, `SamplingParams`
+  and flags, or a `ValueError` that says what is wrong and what is allowed.
+- `Frontend`: hands requests to the engine and carries its outputs back. The engine calls back on
+  its own thread; the callbacks only queue. One responder thread builds and sends the responses,
+  so the engine loop never waits on Triton's IPC. It also polls `is_cancelled()` (at each output of
+  a request, and every `poll_interval` for all of them) and keeps the metrics current.
+
+Triton specifics come in through three callables (model.py supplies them, tests supply fakes):
+`respond(sender, tensors | None, error | None, final)`, the sender's `is_cancelled()`, and a
+metrics object with `observe(kind, seconds)` and `update(stats)`.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import numpy as np
+
+from backend.config import EngineConfig
+from backend.request import SamplingParams
+
+log = logging.getLogger("inflight.triton")
+
+DEFAULT_MAX_TOKENS = 16
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_words",
+                 "stop_token_ids", "ignore_eos", "min_tokens")
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int | str,
+                  repo_root: Path) -> EngineConfig:
+    """config.pbtxt parameters -> EngineConfig, in one place (EngineConfig.from_params validates).
+
+    `device: auto` follows the instance: KIND_GPU -> cuda:<device_id>, anything else -> cpu.
+    A relative `model_path` is taken from the repository root.
+    """
+    overrides: dict[str, Any] = {}
+    if str(params.get("device", "auto")).strip() in ("", "auto"):
+        overrides["device"] = f"cuda:{int(device_id)}" if instance_kind == "KIND_GPU" else "cpu"
+    model_path = str(params.get("model_path", "")).strip()
+    if model_path and not Path(model_path).is_absolute():
+        overrides["model_path"] = str((Path(repo_root) / model_path).resolve())
+    config = EngineConfig.from_params(params, **overrides)
+    if not config.model_path:
+        raise ValueError("parameter 'model_path' is required: a Hugging Face checkpoint folder")
+    if not Path(config.model_path).is_dir():
+        raise ValueError(f"parameter 'model_path': no checkpoint folder at {config.model_path} "
+                         "(make one with `inflight make-model`, or point it at a HF checkpoint)")
+    return config
+
+
+# -- one request's tensors ---------------------------------------------------------------------------
+
+@dataclass
+class ParsedRequest:
+    prompt: Union[str, list[int], None] = None
+    params: Optional[SamplingParams] = None
+    stream: bool = False
+    exclude_input: bool = False
+    stop: bool = False  # a request that cancels the running request with the same request id
+
+
+def _one(name: str, array: np.ndarray) -> Any:
+    if array.size != 1:
+        raise ValueError(f"{name} must hold exactly one value; got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _int(name: str, array: np.ndarray) -> int:
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer tensor; got {array.dtype}")
+    return int(_one(name, array))
+
+
+def _float(name: str, array: np.ndarray) -> float:
+    if array.dtype.kind not in "fiu":
+        raise ValueError(f"{name} must be a number tensor; got {array.dtype}")
+    return float(_one(name, array))
+
+
+def _bool(name: str, array: np.ndarray) -> bool:
+    if array.dtype.kind != "b":
+        raise ValueError(f"{name} must be a BOOL tensor; got {array.dtype}")
+    return bool(_one(name, array))
+
+
+def _text(name: str, value: Any) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{name} is not valid UTF-8") from None
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"{name} must be a BYTES (string) tensor; got {type(value).__name__}")
+
+
+def _strings(name: str, array: np.ndarray) -> list[str]:
+    if array.dtype.kind not in "OSU":
+        raise ValueError(f"{name} must be a BYTES (string) tensor; got {array.dtype}")
+    return [_text(name, v) for v in array.reshape(-1)]
+
+
+def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int) -> ParsedRequest:
+    """Validate the input tensors of one request. Raises ValueError naming the input and the rule."""
+    get = {k: v for k, v in inputs.items() if v is not None}
+    if "stop" in get and _bool("stop", get["stop"]):
+        return ParsedRequest(stop=True)
+
+    text, ids = get.get("text_input"), get.get("input_ids")
+    if text is not None and ids is not None:
+        raise ValueError("send either text_input or input_ids, not both")
+    if text is None and ids is None:
+        raise ValueError("no prompt: send text_input (BYTES) or input_ids (INT32 [n])")
+    prompt: Union[str, list[int]]
+    if text is not None:
+        if text.dtype.kind not in "OSU":
+            raise ValueError(f"text_input must be a BYTES (string) tensor; got {text.dtype}")
+        prompt = _text("text_input", _one("text_input", text))
+        if not prompt:
+            raise ValueError("text_input is empty: the prompt needs at least one character")
+    else:
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be an INT32 tensor; got {ids.dtype}")
+        if ids.ndim != 1:
+            raise ValueError(f"input_ids must be one-dimensional [n]; got shape {list(ids.shape)}")
+        if ids.size == 0:
+            raise ValueError("input_ids is empty: the prompt needs at least one token")
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"input_ids: token id {int(bad[0])} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        prompt = [int(t) for t in ids]
+
+    kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
+    if "sampling_parameters" in get:
+        kwargs.update(_sampling_json(_text("sampling_parameters",
+                                           _one("sampling_parameters", get["sampling_parameters"]))))
+    for name, conv in (("max_tokens", _int), ("top_k", _int), ("min_tokens", _int), ("seed", _int),
+                       ("temperature", _float), ("top_p", _float), ("ignore_eos", _bool)):
+        if name in get:
+            kwargs[name] = conv(name, get[name])
+    if "stop_words" in get:
+        kwargs["stop"] = [s for s in _strings("stop_words", get["stop_words"])]
+    if kwargs["max_tokens"] < 1:
+        raise ValueError(f"max_tokens must be >= 1; got {kwargs['max_tokens']}")
+    for name in ("temperature", "top_p"):
+        if name in kwargs and math.isnan(kwargs[name]):
+            raise ValueError(f"{name} must be a number; got NaN")
+    params = SamplingParams(**kwargs)  # raises ValueError with the field and its range
+    return ParsedRequest(prompt=prompt, params=params,
+                         stream=_bool("stream", get["stream"]) if "stream" in get else False,
+                         exclude_input=(_bool("exclude_input_in_output", get["exclude_input_in_output"])
+                                        if "exclude_input_in_output" in get else False))
+
+
+def _sampling_json(raw: str) -> dict[str, Any]:
+    """The vLLM backend's `sampling_parameters` JSON (values may be strings, as that backend allows)."""
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("sampling_parameters must be a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in SAMPLING_KEYS:
+            raise ValueError(f"sampling_parameters: unknown key '{key}'; allowed: {', '.join(SAMPLING_KEYS)}")
+        try:
+            if key in ("max_tokens", "top_k", "min_tokens", "seed"):
+                out[key] = int(value)
+            elif key in ("temperature", "top_p"):
+                out[key] = float(value)
+            elif key == "ignore_eos":
+                out[key] = value if isinstance(value, bool) else str(value).lower() in ("1", "true")
+            elif key in ("stop", "stop_words"):
+                out["stop"] = [value] if isinstance(value, str) else [str(v) for v in value]
+            elif key == "stop_token_ids":
+                out[key] = [int(v) for v in value]
+        except (TypeError, ValueError):
+            raise ValueError(f"sampling_parameters: bad value for '{key}': {value!r}") from None
+    return out
+
+
+# -- the responses -----------------------------------------------------------------------------------
+
+@dataclass
+class Live:
+    """One request in flight: what the responder needs to answer it."""
+    key: str  # the engine's request id (unique)
+    client_id: str  # Triton's request id, as the client set it ('' if none)
+    sender: Any
+    stream: bool
+    exclude_input: bool
+    prompt_text: Optional[str]  # the text prompt, echoed in a non-streaming answer
+    arrival: float
+    last_token_time: Optional[float] = None
+    cancelled: bool = False
+    done: bool = False
+
+
+def output_tensors(live: Live, out: Any, prompt_ids_text: Callable[[list[int]], str]) -> dict[str, np.ndarray]:
+    """The output tensors of one response: the step's new tokens when streaming, all of them at the end
+    otherwise (with the prompt in front unless exclude_input_in_output)."""
+    if live.stream:
+        text, ids = out.new_text, list(out.new_token_ids)
+    else:
+        text, ids = out.text, list(out.token_ids)
+        if not live.exclude_input:
+            prompt = live.prompt_text if live.prompt_text is not None else prompt_ids_text(out.prompt_token_ids)
+            text, ids = prompt + text, list(out.prompt_token_ids) + ids
+    return {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+        "output_ids": np.array(ids, dtype=np.int32),
+        "finish_reason": np.array([(out.finish_reason or "").encode()], dtype=np.object_),
+        "num_input_tokens": np.array([len(out.prompt_token_ids)], dtype=np.int32),
+        "num_output_tokens": np.array([len(out.token_ids)], dtype=np.int32),
+    }
+
+
+Respond = Callable[[Any, Optional[dict], Optional[str], bool], None]
+
+
+class NullMetrics:
+    def observe(self, kind: str, seconds: float) -> None:
+        pass
+
+    def update(self, stats: Mapping[str, float]) -> None:
+        pass
+
+
+class Frontend:
+    """Routes requests into the engine and its outputs back out; see the module docstring."""
+
+    def __init__(self, engine: Any, respond: Respond, metrics: Any = None,
+                 poll_interval: float = 0.05, stats_interval: float = 0.1,
+                 stop_file: Optional[Path] = None):
+        self.engine = engine
+        # `inflight serve` creates this file just before it stops Triton: Triton unloads a decoupled
+        # model only once all its requests are answered, so every running request is aborted then.
+        self.stop_file = stop_file
+        self.respond = respond
+        self.metrics = metrics or NullMetrics()
+        self.poll_interval = poll_interval
+        self.stats_interval = stats_interval
+        self._lock = threading.Lock()
+        self._live: dict[str, Live] = {}
+        self._ids = itertools.count()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = False
+        self._stats_dirty = True
+        self._thread = threading.Thread(target=self._run, name="inflight-responder", daemon=True)
+        self._thread.start()
+
+    # -- called on Triton's thread ---------------------------------------------------------------
+    def submit(self, client_id: str, inputs: Mapping[str, Optional[np.ndarray]], sender: Any) -> None:
+        """Validate one request and hand it to the engine; on any refusal answer it at once."""
+        try:
+            parsed = parse_request(inputs, self.engine.vocab_size)
+            if parsed.stop:
+                self._stop(client_id, sender)
+                return
+            if self._closing:
+                raise RuntimeError("the server is shutting down")
+            live = Live(key=f"{client_id or 'req'}#{next(self._ids)}", client_id=client_id,
+                        sender=sender, stream=parsed.stream, exclude_input=parsed.exclude_input,
+                        prompt_text=parsed.prompt if isinstance(parsed.prompt, str) else None,
+                        arrival=time.monotonic())
+            with self._lock:
+                self._live[live.key] = live
+            try:
+                self.engine.add_request(live.key, parsed.prompt, parsed.params,
+                                        lambda out, live=live: self._queue.put((live, out, time.monotonic())))
+            except BaseException:
+                with self._lock:
+                    self._live.pop(live.key, None)
+                raise
+            self._stats_dirty = True
+        except Exception as exc:  # ValueError (bad request), QueueFullError, engine refusal
+            self.respond(sender, None, _message(exc), True)
+
+    def _stop(self, client_id: str, sender: Any) -> None:
+        if not client_id:
+            raise ValueError("stop=true needs the request id of the request to cancel "
+                             "(set the same request id as that request)")
+        with self._lock:
+            targets = [lv for lv in self._live.values() if lv.client_id == client_id and not lv.done]
+        stopped = sum(1 for lv in targets if self.engine.abort(lv.key))
+        if not stopped:
+            raise ValueError(f"stop: no request with id '{client_id}' is running")
+        tensors = {
+            "text_output": np.array([b""], dtype=np.object_),
+            "output_ids": np.zeros([0], dtype=np.int32),
+            "finish_reason": np.array([b"abort"], dtype=np.object_),
+            "num_input_tokens": np.zeros([1], dtype=np.int32),
+            "num_output_tokens": np.zeros([1], dtype=np.int32),
+        }
+        self.respond(sender, tensors, None, True)
+
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    # -- the responder thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        last_poll = last_stats = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=self.poll_interval)
+            except queue.Empty:
+                item = None
+            if item is _CLOSE:
+                break
+            if item is not None:
+                try:
+                    self._handle(*item)
+                except Exception:
+                    log.exception("responding failed")
+            now = time.monotonic()
+            if now - last_poll >= self.poll_interval:
+                last_poll = now
+                self._poll_cancelled()
+                if self.stop_file is not None and not self._closing and self.stop_file.exists():
+                    self.abort_all()
+            if self._stats_dirty or now - last_stats >= self.stats_interval:
+                last_stats = now
+                self._stats_dirty = False
+                self._update_stats()
+
+    def _handle(self, live: Live, out: Any, t: float) -> None:
+        if live.done:
+            return
+        if not out.finished and not live.cancelled and _is_cancelled(live.sender):
+            live.cancelled = True
+            self.engine.abort(live.key)
+        if out.new_token_ids:
+            if live.last_token_time is None:
+                self.metrics.observe("ttft", t - live.arrival)
+            else:
+                self.metrics.observe("itl", (t - live.last_token_time) / len(out.new_token_ids))
+            live.last_token_time = t
+        if out.finished:
+            self._finish(live, out, t)
+        elif live.stream and not live.cancelled:
+            self.respond(live.sender, output_tensors(live, out, self._detok), None, False)
+
+    def _finish(self, live: Live, out: Any, t: float) -> None:
+        live.done = True
+        with self._lock:
+            self._live.pop(live.key, None)
+        self._stats_dirty = True
+        self.metrics.observe("e2e", t - live.arrival)
+        if live.cancelled:  # nobody listens: just close the request
+            self.respond(live.sender, None, None, True)
+        elif out.finish_reason == "error":
+            self.respond(live.sender, None, out.error or "the engine failed this request", True)
+        else:
+            self.respond(live.sender, output_tensors(live, out, self._detok), None, True)
+
+    def _detok(self, ids: list[int]) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode(ids) if tok is not None else ""
+
+    def _poll_cancelled(self) -> None:
+        with self._lock:
+            pending = [lv for lv in self._live.values() if not lv.cancelled and not lv.done]
+        for live in pending:
+            if _is_cancelled(live.sender):
+                live.cancelled = True
+                self.engine.abort(live.key)
+
+    def _update_stats(self) -> None:
+        try:
+            self.metrics.update(self.engine.stats())
+        except Exception:
+            log.exception("metrics update failed")
+
+    # -- shutdown ------------------------------------------------------------------------------------
+    def abort_all(self) -> None:
+        """Refuse new requests and abort the running ones (each ends with 'abort' and FINAL)."""
+        self._closing = True
+        with self._lock:
+            keys = [lv.key for lv in self._live.values() if not lv.done]
+        for key in keys:
+            self.engine.abort(key)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop taking requests, let the engine abort what runs, answer everything, stop the thread."""
+        self._closing = True
+        try:
+            self.engine.shutdown()  # delivers a final 'abort' output for every request it knows
+        except Exception:
+            log.exception("engine shutdown failed")
+        deadline = time.monotonic() + timeout
+        while self.num_live() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._queue.put(_CLOSE)
+        self._thread.join(timeout)
+        with self._lock:
+            left, self._live = list(self._live.values()), {}
+        for live in left:  # the engine never answered these: close them ourselves
+            try:
+                self.respond(live.sender, None, "the model was unloaded before this request finished", True)
+            except Exception:
+                pass
+
+
+_CLOSE = object()
+
+
+def _is_cancelled(sender: Any) -> bool:
+    try:
+        return bool(sender.is_cancelled())
+    except Exception:
+        return False
+
+
+def _message(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, ValueError) else f"{type(exc).__name__}: {text}"

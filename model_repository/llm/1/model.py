@@ -1,0 +1,148 @@
+"""The `llm` model: a thin decoupled Triton Python-backend adapter around the inflight engine.
+
+initialize: config.pbtxt parameters -> EngineConfig, one AsyncEngine on the instance's device.
+execute:    each request's tensors are validated and handed to the engine with its response
+            sender; returns None at once. Responses go out from adapter.Frontend's thread.
+finalize:   stops the engine loop; every request still open gets its FINAL response.
+The logic lives in adapter.py beside this file (no Triton imports there, so it is unit-tested).
+"""
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[2]  # model_repository/llm/1 -> the repository root
+for path in (str(HERE), str(REPO_ROOT)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+import adapter  # noqa: E402
+
+INPUTS = ("text_input", "input_ids", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed",
+          "stop_words", "ignore_eos", "min_tokens", "exclude_input_in_output", "stop",
+          "sampling_parameters")
+
+STOP_FILE = ".inflight-stopping"  # client/server.py creates it in its run copy before stopping Triton
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0]
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0]
+
+
+class Metrics:
+    """The DESIGN.md metrics as Triton custom metrics. The families stay attributes of this object
+    (owned by the model): a MetricFamily that is garbage-collected takes its metrics with it."""
+
+    COUNTERS = {"num_preemptions": "inflight_num_preemptions_total",
+                "prompt_tokens_total": "inflight_prompt_tokens_total",
+                "generation_tokens_total": "inflight_generation_tokens_total"}
+
+    def __init__(self, labels):
+        fam = pb_utils.MetricFamily
+        self.families = []
+
+        def family(name, doc, kind):
+            f = fam(name=name, description=doc, kind=kind)
+            self.families.append(f)
+            return f
+
+        self.running = family("inflight_num_requests_running", "Requests in the running batch",
+                              fam.GAUGE).Metric(labels=labels)
+        self.waiting = family("inflight_num_requests_waiting", "Requests waiting for admission",
+                              fam.GAUGE).Metric(labels=labels)
+        self.usage = family("inflight_kv_cache_usage_ratio", "Used share of the KV-cache blocks (0-1)",
+                            fam.GAUGE).Metric(labels=labels)
+        blocks = family("inflight_kv_blocks", "KV-cache blocks by state", fam.GAUGE)
+        self.blocks = {s: blocks.Metric(labels={**labels, "state": s}) for s in ("used", "free", "total")}
+        docs = {"num_preemptions": "Requests preempted (max_utilization)",
+                "prompt_tokens_total": "Prompt tokens admitted",
+                "generation_tokens_total": "Tokens generated"}
+        self.counters = {k: family(name, docs[k], fam.COUNTER).Metric(labels=labels)
+                         for k, name in self.COUNTERS.items()}
+        self._counted = {k: 0 for k in self.COUNTERS}
+        self.hist = {
+            "ttft": family("inflight_time_to_first_token_seconds", "Time to first token",
+                           fam.HISTOGRAM).Metric(labels=labels, buckets=TTFT_BUCKETS),
+            "itl": family("inflight_inter_token_latency_seconds", "Time between output tokens",
+                          fam.HISTOGRAM).Metric(labels=labels, buckets=ITL_BUCKETS),
+            "e2e": family("inflight_e2e_request_latency_seconds", "Request latency, arrival to last token",
+                          fam.HISTOGRAM).Metric(labels=labels, buckets=E2E_BUCKETS),
+        }
+        self._last = {}
+
+    def observe(self, kind, seconds):
+        self.hist[kind].observe(max(0.0, seconds))
+
+    def update(self, stats):
+        self._set("running", self.running, stats["num_requests_running"])
+        self._set("waiting", self.waiting, stats["num_requests_waiting"])
+        total, used = stats["kv_blocks_total"], stats["kv_blocks_used"]
+        self._set("usage", self.usage, used / total if total else 0.0)
+        for state, key in (("used", "kv_blocks_used"), ("free", "kv_blocks_free"), ("total", "kv_blocks_total")):
+            self._set(state, self.blocks[state], stats[key])
+        for key, metric in self.counters.items():
+            delta = stats.get(key, 0) - self._counted[key]
+            if delta > 0:
+                metric.increment(delta)
+                self._counted[key] += delta
+
+    def _set(self, key, metric, value):
+        if self._last.get(key) != value:  # each set is an IPC to the server: only on change
+            metric.set(value)
+            self._last[key] = value
+
+
+def respond(sender, tensors, error, final):
+    flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+    if tensors is None and error is None:
+        sender.send(flags=flags)
+        return
+    if error is not None:
+        response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(error))
+    else:
+        response = pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, value) for name, value in tensors.items()])
+    sender.send(response, flags=flags)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "the llm model must be decoupled: model_transaction_policy { decoupled: true }")
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        try:
+            engine_config = adapter.engine_config(params, args["model_instance_kind"],
+                                                  args["model_instance_device_id"], REPO_ROOT)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(f"config.pbtxt: {exc}") from None
+
+        from backend.engine import AsyncEngine  # torch loads here, after the config is known good
+
+        self.engine = AsyncEngine(engine_config)
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.metrics = Metrics(labels)
+        self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
+                                         stop_file=Path(args["model_repository"]) / STOP_FILE)
+        pb_utils.Logger.log_info(
+            f"inflight: {args['model_instance_name']} on {engine_config.device}, model {engine_config.model_path}, "
+            f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
+            f"KV blocks {self.engine.stats()['kv_blocks_total']}")
+
+    def execute(self, requests):
+        for request in requests:
+            inputs = {}
+            for name in INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                inputs[name] = tensor.as_numpy() if tensor is not None else None
+            self.frontend.submit(request.request_id(), inputs, request.get_response_sender())
+        return None
+
+    def finalize(self):
+        frontend = getattr(self, "frontend", None)
+        if frontend is not None:
+            frontend.close()

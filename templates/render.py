@@ -1,0 +1,173 @@
+"""`inflight config`: render templates/llm/config.pbtxt into model_repository/llm/config.pbtxt.
+
+The rendered file is the user's to edit: its first line records the sha256 of what was rendered,
+so a later `inflight config` can tell a hand-edited file apart and keeps it unless `--force`.
+`instance_group` is `KIND_GPU` with a `gpus` list where GPUs exist, `KIND_CPU` where none.
+
+`apply_overrides` sets parameter values inside a config text while keeping everything else
+(comments included); `inflight serve --param` uses it on a run copy.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+TEMPLATE = Path(__file__).resolve().parent / "llm" / "config.pbtxt"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUTPUT = REPO_ROOT / "model_repository" / "llm" / "config.pbtxt"
+HEADER = "# inflight-config: rendered from templates/llm/config.pbtxt; sha256="
+
+
+def detect_gpus() -> list[int]:
+    """Indices of the visible GPUs: nvidia-smi if present, else torch; [] where there are none."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+            if out.returncode == 0:
+                n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+                if n:
+                    return list(range(n))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        import torch
+        return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    except Exception:  # a broken CUDA install means: no GPU for us
+        return []
+
+
+def instance_group(gpus: Sequence[int], count: int = 1) -> str:
+    if count < 1:
+        raise ValueError(f"instance count must be >= 1; got {count}")
+    if gpus:
+        listed = ", ".join(str(g) for g in gpus)
+        return f"instance_group [ {{ count: {count} kind: KIND_GPU gpus: [ {listed} ] }} ]"
+    return f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]"
+
+
+_PARAM = r'(key\s*:\s*"{key}"\s*(?:#[^\n]*\n\s*)*value\s*:?\s*\{{\s*(?:#[^\n]*\n\s*)*string_value\s*:\s*)"((?:[^"\\]|\\.)*)"'
+
+
+def _quote(value: str) -> str:
+    return json.dumps(str(value))  # a pbtxt string literal: the same escapes as JSON for our values
+
+
+def apply_overrides(text: str, overrides: Mapping[str, str]) -> str:
+    """Set `parameters` values in a config.pbtxt text; add a parameter that is not there yet."""
+    for key, value in overrides.items():
+        pattern = re.compile(_PARAM.format(key=re.escape(key)))
+        matches = list(pattern.finditer(text))
+        if matches:
+            for m in reversed(matches):
+                text = text[:m.start()] + m.group(1) + _quote(value) + text[m.end():]
+        else:
+            if not text.endswith("\n"):
+                text += "\n"
+            text += f'parameters {{ key: {_quote(key)} value: {{ string_value: {_quote(value)} }} }}\n'
+    return text
+
+
+def read_parameters(text: str) -> dict[str, str]:
+    """The `parameters` map of a config.pbtxt text, parsed with Triton's own ModelConfig proto."""
+    return {k: v.string_value for k, v in parse_config(text).parameters.items()}
+
+
+def parse_config(text: str):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def _digest(body: str) -> str:
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def render(gpus: Optional[Sequence[int]] = None, count: int = 1,
+           overrides: Optional[Mapping[str, str]] = None, template: Path = TEMPLATE) -> str:
+    """The rendered config text: the template with its instance group and any overrides filled in."""
+    if gpus is None:
+        gpus = detect_gpus()
+    body = template.read_text().replace("{{instance_group}}", instance_group(gpus, count))
+    body = apply_overrides(body, overrides or {})
+    return f"{HEADER}{_digest(body)}\n{body}"
+
+
+def is_hand_edited(text: str) -> bool:
+    first, _, body = text.partition("\n")
+    if not first.startswith(HEADER):
+        return True
+    return first[len(HEADER):].strip() != _digest(body)
+
+
+def write_config(output: Path = DEFAULT_OUTPUT, *, force: bool = False,
+                 gpus: Optional[Sequence[int]] = None, count: int = 1,
+                 overrides: Optional[Mapping[str, str]] = None) -> str:
+    """Render into `output`. Returns 'written', 'unchanged' or 'kept' (hand edits, no --force)."""
+    output = Path(output)
+    text = render(gpus, count, overrides)
+    if output.exists():
+        old = output.read_text()
+        if old == text:
+            return "unchanged"
+        if is_hand_edited(old) and not force:
+            return "kept"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(output)
+    return "written"
+
+
+def parse_param(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{item}'")
+    return key.strip(), value.strip()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
+                        help="where to write (default: model_repository/llm/config.pbtxt)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite a hand-edited config.pbtxt")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--gpus", help="comma-separated GPU indices for KIND_GPU (default: all found)")
+    where.add_argument("--cpu", action="store_true", help="KIND_CPU even where GPUs exist")
+    parser.add_argument("--count", type=int, default=1, help="engine instances per device (default 1)")
+    parser.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
+                        help="set a parameter in the rendered file (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cpu:
+        gpus: Optional[list[int]] = []
+    elif args.gpus:
+        gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    else:
+        gpus = None
+    status = write_config(args.output, force=args.force, gpus=gpus, count=args.count,
+                          overrides=dict(args.param))
+    if status == "kept":
+        print(f"{args.output} has hand edits: kept as it is (use --force to render it anew)")
+    else:
+        print(f"{args.output}: {status}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="inflight config", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Fixtures for the end-to-end tests: the default model, one real tritonserver for the session.
+
+The server runs on free loopback ports from a temporary model repository: the config rendered
+from templates/llm/config.pbtxt (KIND_CPU here), with `llm/1` linked to the repository's code.
+It is always stopped, and no stub process is left behind.
+"""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = REPO_ROOT / "model_repository" / "llm" / "1"
+
+# Small enough that the too-long-prompt case is cheap; the in-process reference uses the same.
+MAX_MODEL_LEN = 512
+SERVER_PARAMS = {"max_model_len": str(MAX_MODEL_LEN), "max_num_seqs": "64"}
+
+
+def load_adapter():
+    """model_repository/llm/1/adapter.py, which is not a package module, imported by path."""
+    name = "inflight_triton_adapter"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, MODEL_DIR / "adapter.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _has_tritonserver() -> bool:
+    try:
+        from client.server import find_tritonserver
+        find_tritonserver()
+        return True
+    except Exception:
+        return False
+
+
+requires_tritonserver = pytest.mark.skipif(
+    not _has_tritonserver(), reason="nvidia-pytriton (the local tritonserver) is not installed")
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory) -> Path:
+    from backend.make_model import make_model
+
+    path = tmp_path_factory.mktemp("models") / "default"
+    make_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory) -> Path:
+    from templates.render import write_config
+
+    repo = tmp_path_factory.mktemp("model_repository")
+    write_config(repo / "llm" / "config.pbtxt", gpus=[])
+    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def server(model_repository, model_path):
+    from client.server import TritonServer
+
+    with TritonServer(model_repository, params=SERVER_PARAMS, model_path=str(model_path)) as srv:
+        yield srv
+
+
+class Reference:
+    """The in-process engine on the same checkpoint: the reference for what the server returns.
+
+    It runs torch on one thread: on a 2-core machine that shares the CPU with tritonserver, torch's
+    intra-op thread pool makes these tiny steps several times slower."""
+
+    def __init__(self, model_path):
+        from backend import LLM
+
+        self.llm = LLM(str(model_path), max_model_len=MAX_MODEL_LEN)
+        self._cache = {}
+
+    def generate(self, prompts, params):
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self.llm.generate(prompts, params)
+        finally:
+            torch.set_num_threads(threads)
+
+    def greedy(self, prompt, max_tokens):
+        """The greedy output for one prompt (memoized)."""
+        from backend import SamplingParams
+
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), max_tokens)
+        if key not in self._cache:
+            self._cache[key] = self.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def llm(model_path):
+    return Reference(model_path)

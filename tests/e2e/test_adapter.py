@@ -1,0 +1,329 @@
+"""The Triton adapter's logic without a server: request validation, config mapping, and the
+Frontend's response rules (one response per step when streaming, one at the end otherwise, every
+request closed with FINAL, cancellation, `stop` by request id, shutdown)."""
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from backend.config import EngineConfig
+from backend.outputs import RequestOutput
+
+from .conftest import load_adapter
+
+adapter = load_adapter()
+
+VOCAB = 100
+
+
+def S(*values):
+    return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
+
+
+def one(value, dtype):
+    return np.array([value], dtype=dtype)
+
+
+# -- parse_request -------------------------------------------------------------------------------
+
+def test_parse_text_prompt_with_all_options():
+    parsed = adapter.parse_request({
+        "text_input": S("Hello"), "max_tokens": one(7, np.int32), "temperature": one(0.5, np.float32),
+        "top_k": one(3, np.int32), "top_p": one(0.9, np.float32), "seed": one(11, np.int64),
+        "stop_words": S("a", "bc"), "ignore_eos": one(True, np.bool_), "min_tokens": one(2, np.int32),
+        "stream": one(True, np.bool_), "exclude_input_in_output": one(True, np.bool_),
+        "input_ids": None,
+    }, VOCAB)
+    assert parsed.prompt == "Hello" and parsed.stream and parsed.exclude_input and not parsed.stop
+    p = parsed.params
+    assert (p.max_tokens, p.top_k, p.seed, p.stop, p.ignore_eos, p.min_tokens) == (7, 3, 11, ["a", "bc"], True, 2)
+    assert math.isclose(p.temperature, 0.5) and math.isclose(p.top_p, 0.9, rel_tol=1e-6)
+
+
+def test_parse_defaults_and_token_ids():
+    parsed = adapter.parse_request({"input_ids": np.array([1, 2, 99], dtype=np.int32)}, VOCAB)
+    assert parsed.prompt == [1, 2, 99]
+    assert parsed.params.max_tokens == adapter.DEFAULT_MAX_TOKENS
+    assert not parsed.stream and not parsed.exclude_input
+
+
+def test_parse_sampling_parameters_json_and_tensor_precedence():
+    parsed = adapter.parse_request({"text_input": S("x"),
+                                    "sampling_parameters": S('{"max_tokens": "5", "temperature": 0, "stop": "z"}'),
+                                    "temperature": one(0.25, np.float32)}, VOCAB)
+    assert parsed.params.max_tokens == 5 and parsed.params.stop == ["z"]
+    assert parsed.params.temperature == 0.25
+
+
+BAD = [
+    ({}, "no prompt"),
+    ({"max_tokens": one(3, np.int32)}, "no prompt"),
+    ({"text_input": S("a"), "input_ids": np.array([1], np.int32)}, "either text_input or input_ids"),
+    ({"text_input": S("")}, "text_input is empty"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "UTF-8"),
+    ({"text_input": np.array([3], np.int32)}, "text_input must be a BYTES"),
+    ({"input_ids": np.array([], np.int32)}, "input_ids is empty"),
+    ({"input_ids": np.array([1, VOCAB], np.int32)}, r"token id 100 is outside the vocabulary \[0, 100\)"),
+    ({"input_ids": np.array([-1], np.int32)}, "outside the vocabulary"),
+    ({"input_ids": np.array([[1, 2]], np.int32)}, "one-dimensional"),
+    ({"input_ids": np.array([1.0], np.float32)}, "input_ids must be an INT32"),
+    ({"text_input": S("a"), "max_tokens": one(0, np.int32)}, "max_tokens must be >= 1"),
+    ({"text_input": S("a"), "max_tokens": np.array([1, 2], np.int32)}, "exactly one value"),
+    ({"text_input": S("a"), "max_tokens": one(1.5, np.float32)}, "max_tokens must be an integer"),
+    ({"text_input": S("a"), "temperature": one(-0.1, np.float32)}, "temperature must be a finite number >= 0"),
+    ({"text_input": S("a"), "temperature": one(np.nan, np.float32)}, "temperature must be a number; got NaN"),
+    ({"text_input": S("a"), "temperature": one(np.inf, np.float32)}, "temperature must be a finite"),
+    ({"text_input": S("a"), "top_p": one(0.0, np.float32)}, r"top_p must be in \(0, 1\]"),
+    ({"text_input": S("a"), "top_p": one(1.5, np.float32)}, r"top_p must be in \(0, 1\]"),
+    ({"text_input": S("a"), "top_k": one(-1, np.int32)}, "top_k must be an integer >= 0"),
+    ({"text_input": S("a"), "seed": one(-1, np.int64)}, "seed must be in"),
+    ({"text_input": S("a"), "min_tokens": one(99, np.int32)}, "min_tokens must be in"),
+    ({"text_input": S("a"), "stream": one(1, np.int32)}, "stream must be a BOOL"),
+    ({"text_input": S("a"), "sampling_parameters": S("{nope")}, "not valid JSON"),
+    ({"text_input": S("a"), "sampling_parameters": S('{"beam_width": 2}')}, "unknown key 'beam_width'"),
+]
+
+
+@pytest.mark.parametrize("inputs,message", BAD, ids=[m for _, m in BAD])
+def test_parse_rejects_with_a_clear_message(inputs, message):
+    with pytest.raises(ValueError, match=message):
+        adapter.parse_request(inputs, VOCAB)
+
+
+def test_parse_stop_request_needs_nothing_else():
+    assert adapter.parse_request({"stop": one(True, np.bool_)}, VOCAB).stop
+
+
+# -- engine_config ---------------------------------------------------------------------------------
+
+def test_engine_config_device_follows_the_instance(tmp_path):
+    params = {"model_path": str(tmp_path), "max_num_seqs": "8"}
+    assert adapter.engine_config(params, "KIND_GPU", 1, tmp_path).device == "cuda:1"
+    assert adapter.engine_config(params, "KIND_CPU", 0, tmp_path).device == "cpu"
+    forced = adapter.engine_config({**params, "device": "cpu"}, "KIND_GPU", 0, tmp_path)
+    assert forced.device == "cpu" and forced.max_num_seqs == 8
+
+
+def test_engine_config_relative_model_path_is_from_the_repository_root(tmp_path):
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    config = adapter.engine_config({"model_path": "models/m"}, "KIND_CPU", 0, tmp_path)
+    assert config.model_path == str((tmp_path / "models" / "m").resolve())
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"max_num_seqs": "many"}, "parameter 'max_num_seqs' must be an integer"),
+    ({"no_such_key": "1"}, "unknown parameter 'no_such_key'"),
+    ({"batch_scheduler_policy": "fifo"}, "batch_scheduler_policy must be one of guaranteed_no_evict, max_utilization"),
+    ({"model_path": "/definitely/not/here"}, "parameter 'model_path': no checkpoint folder"),
+])
+def test_engine_config_refuses_bad_parameters(tmp_path, params, message):
+    with pytest.raises(ValueError, match=message):
+        adapter.engine_config({"model_path": str(tmp_path), **params}, "KIND_CPU", 0, tmp_path)
+
+
+# -- Frontend ------------------------------------------------------------------------------------
+
+class FakeTokenizer:
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class FakeEngine:
+    vocab_size = VOCAB
+    max_model_len = 64
+    tokenizer = FakeTokenizer()
+
+    def __init__(self):
+        self.requests = {}
+        self.aborted = []
+        self.lock = threading.Lock()
+
+    def add_request(self, rid, prompt, params, on_output):
+        if prompt == "too long":
+            raise ValueError("prompt has 999 tokens; max_model_len is 64")
+        with self.lock:
+            self.requests[rid] = (prompt, params, on_output, [])
+
+    def emit(self, rid, new_ids, finish_reason=None, error=None):
+        prompt, params, cb, out = self.requests[rid]
+        out.extend(new_ids)
+        cb(RequestOutput(rid, [1, 2], list(new_ids), list(out), FakeTokenizer().decode(new_ids),
+                         FakeTokenizer().decode(out), finish_reason is not None, finish_reason, error))
+
+    def abort(self, rid):
+        with self.lock:
+            self.aborted.append(rid)
+            return rid in self.requests
+
+    def stats(self):
+        return {"num_requests_running": len(self.requests), "num_requests_waiting": 0,
+                "kv_blocks_total": 10, "kv_blocks_used": 0, "kv_blocks_free": 10, "num_preemptions": 0,
+                "prompt_tokens_total": 0, "generation_tokens_total": 0}
+
+    def shutdown(self):
+        for rid in list(self.requests):
+            self.emit(rid, [], "abort")
+            del self.requests[rid]
+
+
+class FakeSender:
+    def __init__(self):
+        self.responses = []  # (tensors, error, final)
+        self.cancelled = False
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    @property
+    def final(self):
+        return any(final for _, _, final in self.responses)
+
+
+def respond(sender, tensors, error, final):
+    assert not sender.final, "a response after the FINAL one"
+    sender.responses.append((tensors, error, final))
+
+
+class Metrics:
+    def __init__(self):
+        self.observed = []
+        self.updates = 0
+
+    def observe(self, kind, seconds):
+        self.observed.append(kind)
+
+    def update(self, stats):
+        self.updates += 1
+
+
+def wait_for(predicate, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def frontend():
+    engine, metrics = FakeEngine(), Metrics()
+    fe = adapter.Frontend(engine, respond, metrics, poll_interval=0.01)
+    yield fe
+    fe.close(timeout=1)
+
+
+def submit(fe, client_id="", **inputs):
+    sender = FakeSender()
+    fe.submit(client_id, {"text_input": S("hi"), **inputs}, sender)
+    rid = next((k for k, v in fe._live.items() if v.sender is sender), None)
+    return rid, sender
+
+
+def text(tensors):
+    return tensors["text_output"][0].decode()
+
+
+def test_streaming_sends_one_response_per_step_and_final_with_the_last(frontend):
+    rid, sender = submit(frontend, stream=one(True, np.bool_))
+    engine = frontend.engine
+    engine.emit(rid, [0])
+    engine.emit(rid, [1])
+    engine.emit(rid, [2], "length")
+    wait_for(lambda: sender.final)
+    assert [final for _, _, final in sender.responses] == [False, False, True]
+    assert [text(t) for t, _, _ in sender.responses] == ["a", "b", "c"]
+    assert [list(t["output_ids"]) for t, _, _ in sender.responses] == [[0], [1], [2]]
+    last = sender.responses[-1][0]
+    assert last["finish_reason"][0] == b"length" and last["num_output_tokens"][0] == 3
+    assert set(frontend.metrics.observed) == {"ttft", "itl", "e2e"}
+    assert frontend.num_live() == 0
+
+
+def test_non_streaming_sends_exactly_one_final_response_with_the_prompt(frontend):
+    rid, sender = submit(frontend)
+    frontend.engine.emit(rid, [0])
+    frontend.engine.emit(rid, [1], "stop")
+    wait_for(lambda: sender.final)
+    assert len(sender.responses) == 1
+    tensors, error, final = sender.responses[0]
+    assert final and error is None
+    assert text(tensors) == "hiab" and list(tensors["output_ids"]) == [1, 2, 0, 1]
+
+    rid, sender = submit(frontend, exclude_input_in_output=one(True, np.bool_))
+    frontend.engine.emit(rid, [3], "length")
+    wait_for(lambda: sender.final)
+    assert text(sender.responses[0][0]) == "d" and list(sender.responses[0][0]["output_ids"]) == [3]
+
+
+def test_refused_request_gets_an_error_with_final_at_once(frontend):
+    _, sender = submit(frontend, max_tokens=one(0, np.int32))
+    assert sender.responses == [(None, "max_tokens must be >= 1; got 0", True)]
+    _, sender = submit(frontend, text_input=S("too long"))
+    assert sender.responses == [(None, "prompt has 999 tokens; max_model_len is 64", True)]
+    assert frontend.num_live() == 0
+
+
+def test_engine_error_ends_the_request_with_an_error(frontend):
+    rid, sender = submit(frontend, stream=one(True, np.bool_))
+    frontend.engine.emit(rid, [], "error", error="model step failed: boom")
+    wait_for(lambda: sender.final)
+    assert sender.responses == [(None, "model step failed: boom", True)]
+
+
+def test_cancelled_request_is_aborted_and_closed(frontend):
+    rid, sender = submit(frontend, stream=one(True, np.bool_))
+    sender.cancelled = True
+    wait_for(lambda: rid in frontend.engine.aborted)  # found by the poller, no output needed
+    frontend.engine.emit(rid, [], "abort")
+    wait_for(lambda: sender.final)
+    assert sender.responses == [(None, None, True)]
+
+
+def test_cancellation_is_checked_at_every_output(frontend):
+    frontend.poll_interval = 60  # the poller would not see it in time: the output check must
+    rid, sender = submit(frontend, stream=one(True, np.bool_))
+    sender.cancelled = True
+    frontend.engine.emit(rid, [5])
+    wait_for(lambda: rid in frontend.engine.aborted)
+    assert sender.responses == []  # nothing more is sent to a cancelled request
+
+
+def test_stop_by_request_id(frontend):
+    rid, first = submit(frontend, client_id="job-1", stream=one(True, np.bool_))
+    stopper = FakeSender()
+    frontend.submit("job-1", {"stop": one(True, np.bool_)}, stopper)
+    assert frontend.engine.aborted == [rid]
+    tensors, error, final = stopper.responses[0]
+    assert final and error is None and tensors["finish_reason"][0] == b"abort"
+    frontend.engine.emit(rid, [], "abort")
+    wait_for(lambda: first.final)
+    assert first.responses[-1][0]["finish_reason"][0] == b"abort"
+
+    nobody = FakeSender()
+    frontend.submit("job-2", {"stop": one(True, np.bool_)}, nobody)
+    assert nobody.responses == [(None, "stop: no request with id 'job-2' is running", True)]
+    anonymous = FakeSender()
+    frontend.submit("", {"stop": one(True, np.bool_)}, anonymous)
+    assert "needs the request id" in anonymous.responses[0][1]
+
+
+def test_close_answers_every_open_request(frontend):
+    senders = [submit(frontend, stream=one(True, np.bool_))[1] for _ in range(3)]
+    frontend.close(timeout=1)
+    assert all(s.final for s in senders)
+    _, late = submit(frontend)
+    assert late.responses == [(None, "RuntimeError: the server is shutting down", True)]
+
+
+def test_stop_file_aborts_everything(tmp_path):
+    engine = FakeEngine()
+    fe = adapter.Frontend(engine, respond, Metrics(), poll_interval=0.01, stop_file=tmp_path / "stop")
+    try:
+        rid, _ = submit(fe)
+        time.sleep(0.05)
+        assert engine.aborted == []
+        (tmp_path / "stop").touch()
+        wait_for(lambda: engine.aborted == [rid])
+    finally:
+        fe.close(timeout=1)

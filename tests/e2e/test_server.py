@@ -1,0 +1,324 @@
+"""End to end against a real tritonserver (the nvidia-pytriton binary) on free loopback ports,
+serving the default model: what a client sees over gRPC and HTTP, cancellation, bad requests,
+metrics and a bad config."""
+import asyncio
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from backend import SamplingParams
+from client.grpc import AsyncGrpcClient, GrpcClient
+from client.http import AsyncHttpClient, HttpClient
+from client.protocol import GenerationError
+
+from .conftest import MAX_MODEL_LEN, requires_tritonserver
+
+pytestmark = requires_tritonserver
+
+PROMPTS = ["Hello world", "The quick brown fox", "In-flight batching lets requests",
+           "Once upon a time", "KV cache blocks", "a", "Tokens per second", "Triton"]
+GREEDY = dict(temperature=0.0, exclude_input_in_output=True)
+
+
+def reference(llm, prompt, max_tokens):
+    return llm.greedy(prompt, max_tokens)
+
+
+def metrics(server) -> dict[str, float]:
+    """Our series on the metrics endpoint: 'name{labels}' -> value."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("inflight_"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def gauge(server, name, **labels) -> float:
+    for key, value in metrics(server).items():
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+    raise KeyError(name)
+
+
+def wait_until(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
+
+
+# -- correctness over gRPC and HTTP ----------------------------------------------------------------
+
+def test_grpc_stream_matches_the_in_process_engine(server, llm):
+    with GrpcClient(server.grpc_url) as client:
+        for prompt in PROMPTS[:4]:
+            ref = reference(llm, prompt, 24)
+            result = client.generate(prompt, stream=True, max_tokens=24, **GREEDY)
+            assert result.token_ids == ref.token_ids, prompt
+            assert result.text == ref.text
+            assert result.finish_reason == ref.finish_reason
+            assert result.num_responses == len(ref.token_ids)  # one response per step
+            assert result.num_input_tokens == len(ref.prompt_token_ids)
+        ids = ref.prompt_token_ids
+        by_ids = client.generate(ids, stream=True, max_tokens=24, **GREEDY)
+        assert by_ids.token_ids == ref.token_ids
+
+
+def test_grpc_non_streaming_is_one_response_with_the_prompt(server, llm):
+    ref = reference(llm, PROMPTS[1], 12)
+    with GrpcClient(server.grpc_url) as client:
+        result = client.generate(PROMPTS[1], stream=False, max_tokens=12, temperature=0.0)
+    assert result.num_responses == 1
+    assert result.text == PROMPTS[1] + ref.text
+    assert result.token_ids == ref.prompt_token_ids + ref.token_ids
+    assert result.num_output_tokens == len(ref.token_ids)
+
+
+def test_http_generate_and_generate_stream_return_the_same_text(server, llm):
+    ref = reference(llm, PROMPTS[0], 20)
+    http = HttpClient(server.http_url)
+    once = http.generate(PROMPTS[0], max_tokens=20, **GREEDY)
+    assert once.num_responses == 1 and once.finish_reason == ref.finish_reason
+    streamed = http.generate_stream(PROMPTS[0], max_tokens=20, **GREEDY)
+    assert streamed.num_responses == len(ref.token_ids) > 1
+    assert once.text == streamed.text == ref.text
+    assert once.token_ids == streamed.token_ids == ref.token_ids
+
+
+def test_http_infer_refuses_the_decoupled_model(server):
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/infer", data=b'{"inputs": []}')
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert "decoupled" in info.value.read().decode()
+
+
+def test_asyncio_clients(server, llm):
+    ref = reference(llm, PROMPTS[2], 10)
+
+    async def run():
+        async with AsyncGrpcClient(server.grpc_url) as g, AsyncHttpClient(server.http_url) as h:
+            return await asyncio.gather(g.generate(PROMPTS[2], stream=True, max_tokens=10, **GREEDY),
+                                        h.generate(PROMPTS[2], max_tokens=10, **GREEDY),
+                                        h.generate_stream(PROMPTS[2], max_tokens=10, **GREEDY))
+
+    for result in asyncio.run(run()):
+        assert result.token_ids == ref.token_ids and result.text == ref.text
+
+
+def test_32_concurrent_streaming_clients_all_complete_correctly(server, llm):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} number {i}" for i in range(32)]
+    lengths = [8 + (i * 5) % 40 for i in range(32)]
+    refs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths])
+
+    async def one(prompt, n):
+        async with AsyncGrpcClient(server.grpc_url) as client:  # 32 separate clients
+            return await client.generate(prompt, stream=True, max_tokens=n, **GREEDY)
+
+    async def run():
+        return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    elapsed = time.monotonic() - started
+    for result, ref, n in zip(results, refs, lengths):
+        assert result.token_ids == ref.token_ids and result.text == ref.text
+        assert result.finish_reason == ref.finish_reason
+    print(f"32 concurrent streams, {sum(len(r.token_ids) for r in results)} tokens in {elapsed:.2f}s")
+    wait_until(lambda: gauge(server, "inflight_kv_blocks", state="used") == 0)
+
+
+# -- cancellation ------------------------------------------------------------------------------------
+
+def test_cancelling_a_stream_frees_its_kv_blocks(server):
+    with GrpcClient(server.grpc_url) as client:
+        received = 0
+        for chunk in client.stream("Cancel me part-way", max_tokens=400, ignore_eos=True):
+            received += len(chunk.token_ids)
+            if received == 5:
+                used = gauge(server, "inflight_kv_blocks", state="used")
+                assert used > 0 and gauge(server, "inflight_num_requests_running") == 1
+                break  # leaving the loop cancels the request on the server
+    started = time.monotonic()
+    wait_until(lambda: gauge(server, "inflight_kv_blocks", state="used") == 0, timeout=5)
+    assert gauge(server, "inflight_num_requests_running") == 0
+    assert time.monotonic() - started < 5
+    with GrpcClient(server.grpc_url) as client:
+        assert client.generate("still serving", max_tokens=3).finish_reason == "length"
+
+
+def test_stop_by_request_id_over_http(server):
+    http = HttpClient(server.http_url)
+    outcome = {}
+
+    def long_request():
+        outcome["result"] = http.generate("Stop me", request_id="stop-me-1", max_tokens=400,
+                                          ignore_eos=True, exclude_input_in_output=True)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    wait_until(lambda: gauge(server, "inflight_num_requests_running") >= 1)
+    stopped = http.stop("stop-me-1")
+    worker.join(30)
+    assert stopped.finish_reason == "abort"
+    result = outcome["result"]
+    assert result.finish_reason == "abort" and 0 < len(result.token_ids) < 400
+    wait_until(lambda: gauge(server, "inflight_kv_blocks", state="used") == 0, timeout=5)
+    with pytest.raises(GenerationError, match="no request with id 'stop-me-1' is running"):
+        http.stop("stop-me-1")
+
+
+# -- bad requests ------------------------------------------------------------------------------------
+
+BAD_OPTIONS = [
+    ("", dict(), "text_input is empty"),
+    ([], dict(), "input_ids is empty"),
+    ([1, 2, 99999], dict(), r"token id 99999 is outside the vocabulary \[0, 2000\)"),
+    ([1, -3], dict(), r"token id -3 is outside the vocabulary"),
+    ("word " * (MAX_MODEL_LEN + 10), dict(), f"max_model_len is {MAX_MODEL_LEN}"),
+    ("hi", dict(max_tokens=0), "max_tokens must be >= 1"),
+    ("hi", dict(max_tokens=MAX_MODEL_LEN + 1), f"exceeds max_model_len \\({MAX_MODEL_LEN}\\)"),
+    ("hi", dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    ("hi", dict(temperature=float("nan")), "temperature must be a number; got NaN"),
+    ("hi", dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    ("hi", dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
+    ("hi", dict(top_k=-1), "top_k must be an integer >= 0"),
+    ("hi", dict(seed=-1), r"seed must be in \[0, 2\^63\)"),
+    ("hi", dict(min_tokens=9, max_tokens=4), "min_tokens must be in"),
+]
+
+
+@pytest.mark.parametrize("prompt,options,message", BAD_OPTIONS, ids=[m for _, _, m in BAD_OPTIONS])
+def test_bad_request_gets_a_clear_error_over_grpc(server, prompt, options, message):
+    with GrpcClient(server.grpc_url) as client:
+        with pytest.raises(GenerationError, match=message):
+            client.generate(prompt, stream=True, **options)
+
+
+def raw_grpc(server, tensors):
+    """Send hand-made tensors (wrong types, shapes) over the stream; return the error text."""
+    errors = []
+    done = threading.Event()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def callback(result, error):
+        if error is not None:
+            errors.append(str(error))
+        done.set()
+
+    client.start_stream(callback)
+    try:
+        inputs = []
+        for name, array, dtype in tensors:
+            t = grpcclient.InferInput(name, list(array.shape), dtype)
+            t.set_data_from_numpy(array)
+            inputs.append(t)
+        client.async_stream_infer("llm", inputs)
+        assert done.wait(20)
+    finally:
+        client.stop_stream()
+        client.close()
+    return errors[0] if errors else None
+
+
+TEXT = ("text_input", np.array([b"hi"], dtype=np.object_), "BYTES")
+RAW_BAD = [
+    ([("max_tokens", np.array([4], np.int32), "INT32")], "no prompt"),
+    ([TEXT, ("input_ids", np.array([1], np.int32), "INT32")], "either text_input or input_ids"),
+    ([TEXT, ("max_tokens", np.array([4.0], np.float32), "FP32")], "max_tokens.*INT32|INT32.*max_tokens"),
+    ([TEXT, ("temperature", np.array([0.5], np.float64), "FP64")], "temperature.*FP32|FP32.*temperature"),
+    ([("text_input", np.array([1], np.int32), "INT32")], "text_input.*(STRING|BYTES)|(STRING|BYTES).*text_input"),
+    ([TEXT, ("max_tokens", np.array([4, 5], np.int32), "INT32")], "max_tokens.*shape|shape.*max_tokens"),
+    ([("input_ids", np.array([[1, 2]], np.int32), "INT32")], "input_ids.*shape|shape.*input_ids"),
+]
+
+
+@pytest.mark.parametrize("tensors,message", RAW_BAD, ids=[m.split(".")[0] for _, m in RAW_BAD])
+def test_wrong_tensors_get_a_clear_error(server, tensors, message):
+    error = raw_grpc(server, tensors)
+    assert error is not None and re.search(message, error), error
+
+
+def test_bad_requests_over_http_and_the_server_stays_ready(server):
+    http = HttpClient(server.http_url)
+    with pytest.raises(GenerationError, match="no prompt"):
+        http.generate(None, max_tokens=3)
+    with pytest.raises(GenerationError, match=r"top_p must be in \(0, 1\]"):
+        http.generate_stream("hi", top_p=2.0)
+    with pytest.raises(GenerationError, match="max_tokens must be >= 1"):
+        http.generate("hi", max_tokens=-4)
+    assert server.is_ready() and http.is_ready()
+    assert http.generate("fine", max_tokens=4).finish_reason == "length"
+
+
+def test_a_bad_request_does_not_disturb_running_ones(server, llm):
+    ref = reference(llm, PROMPTS[3], 40)
+
+    async def run():
+        async with AsyncGrpcClient(server.grpc_url) as client:
+            good = asyncio.ensure_future(client.generate(PROMPTS[3], stream=True, max_tokens=40, **GREEDY))
+            await asyncio.sleep(0.05)
+            bad = await asyncio.gather(*(client.generate("hi", top_k=-1) for _ in range(5)),
+                                       return_exceptions=True)
+            return await good, bad
+
+    good, bad = asyncio.run(run())
+    assert all(isinstance(b, GenerationError) for b in bad)
+    assert good.token_ids == ref.token_ids
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+
+GAUGES = ["inflight_num_requests_running", "inflight_num_requests_waiting", "inflight_kv_cache_usage_ratio"]
+COUNTERS = ["inflight_num_preemptions_total", "inflight_prompt_tokens_total", "inflight_generation_tokens_total"]
+HISTOGRAMS = ["inflight_time_to_first_token_seconds", "inflight_inter_token_latency_seconds",
+              "inflight_e2e_request_latency_seconds"]
+
+
+def test_metrics_endpoint_shows_the_design_names(server):
+    with GrpcClient(server.grpc_url) as client:
+        client.generate("count me", stream=True, max_tokens=6)
+    wait_until(lambda: gauge(server, "inflight_generation_tokens_total") >= 6)
+    names = {key.split("{")[0] for key in metrics(server)}
+    for name in GAUGES + COUNTERS:
+        assert name in names, name
+    for name in HISTOGRAMS:
+        assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= names, name
+        assert gauge(server, f"{name}_count") >= 1
+    for state in ("used", "free", "total"):
+        gauge(server, "inflight_kv_blocks", state=state)
+    total = gauge(server, "inflight_kv_blocks", state="total")
+    assert total > 0 and gauge(server, "inflight_kv_blocks", state="free") + \
+        gauge(server, "inflight_kv_blocks", state="used") == total
+    assert gauge(server, "inflight_num_preemptions_total") == 0  # guaranteed_no_evict
+    assert gauge(server, "inflight_prompt_tokens_total") > 0
+
+
+# -- configuration -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params,message", [
+    ({"max_num_seqs": "lots"}, "parameter 'max_num_seqs' must be an integer; got 'lots'"),
+    ({"no_such_key": "1"}, "unknown parameter 'no_such_key'; allowed parameters: "),
+])
+def test_a_bad_config_parameter_fails_the_load_naming_the_key(model_repository, model_path, params, message):
+    from client.server import ServerError, TritonServer, _group_alive
+
+    server = TritonServer(model_repository, params=params, model_path=str(model_path))
+    try:
+        server.start()
+        pid = server.process.pid
+        with pytest.raises(ServerError, match=re.escape(message)):
+            server.wait_ready(120)
+    finally:
+        server.stop()
+    assert not _group_alive(pid), "a tritonserver or stub process was left behind"
