@@ -5,6 +5,10 @@ here, at collection time, whenever no CUDA device is present.
 """
 import os
 
+# Two cores are shared by the test process and the tritonserver it starts: OpenMP threads that
+# spin-wait for a busy core made the suite several times slower, so each process gets one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 try:
     import torch
     _HAS_CUDA = torch.cuda.is_available()
