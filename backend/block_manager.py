@@ -4,27 +4,44 @@ The cache is one preallocated pool of `num_blocks` blocks of `block_size` token 
 runner owns the tensors, this class owns the numbers. A sequence's block table lists its blocks in
 order; token i of the sequence lives in slot `table[i // block_size] * block_size + i % block_size`.
 
-Blocks carry reference counts so that a block can later be shared between sequences (prefix
-reuse); today every owner holds its own blocks and counts are 0 or 1.
+With prefix caching (`enable_kv_cache_reuse`), every full block is keyed by a hash of its tokens
+and of all tokens before it. A new sequence whose prompt starts with cached blocks shares them
+(reference counts) instead of recomputing them. A block nobody holds stays cached on the free list
+until it is handed out again, least recently freed first.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Optional, Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def block_hashes(token_ids: Sequence[int], block_size: int, limit: Optional[int] = None) -> list[int]:
+    """Chained hashes of the full blocks among the first `limit` tokens."""
+    n = len(token_ids) if limit is None else min(limit, len(token_ids))
+    hashes, parent = [], 0
+    for start in range(0, n - n % block_size, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1; got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._block_hash: dict[int, int] = {}  # block -> hash of its (full) contents
+        self._cached: dict[int, int] = {}  # hash -> block
+        self._hashed: dict[str, tuple[int, int]] = {}  # seq -> (blocks registered, last hash)
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -64,23 +81,67 @@ class BlockManager:
             raise NoFreeBlocksError(f"{seq_id}: needs {need} more blocks, {len(self._free)} free")
         table = self._tables.setdefault(seq_id, [])
         for _ in range(need):
-            block = self._free.popleft()
+            block, _ = self._free.popitem(last=False)
+            self._forget_hash(block)  # its old contents are about to be overwritten
             self._ref_counts[block] = 1
             table.append(block)
 
     def free(self, seq_id: str) -> None:
         """Give back every block of seq_id (a no-op for an unknown id)."""
+        self._hashed.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, [])):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
+
+    # -- prefix caching -----------------------------------------------------------------------
+    def reuse_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Attach the longest cached prefix of token_ids to a sequence that holds no blocks yet.
+        Returns how many tokens are already computed. The last token is never reused, so the
+        sequence always has at least one token to run (its logits give the next token)."""
+        if not self.enable_prefix_caching or self._tables.get(seq_id):
+            return 0
+        table = self._tables.setdefault(seq_id, [])
+        last = 0
+        for h in block_hashes(token_ids, self.block_size, len(token_ids) - 1):
+            block = self._cached.get(h)
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+            table.append(block)
+            last = h
+        self._hashed[seq_id] = (len(table), last)
+        return len(table) * self.block_size
+
+    def register_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Publish seq_id's newly completed full blocks so later sequences can share them."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(seq_id, [])
+        done, parent = self._hashed.get(seq_id, (0, 0))
+        full = min(num_computed // self.block_size, len(table))
+        bs = self.block_size
+        for i in range(done, full):
+            parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            block = table[i]
+            if parent not in self._cached and block not in self._block_hash:
+                self._cached[parent] = block
+                self._block_hash[block] = parent
+        if full > done:
+            self._hashed[seq_id] = (full, parent)
+
+    def _forget_hash(self, block: int) -> None:
+        h = self._block_hash.pop(block, None)
+        if h is not None:
+            del self._cached[h]
 
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError unless every block is either free or owned, never both, never
-        leaked, and reference counts equal the number of tables holding each block."""
-        free = list(self._free)
-        assert len(free) == len(set(free)), "a block is on the free list twice"
+        leaked, reference counts equal the number of tables holding each block, and the prefix
+        cache maps only to blocks that carry that hash."""
         counts = [0] * self.num_blocks
         for seq_id, table in self._tables.items():
             assert len(table) == len(set(table)), f"{seq_id} holds a block twice"
@@ -88,7 +149,8 @@ class BlockManager:
                 counts[block] += 1
         for block in range(self.num_blocks):
             assert counts[block] == self._ref_counts[block], f"block {block}: bad reference count"
-        free_set = set(free)
-        for block in range(self.num_blocks):
             owned = counts[block] > 0
-            assert owned != (block in free_set), f"block {block} is {'both owned and free' if owned else 'leaked'}"
+            assert owned != (block in self._free), f"block {block} is {'both owned and free' if owned else 'leaked'}"
+        assert len(self._cached) == len(self._block_hash)
+        for h, block in self._cached.items():
+            assert self._block_hash.get(block) == h, f"prefix cache entry for block {block} is stale"

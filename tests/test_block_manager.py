@@ -73,3 +73,47 @@ class BlockMachine(RuleBasedStateMachine):
 
 TestBlockMachine = BlockMachine.TestCase
 TestBlockMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Sequences over a tiny alphabet share prefixes. A fake cache records which tokens each block
+    holds; every block reused for a prefix must hold exactly that prefix's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(num_blocks=12, block_size=2, enable_prefix_caching=True)
+        self.contents: dict[int, tuple] = {}
+        self.active: dict[str, list[int]] = {}
+
+    @rule(seq=st.sampled_from("abcde"), tokens=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=9))
+    def start(self, seq, tokens):
+        if seq in self.active:
+            return
+        reused = self.bm.reuse_prefix(seq, tokens)
+        assert reused % 2 == 0 and reused < len(tokens)
+        table = self.bm.block_table(seq)
+        for i, block in enumerate(table):
+            assert self.contents[block] == tuple(tokens[2 * i:2 * i + 2]), "reused a block with other tokens"
+        if not self.bm.can_grow(seq, len(tokens)):
+            self.bm.free(seq)
+            return
+        self.bm.grow(seq, len(tokens))
+        table = self.bm.block_table(seq)
+        for i in range(reused // 2, len(table)):  # "compute" the rest: write the fake cache
+            self.contents[table[i]] = tuple(tokens[2 * i:2 * i + 2])
+        self.bm.register_computed(seq, tokens, len(tokens))
+        self.active[seq] = tokens
+
+    @rule(seq=st.sampled_from("abcde"))
+    def finish(self, seq):
+        self.bm.free(seq)
+        self.active.pop(seq, None)
+
+    @invariant()
+    def consistent(self):
+        self.bm.check_integrity()
+        assert sum(self.bm.num_blocks_of(s) for s in self.active) >= self.bm.num_used_blocks
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
