@@ -112,7 +112,7 @@ def _prefill_attention_kernel(
             q, acc, m_i, l_i,
             k_base + (blk * stride_kb + row * stride_ko)[:, None],
             v_base + (blk * stride_vb + row * stride_vo)[:, None],
-            mask_d[None, :], None, scale_log2, MASKED=False, IEEE=IEEE)
+            mask_d[None, :], mask_d[None, :], scale_log2, MASKED=False, IEEE=IEEE)  # scores mask unused
 
     # Phase 2: the diagonal tiles, causal and length masks.
     for n0 in range(diag_start, kv_end, BLOCK_N):
