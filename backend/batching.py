@@ -8,6 +8,12 @@ They exist to compare, on one engine and one workload, what each way of batching
   dynamic   request-level batches of up to max_num_seqs that wait at most max_queue_delay, formed
             from one length bucket (prompt lengths within dynamic_padding_threshold of each other),
             run to completion before the next batch starts.
+
+static and dynamic are request-level batches (`pads = True`), and the scheduler makes them cost what
+a padded batch costs (HF `generate` on a padded batch): every member's prompt is padded to the
+batch's longest prompt, a member that finishes keeps its slot and its blocks and keeps decoding
+until the batch's longest member finishes, and the engine answers all members when the batch ends.
+The padding is computed for real (padding rows, never stored in the KV cache, never sampled).
 No torch here.
 """
 from __future__ import annotations
@@ -22,11 +28,15 @@ UNLIMITED = 1 << 30
 
 
 class BatchingGate:
+    pads = False  # request-level batches: padded prompts, run to the longest member, answered at the end
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.delay_s = config.max_queue_delay_microseconds / 1e6
 
     def num_to_admit(self, waiting: Sequence[Request], running: Sequence[Request], now: float) -> int:
+        """How many waiting requests may start now; `running` also holds a padded batch's members
+        that finished and wait for the batch to end."""
         return UNLIMITED
 
     def next_candidate(self, waiting: Sequence[Request]) -> Request:
@@ -51,6 +61,7 @@ class NoBatchingGate(BatchingGate):
 
 class StaticGate(BatchingGate):
     """A fixed batch: fill to N or time out, then run it out before the next one starts."""
+    pads = True
 
     def batch_size(self) -> int:
         return self.config.static_batch_size
@@ -84,14 +95,22 @@ class DynamicGate(StaticGate):
         return len(self._batch)
 
     def _bucket(self, waiting: Sequence[Request], n: int) -> list[Request]:
-        """The oldest request plus the waiting ones whose length is within the threshold of it,
-        nearest lengths first."""
+        """The oldest request plus waiting ones of the nearest prompt lengths, as long as the
+        bucket's longest prompt stays within dynamic_padding_threshold x its shortest (so no member
+        is padded by more than that factor)."""
         head = waiting[0]
-        low = head.num_prompt_tokens / self.config.dynamic_padding_threshold
-        high = head.num_prompt_tokens * self.config.dynamic_padding_threshold
-        peers = [r for r in list(waiting)[1:] if low <= r.num_prompt_tokens <= math.ceil(high)]
-        peers.sort(key=lambda r: abs(r.num_prompt_tokens - head.num_prompt_tokens))
-        return [head] + peers[: n - 1]
+        threshold = self.config.dynamic_padding_threshold
+        lo = hi = head.num_prompt_tokens
+        bucket = [head]
+        peers = sorted(list(waiting)[1:], key=lambda r: abs(r.num_prompt_tokens - head.num_prompt_tokens))
+        for r in peers:
+            if len(bucket) >= n:
+                break
+            new_lo, new_hi = min(lo, r.num_prompt_tokens), max(hi, r.num_prompt_tokens)
+            if new_hi <= math.floor(threshold * new_lo + 1e-9):
+                bucket.append(r)
+                lo, hi = new_lo, new_hi
+        return bucket
 
     def next_candidate(self, waiting) -> Request:
         return self._batch.pop(0) if self._batch else waiting[0]

@@ -3,9 +3,15 @@
 `LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly).
 `AsyncEngine` runs it on its own thread for the server: requests arrive from any thread, outputs
 leave through per-request callbacks, aborts take effect before the next step.
+
+In the request-level batching modes (static, dynamic) a batch answers when it ends, as a server
+running one padded `generate` call per batch does: each member's outputs are held and delivered
+as one final output when the scheduler releases the batch (an abort or an error still answers at
+once).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -41,6 +47,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len)
         self._detok: dict[str, tuple[Optional[IncrementalDetokenizer], StopStringMatcher]] = {}
+        self._held: dict[str, RequestOutput] = {}  # padded batches: outputs kept until the batch ends
+        self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -102,7 +110,15 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         request = self.scheduler.abort(request_id)
-        return self._output(request, []) if request is not None else None
+        if request is None:
+            return None
+        held = self._held.pop(request_id, None)
+        if request_id not in self._detok:  # it had finished and was waiting for its batch to end
+            if held is None:
+                held = RequestOutput(request_id, request.prompt_token_ids, [], list(request.output_token_ids),
+                                     "", "", True, None)
+            return dataclasses.replace(held, finished=True, finish_reason=request.finish_reason)
+        return _merge(held, self._output(request, []))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -111,8 +127,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         out = self.scheduler.schedule(now)
+        self.idle = out.is_empty
         if out.is_empty:
-            return []
+            results = []
+        else:
+            results = self._run(out)
+        return self._batch_outputs(results) if self.scheduler.gate.pads else results
+
+    def _run(self, out) -> list[RequestOutput]:
         try:
             sampled = self.runner.run(out, self.blocks)
         except Exception as exc:  # a failed step fails its own requests, not the engine
@@ -126,6 +148,20 @@ class LLMEngine:
             if req.request_id in sampled:
                 results.append(self._output(req, [sampled[req.request_id]]))
         return results
+
+    def _batch_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Padded batches: hold each member's outputs, merged, until the scheduler releases the
+        batch; aborts and errors answer at once."""
+        ready = []
+        for o in outputs:
+            merged = _merge(self._held.pop(o.request_id, None), o)
+            if o.finished and o.finish_reason in ("abort", "error"):
+                ready.append(merged)
+            else:
+                self._held[o.request_id] = merged
+        ready.extend(self._held.pop(r.request_id) for r in self.scheduler.pop_released()
+                     if r.request_id in self._held)
+        return ready
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         results = []
@@ -156,7 +192,8 @@ class LLMEngine:
     def stats(self) -> dict[str, Union[int, float]]:
         b = self.blocks
         return {
-            "num_requests_running": len(self.scheduler.running),
+            # members of a padded batch that finished still hold their slot until the batch ends
+            "num_requests_running": len(self.scheduler.running) + len(self.scheduler.lingering),
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": b.num_blocks,
             "kv_blocks_used": b.num_used_blocks,
@@ -169,6 +206,14 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _merge(held: Optional[RequestOutput], new: RequestOutput) -> RequestOutput:
+    """One output that carries held's new tokens and text followed by new's."""
+    if held is None:
+        return new
+    return dataclasses.replace(new, new_token_ids=held.new_token_ids + new.new_token_ids,
+                               new_text=held.new_text + new.new_text)
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -236,7 +281,7 @@ class AsyncEngine:
                 self.engine.add(request)
             outputs = [o for rid in aborts if (o := self.engine.abort(rid)) is not None]
             outputs += self.engine.step()
-            if not outputs and self.engine.has_work():
+            if self.engine.idle and not outputs and self.engine.has_work():
                 time.sleep(0.001)  # a batching gate is holding requests back; poll gently
             self._deliver(outputs)
         self._drain()

@@ -21,6 +21,7 @@ from backend.scheduler import ScheduledSeq, SchedulerOutput
 from kernels.dispatch import get_ops
 
 log = logging.getLogger(__name__)
+PAD_TOKEN_ID = 0  # what padding rows feed the model; their results are discarded
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -115,41 +116,53 @@ class ModelRunner:
 
     def _tables(self, seqs: list[ScheduledSeq], blocks: BlockManager) -> torch.Tensor:
         tables = [blocks.block_table(s.request.request_id) for s in seqs]
-        width = max((len(t) for t in tables), default=0)
-        padded = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+        # Padding rows may attend past their member's blocks: those entries stay 0 (a valid block
+        # whose contents only feed discarded rows).
+        needed = [-(-(s.start + s.num_new_tokens) // self.block_size) for s in seqs]
+        width = max([1] + [len(t) for t in tables] + needed)
+        padded = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):
             padded[i, :len(t)] = t
         return torch.from_numpy(padded).to(self.device, non_blocking=True)
 
     def _prepare(self, out: SchedulerOutput, blocks: BlockManager):
-        seqs = out.seqs
+        # Padding rows (padded batches) go through the model like the others: one-token rows with
+        # the decodes, longer ones with the prefills. They read their member's cache but are never
+        # stored (slot -1) and never sampled.
+        decodes = out.decodes + [s for s in out.padding if s.num_new_tokens == 1]
+        prefills = out.prefills + [s for s in out.padding if s.num_new_tokens > 1]
+        seqs = decodes + prefills
         ids, positions, slots = [], [], []
         bs = self.block_size
         for s in seqs:
             pos = np.arange(s.start, s.start + s.num_new_tokens)
+            positions.append(pos)
+            if s.padding:
+                ids.extend([PAD_TOKEN_ID] * s.num_new_tokens)
+                slots.append(np.full(s.num_new_tokens, -1, dtype=np.int64))
+                continue
             table = np.asarray(blocks.block_table(s.request.request_id), dtype=np.int64)
             ids.extend(s.request.all_token_ids[s.start:s.start + s.num_new_tokens])
-            positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
         dev = self.device
         as_t = lambda a, dt: torch.from_numpy(np.asarray(a, dtype=dt)).to(dev, non_blocking=True)
-        q_lens = [s.num_new_tokens for s in out.prefills]
+        q_lens = [s.num_new_tokens for s in prefills]
         ctx = self._context(
-            self.kv_caches, as_t(np.concatenate(slots), np.int64), len(out.decodes),
-            self._tables(out.decodes, blocks), as_t([s.start + 1 for s in out.decodes], np.int32),
-            self._tables(out.prefills, blocks), as_t(np.concatenate([[0], np.cumsum(q_lens)]), np.int32),
-            as_t([s.start + s.num_new_tokens for s in out.prefills], np.int32))
+            self.kv_caches, as_t(np.concatenate(slots), np.int64), len(decodes),
+            self._tables(decodes, blocks), as_t([s.start + 1 for s in decodes], np.int32),
+            self._tables(prefills, blocks), as_t(np.concatenate([[0], np.cumsum(q_lens)]), np.int32),
+            as_t([s.start + s.num_new_tokens for s in prefills], np.int32))
         # Logits are needed only at the last token of each sequence that samples this step.
         ends = np.cumsum([s.num_new_tokens for s in seqs]) - 1
         sample_rows = [int(e) for e, s in zip(ends, seqs) if s.samples]
-        return as_t(ids, np.int64), as_t(np.concatenate(positions), np.int64), ctx, sample_rows
+        sampling = [s.request for s in seqs if s.samples]
+        return as_t(ids, np.int64), as_t(np.concatenate(positions), np.int64), ctx, sample_rows, sampling
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, blocks: BlockManager) -> dict[str, int]:
         """Run one step; returns the sampled token of every sequence that reached its end."""
-        ids, positions, ctx, rows = self._prepare(out, blocks)
+        ids, positions, ctx, rows, sampling = self._prepare(out, blocks)
         hidden = self.model(ids, positions, ctx, self.rope)
-        sampling = [s.request for s in out.seqs if s.samples]
         if not sampling:
             return {}
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])

@@ -6,6 +6,13 @@ Each step, `schedule()` forms one flat batch within the token budget:
   2. then waiting requests, first come first served, while the batching gate, `max_num_seqs`,
      the token budget and the capacity policy (policies.py) let them start.
 `postprocess()` appends the sampled tokens, detects the end of each request and frees its blocks.
+
+Request-level batches (`static`, `dynamic`: the gate's `pads`) are made to cost what a padded batch
+costs. A batch starts whole; each member's prompt is padded to the batch's longest prompt; a member
+that finishes "lingers": it keeps its slot and its blocks and decodes on, until no member runs.
+The padding is real compute: `SchedulerOutput.padding` rows that the runner pushes through the
+model (attending to the member's context) but never stores in the cache and never samples. When the
+batch ends its members are `released` together (the engine answers them then).
 """
 from __future__ import annotations
 
@@ -25,11 +32,12 @@ class ScheduledSeq:
     request: Request
     start: int  # first position computed this step
     num_new_tokens: int
+    padding: bool = False  # a padding row: computed for its cost only, never stored nor sampled
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return not self.padding and self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -37,18 +45,22 @@ class SchedulerOutput:
     decodes: list[ScheduledSeq] = field(default_factory=list)  # one query token each
     prefills: list[ScheduledSeq] = field(default_factory=list)  # chunks of several tokens
     preempted: list[Request] = field(default_factory=list)
+    # Padded batches only: prompt padding and the decode steps of members that already finished.
+    # Each row attends to its member's cached context from position `start` on; slot mapping -1.
+    padding: list[ScheduledSeq] = field(default_factory=list)
 
     @property
     def seqs(self) -> list[ScheduledSeq]:
+        """The real rows (padding excluded)."""
         return self.decodes + self.prefills
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+        return sum(s.num_new_tokens for s in self.seqs + self.padding)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.padding
 
 
 class Scheduler:
@@ -61,6 +73,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Padded batches: finished members that keep their slot until the batch ends, prompt
+        # padding still to compute per member, and members whose batch ended (for the engine).
+        self.lingering: list[Request] = []
+        self.pad_pending: dict[str, int] = {}
+        self.released: list[Request] = []
 
     # -- arrivals and aborts ------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -85,7 +102,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Optional[Request]:
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.lingering, self.waiting):
             for r in queue:
                 if r.request_id == request_id:
                     self.finish(r, RequestStatus.FINISHED_ABORTED)
@@ -96,13 +113,36 @@ class Scheduler:
         request.status = status
         if request in self.running:
             self.running.remove(request)
+            if self.gate.pads and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.lingering.append(request)  # keeps its slot and blocks until the batch ends
+                self._end_batch_if_done()
+                return
+        elif request in self.lingering:
+            self.lingering.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.pad_pending.pop(request.request_id, None)
         self.blocks.free(request.request_id)
+        self._end_batch_if_done()
+
+    def _end_batch_if_done(self) -> None:
+        """A padded batch ends when no member runs and no prompt padding is left to compute."""
+        if self.running or not self.lingering or any(self.pad_pending.get(r.request_id) for r in self.lingering):
+            return
+        for r in self.lingering:
+            self.blocks.free(r.request_id)
+            self.pad_pending.pop(r.request_id, None)
+        self.released.extend(self.lingering)
+        self.lingering.clear()
+
+    def pop_released(self) -> list[Request]:
+        """Members of padded batches that ended since the last call (finished, blocks freed)."""
+        released, self.released = self.released, []
+        return released
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.lingering or self.released)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -122,6 +162,8 @@ class Scheduler:
             i += 1
         if not out.preempted:
             budget = self._admit(out, budget, now)
+        if self.gate.pads:
+            self._schedule_padding(out, budget)
         return out
 
     def _chunk(self, req: Request, budget: int) -> int:
@@ -151,14 +193,18 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free req's blocks and queue it first; it recomputes its prompt and outputs later."""
         self.blocks.free(req.request_id)
+        self.pad_pending.pop(req.request_id, None)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        self._end_batch_if_done()
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        allowed = self.gate.num_to_admit(self.waiting, self.running, now)
+        allowed = self.gate.num_to_admit(self.waiting, self.running + self.lingering, now)
+        if self.gate.pads:
+            return self._admit_batch(out, budget, allowed)
         while self.waiting and allowed > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.gate.next_candidate(self.waiting)
             n = self._chunk(req, budget)
@@ -172,6 +218,47 @@ class Scheduler:
             budget -= n
             allowed -= 1
         return budget
+
+    def _admit_batch(self, out: SchedulerOutput, budget: int, allowed: int) -> int:
+        """Start a request-level batch whole: every member is admitted now (the capacity policy
+        permitting), even when this step's token budget covers only the first prompt chunks; the
+        rest are computed over the next steps. Then pad every prompt to the longest one."""
+        members = []
+        while self.waiting and len(members) < allowed and len(self.running) < self.config.max_num_seqs:
+            req = self.gate.next_candidate(self.waiting)
+            n = self._chunk(req, budget) if budget > 0 else 0
+            if not self.policy.can_admit(req, self.running, n):
+                break
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            members.append(req)
+            if n:
+                self.blocks.grow(req.request_id, n)
+                self._add(out, req, n)
+                budget -= n
+        longest = max((r.num_prompt_tokens for r in members), default=0)
+        for r in members:
+            if r.num_prompt_tokens < longest:
+                self.pad_pending[r.request_id] = longest - r.num_prompt_tokens
+        return budget
+
+    def _schedule_padding(self, out: SchedulerOutput, budget: int) -> None:
+        """Padding rows within what is left of the token budget: first the prompt padding still
+        owed, then one decode row for every member that finished but whose batch still runs."""
+        for req in self.running + self.lingering:
+            pending = self.pad_pending.get(req.request_id, 0)
+            if pending and budget > 0:
+                n = min(pending, budget)
+                # positions stay within the padded prompt (so within max_model_len)
+                start = min(req.num_computed_tokens, req.num_prompt_tokens)
+                out.padding.append(ScheduledSeq(req, start, n, padding=True))
+                self.pad_pending[req.request_id] = pending - n
+                budget -= n
+        for req in self.lingering:
+            if budget > 0 and not self.pad_pending.get(req.request_id):
+                out.padding.append(ScheduledSeq(req, req.num_computed_tokens, 1, padding=True))
+                budget -= 1
 
     # -- after the model ran ------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
@@ -193,6 +280,7 @@ class Scheduler:
                 self.finish(req, status)
                 finished.append(req)
         self.gate.after_step(self.running)
+        self._end_batch_if_done()
         return finished
 
     def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
@@ -207,16 +295,21 @@ class Scheduler:
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        ids = [r.request_id for r in self.running + self.lingering] + [r.request_id for r in self.waiting]
         assert len(ids) == len(set(ids)), "a request is queued twice"
-        assert len(self.running) <= self.config.max_num_seqs
+        assert len(self.running) + len(self.lingering) <= self.config.max_num_seqs
+        assert not self.lingering or self.gate.pads, "only padded batches keep finished members"
+        for r in self.lingering:
+            assert r.status.finished, f"lingering {r.request_id} is not finished"
+        assert set(self.pad_pending) <= {r.request_id for r in self.running + self.lingering}
         for r in self.waiting:
             assert self.blocks.num_blocks_of(r.request_id) == 0, f"waiting {r.request_id} holds blocks"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING
             assert self.blocks.num_blocks_of(r.request_id) * self.blocks.block_size >= r.num_computed_tokens
-        self.policy.check_invariant(self.running)
+        self.policy.check_invariant(self.running + self.lingering)
 
     def iter_requests(self) -> Iterable[Request]:
         yield from self.running
+        yield from self.lingering
         yield from self.waiting
