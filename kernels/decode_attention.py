@@ -195,8 +195,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"{name}: seq_lens must have shape ({s},); got {tuple(seq_lens.shape)}")
     if s > 1 and seq_lens.stride(0) != 1:
         raise ValueError(f"{name}: seq_lens must be contiguous")
-    if d < 16:
-        raise ValueError(f"{name}: head_dim must be >= 16 (tl.dot); got {d}")
     C.check_device(name, q, k_cache, v_cache, block_tables, seq_lens)
     if not math.isfinite(scale):
         raise ValueError(f"{name}: scale must be finite; got {scale}")

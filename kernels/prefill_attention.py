@@ -184,8 +184,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     for arg, tensor in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
         if tensor.shape[0] > 1 and tensor.stride(0) != 1:
             raise ValueError(f"{name}: {arg} must be contiguous")
-    if d < 16:
-        raise ValueError(f"{name}: head_dim must be >= 16 (tl.dot); got {d}")
     C.check_device(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     if not math.isfinite(scale):
         raise ValueError(f"{name}: scale must be finite; got {scale}")

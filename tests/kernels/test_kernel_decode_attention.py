@@ -101,7 +101,7 @@ def test_choose_num_splits():
 
 @pytest.mark.parametrize("change,match", [
     (dict(q=torch.zeros(2, 5, 64)), "multiple of num_kv_heads"),
-    (dict(q=torch.zeros(2, 4, 32)), "head_dim"),
+    (dict(q=torch.zeros(2, 4, 32)), "q head_dim 32 != cache head_dim 64"),
     (dict(q=torch.zeros(2, 4, 64, dtype=torch.float16)), "dtype"),
     (dict(seq_lens=torch.zeros(3, dtype=torch.int32)), "seq_lens must have shape"),
     (dict(seq_lens=torch.zeros(2)), "seq_lens must have dtype"),
@@ -115,3 +115,10 @@ def test_decode_rejects_bad_arguments(change, match):
     args = {k: v.to(DEVICE) for k, v in args.items()}
     with pytest.raises(ValueError, match=match):
         triton_ops.decode_attention(scale=0.1, **args)
+
+
+@pytest.mark.parametrize("head_dim", [8, 80])
+def test_decode_small_and_odd_head_dims(head_dim):
+    # Below the 16-wide tl.dot minimum (padded with masked zeros) and not a power of two.
+    out, ref = _run([1, 45], 4, 2, head_dim, 16, torch.float32, seed_for("hd", head_dim), num_splits=2)
+    assert_close(out, ref, TOL[torch.float32], f"decode D={head_dim}")

@@ -88,3 +88,10 @@ def test_prefill_rejects_bad_arguments(change, match):
     args = {k: v.to(DEVICE) for k, v in args.items()}
     with pytest.raises(ValueError, match=match):
         triton_ops.prefill_attention(scale=0.1, **args)
+
+
+@pytest.mark.parametrize("head_dim", [8, 80])
+def test_prefill_small_and_odd_head_dims(head_dim):
+    # Below the 16-wide tl.dot minimum (padded with masked zeros) and not a power of two.
+    out, ref = _run([9, 20], [0, 13], 4, 2, head_dim, 16, torch.float32, seed_for("phd", head_dim))
+    assert_close(out, ref, TOL[torch.float32], f"prefill D={head_dim}")
