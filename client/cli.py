@@ -96,11 +96,12 @@ def _print_usage(server) -> None:
     host = "localhost" if server.host in ("0.0.0.0", "127.0.0.1", "") else server.host
     http, grpc = f"{host}:{server.http_port}", f"{host}:{server.grpc_port}"
     body = '{"text_input": "Once upon a time", "max_tokens": 32}'
+    stream_body = '{"text_input": "Once upon a time", "max_tokens": 32, "stream": true}'
     print(f"""
 inflight: model 'llm' is ready.
   gRPC     {grpc}     inflight generate "Once upon a time" --stream --url {grpc}
   HTTP     {http}     curl -s {http}/v2/models/llm/generate -d '{body}'
-                        curl -sN {http}/v2/models/llm/generate_stream -d '{body}'
+                        curl -sN {http}/v2/models/llm/generate_stream -d '{stream_body}'
                         (HTTP `infer` refuses decoupled models: use generate / generate_stream)
   metrics  http://{host}:{server.metrics_port}/metrics   (inflight_* beside Triton's own)
 Ctrl-C stops the server.

@@ -100,3 +100,13 @@ def test_cli_config_renders_with_params(tmp_path, capsys):
 def test_bad_param_syntax_is_refused():
     with pytest.raises(Exception):
         R.parse_param("novalue")
+
+
+def test_readme_documents_every_parameter_with_its_default():
+    readme = (R.REPO_ROOT / "README.md").read_text()
+    readme = readme[readme.index("## Configuration"):]
+    params = R.read_parameters(R.render(gpus=[]))
+    for name, value in params.items():
+        row = re.search(rf"^\| `{name}` \| `?([^|`]+?)`? \|", readme, re.M)
+        assert row, f"README's parameter table has no row for {name}"
+        assert row.group(1) == value, f"README gives {name} default {row.group(1)}, the template {value}"

@@ -70,10 +70,7 @@ def server(model_repository, model_path):
 
 
 class Reference:
-    """The in-process engine on the same checkpoint: the reference for what the server returns.
-
-    It runs torch on one thread: on a 2-core machine that shares the CPU with tritonserver, torch's
-    intra-op thread pool makes these tiny steps several times slower."""
+    """The in-process engine on the same checkpoint: the reference for what the server returns."""
 
     def __init__(self, model_path):
         from backend import LLM
@@ -82,14 +79,7 @@ class Reference:
         self._cache = {}
 
     def generate(self, prompts, params):
-        import torch
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return self.llm.generate(prompts, params)
-        finally:
-            torch.set_num_threads(threads)
+        return self.llm.generate(prompts, params)
 
     def greedy(self, prompt, max_tokens):
         """The greedy output for one prompt (memoized)."""

@@ -1,0 +1,78 @@
+"""The `inflight` command line against real servers: `generate` prints what the engine makes, and
+`serve` stops on SIGINT / SIGTERM mid-stream, ending the stream with `abort` and leaving no
+tritonserver or stub process behind."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from client.cli import main
+from client.grpc import GrpcClient
+from client.server import free_port
+
+from .conftest import requires_tritonserver
+
+pytestmark = requires_tritonserver
+
+
+def test_generate_prints_the_answer_over_grpc_and_http(server, llm, capsys):
+    ref = llm.greedy("Hello world", 12)
+    assert main(["generate", "Hello world", "--stream", "--url", server.grpc_url,
+                 "--max-tokens", "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == ref.text + "\n"
+    assert main(["generate", "Hello world", "--url", f"http://{server.http_url}",
+                 "--max-tokens", "12", "--temperature", "0", "--echo"]) == 0
+    assert capsys.readouterr().out == "Hello world" + ref.text + "\n"
+
+
+def test_generate_reports_a_bad_request(server, capsys):
+    assert main(["generate", "hi", "--url", server.grpc_url, "--top-p", "3"]) == 1
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_stops_cleanly_mid_stream(model_repository, model_path, sig):
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "serve", "--model-repository", str(model_repository),
+         "--model-path", str(model_path), "--host", "127.0.0.1", "--http-port", str(http),
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--param", "max_model_len=512"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "is ready" in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(120), "".join(lines[-30:])
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("tritonserver" in c.name() for c in children)
+        assert any("stub" in " ".join(c.cmdline()) for c in children)
+        chunks = []
+        with GrpcClient(f"127.0.0.1:{grpc}") as client:
+            for chunk in client.stream("Stream until stopped", max_tokens=480, ignore_eos=True):
+                chunks.append(chunk)
+                if len(chunks) == 3:
+                    os.kill(proc.pid, sig)  # as Ctrl-C / `kill` would
+        assert chunks[-1].finish_reason == "abort" and len(chunks) < 480
+        assert proc.wait(30) == 0
+        reader.join(5)
+        assert "inflight serve: stopping" in "".join(lines)
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, f"left behind: {[' '.join(p.cmdline()) for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
