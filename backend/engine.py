@@ -44,7 +44,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size,
+                                   enable_prefix_caching=config.enable_kv_cache_reuse)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len)
         self._detok: dict[str, tuple[Optional[IncrementalDetokenizer], StopStringMatcher]] = {}
         self._held: dict[str, RequestOutput] = {}  # padded batches: outputs kept until the batch ends
@@ -200,6 +201,7 @@ class LLMEngine:
             "kv_blocks_free": b.num_free_blocks,
             "kv_cache_usage_ratio": b.num_used_blocks / b.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }

@@ -18,7 +18,7 @@ class CapacityPolicy:
     def __init__(self, blocks: BlockManager):
         self.blocks = blocks
 
-    def can_admit(self, request: Request, running: Sequence[Request], first_chunk_tokens: int) -> bool:
+    def can_admit(self, request: Request, running: Sequence[Request], tokens_now: int) -> bool:
         raise NotImplementedError
 
     def check_invariant(self, running: Sequence[Request]) -> None:
@@ -33,7 +33,7 @@ class GuaranteedNoEvict(CapacityPolicy):
     def reserved_blocks(self, running: Sequence[Request]) -> int:
         return sum(self.blocks.blocks_for(r.max_total_tokens) for r in running)
 
-    def can_admit(self, request: Request, running: Sequence[Request], first_chunk_tokens: int) -> bool:
+    def can_admit(self, request: Request, running: Sequence[Request], tokens_now: int) -> bool:
         need = self.blocks.blocks_for(request.max_total_tokens)
         return self.reserved_blocks(running) + need <= self.blocks.num_blocks
 
@@ -52,8 +52,8 @@ class MaxUtilization(CapacityPolicy):
     name = "max_utilization"
     may_preempt = True
 
-    def can_admit(self, request: Request, running: Sequence[Request], first_chunk_tokens: int) -> bool:
-        return self.blocks.can_grow(request.request_id, first_chunk_tokens)
+    def can_admit(self, request: Request, running: Sequence[Request], tokens_now: int) -> bool:
+        return self.blocks.can_grow(request.request_id, tokens_now)
 
 
 POLICIES = {p.name: p for p in (GuaranteedNoEvict, MaxUtilization)}

@@ -73,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0  # prompt tokens whose KV was reused instead of computed
         # Padded batches: finished members that keep their slot until the batch ends, prompt
         # padding still to compute per member, and members whose batch ended (for the engine).
         self.lingering: list[Request] = []
@@ -207,11 +208,15 @@ class Scheduler:
             return self._admit_batch(out, budget, allowed)
         while self.waiting and allowed > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.gate.next_candidate(self.waiting)
+            req.num_computed_tokens = self.blocks.reuse_prefix(req.request_id, req.all_token_ids)
             n = self._chunk(req, budget)
-            if n == 0 or not self.policy.can_admit(req, self.running, n):
+            if n == 0 or not self.policy.can_admit(req, self.running, req.num_computed_tokens + n):
+                self.blocks.free(req.request_id)  # give back a reused prefix; it stays cached
+                req.num_computed_tokens = 0
                 break  # first come first served: no skipping past a request that does not fit
             self.waiting.remove(req)
-            self.blocks.grow(req.request_id, n)
+            self.prefix_hit_tokens += req.num_computed_tokens
+            self.blocks.grow(req.request_id, req.num_computed_tokens + n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add(out, req, n)
@@ -269,6 +274,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = seq.start + seq.num_new_tokens
+            if self.blocks.enable_prefix_caching:
+                self.blocks.register_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
             token = sampled.get(req.request_id)
             if token is None:
                 continue

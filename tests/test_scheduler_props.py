@@ -18,17 +18,20 @@ EOS = 0
 
 
 def drive(policy: str, chunked: bool, seed: int, num_blocks: int, block_size: int, budget: int,
-          max_seqs: int, n_requests: int, abort_rate: float):
+          max_seqs: int, n_requests: int, abort_rate: float, reuse: bool = False):
     rng = random.Random(seed)
     cfg = EngineConfig(model_path="unused", batch_scheduler_policy=policy, enable_chunked_context=chunked,
                        max_num_batched_tokens=budget, max_num_seqs=max_seqs, kv_block_size=block_size)
-    sched = Scheduler(cfg, BlockManager(num_blocks, block_size), max_model_len=10_000)
+    sched = Scheduler(cfg, BlockManager(num_blocks, block_size, enable_prefix_caching=reuse), max_model_len=10_000)
+    shared = [rng.randrange(1, 100) for _ in range(40)]  # a common prefix, so reuse has hits
     pending = []
     for i in range(n_requests):
         prompt = rng.randint(1, 60)
         max_tokens = rng.randint(1, 30)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        req = Request(f"r{i}", [rng.randrange(1, 100) for _ in range(prompt)], params, (EOS,), arrival_time=0.0)
+        head = shared[:rng.randint(0, prompt)] if reuse else []
+        tokens = head + [rng.randrange(1, 100) for _ in range(prompt - len(head))]
+        req = Request(f"r{i}", tokens, params, (EOS,), arrival_time=0.0)
         try:
             sched.check_fits(prompt, max_tokens)
         except ValueError:
@@ -66,20 +69,22 @@ def drive(policy: str, chunked: bool, seed: int, num_blocks: int, block_size: in
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32), chunked=st.booleans(), num_blocks=st.integers(6, 40),
        block_size=st.sampled_from([1, 4, 16]), budget=st.integers(64, 200), max_seqs=st.integers(1, 12),
-       n_requests=st.integers(1, 25), abort_rate=st.sampled_from([0.0, 0.05, 0.2]))
-def test_no_evict_never_preempts(seed, chunked, num_blocks, block_size, budget, max_seqs, n_requests, abort_rate):
+       n_requests=st.integers(1, 25), abort_rate=st.sampled_from([0.0, 0.05, 0.2]), reuse=st.booleans())
+def test_no_evict_never_preempts(seed, chunked, num_blocks, block_size, budget, max_seqs, n_requests, abort_rate,
+                                 reuse):
     sched = drive("guaranteed_no_evict", chunked, seed, num_blocks, block_size, budget, max_seqs,
-                  n_requests, abort_rate)
+                  n_requests, abort_rate, reuse)
     assert sched.num_preemptions == 0
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32), chunked=st.booleans(), num_blocks=st.integers(6, 40),
        block_size=st.sampled_from([1, 4, 16]), budget=st.integers(64, 200), max_seqs=st.integers(1, 12),
-       n_requests=st.integers(1, 25), abort_rate=st.sampled_from([0.0, 0.05, 0.2]))
+       n_requests=st.integers(1, 25), abort_rate=st.sampled_from([0.0, 0.05, 0.2]), reuse=st.booleans())
 def test_max_utilization_stays_consistent(seed, chunked, num_blocks, block_size, budget, max_seqs,
-                                          n_requests, abort_rate):
-    drive("max_utilization", chunked, seed, num_blocks, block_size, budget, max_seqs, n_requests, abort_rate)
+                                          n_requests, abort_rate, reuse):
+    drive("max_utilization", chunked, seed, num_blocks, block_size, budget, max_seqs, n_requests, abort_rate,
+          reuse)
 
 
 def test_max_utilization_preempts_under_pressure():
