@@ -26,6 +26,8 @@ class AttentionContext:
     prefill_block_tables: torch.Tensor  # [num_prefills, MB] int32
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, the chunk included
+    decode_max_seq_len: int = 0  # host-side maxima, so no kernel launch waits on a device read
+    prefill_max_q_len: int = 0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, G, D] -> [T, H, D]."""
@@ -33,14 +35,19 @@ class AttentionContext:
         self.ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         nd = self.num_decode_tokens
         if nd == q.shape[0]:
-            return self.ops.decode_attention(q, k_cache, v_cache, self.decode_block_tables,
-                                             self.decode_seq_lens, self.scale)
+            return self._decode(q, k_cache, v_cache)
         if nd == 0:
-            return self.ops.prefill_attention(q, k_cache, v_cache, self.prefill_block_tables,
-                                              self.prefill_cu_seqlens_q, self.prefill_seq_lens, self.scale)
+            return self._prefill(q, k_cache, v_cache)
         out = torch.empty_like(q)
-        out[:nd] = self.ops.decode_attention(q[:nd], k_cache, v_cache, self.decode_block_tables,
-                                             self.decode_seq_lens, self.scale)
-        out[nd:] = self.ops.prefill_attention(q[nd:], k_cache, v_cache, self.prefill_block_tables,
-                                              self.prefill_cu_seqlens_q, self.prefill_seq_lens, self.scale)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache)
+        out[nd:] = self._prefill(q[nd:], k_cache, v_cache)
         return out
+
+    def _decode(self, q, k_cache, v_cache) -> torch.Tensor:
+        return self.ops.decode_attention(q, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens,
+                                         self.scale, max_seq_len=self.decode_max_seq_len or None)
+
+    def _prefill(self, q, k_cache, v_cache) -> torch.Tensor:
+        return self.ops.prefill_attention(q, k_cache, v_cache, self.prefill_block_tables,
+                                          self.prefill_cu_seqlens_q, self.prefill_seq_lens, self.scale,
+                                          max_q_len=self.prefill_max_q_len or None)

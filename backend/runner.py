@@ -101,7 +101,7 @@ class ModelRunner:
         ctx = self._context(caches, torch.arange(n, device=self.device), 0,
                             table[:0], table[0, :0], table,
                             torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                            torch.tensor([n], dtype=torch.int32, device=self.device))
+                            torch.tensor([n], dtype=torch.int32, device=self.device), 0, n)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(n, device=self.device), ctx, self.rope)
         self.model.logits(hidden[-1:])
@@ -110,9 +110,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     # -- one step -------------------------------------------------------------------------------
-    def _context(self, caches, slots, num_decodes, d_tables, d_lens, p_tables, p_cu, p_lens) -> AttentionContext:
+    def _context(self, caches, slots, num_decodes, d_tables, d_lens, p_tables, p_cu, p_lens,
+                 d_max: int, p_max: int) -> AttentionContext:
         return AttentionContext(self.ops, caches, self.model_cfg.head_dim ** -0.5, slots, num_decodes,
-                                d_tables, d_lens, p_tables, p_cu, p_lens)
+                                d_tables, d_lens, p_tables, p_cu, p_lens, d_max, p_max)
 
     def _tables(self, seqs: list[ScheduledSeq], blocks: BlockManager) -> torch.Tensor:
         tables = [blocks.block_table(s.request.request_id) for s in seqs]
@@ -147,11 +148,13 @@ class ModelRunner:
         dev = self.device
         as_t = lambda a, dt: torch.from_numpy(np.asarray(a, dtype=dt)).to(dev, non_blocking=True)
         q_lens = [s.num_new_tokens for s in prefills]
+        d_lens = [s.start + 1 for s in decodes]
         ctx = self._context(
             self.kv_caches, as_t(np.concatenate(slots), np.int64), len(decodes),
-            self._tables(decodes, blocks), as_t([s.start + 1 for s in decodes], np.int32),
+            self._tables(decodes, blocks), as_t(d_lens, np.int32),
             self._tables(prefills, blocks), as_t(np.concatenate([[0], np.cumsum(q_lens)]), np.int32),
-            as_t([s.start + s.num_new_tokens for s in prefills], np.int32))
+            as_t([s.start + s.num_new_tokens for s in prefills], np.int32),
+            max(d_lens, default=0), max(q_lens, default=0))
         # Logits are needed only at the last token of each sequence that samples this step.
         ends = np.cumsum([s.num_new_tokens for s in seqs]) - 1
         sample_rows = [int(e) for e, s in zip(ends, seqs) if s.samples]

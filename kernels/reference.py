@@ -47,14 +47,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                     max_seq_len: Optional[int] = None) -> torch.Tensor:
     """One query token per sequence. q [S, H, D]; seq_lens [S] = cached tokens to attend to
-    (the query's own K/V already stored). Returns [S, H, D]."""
+    (the query's own K/V already stored). Returns [S, H, D]. max_seq_len, when the caller knows
+    it on the host, spares a device-to-host read of seq_lens.max()."""
     s, h, d = q.shape
     if s == 0:
         return torch.empty_like(q)
     bs, g = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max())
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     nblocks = (max_len + bs - 1) // bs
     tables = block_tables[:, :nblocks].long()
     # Padded gather: [S, nblocks*BS, G, D]; positions past seq_len are masked to -inf.
@@ -70,13 +72,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, *, max_q_len: Optional[int] = None) -> torch.Tensor:
     """Causal attention for packed query chunks that read the paged cache.
 
     q [T, H, D] holds S sequences back to back, sequence i at rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
     seq_lens[i] counts all cached tokens of sequence i, the chunk's own included (already stored),
     so the chunk's queries sit at positions seq_lens[i] - q_len .. seq_lens[i] - 1. Earlier context
-    (a previous chunk, a reused prefix) is read from the cache like the rest.
+    (a previous chunk, a reused prefix) is read from the cache like the rest. max_q_len (the
+    longest chunk, known on the host) lets the Triton kernel size its grid without a device read.
     """
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
