@@ -13,12 +13,17 @@ NAMES = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotar
 @pytest.mark.parametrize("name", NAMES)
 def test_signature_extends_reference(name):
     from kernels import triton_ops
-    ref = list(inspect.signature(getattr(reference, name)).parameters.values())
-    ours = list(inspect.signature(getattr(triton_ops, name)).parameters.values())
-    assert [(p.name, p.kind, p.default) for p in ours[:len(ref)]] == \
-           [(p.name, p.kind, p.default) for p in ref]
-    for extra in ours[len(ref):]:   # tuning knobs only: keyword-only, optional
-        assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty
+    kw = inspect.Parameter.KEYWORD_ONLY
+    ref = inspect.signature(getattr(reference, name)).parameters
+    ours = inspect.signature(getattr(triton_ops, name)).parameters
+    positional = lambda params: [(p.name, p.kind, p.default) for p in params.values() if p.kind is not kw]
+    assert positional(ours) == positional(ref)
+    for p in ours.values():  # keyword-only: the reference's hints, then tuning knobs; all optional
+        if p.kind is kw:
+            assert p.default is not inspect.Parameter.empty
+            if p.name in ref:
+                assert ref[p.name].kind is kw and ref[p.name].default == p.default
+    assert all(p.name in ours for p in ref.values())
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
