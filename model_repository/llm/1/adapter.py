@@ -207,6 +207,7 @@ class Live:
     prompt_text: Optional[str]  # the text prompt, echoed in a non-streaming answer
     arrival: float
     last_token_time: Optional[float] = None
+    last_cancel_check: float = 0.0
     cancelled: bool = False
     done: bool = False
 
@@ -342,9 +343,11 @@ class Frontend:
     def _handle(self, live: Live, out: Any, t: float) -> None:
         if live.done:
             return
-        if not out.finished and not live.cancelled and _is_cancelled(live.sender):
-            live.cancelled = True
-            self.engine.abort(live.key)
+        if not out.finished and not live.cancelled:
+            live.last_cancel_check = time.monotonic()
+            if _is_cancelled(live.sender):
+                live.cancelled = True
+                self.engine.abort(live.key)
         if out.new_token_ids:
             if live.last_token_time is None:
                 self.metrics.observe("ttft", t - live.arrival)
@@ -374,9 +377,13 @@ class Frontend:
         return tok.decode(ids) if tok is not None else ""
 
     def _poll_cancelled(self) -> None:
+        """Check the requests no output has checked lately (each check is an IPC round trip)."""
+        recent = time.monotonic() - self.poll_interval
         with self._lock:
-            pending = [lv for lv in self._live.values() if not lv.cancelled and not lv.done]
+            pending = [lv for lv in self._live.values()
+                       if not lv.cancelled and not lv.done and lv.last_cancel_check < recent]
         for live in pending:
+            live.last_cancel_check = time.monotonic()
             if _is_cancelled(live.sender):
                 live.cancelled = True
                 self.engine.abort(live.key)
