@@ -40,7 +40,8 @@ if [ ! -f model_repository/llm/1/model.py ]; then
   exit 2
 fi
 [ -f models/default/config.json ] || inflight make-model --out models/default
-inflight config  # renders config.pbtxt if missing; keeps a hand-edited one
+# Renders config.pbtxt if missing (KIND_GPU on the GPUs seen); keeps a hand-edited one.
+inflight config --output model_repository/llm/config.pbtxt
 exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config "$@"
 EOF
 RUN chmod +x /usr/local/bin/inflight-entrypoint

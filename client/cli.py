@@ -127,8 +127,8 @@ def _generate(args: argparse.Namespace) -> int:
         client = HttpClient(args.url or DEFAULT_URL)
         if args.stream:
             chunks = lambda: client.stream(args.prompt, **options)  # noqa: E731
-        else:
-            chunks = lambda: iter([_single(client.generate(args.prompt, **options))])  # noqa: E731
+        else:  # one response: the Result has the chunk's text and finish_reason
+            chunks = lambda: [client.generate(args.prompt, **options)]  # noqa: E731
     reason = None
     try:
         for chunk in chunks():
@@ -151,12 +151,6 @@ def _generate(args: argparse.Namespace) -> int:
     if args.verbose:
         print(f"[finish_reason: {reason}]", file=sys.stderr)
     return 0
-
-
-def _single(result):
-    from client.protocol import Chunk
-    return Chunk(result.text, result.token_ids, result.finish_reason, result.num_input_tokens,
-                 result.num_output_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:

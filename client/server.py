@@ -163,7 +163,8 @@ class TritonServer:
     Ports default to free loopback ports (tests, benchmarks); `inflight serve` passes 8000/8001/8002
     and host 0.0.0.0. The server log goes to a temporary file (`log_text()`, `last_log` after
     `stop()`), and the reason a model failed to load goes into the error `wait_ready` raises;
-    `log_to_console=True` shows the log live instead.
+    `log_to_console=True` shows the log live instead. tritonserver gets SIGTERM if the process
+    that started it dies (Linux), so call `start()` from a thread that outlives the server.
     """
 
     def __init__(self, model_repository: Path | str = DEFAULT_MODEL_REPOSITORY, *,
