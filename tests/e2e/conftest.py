@@ -15,6 +15,7 @@ MODEL_DIR = REPO_ROOT / "model_repository" / "llm" / "1"
 
 # Small enough that the too-long-prompt case is cheap; the in-process reference uses the same.
 MAX_MODEL_LEN = 512
+HAND_EDITED_KV_TOKENS = 16384
 SERVER_PARAMS = {"max_model_len": str(MAX_MODEL_LEN), "max_num_seqs": "64"}
 
 
@@ -56,7 +57,14 @@ def model_repository(tmp_path_factory) -> Path:
     from templates.render import write_config
 
     repo = tmp_path_factory.mktemp("model_repository")
-    write_config(repo / "llm" / "config.pbtxt", gpus=[])
+    config = repo / "llm" / "config.pbtxt"
+    write_config(config, gpus=[])
+    # A hand edit, as a user would make it: the server must pick it up (test_metrics checks).
+    text = config.read_text()
+    edited = text.replace('key: "cpu_kv_cache_tokens" value: { string_value: "65536" }',
+                          f'key: "cpu_kv_cache_tokens" value: {{ string_value: "{HAND_EDITED_KV_TOKENS}" }}')
+    assert edited != text
+    config.write_text(edited)
     (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
     return repo
 

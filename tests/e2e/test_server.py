@@ -16,7 +16,7 @@ from client.grpc import AsyncGrpcClient, GrpcClient
 from client.http import AsyncHttpClient, HttpClient
 from client.protocol import GenerationError
 
-from .conftest import MAX_MODEL_LEN, requires_tritonserver
+from .conftest import HAND_EDITED_KV_TOKENS, MAX_MODEL_LEN, requires_tritonserver
 
 pytestmark = requires_tritonserver
 
@@ -298,7 +298,8 @@ def test_metrics_endpoint_shows_the_design_names(server):
     for state in ("used", "free", "total"):
         gauge(server, "inflight_kv_blocks", state=state)
     total = gauge(server, "inflight_kv_blocks", state="total")
-    assert total > 0 and gauge(server, "inflight_kv_blocks", state="free") + \
+    assert total == HAND_EDITED_KV_TOKENS // 16  # the hand-edited config.pbtxt value took effect
+    assert gauge(server, "inflight_kv_blocks", state="free") + \
         gauge(server, "inflight_kv_blocks", state="used") == total
     assert gauge(server, "inflight_num_preemptions_total") == 0  # guaranteed_no_evict
     assert gauge(server, "inflight_prompt_tokens_total") > 0
