@@ -10,6 +10,9 @@
     # in-flight in-process and through a local tritonserver, in the same run, with their ratio
     inflight bench --compare-server --model-path models/default --concurrency 64
 
+    # offline: LLM.generate on the whole workload at once, per mode (no latencies)
+    inflight bench --offline --model-path models/default --mode inflight,none
+
 Each (target, mode, concurrency) run sends the same seeded workload (client/workloads.py) with at
 most `concurrency` requests in flight (closed loop), or at Poisson arrivals (`--rate`) still capped
 by `concurrency`. Times are taken where the client sees them: in-process in the engine's output
@@ -220,6 +223,44 @@ class InProcessTarget:
         return result
 
 
+class OfflineTarget:
+    """`LLM(...).generate(all prompts)` for one batching mode: offline throughput, no latencies."""
+    name = "offline"
+
+    def __init__(self, model_path: str, mode: str, params: dict[str, str]):
+        import dataclasses
+
+        from backend import LLM
+        from backend.config import EngineConfig
+
+        self.mode = mode
+        config = EngineConfig.from_params(params, model_path=str(model_path), batching_mode=mode)
+        overrides = {k: v for k, v in dataclasses.asdict(config).items() if k != "model_path"}
+        self.llm = LLM(str(model_path), **overrides)
+
+    def close(self) -> None:
+        pass
+
+    def run(self, items: Sequence[WorkItem], concurrency: int, progress: bool = False,
+            timeout: float = 3600.0) -> dict[str, Any]:
+        from backend.request import SamplingParams
+
+        params = [SamplingParams(max_tokens=w.max_tokens, temperature=0.0, ignore_eos=w.ignore_eos) for w in items]
+        before = self.llm.stats()["num_preemptions"]
+        cpu0, start = time.process_time(), time.monotonic()
+        outputs = self.llm.generate([w.prompt for w in items], params, use_tqdm=progress)
+        duration, cpu = time.monotonic() - start, time.process_time() - cpu0
+        tokens = sum(len(o.token_ids) for o in outputs)
+        failed = sum(o.finish_reason in ("abort", "error") for o in outputs)
+        none = dict.fromkeys(METRIC_KEYS[2:])
+        return {"num_requests": len(items), "completed": len(items) - failed, "failed": failed,
+                "duration_s": duration, "output_tokens": tokens, "output_tokens_per_s": tokens / duration,
+                "requests_per_s": (len(items) - failed) / duration, **none, "errors": [],
+                "kv_usage_peak": None, "kv_usage_mean": None, "running_mean": None,
+                "preemptions": self.llm.stats()["num_preemptions"] - before, "cpu_s": cpu,
+                "output_tokens_per_cpu_s": tokens / cpu if cpu > 0 else None}
+
+
 # -- through the server ------------------------------------------------------------------------
 _METRIC_LINE = re.compile(r"^(inflight_[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|nan|NaN)")
 
@@ -395,7 +436,7 @@ def ratios(results: Sequence[dict]) -> list[dict]:
             if o and o["output_tokens_per_s"]:
                 out.append({"kind": f"inflight/{other}", "target": target, "concurrency": conc,
                             "ratio": r["output_tokens_per_s"] / o["output_tokens_per_s"]})
-        if target != "in-process":
+        if target.startswith("server"):
             base = by.get(("in-process", "inflight", conc))
             if base and base["output_tokens_per_s"]:
                 out.append({"kind": f"{target}/in-process", "target": target, "concurrency": conc,
@@ -501,6 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--url", help="a running server: gRPC host:port (default localhost:8001), or HTTP with --protocol http")
     where.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     where.add_argument("--metrics-url", help="the server's Prometheus endpoint (default: the url's host, port 8002)")
+    where.add_argument("--offline", action="store_true",
+                       help="LLM.generate on the whole workload at once, per --mode (needs --model-path)")
     where.add_argument("--compare-server", action="store_true",
                        help="in-flight in-process AND through a server in the same run, with their ratio "
                             "(starts a local tritonserver unless --url is given)")
@@ -533,8 +576,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.num_requests < 1:
         print("inflight bench: --num-requests must be >= 1", file=sys.stderr)
         return 2
-    if (args.in_process or args.compare_server) and not args.model_path:
-        print("inflight bench: --in-process and --compare-server need --model-path DIR", file=sys.stderr)
+    if (args.in_process or args.compare_server or args.offline) and not args.model_path:
+        print("inflight bench: --in-process, --offline and --compare-server need --model-path DIR", file=sys.stderr)
         return 2
     if args.model_path and not Path(args.model_path).is_dir():
         print(f"inflight bench: --model-path {args.model_path} is not a folder", file=sys.stderr)
@@ -569,7 +612,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if warm and id(target) not in warmed:  # untimed: first-call costs out of the way
             target.run(warm, len(warm))
             warmed.add(id(target))
-        for c in concurrencies:
+        for c in ([len(items)] if isinstance(target, OfflineTarget) else concurrencies):
             r = target.run(items, c, progress)
             row = {"target": target.name, "mode": target.mode, "concurrency": c, "rate": args.rate, **r}
             results.append(row)
@@ -594,9 +637,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         measure(s, [c])
             finally:
                 local.close()
-        elif args.in_process:
+        elif args.in_process or args.offline:
             for mode in args.mode:
-                target = InProcessTarget(args.model_path, mode, params)
+                kind = OfflineTarget if args.offline else InProcessTarget
+                target = kind(args.model_path, mode, params)
                 try:
                     measure(target, args.concurrency)
                 finally:

@@ -73,3 +73,16 @@ def test_bench_refuses_bad_arguments(capsys):
     assert bench.main(["--in-process"]) == 2
     with pytest.raises(SystemExit):
         bench.main(["--in-process", "--model-path", ".", "--mode", "continuous"])
+
+
+def test_bench_offline_runs_generate_per_mode(default_model_dir, tmp_path):
+    out = tmp_path / "o.json"
+    rc = bench.main(["--offline", "--model-path", str(default_model_dir), "--mode", "inflight,none",
+                     "--workload", "fixed", "--fixed-prompt-len", "10", "--fixed-output-len", "3",
+                     "--num-requests", "5", "--warmup", "1", "--no-progress", "--output-json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert [(r["target"], r["mode"], r["concurrency"]) for r in data["results"]] == [
+        ("offline", "inflight", 5), ("offline", "none", 5)]
+    assert all(r["output_tokens"] == 15 and r["failed"] == 0 for r in data["results"])
+    assert [x["kind"] for x in data["ratios"]] == ["inflight/none"]
