@@ -119,11 +119,11 @@ def _generate(args: argparse.Namespace) -> int:
     ).items() if v is not None}
     protocol = args.protocol or ("http" if args.url and args.url.startswith(("http://", "https://")) else "grpc")
     if protocol == "grpc":
-        from client.grpc import DEFAULT_URL, GrpcClient
+        from client.grpc_client import DEFAULT_URL, GrpcClient
         client = GrpcClient(args.url or DEFAULT_URL)
         chunks = lambda: client.stream(args.prompt, stream=args.stream, **options)  # noqa: E731
     else:
-        from client.http import DEFAULT_URL, HttpClient
+        from client.http_client import DEFAULT_URL, HttpClient
         client = HttpClient(args.url or DEFAULT_URL)
         if args.stream:
             chunks = lambda: client.stream(args.prompt, **options)  # noqa: E731

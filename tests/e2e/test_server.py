@@ -12,8 +12,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend import SamplingParams
-from client.grpc import AsyncGrpcClient, GrpcClient
-from client.http import AsyncHttpClient, HttpClient
+from client.grpc_client import AsyncGrpcClient, GrpcClient
+from client.http_client import AsyncHttpClient, HttpClient
 from client.protocol import GenerationError
 
 from .conftest import HAND_EDITED_KV_TOKENS, MAX_MODEL_LEN, requires_tritonserver
@@ -159,23 +159,43 @@ def test_cancelling_a_stream_frees_its_kv_blocks(server):
 
 def test_stop_by_request_id_over_http(server):
     http = HttpClient(server.http_url)
-    outcome = {}
+    started = threading.Event()
+    chunks = []
 
-    def long_request():
-        outcome["result"] = http.generate("Stop me", request_id="stop-me-1", max_tokens=400,
-                                          ignore_eos=True, exclude_input_in_output=True)
+    def long_request():  # generate_stream, so that we know when it is running
+        for chunk in http.stream("Stop me", request_id="stop-me-1", max_tokens=400, ignore_eos=True):
+            chunks.append(chunk)
+            started.set()
 
     worker = threading.Thread(target=long_request)
     worker.start()
-    wait_until(lambda: gauge(server, "inflight_num_requests_running") >= 1)
+    assert started.wait(30)
     stopped = http.stop("stop-me-1")
     worker.join(30)
     assert stopped.finish_reason == "abort"
-    result = outcome["result"]
-    assert result.finish_reason == "abort" and 0 < len(result.token_ids) < 400
+    assert chunks[-1].finish_reason == "abort" and len(chunks) < 400
     wait_until(lambda: gauge(server, "inflight_kv_blocks", state="used") == 0, timeout=5)
     with pytest.raises(GenerationError, match="no request with id 'stop-me-1' is running"):
         http.stop("stop-me-1")
+
+
+def test_stop_ends_a_non_streaming_http_generate(server):
+    http = HttpClient(server.http_url)
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.setdefault("result", http.generate(
+        "Stop me too", request_id="stop-me-2", max_tokens=400, ignore_eos=True)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while True:  # until the request has reached the engine
+        try:
+            http.stop("stop-me-2")
+            break
+        except GenerationError as exc:
+            assert "no request with id" in str(exc) and time.monotonic() < deadline, exc
+            time.sleep(0.02)
+    worker.join(30)
+    assert outcome["result"].finish_reason == "abort"
+    assert outcome["result"].num_output_tokens < 400
 
 
 # -- bad requests ------------------------------------------------------------------------------------

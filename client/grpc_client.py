@@ -1,6 +1,6 @@
 """gRPC client for the `llm` model over Triton's bidirectional stream (tritonclient), sync and asyncio.
 
-    from client.grpc import GrpcClient
+    from client.grpc_client import GrpcClient
     with GrpcClient("localhost:8001") as c:
         for chunk in c.stream("Once upon a time", max_tokens=32, temperature=0):
             print(chunk.text, end="", flush=True)
@@ -42,18 +42,21 @@ def _outputs(module):
     return [module.InferRequestedOutput(name) for name in OUTPUTS]
 
 
-def _is_final(result) -> bool:
-    params = result.get_response().parameters
-    return "triton_final_response" in params and params["triton_final_response"].bool_param
-
-
-def _has_outputs(result) -> bool:
-    return len(result.get_response().outputs) > 0
-
-
 def _error_text(error) -> str:
     message = getattr(error, "message", None)
     return message() if callable(message) else str(error)
+
+
+def _read(result, error) -> tuple[Optional[Chunk], bool]:
+    """One message of the stream -> (its chunk, or None for an empty final response; whether the
+    request is finished). An error response ends the request: it is raised."""
+    if error is not None:
+        raise GenerationError(_error_text(error))
+    response = result.get_response()
+    chunk = Chunk.from_arrays(result.as_numpy) if len(response.outputs) else None
+    final = "triton_final_response" in response.parameters and \
+        response.parameters["triton_final_response"].bool_param
+    return chunk, final or (chunk is not None and chunk.finished)
 
 
 class GrpcClient:
@@ -85,16 +88,11 @@ class GrpcClient:
                                             enable_empty_final_response=True)
             while not done:
                 try:
-                    result, error = responses.get(timeout=self.timeout)
+                    message = responses.get(timeout=self.timeout)
                 except queue.Empty:
                     raise TimeoutError(f"no response from {self.url} in {self.timeout:.0f}s") from None
-                if error is not None:
-                    done = True
-                    raise GenerationError(_error_text(error))
-                done = _is_final(result)
-                if _has_outputs(result):
-                    chunk = Chunk.from_arrays(result.as_numpy)
-                    done = done or chunk.finished
+                chunk, done = _read(*message)
+                if chunk is not None:
                     yield chunk
         finally:
             # Early exit (break, an exception, a timeout): cancel the request on the server.
@@ -161,14 +159,9 @@ class AsyncGrpcClient:
         responses = self._client.stream_infer(requests())
         done = False
         try:
-            async for result, error in responses:
-                if error is not None:
-                    done = True
-                    raise GenerationError(_error_text(error))
-                done = _is_final(result)
-                if _has_outputs(result):
-                    chunk = Chunk.from_arrays(result.as_numpy)
-                    done = done or chunk.finished
+            async for message in responses:
+                chunk, done = _read(*message)
+                if chunk is not None:
                     yield chunk
                 if done:
                     break

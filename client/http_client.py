@@ -1,6 +1,6 @@
 """HTTP client for the `llm` model: Triton's `generate` and `generate_stream` endpoints, sync and asyncio.
 
-    from client.http import HttpClient
+    from client.http_client import HttpClient
     c = HttpClient("localhost:8000")
     print(c.generate("Hello", max_tokens=8, exclude_input_in_output=True).text)   # one response
     for chunk in c.stream("Hello", max_tokens=8):                                 # server-sent events
