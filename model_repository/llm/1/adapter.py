@@ -153,7 +153,7 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int) -
         if name in get:
             kwargs[name] = conv(name, get[name])
     if "stop_words" in get:
-        kwargs["stop"] = [s for s in _strings("stop_words", get["stop_words"])]
+        kwargs["stop"] = _strings("stop_words", get["stop_words"])
     if kwargs["max_tokens"] < 1:
         raise ValueError(f"max_tokens must be >= 1; got {kwargs['max_tokens']}")
     for name in ("temperature", "top_p"):
