@@ -6,6 +6,7 @@ name) so the tests can swap it for a NaN-filling version and catch elements a ke
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Sequence
 
@@ -70,3 +71,26 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+def check_paged_attention(name: str, q: torch.Tensor, q_layout: str, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          scale: float) -> None:
+    """The checks decode and prefill attention share: q against the paged cache (dtype, head dim,
+    GQA ratio), index tensors, and the scale."""
+    check_ndim(name, "q", q, 3, q_layout)
+    check_cache(name, k_cache, v_cache)
+    check_ndim(name, "block_tables", block_tables, 2, "[num_seqs, max_blocks]")
+    check_dtype(name, "q", q, FLOAT_DTYPES)
+    check_dtype(name, "block_tables", block_tables, INDEX_DTYPES)
+    check_dtype(name, "seq_lens", seq_lens, INDEX_DTYPES)
+    h, d = q.shape[1], q.shape[2]
+    g, cd = k_cache.shape[2], k_cache.shape[3]
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if cd != d:
+        raise ValueError(f"{name}: q head_dim {d} != cache head_dim {cd}")
+    if h % g != 0:
+        raise ValueError(f"{name}: num_heads {h} must be a multiple of num_kv_heads {g}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{name}: scale must be finite; got {scale}")

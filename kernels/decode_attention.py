@@ -23,7 +23,6 @@ split count comes from the shapes only (block_tables width * block_size bounds t
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -175,20 +174,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
       block_n: kv positions per tile (a power of two >= 16).
     """
     name = "decode_attention"
-    C.check_ndim(name, "q", q, 3, "[num_seqs, num_heads, head_dim]")
-    C.check_cache(name, k_cache, v_cache)
-    C.check_ndim(name, "block_tables", block_tables, 2, "[num_seqs, max_blocks]")
-    C.check_dtype(name, "q", q, C.FLOAT_DTYPES)
-    C.check_dtype(name, "block_tables", block_tables, C.INDEX_DTYPES)
-    C.check_dtype(name, "seq_lens", seq_lens, C.INDEX_DTYPES)
+    C.check_paged_attention(name, q, "[num_seqs, num_heads, head_dim]", k_cache, v_cache, block_tables,
+                            seq_lens, scale)
     s, h, d = q.shape
-    nb, bs, g, cd = k_cache.shape
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")
-    if cd != d:
-        raise ValueError(f"{name}: q head_dim {d} != cache head_dim {cd}")
-    if h % g != 0:
-        raise ValueError(f"{name}: num_heads {h} must be a multiple of num_kv_heads {g}")
+    nb, bs, g, _ = k_cache.shape
     if block_tables.shape[0] != s:
         raise ValueError(f"{name}: block_tables has {block_tables.shape[0]} rows for {s} sequences")
     if seq_lens.shape != (s,):
@@ -196,8 +185,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if s > 1 and seq_lens.stride(0) != 1:
         raise ValueError(f"{name}: seq_lens must be contiguous")
     C.check_device(name, q, k_cache, v_cache, block_tables, seq_lens)
-    if not math.isfinite(scale):
-        raise ValueError(f"{name}: scale must be finite; got {scale}")
 
     out = C.alloc((s, h, d), q.dtype, q.device)
     if s == 0:

@@ -19,7 +19,6 @@ the total token count (a safe bound; surplus programs exit at once) rather than 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -158,21 +157,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     powers of two >= 16).
     """
     name = "prefill_attention"
-    C.check_ndim(name, "q", q, 3, "[tokens, num_heads, head_dim]")
-    C.check_cache(name, k_cache, v_cache)
-    C.check_ndim(name, "block_tables", block_tables, 2, "[num_seqs, max_blocks]")
-    C.check_dtype(name, "q", q, C.FLOAT_DTYPES)
-    C.check_dtype(name, "block_tables", block_tables, C.INDEX_DTYPES)
+    C.check_paged_attention(name, q, "[tokens, num_heads, head_dim]", k_cache, v_cache, block_tables,
+                            seq_lens, scale)
     C.check_dtype(name, "cu_seqlens_q", cu_seqlens_q, C.INDEX_DTYPES)
-    C.check_dtype(name, "seq_lens", seq_lens, C.INDEX_DTYPES)
     t, h, d = q.shape
-    nb, bs, g, cd = k_cache.shape
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")
-    if cd != d:
-        raise ValueError(f"{name}: q head_dim {d} != cache head_dim {cd}")
-    if h % g != 0:
-        raise ValueError(f"{name}: num_heads {h} must be a multiple of num_kv_heads {g}")
+    nb, bs, g, _ = k_cache.shape
     if seq_lens.dim() != 1:
         raise ValueError(f"{name}: seq_lens must be 1-D [num_seqs]; got shape {tuple(seq_lens.shape)}")
     s = seq_lens.shape[0]
@@ -185,8 +174,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         if tensor.shape[0] > 1 and tensor.stride(0) != 1:
             raise ValueError(f"{name}: {arg} must be contiguous")
     C.check_device(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
-    if not math.isfinite(scale):
-        raise ValueError(f"{name}: scale must be finite; got {scale}")
 
     out = C.alloc((t, h, d), q.dtype, q.device)
     if t == 0 or s == 0:
