@@ -7,7 +7,7 @@ fields; `validate` is the single place a bad value is refused, with the key and 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
