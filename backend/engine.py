@@ -232,6 +232,7 @@ class AsyncEngine:
         self._aborts: deque[str] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopped = False
+        self._stats = self.engine.stats()  # a consistent snapshot, taken between steps
         self._thread = threading.Thread(target=self._loop, name="inflight-engine", daemon=True)
         self._thread.start()
 
@@ -261,7 +262,8 @@ class AsyncEngine:
             return known
 
     def stats(self) -> dict[str, Union[int, float]]:
-        return self.engine.stats()
+        """The engine's figures as of the end of its last step (never half-way through one)."""
+        return self._stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -283,6 +285,7 @@ class AsyncEngine:
                 self.engine.add(request)
             outputs = [o for rid in aborts if (o := self.engine.abort(rid)) is not None]
             outputs += self.engine.step()
+            self._stats = self.engine.stats()
             if self.engine.idle and not outputs and self.engine.has_work():
                 time.sleep(0.001)  # a batching gate is holding requests back; poll gently
             self._deliver(outputs)
@@ -312,4 +315,5 @@ class AsyncEngine:
             self.engine.add(request)
         outputs = [o for r in list(self.engine.scheduler.iter_requests())
                    if (o := self.engine.abort(r.request_id)) is not None]
+        self._stats = self.engine.stats()
         self._deliver(outputs)
