@@ -32,6 +32,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
+    # Longest text prompt in UTF-8 bytes, checked before tokenizing. 0: derived from max_model_len and
+    # the tokenizer (a text past it could never fit in max_model_len tokens); N: this many bytes.
+    max_input_bytes: int = 0
     batch_scheduler_policy: str = "guaranteed_no_evict"
     enable_chunked_context: bool = True
     enable_kv_cache_reuse: bool = False
@@ -77,6 +80,7 @@ class EngineConfig:
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("max_model_len", self.max_model_len, 0)
+        _at_least("max_input_bytes", self.max_input_bytes, 0)
         _at_least("max_queue_size", self.max_queue_size, 0)
         _at_least("max_queue_delay_microseconds", self.max_queue_delay_microseconds, 0)
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:

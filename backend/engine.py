@@ -32,7 +32,11 @@ Prompt = Union[str, list[int]]
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds max_queue_size requests already."""
+    """The waiting queue holds max_queue_size requests already (retry later)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is shut down, or stopped after an internal error it could not recover from."""
 
 
 class LLMEngine:
@@ -43,6 +47,7 @@ class LLMEngine:
         self.model_config = load_model_config(config.model_path)
         self.max_model_len = self._max_model_len()
         self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.max_input_bytes = config.max_input_bytes or self._derived_max_input_bytes()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size,
                                    enable_prefix_caching=config.enable_kv_cache_reuse)
@@ -64,6 +69,16 @@ class LLMEngine:
                              f"supports ({limit})")
         return self.config.max_model_len
 
+    def _derived_max_input_bytes(self) -> int:
+        """4 x max_model_len x the longest token in bytes: each token covers at most that many bytes of
+        text, so a longer text cannot fit in max_model_len tokens (x4 leaves room for normalizers
+        that shrink text). It lets a 10 MB prompt be refused before it is tokenized."""
+        if self.tokenizer is None:
+            return 4 * self.max_model_len * 16
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        longest = max((len(t.encode("utf-8")) for t in vocab), default=16)
+        return 4 * self.max_model_len * max(longest, 1)
+
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
@@ -76,8 +91,14 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: send input_ids instead of text")
+            if len(prompt) * 4 > self.max_input_bytes and len(prompt.encode("utf-8")) > self.max_input_bytes:
+                raise ValueError(f"the prompt is {len(prompt.encode('utf-8'))} bytes; the limit is "
+                                 f"{self.max_input_bytes} bytes (max_input_bytes; max_model_len is "
+                                 f"{self.max_model_len} tokens)")
             ids = self.tokenizer.encode(prompt)
         else:
+            if len(prompt) > self.max_model_len:
+                raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
             ids = [int(t) for t in prompt]
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
@@ -173,6 +194,26 @@ class LLMEngine:
             results.append(self._output(req, []))
         return results
 
+    def fail_running(self, message: str) -> list[RequestOutput]:
+        """After an unexpected exception in a step outside the model run (in scheduling or
+        postprocessing): fail the requests of the batch (the running ones), keep the waiting ones,
+        and check that the block and queue state is still sound (raises if it is not)."""
+        results = []
+        for req in list(self.scheduler.running) + list(self.scheduler.lingering):
+            self._held.pop(req.request_id, None)
+            req.error = message
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            results.append(self._closing_output(req))
+        self.check_integrity()
+        return results
+
+    def _closing_output(self, req: Request) -> RequestOutput:
+        """The final output of a finished request, whatever state its detokenizer is in."""
+        self._detok.pop(req.request_id, None)
+        self.runner.sampler.forget(req.request_id)
+        return RequestOutput(req.request_id, req.prompt_token_ids, [], list(req.output_token_ids), "", "",
+                             True, req.finish_reason, req.error)
+
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         """Detokenize new tokens, apply stop strings, and package what the caller sees."""
         detok, stops = self._detok[req.request_id]
@@ -232,6 +273,7 @@ class AsyncEngine:
         self._aborts: deque[str] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopped = False
+        self._broken: Optional[str] = None  # why the loop stopped after a fault it could not recover from
         self._stats = self.engine.stats()  # a consistent snapshot, taken between steps
         self._thread = threading.Thread(target=self._loop, name="inflight-engine", daemon=True)
         self._thread.start()
@@ -239,13 +281,17 @@ class AsyncEngine:
     tokenizer = property(lambda self: self.engine.tokenizer)
     vocab_size = property(lambda self: self.engine.vocab_size)
     max_model_len = property(lambda self: self.engine.max_model_len)
+    max_input_bytes = property(lambda self: self.engine.max_input_bytes)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     on_output: OutputCallback) -> None:
         request = self.engine.make_request(request_id, prompt, params)
         with self._lock:
+            if self._broken is not None:
+                raise EngineDeadError(f"the engine stopped after an internal error ({self._broken}); "
+                                      "restart the server")
             if self._stopped:
-                raise RuntimeError("the engine is shut down")
+                raise EngineDeadError("the engine is shut down")
             if request_id in self._callbacks:
                 raise ValueError(f"request_id '{request_id}' is already running; use a new id")
             self.engine.check_queue(len(self._new))
@@ -281,15 +327,52 @@ class AsyncEngine:
                     break
                 new, self._new = list(self._new), deque()
                 aborts, self._aborts = list(self._aborts), deque()
-            for request, _ in new:
-                self.engine.add(request)
-            outputs = [o for rid in aborts if (o := self.engine.abort(rid)) is not None]
-            outputs += self.engine.step()
+            try:
+                outputs = self._iterate(new, aborts)
+            except Exception as exc:  # the state is unsound: answer everyone, refuse new requests
+                log.exception("the engine cannot recover; every request is failed")
+                self._die(f"{type(exc).__name__}: {exc}")
+                return
             self._stats = self.engine.stats()
             if self.engine.idle and not outputs and self.engine.has_work():
                 time.sleep(0.001)  # a batching gate is holding requests back; poll gently
             self._deliver(outputs)
         self._drain()
+
+    def _iterate(self, new: list[tuple[Request, OutputCallback]], aborts: list[str]) -> list[RequestOutput]:
+        """One turn of the loop. A failed model run is handled inside step() (its requests fail); any
+        other exception in a step fails the running batch here, and the loop carries on as long as
+        the block and queue state checks out afterwards."""
+        outputs = []
+        for request, _ in new:
+            try:
+                self.engine.add(request)
+            except Exception as exc:
+                log.exception("adding request %s failed", request.request_id)
+                request.error = f"{type(exc).__name__}: {exc}"
+                request.status = RequestStatus.FINISHED_ERROR
+                outputs.append(RequestOutput(request.request_id, request.prompt_token_ids, [], [], "", "",
+                                             True, "error", request.error))
+        outputs += [o for rid in aborts if (o := self.engine.abort(rid)) is not None]
+        try:
+            outputs += self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the running requests")
+            outputs += self.engine.fail_running(f"engine step failed: {exc!r}")
+        return outputs
+
+    def _die(self, reason: str) -> None:
+        """Answer every request with an error and refuse new ones (add_request raises)."""
+        with self._lock:
+            self._broken = reason
+            callbacks, self._callbacks = dict(self._callbacks), {}
+            self._new.clear()
+        for request_id, callback in callbacks.items():
+            try:
+                callback(RequestOutput(request_id, [], [], [], "", "", True, "error",
+                                       f"the engine failed: {reason}"))
+            except Exception:
+                log.exception("output callback for %s failed", request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -9,6 +9,7 @@ from typing import Optional
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
@@ -47,6 +48,8 @@ class SamplingParams:
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop_words: each stop string must have 1..{MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids; got {len(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

@@ -313,7 +313,8 @@ def test_close_answers_every_open_request(frontend):
     frontend.close(timeout=1)
     assert all(s.final for s in senders)
     _, late = submit(frontend)
-    assert late.responses == [(None, "RuntimeError: the server is shutting down", True)]
+    assert late.responses == [(None, "the server is shutting down; retry later", True)]
+    assert late.responses[0][1].code == "UNAVAILABLE"
 
 
 def test_stop_file_aborts_everything(tmp_path):

@@ -7,17 +7,26 @@
   its own thread; the callbacks only queue. One responder thread builds and sends the responses,
   so the engine loop never waits on Triton's IPC. It also polls `is_cancelled()` (at each output of
   a request, and every `poll_interval` for all of them) and keeps the metrics current.
+  The responder sends a few thousand responses a second at most. While it keeps up, every engine
+  output gets its own response (one per step when streaming). When it falls behind (more than
+  `coalesce_after` outputs waiting), a request's new output is merged into its output that is
+  still waiting (the new tokens and text concatenated), so the queue stays below
+  `coalesce_after` + the number of live requests however fast the engine steps.
+- `FaultInjector`: test-only faults in the model step, armed only by INFLIGHT_FAULT_INJECTION=1.
 
 Triton specifics come in through three callables (model.py supplies them, tests supply fakes):
 `respond(sender, tensors | None, error | None, final)`, the sender's `is_cancelled()`, and a
-metrics object with `observe(kind, seconds)` and `update(stats)`.
+metrics object with `observe(kind, seconds)` and `update(stats)`. An `error` is an `Error`: a str
+that also carries the Triton error code to answer with (INVALID_ARG, UNAVAILABLE or INTERNAL).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -28,11 +37,17 @@ from typing import Any, Callable, Mapping, Optional, Union
 import numpy as np
 
 from backend.config import EngineConfig
-from backend.request import SamplingParams
+from backend.request import MAX_STOP_STRINGS, SamplingParams
 
 log = logging.getLogger("inflight.triton")
 
 DEFAULT_MAX_TOKENS = 16
+MAX_SAMPLING_PARAMETERS_BYTES = 1 << 20  # the sampling_parameters JSON
+INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed",
+               "stop_words", "ignore_eos", "min_tokens", "exclude_input_in_output", "stop",
+               "sampling_parameters")
+# Request parameters Triton itself may attach; any other parameter is refused (see check_parameters).
+KNOWN_PARAMETERS = ("id", "priority", "timeout", "sequence_id", "sequence_start", "sequence_end")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_words",
                  "stop_token_ids", "ignore_eos", "min_tokens")
 
@@ -113,8 +128,12 @@ def _strings(name: str, array: np.ndarray) -> list[str]:
     return [_text(name, v) for v in array.reshape(-1)]
 
 
-def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int) -> ParsedRequest:
-    """Validate the input tensors of one request. Raises ValueError naming the input and the rule."""
+def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int,
+                  max_model_len: Optional[int] = None, max_input_bytes: Optional[int] = None) -> ParsedRequest:
+    """Validate the input tensors of one request. Raises ValueError naming the input and the rule.
+
+    The size limits are checked before anything is decoded or copied: `max_input_bytes` on the
+    text_input, `max_model_len` on the number of input_ids, and the stop-word count."""
     get = {k: v for k, v in inputs.items() if v is not None}
     if "stop" in get and _bool("stop", get["stop"]):
         return ParsedRequest(stop=True)
@@ -128,7 +147,14 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int) -
     if text is not None:
         if text.dtype.kind not in "OSU":
             raise ValueError(f"text_input must be a BYTES (string) tensor; got {text.dtype}")
-        prompt = _text("text_input", _one("text_input", text))
+        raw = _one("text_input", text)
+        if max_input_bytes and isinstance(raw, (bytes, np.bytes_, str)) and len(raw) > max_input_bytes:
+            size = len(raw) if not isinstance(raw, str) else len(raw.encode("utf-8"))
+            if size > max_input_bytes:
+                raise ValueError(f"text_input is {size} bytes; the limit is {max_input_bytes} bytes "
+                                 f"(max_input_bytes" + (f"; max_model_len is {max_model_len} tokens)"
+                                                        if max_model_len else ")"))
+        prompt = _text("text_input", raw)
         if not prompt:
             raise ValueError("text_input is empty: the prompt needs at least one character")
     else:
@@ -138,6 +164,8 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int) -
             raise ValueError(f"input_ids must be one-dimensional [n]; got shape {list(ids.shape)}")
         if ids.size == 0:
             raise ValueError("input_ids is empty: the prompt needs at least one token")
+        if max_model_len and ids.size > max_model_len:
+            raise ValueError(f"prompt has {ids.size} tokens; max_model_len is {max_model_len}")
         bad = ids[(ids < 0) | (ids >= vocab_size)]
         if bad.size:
             raise ValueError(f"input_ids: token id {int(bad[0])} is outside the vocabulary "
@@ -146,16 +174,23 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int) -
 
     kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
     if "sampling_parameters" in get:
-        kwargs.update(_sampling_json(_text("sampling_parameters",
-                                           _one("sampling_parameters", get["sampling_parameters"]))))
+        raw = _one("sampling_parameters", get["sampling_parameters"])
+        if isinstance(raw, (bytes, np.bytes_, str)) and len(raw) > MAX_SAMPLING_PARAMETERS_BYTES:
+            raise ValueError(f"sampling_parameters is {len(raw)} bytes; the limit is "
+                             f"{MAX_SAMPLING_PARAMETERS_BYTES} bytes")
+        kwargs.update(_sampling_json(_text("sampling_parameters", raw)))
     for name, conv in (("max_tokens", _int), ("top_k", _int), ("min_tokens", _int), ("seed", _int),
                        ("temperature", _float), ("top_p", _float), ("ignore_eos", _bool)):
         if name in get:
             kwargs[name] = conv(name, get[name])
     if "stop_words" in get:
+        if get["stop_words"].size > MAX_STOP_STRINGS:
+            raise ValueError(f"stop_words: at most {MAX_STOP_STRINGS} stop strings; got {get['stop_words'].size}")
         kwargs["stop"] = _strings("stop_words", get["stop_words"])
     if kwargs["max_tokens"] < 1:
-        raise ValueError(f"max_tokens must be >= 1; got {kwargs['max_tokens']}")
+        hint = (" (max_tokens is an INT32: a value past 2147483647 wraps around to a negative one)"
+                if kwargs["max_tokens"] < 0 else "")
+        raise ValueError(f"max_tokens must be >= 1; got {kwargs['max_tokens']}{hint}")
     for name in ("temperature", "top_p"):
         if name in kwargs and math.isnan(kwargs[name]):
             raise ValueError(f"{name} must be a number; got NaN")
@@ -164,6 +199,26 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int) -
                          stream=_bool("stream", get["stream"]) if "stream" in get else False,
                          exclude_input=(_bool("exclude_input_in_output", get["exclude_input_in_output"])
                                         if "exclude_input_in_output" in get else False))
+
+
+def check_parameters(raw: Optional[str]) -> None:
+    """Refuse request parameters the model does not know. Triton's HTTP generate endpoints turn
+    every JSON field that is not an input into a request parameter, so a misspelt option
+    ("max_token": 100) would otherwise be dropped without a word. Over gRPC, unknown inputs are
+    refused by Triton itself."""
+    if not raw or raw == "{}":
+        return
+    try:
+        params = json.loads(raw)
+    except ValueError:
+        return
+    if not isinstance(params, dict):
+        return
+    unknown = sorted(k for k in params if k not in KNOWN_PARAMETERS and not k.startswith("triton_"))
+    if unknown:
+        raise ValueError(f"unknown input(s) {', '.join(repr(k) for k in unknown)}; the inputs are "
+                         f"{', '.join(INPUT_NAMES)} (over HTTP generate, a JSON field that is not an "
+                         "input arrives as a request parameter: check its spelling)")
 
 
 def _sampling_json(raw: str) -> dict[str, Any]:
@@ -194,6 +249,37 @@ def _sampling_json(raw: str) -> dict[str, Any]:
     return out
 
 
+# -- errors ----------------------------------------------------------------------------------------
+
+class Error(str):
+    """An error message for a client, with the Triton error code to answer it with.
+
+    INVALID_ARG: the request is wrong (fix it; gRPC INVALID_ARGUMENT, HTTP 400).
+    UNAVAILABLE: the server cannot take it now (the queue is full, it is shutting down): retry later.
+    INTERNAL: the server failed it (a failed model step)."""
+    code: str
+
+    def __new__(cls, message: str, code: str = "INTERNAL") -> "Error":
+        self = super().__new__(cls, message)
+        self.code = code
+        return self
+
+
+class ServerClosing(RuntimeError):
+    """The model is being unloaded: new requests are refused."""
+
+
+def error_for(exc: BaseException) -> Error:
+    """The message and code a refused request gets for an exception."""
+    if isinstance(exc, ValueError):
+        return Error(str(exc) or type(exc).__name__, "INVALID_ARG")
+    # QueueFullError and EngineDeadError live in backend.engine, which this module does not import
+    # (it would load torch before the config is checked): they are known by name.
+    if isinstance(exc, ServerClosing) or type(exc).__name__ in ("QueueFullError", "EngineDeadError"):
+        return Error(str(exc) or type(exc).__name__, "UNAVAILABLE")
+    return Error(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, "INTERNAL")
+
+
 # -- the responses -----------------------------------------------------------------------------------
 
 @dataclass
@@ -210,6 +296,18 @@ class Live:
     last_cancel_check: float = 0.0
     cancelled: bool = False
     done: bool = False
+    # Its newest output still waiting for the responder, which later ones may be merged into.
+    # Guarded by Frontend._pending_lock.
+    waiting: Optional["_Entry"] = None
+
+
+class _Entry:
+    """One queued engine output (possibly several merged): the output, when the first and the last
+    merged output arrived, and whether the responder has taken it."""
+    __slots__ = ("live", "out", "t_first", "t_last", "taken")
+
+    def __init__(self, live: Live, out: Any, t: float):
+        self.live, self.out, self.t_first, self.t_last, self.taken = live, out, t, t, False
 
 
 def output_tensors(live: Live, out: Any, prompt_ids_text: Callable[[list[int]], str]) -> dict[str, np.ndarray]:
@@ -231,6 +329,13 @@ def output_tensors(live: Live, out: Any, prompt_ids_text: Callable[[list[int]], 
     }
 
 
+def merge_outputs(first: Any, then: Any) -> Any:
+    """One engine output that carries `first`'s new tokens and text followed by `then`'s, and
+    `then`'s totals and state (finished, finish_reason, error)."""
+    return dataclasses.replace(then, new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
+                               new_text=first.new_text + then.new_text)
+
+
 Respond = Callable[[Any, Optional[dict], Optional[str], bool], None]
 
 
@@ -247,7 +352,7 @@ class Frontend:
 
     def __init__(self, engine: Any, respond: Respond, metrics: Any = None,
                  poll_interval: float = 0.05, stats_interval: float = 0.1,
-                 stop_file: Optional[Path] = None):
+                 stop_file: Optional[Path] = None, coalesce_after: int = 256):
         self.engine = engine
         # `inflight serve` creates this file just before it stops Triton: Triton unloads a decoupled
         # model only once all its requests are answered, so every running request is aborted then.
@@ -257,40 +362,53 @@ class Frontend:
         self.poll_interval = poll_interval
         self.stats_interval = stats_interval
         self._lock = threading.Lock()
+        self._pending_lock = threading.Lock()
         self._live: dict[str, Live] = {}
         self._ids = itertools.count()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # _Entry objects
+        self._queued = 0  # entries in _queue not yet taken (guarded by _pending_lock)
+        self.coalesce_after = coalesce_after
+        self.max_queued = 0  # the deepest the queue has been
+        self.num_coalesced = 0  # engine outputs merged into an earlier one that was still waiting
         self._closing = False
         self._stats_dirty = True
         self._thread = threading.Thread(target=self._run, name="inflight-responder", daemon=True)
         self._thread.start()
 
     # -- called on Triton's thread ---------------------------------------------------------------
-    def submit(self, client_id: str, inputs: Mapping[str, Optional[np.ndarray]], sender: Any) -> None:
-        """Validate one request and hand it to the engine; on any refusal answer it at once."""
+    def submit(self, client_id: str, inputs: Mapping[str, Optional[np.ndarray]], sender: Any,
+               parameters: Optional[str] = None) -> None:
+        """Validate one request and hand it to the engine; on any refusal answer it at once.
+        `parameters` is the request's parameters as Triton gives them (a JSON object)."""
         try:
-            parsed = parse_request(inputs, self.engine.vocab_size)
+            check_parameters(parameters)
+            parsed = parse_request(inputs, self.engine.vocab_size,
+                                   max_model_len=getattr(self.engine, "max_model_len", None),
+                                   max_input_bytes=getattr(self.engine, "max_input_bytes", None))
             if parsed.stop:
                 self._stop(client_id, sender)
                 return
             if self._closing:
-                raise RuntimeError("the server is shutting down")
+                raise ServerClosing("the server is shutting down; retry later")
             live = Live(key=f"{client_id or 'req'}#{next(self._ids)}", client_id=client_id,
                         sender=sender, stream=parsed.stream, exclude_input=parsed.exclude_input,
                         prompt_text=parsed.prompt if isinstance(parsed.prompt, str) else None,
                         arrival=time.monotonic())
             with self._lock:
+                if client_id and any(lv.client_id == client_id and not lv.done for lv in self._live.values()):
+                    raise ValueError(f"request id '{client_id}' is already in use by a running request; "
+                                     "give each request its own id (or stop the running one first)")
                 self._live[live.key] = live
             try:
                 self.engine.add_request(live.key, parsed.prompt, parsed.params,
-                                        lambda out, live=live: self._queue.put((live, out, time.monotonic())))
+                                        lambda out, live=live: self._on_output(live, out))
             except BaseException:
                 with self._lock:
                     self._live.pop(live.key, None)
                 raise
             self._stats_dirty = True
         except Exception as exc:  # ValueError (bad request), QueueFullError, engine refusal
-            self.respond(sender, None, _message(exc), True)
+            self.respond(sender, None, error_for(exc), True)
 
     def _stop(self, client_id: str, sender: Any) -> None:
         if not client_id:
@@ -314,6 +432,28 @@ class Frontend:
         with self._lock:
             return len(self._live)
 
+    # -- called on the engine's thread -------------------------------------------------------------
+    def _on_output(self, live: Live, out: Any) -> None:
+        """Queue an output for the responder; when the responder is behind, merge it into this
+        request's output that is still waiting instead."""
+        now = time.monotonic()
+        with self._pending_lock:
+            entry = live.waiting
+            if entry is not None and self._queued > self.coalesce_after:
+                entry.out = merge_outputs(entry.out, out)
+                entry.t_last = now
+                self.num_coalesced += 1
+                return
+            entry = live.waiting = _Entry(live, out, now)
+            self._queued += 1
+            self.max_queued = max(self.max_queued, self._queued)
+        self._queue.put(entry)
+
+    def queue_depth(self) -> int:
+        """Outputs waiting for the responder."""
+        with self._pending_lock:
+            return self._queued
+
     # -- the responder thread ----------------------------------------------------------------------
     def _run(self) -> None:
         last_poll = last_stats = time.monotonic()
@@ -325,8 +465,13 @@ class Frontend:
             if item is _CLOSE:
                 break
             if item is not None:
+                with self._pending_lock:  # from here on, nothing is merged into it
+                    item.taken = True
+                    self._queued -= 1
+                    if item.live.waiting is item:
+                        item.live.waiting = None
                 try:
-                    self._handle(*item)
+                    self._handle(item.live, item.out, item.t_first, item.t_last)
                 except Exception:
                     log.exception("responding failed")
             now = time.monotonic()
@@ -340,7 +485,7 @@ class Frontend:
                 self._stats_dirty = False
                 self._update_stats()
 
-    def _handle(self, live: Live, out: Any, t: float) -> None:
+    def _handle(self, live: Live, out: Any, t_first: float, t: float) -> None:
         if live.done:
             return
         if not out.finished and not live.cancelled:
@@ -350,7 +495,7 @@ class Frontend:
                 self.engine.abort(live.key)
         if out.new_token_ids:
             if live.last_token_time is None:
-                self.metrics.observe("ttft", t - live.arrival)
+                self.metrics.observe("ttft", t_first - live.arrival)
             else:
                 self.metrics.observe("itl", (t - live.last_token_time) / len(out.new_token_ids))
             live.last_token_time = t
@@ -368,7 +513,7 @@ class Frontend:
         if live.cancelled:  # nobody listens: just close the request
             self.respond(live.sender, None, None, True)
         elif out.finish_reason == "error":
-            self.respond(live.sender, None, out.error or "the engine failed this request", True)
+            self.respond(live.sender, None, Error(out.error or "the engine failed this request"), True)
         else:
             self.respond(live.sender, output_tensors(live, out, self._detok), None, True)
 
@@ -419,7 +564,8 @@ class Frontend:
             left, self._live = list(self._live.values()), {}
         for live in left:  # the engine never answered these: close them ourselves
             try:
-                self.respond(live.sender, None, "the model was unloaded before this request finished", True)
+                self.respond(live.sender, None, Error("the model was unloaded before this request finished",
+                                                      "UNAVAILABLE"), True)
             except Exception:
                 pass
 
@@ -434,6 +580,61 @@ def _is_cancelled(sender: Any) -> bool:
         return False
 
 
-def _message(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if isinstance(exc, ValueError) else f"{type(exc).__name__}: {text}"
+# -- fault injection (tests only) -----------------------------------------------------------------------
+
+FAULT_ENV = "INFLIGHT_FAULT_INJECTION"  # "1" at server start arms the injector
+FAULT_FILE_ENV = "INFLIGHT_FAULT_FILE"  # where the trigger file is (default: <model dir>/.inflight-fault)
+FAULT_FILE = ".inflight-fault"
+
+
+class InjectedFault(RuntimeError):
+    """A failure made on purpose by the fault injector."""
+
+
+class FaultInjector:
+    """Test-only faults, so the tests can prove that a failed model step fails only its requests.
+
+    Armed only when the server starts with INFLIGHT_FAULT_INJECTION=1 (never set it in production);
+    otherwise nothing is installed and no file is ever looked at. Armed, it checks the trigger file
+    before every model step: a file holding `model_step N` makes the next N steps raise
+    InjectedFault inside the model run (each consumed step is written back; the file is removed at
+    0). The server log says when the injector is armed."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.injected = 0
+
+    @classmethod
+    def from_env(cls, model_dir: Path, environ: Mapping[str, str] = os.environ) -> Optional["FaultInjector"]:
+        if environ.get(FAULT_ENV, "") != "1":
+            return None
+        return cls(Path(environ.get(FAULT_FILE_ENV) or Path(model_dir) / FAULT_FILE))
+
+    def take(self, kind: str) -> bool:
+        """Consume one `kind` fault from the trigger file; True when one was there."""
+        try:
+            words = self.path.read_text().split()
+        except OSError:
+            return False
+        if len(words) != 2 or words[0] != kind or not words[1].isdigit() or int(words[1]) < 1:
+            return False
+        left = int(words[1]) - 1
+        if left:
+            self.path.write_text(f"{kind} {left}\n")
+        else:
+            self.path.unlink(missing_ok=True)
+        self.injected += 1
+        return True
+
+    def install(self, engine: Any) -> None:
+        """Wrap the model run of an AsyncEngine (or LLMEngine) so that armed steps raise."""
+        core = getattr(engine, "engine", engine)
+        runner = core.runner
+        real_run = runner.run
+
+        def run(*args, **kwargs):
+            if self.take("model_step"):
+                raise InjectedFault("injected fault in the model step (INFLIGHT_FAULT_INJECTION)")
+            return real_run(*args, **kwargs)
+
+        runner.run = run

@@ -20,9 +20,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import adapter  # noqa: E402
 
-INPUTS = ("text_input", "input_ids", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed",
-          "stop_words", "ignore_eos", "min_tokens", "exclude_input_in_output", "stop",
-          "sampling_parameters")
+INPUTS = adapter.INPUT_NAMES
 
 STOP_FILE = ".inflight-stopping"  # client/server.py creates it in its run copy before stopping Triton
 
@@ -95,13 +93,19 @@ class Metrics:
             self._last[key] = value
 
 
+def triton_error(error):
+    """adapter.Error (a message with a code name) -> pb_utils.TritonError with that code."""
+    code = getattr(pb_utils.TritonError, getattr(error, "code", "INTERNAL"), pb_utils.TritonError.INTERNAL)
+    return pb_utils.TritonError(str(error), code)
+
+
 def respond(sender, tensors, error, final):
     flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
     if tensors is None and error is None:
         sender.send(flags=flags)
         return
     if error is not None:
-        response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(error))
+        response = pb_utils.InferenceResponse(output_tensors=[], error=triton_error(error))
     else:
         response = pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, value) for name, value in tensors.items()])
@@ -124,6 +128,11 @@ class TritonPythonModel:
         from backend.engine import AsyncEngine  # torch loads here, after the config is known good
 
         self.engine = AsyncEngine(engine_config)
+        self.faults = adapter.FaultInjector.from_env(Path(args["model_repository"]))
+        if self.faults is not None:  # tests only: see adapter.FaultInjector
+            self.faults.install(self.engine)
+            pb_utils.Logger.log_warn(f"inflight: FAULT INJECTION IS ARMED ({adapter.FAULT_ENV}=1): model steps "
+                                     f"fail on demand through {self.faults.path}. For tests only.")
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = Metrics(labels)
         self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
@@ -139,7 +148,8 @@ class TritonPythonModel:
             for name in INPUTS:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 inputs[name] = tensor.as_numpy() if tensor is not None else None
-            self.frontend.submit(request.request_id(), inputs, request.get_response_sender())
+            self.frontend.submit(request.request_id(), inputs, request.get_response_sender(),
+                                 request.parameters())
         return None
 
     def finalize(self):
