@@ -7,8 +7,9 @@ STAMP := $(VENV)/.inflight-installed
 MODEL := models/default
 CONFIG := model_repository/llm/config.pbtxt
 SERVE_ARGS ?=
+SOAK_ARGS ?=
 
-.PHONY: setup model config serve test clean-config help
+.PHONY: setup model config serve test soak clean-config help
 
 help:
 	@echo "make setup   create .venv and install the project with its test extras (idempotent)"
@@ -16,6 +17,7 @@ help:
 	@echo "make config  render $(CONFIG) (keeps hand edits; 'inflight config --force' to redo)"
 	@echo "make serve   setup + model + config, then start tritonserver on 8000/8001/8002"
 	@echo "make test    setup, then run the whole test suite"
+	@echo "make soak    2-minute Locust soak against a local tritonserver (docs/reliability.md)"
 
 # Re-installs only when pyproject.toml changes (or the venv is new).
 setup: $(STAMP)
@@ -36,3 +38,7 @@ serve: model config
 
 test: setup
 	$(PY) -m pytest -q
+
+# Bounded: loopback only, 120 s of load, then the server is stopped. SOAK_ARGS="--duration 300" etc.
+soak: model config
+	$(PY) -m client.soak --duration 120 --json $${TMPDIR:-/tmp}/inflight-soak-report.json $(SOAK_ARGS)
