@@ -50,7 +50,7 @@ from client.workloads import DEFAULT_VOCAB_SIZE, WorkItem, make_workload, summar
 MODES = ("inflight", "static", "dynamic", "none")
 METRIC_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
                "itl_p99_s", "e2e_p50_s", "e2e_p99_s")
-CSV_KEYS = ("target", "mode", "concurrency", "rate", "num_requests", "completed", "failed", "duration_s",
+CSV_KEYS = ("target", "mode", "concurrency", "repeat", "rate", "num_requests", "completed", "failed", "duration_s",
             "output_tokens", *METRIC_KEYS, "kv_usage_peak", "kv_usage_mean", "running_mean", "preemptions", "cpu_s",
             "output_tokens_per_cpu_s")
 
@@ -412,7 +412,8 @@ def print_table(results: Sequence[dict], out=sys.stdout) -> None:
             "E2E p50", "E2E p99", "KV peak", "preempt", "failed")
     rows = [head, ("", "", "", "", "", "ms", "ms", "ms", "ms", "ms", "ms", "", "", "")]
     for r in results:
-        rows.append((r["target"], r["mode"], str(r["concurrency"]), _fmt(r["requests_per_s"]),
+        conc = str(r["concurrency"]) + (f" #{r['repeat'] + 1}" if r.get("repeat") else "")
+        rows.append((r["target"], r["mode"], conc, _fmt(r["requests_per_s"]),
                      _fmt(r["output_tokens_per_s"]), _fmt(r["ttft_p50_s"], "ms"), _fmt(r["ttft_p99_s"], "ms"),
                      _fmt(r["itl_p50_s"], "ms"), _fmt(r["itl_p99_s"], "ms"), _fmt(r["e2e_p50_s"], "ms"),
                      _fmt(r["e2e_p99_s"], "ms"),
@@ -427,7 +428,13 @@ def ratios(results: Sequence[dict]) -> list[dict]:
     """In-flight against every other mode (same target and concurrency), and server against
     in-process (in-flight, same concurrency): output tokens/s ratios."""
     out = []
-    by = {(r["target"], r["mode"], r["concurrency"]): r for r in results}
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["target"], r["mode"], r["concurrency"]), []).append(r)
+    by = {}
+    for key, rs in groups.items():  # repeats: the mean of their throughputs
+        vals = [x["output_tokens_per_s"] for x in rs if x["output_tokens_per_s"]]
+        by[key] = {"output_tokens_per_s": float(np.mean(vals)) if vals else None, "runs": len(rs)}
     for (target, mode, conc), r in by.items():
         if mode != "inflight" or not r["output_tokens_per_s"]:
             continue
@@ -460,9 +467,14 @@ def plot(results: Sequence[dict], path: Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    lines: dict[tuple[str, str], list[dict]] = {}
+    points: dict[tuple[str, str, int], list[dict]] = {}
     for r in results:
-        lines.setdefault((r["target"], r["mode"]), []).append(r)
+        points.setdefault((r["target"], r["mode"], r["concurrency"]), []).append(r)
+    lines: dict[tuple[str, str], list[dict]] = {}
+    for (target, mode, conc), rs in points.items():  # repeats: their mean
+        mean = lambda k: float(np.mean([x[k] for x in rs])) if all(x[k] is not None for x in rs) else None  # noqa: E731
+        lines.setdefault((target, mode), []).append(
+            {"concurrency": conc, "output_tokens_per_s": mean("output_tokens_per_s"), "e2e_p99_s": mean("e2e_p99_s")})
     for (target, mode), rs in lines.items():
         rs = sorted(rs, key=lambda r: r["concurrency"])
         label = mode if target == "in-process" else f"{mode} ({target})"
@@ -562,7 +574,12 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--max-output-len", type=int, default=None, help="cap every output length")
     what.add_argument("--param", type=_param, action="append", default=[], metavar="KEY=VALUE",
                       help="engine parameter (config.pbtxt key) for in-process engines and a started server")
-    what.add_argument("--warmup", type=int, default=4, help="untimed requests before each target's first run")
+    what.add_argument("--warmup", type=int, default=4,
+                      help="untimed requests before each target's first run: the workload's longest "
+                           "prompts, 4 output tokens each")
+    what.add_argument("--repeats", type=int, default=1,
+                      help="measure each run this many times, alternating targets (A B B A ...) under "
+                           "--compare-server; ratios use the means")
     out = p.add_argument_group("output")
     out.add_argument("--output-json", type=Path)
     out.add_argument("--csv", type=Path, help="default: --output-json with .csv")
@@ -600,8 +617,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         print(f"inflight bench: {exc}", file=sys.stderr)
         return 2
-    warm = make_workload("fixed", max(args.warmup, 1), seed=args.seed + 1, vocab_size=vocab,
-                         fixed_prompt_len=16, fixed_output_len=4)[:args.warmup]
+    # Warm-up on the workload's longest prompts: the first long attention shapes and allocations
+    # are paid before the clock starts, by every target alike.
+    longest = sorted(items, key=lambda w: -w.prompt_len)[:max(args.warmup, 0)]
+    warm = [WorkItem(i, w.prompt, w.prompt_len, min(4, w.max_tokens), 0.0, True) for i, w in enumerate(longest)]
 
     results: list[dict] = []
     started = _dt.datetime.now().astimezone()
@@ -614,7 +633,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             warmed.add(id(target))
         for c in ([len(items)] if isinstance(target, OfflineTarget) else concurrencies):
             r = target.run(items, c, progress)
-            row = {"target": target.name, "mode": target.mode, "concurrency": c, "rate": args.rate, **r}
+            row = {"target": target.name, "mode": target.mode, "concurrency": c, "rate": args.rate,
+                   "repeat": sum(x["target"] == target.name and x["mode"] == target.mode
+                                 and x["concurrency"] == c for x in results), **r}
             results.append(row)
             print(f"  {target.name:<12} {target.mode:<8} c={c:<4} {_fmt(r['output_tokens_per_s'])} out tok/s, "
                   f"{_fmt(r['requests_per_s'])} req/s, p99 e2e {_fmt(r['e2e_p99_s'], 'ms')} ms, "
@@ -632,25 +653,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             local = InProcessTarget(args.model_path, "inflight", params)
             try:
                 for c in args.concurrency:  # interleaved, so that load drift hits both alike
-                    measure(local, [c])
-                    for s in servers:
-                        measure(s, [c])
+                    for i in range(args.repeats):
+                        for t in ([local, *servers] if i % 2 == 0 else [*servers, local]):
+                            measure(t, [c])
             finally:
                 local.close()
         elif args.in_process or args.offline:
-            for mode in args.mode:
-                kind = OfflineTarget if args.offline else InProcessTarget
-                target = kind(args.model_path, mode, params)
-                try:
-                    measure(target, args.concurrency)
-                finally:
-                    target.close()
+            kind = OfflineTarget if args.offline else InProcessTarget
+            targets = []
+            try:
+                for mode in args.mode:  # one engine per mode, all built before the clock starts
+                    targets.append(kind(args.model_path, mode, params))
+                # Modes take turns at each concurrency, in alternating order per repeat (A B C,
+                # C B A, ...), so that a slow spell on a shared machine hits them alike.
+                for c in ([len(items)] if args.offline else args.concurrency):
+                    for i in range(args.repeats):
+                        for t in (targets if i % 2 == 0 else targets[::-1]):
+                            measure(t, [c])
+            finally:
+                for t in targets:
+                    t.close()
         else:
             target = ServerTarget(args.url or "localhost:8001", args.protocol, args.metrics_url, vocab)
             if args.mode != ["inflight"] and target.mode not in args.mode:
                 print(f"inflight bench: the server runs batching_mode={target.mode}; --mode is for "
                       f"--in-process (reporting the server's mode)", file=sys.stderr)
-            measure(target, args.concurrency)
+            for _ in range(args.repeats):
+                measure(target, args.concurrency)
     except KeyboardInterrupt:
         print("inflight bench: interrupted", file=sys.stderr)
     finally:
