@@ -10,8 +10,11 @@ What it does:
 2. runs Locust headless (client/soak_locustfile.py) with 2 x max_num_seqs users for `--duration`
    seconds: gRPC streams, HTTP generate and HTTP generate_stream, mixed prompt and output lengths,
    `--cancel` of the requests cancelled at random part-way (each by its protocol's own way);
-3. samples, every second, the resident memory of tritonserver and of its Python stub (psutil) and
-   the engine's gauges from the metrics endpoint;
+3. first warms the server up with the heaviest steps the workload can make (max_num_seqs requests
+   with the longest prompt at once, twice): the allocators reach their high-water mark for
+   activations there, so that what is compared later is growth, not warm-up;
+   then samples, every second, the resident memory of tritonserver and of its Python stub (psutil)
+   and the engine's gauges from the metrics endpoint;
 4. after Locust stops, waits for the server to go idle and stops it (always, whatever happens).
 
 It passes when: no request that was not cancelled failed; every request sent completed, was
@@ -146,11 +149,42 @@ def memory_windows(samples: list[dict], start: float, end: float) -> dict:
     return out
 
 
+def warm_up(server, max_num_seqs: int, prompt_len: int = 1024, rounds: int = 2) -> float:
+    """max_num_seqs requests with the longest prompt of the mixed workload, at once, `rounds` times."""
+    from client.grpc_client import GrpcClient
+
+    started = time.monotonic()
+    for r in range(rounds):
+        errors = []
+
+        def one(i):
+            try:
+                with GrpcClient(server.grpc_url, timeout=120) as client:
+                    client.generate([3 + (i * 7 + j + r) % 1990 for j in range(prompt_len)], max_tokens=4)
+            except Exception as exc:  # reported: a warm-up failure means the server is not healthy
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(max_num_seqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        if errors:
+            raise RuntimeError(f"the warm-up failed: {errors[0]}")
+    return time.monotonic() - started
+
+
 def run(duration: float = 120.0, max_num_seqs: int = 8, users: Optional[int] = None, cancel: float = 0.1,
         max_tokens: int = 64, params: Optional[dict] = None, model_repository: Optional[Path] = None,
         model_path: Optional[str] = None, workdir: Optional[Path] = None, seed: int = 0,
-        log=print) -> dict:
-    """One soak run; returns the report (report["passed"] says whether it passed)."""
+        malloc_mmap_threshold: Optional[int] = None, log=print) -> dict:
+    """One soak run; returns the report (report["passed"] says whether it passed).
+
+    `malloc_mmap_threshold` (bytes) fixes glibc's mmap threshold in the server (MALLOC_MMAP_THRESHOLD_):
+    freed activation buffers then go back to the system at once, so resident memory follows live
+    memory instead of stepping up with the allocator's cache of the largest step seen so far. The
+    short soak in `make test` uses it, so that its 5-second windows measure growth, not caching;
+    `make soak` runs with the allocator's defaults, as users do."""
     from client.server import DEFAULT_MODEL_REPOSITORY, TritonServer
 
     users = users or 2 * max_num_seqs
@@ -164,8 +198,12 @@ def run(duration: float = 120.0, max_num_seqs: int = 8, users: Optional[int] = N
         "machine": machine(), "duration_s": duration, "users": users, "max_num_seqs": max_num_seqs,
         "cancel_share": cancel, "max_tokens": max_tokens, "params": params,
     }
+    server_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if malloc_mmap_threshold:
+        server_env["MALLOC_MMAP_THRESHOLD_"] = str(int(malloc_mmap_threshold))
+    report["malloc_mmap_threshold"] = malloc_mmap_threshold
     server = TritonServer(model_repository or DEFAULT_MODEL_REPOSITORY, params=params, model_path=model_path,
-                          env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+                          env=server_env)
     sampler = None
     try:
         started = time.monotonic()
@@ -173,6 +211,7 @@ def run(duration: float = 120.0, max_num_seqs: int = 8, users: Optional[int] = N
         server.wait_ready(300)
         log(f"soak: tritonserver ready in {time.monotonic() - started:.1f}s "
             f"(gRPC {server.grpc_url}, HTTP {server.http_url}); {users} users for {duration:.0f}s")
+        report["warm_up_s"] = round(warm_up(server, max_num_seqs), 1)
         sampler = Sampler(server)
         sampler.start()
         load_start = time.monotonic() - sampler.t0
@@ -294,6 +333,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model-repository", type=Path, default=None)
     p.add_argument("--model-path", default=None, help="checkpoint folder (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="fix glibc's mmap threshold in the server (see run()); default: glibc's own")
     p.add_argument("--json", type=Path, default=None, help="write the whole report (samples included)")
     args = p.parse_args(argv)
     params = {}
@@ -306,7 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("--duration must be in (0, 3600] seconds")
     report = run(duration=args.duration, max_num_seqs=args.max_num_seqs, users=args.users, cancel=args.cancel,
                  max_tokens=args.max_tokens, params=params, model_repository=args.model_repository,
-                 model_path=args.model_path, seed=args.seed)
+                 model_path=args.model_path, seed=args.seed, malloc_mmap_threshold=args.malloc_mmap_threshold)
     print(summary(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
