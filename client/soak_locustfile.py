@@ -53,6 +53,25 @@ OUTCOMES = ("completed", "cancelled", "rejected", "failed")
 COUNTS = {"sent": 0, **{k: 0 for k in OUTCOMES}, "in_flight": 0, "stop_missed": 0,
           "output_tokens": 0, "by_user": {}}
 FAILURES: list[str] = []
+LIVE: dict[int, "Tracker"] = {}  # requests sent and not yet ended
+INTERRUPTED: list[str] = []
+
+
+def tracked(task):
+    """A task whose request, if Locust itself ends it (a GreenletExit or StopUser when it stops its
+    users), is recorded as interrupted at quit, with the exception, rather than lost."""
+    import functools
+
+    @functools.wraps(task)
+    def run(self):
+        try:
+            return task(self)
+        except BaseException as exc:
+            for t in list(LIVE.values()):
+                if t.user is self:
+                    t.interrupted(exc)
+            raise
+    return run
 
 
 def next_item():
@@ -81,11 +100,13 @@ class Tracker:
         self.tokens = 0
         COUNTS["sent"] += 1
         COUNTS["in_flight"] += 1
+        LIVE[id(self)] = self
         COUNTS["by_user"].setdefault(name, {"sent": 0, **{k: 0 for k in OUTCOMES}})["sent"] += 1
 
     def end(self, outcome: str, message: str = "") -> None:
         assert self.outcome is None, "a request ended twice"
         self.outcome = outcome
+        LIVE.pop(id(self), None)
         COUNTS[outcome] += 1
         COUNTS["in_flight"] -= 1
         COUNTS["output_tokens"] += self.tokens
@@ -98,6 +119,14 @@ class Tracker:
             request_type="soak", name=f"{self.name} {outcome}",
             response_time=(time.monotonic() - self.start) * 1000, response_length=self.tokens,
             exception=exc, context={})
+
+    def interrupted(self, exc: BaseException) -> None:
+        """Locust ended the task mid-request (when stopping its users): the client side cut it off,
+        which cancels it on the server."""
+        COUNTS["interrupted_at_quit"] = COUNTS.get("interrupted_at_quit", 0) + 1
+        INTERRUPTED.append(f"{self.name}: {type(exc).__name__} after {time.monotonic() - self.start:.1f}s, "
+                           f"{self.tokens} tokens")
+        self.end("cancelled")
 
     def finished(self, reason, cancelled_by_us: bool = False) -> None:
         if reason in ("stop", "length"):
@@ -121,6 +150,7 @@ class SoakGrpcUser(User):
         self.client.close()
 
     @task
+    @tracked
     def stream(self) -> None:
         from client.protocol import GenerationError
 
@@ -155,6 +185,7 @@ class SoakHttpUser(HttpUser):
     weight = 1
 
     @task
+    @tracked
     def generate(self) -> None:
         item = next_item()
         rid = f"soak-{uuid.uuid4().hex}"
@@ -207,6 +238,7 @@ class SoakHttpStreamUser(HttpUser):
     weight = 1
 
     @task
+    @tracked
     def generate_stream(self) -> None:
         item = next_item()
         body = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": item.ignore_eos,
@@ -263,5 +295,8 @@ def _first(value):
 def _write_report(environment, **_kw) -> None:
     path = os.environ.get("INFLIGHT_SOAK_REPORT")
     if path:
+        now = time.monotonic()
+        live = [f"{t.name}: {now - t.start:.1f}s, {t.tokens} tokens" for t in LIVE.values()]
         with open(path, "w") as f:
-            json.dump({**COUNTS, "failures": FAILURES}, f, indent=1)
+            json.dump({**COUNTS, "failures": FAILURES, "live_at_quit": live, "interrupted": INTERRUPTED},
+                      f, indent=1)

@@ -595,10 +595,15 @@ class FaultInjector:
     """Test-only faults, so the tests can prove that a failed model step fails only its requests.
 
     Armed only when the server starts with INFLIGHT_FAULT_INJECTION=1 (never set it in production);
-    otherwise nothing is installed and no file is ever looked at. Armed, it checks the trigger file
-    before every model step: a file holding `model_step N` makes the next N steps raise
-    InjectedFault inside the model run (each consumed step is written back; the file is removed at
-    0). The server log says when the injector is armed."""
+    otherwise nothing is installed and no file is ever looked at. Armed, it reads the trigger file
+    before every model step:
+    - `model_step N`: the next N steps raise InjectedFault inside the model run (each consumed step
+      is written back; the file is removed at 0);
+    - `stall`: every step waits while the file says so (at most STALL_LIMIT_S each), like a hung
+      device: the queue then holds still while a test looks at it. Remove the file to go on.
+    The server log says when the injector is armed."""
+
+    STALL_LIMIT_S = 60.0
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -610,12 +615,22 @@ class FaultInjector:
             return None
         return cls(Path(environ.get(FAULT_FILE_ENV) or Path(model_dir) / FAULT_FILE))
 
+    def _words(self) -> list[str]:
+        try:
+            return self.path.read_text().split()
+        except OSError:
+            return []
+
+    def stall(self) -> float:
+        """Wait while the trigger file says `stall`; the seconds waited."""
+        started = time.monotonic()
+        while self._words() == ["stall"] and time.monotonic() - started < self.STALL_LIMIT_S:
+            time.sleep(0.005)
+        return time.monotonic() - started
+
     def take(self, kind: str) -> bool:
         """Consume one `kind` fault from the trigger file; True when one was there."""
-        try:
-            words = self.path.read_text().split()
-        except OSError:
-            return False
+        words = self._words()
         if len(words) != 2 or words[0] != kind or not words[1].isdigit() or int(words[1]) < 1:
             return False
         left = int(words[1]) - 1
@@ -633,6 +648,7 @@ class FaultInjector:
         real_run = runner.run
 
         def run(*args, **kwargs):
+            self.stall()
             if self.take("model_step"):
                 raise InjectedFault("injected fault in the model step (INFLIGHT_FAULT_INJECTION)")
             return real_run(*args, **kwargs)
