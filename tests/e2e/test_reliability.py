@@ -564,7 +564,8 @@ def test_prompts_and_outputs_are_not_in_the_server_log(small_server):
 def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_repository, model_path):
     """kill -9 of the Python stub, as Triton 2.51 handles it: the model still reads as ready, new
     requests fail at once with "Stub process 'llm_0_0' is not healthy.", a request in flight gets
-    no answer at all (only the client's timeout ends it), and a restart restores service.
+    no answer at all (only the client's timeout ends it; in some runs gRPC cuts its stream with
+    "Stream removed"), and a restart restores service.
     README.md ("When the Python stub crashes") tells users the same."""
     from client.server import TritonServer
 
@@ -590,7 +591,10 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
         assert first.wait(30)
         os.kill(stubs[0].pid, signal.SIGKILL)
         worker.join(30)
-        assert isinstance(in_flight.get("error"), TimeoutError), in_flight  # never answered
+        # Never answered (the client's timeout ends it), or, in some runs, cut by gRPC itself.
+        error = in_flight.get("error")
+        assert isinstance(error, TimeoutError) or (isinstance(error, GenerationError)
+                                                   and "Stream removed" in str(error)), in_flight
         unhealthy = r"Stub process 'llm_0_0' is not healthy\."
         with GrpcClient(server.grpc_url, timeout=30) as client, pytest.raises(GenerationError, match=unhealthy):
             client.generate("after the crash", max_tokens=3)
