@@ -35,15 +35,24 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """q [Q, H, D], k/v [K, G, D] -> [Q, H, D], GQA by repeating kv heads; float32 math."""
-    h, g = q.shape[1], k.shape[1]
-    k = k.float().repeat_interleave(h // g, dim=1)
-    v = v.float().repeat_interleave(h // g, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    """q [..., Q, H, D], k/v [..., K, G, D] -> [..., Q, H, D] in float32 math. Query head h reads
+    kv head h // (H / G); the H/G query heads of a group are stacked as rows of one matmul, so no
+    kv head is copied. mask [..., Q, K] (broadcastable; False -> -inf)."""
+    *lead, nq, h, d = q.shape
+    g = k.shape[-2]
+    rep = h // g
+    qg = q.float().reshape(*lead, nq, g, rep, d).movedim(-4, -2)  # [..., G, rep, Q, D]
+    qg = qg.reshape(*lead, g, rep * nq, d)
+    kt = k.float().movedim(-3, -1)  # [..., G, D, K]
+    vg = v.float().movedim(-3, -2)  # [..., G, K, D]
+    scores = torch.matmul(qg, kt) * scale  # [..., G, rep*Q, K]
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        m = mask.unsqueeze(-3).expand(*mask.shape[:-2], rep, *mask.shape[-2:])
+        m = m.reshape(*mask.shape[:-2], rep * mask.shape[-2], mask.shape[-1]).unsqueeze(-3)
+        scores = scores.masked_fill(~m, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vg)  # [..., G, rep*Q, D]
+    out = out.reshape(*lead, g, rep, nq, d).movedim(-2, -4)  # [..., Q, G, rep, D]
+    return out.reshape(*lead, nq, h, d).to(q.dtype)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,14 +69,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     nblocks = (max_len + bs - 1) // bs
     tables = block_tables[:, :nblocks].long()
     # Padded gather: [S, nblocks*BS, G, D]; positions past seq_len are masked to -inf.
-    k = k_cache[tables].reshape(s, nblocks * bs, g, d).float().repeat_interleave(h // g, dim=2)
-    v = v_cache[tables].reshape(s, nblocks * bs, g, d).float().repeat_interleave(h // g, dim=2)
-    scores = torch.einsum("shd,skhd->shk", q.float(), k) * scale
+    k = k_cache[tables].reshape(s, nblocks * bs, g, d)
+    v = v_cache[tables].reshape(s, nblocks * bs, g, d)
     pos = torch.arange(nblocks * bs, device=q.device)
     mask = pos[None, :] < seq_lens.to(q.device).long()[:, None]  # [S, K]
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("shk,skhd->shd", probs, v).to(q.dtype)
+    return _attend(q[:, None], k, v, scale, mask[:, None, :])[:, 0]
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -93,7 +99,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v = _gather_context(v_cache, block_tables[i], length)
         q_pos = torch.arange(length - q_len, length, device=q.device)
         k_pos = torch.arange(length, device=q.device)
-        mask = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, Q, K]
+        mask = k_pos[None, :] <= q_pos[:, None]  # [Q, K], broadcast over the heads
         out[start:end] = _attend(q[start:end], k, v, scale, mask)
     return out
 
