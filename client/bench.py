@@ -2,7 +2,7 @@
 
     # every mode, in-process, one engine per mode, a concurrency sweep; JSON + CSV + PNG
     inflight bench --in-process --model-path models/default --mode inflight,static,dynamic,none \\
-        --workload mixed --num-requests 192 --concurrency 1,16,64 --output-json bench.json
+        --workload mixed --num-requests 128 --concurrency 1,16,64 --output-json bench.json
 
     # against a running server (gRPC streaming; --protocol http uses generate_stream)
     inflight bench --url localhost:8001 --workload mixed --concurrency 64
@@ -286,8 +286,9 @@ class ServerTarget:
     """A running tritonserver serving `llm`: gRPC streaming (or HTTP generate_stream)."""
 
     def __init__(self, url: str, protocol: str = "grpc", metrics_url: Optional[str] = None,
-                 vocab_size: int = DEFAULT_VOCAB_SIZE):
+                 vocab_size: int = DEFAULT_VOCAB_SIZE, server_pid: Optional[int] = None):
         self.url, self.protocol = url, protocol
+        self.server_pid = server_pid  # a local server we started: its CPU seconds are counted too
         self.name = f"server-{protocol}"
         self.metrics_url = metrics_url or default_metrics_url(url)
         self.vocab_size = vocab_size
@@ -326,9 +327,33 @@ class ServerTarget:
             before = self._stats()["preemptions"]
         except Exception:
             before = None
+        cpu0 = self._cpu()
         with Sampler(self._stats, interval=0.25) as sampler:
             records, duration = asyncio.run(self._run(items, concurrency, progress, timeout))
-        return {**summarize(records, duration), **sampler.report(before)}
+        result = {**summarize(records, duration), **sampler.report(before)}
+        if cpu0 is not None:  # tritonserver + its stub + this client, as in-process counts engine + client
+            cpu = self._cpu() - cpu0
+            result["cpu_s"] = cpu
+            result["output_tokens_per_cpu_s"] = result["output_tokens"] / cpu if cpu > 0 else None
+        return result
+
+    def _cpu(self) -> Optional[float]:
+        if self.server_pid is None:
+            return None
+        import psutil
+        try:
+            root = psutil.Process(self.server_pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return None
+        total = time.process_time()
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
 
     async def _run(self, items, concurrency, progress, timeout):
         if self.protocol == "grpc":
@@ -649,7 +674,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print("inflight bench: starting a local tritonserver ...", file=sys.stderr, flush=True)
                 server = start_local_server(args.model_path, {**params, "batching_mode": "inflight"})
                 url = server.grpc_url if args.protocol == "grpc" else server.http_url
-                servers = [ServerTarget(url, args.protocol, server.metrics_url, vocab)]
+                servers = [ServerTarget(url, args.protocol, server.metrics_url, vocab, server.process.pid)]
             local = InProcessTarget(args.model_path, "inflight", params)
             try:
                 for c in args.concurrency:  # interleaved, so that load drift hits both alike
