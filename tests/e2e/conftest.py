@@ -6,6 +6,7 @@ It is always stopped, and no stub process is left behind.
 """
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,15 @@ class Reference:
 @pytest.fixture(scope="session")
 def llm(model_path):
     return Reference(model_path)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01):
+    """Poll predicate until it returns something truthy (returned), or fail after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)

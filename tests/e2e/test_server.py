@@ -16,7 +16,7 @@ from client.grpc_client import AsyncGrpcClient, GrpcClient
 from client.http_client import AsyncHttpClient, HttpClient
 from client.protocol import GenerationError
 
-from .conftest import HAND_EDITED_KV_TOKENS, MAX_MODEL_LEN, requires_tritonserver
+from .conftest import HAND_EDITED_KV_TOKENS, MAX_MODEL_LEN, requires_tritonserver, wait_until
 
 pytestmark = requires_tritonserver
 
@@ -45,17 +45,6 @@ def gauge(server, name, **labels) -> float:
         if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
             return value
     raise KeyError(name)
-
-
-def wait_until(predicate, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(interval)
 
 
 # -- correctness over gRPC and HTTP ----------------------------------------------------------------
