@@ -286,10 +286,11 @@ class ServerTarget:
     """A running tritonserver serving `llm`: gRPC streaming (or HTTP generate_stream)."""
 
     def __init__(self, url: str, protocol: str = "grpc", metrics_url: Optional[str] = None,
-                 vocab_size: int = DEFAULT_VOCAB_SIZE, server_pid: Optional[int] = None):
-        self.url, self.protocol = url, protocol
+                 vocab_size: int = DEFAULT_VOCAB_SIZE, server_pid: Optional[int] = None,
+                 stream: bool = True):
+        self.url, self.protocol, self.stream = url, protocol, stream
         self.server_pid = server_pid  # a local server we started: its CPU seconds are counted too
-        self.name = f"server-{protocol}"
+        self.name = f"server-{protocol}" + ("" if stream else "-nostream")
         self.metrics_url = metrics_url or default_metrics_url(url)
         self.vocab_size = vocab_size
         self.mode = self._server_mode()
@@ -337,6 +338,22 @@ class ServerTarget:
             result["output_tokens_per_cpu_s"] = result["output_tokens"] / cpu if cpu > 0 else None
         return result
 
+    async def _chunks(self, client, item: WorkItem):
+        """The responses of one request: one per step when streaming, else one at the end."""
+        options = dict(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=item.ignore_eos,
+                       exclude_input_in_output=True)
+        if self.protocol == "grpc":
+            async for chunk in client.stream(item.prompt, stream=self.stream, **options):
+                yield chunk
+        elif self.stream:
+            async for chunk in client.stream(item.prompt, **options):
+                yield chunk
+        else:
+            from client.protocol import Chunk
+            r = await client.generate(item.prompt, **options)
+            yield Chunk(r.text, r.token_ids, r.finish_reason, r.num_input_tokens, r.num_output_tokens,
+                        time=r.end or time.monotonic())
+
     def _cpu(self) -> Optional[float]:
         if self.server_pid is None:
             return None
@@ -358,10 +375,8 @@ class ServerTarget:
     async def _run(self, items, concurrency, progress, timeout):
         if self.protocol == "grpc":
             from client.grpc_client import AsyncGrpcClient as Client
-            extra = {"stream": True}
         else:
             from client.http_client import AsyncHttpClient as Client
-            extra = {}
         records = [Record(item) for item in items]
         slots = asyncio.Semaphore(concurrency)
         bar = _progress(len(records), f"{self.name} {self.mode} c={concurrency}", progress)
@@ -375,9 +390,7 @@ class ServerTarget:
                 async with slots:
                     rec.start = time.monotonic()
                     try:
-                        async for chunk in client.stream(rec.item.prompt, max_tokens=rec.item.max_tokens,
-                                                         temperature=0.0, ignore_eos=rec.item.ignore_eos,
-                                                         exclude_input_in_output=True, **extra):
+                        async for chunk in self._chunks(client, rec.item):
                             n = len(chunk.token_ids)
                             if n:
                                 rec.chunks.append((chunk.time, n))
@@ -578,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--model-path", help="checkpoint folder for --in-process / --compare-server")
     where.add_argument("--url", help="a running server: gRPC host:port (default localhost:8001), or HTTP with --protocol http")
     where.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    where.add_argument("--no-stream", action="store_true",
+                       help="through the server: one response per request (no TTFT/ITL) instead of one per step")
     where.add_argument("--metrics-url", help="the server's Prometheus endpoint (default: the url's host, port 8002)")
     where.add_argument("--offline", action="store_true",
                        help="LLM.generate on the whole workload at once, per --mode (needs --model-path)")
@@ -669,12 +684,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.compare_server:
             if args.url:
-                servers = [ServerTarget(args.url, args.protocol, args.metrics_url, vocab)]
+                servers = [ServerTarget(args.url, args.protocol, args.metrics_url, vocab, stream=not args.no_stream)]
             else:
                 print("inflight bench: starting a local tritonserver ...", file=sys.stderr, flush=True)
                 server = start_local_server(args.model_path, {**params, "batching_mode": "inflight"})
                 url = server.grpc_url if args.protocol == "grpc" else server.http_url
-                servers = [ServerTarget(url, args.protocol, server.metrics_url, vocab, server.process.pid)]
+                servers = [ServerTarget(url, args.protocol, server.metrics_url, vocab, server.process.pid,
+                                        stream=not args.no_stream)]
             local = InProcessTarget(args.model_path, "inflight", params)
             try:
                 for c in args.concurrency:  # interleaved, so that load drift hits both alike
@@ -699,7 +715,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for t in targets:
                     t.close()
         else:
-            target = ServerTarget(args.url or "localhost:8001", args.protocol, args.metrics_url, vocab)
+            target = ServerTarget(args.url or "localhost:8001", args.protocol, args.metrics_url, vocab,
+                                  stream=not args.no_stream)
             if args.mode != ["inflight"] and target.mode not in args.mode:
                 print(f"inflight bench: the server runs batching_mode={target.mode}; --mode is for "
                       f"--in-process (reporting the server's mode)", file=sys.stderr)

@@ -85,3 +85,15 @@ def test_a_bounded_headless_locust_run_has_no_failures(server, tmp_path):
         assert key in stats, sorted(stats)
         assert int(stats[key]["Request Count"]) > 0 and int(stats[key]["Failure Count"]) == 0, stats[key]
     assert int(stats[("", "Aggregated")]["Failure Count"]) == 0
+
+
+def test_bench_without_streaming_gets_one_response_per_request(server, tmp_path):
+    for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
+        out = tmp_path / f"{protocol}.json"
+        rc = bench.main(["--url", url, "--protocol", protocol, "--no-stream", "--metrics-url", server.metrics_url,
+                         *SMALL, "--num-requests", "4", "--concurrency", "2", "--output-json", str(out)])
+        assert rc == 0
+        (r,) = json.loads(out.read_text())["results"]
+        assert r["target"] == f"server-{protocol}-nostream"
+        _check(r, 4)
+        assert r["itl_p50_s"] is None  # one response: no inter-token gaps
