@@ -32,7 +32,6 @@ import asyncio
 import csv
 import datetime as _dt
 import json
-import os
 import platform
 import re
 import sys
@@ -539,9 +538,11 @@ def plot(results: Sequence[dict], path: Path, title: str = "") -> None:
 
 
 def machine() -> str:
+    import psutil
+
     cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
@@ -554,7 +555,8 @@ def machine() -> str:
             gpu = torch.cuda.get_device_name(0)
     except Exception:
         pass
-    return f"{os.cpu_count()}-core {platform.machine()} ({cpu}), {gpu}"
+    return (f"{psutil.cpu_count()} cores ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+            f"{gpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
 
 
 # -- command line ------------------------------------------------------------------------------

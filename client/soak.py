@@ -32,7 +32,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Optional
+
+from client.bench import machine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO_ROOT / "client" / "soak_locustfile.py"
@@ -307,28 +308,6 @@ def checks(report: dict) -> dict[str, tuple[bool, str]]:
                            f"resident memory {mem.get('start_mb')} -> {mem.get('end_mb')} MiB "
                            f"({growth if growth is None else f'{growth:+.1%}'}; limit +{GROWTH_LIMIT:.0%})"),
     }
-
-
-def machine() -> str:
-    import psutil
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = "no GPU"
-    try:
-        import torch
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except Exception:
-        pass
-    return (f"{psutil.cpu_count()} cores ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
-            f"{gpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}")
 
 
 def summary(report: dict) -> str:
