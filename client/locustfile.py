@@ -21,6 +21,7 @@ Settings (environment):
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import time
@@ -38,6 +39,11 @@ MAX_TOKENS = int(os.environ.get("INFLIGHT_MAX_TOKENS", "64"))
 WORKLOAD = make_workload(os.environ.get("INFLIGHT_WORKLOAD", "mixed"), 256, seed=0, max_output_len=MAX_TOKENS)
 _next_item = itertools.count()
 _WHICH = os.environ.get("INFLIGHT_USERS", "both")
+# The users' gRPC clients, by key: only this dict holds them, so that they can all be closed (and
+# their channels finalized) while gevent's hub still runs. A channel left for the interpreter's
+# exit to collect can hang the process there (seen about 1 run in 10).
+_GRPC_CLIENTS: dict[int, object] = {}
+_client_keys = itertools.count()
 
 
 def next_item():
@@ -58,10 +64,11 @@ class GrpcStreamUser(User):
 
     def on_start(self) -> None:
         from client.grpc_client import GrpcClient
-        self.client = GrpcClient(grpc_url(self.host))
+        self._key = next(_client_keys)
+        _GRPC_CLIENTS[self._key] = GrpcClient(grpc_url(self.host))
 
     def on_stop(self) -> None:
-        self.client.close()
+        _close_client(self._key)
 
     def _fire(self, name: str, ms: float, length: int = 0, exception=None) -> None:
         self.environment.events.request.fire(request_type="grpc", name=name, response_time=ms,
@@ -76,7 +83,7 @@ class GrpcStreamUser(User):
         reason = None
         gaps: list[tuple[float, int]] = []
         try:
-            for chunk in self.client.stream(item.prompt, stream=True, max_tokens=item.max_tokens,
+            for chunk in _GRPC_CLIENTS[self._key].stream(item.prompt, stream=True, max_tokens=item.max_tokens,
                                             temperature=0.0, ignore_eos=item.ignore_eos,
                                             exclude_input_in_output=True):
                 n = len(chunk.token_ids)
@@ -136,8 +143,25 @@ elif _WHICH == "http":
     GrpcStreamUser.abstract = True
 
 
+def _close_client(key: int) -> None:
+    client = _GRPC_CLIENTS.pop(key, None)
+    if client is not None:
+        try:
+            client.close()
+        except Exception:
+            pass
+
+
+@events.test_stop.add_listener
+def _close_grpc_clients(**_kw) -> None:
+    for key in list(_GRPC_CLIENTS):
+        _close_client(key)
+    gc.collect()
+
+
 @events.quitting.add_listener
 def _fail_on_errors(environment, **_kw) -> None:
     """Exit non-zero on any failed request (also when Locust's own default would not)."""
+    _close_grpc_clients()
     if environment.stats.total.num_failures > 0:
         environment.process_exit_code = 1
