@@ -22,6 +22,7 @@ from typing import AsyncIterator, Iterator, Optional
 
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
 
 from client.protocol import (MODEL_NAME, OUTPUTS, Chunk, GenerationError, Options, Prompt, Result,
                              request_tensors)
@@ -83,9 +84,17 @@ class GrpcClient:
         self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
         done = False
         try:
-            self._client.async_stream_infer(self.model, inputs, outputs=_outputs(grpcclient),
-                                            request_id=request_id or uuid.uuid4().hex,
-                                            enable_empty_final_response=True)
+            try:
+                self._client.async_stream_infer(self.model, inputs, outputs=_outputs(grpcclient),
+                                                request_id=request_id or uuid.uuid4().hex,
+                                                enable_empty_final_response=True)
+            except InferenceServerException as exc:
+                # The stream broke before the request went out; its callback holds the reason.
+                try:
+                    _read(*responses.get(timeout=1.0))
+                except queue.Empty:
+                    pass
+                raise GenerationError(str(exc)) from None
             while not done:
                 try:
                     message = responses.get(timeout=self.timeout)
