@@ -45,6 +45,9 @@ class EngineConfig:
     dynamic_padding_threshold: float = 1.1  # dynamic: a batch holds lengths within this factor
     attention_backend: str = "auto"
     seed: int = 0
+    # Streaming (the server): a response carries at least this many new tokens (the first token and
+    # the last response go out at once), as vLLM's --stream-interval. 1: a response per step.
+    stream_interval: int = 1
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -83,6 +86,7 @@ class EngineConfig:
         _at_least("max_input_bytes", self.max_input_bytes, 0)
         _at_least("max_queue_size", self.max_queue_size, 0)
         _at_least("max_queue_delay_microseconds", self.max_queue_delay_microseconds, 0)
+        _at_least("stream_interval", self.stream_interval, 1)
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")

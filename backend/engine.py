@@ -267,16 +267,25 @@ class AsyncEngine:
     ValueError or QueueFullError) and queues; the loop admits, steps and calls back."""
 
     def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
         self._lock = threading.Condition()
         self._new: deque[tuple[Request, OutputCallback]] = deque()
         self._aborts: deque[str] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
         self._stopped = False
         self._broken: Optional[str] = None  # why the loop stopped after a fault it could not recover from
-        self._stats = self.engine.stats()  # a consistent snapshot, taken between steps
-        self._thread = threading.Thread(target=self._loop, name="inflight-engine", daemon=True)
+        # The engine is built on its own thread, the one that runs every step: torch keeps an OpenMP
+        # thread pool per calling thread, and a model loaded on one thread and stepped on another
+        # leaves two pools contending for the cores (each step took about 2x as long on 2 cores).
+        built: list = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(config, built, ready),
+                                        name="inflight-engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if isinstance(built[0], BaseException):
+            raise built[0]
+        self.engine: LLMEngine = built[0]
+        self._stats = self.engine.stats()  # a consistent snapshot, taken between steps
 
     tokenizer = property(lambda self: self.engine.tokenizer)
     vocab_size = property(lambda self: self.engine.vocab_size)
@@ -318,6 +327,17 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # -- the loop -------------------------------------------------------------------------------
+    def _run(self, config: EngineConfig, built: list, ready: threading.Event) -> None:
+        try:
+            built.append(LLMEngine(config))
+        except BaseException as exc:  # raised again in __init__, on the caller's thread
+            built.append(exc)
+            return
+        finally:
+            ready.set()
+        self.engine = built[0]
+        self._loop()
+
     def _loop(self) -> None:
         while True:
             with self._lock:

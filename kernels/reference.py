@@ -59,21 +59,65 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                      max_seq_len: Optional[int] = None) -> torch.Tensor:
     """One query token per sequence. q [S, H, D]; seq_lens [S] = cached tokens to attend to
-    (the query's own K/V already stored). Returns [S, H, D]. max_seq_len, when the caller knows
-    it on the host, spares a device-to-host read of seq_lens.max()."""
-    s, h, d = q.shape
-    if s == 0:
+    (the query's own K/V already stored). Returns [S, H, D].
+
+    Sequences are gathered in groups of similar length (`length_groups`), each padded to its own
+    longest, so a batch of mixed lengths costs about what its tokens cost, not S x the longest.
+    max_seq_len is the Triton wrapper's grid hint; here the lengths are read on the host anyway."""
+    if q.shape[0] == 0:
         return torch.empty_like(q)
-    bs, g = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    lens = seq_lens.tolist()
+    groups = length_groups(lens)
+    if len(groups) == 1:
+        return _decode_padded(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
+    out = torch.empty_like(q)
+    for rows in groups:
+        idx = torch.tensor(rows, device=q.device)
+        out[idx] = _decode_padded(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx],
+                                  lens[rows[0]], scale)
+    return out
+
+
+def length_groups(lens: list[int], max_waste: float = 1.25) -> list[list[int]]:
+    """Indices of `lens` in groups, longest first, such that padding every member of a group to
+    the group's longest costs at most `max_waste` x the group's real length."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and lens[groups[-1][0]] * (len(groups[-1]) + 1) <= max_waste * (total + lens[i]):
+            groups[-1].append(i)
+            total += lens[i]
+        else:
+            groups.append([i])
+            total = lens[i]
+    return groups
+
+
+def _decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                   scale: float) -> torch.Tensor:
+    """Gather every sequence's K/V padded to max_len ([S, K, G, D]) and mask past each seq_len.
+
+    Whole blocks are gathered with index_select (on CPU several times faster than advanced
+    indexing), and each kv head's scores are one batched matmul that reads K/V in place through
+    strides, so no transposed copy of the context is made."""
+    s, h, d = q.shape
+    nb, bs, g = k_cache.shape[:3]
+    rep = h // g
     nblocks = (max_len + bs - 1) // bs
-    tables = block_tables[:, :nblocks].long()
-    # Padded gather: [S, nblocks*BS, G, D]; positions past seq_len are masked to -inf.
-    k = k_cache[tables].reshape(s, nblocks * bs, g, d)
-    v = v_cache[tables].reshape(s, nblocks * bs, g, d)
+    rows = block_tables[:, :nblocks].reshape(-1).long()
+    k = k_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
+    v = v_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
     pos = torch.arange(nblocks * bs, device=q.device)
-    mask = pos[None, :] < seq_lens.to(q.device).long()[:, None]  # [S, K]
-    return _attend(q[:, None], k, v, scale, mask[:, None, :])[:, 0]
+    outside = (pos[None, :] >= seq_lens.to(q.device).long()[:, None])[:, None, :]  # [S, 1, K]
+    qg = q.float().reshape(s, g, rep, d)
+    out = torch.empty(s, g, rep, d, dtype=torch.float32, device=q.device)
+    for j in range(g):  # query heads j*rep .. (j+1)*rep-1 read kv head j
+        scores = torch.bmm(qg[:, j], k[:, :, j].float().transpose(1, 2)) * scale  # [S, rep, K]
+        out[:, j] = torch.bmm(torch.softmax(scores.masked_fill_(outside, float("-inf")), dim=-1),
+                              v[:, :, j].float())
+    return out.reshape(s, h, d).to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -172,8 +172,10 @@ class FakeSender:
     def __init__(self):
         self.responses = []  # (tensors, error, final)
         self.cancelled = False
+        self.cancel_checks = 0
 
     def is_cancelled(self):
+        self.cancel_checks += 1
         return self.cancelled
 
     @property
@@ -228,7 +230,9 @@ def test_streaming_sends_one_response_per_step_and_final_with_the_last(frontend)
     rid, sender = submit(frontend, stream=one(True, np.bool_))
     engine = frontend.engine
     engine.emit(rid, [0])
+    wait_for(lambda: len(sender.responses) == 1)  # the responder keeps up with the steps
     engine.emit(rid, [1])
+    wait_for(lambda: len(sender.responses) == 2)
     engine.emit(rid, [2], "length")
     wait_for(lambda: sender.final)
     assert [final for _, _, final in sender.responses] == [False, False, True]
@@ -238,6 +242,44 @@ def test_streaming_sends_one_response_per_step_and_final_with_the_last(frontend)
     assert last["finish_reason"][0] == b"length" and last["num_output_tokens"][0] == 3
     assert set(frontend.metrics.observed) == {"ttft", "itl", "e2e"}
     assert frontend.num_live() == 0
+
+
+def test_streaming_outputs_that_arrive_while_one_waits_are_merged_into_it(frontend):
+    release = threading.Event()
+
+    class Blocking(list):  # the responder waits inside this request's respond until released
+        def append(self, item):
+            release.wait(10)
+            super().append(item)
+
+    blocker, blocked = submit(frontend, stream=one(True, np.bool_))
+    blocked.responses = Blocking()
+    rid, sender = submit(frontend, stream=one(True, np.bool_))
+    frontend.engine.emit(blocker, [9])
+    wait_for(lambda: frontend.queue_depth() == 0)  # taken: the responder is now held
+    for i in range(5):
+        frontend.engine.emit(rid, [i], "length" if i == 4 else None)
+    release.set()
+    wait_for(lambda: sender.final)
+    assert len(sender.responses) == 1 and frontend.num_coalesced == 4
+    tensors, error, final = sender.responses[0]
+    assert error is None and final and text(tensors) == "abcde"
+    assert list(tensors["output_ids"]) == [0, 1, 2, 3, 4] and tensors["num_output_tokens"][0] == 5
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_every_n_tokens_and_the_end(frontend):
+    frontend.stream_interval = 3
+    rid, sender = submit(frontend, stream=one(True, np.bool_))
+    quiet, _ = submit(frontend)  # not streaming: unaffected, one final answer
+    for step in range(8):
+        frontend.engine.emit(rid, [step], "length" if step == 7 else None)
+        frontend.engine.emit(quiet, [step], "length" if step == 7 else None)
+        time.sleep(0.01)  # the responder keeps up: nothing is merged but what the interval holds
+    wait_for(lambda: sender.final)
+    assert [list(t["output_ids"]) for t, _, _ in sender.responses] == [[0], [1, 2, 3], [4, 5, 6], [7]]
+    assert [text(t) for t, _, _ in sender.responses] == ["a", "bcd", "efg", "h"]
+    assert [f for _, _, f in sender.responses] == [False, False, False, True]
+    wait_for(lambda: frontend.num_live() == 0)
 
 
 def test_non_streaming_sends_exactly_one_final_response_with_the_prompt(frontend):
@@ -280,13 +322,21 @@ def test_cancelled_request_is_aborted_and_closed(frontend):
     assert sender.responses == [(None, None, True)]
 
 
-def test_cancellation_is_checked_at_every_output(frontend):
+def test_cancellation_is_checked_at_outputs_at_most_once_per_cancel_interval(frontend):
     frontend.poll_interval = 60  # the poller would not see it in time: the output check must
     rid, sender = submit(frontend, stream=one(True, np.bool_))
+    frontend.engine.emit(rid, [5])  # checked here (never checked before): not cancelled
+    wait_for(lambda: len(sender.responses) == 1)
+    checks = sender.cancel_checks
+    frontend.cancel_interval = 60
+    frontend.engine.emit(rid, [6])  # checked 60 s ago at most: no IPC round trip now
+    wait_for(lambda: len(sender.responses) == 2)
+    assert sender.cancel_checks == checks
+    frontend.cancel_interval = 0.0
     sender.cancelled = True
-    frontend.engine.emit(rid, [5])
+    frontend.engine.emit(rid, [7])
     wait_for(lambda: rid in frontend.engine.aborted)
-    assert sender.responses == []  # nothing more is sent to a cancelled request
+    assert len(sender.responses) == 2  # nothing more is sent to a cancelled request
 
 
 def test_stop_by_request_id(frontend):

@@ -669,9 +669,10 @@ def _emit(engine, rid, step, n, finished=False):
                                         "length" if finished else None))
 
 
-def test_a_responder_that_falls_behind_merges_outputs_so_its_queue_stays_bounded():
+@pytest.mark.parametrize("coalesce_after", [0, 16])  # 0: the default, merge whatever still waits
+def test_a_responder_that_falls_behind_merges_outputs_so_its_queue_stays_bounded(coalesce_after):
     engine = FakeEngine()
-    fe = adapter.Frontend(engine, slow_respond, poll_interval=0.01, coalesce_after=16)
+    fe = adapter.Frontend(engine, slow_respond, poll_interval=0.01, coalesce_after=coalesce_after)
     try:
         senders = []
         for i in range(8):
@@ -684,7 +685,7 @@ def test_a_responder_that_falls_behind_merges_outputs_so_its_queue_stays_bounded
             for rid in keys:
                 _emit(engine, rid, step, steps, finished=step == steps - 1)
         wait_until(lambda: all(any(f for _, _, f in s.responses) for s in senders), timeout=30)
-        assert fe.max_queued <= 16 + 8 + 1  # coalesce_after + one per live request
+        assert fe.max_queued <= coalesce_after + 8 + 1  # coalesce_after + one per live request
         assert fe.num_coalesced > 0
         expected = "".join(chr(ord("a") + i % 26) for i in range(steps))
         for s in senders:
@@ -698,9 +699,10 @@ def test_a_responder_that_falls_behind_merges_outputs_so_its_queue_stays_bounded
         fe.close(timeout=1)
 
 
-def test_a_responder_that_keeps_up_sends_one_response_per_step():
+@pytest.mark.parametrize("coalesce_after", [0, 16])
+def test_a_responder_that_keeps_up_sends_one_response_per_step(coalesce_after):
     engine = FakeEngine()
-    fe = adapter.Frontend(engine, slow_respond, poll_interval=0.01, coalesce_after=16)
+    fe = adapter.Frontend(engine, slow_respond, poll_interval=0.01, coalesce_after=coalesce_after)
     try:
         s = SlowSender()
         fe.submit("one", {"text_input": np.array([b"hi"], np.object_), "stream": np.array([True])}, s)

@@ -5,13 +5,17 @@
   and flags, or a `ValueError` that says what is wrong and what is allowed.
 - `Frontend`: hands requests to the engine and carries its outputs back. The engine calls back on
   its own thread; the callbacks only queue. One responder thread builds and sends the responses,
-  so the engine loop never waits on Triton's IPC. It also polls `is_cancelled()` (at each output of
-  a request, and every `poll_interval` for all of them) and keeps the metrics current.
-  The responder sends a few thousand responses a second at most. While it keeps up, every engine
-  output gets its own response (one per step when streaming). When it falls behind (more than
-  `coalesce_after` outputs waiting), a request's new output is merged into its output that is
-  still waiting (the new tokens and text concatenated), so the queue stays below
-  `coalesce_after` + the number of live requests however fast the engine steps.
+  so the engine loop never waits on Triton's IPC. It also polls `is_cancelled()` (an IPC round
+  trip, ~75 us: each live request at most once per `cancel_interval`, at its outputs or, for one
+  that has none, from a sweep every `poll_interval`) and keeps the metrics current.
+  A request's output that is still waiting for the responder when the next one arrives takes the
+  next one in (the new tokens and text concatenated), as vLLM's output collector does: while the
+  responder keeps up, every step gets its own response; when it falls behind, each request gets
+  one response carrying every step since its last, never later than it would have been sent.
+  So the queue holds at most one entry per live request (plus `coalesce_after`, which tests raise
+  to see the unmerged path) however fast the engine steps. `stream_interval` N > 1 holds a
+  streaming request's outputs back until they carry N new tokens (its first token and its last
+  output go at once): fewer responses, each an IPC that the engine waits for behind the GIL.
 - `FaultInjector`: test-only faults in the model step, armed only by INFLIGHT_FAULT_INJECTION=1.
 
 Triton specifics come in through three callables (model.py supplies them, tests supply fakes):
@@ -296,9 +300,12 @@ class Live:
     last_cancel_check: float = 0.0
     cancelled: bool = False
     done: bool = False
-    # Its newest output still waiting for the responder, which later ones may be merged into.
-    # Guarded by Frontend._pending_lock.
+    # Its newest output still waiting for the responder, which later ones may be merged into, and
+    # (stream_interval > 1) outputs held back until they carry enough tokens. Both guarded by
+    # Frontend._pending_lock.
     waiting: Optional["_Entry"] = None
+    held: Any = None
+    answered: bool = False  # an output with tokens has been queued
 
 
 class _Entry:
@@ -351,8 +358,9 @@ class Frontend:
     """Routes requests into the engine and its outputs back out; see the module docstring."""
 
     def __init__(self, engine: Any, respond: Respond, metrics: Any = None,
-                 poll_interval: float = 0.05, stats_interval: float = 0.1,
-                 stop_file: Optional[Path] = None, coalesce_after: int = 256):
+                 poll_interval: float = 0.05, stats_interval: float = 0.1, cancel_interval: float = 0.2,
+                 stop_file: Optional[Path] = None, coalesce_after: int = 0,
+                 stream_interval: int = 1):
         self.engine = engine
         # `inflight serve` creates this file just before it stops Triton: Triton unloads a decoupled
         # model only once all its requests are answered, so every running request is aborted then.
@@ -360,6 +368,9 @@ class Frontend:
         self.respond = respond
         self.metrics = metrics or NullMetrics()
         self.poll_interval = poll_interval
+        # 64 streams polled every 50 ms took a third of the responder's time on 2 cores; a client
+        # that went away now costs at most this much more compute before its request is aborted.
+        self.cancel_interval = cancel_interval
         self.stats_interval = stats_interval
         self._lock = threading.Lock()
         self._pending_lock = threading.Lock()
@@ -368,6 +379,7 @@ class Frontend:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # _Entry objects
         self._queued = 0  # entries in _queue not yet taken (guarded by _pending_lock)
         self.coalesce_after = coalesce_after
+        self.stream_interval = stream_interval
         self.max_queued = 0  # the deepest the queue has been
         self.num_coalesced = 0  # engine outputs merged into an earlier one that was still waiting
         self._closing = False
@@ -438,6 +450,13 @@ class Frontend:
         request's output that is still waiting instead."""
         now = time.monotonic()
         with self._pending_lock:
+            if live.held is not None:
+                out, live.held = merge_outputs(live.held, out), None
+            if (live.stream and live.answered and not out.finished
+                    and len(out.new_token_ids) < self.stream_interval):
+                live.held = out
+                return
+            live.answered = live.answered or bool(out.new_token_ids)
             entry = live.waiting
             if entry is not None and self._queued > self.coalesce_after:
                 entry.out = merge_outputs(entry.out, out)
@@ -488,8 +507,9 @@ class Frontend:
     def _handle(self, live: Live, out: Any, t_first: float, t: float) -> None:
         if live.done:
             return
-        if not out.finished and not live.cancelled:
-            live.last_cancel_check = time.monotonic()
+        now = time.monotonic()
+        if not out.finished and not live.cancelled and now - live.last_cancel_check >= self.cancel_interval:
+            live.last_cancel_check = now
             if _is_cancelled(live.sender):
                 live.cancelled = True
                 self.engine.abort(live.key)
@@ -523,7 +543,7 @@ class Frontend:
 
     def _poll_cancelled(self) -> None:
         """Check the requests no output has checked lately (each check is an IPC round trip)."""
-        recent = time.monotonic() - self.poll_interval
+        recent = time.monotonic() - self.cancel_interval
         with self._lock:
             pending = [lv for lv in self._live.values()
                        if not lv.cancelled and not lv.done and lv.last_cancel_check < recent]

@@ -136,7 +136,8 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = Metrics(labels)
         self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
-                                         stop_file=Path(args["model_repository"]) / STOP_FILE)
+                                         stop_file=Path(args["model_repository"]) / STOP_FILE,
+                                         stream_interval=engine_config.stream_interval)
         pb_utils.Logger.log_info(
             f"inflight: {args['model_instance_name']} on {engine_config.device}, model {engine_config.model_path}, "
             f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
