@@ -98,6 +98,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without copying the rest (the runner asks for one token per step)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
     @property
     def max_total_tokens(self) -> int:
         """Prompt plus every token it may still generate: what it needs to run to completion."""

@@ -133,24 +133,26 @@ class ModelRunner:
         decodes = out.decodes + [s for s in out.padding if s.num_new_tokens == 1]
         prefills = out.prefills + [s for s in out.padding if s.num_new_tokens > 1]
         seqs = decodes + prefills
-        ids, positions, slots = [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         bs = self.block_size
-        for s in seqs:
-            pos = np.arange(s.start, s.start + s.num_new_tokens)
-            positions.append(pos)
+        for s in seqs:  # plain ints: most rows are one decode token, where numpy costs more
+            start, end = s.start, s.start + s.num_new_tokens
+            positions.extend(range(start, end))
             if s.padding:
                 ids.extend([PAD_TOKEN_ID] * s.num_new_tokens)
-                slots.append(np.full(s.num_new_tokens, -1, dtype=np.int64))
+                slots.extend([-1] * s.num_new_tokens)
                 continue
-            table = np.asarray(blocks.block_table(s.request.request_id), dtype=np.int64)
-            ids.extend(s.request.all_token_ids[s.start:s.start + s.num_new_tokens])
-            slots.append(table[pos // bs] * bs + pos % bs)
+            table = blocks.block_table(s.request.request_id)
+            ids.extend(s.request.token_ids(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         dev = self.device
         as_t = lambda a, dt: torch.from_numpy(np.asarray(a, dtype=dt)).to(dev, non_blocking=True)
         q_lens = [s.num_new_tokens for s in prefills]
         d_lens = [s.start + 1 for s in decodes]
         ctx = self._context(
-            self.kv_caches, as_t(np.concatenate(slots), np.int64), len(decodes),
+            self.kv_caches, as_t(slots, np.int64), len(decodes),
             self._tables(decodes, blocks), as_t(d_lens, np.int32),
             self._tables(prefills, blocks), as_t(np.concatenate([[0], np.cumsum(q_lens)]), np.int32),
             as_t([s.start + s.num_new_tokens for s in prefills], np.int32),
@@ -159,7 +161,7 @@ class ModelRunner:
         ends = np.cumsum([s.num_new_tokens for s in seqs]) - 1
         sample_rows = [int(e) for e, s in zip(ends, seqs) if s.samples]
         sampling = [s.request for s in seqs if s.samples]
-        return as_t(ids, np.int64), as_t(np.concatenate(positions), np.int64), ctx, sample_rows, sampling
+        return as_t(ids, np.int64), as_t(positions, np.int64), ctx, sample_rows, sampling
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, blocks: BlockManager) -> dict[str, int]:

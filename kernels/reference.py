@@ -70,15 +70,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     groups = length_groups(lens)
     if len(groups) == 1:
         return _decode_padded(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
-    out = torch.empty_like(q)
+    # Sort once by group, so that each group is a slice (a view) rather than an indexed copy.
+    order = torch.tensor([i for rows in groups for i in rows], device=q.device)
+    qs, tables, sorted_lens = q[order], block_tables[order], seq_lens[order]
+    parts, start = [], 0
     for rows in groups:
-        idx = torch.tensor(rows, device=q.device)
-        out[idx] = _decode_padded(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx],
-                                  lens[rows[0]], scale)
+        end = start + len(rows)
+        parts.append(_decode_padded(qs[start:end], k_cache, v_cache, tables[start:end],
+                                    sorted_lens[start:end], lens[rows[0]], scale))
+        start = end
+    out = torch.empty_like(q)
+    out[order] = torch.cat(parts)
     return out
 
 
-def length_groups(lens: list[int], max_waste: float = 1.25) -> list[list[int]]:
+def length_groups(lens: list[int], max_waste: float = 1.5) -> list[list[int]]:
     """Indices of `lens` in groups, longest first, such that padding every member of a group to
     the group's longest costs at most `max_waste` x the group's real length."""
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
@@ -111,10 +117,10 @@ def _decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     v = v_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
     pos = torch.arange(nblocks * bs, device=q.device)
     outside = (pos[None, :] >= seq_lens.to(q.device).long()[:, None])[:, None, :]  # [S, 1, K]
-    qg = q.float().reshape(s, g, rep, d)
+    qg = q.float().reshape(s, g, rep, d) * scale
     out = torch.empty(s, g, rep, d, dtype=torch.float32, device=q.device)
     for j in range(g):  # query heads j*rep .. (j+1)*rep-1 read kv head j
-        scores = torch.bmm(qg[:, j], k[:, :, j].float().transpose(1, 2)) * scale  # [S, rep, K]
+        scores = torch.bmm(qg[:, j], k[:, :, j].float().transpose(1, 2))  # [S, rep, K]
         out[:, j] = torch.bmm(torch.softmax(scores.masked_fill_(outside, float("-inf")), dim=-1),
                               v[:, :, j].float())
     return out.reshape(s, h, d).to(q.dtype)
