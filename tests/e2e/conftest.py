@@ -20,6 +20,37 @@ HAND_EDITED_KV_TOKENS = 16384
 SERVER_PARAMS = {"max_model_len": str(MAX_MODEL_LEN), "max_num_seqs": "64"}
 
 
+def grpc_error(server, tensors, request_id: str = "", timeout: float = 30) -> str:
+    """Send hand-made tensors [(name, array, Triton dtype)] (wrong types, shapes, sizes) over the
+    gRPC stream; return the error text of the first response, failing if it was accepted."""
+    import threading
+
+    import tritonclient.grpc as grpcclient
+
+    got: list = []
+    done = threading.Event()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def callback(result, error):
+        got.append(error)
+        done.set()
+
+    client.start_stream(callback)
+    try:
+        inputs = []
+        for name, array, dtype in tensors:
+            t = grpcclient.InferInput(name, list(array.shape), dtype)
+            t.set_data_from_numpy(array)
+            inputs.append(t)
+        client.async_stream_infer("llm", inputs, request_id=request_id)
+        assert done.wait(timeout), "no answer"
+    finally:
+        client.stop_stream()
+        client.close()
+    assert got[0] is not None, "the request was accepted"
+    return got[0].message()
+
+
 def load_adapter():
     """model_repository/llm/1/adapter.py, which is not a package module, imported by path."""
     name = "inflight_triton_adapter"

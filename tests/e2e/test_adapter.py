@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-from backend.config import EngineConfig
 from backend.outputs import RequestOutput
 
 from .conftest import load_adapter

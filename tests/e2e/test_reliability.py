@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from backend import EngineConfig, SamplingParams
 from client.grpc_client import AsyncGrpcClient, GrpcClient
@@ -32,7 +31,7 @@ from client.http_client import AsyncHttpClient, HttpClient
 from client.protocol import GenerationError
 from client.soak import rss_mb, scrape, server_processes
 
-from .conftest import load_adapter, requires_tritonserver, wait_until
+from .conftest import grpc_error, load_adapter, requires_tritonserver, wait_until
 
 adapter = load_adapter()
 
@@ -98,32 +97,6 @@ def grpc_tensors(**tensors) -> list[tuple[str, np.ndarray, str]]:
         else:
             raise TypeError(name)
     return out
-
-
-def grpc_error(server, tensors, request_id: str = "", timeout: float = 30) -> str:
-    """Send hand-made tensors over the gRPC stream; the error text of the (first) response."""
-    got: list = []
-    done = threading.Event()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-
-    def callback(result, error):
-        got.append(error)
-        done.set()
-
-    client.start_stream(callback)
-    try:
-        inputs = []
-        for name, array, dtype in tensors:
-            t = grpcclient.InferInput(name, list(array.shape), dtype)
-            t.set_data_from_numpy(array)
-            inputs.append(t)
-        client.async_stream_infer("llm", inputs, request_id=request_id)
-        assert done.wait(timeout), "no answer"
-    finally:
-        client.stop_stream()
-        client.close()
-    assert got[0] is not None, "the request was accepted"
-    return got[0].message()
 
 
 # -- the bad-input matrix: every case over gRPC and over HTTP -----------------------------------------

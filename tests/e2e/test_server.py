@@ -9,14 +9,13 @@ import urllib.request
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from backend import SamplingParams
 from client.grpc_client import AsyncGrpcClient, GrpcClient
 from client.http_client import AsyncHttpClient, HttpClient
 from client.protocol import GenerationError
 
-from .conftest import HAND_EDITED_KV_TOKENS, MAX_MODEL_LEN, requires_tritonserver, wait_until
+from .conftest import HAND_EDITED_KV_TOKENS, MAX_MODEL_LEN, grpc_error, requires_tritonserver, wait_until
 
 pytestmark = requires_tritonserver
 
@@ -216,32 +215,6 @@ def test_bad_request_gets_a_clear_error_over_grpc(server, prompt, options, messa
             client.generate(prompt, stream=True, **options)
 
 
-def raw_grpc(server, tensors):
-    """Send hand-made tensors (wrong types, shapes) over the stream; return the error text."""
-    errors = []
-    done = threading.Event()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-
-    def callback(result, error):
-        if error is not None:
-            errors.append(str(error))
-        done.set()
-
-    client.start_stream(callback)
-    try:
-        inputs = []
-        for name, array, dtype in tensors:
-            t = grpcclient.InferInput(name, list(array.shape), dtype)
-            t.set_data_from_numpy(array)
-            inputs.append(t)
-        client.async_stream_infer("llm", inputs)
-        assert done.wait(20)
-    finally:
-        client.stop_stream()
-        client.close()
-    return errors[0] if errors else None
-
-
 TEXT = ("text_input", np.array([b"hi"], dtype=np.object_), "BYTES")
 RAW_BAD = [
     ([("max_tokens", np.array([4], np.int32), "INT32")], "no prompt"),
@@ -256,8 +229,8 @@ RAW_BAD = [
 
 @pytest.mark.parametrize("tensors,message", RAW_BAD, ids=[m.split(".")[0] for _, m in RAW_BAD])
 def test_wrong_tensors_get_a_clear_error(server, tensors, message):
-    error = raw_grpc(server, tensors)
-    assert error is not None and re.search(message, error), error
+    error = grpc_error(server, tensors)
+    assert re.search(message, error), error
 
 
 def test_bad_requests_over_http_and_the_server_stays_ready(server):
