@@ -144,3 +144,35 @@ def test_shutdown_finishes_every_request(default_model_dir):
     eng.shutdown()
     assert sink.all_done.wait(10)
     assert {o.finish_reason for o in sink.done.values()} == {"abort"}
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it(default_model_dir, monkeypatch):
+    # torch keeps an OpenMP pool per calling thread: a model loaded on one thread and stepped on
+    # another ran every step about 2x slower on 2 cores (docs/performance.md).
+    from backend import engine as engine_module
+
+    threads = {}
+    build, step = engine_module.LLMEngine.__init__, engine_module.LLMEngine.step
+
+    def recording_build(self, config):
+        threads["build"] = threading.current_thread().name
+        build(self, config)
+
+    def recording_step(self):
+        threads.setdefault("step", threading.current_thread().name)
+        return step(self)
+
+    monkeypatch.setattr(engine_module.LLMEngine, "__init__", recording_build)
+    monkeypatch.setattr(engine_module.LLMEngine, "step", recording_step)
+    eng = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_tokens_in_paged_kv_cache=512))
+    try:
+        got = Collector()
+        got.expected = 1
+        eng.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0), got)
+        assert got.all_done.wait(30)
+    finally:
+        eng.shutdown()
+    assert threads["build"] == threads["step"] == "inflight-engine"
+    # a build that fails raises in the caller, with the engine's own message
+    with pytest.raises(ValueError, match="model_path is required"):
+        AsyncEngine(EngineConfig(model_path=""))
