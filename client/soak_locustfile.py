@@ -86,6 +86,14 @@ def grpc_url(host: str | None) -> str:
     return f"{hostname or 'localhost'}:8001"
 
 
+def http_body(item, stream: bool) -> dict:
+    """The JSON body of Triton's generate endpoints for one workload item (greedy, no prompt echo)."""
+    body = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": item.ignore_eos,
+            "exclude_input_in_output": True, "stream": stream}
+    body["text_input" if isinstance(item.prompt, str) else "input_ids"] = item.prompt
+    return body
+
+
 def is_rejection(message: str) -> bool:
     return "queue full" in message
 
@@ -189,9 +197,7 @@ class SoakHttpUser(HttpUser):
     def generate(self) -> None:
         item = next_item()
         rid = f"soak-{uuid.uuid4().hex}"
-        body = {"id": rid, "max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": item.ignore_eos,
-                "exclude_input_in_output": True, "stream": False}
-        body["text_input" if isinstance(item.prompt, str) else "input_ids"] = item.prompt
+        body = {"id": rid, **http_body(item, stream=False)}
         stopper = None
         stopped = {"sent": False, "ok": False}
         if _rng.random() < CANCEL:
@@ -241,9 +247,7 @@ class SoakHttpStreamUser(HttpUser):
     @tracked
     def generate_stream(self) -> None:
         item = next_item()
-        body = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": item.ignore_eos,
-                "exclude_input_in_output": True, "stream": True}
-        body["text_input" if isinstance(item.prompt, str) else "input_ids"] = item.prompt
+        body = http_body(item, stream=True)
         cancel_after = _rng.randint(1, max(1, item.max_tokens - 1)) if _rng.random() < CANCEL else None
         track = Tracker(self, "http stream")
         reason = None
