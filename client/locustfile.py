@@ -21,11 +21,9 @@ Settings (environment):
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import time
-from urllib.parse import urlparse
 
 import grpc.experimental.gevent as grpc_gevent
 
@@ -33,28 +31,18 @@ grpc_gevent.init_gevent()  # grpc must yield to gevent, or one stream would bloc
 
 from locust import HttpUser, User, between, events, task  # noqa: E402
 
+from client.locust_common import (close_grpc_client, grpc_client, http_body,  # noqa: E402
+                                  open_grpc_client)
 from client.workloads import make_workload  # noqa: E402
 
 MAX_TOKENS = int(os.environ.get("INFLIGHT_MAX_TOKENS", "64"))
 WORKLOAD = make_workload(os.environ.get("INFLIGHT_WORKLOAD", "mixed"), 256, seed=0, max_output_len=MAX_TOKENS)
 _next_item = itertools.count()
 _WHICH = os.environ.get("INFLIGHT_USERS", "both")
-# The users' gRPC clients, by key: only this dict holds them, so that they can all be closed (and
-# their channels finalized) while gevent's hub still runs. A channel left for the interpreter's
-# exit to collect can hang the process there (seen about 1 run in 10).
-_GRPC_CLIENTS: dict[int, object] = {}
-_client_keys = itertools.count()
 
 
 def next_item():
     return WORKLOAD[next(_next_item) % len(WORKLOAD)]
-
-
-def grpc_url(host: str | None) -> str:
-    if os.environ.get("INFLIGHT_GRPC_URL"):
-        return os.environ["INFLIGHT_GRPC_URL"]
-    hostname = urlparse(host).hostname if host and "://" in host else (host or "").split(":")[0]
-    return f"{hostname or 'localhost'}:8001"
 
 
 class GrpcStreamUser(User):
@@ -63,12 +51,10 @@ class GrpcStreamUser(User):
     weight = 3
 
     def on_start(self) -> None:
-        from client.grpc_client import GrpcClient
-        self._key = next(_client_keys)
-        _GRPC_CLIENTS[self._key] = GrpcClient(grpc_url(self.host))
+        self._key = open_grpc_client(self.host)
 
     def on_stop(self) -> None:
-        _close_client(self._key)
+        close_grpc_client(self._key)
 
     def _fire(self, name: str, ms: float, length: int = 0, exception=None) -> None:
         self.environment.events.request.fire(request_type="grpc", name=name, response_time=ms,
@@ -83,7 +69,7 @@ class GrpcStreamUser(User):
         reason = None
         gaps: list[tuple[float, int]] = []
         try:
-            for chunk in _GRPC_CLIENTS[self._key].stream(item.prompt, stream=True, max_tokens=item.max_tokens,
+            for chunk in grpc_client(self._key).stream(item.prompt, stream=True, max_tokens=item.max_tokens,
                                             temperature=0.0, ignore_eos=item.ignore_eos,
                                             exclude_input_in_output=True):
                 n = len(chunk.token_ids)
@@ -116,9 +102,7 @@ class HttpGenerateUser(HttpUser):
     @task
     def generate(self) -> None:
         item = next_item()
-        body = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": item.ignore_eos,
-                "exclude_input_in_output": True, "stream": False}
-        body["text_input" if isinstance(item.prompt, str) else "input_ids"] = item.prompt
+        body = http_body(item, stream=False)
         with self.client.post("/v2/models/llm/generate", json=body, name="http generate",
                               catch_response=True) as r:
             if r.status_code != 200:
@@ -143,25 +127,8 @@ elif _WHICH == "http":
     GrpcStreamUser.abstract = True
 
 
-def _close_client(key: int) -> None:
-    client = _GRPC_CLIENTS.pop(key, None)
-    if client is not None:
-        try:
-            client.close()
-        except Exception:
-            pass
-
-
-@events.test_stop.add_listener
-def _close_grpc_clients(**_kw) -> None:
-    for key in list(_GRPC_CLIENTS):
-        _close_client(key)
-    gc.collect()
-
-
 @events.quitting.add_listener
 def _fail_on_errors(environment, **_kw) -> None:
     """Exit non-zero on any failed request (also when Locust's own default would not)."""
-    _close_grpc_clients()
     if environment.stats.total.num_failures > 0:
         environment.process_exit_code = 1

@@ -37,6 +37,8 @@ grpc_gevent.init_gevent()  # grpc must yield to gevent, or one stream would bloc
 import gevent  # noqa: E402
 from locust import HttpUser, User, between, events, task  # noqa: E402
 
+from client.locust_common import (close_grpc_client, grpc_client, http_body,  # noqa: E402
+                                  open_grpc_client)
 from client.workloads import make_workload  # noqa: E402
 
 MAX_TOKENS = int(os.environ.get("INFLIGHT_MAX_TOKENS", "64"))
@@ -76,22 +78,6 @@ def tracked(task):
 
 def next_item():
     return WORKLOAD[next(_items) % len(WORKLOAD)]
-
-
-def grpc_url(host: str | None) -> str:
-    if os.environ.get("INFLIGHT_GRPC_URL"):
-        return os.environ["INFLIGHT_GRPC_URL"]
-    from urllib.parse import urlparse
-    hostname = urlparse(host).hostname if host and "://" in host else (host or "").split(":")[0]
-    return f"{hostname or 'localhost'}:8001"
-
-
-def http_body(item, stream: bool) -> dict:
-    """The JSON body of Triton's generate endpoints for one workload item (greedy, no prompt echo)."""
-    body = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": item.ignore_eos,
-            "exclude_input_in_output": True, "stream": stream}
-    body["text_input" if isinstance(item.prompt, str) else "input_ids"] = item.prompt
-    return body
 
 
 def is_rejection(message: str) -> bool:
@@ -151,11 +137,10 @@ class SoakGrpcUser(User):
     weight = 2
 
     def on_start(self) -> None:
-        from client.grpc_client import GrpcClient
-        self.client = GrpcClient(grpc_url(self.host), timeout=TIMEOUT)
+        self._key = open_grpc_client(self.host, timeout=TIMEOUT)
 
     def on_stop(self) -> None:
-        self.client.close()
+        close_grpc_client(self._key)
 
     @task
     @tracked
@@ -167,7 +152,7 @@ class SoakGrpcUser(User):
         track = Tracker(self, "grpc stream")
         reason = None
         try:
-            for chunk in self.client.stream(item.prompt, stream=True, max_tokens=item.max_tokens,
+            for chunk in grpc_client(self._key).stream(item.prompt, stream=True, max_tokens=item.max_tokens,
                                             temperature=0.0, ignore_eos=item.ignore_eos,
                                             exclude_input_in_output=True,
                                             request_id=uuid.uuid4().hex):
