@@ -276,16 +276,16 @@ class AsyncEngine:
         # The engine is built on its own thread, the one that runs every step: torch keeps an OpenMP
         # thread pool per calling thread, and a model loaded on one thread and stepped on another
         # leaves two pools contending for the cores (each step took about 2x as long on 2 cores).
-        built: list = []
+        self.engine: LLMEngine
+        self._stats: dict[str, Union[int, float]]  # a consistent snapshot, taken between steps
+        self._build_error: Optional[BaseException] = None
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(config, built, ready),
+        self._thread = threading.Thread(target=self._run, args=(config, ready),
                                         name="inflight-engine", daemon=True)
         self._thread.start()
         ready.wait()
-        if isinstance(built[0], BaseException):
-            raise built[0]
-        self.engine: LLMEngine = built[0]
-        self._stats = self.engine.stats()  # a consistent snapshot, taken between steps
+        if self._build_error is not None:
+            raise self._build_error
 
     tokenizer = property(lambda self: self.engine.tokenizer)
     vocab_size = property(lambda self: self.engine.vocab_size)
@@ -327,15 +327,15 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # -- the loop -------------------------------------------------------------------------------
-    def _run(self, config: EngineConfig, built: list, ready: threading.Event) -> None:
+    def _run(self, config: EngineConfig, ready: threading.Event) -> None:
         try:
-            built.append(LLMEngine(config))
+            self.engine = LLMEngine(config)
+            self._stats = self.engine.stats()
         except BaseException as exc:  # raised again in __init__, on the caller's thread
-            built.append(exc)
+            self._build_error = exc
             return
         finally:
             ready.set()
-        self.engine = built[0]
         self._loop()
 
     def _loop(self) -> None:
