@@ -354,22 +354,16 @@ class ServerTarget:
                         time=r.end or time.monotonic())
 
     def _cpu(self) -> Optional[float]:
+        """CPU seconds so far of the local server (tritonserver and its stubs) and this client."""
         if self.server_pid is None:
             return None
         import psutil
+
+        from client.soak import cpu_seconds  # here: client.soak imports this module
         try:
-            root = psutil.Process(self.server_pid)
-            procs = [root, *root.children(recursive=True)]
+            return time.process_time() + sum(cpu_seconds(self.server_pid).values())
         except psutil.Error:
             return None
-        total = time.process_time()
-        for proc in procs:
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
 
     async def _run(self, items, concurrency, progress, timeout):
         if self.protocol == "grpc":

@@ -82,7 +82,8 @@ def _cmdline(p) -> list[str]:
 
 
 def cpu_seconds(pid: int) -> dict[str, float]:
-    """User and system CPU seconds of tritonserver and its stubs so far."""
+    """User and system CPU seconds of tritonserver and its stubs so far (unrounded: callers take
+    differences)."""
     root, stubs = server_processes(pid)
     user = system = 0.0
     for p in [root, *stubs]:
@@ -91,7 +92,7 @@ def cpu_seconds(pid: int) -> dict[str, float]:
             user, system = user + t.user, system + t.system
         except Exception:
             pass
-    return {"user": round(user, 1), "system": round(system, 1)}
+    return {"user": user, "system": system}
 
 
 def rss_mb(pid: int) -> tuple[float, float]:
