@@ -10,8 +10,6 @@ BS block size, S sequences, MB max blocks per sequence):
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -68,14 +66,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_seq_len is the Triton wrapper's grid hint; here the lengths are read on the host anyway."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    plan = _decode_plan(block_tables, seq_lens, k_cache.shape[1])
-    qs = q if plan.order is None else q[plan.order]
-    parts = [_decode_group(qs[start:end], k_cache, v_cache, rows, inside, scale, plan.buffers, start)
-             for start, end, rows, inside in plan.groups]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if plan.order is not None:
-        out = torch.empty_like(out).index_copy_(0, plan.order, out)
-    return out.to(q.dtype)
+    lens = seq_lens.tolist()
+    groups = length_groups(lens)
+    if len(groups) == 1:
+        return _decode_padded(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
+    # Sort once by group, so that each group is a slice (a view) rather than an indexed copy.
+    order = torch.tensor([i for rows in groups for i in rows], device=q.device)
+    qs, tables, sorted_lens = q[order], block_tables[order], seq_lens[order]
+    parts, start = [], 0
+    for rows in groups:
+        end = start + len(rows)
+        parts.append(_decode_padded(qs[start:end], k_cache, v_cache, tables[start:end],
+                                    sorted_lens[start:end], lens[rows[0]], scale))
+        start = end
+    out = torch.empty_like(q)
+    out[order] = torch.cat(parts)
+    return out
 
 
 def length_groups(lens: list[int], max_waste: float = 1.5) -> list[list[int]]:
@@ -94,78 +100,30 @@ def length_groups(lens: list[int], max_waste: float = 1.5) -> list[list[int]]:
     return groups
 
 
-@dataclass(frozen=True)
-class DecodePlan:
-    """How one step's decode batch is gathered: the same for every layer of the step."""
-    order: Optional[torch.Tensor]  # the rows sorted by group (None: one group, rows as given)
-    groups: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]  # start, end, block ids, inside mask
-    # Gather buffers, one K and one V per group, reused by every layer: a fresh multi-MB tensor per
-    # layer costs page faults that took as long as the attention itself.
-    buffers: dict = dataclasses.field(default_factory=dict)
+def _decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                   scale: float) -> torch.Tensor:
+    """Gather every sequence's K/V padded to max_len ([S, K, G, D]) and mask past each seq_len.
 
-
-# The last plan and what it was made from. Every layer of a step passes the same block table and
-# length tensors, so the grouping is worked out once per step instead of once per layer. Holding
-# the table keeps its id from being reused; the lengths are compared by value, and the table's
-# version counter (absent on inference-mode tensors, which the engine never changes) catches an
-# in-place edit.
-_last_plan: tuple = ()
-
-
-def _version(t: torch.Tensor) -> Optional[int]:
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodePlan:
-    global _last_plan
-    lens = seq_lens.tolist()
-    key = (lens, _version(block_tables), block_size)
-    cached = _last_plan
-    if cached and cached[0] is block_tables and cached[1] == key:
-        return cached[2]
-    groups = length_groups(lens)
-    order, tables, sorted_lens = None, block_tables, seq_lens
-    if len(groups) > 1:  # sorted once, so that each group is a slice (a view), not an indexed copy
-        order = torch.tensor([i for rows in groups for i in rows], device=seq_lens.device)
-        tables, sorted_lens = block_tables[order], seq_lens[order]
-    parts, start = [], 0
-    for rows in groups:
-        end = start + len(rows)
-        nblocks = (lens[rows[0]] + block_size - 1) // block_size
-        ids = tables[start:end, :nblocks].reshape(-1).long()
-        pos = torch.arange(nblocks * block_size, device=seq_lens.device)
-        inside = (pos[None, :] < sorted_lens[start:end].long()[:, None])[:, None, None, :]  # [n, 1, 1, K]
-        parts.append((start, end, ids, inside))
-        start = end
-    plan = DecodePlan(order, tuple(parts))
-    _last_plan = (block_tables, key, plan)
-    return plan
-
-
-def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                  inside: torch.Tensor, scale: float, buffers: dict, key: int) -> torch.Tensor:
-    """Attention for sequences padded to one length: K/V gathered as whole blocks ([n, K, G, D];
-    index_select is several times faster than advanced indexing on CPU), the query heads of each
-    kv head stacked as the query rows of one fused attention call, positions past each length
-    masked."""
-    n, h, d = q.shape
+    Whole blocks are gathered with index_select (on CPU several times faster than advanced
+    indexing), and each kv head's scores are one batched matmul that reads K/V in place through
+    strides, so no transposed copy of the context is made."""
+    s, h, d = q.shape
     nb, bs, g = k_cache.shape[:3]
-    k, v = (_gather(cache, block_ids, buffers, (key, i)).view(n, -1, g, d).float()
-            for i, cache in enumerate((k_cache, v_cache)))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().reshape(n, g, h // g, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=inside, scale=scale)
-    return out.reshape(n, h, d)
-
-
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buffers: dict, key: tuple) -> torch.Tensor:
-    flat = cache.reshape(cache.shape[0], -1)
-    buf = buffers.get(key)
-    if buf is None or buf.dtype != flat.dtype or buf.device != flat.device:
-        buf = buffers[key] = torch.empty(len(block_ids), flat.shape[1], dtype=flat.dtype, device=flat.device)
-    return torch.index_select(flat, 0, block_ids, out=buf)
+    rep = h // g
+    nblocks = (max_len + bs - 1) // bs
+    rows = block_tables[:, :nblocks].reshape(-1).long()
+    k = k_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
+    v = v_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
+    pos = torch.arange(nblocks * bs, device=q.device)
+    outside = (pos[None, :] >= seq_lens.to(q.device).long()[:, None])[:, None, :]  # [S, 1, K]
+    qg = q.float().reshape(s, g, rep, d) * scale
+    out = torch.empty(s, g, rep, d, dtype=torch.float32, device=q.device)
+    for j in range(g):  # query heads j*rep .. (j+1)*rep-1 read kv head j
+        scores = torch.bmm(qg[:, j], k[:, :, j].float().transpose(1, 2))  # [S, rep, K]
+        out[:, j] = torch.bmm(torch.softmax(scores.masked_fill_(outside, float("-inf")), dim=-1),
+                              v[:, :, j].float())
+    return out.reshape(s, h, d).to(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
