@@ -8,7 +8,8 @@
     inflight bench --url localhost:8001 --workload mixed --concurrency 64
 
     # in-flight in-process and through a local tritonserver, in the same run, with their ratio
-    inflight bench --compare-server --model-path models/default --concurrency 64
+    # (--also-no-stream adds the server with one response per request, as a third target)
+    inflight bench --compare-server --model-path models/default --concurrency 64 --also-no-stream
 
     # offline: LLM.generate on the whole workload at once, per mode (no latencies)
     inflight bench --offline --model-path models/default --mode inflight,none
@@ -589,6 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     where.add_argument("--no-stream", action="store_true",
                        help="through the server: one response per request (no TTFT/ITL) instead of one per step")
+    where.add_argument("--also-no-stream", action="store_true",
+                       help="with --compare-server: measure the server both ways in the same run, "
+                            "streaming and one response per request")
     where.add_argument("--metrics-url", help="the server's Prometheus endpoint (default: the url's host, port 8002)")
     where.add_argument("--offline", action="store_true",
                        help="LLM.generate on the whole workload at once, per --mode (needs --model-path)")
@@ -679,18 +683,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.compare_server:
             if args.url:
-                servers = [ServerTarget(args.url, args.protocol, args.metrics_url, vocab, stream=not args.no_stream)]
+                url, metrics_url, pid = args.url, args.metrics_url, None
             else:
                 print("inflight bench: starting a local tritonserver ...", file=sys.stderr, flush=True)
                 server = start_local_server(args.model_path, {**params, "batching_mode": "inflight"})
                 url = server.grpc_url if args.protocol == "grpc" else server.http_url
-                servers = [ServerTarget(url, args.protocol, server.metrics_url, vocab, server.process.pid,
-                                        stream=not args.no_stream)]
+                metrics_url, pid = server.metrics_url, server.process.pid
+            streams = [True, False] if args.also_no_stream else [not args.no_stream]
+            servers = [ServerTarget(url, args.protocol, metrics_url, vocab, pid, stream=s) for s in streams]
             local = InProcessTarget(args.model_path, "inflight", params)
             try:
-                for c in args.concurrency:  # interleaved, so that load drift hits both alike
+                targets = [local, *servers]
+                for c in args.concurrency:  # interleaved (A B C C B A), so that load drift hits all alike
                     for i in range(args.repeats):
-                        for t in ([local, *servers] if i % 2 == 0 else [*servers, local]):
+                        for t in (targets if i % 2 == 0 else targets[::-1]):
                             measure(t, [c])
             finally:
                 local.close()

@@ -56,17 +56,20 @@ def test_compare_server_measures_both_in_one_run(server, model_path, tmp_path, c
     out = tmp_path / "compare.json"
     rc = bench.main(["--compare-server", "--model-path", str(model_path), "--url", server.grpc_url,
                      "--metrics-url", server.metrics_url, *SMALL, "--num-requests", "8",
-                     "--concurrency", "4", "--repeats", "2", "--output-json", str(out)])
+                     "--concurrency", "4", "--repeats", "2", "--also-no-stream", "--output-json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    # A B B A: load drift on the shared machine hits both alike; the ratio uses the means
+    # A B C C B A: load drift on the shared machine hits every target alike; ratios use the means
     assert [(r["target"], r["repeat"]) for r in data["results"]] == [
-        ("in-process", 0), ("server-grpc", 0), ("server-grpc", 1), ("in-process", 1)]
+        ("in-process", 0), ("server-grpc", 0), ("server-grpc-nostream", 0),
+        ("server-grpc-nostream", 1), ("server-grpc", 1), ("in-process", 1)]
     for r in data["results"]:
         _check(r, 8)
-    (ratio,) = [x for x in data["ratios"] if x["kind"] == "server-grpc/in-process"]
-    assert ratio["ratio"] > 0
-    assert "server-grpc/in-process" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    for kind in ("server-grpc/in-process", "server-grpc-nostream/in-process"):
+        (ratio,) = [x for x in data["ratios"] if x["kind"] == kind]
+        assert ratio["ratio"] > 0
+        assert kind in printed
 
 
 def test_a_bounded_headless_locust_run_has_no_failures(server, tmp_path):
