@@ -122,6 +122,17 @@ class Tracker:
                            f"{self.tokens} tokens")
         self.end("cancelled")
 
+    def refused(self, message: str) -> None:
+        """An error answer: a refusal the soak expects (queue full, bad input) or a real failure."""
+        self.end("rejected" if is_rejection(message) else "failed", message)
+
+    def stream_ended(self, reason, cancel_after) -> None:
+        """A stream that stopped with `reason`, or with none because we left it (cancel_after)."""
+        if reason is None and cancel_after is not None:
+            self.end("cancelled")
+        else:
+            self.finished(reason)
+
     def finished(self, reason, cancelled_by_us: bool = False) -> None:
         if reason in ("stop", "length"):
             self.end("completed")
@@ -161,15 +172,12 @@ class SoakGrpcUser(User):
                 if cancel_after is not None and track.tokens >= cancel_after and reason is None:
                     break  # leaving the stream cancels the request on the server
         except GenerationError as exc:
-            track.end("rejected" if is_rejection(str(exc)) else "failed", str(exc))
+            track.refused(str(exc))
             return
         except Exception as exc:
             track.end("failed", f"{type(exc).__name__}: {exc}")
             return
-        if reason is None and cancel_after is not None:
-            track.end("cancelled")
-        else:
-            track.finished(reason)
+        track.stream_ended(reason, cancel_after)
 
 
 class SoakHttpUser(HttpUser):
@@ -198,8 +206,7 @@ class SoakHttpUser(HttpUser):
                     message = str(data.get("error", r.text))[:300]
                     if stopper is not None:
                         stopper.kill()
-                    track.end("rejected" if is_rejection(message) else "failed",
-                              f"HTTP {r.status_code}: {message}")
+                    track.refused(f"HTTP {r.status_code}: {message}")
                     return
                 reason = _first(data.get("finish_reason"))
                 track.tokens = int(_first(data.get("num_output_tokens")) or 0)
@@ -245,8 +252,7 @@ class SoakHttpStreamUser(HttpUser):
                         continue
                     event = _json(line[5:].decode("utf-8", "replace"))
                     if "error" in event:
-                        message = str(event["error"])
-                        track.end("rejected" if is_rejection(message) else "failed", message)
+                        track.refused(str(event["error"]))
                         return
                     ids = event.get("output_ids", [])
                     track.tokens += len(ids) if isinstance(ids, list) else 1
@@ -262,10 +268,7 @@ class SoakHttpStreamUser(HttpUser):
         except Exception as exc:
             track.end("failed", f"{type(exc).__name__}: {exc}")
             return
-        if reason is None and cancel_after is not None:
-            track.end("cancelled")
-        else:
-            track.finished(reason)
+        track.stream_ended(reason, cancel_after)
 
 
 def _json(text: str) -> dict:
