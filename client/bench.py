@@ -458,7 +458,9 @@ def print_table(results: Sequence[dict], out=sys.stdout) -> None:
 
 def ratios(results: Sequence[dict]) -> list[dict]:
     """In-flight against every other mode (same target and concurrency), and server against
-    in-process (in-flight, same concurrency): output tokens/s ratios."""
+    in-process (in-flight, same concurrency): output tokens/s ratios, on the means of the repeats,
+    and repeat by repeat (`per_repeat`, the k-th run of one against the k-th of the other) so that
+    the spread on a noisy machine shows."""
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in results:
@@ -466,20 +468,25 @@ def ratios(results: Sequence[dict]) -> list[dict]:
     by = {}
     for key, rs in groups.items():  # repeats: the mean of their throughputs
         vals = [x["output_tokens_per_s"] for x in rs if x["output_tokens_per_s"]]
-        by[key] = {"output_tokens_per_s": float(np.mean(vals)) if vals else None, "runs": len(rs)}
+        by[key] = {"output_tokens_per_s": float(np.mean(vals)) if vals else None, "runs": vals}
+
+    def ratio(kind: str, target: str, conc: int, a: dict, b: dict) -> dict:
+        pairs = zip(a["runs"], b["runs"]) if len(a["runs"]) == len(b["runs"]) > 1 else ()
+        return {"kind": kind, "target": target, "concurrency": conc,
+                "ratio": a["output_tokens_per_s"] / b["output_tokens_per_s"],
+                "per_repeat": [x / y for x, y in pairs]}
+
     for (target, mode, conc), r in by.items():
         if mode != "inflight" or not r["output_tokens_per_s"]:
             continue
         for other in MODES[1:]:
             o = by.get((target, other, conc))
             if o and o["output_tokens_per_s"]:
-                out.append({"kind": f"inflight/{other}", "target": target, "concurrency": conc,
-                            "ratio": r["output_tokens_per_s"] / o["output_tokens_per_s"]})
+                out.append(ratio(f"inflight/{other}", target, conc, r, o))
         if target.startswith("server"):
             base = by.get(("in-process", "inflight", conc))
             if base and base["output_tokens_per_s"]:
-                out.append({"kind": f"{target}/in-process", "target": target, "concurrency": conc,
-                            "ratio": r["output_tokens_per_s"] / base["output_tokens_per_s"],
+                out.append({**ratio(f"{target}/in-process", target, conc, r, base),
                             "in_process_output_tokens_per_s": base["output_tokens_per_s"],
                             "server_output_tokens_per_s": r["output_tokens_per_s"]})
     return out
@@ -739,6 +746,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if "in_process_output_tokens_per_s" in r:
                 extra = (f"  (server {r['server_output_tokens_per_s']:.0f} vs in-process "
                          f"{r['in_process_output_tokens_per_s']:.0f} out tok/s)")
+            if r["per_repeat"]:
+                extra += "  repeat by repeat: " + ", ".join(f"{x:.2f}x" for x in r["per_repeat"])
             print(f"c={r['concurrency']:<4} {r['kind']:<28} {r['ratio']:.2f}x{extra}")
     meta = {"date": started.isoformat(timespec="seconds"), "machine": machine(),
             "command": "inflight bench " + " ".join(sys.argv[1:] if argv is None else argv),

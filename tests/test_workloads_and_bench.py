@@ -69,6 +69,19 @@ def test_bench_in_process_every_mode(default_model_dir, tmp_path, capsys):
     assert "inflight/none" in capsys.readouterr().out
 
 
+def test_ratios_use_the_means_and_show_each_repeat():
+    row = lambda target, mode, tps: {"target": target, "mode": mode, "concurrency": 64, "output_tokens_per_s": tps}
+    results = [row("in-process", "inflight", 3000.0), row("in-process", "none", 300.0),
+               row("in-process", "none", 250.0), row("in-process", "inflight", 2000.0),
+               row("server-grpc", "inflight", 1250.0)]
+    (vs_none, vs_server) = bench.ratios(results)
+    assert vs_none["kind"] == "inflight/none"
+    assert vs_none["ratio"] == pytest.approx(2500.0 / 275.0)
+    assert vs_none["per_repeat"] == pytest.approx([10.0, 8.0])
+    assert vs_server["kind"] == "server-grpc/in-process" and vs_server["ratio"] == pytest.approx(0.5)
+    assert vs_server["per_repeat"] == []  # one server run against two in-process ones: no pairs
+
+
 def test_bench_refuses_bad_arguments(capsys):
     assert bench.main(["--in-process"]) == 2
     with pytest.raises(SystemExit):
