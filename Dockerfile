@@ -18,7 +18,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
-# CUDA torch first, so the project's torch==2.13.0 pin is already met by the +cuXXX build.
+# CUDA torch first, so the project's torch==2.13.0 pin is already met by the +cuXXX build. It brings
+# the triton compiler it was built with (3.7.1), which pyproject's triton range accepts: the
+# project install below keeps it. This image's Python is 3.10; pyproject's markers pick the
+# versions that still support it (matplotlib 3.10).
 RUN python3 -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/inflight
