@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from client.bench import machine
+from client.bench_report import machine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO_ROOT / "client" / "soak_locustfile.py"
