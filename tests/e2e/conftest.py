@@ -54,6 +54,8 @@ def grpc_error(server, tensors, request_id: str = "", timeout: float = 30) -> st
 def load_adapter():
     """model_repository/llm/1/adapter.py, which is not a package module, imported by path."""
     name = "inflight_triton_adapter"
+    if str(MODEL_DIR) not in sys.path:  # its siblings (triton_inputs, fault_injection), as in the stub
+        sys.path.append(str(MODEL_DIR))
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, MODEL_DIR / "adapter.py")
         module = importlib.util.module_from_spec(spec)
