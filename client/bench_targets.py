@@ -24,7 +24,7 @@ class InProcessTarget:
 
     def __init__(self, model_path: str, mode: str, params: dict[str, str]):
         from backend.config import EngineConfig
-        from backend.engine import AsyncEngine
+        from backend.async_engine import AsyncEngine
 
         self.mode = mode
         self.config = EngineConfig.from_params(params, model_path=str(model_path), batching_mode=mode)

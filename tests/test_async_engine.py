@@ -5,7 +5,8 @@ import time
 import pytest
 
 from backend import LLM, EngineConfig, SamplingParams
-from backend.engine import AsyncEngine, QueueFullError
+from backend.async_engine import AsyncEngine
+from backend.engine import QueueFullError
 
 
 class Collector:

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from backend import LLM, EngineConfig, SamplingParams
 from backend.block_manager import BlockManager
-from backend.engine import AsyncEngine
+from backend.async_engine import AsyncEngine
 from backend.request import Request
 from backend.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 

@@ -750,7 +750,7 @@ def test_the_derived_input_byte_limit_never_refuses_a_prompt_that_fits(default_m
 def test_abort_takes_effect_before_the_next_step(default_model_dir):
     """An abort is applied at the top of the engine loop, before the next step is scheduled: the
     aborted request is in no later batch and holds no block when that step runs."""
-    from backend.engine import AsyncEngine
+    from backend.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=4,
                                       max_tokens_in_paged_kv_cache=2048))
@@ -787,7 +787,7 @@ def test_abort_takes_effect_before_the_next_step(default_model_dir):
 
 
 def test_a_fault_outside_the_model_run_fails_the_batch_and_the_engine_carries_on(default_model_dir, monkeypatch):
-    from backend.engine import AsyncEngine
+    from backend.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=1,
                                       max_tokens_in_paged_kv_cache=2048))
@@ -825,7 +825,8 @@ def test_a_fault_outside_the_model_run_fails_the_batch_and_the_engine_carries_on
 
 
 def test_an_unrecoverable_engine_answers_everyone_and_refuses_new_requests(default_model_dir, monkeypatch):
-    from backend.engine import AsyncEngine, EngineDeadError
+    from backend.async_engine import AsyncEngine
+    from backend.engine import EngineDeadError
 
     engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=1,
                                       max_tokens_in_paged_kv_cache=2048))

@@ -125,7 +125,7 @@ class TritonPythonModel:
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"config.pbtxt: {exc}") from None
 
-        from backend.engine import AsyncEngine  # torch loads here, after the config is known good
+        from backend.async_engine import AsyncEngine  # torch loads here, after the config is known good
 
         self.engine = AsyncEngine(engine_config)
         self.faults = adapter.FaultInjector.from_env(Path(args["model_repository"]))
