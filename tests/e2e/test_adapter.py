@@ -297,6 +297,18 @@ def test_non_streaming_sends_exactly_one_final_response_with_the_prompt(frontend
     assert text(sender.responses[0][0]) == "d" and list(sender.responses[0][0]["output_ids"]) == [3]
 
 
+def test_non_streaming_outputs_wait_on_the_engine_side_until_the_end(frontend):
+    rid, sender = submit(frontend)
+    for step in range(6):
+        frontend.engine.emit(rid, [step], "length" if step == 5 else None)
+        time.sleep(0.01)  # the responder keeps up: only holding can keep steps 1-4 from it
+    wait_for(lambda: sender.final)
+    # the first token (TTFT) and the end (one ITL sample: the mean gap; e2e) reach the responder
+    assert sorted(frontend.metrics.observed) == ["e2e", "itl", "ttft"]
+    assert len(sender.responses) == 1 and list(sender.responses[0][0]["output_ids"])[-6:] == [0, 1, 2, 3, 4, 5]
+    assert frontend.num_coalesced == 0
+
+
 def test_refused_request_gets_an_error_with_final_at_once(frontend):
     _, sender = submit(frontend, max_tokens=one(0, np.int32))
     assert sender.responses == [(None, "max_tokens must be >= 1; got 0", True)]

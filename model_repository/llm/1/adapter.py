@@ -92,8 +92,8 @@ class Live:
     cancelled: bool = False
     done: bool = False
     # Its newest output still waiting for the responder, which later ones may be merged into, and
-    # (stream_interval > 1) outputs held back until they carry enough tokens. Both guarded by
-    # Frontend._pending_lock.
+    # outputs held back (non-streaming: until the end; stream_interval > 1: until they carry
+    # enough tokens). Both guarded by Frontend._pending_lock.
     waiting: Optional["_Entry"] = None
     held: Any = None
     answered: bool = False  # an output with tokens has been queued
@@ -243,8 +243,11 @@ class Frontend:
         with self._pending_lock:
             if live.held is not None:
                 out, live.held = merge_outputs(live.held, out), None
-            if (live.stream and live.answered and not out.finished
-                    and len(out.new_token_ids) < self.stream_interval):
+            # After its first token, a non-streaming request has nothing to send until it ends:
+            # its outputs are held (no responder wake-up, no per-step ITL metric IPC), and the
+            # last one carries the mean gap since the first token.
+            if (live.answered and not out.finished
+                    and (not live.stream or len(out.new_token_ids) < self.stream_interval)):
                 live.held = out
                 return
             live.answered = live.answered or bool(out.new_token_ids)
