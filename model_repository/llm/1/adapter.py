@@ -97,6 +97,7 @@ class Live:
     waiting: Optional["_Entry"] = None
     held: Any = None
     answered: bool = False  # an output with tokens has been queued
+    tokens_seen: int = 0  # output tokens as of the last output the responder handled
 
 
 class _Entry:
@@ -242,7 +243,11 @@ class Frontend:
         now = time.monotonic()
         with self._pending_lock:
             if live.held is not None:
-                out, live.held = merge_outputs(live.held, out), None
+                # Streaming: the held tokens and text go out with this output. Not streaming: the
+                # answer is built from the totals, so the newest output replaces the held one
+                # (merging would copy the whole answer so far at every step).
+                out = merge_outputs(live.held, out) if live.stream else out
+                live.held = None
             # After its first token, a non-streaming request has nothing to send until it ends:
             # its outputs are held (no responder wake-up, no per-step ITL metric IPC), and the
             # last one carries the mean gap since the first token.
@@ -307,11 +312,13 @@ class Frontend:
             if _is_cancelled(live.sender):
                 live.cancelled = True
                 self.engine.abort(live.key)
-        if out.new_token_ids:
+        new = len(out.token_ids) - live.tokens_seen  # since the last output handled here
+        if new > 0:
+            live.tokens_seen = len(out.token_ids)
             if live.last_token_time is None:
                 self.metrics.observe("ttft", t_first - live.arrival)
             else:
-                self.metrics.observe("itl", (t - live.last_token_time) / len(out.new_token_ids))
+                self.metrics.observe("itl", (t - live.last_token_time) / new)
             live.last_token_time = t
         if out.finished:
             self._finish(live, out, t)
