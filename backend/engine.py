@@ -18,7 +18,7 @@ from typing import Optional, Union
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.loader import load_model_config
-from backend.outputs import RequestOutput, StopStringMatcher
+from backend.outputs import RequestOutput, StopStringMatcher, merge_outputs
 from backend.request import Request, RequestStatus, SamplingParams
 from backend.runner import ModelRunner
 from backend.scheduler import Scheduler
@@ -137,7 +137,7 @@ class LLMEngine:
                 held = RequestOutput(request_id, request.prompt_token_ids, [], list(request.output_token_ids),
                                      "", "", True, None)
             return dataclasses.replace(held, finished=True, finish_reason=request.finish_reason)
-        return _merge(held, self._output(request, []))
+        return merge_outputs(held, self._output(request, []))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -173,7 +173,7 @@ class LLMEngine:
         batch; aborts and errors answer at once."""
         ready = []
         for o in outputs:
-            merged = _merge(self._held.pop(o.request_id, None), o)
+            merged = merge_outputs(self._held.pop(o.request_id, None), o)
             if o.finished and o.finish_reason in ("abort", "error"):
                 ready.append(merged)
             else:
@@ -246,11 +246,3 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-
-
-def _merge(held: Optional[RequestOutput], new: RequestOutput) -> RequestOutput:
-    """One output that carries held's new tokens and text followed by new's."""
-    if held is None:
-        return new
-    return dataclasses.replace(new, new_token_ids=held.new_token_ids + new.new_token_ids,
-                               new_text=held.new_text + new.new_text)

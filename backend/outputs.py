@@ -1,6 +1,7 @@
 """What the engine hands back per request and step, and stop-string handling on the text stream."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,6 +17,16 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]  # stop | length | abort | error, once finished
     error: Optional[str] = None
+
+
+def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:
+    """One output that carries `first`'s new tokens and text followed by `then`'s, and `then`'s
+    totals and state (finished, finish_reason, error): outputs held back, then sent as one.
+    With no `first`, `then` itself."""
+    if first is None:
+        return then
+    return dataclasses.replace(then, new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
+                               new_text=first.new_text + then.new_text)
 
 
 class StopStringMatcher:

@@ -26,7 +26,6 @@ that also carries the Triton error code to answer with (INVALID_ARG, UNAVAILABLE
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import queue
@@ -39,14 +38,14 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from backend.config import EngineConfig
-from fault_injection import FAULT_ENV, FAULT_FILE, FAULT_FILE_ENV, FaultInjector, InjectedFault
-from triton_inputs import (DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ParsedRequest, ServerClosing,
-                           check_parameters, error_for, parse_request)
+from backend.outputs import merge_outputs
+from fault_injection import FAULT_ENV, FaultInjector
+from triton_inputs import (DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, check_parameters,
+                           error_for, parse_request)
 
 # What model.py and the tests use, from here and from the two modules beside this one.
-__all__ = ["DEFAULT_MAX_TOKENS", "Error", "FAULT_ENV", "FAULT_FILE", "FAULT_FILE_ENV", "FaultInjector",
-           "Frontend", "INPUT_NAMES", "InjectedFault", "ParsedRequest", "ServerClosing", "engine_config",
-           "error_for", "merge_outputs", "output_tensors", "parse_request"]
+__all__ = ["DEFAULT_MAX_TOKENS", "Error", "FAULT_ENV", "FaultInjector", "Frontend", "INPUT_NAMES",
+           "engine_config", "error_for", "parse_request"]
 
 log = logging.getLogger("inflight.triton")
 
@@ -126,13 +125,6 @@ def output_tensors(live: Live, out: Any, prompt_ids_text: Callable[[list[int]], 
         "num_input_tokens": np.array([len(out.prompt_token_ids)], dtype=np.int32),
         "num_output_tokens": np.array([len(out.token_ids)], dtype=np.int32),
     }
-
-
-def merge_outputs(first: Any, then: Any) -> Any:
-    """One engine output that carries `first`'s new tokens and text followed by `then`'s, and
-    `then`'s totals and state (finished, finish_reason, error)."""
-    return dataclasses.replace(then, new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
-                               new_text=first.new_text + then.new_text)
 
 
 Respond = Callable[[Any, Optional[dict], Optional[str], bool], None]
