@@ -57,6 +57,12 @@ def summarize(records: Sequence[Record], duration: float) -> dict[str, Any]:
     }
 
 
+def cpu_figures(output_tokens: int, cpu_s: float) -> dict[str, Any]:
+    """A run's CPU seconds and output tokens per CPU-second: steadier than wall time on a machine
+    shared with other jobs."""
+    return {"cpu_s": cpu_s, "output_tokens_per_cpu_s": output_tokens / cpu_s if cpu_s > 0 else None}
+
+
 class Sampler:
     """Samples a gauge function every `interval` s on a thread: KV usage, running requests."""
 

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from client.bench_measure import METRIC_KEYS, Record, Sampler, _progress, summarize
+from client.bench_measure import METRIC_KEYS, Record, Sampler, _progress, cpu_figures, summarize
 from client.workloads import DEFAULT_VOCAB_SIZE, WorkItem
 
 
@@ -95,11 +95,8 @@ class InProcessTarget:
             duration = time.monotonic() - start
         cpu = time.process_time() - cpu0
         bar.close()
-        result = {**summarize(records, duration), **sampler.report(before), "cpu_s": cpu}
-        # CPU seconds of this process (engine threads included): steadier than wall time on a
-        # machine shared with other jobs.
-        result["output_tokens_per_cpu_s"] = result["output_tokens"] / cpu if cpu > 0 else None
-        return result
+        result = {**summarize(records, duration), **sampler.report(before)}
+        return {**result, **cpu_figures(result["output_tokens"], cpu)}  # this process: engine + client
 
 
 class OfflineTarget:
@@ -136,8 +133,7 @@ class OfflineTarget:
                 "duration_s": duration, "output_tokens": tokens, "output_tokens_per_s": tokens / duration,
                 "requests_per_s": (len(items) - failed) / duration, **none, "errors": [],
                 "kv_usage_peak": None, "kv_usage_mean": None, "running_mean": None,
-                "preemptions": self.llm.stats()["num_preemptions"] - before, "cpu_s": cpu,
-                "output_tokens_per_cpu_s": tokens / cpu if cpu > 0 else None}
+                "preemptions": self.llm.stats()["num_preemptions"] - before, **cpu_figures(tokens, cpu)}
 
 
 # -- through the server ------------------------------------------------------------------------
@@ -212,9 +208,7 @@ class ServerTarget:
             records, duration = asyncio.run(self._run(items, concurrency, progress, timeout))
         result = {**summarize(records, duration), **sampler.report(before)}
         if cpu0 is not None:  # tritonserver + its stub + this client, as in-process counts engine + client
-            cpu = self._cpu() - cpu0
-            result["cpu_s"] = cpu
-            result["output_tokens_per_cpu_s"] = result["output_tokens"] / cpu if cpu > 0 else None
+            result.update(cpu_figures(result["output_tokens"], self._cpu() - cpu0))
         return result
 
     async def _chunks(self, client, item: WorkItem):
