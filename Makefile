@@ -41,12 +41,12 @@ test: setup
 
 # Bounded: loopback only, 120 s of load, then the server is stopped. SOAK_ARGS="--duration 300" etc.
 soak: model config
-	$(PY) -m client.soak --duration 120 --json $${TMPDIR:-/tmp}/inflight-soak-report.json $(SOAK_ARGS)
+	$(PY) -m client.tools.soak --duration 120 --json $${TMPDIR:-/tmp}/inflight-soak-report.json $(SOAK_ARGS)
 
 # Headless Locust against a running `make serve` (loopback), bounded in users and time.
 LOAD_USERS ?= 16
 LOAD_TIME ?= 60s
 LOAD_HOST ?= http://127.0.0.1:8000
 load: setup
-	$(VENV)/bin/locust -f client/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_USERS) \
+	$(VENV)/bin/locust -f client/tools/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_USERS) \
 		--run-time $(LOAD_TIME) --host $(LOAD_HOST) --only-summary --stop-timeout 30

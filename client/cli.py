@@ -21,11 +21,11 @@ def _make_model(argv: list[str]) -> int:
 
 def _bench(argv: list[str]) -> int:
     try:
-        bench = importlib.import_module("client.bench")
+        bench = importlib.import_module("client.tools.bench")
     except ModuleNotFoundError as exc:
-        if exc.name != "client.bench":
+        if exc.name != "client.tools.bench":
             raise
-        print("inflight bench: not yet available in this checkout (client/bench.py is missing)",
+        print("inflight bench: not yet available in this checkout (client/tools/bench.py is missing)",
               file=sys.stderr)
         return 2
     return bench.main(argv) or 0
@@ -37,7 +37,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from client.server import MODEL_NAME, ServerError, TritonServer
+    from client.tools.server import MODEL_NAME, ServerError, TritonServer
     from templates.render import DEFAULT_OUTPUT, read_parameters, write_config
 
     repository = Path(args.model_repository)

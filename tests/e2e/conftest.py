@@ -4,12 +4,11 @@ The server runs on free loopback ports from a temporary model repository: the co
 from templates/llm/config.pbtxt (KIND_CPU here), with `llm/1` linked to the repository's code.
 It is always stopped, and no stub process is left behind.
 """
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from adapter_module import load_adapter  # noqa: F401  (the e2e tests import it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO_ROOT / "model_repository" / "llm" / "1"
@@ -51,22 +50,9 @@ def grpc_error(server, tensors, request_id: str = "", timeout: float = 30) -> st
     return got[0].message()
 
 
-def load_adapter():
-    """model_repository/llm/1/adapter.py, which is not a package module, imported by path."""
-    name = "inflight_triton_adapter"
-    if str(MODEL_DIR) not in sys.path:  # its siblings (triton_inputs, fault_injection), as in the stub
-        sys.path.append(str(MODEL_DIR))
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, MODEL_DIR / "adapter.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def _has_tritonserver() -> bool:
     try:
-        from client.server import find_tritonserver
+        from client.tools.server import find_tritonserver
         find_tritonserver()
         return True
     except Exception:
@@ -105,7 +91,7 @@ def model_repository(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(model_repository, model_path):
-    from client.server import TritonServer
+    from client.tools.server import TritonServer
 
     with TritonServer(model_repository, params=SERVER_PARAMS, model_path=str(model_path)) as srv:
         yield srv

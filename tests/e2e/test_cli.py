@@ -6,14 +6,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 import pytest
 
 from client.cli import main
 from client.grpc_client import GrpcClient
-from client.server import free_port
+from client.tools.server import free_port
 
 from .conftest import requires_tritonserver
 
@@ -75,21 +74,3 @@ def test_serve_stops_cleanly_mid_stream(model_repository, model_path, sig):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-
-def test_no_client_module_shadows_another_top_level_module():
-    """Tools that run a file in client/ by path (locust -f client/locustfile.py, python
-    client/x.py) put client/ first on sys.path: a client/grpc.py or client/http.py would then be
-    imported in place of grpc or the standard library's http."""
-    import importlib.util
-    from pathlib import Path
-
-    import client
-
-    for path in Path(client.__file__).parent.glob("*.py"):
-        name = path.stem
-        if name == "__init__":
-            continue
-        assert name not in sys.stdlib_module_names, f"client/{path.name} shadows the stdlib's {name}"
-        assert importlib.util.find_spec(name) is None, f"client/{path.name} shadows the installed {name}"

@@ -29,7 +29,7 @@ from backend import EngineConfig, SamplingParams
 from client.grpc_client import AsyncGrpcClient, GrpcClient
 from client.http_client import AsyncHttpClient, HttpClient
 from client.protocol import GenerationError
-from client.soak import rss_mb, scrape, server_processes
+from client.tools.soak import rss_mb, scrape, server_processes
 
 from .conftest import grpc_error, load_adapter, requires_tritonserver, wait_until
 
@@ -343,7 +343,7 @@ def test_closing_an_http_generate_does_not_cancel_it_but_stop_does(server):
 def small_server(model_repository, model_path, tmp_path_factory):
     """max_num_seqs 2, max_queue_size 4, a 768-token KV cache under a max_model_len of 1024, and
     the fault injector armed (tests only)."""
-    from client.server import TritonServer
+    from client.tools.server import TritonServer
 
     fault_file = tmp_path_factory.mktemp("faults") / "fault"
     env = dict(os.environ, INFLIGHT_FAULT_INJECTION="1", INFLIGHT_FAULT_FILE=str(fault_file))
@@ -530,7 +530,7 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
     no answer at all (only the client's timeout ends it; in some runs gRPC cuts its stream with
     "Stream removed"), and a restart restores service.
     README.md ("When the Python stub crashes") tells users the same."""
-    from client.server import TritonServer
+    from client.tools.server import TritonServer
 
     params = {"max_model_len": "512"}
     server = TritonServer(model_repository, params=params, model_path=str(model_path), exit_timeout=2)

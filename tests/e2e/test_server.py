@@ -296,7 +296,7 @@ def test_metrics_endpoint_shows_the_design_names(server):
     ({"no_such_key": "1"}, "unknown parameter 'no_such_key'; allowed parameters: "),
 ])
 def test_a_bad_config_parameter_fails_the_load_naming_the_key(model_repository, model_path, params, message):
-    from client.server import ServerError, TritonServer, _group_alive
+    from client.tools.server import ServerError, TritonServer, _group_alive
 
     server = TritonServer(model_repository, params=params, model_path=str(model_path))
     try:

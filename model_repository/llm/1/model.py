@@ -22,7 +22,7 @@ import adapter  # noqa: E402
 
 INPUTS = adapter.INPUT_NAMES
 
-STOP_FILE = ".inflight-stopping"  # client/server.py creates it in its run copy before stopping Triton
+STOP_FILE = ".inflight-stopping"  # client/tools/server.py creates it in its run copy before stopping Triton
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0]

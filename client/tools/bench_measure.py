@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from client.workloads import WorkItem
+from client.tools.workloads import WorkItem
 
 MODES = ("inflight", "static", "dynamic", "none")
 METRIC_KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from client.bench_measure import METRIC_KEYS, MODES
+from client.tools.bench_measure import METRIC_KEYS, MODES
 
 CSV_KEYS = ("target", "mode", "concurrency", "repeat", "rate", "num_requests", "completed", "failed", "duration_s",
             "output_tokens", *METRIC_KEYS, "kv_usage_peak", "kv_usage_mean", "running_mean", "preemptions", "cpu_s",

@@ -14,7 +14,7 @@
     # offline: LLM.generate on the whole workload at once, per mode (no latencies)
     inflight bench --offline --model-path models/default --mode inflight,none
 
-Each (target, mode, concurrency) run sends the same seeded workload (client/workloads.py) with at
+Each (target, mode, concurrency) run sends the same seeded workload (client/tools/workloads.py) with at
 most `concurrency` requests in flight (closed loop), or at Poisson arrivals (`--rate`) still capped
 by `concurrency`. Times are taken where the client sees them: in-process in the engine's output
 callback, through the server when a response arrives. Reported per run: output tokens/s,
@@ -35,10 +35,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from client.bench_measure import METRIC_KEYS, MODES
-from client.bench_report import _fmt, machine, plot, print_table, ratios, write_csv
-from client.bench_targets import InProcessTarget, OfflineTarget, ServerTarget, start_local_server
-from client.workloads import DEFAULT_VOCAB_SIZE, WorkItem, make_workload, summary
+from client.tools.bench_measure import METRIC_KEYS, MODES
+from client.tools.bench_report import _fmt, machine, plot, print_table, ratios, write_csv
+from client.tools.bench_targets import InProcessTarget, OfflineTarget, ServerTarget, start_local_server
+from client.tools.workloads import DEFAULT_VOCAB_SIZE, WorkItem, make_workload, summary
 
 __all__ = ["METRIC_KEYS", "MODES", "machine", "main", "ratios"]
 

@@ -1,6 +1,6 @@
 """Seeded benchmark workloads (DESIGN.md, "Performance: how we measure").
 
-    from client.workloads import make_workload
+    from client.tools.workloads import make_workload
     items = make_workload("mixed", num_requests=200, seed=0)            # token-id prompts, all at once
     items = make_workload("mixed", 200, rate=4.0, prompt_format="text", tokenizer=tok)  # Poisson 4/s
     items = make_workload("traces.jsonl", 200)                          # recorded requests
@@ -58,7 +58,7 @@ def _arrivals(rng: np.random.Generator, n: int, rate: Optional[float]) -> list[f
 
 
 def _corpus_words() -> list[str]:
-    path = Path(__file__).resolve().parents[1] / "backend" / "data" / "corpus.txt"
+    path = Path(__file__).resolve().parents[2] / "backend" / "data" / "corpus.txt"
     words = path.read_text(encoding="utf-8").split() if path.exists() else []
     return words or ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
 

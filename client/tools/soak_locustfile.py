@@ -1,8 +1,8 @@
-"""Locust users for the soak test (`make soak`, client/soak.py): mixed lengths, some requests
+"""Locust users for the soak test (`make soak`, client/tools/soak.py): mixed lengths, some requests
 cancelled at random, and an exact count of what happened to every request.
 
-client/soak.py starts the server and runs this file headless; it can also be run by hand against a
-running server (`locust -f client/soak_locustfile.py --headless -u 16 -r 16 -t 2m --host
+client/tools/soak.py starts the server and runs this file headless; it can also be run by hand against a
+running server (`locust -f client/tools/soak_locustfile.py --headless -u 16 -r 16 -t 2m --host
 http://localhost:8000`). Three users, so that every way a client can end a request is exercised:
 
 - `SoakGrpcUser` (weight 2): streams over gRPC; a cancelled one leaves the stream part-way (the
@@ -37,9 +37,9 @@ grpc_gevent.init_gevent()  # grpc must yield to gevent, or one stream would bloc
 import gevent  # noqa: E402
 from locust import HttpUser, User, between, events, task  # noqa: E402
 
-from client.locust_common import (close_grpc_client, grpc_client, http_body,  # noqa: E402
+from client.tools.locust_common import (close_grpc_client, grpc_client, http_body,  # noqa: E402
                                   open_grpc_client)
-from client.workloads import make_workload  # noqa: E402
+from client.tools.workloads import make_workload  # noqa: E402
 
 MAX_TOKENS = int(os.environ.get("INFLIGHT_MAX_TOKENS", "64"))
 CANCEL = float(os.environ.get("INFLIGHT_SOAK_CANCEL", "0.1"))

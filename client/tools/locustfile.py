@@ -2,7 +2,7 @@
 
     make serve                       # in one terminal
     make load                        # headless, bounded: LOAD_USERS users for LOAD_TIME
-    locust -f client/locustfile.py --host http://localhost:8000      # web UI on :8089
+    locust -f client/tools/locustfile.py --host http://localhost:8000      # web UI on :8089
 
 `GrpcStreamUser` streams over Triton's gRPC bidirectional stream (client/grpc_client.py) and reports, as
 Locust request events of type "grpc":
@@ -15,7 +15,7 @@ A request fails when the server answers with an error or does not end with a fin
 
 Settings (environment):
   INFLIGHT_GRPC_URL     gRPC host:port (default: --host's host, port 8001)
-  INFLIGHT_WORKLOAD     fixed | mixed | FILE.jsonl (default mixed; client/workloads.py)
+  INFLIGHT_WORKLOAD     fixed | mixed | FILE.jsonl (default mixed; client/tools/workloads.py)
   INFLIGHT_MAX_TOKENS   cap on each request's output length (default 64, to keep runs short)
   INFLIGHT_USERS        which users run: grpc, http or both (default both)
 """
@@ -31,9 +31,9 @@ grpc_gevent.init_gevent()  # grpc must yield to gevent, or one stream would bloc
 
 from locust import HttpUser, User, between, events, task  # noqa: E402
 
-from client.locust_common import (close_grpc_client, grpc_client, http_body,  # noqa: E402
+from client.tools.locust_common import (close_grpc_client, grpc_client, http_body,  # noqa: E402
                                   open_grpc_client)
-from client.workloads import make_workload  # noqa: E402
+from client.tools.workloads import make_workload  # noqa: E402
 
 MAX_TOKENS = int(os.environ.get("INFLIGHT_MAX_TOKENS", "64"))
 WORKLOAD = make_workload(os.environ.get("INFLIGHT_WORKLOAD", "mixed"), 256, seed=0, max_output_len=MAX_TOKENS)

@@ -2,15 +2,15 @@
 the checks that say whether anything was lost or leaked.
 
     make soak                                          # 2 minutes (the figures in docs/reliability.md)
-    .venv/bin/python -m client.soak --duration 20      # the short version `make test` runs
+    .venv/bin/python -m client.tools.soak --duration 20      # the short version `make test` runs
 
 What it does:
-1. starts the real tritonserver (client/server.py) on free loopback ports, on the repository's
+1. starts the real tritonserver (client/tools/server.py) on free loopback ports, on the repository's
    model_repository with `--param` overrides (max_num_seqs 8 by default), with glibc's mmap
    threshold fixed at 16 MiB (`--malloc-mmap-threshold`; see run() for why);
 2. warms it up with the heaviest steps the workload can make (max_num_seqs requests with the
    longest prompt at once, twice), so that what is compared later is growth, not warm-up;
-3. runs Locust headless (client/soak_locustfile.py) with 2 x max_num_seqs users for `--duration`
+3. runs Locust headless (client/tools/soak_locustfile.py) with 2 x max_num_seqs users for `--duration`
    seconds: gRPC streams, HTTP generate and HTTP generate_stream, mixed prompt and output lengths,
    a `--cancel` share of the requests cancelled part-way at random (each the way its protocol
    allows); meanwhile it samples, every second, the resident memory of tritonserver and of its
@@ -42,10 +42,10 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from client.bench_report import machine
+from client.tools.bench_report import machine
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-LOCUSTFILE = REPO_ROOT / "client" / "soak_locustfile.py"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOCUSTFILE = REPO_ROOT / "client" / "tools" / "soak_locustfile.py"
 GROWTH_LIMIT = 0.10
 MMAP_THRESHOLD = 16 << 20  # see run()
 
@@ -203,7 +203,7 @@ def run(duration: float = 120.0, max_num_seqs: int = 8, users: Optional[int] = N
     the largest steps seen, leak or no leak (docs/reliability.md). At 16 MiB, the big activation
     buffers go back to the system when freed and resident memory follows live memory, at no
     throughput cost in our runs (4 MiB cost a quarter of it), so the growth check measures growth."""
-    from client.server import DEFAULT_MODEL_REPOSITORY, TritonServer
+    from client.tools.server import DEFAULT_MODEL_REPOSITORY, TritonServer
 
     users = users or 2 * max_num_seqs
     params = {"max_num_seqs": str(max_num_seqs), **(params or {})}
@@ -211,7 +211,7 @@ def run(duration: float = 120.0, max_num_seqs: int = 8, users: Optional[int] = N
     workdir.mkdir(parents=True, exist_ok=True)
     counts_path = workdir / "counts.json"
     report: dict = {
-        "command": " ".join([Path(sys.executable).name, "-m", "client.soak", *sys.argv[1:]]),
+        "command": " ".join([Path(sys.executable).name, "-m", "client.tools.soak", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(), "duration_s": duration, "users": users, "max_num_seqs": max_num_seqs,
         "cancel_share": cancel, "max_tokens": max_tokens, "params": params,
@@ -337,7 +337,7 @@ def summary(report: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m client.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m client.tools.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="the server's max_num_seqs (default 8)")
     p.add_argument("--users", type=int, default=None, help="Locust users (default 2 x max_num_seqs)")

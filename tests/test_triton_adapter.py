@@ -10,7 +10,7 @@ import pytest
 
 from backend.outputs import RequestOutput
 
-from .conftest import load_adapter
+from adapter_module import load_adapter
 
 adapter = load_adapter()
 

@@ -13,8 +13,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from client.bench_measure import METRIC_KEYS, Record, Sampler, _progress, cpu_figures, summarize
-from client.workloads import DEFAULT_VOCAB_SIZE, WorkItem
+from client.tools.bench_measure import METRIC_KEYS, Record, Sampler, _progress, cpu_figures, summarize
+from client.tools.workloads import DEFAULT_VOCAB_SIZE, WorkItem
 
 
 # -- in-process --------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ class ServerTarget:
             return None
         import psutil
 
-        from client.soak import cpu_seconds  # here: client.soak imports the bench's reporting
+        from client.tools.soak import cpu_seconds  # here: client.tools.soak imports the bench's reporting
         try:
             return time.process_time() + sum(cpu_seconds(self.server_pid).values())
         except psutil.Error:
@@ -284,12 +284,12 @@ def start_local_server(model_path: str, params: dict[str, str]):
     (KIND_CPU when there is no GPU) plus `params`. Returns the started TritonServer."""
     import tempfile
 
-    from client.server import TritonServer
+    from client.tools.server import TritonServer
     from templates.render import detect_gpus, write_config
 
     repo = Path(tempfile.mkdtemp(prefix="inflight-bench-repo-"))
     write_config(repo / "llm" / "config.pbtxt", gpus=detect_gpus())
-    code = Path(__file__).resolve().parents[1] / "model_repository" / "llm" / "1"
+    code = Path(__file__).resolve().parents[2] / "model_repository" / "llm" / "1"
     (repo / "llm" / "1").symlink_to(code, target_is_directory=True)
     server = TritonServer(repo, params=params, model_path=str(model_path))
     server.start()

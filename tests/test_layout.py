@@ -1,0 +1,22 @@
+"""The repository's layout promises: nothing in client/ shadows another module, and the engine's
+torch-free modules stay torch-free at import time."""
+import sys
+
+
+def test_no_client_module_shadows_another_top_level_module():
+    """Tools that run a file in client/ by path (locust -f client/tools/locustfile.py, python
+    client/x.py) put client/ first on sys.path: a client/grpc.py or client/http.py would then be
+    imported in place of grpc or the standard library's http."""
+    import importlib.util
+    from pathlib import Path
+
+    import client
+
+    root = Path(client.__file__).parent
+    for path in root.rglob("*.py"):  # client/ and its tools/, each first on sys.path when run by path
+        name = path.stem
+        if name == "__init__":
+            continue
+        where = path.relative_to(root.parent)
+        assert name not in sys.stdlib_module_names, f"{where} shadows the stdlib's {name}"
+        assert importlib.util.find_spec(name) is None, f"{where} shadows the installed {name}"
