@@ -87,6 +87,9 @@ class Tokenizer:
         tc = path / "tokenizer_config.json"
         if tc.is_file():
             config = json.loads(tc.read_text(encoding="utf-8"))
+        jinja = path / "chat_template.jinja"  # where transformers 5 saves the chat template
+        if not config.get("chat_template") and jinja.is_file():
+            config["chat_template"] = jinja.read_text(encoding="utf-8")
         return cls(_HFTokenizer.from_file(str(tj)), config, name_or_path=str(path))
 
     def _id_of(self, token: Optional[str]) -> Optional[int]:
@@ -158,6 +161,30 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(int(token_id))
+
+    # -- chat template (backend/chat_template.py renders it in a jinja2 sandbox) -----------------
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The checkpoint's chat template (tokenizer_config.json), or None."""
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) and template else None
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    **variables: Any) -> str:
+        """The prompt text for ``messages`` ([{"role", "content"}, ...]) by the chat template.
+
+        Encode the result with ``add_special_tokens=False``: the template writes its own markers.
+        Raises ``ChatTemplateError`` (a ValueError) when there is no template or it fails."""
+        from backend.chat_template import ChatTemplateError, render_chat_template
+
+        if self.chat_template is None:
+            raise ChatTemplateError(f"the tokenizer at {self.name_or_path} has no chat template")
+        special = {k: _token_str(self.config.get(k)) for k in _SPECIAL_KEYS}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    special_tokens=special, **variables)
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, "
