@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="print the finish reason")
 
     sub.add_parser("bench", add_help=False, help="benchmark a running server (see `inflight bench --help`)")
+
+    # -- import-gguf (backend/gguf_import.py parses its own arguments) --
+    sub.add_parser("import-gguf", add_help=False,
+                   help="convert a GGUF file into a checkpoint folder (see `inflight import-gguf --help`)")
     return parser
 
 
@@ -206,6 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _make_model(argv[1:])
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "import-gguf":  # FILE --out DIR [--dtype] [--force]
+        from backend.gguf_import import main as import_gguf_main
+        return import_gguf_main(argv[1:])
     args = build_parser().parse_args(argv)
     return {"config": _config, "serve": _serve, "generate": _generate}[args.command](args)
 
