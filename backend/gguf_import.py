@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from backend.gguf_dequant import dequantize, type_name
+from backend.gguf_dequant import TYPE_NAMES, dequantize, supported_types, type_name
 from backend.gguf_tokenizer import build_tokenizer, tokenizer_config
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -181,6 +181,7 @@ def _save_weights(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> Non
     torch_dtype = getattr(torch, dtype)
     save_file({k: torch.from_numpy(np.ascontiguousarray(v)).to(torch_dtype)
                for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # safetensors creates the file owner-only; a server user must read it
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -209,6 +210,11 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     meta = read_metadata(reader)
     arch, _ = hf_architecture(meta)
     types = sorted({type_name(t.tensor_type) for t in reader.tensors})
+    unreadable = sorted({type_name(t.tensor_type) for t in reader.tensors
+                         if int(t.tensor_type) not in TYPE_NAMES})
+    if unreadable:  # before any work: a Q6_K file fails at once, naming the types
+        raise GGUFImportError(f"GGUF tensor type(s) {', '.join(unreadable)} not supported; "
+                              f"supported: {', '.join(supported_types())}")
     log(f"import-gguf: {gguf_path.name}: {arch}, {len(reader.tensors)} tensors ({', '.join(types)})")
     config = hf_config(meta, [t.name for t in reader.tensors], dtype)
     tensors = convert_tensors(reader, config, arch)

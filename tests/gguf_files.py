@@ -1,0 +1,135 @@
+"""Small random GGUF files for the tests, written with the gguf package's own writer the way
+llama.cpp's converter writes them: q/k rows permuted for Llama, tensors quantized with
+``gguf.quants``, the tokenizer stored as ``tokenizer.ggml.*`` metadata.
+
+The tokenizer is the embedded default model's byte-level BPE (backend/make_model.py), so the files
+carry a real vocabulary and merges without any download.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+SHAPE = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, head_dim=16)
+# Every type the importer reads; tensors take them in turn so each appears more than once.
+ALL_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q_proj/k_proj rows of Llama models."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_weights(vocab: int, seed: int, qkv_bias: bool, tied: bool) -> dict[str, np.ndarray]:
+    s, rng = SHAPE, np.random.default_rng(seed)
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    w = {"model.embed_tokens.weight": rng.standard_normal((vocab, s["hidden"])),
+         "model.norm.weight": 1 + 0.1 * rng.standard_normal(s["hidden"])}
+    if not tied:
+        w["lm_head.weight"] = rng.standard_normal((vocab, s["hidden"]))
+    for i in range(s["layers"]):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (q, s["hidden"]), "self_attn.k_proj": (kv, s["hidden"]),
+                  "self_attn.v_proj": (kv, s["hidden"]), "self_attn.o_proj": (s["hidden"], q),
+                  "mlp.gate_proj": (s["ffn"], s["hidden"]), "mlp.up_proj": (s["ffn"], s["hidden"]),
+                  "mlp.down_proj": (s["hidden"], s["ffn"])}
+        for name, shape in shapes.items():
+            w[p + name + ".weight"] = rng.standard_normal(shape) / np.sqrt(shape[1])
+        if qkv_bias:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w[p + f"self_attn.{name}.bias"] = 0.1 * rng.standard_normal(w[p + f"self_attn.{name}.weight"].shape[0])
+        w[p + "input_layernorm.weight"] = 1 + 0.1 * rng.standard_normal(s["hidden"])
+        w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * rng.standard_normal(s["hidden"])
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+_GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    base, suffix = hf.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, layer, part = base.split(".", 3)
+        return f"blk.{layer}.{_GGUF_NAMES[part]}.{suffix}"
+    return f"{_GGUF_NAMES[base]}.{suffix}"
+
+
+def tokenizer_metadata(tokenizer_json: Path) -> tuple[list[str], list[str], list[int]]:
+    """tokens, merges and token types of a byte-level tokenizer.json (added tokens are control)."""
+    data = json.loads(Path(tokenizer_json).read_text())
+    vocab = data["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    added = {t["id"] for t in data["added_tokens"]}
+    return tokens, merges, [3 if i in added else 1 for i in range(len(tokens))]
+
+
+def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int = 0,
+               types: Sequence[str] = ALL_TYPES, name: Optional[str] = None, tied: bool = True,
+               pre: str = "smollm", tensor_type_override: Optional[tuple[str, int]] = None) -> dict:
+    """Write a random ``arch`` model; return its HF-named float32 weights (before quantization).
+
+    ``tensor_type_override`` = (gguf tensor name, raw ggml type id) writes that tensor's bytes
+    labelled with a type the importer may not read (zeros of the right size)."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    s = SHAPE
+    tokens, merges, token_types = tokenizer_metadata(tokenizer_json)
+    weights = hf_weights(len(tokens), seed, qkv_bias=(arch == "qwen2"), tied=tied)
+    writer = gguf.GGUFWriter(str(path), arch)
+    if name:
+        writer.add_name(name)
+    writer.add_block_count(s["layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    if arch != "qwen2":
+        writer.add_rope_dimension_count(s["head_dim"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    matrices = 0
+    for hf, w in weights.items():
+        data = w
+        if arch != "qwen2" and ".q_proj." in hf:
+            data = llama_cpp_permute(w, s["heads"])
+        elif arch != "qwen2" and ".k_proj." in hf:
+            data = llama_cpp_permute(w, s["kv_heads"])
+        qtype = T.F32
+        if data.ndim == 2:
+            qtype = T[types[matrices % len(types)]]
+            matrices += 1
+        name_ = gguf_name(hf)
+        if tensor_type_override and tensor_type_override[0] == name_:
+            raw_type = T(tensor_type_override[1])
+            block, size = gguf.GGML_QUANT_SIZES[raw_type]
+            raw = np.zeros((data.shape[0], data.shape[1] // block * size), dtype=np.uint8)
+            writer.add_tensor(name_, raw, raw_dtype=raw_type)
+        elif qtype == T.F32:
+            writer.add_tensor(name_, data)
+        else:
+            writer.add_tensor(name_, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights

