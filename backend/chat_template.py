@@ -74,7 +74,7 @@ def _plain(value: Any, where: str = "messages") -> Any:
         return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    raise ChatTemplateError(f"{where}: a {type(value).__name__} cannot be passed to a chat "
+    raise ChatTemplateError(f"{where}: a value of type {type(value).__name__} cannot be passed to a chat "
                             "template (only JSON values)")
 
 
