@@ -2,6 +2,7 @@
 
 The rendered file is the user's to edit: its first line records the sha256 of what was rendered,
 so a later `inflight config` can tell a hand-edited file apart and keeps it unless `--force`.
+The input and output entries come from the table in `tensors.py`.
 `instance_group` is `KIND_GPU` with a `gpus` list where GPUs exist, `KIND_CPU` where none.
 
 `apply_overrides` sets parameter values inside a config text while keeping everything else
@@ -18,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
+
+from templates import tensors
 
 TEMPLATE = Path(__file__).resolve().parent / "llm" / "config.pbtxt"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +99,10 @@ def render(gpus: Optional[Sequence[int]] = None, count: int = 1,
     """The rendered config text: the template with its instance group and any overrides filled in."""
     if gpus is None:
         gpus = detect_gpus()
-    body = template.read_text().replace("{{instance_group}}", instance_group(gpus, count))
+    body = (template.read_text()
+            .replace("{{inputs}}", tensors.pbtxt(tensors.INPUTS, optional=True))
+            .replace("{{outputs}}", tensors.pbtxt(tensors.OUTPUTS, optional=False))
+            .replace("{{instance_group}}", instance_group(gpus, count)))
     body = apply_overrides(body, overrides or {})
     return f"{HEADER}{_digest(body)}\n{body}"
 

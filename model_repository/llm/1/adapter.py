@@ -26,12 +26,15 @@ that also carries the Triton error code to answer with (INVALID_ARG, UNAVAILABLE
 """
 from __future__ import annotations
 
+import collections
 import itertools
+import json
 import logging
+import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -40,8 +43,7 @@ import numpy as np
 from backend.config import EngineConfig
 from backend.outputs import merge_outputs
 from fault_injection import FAULT_ENV, FaultInjector
-from triton_inputs import (DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, check_parameters,
-                           error_for, parse_request)
+from triton_inputs import DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, error_for, parse_request
 
 # What model.py and the tests use, from here and from the two modules beside this one.
 __all__ = ["DEFAULT_MAX_TOKENS", "Error", "FAULT_ENV", "FaultInjector", "Frontend", "INPUT_NAMES",
@@ -86,45 +88,83 @@ class Live:
     exclude_input: bool
     prompt_text: Optional[str]  # the text prompt, echoed in a non-streaming answer
     arrival: float
+    n: int = 1  # completions; the engine sends one output per completion, each with its index
+    returns: frozenset = frozenset()  # the return_* flags the request set: the outputs it gets
     last_token_time: Optional[float] = None
     last_cancel_check: float = 0.0
     cancelled: bool = False
     done: bool = False
-    # Its newest output still waiting for the responder, which later ones may be merged into, and
-    # outputs held back (non-streaming: until the end; stream_interval > 1: until they carry
-    # enough tokens). Both guarded by Frontend._pending_lock.
+    # Its newest outputs still waiting for the responder, which later ones may be merged into, and
+    # outputs held back by completion index (non-streaming: until every completion ends;
+    # stream_interval > 1: until they carry enough tokens). Guarded by Frontend._pending_lock.
     waiting: Optional["_Entry"] = None
-    held: Any = None
+    held: dict = field(default_factory=dict)
+    unfinished: int = 1  # completions whose last output has not arrived yet
     answered: bool = False  # an output with tokens has been queued
-    tokens_seen: int = 0  # output tokens as of the last output the responder handled
+    # Responder thread only: per completion, its newest output and the tokens handled so far.
+    latest: dict = field(default_factory=dict)
+    tokens_seen: dict = field(default_factory=dict)
 
 
 class _Entry:
-    """One queued engine output (possibly several merged): the output, when the first and the last
-    merged output arrived, and whether the responder has taken it."""
-    __slots__ = ("live", "out", "t_first", "t_last", "taken")
+    """Queued engine outputs by completion index (each possibly several merged): when the first and
+    the last merged output arrived, and whether the responder has taken it."""
+    __slots__ = ("live", "outs", "t_first", "t_last", "taken")
 
-    def __init__(self, live: Live, out: Any, t: float):
-        self.live, self.out, self.t_first, self.t_last, self.taken = live, out, t, t, False
+    def __init__(self, live: Live, outs: dict, t: float):
+        self.live, self.outs, self.t_first, self.t_last, self.taken = live, outs, t, t, False
 
 
-def output_tensors(live: Live, out: Any, prompt_ids_text: Callable[[list[int]], str]) -> dict[str, np.ndarray]:
-    """The output tensors of one response: the step's new tokens when streaming, all of them at the end
-    otherwise (with the prompt in front unless exclude_input_in_output)."""
-    if live.stream:
-        text, ids = out.new_text, list(out.new_token_ids)
-    else:
-        text, ids = out.text, list(out.token_ids)
-        if not live.exclude_input:
-            prompt = live.prompt_text if live.prompt_text is not None else prompt_ids_text(out.prompt_token_ids)
-            text, ids = prompt + text, list(out.prompt_token_ids) + ids
-    return {
-        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-        "output_ids": np.array(ids, dtype=np.int32),
-        "finish_reason": np.array([(out.finish_reason or "").encode()], dtype=np.object_),
-        "num_input_tokens": np.array([len(out.prompt_token_ids)], dtype=np.int32),
-        "num_output_tokens": np.array([len(out.token_ids)], dtype=np.int32),
-    }
+def _logprobs_json(logprobs: Optional[list]) -> bytes:
+    """The vLLM backend's `logprobs` output for one completion: per token, token id -> its
+    logprob, rank and text; `null` when the request did not ask for logprobs."""
+    if logprobs is None:
+        return b"null"
+    return json.dumps([{str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                        for tid, lp in step.items()} for step in logprobs]).encode("utf-8")
+
+
+def output_tensors(live: Live, outs: Mapping[int, Any], prompt_ids_text: Callable[[list[int]], str]) -> dict[str, np.ndarray]:
+    """The output tensors of one response, as the vLLM backend shapes them: one entry per
+    completion. Streaming: each completion's new tokens (none for one without an output in this
+    response); otherwise all of them, with the prompt in front unless exclude_input_in_output.
+    text_output (and output_ids for n = 1) always; the others only when asked for."""
+    texts, ids_, new_counts, reasons, cumulative, logprobs = [], [], [], [], [], []
+    for i in range(live.n):
+        out = outs.get(i) if live.stream else live.latest.get(i)
+        last = live.latest.get(i, out)
+        if out is None:
+            text, ids, lps = "", [], ([] if last is not None and last.logprobs is not None else None)
+        elif live.stream:
+            text, ids, lps = out.new_text, list(out.new_token_ids), out.new_logprobs
+        else:
+            text, ids, lps = out.text, list(out.token_ids), out.logprobs
+            if not live.exclude_input:
+                prompt = live.prompt_text if live.prompt_text is not None else prompt_ids_text(out.prompt_token_ids)
+                text, ids = prompt + text, list(out.prompt_token_ids) + ids
+        texts.append(text.encode("utf-8"))
+        ids_.append(ids)
+        new_counts.append(len(out.new_token_ids if live.stream else out.token_ids) if out is not None else 0)
+        reasons.append(str(last.finish_reason if last is not None else None).encode())
+        cum = last.cumulative_logprob if last is not None else None
+        cumulative.append(math.nan if cum is None else cum)
+        logprobs.append(_logprobs_json(lps))
+    tensors = {"text_output": np.array(texts, dtype=np.object_)}
+    if live.n == 1:
+        tensors["output_ids"] = np.array(ids_[0], dtype=np.int32)
+    asked = live.returns
+    if "return_finish_reason" in asked:
+        tensors["finish_reason"] = np.array(reasons, dtype=np.object_)
+    if "return_cumulative_logprob" in asked:
+        tensors["cumulative_logprob"] = np.array(cumulative, dtype=np.float32)
+    if "return_logprobs" in asked:
+        tensors["logprobs"] = np.array(logprobs, dtype=np.object_)
+    if "return_num_input_tokens" in asked:
+        first = next((o for o in live.latest.values()), None)
+        tensors["num_input_tokens"] = np.array([len(first.prompt_token_ids) if first else 0], dtype=np.uint32)
+    if "return_num_output_tokens" in asked:
+        tensors["num_output_tokens"] = np.array(new_counts, dtype=np.uint32)
+    return tensors
 
 
 Respond = Callable[[Any, Optional[dict], Optional[str], bool], None]
@@ -136,6 +176,44 @@ class NullMetrics:
 
     def update(self, stats: Mapping[str, float]) -> None:
         pass
+
+
+class Observations:
+    """Histogram samples, written to the metrics from a thread of their own. Each observation of a
+    Triton custom metric is an IPC round trip to the server (pb_utils has no observe-many), and the
+    inter-token histogram takes one per token: queued here, they cost the responder an append."""
+
+    def __init__(self, metrics: Any, interval: float):
+        self.metrics = metrics
+        self.interval = interval
+        self._pending: collections.deque = collections.deque()  # (kind, seconds, count)
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="inflight-metrics", daemon=True)
+        self._thread.start()
+
+    def add(self, kind: str, seconds: float, count: int = 1) -> None:
+        self._pending.append((kind, seconds, count))
+
+    def flush(self) -> None:
+        while self._pending:
+            kind, seconds, count = self._pending.popleft()
+            try:
+                for _ in range(count):
+                    self.metrics.observe(kind, seconds)
+            except Exception:
+                log.exception("metrics observe failed")
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self.interval)
+            self.flush()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout)
+        self.flush()
 
 
 class Frontend:
@@ -168,6 +246,7 @@ class Frontend:
         self.num_coalesced = 0  # engine outputs merged into an earlier one that was still waiting
         self._closing = False
         self._stats_dirty = True
+        self.observations = Observations(self.metrics, stats_interval)
         self._thread = threading.Thread(target=self._run, name="inflight-responder", daemon=True)
         self._thread.start()
 
@@ -177,9 +256,7 @@ class Frontend:
         """Validate one request and hand it to the engine; on any refusal answer it at once.
         `parameters` is the request's parameters as Triton gives them (a JSON object)."""
         try:
-            check_parameters(parameters)
-            parsed = parse_request(inputs, self.engine.vocab_size,
-                                   max_model_len=getattr(self.engine, "max_model_len", None),
+            parsed = parse_request(inputs, parameters,
                                    max_input_bytes=getattr(self.engine, "max_input_bytes", None))
             if parsed.stop:
                 self._stop(client_id, sender)
@@ -189,7 +266,8 @@ class Frontend:
             live = Live(key=f"{client_id or 'req'}#{next(self._ids)}", client_id=client_id,
                         sender=sender, stream=parsed.stream, exclude_input=parsed.exclude_input,
                         prompt_text=parsed.prompt if isinstance(parsed.prompt, str) else None,
-                        arrival=time.monotonic())
+                        arrival=time.monotonic(), n=parsed.params.n, unfinished=parsed.params.n,
+                        returns=parsed.returns)
             with self._lock:
                 if client_id and any(lv.client_id == client_id and not lv.done for lv in self._live.values()):
                     raise ValueError(f"request id '{client_id}' is already in use by a running request; "
@@ -197,7 +275,8 @@ class Frontend:
                 self._live[live.key] = live
             try:
                 self.engine.add_request(live.key, parsed.prompt, parsed.params,
-                                        lambda out, live=live: self._on_output(live, out))
+                                        lambda out, live=live: self._on_output(live, out),
+                                        priority=parsed.priority)
             except BaseException:
                 with self._lock:
                     self._live.pop(live.key, None)
@@ -215,13 +294,8 @@ class Frontend:
         stopped = sum(1 for lv in targets if self.engine.abort(lv.key))
         if not stopped:
             raise ValueError(f"stop: no request with id '{client_id}' is running")
-        tensors = {
-            "text_output": np.array([b""], dtype=np.object_),
-            "output_ids": np.zeros([0], dtype=np.int32),
-            "finish_reason": np.array([b"abort"], dtype=np.object_),
-            "num_input_tokens": np.zeros([1], dtype=np.int32),
-            "num_output_tokens": np.zeros([1], dtype=np.int32),
-        }
+        # The stop request's own answer: nothing generated, and it asks for no other output.
+        tensors = {"text_output": np.array([b""], dtype=np.object_), "output_ids": np.zeros([0], dtype=np.int32)}
         self.respond(sender, tensors, None, True)
 
     def num_live(self) -> int:
@@ -231,30 +305,38 @@ class Frontend:
     # -- called on the engine's thread -------------------------------------------------------------
     def _on_output(self, live: Live, out: Any) -> None:
         """Queue an output for the responder; when the responder is behind, merge it into this
-        request's output that is still waiting instead."""
+        request's outputs that are still waiting instead."""
         now = time.monotonic()
         with self._pending_lock:
-            if live.held is not None:
+            i = out.index
+            held = live.held.pop(i, None)
+            if held is not None:
                 # Streaming: the held tokens and text go out with this output. Not streaming: the
                 # answer is built from the totals, so the newest output replaces the held one
                 # (merging would copy the whole answer so far at every step).
-                out = merge_outputs(live.held, out) if live.stream else out
-                live.held = None
-            # After its first token, a non-streaming request has nothing to send until it ends:
-            # its outputs are held (no responder wake-up, no per-step ITL metric IPC), and the
-            # last one carries the mean gap since the first token.
-            if (live.answered and not out.finished
-                    and (not live.stream or len(out.new_token_ids) < self.stream_interval)):
-                live.held = out
+                out = merge_outputs(held, out) if live.stream else out
+            if out.finished:
+                live.unfinished -= 1
+            # After its first token, a non-streaming request has nothing to send until every
+            # completion has ended: its outputs are held (no responder wake-up, no per-step ITL
+            # metric IPC), and the last one carries the mean gap since the first token.
+            if live.answered and (live.unfinished > 0 if not live.stream else
+                                  not out.finished and len(out.new_token_ids) < self.stream_interval):
+                live.held[i] = out
                 return
+            outs = {i: out}
+            if not live.stream:  # the end: every completion's held output goes with it
+                outs.update(live.held)
+                live.held.clear()
             live.answered = live.answered or bool(out.new_token_ids)
             entry = live.waiting
             if entry is not None and self._queued > self.coalesce_after:
-                entry.out = merge_outputs(entry.out, out)
+                for j, o in outs.items():
+                    entry.outs[j] = merge_outputs(entry.outs.get(j), o) if live.stream else o
                 entry.t_last = now
                 self.num_coalesced += 1
                 return
-            entry = live.waiting = _Entry(live, out, now)
+            entry = live.waiting = _Entry(live, outs, now)
             self._queued += 1
             self.max_queued = max(self.max_queued, self._queued)
         self._queue.put(entry)
@@ -281,7 +363,7 @@ class Frontend:
                     if item.live.waiting is item:
                         item.live.waiting = None
                 try:
-                    self._handle(item.live, item.out, item.t_first, item.t_last)
+                    self._handle(item.live, item.outs, item.t_first, item.t_last)
                 except Exception:
                     log.exception("responding failed")
             now = time.monotonic()
@@ -295,40 +377,51 @@ class Frontend:
                 self._stats_dirty = False
                 self._update_stats()
 
-    def _handle(self, live: Live, out: Any, t_first: float, t: float) -> None:
+    def _handle(self, live: Live, outs: dict, t_first: float, t: float) -> None:
         if live.done:
             return
+        live.latest.update(outs)
+        finished = sum(1 for o in live.latest.values() if o.finished) == live.n
         now = time.monotonic()
-        if not out.finished and not live.cancelled and now - live.last_cancel_check >= self.cancel_interval:
+        if not finished and not live.cancelled and now - live.last_cancel_check >= self.cancel_interval:
             live.last_cancel_check = now
             if _is_cancelled(live.sender):
                 live.cancelled = True
                 self.engine.abort(live.key)
-        new = len(out.token_ids) - live.tokens_seen  # since the last output handled here
+        # Tokens per completion since the last output handled here (completions step together).
+        new = 0
+        for i, out in outs.items():
+            new = max(new, len(out.token_ids) - live.tokens_seen.get(i, 0))
+            live.tokens_seen[i] = len(out.token_ids)
+        # Merged outputs carry several tokens: each token after the first is one inter-token sample
+        # of the mean gap, so the histogram counts tokens however the responses were merged.
         if new > 0:
-            live.tokens_seen = len(out.token_ids)
             if live.last_token_time is None:
-                self.metrics.observe("ttft", t_first - live.arrival)
+                self.observations.add("ttft", t_first - live.arrival)
+                since, new = t_first, new - 1
             else:
-                self.metrics.observe("itl", (t - live.last_token_time) / new)
+                since = live.last_token_time
+            if new > 0:
+                self.observations.add("itl", (t - since) / new, new)
             live.last_token_time = t
-        if out.finished:
-            self._finish(live, out, t)
+        if finished:
+            self._finish(live, outs, t)
         elif live.stream and not live.cancelled:
-            self.respond(live.sender, output_tensors(live, out, self._detok), None, False)
+            self.respond(live.sender, output_tensors(live, outs, self._detok), None, False)
 
-    def _finish(self, live: Live, out: Any, t: float) -> None:
+    def _finish(self, live: Live, outs: dict, t: float) -> None:
         live.done = True
         with self._lock:
             self._live.pop(live.key, None)
         self._stats_dirty = True
-        self.metrics.observe("e2e", t - live.arrival)
+        self.observations.add("e2e", t - live.arrival)
+        failed = next((o for o in live.latest.values() if o.finish_reason == "error"), None)
         if live.cancelled:  # nobody listens: just close the request
             self.respond(live.sender, None, None, True)
-        elif out.finish_reason == "error":
-            self.respond(live.sender, None, Error(out.error or "the engine failed this request"), True)
+        elif failed is not None:
+            self.respond(live.sender, None, Error(failed.error or "the engine failed this request"), True)
         else:
-            self.respond(live.sender, output_tensors(live, out, self._detok), None, True)
+            self.respond(live.sender, output_tensors(live, outs, self._detok), None, True)
 
     def _detok(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer
@@ -373,6 +466,7 @@ class Frontend:
             time.sleep(0.02)
         self._queue.put(_CLOSE)
         self._thread.join(timeout)
+        self.observations.close()
         with self._lock:
             left, self._live = list(self._live.values()), {}
         for live in left:  # the engine never answered these: close them ourselves

@@ -1,29 +1,56 @@
-"""A request's input tensors (numpy arrays by name) -> prompt, `SamplingParams` and flags, or a
-`ValueError` that says what is wrong and what is allowed; and the error (with its Triton code) a
-refused request is answered with. No Triton imports: unit-tested without a server."""
+"""A request's input tensors (numpy arrays by name) and request parameters -> prompt,
+`SamplingParams` and flags, or a `ValueError` that says what is wrong and what is allowed; and the
+error (with its Triton code) a refused request is answered with. No Triton imports: unit-tested
+without a server.
+
+This layer only converts: tensors and JSON into one dict of vLLM sampling keys, which
+`SamplingParams.from_dict` checks (every value check lives there, and the prompt's length and
+token ids are checked by the engine's `make_request`). What runs here is what must run before
+anything is decoded: the byte caps, the dtype and shape of each tensor, and the request's form
+(stream, exclude_input_in_output, the TensorRT-LLM inputs we cannot honour).
+
+Where the sampling settings come from, as the vLLM backend reads them: the `sampling_parameters`
+tensor when present, else the request's parameters (gRPC `parameters=`, the JSON fields of HTTP
+generate); an explicit input tensor (`max_tokens`, `temperature`, ...) wins over both.
+"""
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
+from backend.errors import EngineDeadError, QueueFullError
 from backend.request import MAX_STOP_STRINGS, SamplingParams
+from templates.tensors import INPUTS, RETURN_FLAGS
 
 DEFAULT_MAX_TOKENS = 16
-MAX_SAMPLING_PARAMETERS_BYTES = 1 << 20  # the sampling_parameters JSON
-INPUT_NAMES = ("text_input", "input_ids", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed",
-               "stop_words", "ignore_eos", "min_tokens", "exclude_input_in_output", "stop",
-               "sampling_parameters")
-# Request parameters Triton itself may attach; any other parameter is refused (see check_parameters).
+MAX_SAMPLING_PARAMETERS_BYTES = 1 << 20  # the sampling_parameters JSON, and the request parameters
+INPUT_NAMES = tuple(t.name for t in INPUTS)
+# Request parameters Triton itself may attach: never sampling settings.
 KNOWN_PARAMETERS = ("id", "priority", "timeout", "sequence_id", "sequence_start", "sequence_end")
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_words",
-                 "stop_token_ids", "ignore_eos", "min_tokens")
+# The inputs that set a sampling key, and the key (the TensorRT-LLM names map onto the same keys).
+_SAMPLING_INPUTS = {t.name: t.key for t in INPUTS if t.key is not None}
+_KIND = {t.name: t.data_type for t in INPUTS}
+# vLLM backend sampling keys we do not support: refused by name rather than silently dropped.
+_UNSUPPORTED_KEYS = {
+    "best_of": "beam search and best_of are not supported (n is)",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "beam search is not supported",
+    "lora_name": "LoRA adapters are not supported",
+    "guided_decoding": "guided decoding is not supported",
+    "structured_outputs": "structured outputs are not supported",
+    "logit_bias": "logit_bias is not supported (use bad_words)",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported (logprobs is)",
+    "min_p": "min_p is not supported (top_k and top_p are)",
+    "include_stop_str_in_output": "include_stop_str_in_output is not supported",
+    "skip_special_tokens": "skip_special_tokens is not supported",
+    "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
+}
 
-
-# -- one request's tensors ---------------------------------------------------------------------------
 
 @dataclass
 class ParsedRequest:
@@ -32,30 +59,31 @@ class ParsedRequest:
     stream: bool = False
     exclude_input: bool = False
     stop: bool = False  # a request that cancels the running request with the same request id
+    priority: int = 0
+    returns: frozenset = field(default_factory=frozenset)  # the return_* flags set to true
 
 
 def _one(name: str, array: np.ndarray) -> Any:
+    # One value in any shape: [1] as the vLLM backend sends it, [1, 1] as the TensorRT-LLM format does.
     if array.size != 1:
         raise ValueError(f"{name} must hold exactly one value; got shape {list(array.shape)}")
     return array.reshape(-1)[0]
 
 
-def _int(name: str, array: np.ndarray) -> int:
-    if array.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be an integer tensor; got {array.dtype}")
-    return int(_one(name, array))
-
-
-def _float(name: str, array: np.ndarray) -> float:
-    if array.dtype.kind not in "fiu":
-        raise ValueError(f"{name} must be a number tensor; got {array.dtype}")
-    return float(_one(name, array))
-
-
-def _bool(name: str, array: np.ndarray) -> bool:
-    if array.dtype.kind != "b":
-        raise ValueError(f"{name} must be a BOOL tensor; got {array.dtype}")
-    return bool(_one(name, array))
+def _value(name: str, array: np.ndarray) -> Any:
+    """The one value of a scalar input, as a Python value of its declared type."""
+    kind = _KIND[name]
+    want = {"BOOL": "b", "FP32": "fiu", "STRING": "OSU"}.get(kind, "iu")
+    if array.dtype.kind not in want:
+        raise ValueError(f"{name} must be a TYPE_{kind} tensor; got {array.dtype}")
+    value = _one(name, array)
+    if kind == "BOOL":
+        return bool(value)
+    if kind == "FP32":
+        return float(value)
+    if kind == "STRING":
+        return _text(name, value)
+    return int(value)
 
 
 def _text(name: str, value: Any) -> str:
@@ -72,128 +100,152 @@ def _text(name: str, value: Any) -> str:
 def _strings(name: str, array: np.ndarray) -> list[str]:
     if array.dtype.kind not in "OSU":
         raise ValueError(f"{name} must be a BYTES (string) tensor; got {array.dtype}")
+    if array.size > MAX_STOP_STRINGS:  # before decoding any of them
+        raise ValueError(f"{name}: at most {MAX_STOP_STRINGS} strings; got {array.size}")
     return [_text(name, v) for v in array.reshape(-1)]
 
 
-def parse_request(inputs: Mapping[str, Optional[np.ndarray]], vocab_size: int,
-                  max_model_len: Optional[int] = None, max_input_bytes: Optional[int] = None) -> ParsedRequest:
-    """Validate the input tensors of one request. Raises ValueError naming the input and the rule.
+def _byte_cap(name: str, raw: Any, limit: int, what: str = "") -> None:
+    if isinstance(raw, (bytes, np.bytes_, str)) and len(raw) > limit:
+        size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
+        if size > limit:
+            raise ValueError(f"{name} is {size} bytes; the limit is {limit} bytes{what}")
 
-    The size limits are checked before anything is decoded or copied: `max_input_bytes` on the
-    text_input, `max_model_len` on the number of input_ids, and the stop-word count."""
-    get = {k: v for k, v in inputs.items() if v is not None}
-    if "stop" in get and _bool("stop", get["stop"]):
-        return ParsedRequest(stop=True)
 
+def _prompt(get: Mapping[str, np.ndarray], max_input_bytes: Optional[int]) -> Union[str, list[int]]:
     text, ids = get.get("text_input"), get.get("input_ids")
     if text is not None and ids is not None:
         raise ValueError("send either text_input or input_ids, not both")
     if text is None and ids is None:
         raise ValueError("no prompt: send text_input (BYTES) or input_ids (INT32 [n])")
-    prompt: Union[str, list[int]]
     if text is not None:
         if text.dtype.kind not in "OSU":
             raise ValueError(f"text_input must be a BYTES (string) tensor; got {text.dtype}")
         raw = _one("text_input", text)
-        if max_input_bytes and isinstance(raw, (bytes, np.bytes_, str)) and len(raw) > max_input_bytes:
-            size = len(raw) if not isinstance(raw, str) else len(raw.encode("utf-8"))
-            if size > max_input_bytes:
-                raise ValueError(f"text_input is {size} bytes; the limit is {max_input_bytes} bytes "
-                                 f"(max_input_bytes" + (f"; max_model_len is {max_model_len} tokens)"
-                                                        if max_model_len else ")"))
+        if max_input_bytes:
+            _byte_cap("text_input", raw, max_input_bytes, " (max_input_bytes)")
         prompt = _text("text_input", raw)
         if not prompt:
             raise ValueError("text_input is empty: the prompt needs at least one character")
-    else:
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"input_ids must be an INT32 tensor; got {ids.dtype}")
-        if ids.ndim != 1:
-            raise ValueError(f"input_ids must be one-dimensional [n]; got shape {list(ids.shape)}")
-        if ids.size == 0:
-            raise ValueError("input_ids is empty: the prompt needs at least one token")
-        if max_model_len and ids.size > max_model_len:
-            raise ValueError(f"prompt has {ids.size} tokens; max_model_len is {max_model_len}")
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
-        if bad.size:
-            raise ValueError(f"input_ids: token id {int(bad[0])} is outside the vocabulary "
-                             f"[0, {vocab_size})")
-        prompt = [int(t) for t in ids]
-
-    kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
-    if "sampling_parameters" in get:
-        raw = _one("sampling_parameters", get["sampling_parameters"])
-        if isinstance(raw, (bytes, np.bytes_, str)) and len(raw) > MAX_SAMPLING_PARAMETERS_BYTES:
-            raise ValueError(f"sampling_parameters is {len(raw)} bytes; the limit is "
-                             f"{MAX_SAMPLING_PARAMETERS_BYTES} bytes")
-        kwargs.update(_sampling_json(_text("sampling_parameters", raw)))
-    for name, conv in (("max_tokens", _int), ("top_k", _int), ("min_tokens", _int), ("seed", _int),
-                       ("temperature", _float), ("top_p", _float), ("ignore_eos", _bool)):
-        if name in get:
-            kwargs[name] = conv(name, get[name])
-    if "stop_words" in get:
-        if get["stop_words"].size > MAX_STOP_STRINGS:
-            raise ValueError(f"stop_words: at most {MAX_STOP_STRINGS} stop strings; got {get['stop_words'].size}")
-        kwargs["stop"] = _strings("stop_words", get["stop_words"])
-    if kwargs["max_tokens"] < 1:
-        hint = (" (max_tokens is an INT32: a value past 2147483647 wraps around to a negative one)"
-                if kwargs["max_tokens"] < 0 else "")
-        raise ValueError(f"max_tokens must be >= 1; got {kwargs['max_tokens']}{hint}")
-    for name in ("temperature", "top_p"):
-        if name in kwargs and math.isnan(kwargs[name]):
-            raise ValueError(f"{name} must be a number; got NaN")
-    params = SamplingParams(**kwargs)  # raises ValueError with the field and its range
-    return ParsedRequest(prompt=prompt, params=params,
-                         stream=_bool("stream", get["stream"]) if "stream" in get else False,
-                         exclude_input=(_bool("exclude_input_in_output", get["exclude_input_in_output"])
-                                        if "exclude_input_in_output" in get else False))
+        return prompt
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"input_ids must be an INT32 tensor; got {ids.dtype}")
+    if ids.ndim == 2 and ids.shape[0] == 1:  # the TensorRT-LLM form: [1, n]
+        ids = ids[0]
+    if ids.ndim != 1:
+        raise ValueError(f"input_ids must be one-dimensional [n]; got shape {list(ids.shape)}")
+    return [int(t) for t in ids]
 
 
-def check_parameters(raw: Optional[str]) -> None:
-    """Refuse request parameters the model does not know. Triton's HTTP generate endpoints turn
-    every JSON field that is not an input into a request parameter, so a misspelt option
-    ("max_token": 100) would otherwise be dropped without a word. Over gRPC, unknown inputs are
-    refused by Triton itself."""
-    if not raw or raw == "{}":
-        return
-    try:
-        params = json.loads(raw)
-    except ValueError:
-        return
-    if not isinstance(params, dict):
-        return
-    unknown = sorted(k for k in params if k not in KNOWN_PARAMETERS and not k.startswith("triton_"))
-    if unknown:
-        raise ValueError(f"unknown input(s) {', '.join(repr(k) for k in unknown)}; the inputs are "
-                         f"{', '.join(INPUT_NAMES)} (over HTTP generate, a JSON field that is not an "
-                         "input arrives as a request parameter: check its spelling)")
-
-
-def _sampling_json(raw: str) -> dict[str, Any]:
-    """The vLLM backend's `sampling_parameters` JSON (values may be strings, as that backend allows)."""
+def _json_object(name: str, raw: str) -> dict[str, Any]:
     try:
         data = json.loads(raw) if raw.strip() else {}
     except json.JSONDecodeError as exc:
-        raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError("sampling_parameters must be a JSON object")
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in SAMPLING_KEYS:
-            raise ValueError(f"sampling_parameters: unknown key '{key}'; allowed: {', '.join(SAMPLING_KEYS)}")
-        try:
-            if key in ("max_tokens", "top_k", "min_tokens", "seed"):
-                out[key] = int(value)
-            elif key in ("temperature", "top_p"):
-                out[key] = float(value)
-            elif key == "ignore_eos":
-                out[key] = value if isinstance(value, bool) else str(value).lower() in ("1", "true")
-            elif key in ("stop", "stop_words"):
-                out["stop"] = [value] if isinstance(value, str) else [str(v) for v in value]
-            elif key == "stop_token_ids":
-                out[key] = [int(v) for v in value]
-        except (TypeError, ValueError):
-            raise ValueError(f"sampling_parameters: bad value for '{key}': {value!r}") from None
-    return out
+        raise ValueError(f"{name} must be a JSON object")
+    return data
+
+
+def _check_keys(source: str, data: Mapping[str, Any]) -> None:
+    """Refuse, by name, what the vLLM backend accepts and we do not support, and any other key that
+    is not a sampling key (SamplingParams.from_dict then checks the values)."""
+    for key in data:
+        if key in _UNSUPPORTED_KEYS:
+            raise ValueError(f"{source}: '{key}' is refused: {_UNSUPPORTED_KEYS[key]}")
+    unknown = sorted(k for k in data if k not in SamplingParams.KEYS)
+    if unknown:
+        hint = (" (over HTTP generate, a JSON field that is not an input arrives as a request parameter: "
+                "check its spelling)" if source == "request parameters" else "")
+        raise ValueError(f"{source}: unknown key(s) {', '.join(repr(k) for k in unknown)}; the sampling "
+                         f"keys are {', '.join(SamplingParams.KEYS)}, and the inputs {', '.join(INPUT_NAMES)}"
+                         f"{hint}")
+
+
+def _request_parameters(raw: Optional[str]) -> dict[str, Any]:
+    """The request's parameters without the ones Triton itself attaches."""
+    if not raw or raw == "{}":
+        return {}
+    if len(raw) > MAX_SAMPLING_PARAMETERS_BYTES:
+        raise ValueError(f"the request parameters are {len(raw)} bytes; the limit is "
+                         f"{MAX_SAMPLING_PARAMETERS_BYTES} bytes")
+    data = _json_object("the request parameters", raw)
+    return {k: v for k, v in data.items() if k not in KNOWN_PARAMETERS and not k.startswith("triton_")}
+
+
+def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str] = None,
+                  max_input_bytes: Optional[int] = None) -> ParsedRequest:
+    """Convert one request's tensors and parameters. Raises ValueError naming the input and the rule.
+
+    `parameters` is the request's parameters as Triton gives them (a JSON object). The byte caps
+    run before anything is decoded: `max_input_bytes` on text_input, 1 MiB on the sampling JSON."""
+    get = {k: v for k, v in inputs.items() if v is not None}
+    request_params = _request_parameters(parameters)
+    priority = request_params.pop("priority", 0)  # an argument of add_request, not a sampling key
+    if "stop" in get and _value("stop", get["stop"]):
+        return ParsedRequest(stop=True)
+    prompt = _prompt(get, max_input_bytes)
+
+    if "sampling_parameters" in get:  # as the vLLM backend: the tensor, else the request parameters
+        raw = _one("sampling_parameters", get["sampling_parameters"])
+        _byte_cap("sampling_parameters", raw, MAX_SAMPLING_PARAMETERS_BYTES)
+        sampling = _json_object("sampling_parameters", _text("sampling_parameters", raw))
+        priority = sampling.pop("priority", priority)
+        _check_keys("sampling_parameters", sampling)
+        # The vLLM backend then ignores the request parameters; a misspelt one is still refused.
+        _check_keys("request parameters", request_params)
+        source = "sampling_parameters"
+    else:
+        sampling = request_params
+        _check_keys("request parameters", sampling)
+        source = "request parameters"
+    sampling.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    if "stop_words" in sampling and "stop" in sampling:
+        raise ValueError(f"{source}: send stop or stop_words, not both (stop_words is an alias)")
+
+    for name, key in _SAMPLING_INPUTS.items():  # explicit tensors win
+        if name in get:
+            value = _strings(name, get[name]) if _KIND[name] == "STRING" else _value(name, get[name])
+            if key == "stop":
+                sampling.pop("stop_words", None)
+            sampling[key] = value
+    _trtllm_inputs(get, sampling)
+    if "priority" in get:
+        priority = _value("priority", get["priority"])
+    try:
+        priority = int(priority)
+    except (TypeError, ValueError):
+        raise ValueError(f"priority must be an integer; got {priority!r}") from None
+
+    params = SamplingParams.from_dict(sampling)  # every value check, naming the field and its limit
+
+    stream = _value("stream", get["stream"]) if "stream" in get else False
+    exclude = _value("exclude_input_in_output", get["exclude_input_in_output"]) \
+        if "exclude_input_in_output" in get else None
+    if stream and exclude is False:  # the vLLM backend's rule and message
+        raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
+    returns = frozenset(n for n in RETURN_FLAGS if n in get and _value(n, get[n]))
+    return ParsedRequest(prompt=prompt, params=params, stream=stream,
+                         exclude_input=bool(stream or exclude), priority=priority, returns=returns)
+
+
+def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any]) -> None:
+    """The TensorRT-LLM ensemble's inputs that are not plain sampling keys: honoured where we have
+    the feature, refused by name where we do not."""
+    if "beam_width" in get and _value("beam_width", get["beam_width"]) != 1:
+        raise ValueError(f"beam_width: only 1 is supported (no beam search); got "
+                         f"{_value('beam_width', get['beam_width'])}; for several samples use "
+                         "num_return_sequences (n)")
+    if "return_log_probs" in get and _value("return_log_probs", get["return_log_probs"]):
+        raise ValueError("return_log_probs (TensorRT-LLM's cum_log_probs / output_log_probs outputs) is not "
+                         "supported: send return_logprobs and return_cumulative_logprob with the sampling "
+                         "key logprobs instead")
+    if "end_id" in get:  # TensorRT-LLM: this token ends generation in place of the model's EOS
+        sampling["stop_token_ids"] = list(sampling.get("stop_token_ids", [])) + [_value("end_id", get["end_id"])]
+        sampling["ignore_eos"] = True
+    for name in ("pad_id", "len_penalty", "length_penalty"):  # no effect at beam_width 1, as in TensorRT-LLM
+        if name in get:
+            _value(name, get[name])
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -220,8 +272,6 @@ def error_for(exc: BaseException) -> Error:
     """The message and code a refused request gets for an exception."""
     if isinstance(exc, ValueError):
         return Error(str(exc) or type(exc).__name__, "INVALID_ARG")
-    # QueueFullError and EngineDeadError live in backend.engine, which this module does not import
-    # (it would load torch before the config is checked): they are known by name.
-    if isinstance(exc, ServerClosing) or type(exc).__name__ in ("QueueFullError", "EngineDeadError"):
+    if isinstance(exc, (ServerClosing, QueueFullError, EngineDeadError)):
         return Error(str(exc) or type(exc).__name__, "UNAVAILABLE")
     return Error(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, "INTERNAL")

@@ -1,0 +1,99 @@
+"""The `llm` model's tensors: one table that the config template is rendered from
+(`render.py`), that the adapter reads requests with (`model_repository/llm/1/`), and that the
+client library builds requests from (`client/protocol.py`). Plain data: no numpy, no Triton.
+
+Names and types are those of Triton's vLLM backend and of the TensorRT-LLM ensemble, so their
+clients (the vLLM backend's samples, Triton's OpenAI frontend, genai-perf) work unchanged.
+`key` is the vLLM `sampling_parameters` key an input sets (an explicit input tensor wins over the
+JSON and over request parameters); `None` for inputs that are not sampling settings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    data_type: str  # Triton's name: STRING (BYTES on the wire), INT32, UINT32, INT64, UINT64, FP32, BOOL
+    dims: tuple[int, ...]
+    doc: str
+    key: Optional[str] = None  # the sampling key it sets
+
+
+INPUTS: tuple[Tensor, ...] = (
+    # -- the prompt and the request's form --
+    Tensor("text_input", "STRING", (1,), "the prompt (or input_ids)"),
+    Tensor("input_ids", "INT32", (-1,), "the prompt as token ids"),
+    Tensor("stream", "BOOL", (1,), "default false: one response at the end; true: one per step"),
+    Tensor("exclude_input_in_output", "BOOL", (1,),
+           "default: false without streaming (the prompt leads text_output); streaming refuses false"),
+    Tensor("sampling_parameters", "STRING", (1,),
+           "the vLLM backend's JSON of sampling settings; else the request parameters are read"),
+    Tensor("stop", "BOOL", (1,), "true: cancel the running request with this request id"),
+    Tensor("priority", "INT32", (1,), "default 0; lower runs first"),
+    # -- which outputs to return (the vLLM backend's additional outputs) --
+    Tensor("return_finish_reason", "BOOL", (1,), "add finish_reason"),
+    Tensor("return_cumulative_logprob", "BOOL", (1,), "add cumulative_logprob"),
+    Tensor("return_logprobs", "BOOL", (1,), "add logprobs (needs the sampling key logprobs)"),
+    Tensor("return_num_input_tokens", "BOOL", (1,), "add num_input_tokens"),
+    Tensor("return_num_output_tokens", "BOOL", (1,), "add num_output_tokens"),
+    # -- sampling settings --
+    Tensor("max_tokens", "INT32", (1,), "default 16; >= 1", "max_tokens"),
+    Tensor("temperature", "FP32", (1,), "default 1.0; >= 0, below 1e-5 is greedy", "temperature"),
+    Tensor("top_k", "INT32", (1,), "default 0 (off); >= 0", "top_k"),
+    Tensor("top_p", "FP32", (1,), "default 1.0; (0, 1]", "top_p"),
+    Tensor("seed", "UINT64", (1,), "default: unseeded; [0, 2^63)", "seed"),
+    Tensor("stop_words", "STRING", (-1,), "stop strings (not part of the output)", "stop"),
+    Tensor("bad_words", "STRING", (-1,), "words never generated", "bad_words"),
+    Tensor("ignore_eos", "BOOL", (1,), "default false", "ignore_eos"),
+    Tensor("min_tokens", "INT32", (1,), "default 0; [0, max_tokens]", "min_tokens"),
+    Tensor("repetition_penalty", "FP32", (1,), "default 1.0 (off); > 0", "repetition_penalty"),
+    Tensor("presence_penalty", "FP32", (1,), "default 0.0; [-2, 2]", "presence_penalty"),
+    Tensor("frequency_penalty", "FP32", (1,), "default 0.0; [-2, 2]", "frequency_penalty"),
+    # -- the TensorRT-LLM ensemble's names for the same settings --
+    Tensor("random_seed", "UINT64", (1,), "TensorRT-LLM name of seed", "seed"),
+    Tensor("runtime_top_k", "INT32", (1,), "TensorRT-LLM name of top_k", "top_k"),
+    Tensor("runtime_top_p", "FP32", (1,), "TensorRT-LLM name of top_p", "top_p"),
+    Tensor("min_length", "INT32", (1,), "TensorRT-LLM name of min_tokens", "min_tokens"),
+    Tensor("num_return_sequences", "INT32", (1,), "TensorRT-LLM name of n", "n"),
+    Tensor("end_id", "INT32", (1,), "TensorRT-LLM: the token that ends generation instead of EOS"),
+    Tensor("pad_id", "INT32", (1,), "TensorRT-LLM: accepted, no effect (outputs are never padded)"),
+    Tensor("beam_width", "INT32", (1,), "TensorRT-LLM: 1 only (no beam search)"),
+    Tensor("len_penalty", "FP32", (1,), "TensorRT-LLM: beam search only; accepted, no effect at beam_width 1"),
+    Tensor("length_penalty", "FP32", (1,), "TensorRT-LLM: beam search only; accepted, no effect at beam_width 1"),
+    Tensor("return_log_probs", "BOOL", (1,), "TensorRT-LLM: refused when true (use return_logprobs)"),
+)
+
+OUTPUTS: tuple[Tensor, ...] = (
+    Tensor("text_output", "STRING", (-1,),
+           "one per completion: streaming, the new text; else all of it (prompt first unless excluded)"),
+    Tensor("output_ids", "INT32", (-1,), "n = 1 only: the token ids, as text_output"),
+    Tensor("finish_reason", "STRING", (-1,), "if asked; one per completion: None while running, stop | length | abort"),
+    Tensor("cumulative_logprob", "FP32", (-1,),
+           "if asked; one per completion; NaN unless the sampling key logprobs is set"),
+    Tensor("logprobs", "STRING", (-1,), "if asked; one JSON per completion, the new tokens' (null if not set)"),
+    Tensor("num_input_tokens", "UINT32", (1,), "if asked; the prompt's tokens"),
+    Tensor("num_output_tokens", "UINT32", (-1,), "if asked; one per completion: the tokens in this response"),
+)
+
+RETURN_FLAGS = tuple(t.name for t in INPUTS if t.name.startswith("return_") and t.name != "return_log_probs")
+
+_BY_NAME = {t.name: t for t in INPUTS + OUTPUTS}
+
+
+def tensor(name: str) -> Tensor:
+    return _BY_NAME[name]
+
+
+def pbtxt(tensors: tuple[Tensor, ...], optional: bool) -> str:
+    """The config.pbtxt `input [...]` / `output [...]` entries, one a line with its doc."""
+    lines = []
+    for i, t in enumerate(tensors):
+        dims = ", ".join(str(d) for d in t.dims)
+        entry = f'  {{ name: "{t.name}" data_type: TYPE_{t.data_type} dims: [ {dims} ]'
+        entry += " optional: true }" if optional else " }"
+        comma = "," if i < len(tensors) - 1 else ""
+        lines.append(f"{entry}{comma}  # {t.doc}")
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""triton_inputs.parse_request without a server: the vLLM backend's ways to send sampling settings
+(the sampling_parameters tensor, else the request parameters; explicit tensors win), the
+TensorRT-LLM format ([1, 1] shapes, its input names), the return_* flags, and refusals that name
+the input and the rule. Value limits are SamplingParams' (one validation path): here only that
+they reach the client."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from adapter_module import load_adapter
+from backend.request import SamplingParams
+from templates import tensors as T
+
+adapter = load_adapter()
+parse = adapter.parse_request
+
+
+def S(*values):
+    return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
+
+
+def one(value, dtype, trtllm=False):
+    return np.array([[value]] if trtllm else [value], dtype=dtype)
+
+
+def test_text_prompt_with_every_option_as_a_tensor():
+    parsed = parse({
+        "text_input": S("Hello"), "max_tokens": one(7, np.int32), "temperature": one(0.5, np.float32),
+        "top_k": one(3, np.int32), "top_p": one(0.9, np.float32), "seed": one(11, np.uint64),
+        "stop_words": S("a", "bc"), "ignore_eos": one(True, np.bool_), "min_tokens": one(2, np.int32),
+        "stream": one(True, np.bool_), "exclude_input_in_output": one(True, np.bool_),
+        "repetition_penalty": one(1.5, np.float32), "presence_penalty": one(0.5, np.float32),
+        "frequency_penalty": one(-0.5, np.float32), "bad_words": S("x"), "priority": one(-3, np.int32),
+        "return_finish_reason": one(True, np.bool_), "return_logprobs": one(False, np.bool_),
+        "input_ids": None,
+    })
+    assert parsed.prompt == "Hello" and parsed.stream and parsed.exclude_input and not parsed.stop
+    p = parsed.params
+    assert (p.max_tokens, p.top_k, p.seed, p.stop, p.ignore_eos, p.min_tokens) == (7, 3, 11, ["a", "bc"], True, 2)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.bad_words) == (1.5, 0.5, -0.5, ["x"])
+    assert math.isclose(p.temperature, 0.5) and math.isclose(p.top_p, 0.9, rel_tol=1e-6)
+    assert parsed.priority == -3 and parsed.returns == {"return_finish_reason"}
+
+
+def test_defaults_and_token_ids():
+    parsed = parse({"input_ids": np.array([1, 2, 99], dtype=np.int32)})
+    assert parsed.prompt == [1, 2, 99] and parsed.params.max_tokens == adapter.DEFAULT_MAX_TOKENS
+    assert not parsed.stream and not parsed.exclude_input and parsed.returns == frozenset()
+
+
+def test_sampling_parameters_json_values_may_be_strings_and_tensors_win():
+    parsed = parse({"text_input": S("x"), "temperature": one(0.25, np.float32),
+                    "sampling_parameters": S(json.dumps({"max_tokens": "5", "temperature": "0", "stop": "z",
+                                                         "n": "2", "logprobs": 3, "ignore_eos": "true",
+                                                         "priority": 4}))})
+    p = parsed.params
+    assert (p.max_tokens, p.stop, p.n, p.logprobs, p.ignore_eos) == (5, ["z"], 2, 3, True)
+    assert p.temperature == 0.25 and parsed.priority == 4
+
+
+def test_request_parameters_are_the_sampling_settings_without_the_tensor():
+    """The vLLM backend's samples/client.py and its CI tests send them so (gRPC parameters=)."""
+    params = json.dumps({"temperature": "0.1", "top_p": "0.95", "max_tokens": 9, "id": "42",
+                         "triton_enable_empty_final_response": True})
+    p = parse({"text_input": S("x")}, params).params
+    assert (p.max_tokens, math.isclose(p.temperature, 0.1), math.isclose(p.top_p, 0.95)) == (9, True, True)
+    # With the tensor present the parameters are ignored (as the vLLM backend), but still spelt right.
+    both = parse({"text_input": S("x"), "sampling_parameters": S('{"max_tokens": 3}')},
+                 json.dumps({"max_tokens": 9, "temperature": "0"}))
+    assert both.params.max_tokens == 3 and both.params.temperature == 1.0
+    with pytest.raises(ValueError, match="request parameters: unknown key.*'max_token'.*check its spelling"):
+        parse({"text_input": S("x"), "sampling_parameters": S("{}")}, json.dumps({"max_token": 9}))
+
+
+def test_the_tensorrt_llm_format_one_by_one_shapes_and_names():
+    """As Triton's OpenAI frontend builds it for a non-vLLM backend (seed UINT64), and genai-perf's
+    TensorRT-LLM converter (min_length)."""
+    t = dict(trtllm=True)
+    parsed = parse({"text_input": np.array([[b"Hi"]], dtype=np.object_), "stream": one(True, np.bool_, **t),
+                    "max_tokens": one(6, np.int32, **t), "stop_words": np.array([[b"a", b"b"]], dtype=np.object_),
+                    "top_p": one(0.5, np.float32, **t), "temperature": one(0.0, np.float32, **t),
+                    "seed": one(7, np.uint64, **t), "presence_penalty": one(0.1, np.float32, **t),
+                    "frequency_penalty": one(0.2, np.float32, **t), "exclude_input_in_output": one(True, np.bool_, **t),
+                    "return_num_input_tokens": one(True, np.bool_, **t),
+                    "return_num_output_tokens": one(True, np.bool_, **t),
+                    "random_seed": one(8, np.uint64, **t), "runtime_top_k": one(4, np.int32, **t),
+                    "min_length": one(2, np.int32, **t), "beam_width": one(1, np.int32, **t),
+                    "num_return_sequences": one(2, np.int32, **t), "end_id": one(5, np.int32, **t),
+                    "pad_id": one(0, np.int32, **t), "len_penalty": one(1.0, np.float32, **t)})
+    p = parsed.params
+    assert parsed.prompt == "Hi" and parsed.stream and p.stop == ["a", "b"] and p.max_tokens == 6
+    assert (p.seed, p.top_k, p.min_tokens, p.n, p.stop_token_ids, p.ignore_eos) == (8, 4, 2, 2, [5], True)
+    assert parsed.returns == {"return_num_input_tokens", "return_num_output_tokens"}
+    assert parse({"input_ids": np.array([[1, 2]], np.int32)}).prompt == [1, 2]
+
+
+BAD = [
+    ({}, "no prompt"),
+    ({"max_tokens": one(3, np.int32)}, "no prompt"),
+    ({"text_input": S("a"), "input_ids": np.array([1], np.int32)}, "either text_input or input_ids"),
+    ({"text_input": S("")}, "text_input is empty"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "UTF-8"),
+    ({"text_input": np.array([3], np.int32)}, "text_input must be a BYTES"),
+    ({"input_ids": np.array([[1, 2], [3, 4]], np.int32)}, "one-dimensional"),
+    ({"input_ids": np.array([1.0], np.float32)}, "input_ids must be an INT32"),
+    ({"text_input": S("a"), "max_tokens": np.array([1, 2], np.int32)}, "exactly one value"),
+    ({"text_input": S("a"), "max_tokens": one(1.5, np.float32)}, "max_tokens must be a TYPE_INT32"),
+    ({"text_input": S("a"), "stream": one(1, np.int32)}, "stream must be a TYPE_BOOL"),
+    ({"text_input": S("a"), "stop_words": S(*["w"] * 65)}, "stop_words: at most 64"),
+    ({"text_input": S("a"), "sampling_parameters": S("{nope")}, "not valid JSON"),
+    ({"text_input": S("a"), "sampling_parameters": S("[1]")}, "must be a JSON object"),
+    ({"text_input": S("a"), "sampling_parameters": S('{"beam_widht": 2}')}, "unknown key.*'beam_widht'"),
+    ({"text_input": S("a"), "sampling_parameters": S('{"best_of": 2}')}, "'best_of' is refused"),
+    ({"text_input": S("a"), "sampling_parameters": S('{"logit_bias": {}}')}, "'logit_bias' is refused"),
+    ({"text_input": S("a"), "sampling_parameters": S('{"stop": "a", "stop_words": "b"}')}, "not both"),
+    ({"text_input": S("a"), "stream": one(True, np.bool_), "exclude_input_in_output": one(False, np.bool_)},
+     "When streaming, `exclude_input_in_output` = False is not allowed."),
+    ({"text_input": S("a"), "beam_width": one(2, np.int32)}, "beam_width: only 1 is supported"),
+    ({"text_input": S("a"), "return_log_probs": one(True, np.bool_)}, "return_log_probs .* not supported"),
+    ({"text_input": S("a"), "priority": one(1.5, np.float32)}, "priority must be a TYPE_INT32"),
+]
+
+
+@pytest.mark.parametrize("inputs,message", BAD, ids=[m for _, m in BAD])
+def test_refusals_name_the_input_and_the_rule(inputs, message):
+    with pytest.raises(ValueError, match=message):
+        parse(inputs)
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.1), ("top_p", 0.0),
+                                         ("top_k", -1), ("min_tokens", 99), ("logprobs", 21), ("n", 0),
+                                         ("repetition_penalty", 0.0)])
+def test_value_limits_are_samplingparams_own_messages(field, value):
+    """The one validation path: the same message as SamplingParams gives, from a tensor or JSON."""
+    with pytest.raises(ValueError) as expected:
+        SamplingParams.from_dict({field: value})
+    with pytest.raises(ValueError) as got:
+        parse({"text_input": S("a"), "sampling_parameters": S(json.dumps({field: value}))})
+    assert str(got.value) == str(expected.value) and field in str(got.value)
+    with pytest.raises(ValueError) as got:
+        parse({"text_input": S("a")}, json.dumps({field: value}))
+    assert str(got.value) == str(expected.value)
+
+
+def test_byte_caps_run_before_decoding():
+    with pytest.raises(ValueError, match="text_input is 11 bytes; the limit is 10 bytes"):
+        parse({"text_input": S("x" * 11)}, max_input_bytes=10)
+    from triton_inputs import MAX_SAMPLING_PARAMETERS_BYTES
+    big = np.array([b"{" + b" " * MAX_SAMPLING_PARAMETERS_BYTES + b"}"], dtype=np.object_)
+    with pytest.raises(ValueError, match="sampling_parameters is .* bytes; the limit"):
+        parse({"text_input": S("a"), "sampling_parameters": big})
+
+
+def test_stop_request_needs_nothing_else():
+    assert parse({"stop": one(True, np.bool_)}).stop
+
+
+def test_every_input_of_the_table_is_read_and_is_in_the_rendered_config():
+    from templates import render as R
+
+    config = R.parse_config(R.render(gpus=[]).split("\n", 1)[1])
+    rendered = {i.name: (i.data_type, list(i.dims)) for i in config.input}
+    from tritonclient.grpc import model_config_pb2
+
+    table = {t.name: (model_config_pb2.DataType.Value("TYPE_" + t.data_type), list(t.dims)) for t in T.INPUTS}
+    assert rendered == table and set(adapter.INPUT_NAMES) == set(table)
+    assert [o.name for o in config.output] == [t.name for t in T.OUTPUTS]
