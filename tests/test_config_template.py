@@ -39,8 +39,8 @@ def test_rendered_config_is_a_valid_decoupled_triton_config():
     assert {"text_input", "input_ids", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed",
             "stop_words", "ignore_eos", "min_tokens", "exclude_input_in_output", "stop"} <= names
     assert all(i.optional for i in config.input)
-    assert [o.name for o in config.output] == ["text_output", "output_ids", "finish_reason",
-                                               "num_input_tokens", "num_output_tokens"]
+    assert [o.name for o in config.output] == ["text_output", "output_ids", "finish_reason", "cumulative_logprob",
+                                               "logprobs", "num_input_tokens", "num_output_tokens"]
 
 
 def test_instance_group_gpu_where_gpus_exist_cpu_where_none():
