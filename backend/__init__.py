@@ -1,7 +1,25 @@
-"""inflight's engine: paged KV cache, in-flight batching, Llama-family models. No Triton here."""
-from backend.config import EngineConfig
-from backend.llm import LLM
-from backend.outputs import RequestOutput
-from backend.request import SamplingParams
+"""inflight's engine: paged KV cache, in-flight batching, Llama-family models. No Triton here.
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput"]
+The public names load lazily, so `import backend.config` (or `backend.scheduler`, ...) does not pull
+in torch: a bad config is refused before the model's libraries load.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "backend.llm",
+    "SamplingParams": "backend.request",
+    "EngineConfig": "backend.config",
+    "RequestOutput": "backend.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'backend' has no attribute '{name}'")
+    return getattr(importlib.import_module(module), name)

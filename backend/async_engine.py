@@ -9,7 +9,8 @@ from collections import deque
 from typing import Callable, Optional, Union
 
 from backend.config import EngineConfig
-from backend.engine import EngineDeadError, LLMEngine, Prompt
+from backend.engine import LLMEngine, Prompt
+from backend.errors import EngineDeadError
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus, SamplingParams
 
@@ -27,6 +28,7 @@ class AsyncEngine:
         self._new: deque[tuple[Request, OutputCallback]] = deque()
         self._aborts: deque[str] = deque()
         self._callbacks: dict[str, OutputCallback] = {}
+        self._open: dict[str, int] = {}
         self._stopped = False
         self._broken: Optional[str] = None  # why the loop stopped after a fault it could not recover from
         # The engine is built on its own thread, the one that runs every step: torch keeps an OpenMP
@@ -49,8 +51,8 @@ class AsyncEngine:
     max_input_bytes = property(lambda self: self.engine.max_input_bytes)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    on_output: OutputCallback) -> None:
-        request = self.engine.make_request(request_id, prompt, params)
+                    on_output: OutputCallback, priority: int = 0) -> None:
+        request = self.engine.make_request(request_id, prompt, params, priority=priority)
         with self._lock:
             if self._broken is not None:
                 raise EngineDeadError(f"the engine stopped after an internal error ({self._broken}); "
@@ -61,6 +63,7 @@ class AsyncEngine:
                 raise ValueError(f"request_id '{request_id}' is already running; use a new id")
             self.engine.check_queue(len(self._new))
             self._callbacks[request_id] = on_output
+            self._open[request_id] = params.n  # completions still to finish
             self._new.append((request, on_output))
             self._lock.notify()
 
@@ -127,9 +130,11 @@ class AsyncEngine:
                 log.exception("adding request %s failed", request.request_id)
                 request.error = f"{type(exc).__name__}: {exc}"
                 request.status = RequestStatus.FINISHED_ERROR
-                outputs.append(RequestOutput(request.request_id, request.prompt_token_ids, [], [], "", "",
-                                             True, "error", request.error))
-        outputs += [o for rid in aborts if (o := self.engine.abort(rid)) is not None]
+                with self._lock:
+                    self._open[request.request_id] = 1  # this one output ends it
+                outputs.append(self.engine.outputs.closing(request))
+        for rid in aborts:
+            outputs += self.engine.abort(rid)
         try:
             outputs += self.engine.step()
         except Exception as exc:
@@ -142,6 +147,7 @@ class AsyncEngine:
         with self._lock:
             self._broken = reason
             callbacks, self._callbacks = dict(self._callbacks), {}
+            self._open.clear()
             self._new.clear()
         for request_id, callback in callbacks.items():
             try:
@@ -154,8 +160,13 @@ class AsyncEngine:
         for output in outputs:
             callback = self._callbacks.get(output.request_id)
             if output.finished:
-                with self._lock:
-                    self._callbacks.pop(output.request_id, None)
+                with self._lock:  # the request ends with its last completion
+                    left = self._open.get(output.request_id, 1) - 1
+                    if left > 0:
+                        self._open[output.request_id] = left
+                    else:
+                        self._open.pop(output.request_id, None)
+                        self._callbacks.pop(output.request_id, None)
             if callback is None:
                 continue
             try:
@@ -172,7 +183,8 @@ class AsyncEngine:
             self._new.clear()
         for request, _ in new:
             self.engine.add(request)
-        outputs = [o for r in list(self.engine.scheduler.iter_requests())
-                   if (o := self.engine.abort(r.request_id)) is not None]
+        outputs = []
+        for request_id in dict.fromkeys(r.request_id for r in self.engine.scheduler.iter_requests()):
+            outputs += self.engine.abort(request_id)
         self._stats = self.engine.stats()
         self._deliver(outputs)

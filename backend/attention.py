@@ -14,7 +14,7 @@ import torch
 from kernels.dispatch import KernelOps
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AttentionContext:
     ops: KernelOps
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache [NB, BS, G, D]

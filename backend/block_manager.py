@@ -14,9 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional, Sequence
 
-
-class NoFreeBlocksError(RuntimeError):
-    pass
+from backend.errors import NoFreeBlocksError
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, limit: Optional[int] = None) -> list[int]:
@@ -93,6 +91,18 @@ class BlockManager:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free[block] = None
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int:
+        """Share parent's full blocks among its first num_tokens tokens with child, which holds no
+        blocks yet (the completions of one prompt). Full blocks are never written again, so sharing
+        them is safe. Returns how many tokens child now has computed."""
+        if self._tables.get(child_id):
+            return 0
+        shared = self._tables.get(parent_id, [])[:num_tokens // self.block_size]
+        for block in shared:
+            self._ref_counts[block] += 1
+        self._tables[child_id] = list(shared)
+        return len(shared) * self.block_size
 
     # -- prefix caching -----------------------------------------------------------------------
     def reuse_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:

@@ -1,39 +1,30 @@
-"""The engine: one step is schedule -> run -> postprocess.
+"""The engine: one step is schedule -> run -> postprocess -> outputs.
 
 `LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly).
-`AsyncEngine` (async_engine.py) runs it on its own thread for the server.
-
-In the request-level batching modes (static, dynamic) a batch answers when it ends, as a server
-running one padded `generate` call per batch does: each member's outputs are held and delivered
-as one final output when the scheduler releases the batch (an abort or an error still answers at
-once).
+`AsyncEngine` (async_engine.py) runs it on its own thread for the server. Who runs is the
+scheduler's (scheduler.py, padded_scheduler.py); the model run is the runner's (runner.py, the
+only device-facing layer); text, stop strings and logprobs are the output processor's.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
+import random
 import time
 from typing import Optional, Union
 
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
+from backend.errors import QueueFullError
 from backend.loader import load_model_config
-from backend.outputs import RequestOutput, StopStringMatcher, merge_outputs
+from backend.output_processor import OutputProcessor
+from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus, SamplingParams
 from backend.runner import ModelRunner
-from backend.scheduler import Scheduler
-from backend.tokenizer import IncrementalDetokenizer, Tokenizer
+from backend.scheduler import make_scheduler
+from backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds max_queue_size requests already (retry later)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine is shut down, or stopped after an internal error it could not recover from."""
 
 
 class LLMEngine:
@@ -48,9 +39,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size,
                                    enable_prefix_caching=config.enable_kv_cache_reuse)
-        self.scheduler = Scheduler(config, self.blocks, self.max_model_len)
-        self._detok: dict[str, tuple[Optional[IncrementalDetokenizer], StopStringMatcher]] = {}
-        self._held: dict[str, RequestOutput] = {}  # padded batches: outputs kept until the batch ends
+        self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, hold_until_released=self.scheduler.gate.pads)
+        self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -82,9 +73,20 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                     arrival_time: Optional[float] = None) -> Request:
+                     arrival_time: Optional[float] = None, priority: int = 0) -> Request:
         """Tokenize and check a request against every limit; raises ValueError saying which."""
         params.validate()
+        ids = self._prompt_ids(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+        eos = self.model_config.eos_token_ids
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        request = Request(request_id, ids, params, eos, arrival_time, seed=self._seeds.getrandbits(63),
+                          priority=priority)
+        request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        return request
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: send input_ids instead of text")
@@ -104,11 +106,23 @@ class LLMEngine:
             raise ValueError("the prompt is empty: send at least one token")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        self.scheduler.check_fits(len(ids), params.max_tokens)
-        eos = self.model_config.eos_token_ids
-        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = (self.tokenizer.eos_token_id,)
-        return Request(request_id, ids, params, eos, arrival_time)
+        return ids
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, alone and after a space (as vLLM: a word is banned both at the
+        start of the text and inside it)."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer: this checkpoint has no tokenizer.json")
+        out = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(plain)
+            if spaced and spaced != plain and len(spaced) == len(plain):
+                out.append(spaced)
+        return [w for w in out if w]
 
     def check_queue(self, pending: int = 0) -> None:
         limit = self.config.max_queue_size
@@ -116,123 +130,74 @@ class LLMEngine:
             raise QueueFullError(f"queue full: {limit} requests are waiting (max_queue_size); retry later")
 
     def add(self, request: Request) -> None:
-        self.scheduler.add(request)
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if self.tokenizer else None
-        self._detok[request.request_id] = (detok, StopStringMatcher(request.params.stop))
+        """Queue a made request and, when it asks for n > 1, its n - 1 sibling completions."""
+        self.scheduler.check_fits(request.num_prompt_tokens, request.params.max_tokens, request.params.n)
+        family = [request] + [Request(request.request_id, request.prompt_token_ids, request.params,
+                                      request.eos_token_ids, request.arrival_time, seed=self._seeds.getrandbits(63),
+                                      priority=request.priority, index=i) for i in range(1, request.params.n)]
+        for seq in family:
+            seq.bad_words_ids = request.bad_words_ids
+            self.scheduler.add(seq)
+            self.outputs.add(seq)
         self.prompt_tokens_total += request.num_prompt_tokens
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> Request:
         self.check_queue()
-        request = self.make_request(request_id, prompt, params)
+        request = self.make_request(request_id, prompt, params, priority=priority)
         self.add(request)
         return request
 
-    def abort(self, request_id: str) -> Optional[RequestOutput]:
-        request = self.scheduler.abort(request_id)
-        if request is None:
-            return None
-        held = self._held.pop(request_id, None)
-        if request_id not in self._detok:  # it had finished and was waiting for its batch to end
-            if held is None:
-                held = RequestOutput(request_id, request.prompt_token_ids, [], list(request.output_token_ids),
-                                     "", "", True, None)
-            return dataclasses.replace(held, finished=True, finish_reason=request.finish_reason)
-        return merge_outputs(held, self._output(request, []))
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Abort every completion of the request; their final outputs (none if it is unknown)."""
+        return [self.outputs.ended(r, self.scheduler.finish) for r in self.scheduler.abort(request_id)]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        now = time.monotonic()
-        out = self.scheduler.schedule(now)
-        self.idle = out.is_empty
-        if out.is_empty:
-            results = []
-        else:
-            results = self._run(out)
-        return self._batch_outputs(results) if self.scheduler.gate.pads else results
-
-    def _run(self, out) -> list[RequestOutput]:
+        batch = self.scheduler.schedule(time.monotonic())
+        self.idle = batch.is_empty
+        if batch.is_empty:
+            return self.outputs.release(self._released())
         try:
-            sampled = self.runner.run(out, self.blocks)
+            sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its own requests, not the engine
             log.exception("model step failed")
-            return self._fail([s.request for s in out.seqs], f"model step failed: {exc!r}")
-        self.scheduler.postprocess(out, sampled, time.monotonic())
+            return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}")
+        self.scheduler.postprocess(batch, sampled, time.monotonic())
         self.generation_tokens_total += len(sampled)
-        results = []
-        for seq in out.seqs:
-            req = seq.request
-            if req.request_id in sampled:
-                results.append(self._output(req, [sampled[req.request_id]]))
-        return results
+        return self.outputs.step_outputs([s.request for s in batch.seqs], sampled, self.scheduler.finish,
+                                         self._released())
 
-    def _batch_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Padded batches: hold each member's outputs, merged, until the scheduler releases the
-        batch; aborts and errors answer at once."""
-        ready = []
-        for o in outputs:
-            merged = merge_outputs(self._held.pop(o.request_id, None), o)
-            if o.finished and o.finish_reason in ("abort", "error"):
-                ready.append(merged)
-            else:
-                self._held[o.request_id] = merged
-        ready.extend(self._held.pop(r.request_id) for r in self.scheduler.pop_released()
-                     if r.request_id in self._held)
-        return ready
+    def _released(self) -> list[Request]:
+        pop = getattr(self.scheduler, "pop_released", None)  # padded batches only
+        return pop() if pop is not None else []
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
-        results = []
         for req in requests:
             if not req.status.finished:
                 req.error = message
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            results.append(self._output(req, []))
-        return results
+        return [self.outputs.ended(req, self.scheduler.finish) for req in requests]
 
     def fail_running(self, message: str) -> list[RequestOutput]:
         """After an unexpected exception in a step outside the model run (in scheduling or
-        postprocessing): fail the requests of the batch (the running ones), keep the waiting ones,
-        and check that the block and queue state is still sound (raises if it is not)."""
+        postprocessing): fail the requests of the batch (those holding blocks), keep the waiting
+        ones, and check that the block and queue state is still sound (raises if it is not)."""
         results = []
-        for req in list(self.scheduler.running) + list(self.scheduler.lingering):
-            self._held.pop(req.request_id, None)
+        for req in self.scheduler.holders():
             req.error = message
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            results.append(self._closing_output(req))
+            results.append(self.outputs.closing(req))
         self.check_integrity()
         return results
-
-    def _closing_output(self, req: Request) -> RequestOutput:
-        """The final output of a finished request, whatever state its detokenizer is in."""
-        self._detok.pop(req.request_id, None)
-        self.runner.sampler.forget(req.request_id)
-        return RequestOutput(req.request_id, req.prompt_token_ids, [], list(req.output_token_ids), "", "",
-                             True, req.finish_reason, req.error)
-
-    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
-        """Detokenize new tokens, apply stop strings, and package what the caller sees."""
-        detok, stops = self._detok[req.request_id]
-        delta = ""
-        if detok is not None:
-            delta = detok.add(new_ids) if new_ids else ""
-            if req.status.finished:
-                delta += detok.flush()
-        if stops.feed(delta) and not req.status.finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        if req.status.finished:
-            del self._detok[req.request_id]
-            self.runner.sampler.forget(req.request_id)
-        new_text = stops.emit(final=req.status.finished)
-        return RequestOutput(req.request_id, req.prompt_token_ids, new_ids, list(req.output_token_ids),
-                             new_text, stops.emitted, req.status.finished, req.finish_reason, req.error)
 
     def stats(self) -> dict[str, Union[int, float]]:
         b = self.blocks
         return {
             # members of a padded batch that finished still hold their slot until the batch ends
-            "num_requests_running": len(self.scheduler.running) + len(self.scheduler.lingering),
+            "num_requests_running": self.scheduler.num_running,
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": b.num_blocks,
             "kv_blocks_used": b.num_used_blocks,

@@ -1,6 +1,7 @@
 """The offline API: `LLM(model_path, **overrides).generate(prompts, params)`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Optional, Sequence, Union
 
@@ -22,29 +23,39 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion, batched in flight; results come back in prompt order."""
+                 use_tqdm: bool = False, priority: Union[int, Sequence[int]] = 0) -> list[RequestOutput]:
+        """Run every prompt to completion, batched in flight; results come back in prompt order.
+        With n > 1, each result is the first completion and `samples` holds all n (by index).
+        `priority`: one for all or one per prompt; lower runs first."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
         order = []
-        for prompt, p in zip(prompts, params):
-            request = self.engine.add_request(f"offline-{next(self._ids)}", prompt, p)
+        for prompt, p, prio in zip(prompts, params, priorities):
+            request = self.engine.add_request(f"offline-{next(self._ids)}", prompt, p, priority=prio)
             order.append(request.request_id)
-        results: dict[str, RequestOutput] = {}
+        done: dict[str, list[RequestOutput]] = {rid: [] for rid in order}
         bar = _progress(len(order)) if use_tqdm else None
         while self.engine.has_work():
             for output in self.engine.step():
                 if output.finished:
-                    results[output.request_id] = output
-                    if bar is not None:
+                    done[output.request_id].append(output)
+                    if bar is not None and len(done[output.request_id]) == 1:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [results[rid] for rid in order]
+        results = []
+        for rid in order:
+            samples = sorted(done[rid], key=lambda o: o.index)
+            first = samples[0]
+            if len(samples) > 1:
+                first = dataclasses.replace(first, samples=samples)
+            results.append(first)
+        return results
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -7,6 +7,28 @@ from typing import Optional
 
 
 @dataclass
+class Sampled:
+    """One row's result: the token and, when the request asked for logprobs, the raw numbers."""
+    token: int
+    logprob: Optional[float] = None
+    rank: Optional[int] = None  # 1 = the most likely token
+    top: Optional[list[tuple[int, float]]] = None  # the top k (token, logprob), best first
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability (log_softmax of the raw logits), its rank among the
+    vocabulary (1 = most likely) and its text, as vLLM reports them."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per generated token: candidate token id -> Logprob (the sampled token and the top k).
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -17,6 +39,11 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]  # stop | length | abort | error, once finished
     error: Optional[str] = None
+    index: int = 0  # which of the request's n completions
+    new_logprobs: Optional[list[TokenLogprobs]] = None  # one per new token; None unless asked
+    logprobs: Optional[list[TokenLogprobs]] = None  # one per generated token so far
+    cumulative_logprob: Optional[float] = None  # sum of the sampled tokens' logprobs
+    samples: Optional[list["RequestOutput"]] = None  # LLM.generate with n > 1: all n, by index
 
 
 def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:
@@ -25,8 +52,11 @@ def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> Reques
     With no `first`, `then` itself."""
     if first is None:
         return then
+    logprobs = None
+    if first.new_logprobs is not None or then.new_logprobs is not None:
+        logprobs = list(first.new_logprobs or []) + list(then.new_logprobs or [])
     return dataclasses.replace(then, new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
-                               new_text=first.new_text + then.new_text)
+                               new_text=first.new_text + then.new_text, new_logprobs=logprobs)
 
 
 class StopStringMatcher:
@@ -41,12 +71,15 @@ class StopStringMatcher:
         self.emitted = ""
         self.stopped = False
 
-    def feed(self, delta: str) -> bool:
-        """Add text; True when a stop string completed within it."""
+    def feed(self, delta: str, check: bool = True) -> bool:
+        """Add text; True when a stop string completed within it. With check False the text is
+        only recorded (vLLM does not look for stop strings before min_tokens)."""
         if self.stopped or not delta:
             return False
         search_from = max(0, len(self.text) - self.holdback)
         self.text += delta
+        if not check:
+            return False
         hits = [i for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
         if hits:
             self.text = self.text[:min(hits)]

@@ -31,10 +31,10 @@ class GuaranteedNoEvict(CapacityPolicy):
     name = "guaranteed_no_evict"
 
     def reserved_blocks(self, running: Sequence[Request]) -> int:
-        return sum(self.blocks.blocks_for(r.max_total_tokens) for r in running)
+        return sum(self.blocks.blocks_for(r.max_kv_tokens) for r in running)
 
     def can_admit(self, request: Request, running: Sequence[Request], tokens_now: int) -> bool:
-        need = self.blocks.blocks_for(request.max_total_tokens)
+        need = self.blocks.blocks_for(request.max_kv_tokens)
         return self.reserved_blocks(running) + need <= self.blocks.num_blocks
 
     def check_invariant(self, running: Sequence[Request]) -> None:
@@ -43,7 +43,7 @@ class GuaranteedNoEvict(CapacityPolicy):
             f"no-evict reservation broken: running requests may need {reserved} blocks "
             f"of {self.blocks.num_blocks}")
         for r in running:
-            assert self.blocks.num_blocks_of(r.request_id) <= self.blocks.blocks_for(r.max_total_tokens)
+            assert self.blocks.num_blocks_of(r.seq_id) <= self.blocks.blocks_for(r.max_kv_tokens)
 
 
 class MaxUtilization(CapacityPolicy):
@@ -53,7 +53,7 @@ class MaxUtilization(CapacityPolicy):
     may_preempt = True
 
     def can_admit(self, request: Request, running: Sequence[Request], tokens_now: int) -> bool:
-        return self.blocks.can_grow(request.request_id, tokens_now)
+        return self.blocks.can_grow(request.seq_id, tokens_now)
 
 
 POLICIES = {p.name: p for p in (GuaranteedNoEvict, MaxUtilization)}

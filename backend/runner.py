@@ -11,12 +11,12 @@ import numpy as np
 import torch
 
 from backend.attention import AttentionContext
-from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
-from kernels.rope import rope_cos_sin
-from backend.sampler import Sampler
+from backend.models.rope import rope_cos_sin
+from backend.outputs import Sampled
+from backend.sampler import sample
 from backend.scheduler import ScheduledSeq, SchedulerOutput
 from kernels.dispatch import get_ops
 
@@ -60,7 +60,6 @@ class ModelRunner:
         cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
                                 model_cfg.rope_scaling)
         self.rope = (cos.to(self.device), sin.to(self.device))
-        self.sampler = Sampler(config.seed)
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -98,10 +97,12 @@ class ModelRunner:
         shape = (nblocks, self.block_size, c.num_kv_heads, c.head_dim)
         caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(c.num_layers)]
         table = torch.arange(nblocks, dtype=torch.int32, device=self.device)[None]
-        ctx = self._context(caches, torch.arange(n, device=self.device), 0,
-                            table[:0], table[0, :0], table,
-                            torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                            torch.tensor([n], dtype=torch.int32, device=self.device), 0, n)
+        lens = torch.tensor([n], dtype=torch.int32, device=self.device)
+        ctx = self._context(kv_caches=caches, slot_mapping=torch.arange(n, device=self.device),
+                            num_decode_tokens=0, decode_block_tables=table[:0], decode_seq_lens=lens[:0],
+                            prefill_block_tables=table,
+                            prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                            prefill_seq_lens=lens, prefill_max_q_len=n)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(n, device=self.device), ctx, self.rope)
         self.model.logits(hidden[-1:])
@@ -110,23 +111,20 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     # -- one step -------------------------------------------------------------------------------
-    def _context(self, caches, slots, num_decodes, d_tables, d_lens, p_tables, p_cu, p_lens,
-                 d_max: int, p_max: int) -> AttentionContext:
-        return AttentionContext(self.ops, caches, self.model_cfg.head_dim ** -0.5, slots, num_decodes,
-                                d_tables, d_lens, p_tables, p_cu, p_lens, d_max, p_max)
+    def _context(self, **fields) -> AttentionContext:
+        return AttentionContext(ops=self.ops, scale=self.model_cfg.head_dim ** -0.5, **fields)
 
-    def _tables(self, seqs: list[ScheduledSeq], blocks: BlockManager) -> torch.Tensor:
-        tables = [blocks.block_table(s.request.request_id) for s in seqs]
+    def _tables(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         # Padding rows may attend past their member's blocks: those entries stay 0 (a valid block
         # whose contents only feed discarded rows).
         needed = [-(-(s.start + s.num_new_tokens) // self.block_size) for s in seqs]
-        width = max([1] + [len(t) for t in tables] + needed)
-        padded = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            padded[i, :len(t)] = t
+        width = max([1] + [len(s.block_table) for s in seqs] + needed)
+        padded = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            padded[i, :len(s.block_table)] = s.block_table
         return torch.from_numpy(padded).to(self.device, non_blocking=True)
 
-    def _prepare(self, out: SchedulerOutput, blocks: BlockManager):
+    def _prepare(self, out: SchedulerOutput):
         # Padding rows (padded batches) go through the model like the others: one-token rows with
         # the decodes, longer ones with the prefills. They read their member's cache but are never
         # stored (slot -1) and never sampled.
@@ -144,7 +142,7 @@ class ModelRunner:
                 ids.extend([PAD_TOKEN_ID] * s.num_new_tokens)
                 slots.extend([-1] * s.num_new_tokens)
                 continue
-            table = blocks.block_table(s.request.request_id)
+            table = s.block_table
             ids.extend(s.request.token_ids(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         dev = self.device
@@ -152,11 +150,12 @@ class ModelRunner:
         q_lens = [s.num_new_tokens for s in prefills]
         d_lens = [s.start + 1 for s in decodes]
         ctx = self._context(
-            self.kv_caches, as_t(slots, np.int64), len(decodes),
-            self._tables(decodes, blocks), as_t(d_lens, np.int32),
-            self._tables(prefills, blocks), as_t(np.concatenate([[0], np.cumsum(q_lens)]), np.int32),
-            as_t([s.start + s.num_new_tokens for s in prefills], np.int32),
-            max(d_lens, default=0), max(q_lens, default=0))
+            kv_caches=self.kv_caches, slot_mapping=as_t(slots, np.int64), num_decode_tokens=len(decodes),
+            decode_block_tables=self._tables(decodes), decode_seq_lens=as_t(d_lens, np.int32),
+            prefill_block_tables=self._tables(prefills),
+            prefill_cu_seqlens_q=as_t(np.concatenate([[0], np.cumsum(q_lens)]), np.int32),
+            prefill_seq_lens=as_t([s.start + s.num_new_tokens for s in prefills], np.int32),
+            decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0))
         # Logits are needed only at the last token of each sequence that samples this step.
         ends = np.cumsum([s.num_new_tokens for s in seqs]) - 1
         sample_rows = [int(e) for e, s in zip(ends, seqs) if s.samples]
@@ -164,12 +163,11 @@ class ModelRunner:
         return as_t(ids, np.int64), as_t(positions, np.int64), ctx, sample_rows, sampling
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, blocks: BlockManager) -> dict[str, int]:
-        """Run one step; returns the sampled token of every sequence that reached its end."""
-        ids, positions, ctx, rows, sampling = self._prepare(out, blocks)
+    def run(self, out: SchedulerOutput) -> dict[str, Sampled]:
+        """Run one step; returns what every sequence that reached its end sampled, by seq_id."""
+        ids, positions, ctx, rows, sampling = self._prepare(out)
         hidden = self.model(ids, positions, ctx, self.rope)
         if not sampling:
             return {}
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens = self.sampler.sample(logits, sampling)
-        return {r.request_id: t for r, t in zip(sampling, tokens)}
+        return {r.seq_id: s for r, s in zip(sampling, sample(logits, sampling))}

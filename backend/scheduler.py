@@ -3,22 +3,19 @@
 Each step, `schedule()` forms one flat batch within the token budget:
   1. running requests first, oldest first: one token each when decoding, the next prompt chunk
      when their prefill is unfinished;
-  2. then waiting requests, first come first served, while the batching gate, `max_num_seqs`,
-     the token budget and the capacity policy (policies.py) let them start.
+  2. then waiting requests, first come first served, while the batching gate (batching.py),
+     `max_num_seqs`, the token budget and the capacity policy (policies.py) let them start.
 `postprocess()` appends the sampled tokens, detects the end of each request and frees its blocks.
 
-Request-level batches (`static`, `dynamic`: the gate's `pads`) are made to cost what a padded batch
-costs. A batch starts whole; each member's prompt is padded to the batch's longest prompt; a member
-that finishes "lingers": it keeps its slot and its blocks and decodes on, until no member runs.
-The padding is real compute: `SchedulerOutput.padding` rows that the runner pushes through the
-model (attending to the member's context) but never stores in the cache and never samples. When the
-batch ends its members are `released` together (the engine answers them then).
+Capacity (who may hold blocks) is the policy's; batch forming (who computes how many tokens) is
+this class's. Request-level padded batches (static, dynamic) are `PaddedScheduler`
+(padded_scheduler.py), built on this core. See docs/design.md, "Scheduling".
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 from backend.batching import make_gate
 from backend.block_manager import BlockManager
@@ -33,6 +30,7 @@ class ScheduledSeq:
     start: int  # first position computed this step
     num_new_tokens: int
     padding: bool = False  # a padding row: computed for its cost only, never stored nor sampled
+    block_table: list[int] = field(default_factory=list)  # the sequence's blocks, for the runner
 
     @property
     def samples(self) -> bool:
@@ -42,11 +40,13 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
+    """One step's batch: everything the runner needs (tokens come from the requests, blocks from
+    each row's `block_table`), so the runner never asks the block manager."""
     decodes: list[ScheduledSeq] = field(default_factory=list)  # one query token each
     prefills: list[ScheduledSeq] = field(default_factory=list)  # chunks of several tokens
     preempted: list[Request] = field(default_factory=list)
-    # Padded batches only: prompt padding and the decode steps of members that already finished.
-    # Each row attends to its member's cached context from position `start` on; slot mapping -1.
+    # Padded batches only: rows computed for their cost, attending to their member's cached context
+    # from `start` on; never stored (slot -1), never sampled.
     padding: list[ScheduledSeq] = field(default_factory=list)
 
     @property
@@ -74,76 +74,50 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0  # prompt tokens whose KV was reused instead of computed
-        # Padded batches: finished members that keep their slot until the batch ends, prompt
-        # padding still to compute per member, and members whose batch ended (for the engine).
-        self.lingering: list[Request] = []
-        self.pad_pending: dict[str, int] = {}
-        self.released: list[Request] = []
 
     # -- arrivals and aborts ------------------------------------------------------------------
-    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """Refuse, with the numbers, a request that could never run to completion."""
         total = prompt_len + max_tokens
         if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len})")
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                             f"max_model_len ({self.max_model_len})")
         capacity = self.blocks.num_blocks * self.blocks.block_size
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV "
-                f"cache ({capacity} tokens = {self.blocks.num_blocks} blocks of {self.blocks.block_size})")
+        if self.blocks.blocks_for(total - 1) > self.blocks.num_blocks:  # the last token is never stored
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV "
+                             f"cache ({capacity} tokens = {self.blocks.num_blocks} blocks of {self.blocks.block_size})")
         if not self.config.enable_chunked_context and prompt_len > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) and enable_chunked_context is off")
+            raise ValueError(f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens}) and enable_chunked_context is off")
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
 
     def add(self, request: Request) -> None:
-        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
+        self.check_fits(request.num_prompt_tokens, request.params.max_tokens, request.params.n)
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Optional[Request]:
-        for queue in (self.running, self.lingering, self.waiting):
-            for r in queue:
-                if r.request_id == request_id:
-                    self.finish(r, RequestStatus.FINISHED_ABORTED)
-                    return r
-        return None
+    def abort(self, request_id: str) -> list[Request]:
+        """Abort every sequence of the request (all n completions); returns them."""
+        found = [r for r in self.iter_requests() if r.request_id == request_id]
+        for r in found:
+            self.finish(r, RequestStatus.FINISHED_ABORTED)
+        return found
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         if request in self.running:
             self.running.remove(request)
-            if self.gate.pads and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-                self.lingering.append(request)  # keeps its slot and blocks until the batch ends
-                self._end_batch_if_done()
-                return
-        elif request in self.lingering:
-            self.lingering.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pad_pending.pop(request.request_id, None)
-        self.blocks.free(request.request_id)
-        self._end_batch_if_done()
-
-    def _end_batch_if_done(self) -> None:
-        """A padded batch ends when no member runs and no prompt padding is left to compute."""
-        if self.running or not self.lingering or any(self.pad_pending.get(r.request_id) for r in self.lingering):
-            return
-        for r in self.lingering:
-            self.blocks.free(r.request_id)
-            self.pad_pending.pop(r.request_id, None)
-        self.released.extend(self.lingering)
-        self.lingering.clear()
-
-    def pop_released(self) -> list[Request]:
-        """Members of padded batches that ended since the last call (finished, blocks freed)."""
-        released, self.released = self.released, []
-        return released
+        self.blocks.free(request.seq_id)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.lingering or self.released)
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -163,9 +137,12 @@ class Scheduler:
             i += 1
         if not out.preempted:
             budget = self._admit(out, budget, now)
-        if self.gate.pads:
-            self._schedule_padding(out, budget)
+        self._use_leftover_budget(out, budget)
+        self._attach_block_tables(out)
         return out
+
+    def _use_leftover_budget(self, out: SchedulerOutput, budget: int) -> None:
+        """In-flight batching leaves it unused (padded batches spend it on padding rows)."""
 
     def _chunk(self, req: Request, budget: int) -> int:
         """How many of req's uncomputed tokens this step may take."""
@@ -175,99 +152,91 @@ class Scheduler:
         chunked = self.config.enable_chunked_context or remaining > self.config.max_num_batched_tokens
         return budget if chunked else 0
 
-    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    @staticmethod
+    def _add(out: SchedulerOutput, req: Request, n: int) -> None:
         seq = ScheduledSeq(req, req.num_computed_tokens, n)
         (out.decodes if n == 1 else out.prefills).append(seq)
 
+    def _attach_block_tables(self, out: SchedulerOutput) -> None:
+        for s in out.seqs + out.padding:
+            s.block_table = self.blocks.block_table(s.request.seq_id)
+
     def _grow_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        while not self.blocks.can_grow(req.request_id, num_tokens):
+        while not self.blocks.can_grow(req.seq_id, num_tokens):
             if not self.policy.may_preempt:
-                raise AssertionError(f"{self.policy.name}: {req.request_id} ran out of reserved blocks")
+                raise AssertionError(f"{self.policy.name}: {req.seq_id} ran out of reserved blocks")
             victim = self.running.pop()  # the newest running request
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
                 return False
-        self.blocks.grow(req.request_id, num_tokens)
+        self.blocks.grow(req.seq_id, num_tokens)
         return True
 
     def _preempt(self, req: Request) -> None:
         """Free req's blocks and queue it first; it recomputes its prompt and outputs later."""
-        self.blocks.free(req.request_id)
-        self.pad_pending.pop(req.request_id, None)
+        self.blocks.free(req.seq_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        self._end_batch_if_done()
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        allowed = self.gate.num_to_admit(self.waiting, self.running + self.lingering, now)
-        if self.gate.pads:
-            return self._admit_batch(out, budget, allowed)
+        allowed = self.gate.num_to_admit(self.waiting, self.holders(), now)
         while self.waiting and allowed > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.gate.next_candidate(self.waiting)
-            req.num_computed_tokens = self.blocks.reuse_prefix(req.request_id, req.all_token_ids)
+            if self._waits_for_sibling(req):
+                break
+            req.num_computed_tokens = self._reuse_computed(req)
             n = self._chunk(req, budget)
             if n == 0 or not self.policy.can_admit(req, self.running, req.num_computed_tokens + n):
-                self.blocks.free(req.request_id)  # give back a reused prefix; it stays cached
+                self.blocks.free(req.seq_id)  # give back a reused prefix; it stays cached
                 req.num_computed_tokens = 0
                 break  # first come first served: no skipping past a request that does not fit
-            self.waiting.remove(req)
+            self._start(req, req.num_computed_tokens + n)
             self.prefix_hit_tokens += req.num_computed_tokens
-            self.blocks.grow(req.request_id, req.num_computed_tokens + n)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
             self._add(out, req, n)
             budget -= n
             allowed -= 1
         return budget
 
-    def _admit_batch(self, out: SchedulerOutput, budget: int, allowed: int) -> int:
-        """Start a request-level batch whole: every member is admitted now (the capacity policy
-        permitting), even when this step's token budget covers only the first prompt chunks; the
-        rest are computed over the next steps. Then pad every prompt to the longest one."""
-        members = []
-        while self.waiting and len(members) < allowed and len(self.running) < self.config.max_num_seqs:
-            req = self.gate.next_candidate(self.waiting)
-            n = self._chunk(req, budget) if budget > 0 else 0
-            if not self.policy.can_admit(req, self.running, n):
-                break
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            members.append(req)
-            if n:
-                self.blocks.grow(req.request_id, n)
-                self._add(out, req, n)
-                budget -= n
-        longest = max((r.num_prompt_tokens for r in members), default=0)
-        for r in members:
-            if r.num_prompt_tokens < longest:
-                self.pad_pending[r.request_id] = longest - r.num_prompt_tokens
-        return budget
+    def _start(self, req: Request, num_tokens: int) -> None:
+        self.waiting.remove(req)
+        if num_tokens:
+            self.blocks.grow(req.seq_id, num_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
-    def _schedule_padding(self, out: SchedulerOutput, budget: int) -> None:
-        """Padding rows within what is left of the token budget: first the prompt padding still
-        owed, then one decode row for every member that finished but whose batch still runs."""
-        for req in self.running + self.lingering:
-            pending = self.pad_pending.get(req.request_id, 0)
-            if pending and budget > 0:
-                n = min(pending, budget)
-                # positions stay within the padded prompt (so within max_model_len)
-                start = min(req.num_computed_tokens, req.num_prompt_tokens)
-                out.padding.append(ScheduledSeq(req, start, n, padding=True))
-                self.pad_pending[req.request_id] = pending - n
-                budget -= n
-        for req in self.lingering:
-            if budget > 0 and not self.pad_pending.get(req.request_id):
-                out.padding.append(ScheduledSeq(req, req.num_computed_tokens, 1, padding=True))
-                budget -= 1
+    # -- n > 1: the completions of one prompt share its KV ------------------------------------
+    def _first_sibling(self, req: Request) -> Optional[Request]:
+        if req.index == 0:
+            return None
+        return next((r for r in self.running if r.request_id == req.request_id and r.index == 0), None)
+
+    def _waits_for_sibling(self, req: Request) -> bool:
+        """A later completion waits until the first one has computed the prompt it will share."""
+        if req.index == 0:
+            return False
+        first = self._first_sibling(req)
+        if first is None:
+            first = next((r for r in self.waiting if r.request_id == req.request_id and r.index == 0), None)
+            return first is not None
+        return first.num_computed_tokens < req.num_prompt_tokens - 1
+
+    def _reuse_computed(self, req: Request) -> int:
+        """Tokens already in the cache for req: its first sibling's full prompt blocks, shared, or
+        a cached prefix (enable_kv_cache_reuse). The last prompt token is always computed again, so
+        that its logits give the first token."""
+        first = self._first_sibling(req)
+        if first is not None:
+            return self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
+        return self.blocks.reuse_prefix(req.seq_id, req.all_token_ids)
 
     # -- after the model ran ------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
-        """Record computed tokens and sampled ones; return the requests that finished this step."""
+    def postprocess(self, out: SchedulerOutput, sampled: Mapping[str, object], now: float) -> list[Request]:
+        """Record computed tokens and sampled ones (`sampled`: seq_id -> an object with .token);
+        return the requests that finished this step."""
         finished = []
         for seq in out.seqs:
             req = seq.request
@@ -275,19 +244,18 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens = seq.start + seq.num_new_tokens
             if self.blocks.enable_prefix_caching:
-                self.blocks.register_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            token = sampled.get(req.request_id)
-            if token is None:
+                self.blocks.register_computed(req.seq_id, req.all_token_ids, req.num_computed_tokens)
+            result = sampled.get(req.seq_id)
+            if result is None:
                 continue
-            req.output_token_ids.append(token)
+            req.output_token_ids.append(result.token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._stop_status(req, token)
+            status = self._stop_status(req, result.token)
             if status is not None:
                 self.finish(req, status)
                 finished.append(req)
         self.gate.after_step(self.running)
-        self._end_batch_if_done()
         return finished
 
     def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
@@ -302,21 +270,28 @@ class Scheduler:
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
-        ids = [r.request_id for r in self.running + self.lingering] + [r.request_id for r in self.waiting]
+        ids = [r.seq_id for r in self.iter_requests()]
         assert len(ids) == len(set(ids)), "a request is queued twice"
-        assert len(self.running) + len(self.lingering) <= self.config.max_num_seqs
-        assert not self.lingering or self.gate.pads, "only padded batches keep finished members"
-        for r in self.lingering:
-            assert r.status.finished, f"lingering {r.request_id} is not finished"
-        assert set(self.pad_pending) <= {r.request_id for r in self.running + self.lingering}
+        assert self.num_running <= self.config.max_num_seqs
         for r in self.waiting:
-            assert self.blocks.num_blocks_of(r.request_id) == 0, f"waiting {r.request_id} holds blocks"
+            assert self.blocks.num_blocks_of(r.seq_id) == 0, f"waiting {r.seq_id} holds blocks"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING
-            assert self.blocks.num_blocks_of(r.request_id) * self.blocks.block_size >= r.num_computed_tokens
-        self.policy.check_invariant(self.running + self.lingering)
+            assert self.blocks.num_blocks_of(r.seq_id) * self.blocks.block_size >= r.num_computed_tokens
+        self.policy.check_invariant(self.holders())
+
+    def holders(self) -> list[Request]:
+        """Requests that hold KV blocks."""
+        return list(self.running)
 
     def iter_requests(self) -> Iterable[Request]:
         yield from self.running
-        yield from self.lingering
         yield from self.waiting
+
+
+def make_scheduler(config: EngineConfig, blocks: BlockManager, max_model_len: int) -> Scheduler:
+    """The in-flight core, or the padded request-level batches (static, dynamic) built on it."""
+    if make_gate(config).pads:
+        from backend.padded_scheduler import PaddedScheduler
+        return PaddedScheduler(config, blocks, max_model_len)
+    return Scheduler(config, blocks, max_model_len)

@@ -196,7 +196,7 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> bool:
 # ------------------------------------------------------------------------------------- checks
 def run_checks(ops, ref, block_size: int) -> list[dict]:
     """Every kernel against its reference on the GPU, in bf16/fp16/fp32."""
-    from kernels.rope import rope_cos_sin
+    from backend.models.rope import rope_cos_sin
 
     results = []
     m = P["model"]
@@ -266,7 +266,7 @@ def run_checks(ops, ref, block_size: int) -> list[dict]:
 # ------------------------------------------------------------------------------------- kernels
 def bench_kernels(ops, ref, timer: Timer, copy_gbs: float, block_size: int, iters: int,
                   skip_reference: bool) -> list[dict]:
-    from kernels.rope import rope_cos_sin
+    from backend.models.rope import rope_cos_sin
 
     m = P["model"]
     h, g, d, hid, inter = m["heads"], m["kv_heads"], m["head_dim"], m["hidden"], m["intermediate"]
@@ -392,7 +392,7 @@ class Llama8BStep:
     weights), independent of the engine. Inputs are static buffers so the step can be graphed."""
 
     def __init__(self, ops, max_batch: int, max_context: int, block_size: int, gen: torch.Generator):
-        from kernels.rope import rope_cos_sin
+        from backend.models.rope import rope_cos_sin
 
         m = P["model"]
         self.ops, self.m, self.bs = ops, m, block_size

@@ -6,7 +6,7 @@ import pytest
 
 from backend import LLM, EngineConfig, SamplingParams
 from backend.async_engine import AsyncEngine
-from backend.engine import QueueFullError
+from backend.errors import QueueFullError
 
 
 class Collector:
@@ -115,11 +115,11 @@ def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
     real_run = runner.run
     calls = {"n": 0}
 
-    def flaky(out, blocks):
+    def flaky(out):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected fault")
-        return real_run(out, blocks)
+        return real_run(out)
 
     monkeypatch.setattr(runner, "run", flaky)
     sink = Collector()

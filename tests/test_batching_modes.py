@@ -12,10 +12,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from backend import LLM, EngineConfig, SamplingParams
+from backend.outputs import Sampled
 from backend.block_manager import BlockManager
 from backend.async_engine import AsyncEngine
 from backend.request import Request
-from backend.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from backend.scheduler import ScheduledSeq, SchedulerOutput, make_scheduler
 
 EOS = 0
 
@@ -25,7 +26,7 @@ def make_sched(mode="inflight", *, num_blocks=200, block_size=4, budget=512, max
     cfg = EngineConfig(model_path="unused", batching_mode=mode, kv_block_size=block_size,
                        max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                        batch_scheduler_policy=policy, **kw)
-    return Scheduler(cfg, BlockManager(num_blocks, block_size), max_model_len=10_000)
+    return make_scheduler(cfg, BlockManager(num_blocks, block_size), max_model_len=10_000)
 
 
 def req(rid, prompt_len, max_tokens, t=0.0):
@@ -36,7 +37,7 @@ def req(rid, prompt_len, max_tokens, t=0.0):
 def step(sched, now):
     """One scheduler step with a fake model that never samples EOS; returns the output."""
     out = sched.schedule(now)
-    sampled = {s.request.request_id: 7 for s in out.seqs if s.samples}
+    sampled = {s.request.seq_id: Sampled(7) for s in out.seqs if s.samples}
     sched.postprocess(out, sampled, now)
     sched.check_integrity()
     return out
@@ -196,16 +197,17 @@ def test_request_level_batches_stay_consistent(seed, mode, policy, num_blocks, b
             added.append(r)
         if added and rng.random() < abort_rate:
             victim = rng.choice(added)
-            if sched.abort(victim.request_id) is not None:
+            if sched.abort(victim.request_id):
                 answered.add(victim.request_id)
         out = sched.schedule(float(n))
         assert out.num_batched_tokens <= budget
-        assert len(sched.running) + len(sched.lingering) <= max_seqs
-        sampled = {s.request.request_id: (EOS if rng.random() < 0.05 else 7) for s in out.seqs if s.samples}
+        assert sched.num_running <= max_seqs
+        sampled = {s.request.seq_id: Sampled(EOS if rng.random() < 0.05 else 7) for s in out.seqs if s.samples}
         finished = sched.postprocess(out, sampled, float(n))
         if not sched.gate.pads:
             answered.update(r.request_id for r in finished)
-        answered.update(r.request_id for r in sched.pop_released())
+        if sched.gate.pads:
+            answered.update(r.request_id for r in sched.pop_released())
         sched.check_integrity()
         if not pending and not sched.has_work:
             break
@@ -239,12 +241,13 @@ def test_padding_rows_never_write_the_cache(default_model_dir):
     r = engine.add_request("ctx", PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0))
     engine.step()  # prefill: its context is in the cache
     before = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
-    out = SchedulerOutput(padding=[ScheduledSeq(r, r.num_computed_tokens, 1, padding=True),
-                                   ScheduledSeq(r, 10, 25, padding=True)])
-    assert engine.runner.run(out, engine.blocks) == {}
+    table = engine.blocks.block_table(r.seq_id)
+    out = SchedulerOutput(padding=[ScheduledSeq(r, r.num_computed_tokens, 1, padding=True, block_table=table),
+                                   ScheduledSeq(r, 10, 25, padding=True, block_table=table)])
+    assert engine.runner.run(out) == {}
     for (k0, v0), (k1, v1) in zip(before, engine.runner.kv_caches):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
-    slots = engine.runner._prepare(out, engine.blocks)[2].slot_mapping
+    slots = engine.runner._prepare(out)[2].slot_mapping
     assert (slots == -1).all()
 
 

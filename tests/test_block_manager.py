@@ -5,7 +5,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from backend.block_manager import BlockManager, NoFreeBlocksError
+from backend.block_manager import BlockManager
+from backend.errors import NoFreeBlocksError
 
 
 def test_grow_maps_tokens_to_slots_and_free_returns_blocks():

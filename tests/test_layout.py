@@ -20,3 +20,17 @@ def test_no_client_module_shadows_another_top_level_module():
         where = path.relative_to(root.parent)
         assert name not in sys.stdlib_module_names, f"{where} shadows the stdlib's {name}"
         assert importlib.util.find_spec(name) is None, f"{where} shadows the installed {name}"
+
+
+def test_engine_seams_import_neither_torch_nor_triton():
+    """The config, request, scheduling and block-keeping modules load without torch or triton, so a
+    bad config.pbtxt is refused before the heavy libraries load (and these stay testable alone)."""
+    import subprocess
+
+    modules = ["backend.config", "backend.request", "backend.scheduler", "backend.block_manager",
+               "backend.policies", "backend.errors", "backend"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
+            "heavy = sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules)\n"
+            "print(','.join(heavy))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing {modules} loaded {out.stdout.strip()}"

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from backend.request import Request, SamplingParams
-from backend.sampler import Sampler
+from backend.sampler import sample
+
+
+def tokens_of(logits, requests):
+    return [s.token for s in sample(logits, requests)]
 
 VOCAB = 50
 DRAWS = 6000
@@ -34,7 +38,7 @@ def test_draws_follow_the_filtered_softmax(temperature, top_k, top_p):
     params = [SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=i)
               for i in range(DRAWS)]
     requests = [Request(f"r{i}", [1], p) for i, p in enumerate(params)]
-    tokens = Sampler().sample(torch.from_numpy(np.tile(row, (DRAWS, 1))), requests)
+    tokens = tokens_of(torch.from_numpy(np.tile(row, (DRAWS, 1))), requests)
     want = _expected(row, temperature, top_k, top_p)
     got = np.bincount(tokens, minlength=VOCAB) / DRAWS
     assert set(np.flatnonzero(got)) <= set(np.flatnonzero(want)), "a filtered-out token was drawn"
@@ -52,13 +56,12 @@ def test_each_request_draws_from_its_own_seeded_stream():
     seeded = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=42)
 
     def draws(batch_rows: list, seeded_row: int, n: int = 20) -> list[int]:
-        sampler = Sampler()
         reqs = [Request(f"other{i}", [1], SamplingParams(max_tokens=4, seed=i)) for i in range(len(batch_rows))]
         reqs[seeded_row] = Request("mine", [1], seeded)
-        return [sampler.sample(logits[batch_rows].clone(), reqs)[seeded_row] for _ in range(n)]
+        return [tokens_of(logits[batch_rows].clone(), reqs)[seeded_row] for _ in range(n)]
 
     alone = draws([0], 0)
     assert draws([1, 0, 2], 1) == alone  # other rows, another position: the same tokens
     assert len(set(alone)) > 1
-    g = Sampler().sample(logits.clone(), [Request(f"g{i}", [1], greedy) for i in range(3)])
+    g = tokens_of(logits.clone(), [Request(f"g{i}", [1], greedy) for i in range(3)])
     assert g == logits.argmax(-1).tolist()

@@ -9,6 +9,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
+from backend.outputs import Sampled
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.request import Request, SamplingParams
@@ -45,7 +46,7 @@ def drive(policy: str, chunked: bool, seed: int, num_blocks: int, block_size: in
             added.append(req)
         if rng.random() < abort_rate and added:
             victim = rng.choice(added)
-            if sched.abort(victim.request_id) is not None:
+            if sched.abort(victim.request_id):
                 finished.add(victim.request_id)
         out = sched.schedule(now=float(step))
         assert out.num_batched_tokens <= budget
@@ -53,7 +54,7 @@ def drive(policy: str, chunked: bool, seed: int, num_blocks: int, block_size: in
         assert len(seen) == len(set(seen))
         for s in out.seqs:  # blocks cover every token computed this step
             assert sched.blocks.num_blocks_of(s.request.request_id) * block_size >= s.start + s.num_new_tokens
-        sampled = {s.request.request_id: (EOS if rng.random() < 0.03 else rng.randrange(1, 100))
+        sampled = {s.request.seq_id: Sampled(EOS if rng.random() < 0.03 else rng.randrange(1, 100))
                    for s in out.seqs if s.samples}
         for req in sched.postprocess(out, sampled, now=float(step)):
             finished.add(req.request_id)

@@ -826,7 +826,7 @@ def test_a_fault_outside_the_model_run_fails_the_batch_and_the_engine_carries_on
 
 def test_an_unrecoverable_engine_answers_everyone_and_refuses_new_requests(default_model_dir, monkeypatch):
     from backend.async_engine import AsyncEngine
-    from backend.engine import EngineDeadError
+    from backend.errors import EngineDeadError
 
     engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=1,
                                       max_tokens_in_paged_kv_cache=2048))

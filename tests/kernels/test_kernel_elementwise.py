@@ -6,7 +6,7 @@ import torch
 
 from kernels import reference
 from kernels import triton_ops
-from kernels.rope import rope_cos_sin, rope_inv_freq
+from backend.models.rope import rope_cos_sin, rope_inv_freq
 from kernel_testutil import DEVICE, DTYPES, TOL_ELEMENTWISE, assert_close, seed_for
 
 
