@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels import _common as C
+from kernels.launch import Launch
 
 
 @triton.jit
@@ -39,9 +40,13 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = C.alloc((t, inter), x.dtype, x.device)
     if t == 0 or inter == 0:
         return out
-    block = min(1024, C.next_pow2(inter))
-    _silu_mul_kernel[(t, C.cdiv(inter, block))](
-        x, out, *x.stride(), *out.stride(),
-        INTER=inter, BLOCK=block, num_warps=4,
-    )
+    plan_silu_mul(x, out)()
     return out
+
+
+def plan_silu_mul(x: torch.Tensor, out: torch.Tensor) -> Launch:
+    """The launch silu_mul makes for checked arguments (kernels.aot compiles the same)."""
+    t, inter = out.shape
+    block = min(1024, C.next_pow2(inter))
+    return Launch(_silu_mul_kernel, (t, C.cdiv(inter, block)), (x, out, *x.stride(), *out.stride()),
+                  dict(INTER=inter, BLOCK=block), num_warps=4)

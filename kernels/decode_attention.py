@@ -30,10 +30,12 @@ import triton
 import triton.language as tl
 
 from kernels import _common as C
+from kernels.launch import Launch
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 128   # below this a split's fixed cost (partials, merge) outweighs its work
 MAX_SPLITS = 64
+DEFAULT_BLOCK_N = 64         # kv positions per tile: the K of the P@V tl.dot, so >= 16 on the GPU
 
 
 @triton.jit
@@ -189,7 +191,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = C.alloc((s, h, d), q.dtype, q.device)
     if s == 0:
         return out
-    block_n = block_n or 64
+    block_n = block_n or DEFAULT_BLOCK_N
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{name}: block_n must be a power of two >= 16; got {block_n}")
     if num_splits is None:
@@ -198,6 +200,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits < 1:
         raise ValueError(f"{name}: num_splits must be >= 1; got {num_splits}")
 
+    for launch in plan_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                                        num_splits, block_n):
+        launch()
+    return out
+
+
+def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                          out: torch.Tensor, num_splits: int, block_n: int) -> list[Launch]:
+    """The launches decode_attention makes for checked arguments: the attention kernel, then the
+    merge kernel when num_splits > 1 (kernels.aot compiles the same). Allocates the partials."""
+    s, h, d = q.shape
+    g, bs = k_cache.shape[2], k_cache.shape[1]
     qg = h // g
     block_d = max(16, C.next_pow2(d))
     block_h = max(16, C.next_pow2(qg))
@@ -207,24 +222,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:  # unused by the kernel; any tensor stands in for the pointers
         part_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
-    _decode_attention_kernel[(s, g, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
-        float(scale) * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        *part_o.stride(), *part_lse.stride(),
-        num_splits,
-        QUERY_GROUP=qg, HEAD_DIM=d, BLOCK_SIZE=bs,
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
+    launches = [Launch(
+        _decode_attention_kernel, (s, g, num_splits),
+        (q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
+         float(scale) * LOG2E,
+         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+         *part_o.stride(), *part_lse.stride(),
+         num_splits),
+        dict(QUERY_GROUP=qg, HEAD_DIM=d, BLOCK_SIZE=bs,
+             BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
+             SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32),
         num_warps=4, num_stages=2,
-    )
+    )]
     if num_splits > 1:
-        _decode_merge_kernel[(s, h)](
-            part_o, part_lse, out,
-            *part_o.stride(), *part_lse.stride(), *out.stride(),
-            num_splits,
-            HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_SPLITS=max(2, C.next_pow2(num_splits)),
+        launches.append(Launch(
+            _decode_merge_kernel, (s, h),
+            (part_o, part_lse, out,
+             *part_o.stride(), *part_lse.stride(), *out.stride(),
+             num_splits),
+            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SPLITS=max(2, C.next_pow2(num_splits))),
             num_warps=4 if block_d >= 128 else 2,
-        )
-    return out
+        ))
+    return launches

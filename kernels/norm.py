@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels import _common as C
+from kernels.launch import Launch
 
 MAX_HIDDEN = 65536
 
@@ -69,12 +70,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = x if residual is None else C.alloc((t, n), x.dtype, x.device)
     if t == 0:
         return out, h
+    plan_rms_norm(x, weight, eps, residual, out, h)()
+    return out, h
+
+
+def plan_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
+                  out: torch.Tensor, h: torch.Tensor) -> Launch:
+    """The launch rms_norm makes for checked arguments (kernels.aot compiles the same)."""
+    t, n = x.shape
     res = residual if residual is not None else x
     block_n = C.next_pow2(n)
-    _rms_norm_kernel[(t,)](
-        x, res, weight, out, h, float(eps),
-        *x.stride(), *res.stride(), weight.stride(0), *out.stride(), *h.stride(),
-        N=n, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
+    return Launch(
+        _rms_norm_kernel, (t,),
+        (x, res, weight, out, h, float(eps),
+         *x.stride(), *res.stride(), weight.stride(0), *out.stride(), *h.stride()),
+        dict(N=n, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None),
         num_warps=min(16, max(1, block_n // 512)),
     )
-    return out, h

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels import _common as C
+from kernels.launch import Launch
 
 LOG2E = 1.4426950408889634
 
@@ -178,10 +179,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = C.alloc((t, h, d), q.dtype, q.device)
     if t == 0 or s == 0:
         return out
-    bm, bn, num_warps, num_stages = _default_blocks(q.dtype, d, q.device)
-    bm, bn = block_m or bm, block_n or bn
-    for arg, v in (("block_m", bm), ("block_n", bn)):
-        if v < 16 or v & (v - 1):
+    for arg, v in (("block_m", block_m), ("block_n", block_n)):
+        if v is not None and (v < 16 or v & (v - 1)):
             raise ValueError(f"{name}: {arg} must be a power of two >= 16; got {v}")
     if max_q_len is None:
         if cu_seqlens_q.device.type == "cpu":
@@ -190,13 +189,27 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             max_q_len = t
     if max_q_len <= 0:
         return out
-    grid = (C.cdiv(max_q_len, bm), s, h)
-    _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        float(scale) * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        QUERY_GROUP=h // g, HEAD_DIM=d, BLOCK_SIZE=bs,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, C.next_pow2(d)), IEEE=q.dtype == torch.float32,
+    plan_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
+                           max_q_len, block_m=block_m, block_n=block_n)()
+    return out
+
+
+def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, out: torch.Tensor, max_q_len: int, *, on_gpu: bool = False,
+                           block_m: Optional[int] = None, block_n: Optional[int] = None) -> Launch:
+    """The launch prefill_attention makes for checked arguments (kernels.aot compiles the same, with
+    on_gpu=True: the configuration is the GPU's even for the CPU tensors it compiles from)."""
+    d, h, g = q.shape[2], q.shape[1], k_cache.shape[2]
+    device = torch.device("cuda") if on_gpu else q.device  # only the device type matters
+    bm, bn, num_warps, num_stages = _default_blocks(q.dtype, d, device)
+    bm, bn = block_m or bm, block_n or bn
+    return Launch(
+        _prefill_attention_kernel, (C.cdiv(max_q_len, bm), seq_lens.shape[0], h),
+        (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+         float(scale) * LOG2E,
+         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride()),
+        dict(QUERY_GROUP=h // g, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
+             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, C.next_pow2(d)), IEEE=q.dtype == torch.float32),
         num_warps=num_warps, num_stages=num_stages,
     )
-    return out

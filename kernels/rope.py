@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels import _common as C
+from kernels.launch import Launch
 
 
 @triton.jit
@@ -90,14 +91,22 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     k_out = C.alloc(k.shape, k.dtype, k.device)
     if t == 0:
         return q_out, k_out
+    plan_rotary_embedding(q, k, positions, cos_cache, sin_cache, q_out, k_out)()
+    return q_out, k_out
+
+
+def plan_rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                          sin_cache: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor) -> Launch:
+    """The launch rotary_embedding makes for checked arguments (kernels.aot compiles the same)."""
+    t, h, d = q.shape
     g = k.shape[1]
     block_hq, block_hk, block_d = C.next_pow2(h), C.next_pow2(g), C.next_pow2(d // 2)
-    _rotary_kernel[(t,)](
-        q, k, positions, cos_cache, sin_cache, q_out, k_out,
-        *q.stride(), *k.stride(), *cos_cache.stride(), *sin_cache.stride(),
-        *q_out.stride(), *k_out.stride(),
-        NUM_Q_HEADS=h, NUM_K_HEADS=g, HALF=d // 2,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d,
+    return Launch(
+        _rotary_kernel, (t,),
+        (q, k, positions, cos_cache, sin_cache, q_out, k_out,
+         *q.stride(), *k.stride(), *cos_cache.stride(), *sin_cache.stride(),
+         *q_out.stride(), *k_out.stride()),
+        dict(NUM_Q_HEADS=h, NUM_K_HEADS=g, HALF=d // 2,
+             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d),
         num_warps=4 if block_hq * block_d >= 1024 else 1,
     )
-    return q_out, k_out

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels import _common as C
+from kernels.launch import Launch
 
 
 @triton.jit
@@ -73,10 +74,18 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     C.check_device(name, key, value, k_cache, v_cache, slot_mapping)
     if t == 0:
         return
-    _store_kv_kernel[(t,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_KV_HEADS=g, HEAD_DIM=d, BLOCK_SIZE=bs,
-        BLOCK_G=C.next_pow2(g), BLOCK_D=C.next_pow2(d),
+    plan_store_kv(key, value, k_cache, v_cache, slot_mapping)()
+
+
+def plan_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> Launch:
+    """The launch store_kv makes for checked arguments (kernels.aot compiles the same)."""
+    t, g, d = key.shape
+    return Launch(
+        _store_kv_kernel, (t,),
+        (key, value, k_cache, v_cache, slot_mapping,
+         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride()),
+        dict(NUM_KV_HEADS=g, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
+             BLOCK_G=C.next_pow2(g), BLOCK_D=C.next_pow2(d)),
         num_warps=4 if g * d >= 1024 else 1,
     )

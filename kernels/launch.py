@@ -1,0 +1,39 @@
+"""A kernel launch as data: the kernel, its grid, its arguments and its launch configuration.
+
+Each wrapper's `plan_*` function chooses the configuration (tile sizes, num_warps, num_stages,
+split-K) and returns these objects; the wrapper calls them, and `python -m kernels.aot` compiles
+the very same objects for sm_80 and sm_90 without a GPU. So the configurations checked ahead of
+time are, by construction, the ones launched. Nothing here imports triton.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: Any                       # a triton JITFunction
+    grid: tuple[int, ...]
+    args: tuple                       # positional (runtime) arguments, in the kernel's order
+    constexprs: Mapping[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: Optional[int] = None  # None: Triton's default for the target
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__.strip("_") if hasattr(self.kernel, "fn") else str(self.kernel)
+
+    def options(self) -> dict[str, int]:
+        options = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        return options
+
+    def config(self) -> dict[str, Any]:
+        """What identifies this launch's compiled binary apart from argument types: the
+        constexprs and the launch options (for reports)."""
+        return {**self.constexprs, **self.options()}
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options())

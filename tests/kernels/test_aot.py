@@ -1,0 +1,111 @@
+"""kernels.aot: every kernel, with the launch configurations the wrappers choose, compiles for sm_80
+and sm_90 (the real Triton compiler, no GPU); and a kernel change that the CPU interpreter accepts
+but the GPU compiler refuses makes it fail.
+
+The compiles run in subprocesses: this test process has TRITON_INTERPRET=1 (tests/conftest.py), and
+under it the kernels are interpreter stand-ins that cannot be compiled.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import decode_attention as decode_mod
+from kernels import reference
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = {"store_kv_kernel", "decode_attention_kernel", "decode_merge_kernel", "prefill_attention_kernel",
+           "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"}
+
+
+def run_aot(tmp_path, *args: str, patch: str = "", timeout: float = 600) -> tuple[int, dict, str]:
+    """Run kernels.aot in a fresh process without TRITON_INTERPRET, after `patch` (Python code run
+    first: a deliberate breakage). Returns (exit status, the JSON, the output)."""
+    out = tmp_path / "aot.json"
+    code = (f"import sys\n{patch}\nfrom kernels import aot\n"
+            f"sys.exit(aot.main(['--json', {str(out)!r}, *{list(args)!r}]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert out.exists(), output
+    return proc.returncode, json.loads(out.read_text()), output
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90_in_bf16_and_fp16(tmp_path):
+    rc, result, output = run_aot(tmp_path, "--jobs", "2")
+    rows = result["rows"]
+    assert rc == 0, output
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    combos = {(r["kernel"], r["dtype"], r["target"]) for r in rows}
+    assert combos == {(k, d, t) for k in KERNELS for d in ("bf16", "fp16") for t in ("sm_80", "sm_90")}
+    assert {m for r in rows for m in r["models"]} == {"Llama-3.1-8B", "Llama-3.2-1B", "Qwen2-7B", "Mistral-7B"}
+    for r in rows:
+        assert 0 <= r["shared_bytes"] <= result["targets"][r["target"]]["shared_limit_bytes"], r
+    decode = [r for r in rows if r["kernel"] == "decode_attention_kernel"]
+    assert {r["config"]["SPLIT"] for r in decode} == {False, True}          # one pass and split-K
+    merge = {r["config"]["BLOCK_SPLITS"] for r in rows if r["kernel"] == "decode_merge_kernel"}
+    assert merge == {2, 4, 8, 16, 32, 64}                                   # every split count
+    assert "0 failed" in output
+
+
+BREAK_BLOCK_N = "import kernels.decode_attention as d\nd.DEFAULT_BLOCK_N = 8"  # P@V's K becomes 8
+
+
+def test_a_kernel_that_no_longer_compiles_for_sm90_fails(tmp_path):
+    rc, result, output = run_aot(tmp_path, "--models", "Llama-3.2-1B", "--dtypes", "fp16", "--targets", "sm_90",
+                                 "--jobs", "1", patch=BREAK_BLOCK_N)
+    assert rc == 1, output
+    failed = [r for r in result["rows"] if not r["ok"]]
+    assert failed and {r["kernel"] for r in failed} == {"decode_attention_kernel"}
+    assert all("K >= 16" in r["error"] for r in failed), failed
+    assert "FAIL" in output
+
+
+def test_the_interpreter_runs_what_sm90_refuses():
+    """Why the AOT check exists: the same tile (K = 8) runs, and is right, under the interpreter."""
+    torch.manual_seed(0)
+    s, h, g, d, bs = 2, 4, 2, 32, 16
+    q = torch.randn(s, h, d, dtype=torch.float16)
+    k_cache = torch.randn(4, bs, g, d, dtype=torch.float16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 30], dtype=torch.int32)
+    out = torch.empty_like(q)
+    for launch in decode_mod.plan_decode_attention(q, k_cache, v_cache, tables, seq_lens, d ** -0.5, out,
+                                                   num_splits=1, block_n=8):
+        launch()
+    expected = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, d ** -0.5)
+    torch.testing.assert_close(out, expected, atol=3e-3, rtol=3e-3)
+
+
+def test_shared_memory_over_the_target_limit_fails(tmp_path):
+    rc, result, output = run_aot(tmp_path, "--models", "Llama-3.2-1B", "--dtypes", "fp16", "--targets", "sm_90",
+                                 "--jobs", "1", patch="from kernels import aot\naot.TARGETS['sm_90'] = (90, 1024)")
+    assert rc == 1, output
+    over = [r for r in result["rows"] if not r["ok"]]
+    assert over and all(r["shared_bytes"] > 1024 and "shared memory" in r["error"] for r in over)
+    assert {r["kernel"] for r in over} >= {"decode_attention_kernel", "prefill_attention_kernel"}
+
+
+def test_command_line_refuses_unknown_names(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--targets", "sm_75"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--targets" in proc.stderr and "sm_90" in proc.stderr
+
+
+def test_plan_uses_the_gpu_configuration_when_asked():
+    """The prefill plan the AOT compiles is the GPU's tile choice, not the interpreter's."""
+    from kernels.prefill_attention import plan_prefill_attention
+
+    q = torch.zeros(4, 8, 128, dtype=torch.float16)
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.float16)
+    args = (q, cache, cache, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+            torch.tensor([4], dtype=torch.int32), 0.1, torch.empty_like(q), 4)
+    gpu, cpu = plan_prefill_attention(*args, on_gpu=True), plan_prefill_attention(*args)
+    assert (gpu.constexprs["BLOCK_M"], gpu.num_warps, gpu.num_stages) == (128, 8, 3)
+    assert (cpu.constexprs["BLOCK_M"], cpu.num_stages) == (32, 1)
