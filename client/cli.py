@@ -52,9 +52,9 @@ def _serve(args: argparse.Namespace) -> int:
     model_path = args.model_path or params.get("model_path") or read_parameters(config.read_text()).get("model_path", "")
     resolved = Path(model_path) if Path(model_path).is_absolute() else REPO_ROOT / model_path
     if args.model_path is None and not resolved.is_dir():
-        print(f"inflight serve: no model at {resolved}. Make the default one with "
-              f"`inflight make-model --out {resolved}` (or `make model`), or pass --model-path DIR.",
-              file=sys.stderr)
+        print(f"inflight serve: no model at {resolved}. `make model` fetches the default one "
+              f"(SmolLM2-135M-Instruct), `inflight make-model --out DIR` writes the small random "
+              f"one of the tests; or pass --model-path DIR.", file=sys.stderr)
         return 2
     if args.model_path is not None and not Path(args.model_path).is_dir():
         print(f"inflight serve: --model-path {args.model_path} is not a folder", file=sys.stderr)
