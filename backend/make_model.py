@@ -162,8 +162,10 @@ def _config_for(tok, shape_overrides: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def make_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights under HF Llama names (float32, then cast to cfg['torch_dtype'])."""
+def make_weights(cfg: dict[str, Any], seed: int = 0, eos_boost: float = 1.0) -> dict[str, torch.Tensor]:
+    """Seeded random weights under HF Llama names (float32, then cast to cfg['torch_dtype']).
+    `eos_boost` scales the EOS row of the output projection: > 1 makes the model end often (its
+    EOS logit grows in magnitude, so EOS wins wherever it was positive), for tests of EOS handling."""
     gen = torch.Generator().manual_seed(int(seed))
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -190,6 +192,10 @@ def make_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     w["model.norm.weight"] = torch.ones(h)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = normal((vocab, h), LM_HEAD_STD)
+    if eos_boost != 1.0:
+        if cfg["tie_word_embeddings"]:
+            raise ValueError("make_model: eos_boost needs untied embeddings (tie_word_embeddings false)")
+        w["lm_head.weight"][cfg["eos_token_id"]] *= eos_boost
     dtype = _DTYPES[cfg["torch_dtype"]]
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
 
@@ -203,7 +209,7 @@ def _write_json(path: Path, obj: Any) -> None:
                     encoding="utf-8")
 
 
-def make_model(out_dir: str | Path, seed: int = 0, **shape_overrides: Any) -> Path:
+def make_model(out_dir: str | Path, seed: int = 0, eos_boost: float = 1.0, **shape_overrides: Any) -> Path:
     """Write the default random Llama checkpoint (HF format) into ``out_dir`` and return its path.
 
     ``shape_overrides`` replace keys of ``config.json`` (e.g. ``num_hidden_layers=2``,
@@ -222,7 +228,7 @@ def make_model(out_dir: str | Path, seed: int = 0, **shape_overrides: Any) -> Pa
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]})
-    save_file(make_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(make_weights(cfg, seed, eos_boost), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -240,6 +246,9 @@ def build_parser(prog: str = "inflight make-model") -> argparse.ArgumentParser:
                     "model.safetensors, tokenizer.json, ...) for tests and demos.")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--eos-boost", type=float, default=1.0,
+                        help="scale the EOS row of the output projection (> 1: a model that ends "
+                             "often, for testing EOS handling; default 1)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE",
                         help="override a config.json key, value parsed as JSON "
@@ -258,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_parser().error(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = _parse_value(value)
     try:
-        path = make_model(args.out, seed=args.seed, **overrides)
+        path = make_model(args.out, seed=args.seed, eos_boost=args.eos_boost, **overrides)
     except (TypeError, ValueError) as exc:
         build_parser().error(str(exc))
     cfg = json.loads((path / "config.json").read_text())

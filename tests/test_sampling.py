@@ -50,13 +50,6 @@ def test_stop_string_cuts_the_text(llm):
     assert out.text == text[:text.index(stop)]
 
 
-def test_ignore_eos_runs_to_max_tokens(llm):
-    eos = llm.engine.model_config.eos_token_ids
-    assert eos
-    out = llm.generate([[1, 5, 6]], SamplingParams(max_tokens=40, temperature=1.0, seed=0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 40 and out.finish_reason == "length"
-
-
 @pytest.mark.parametrize("kwargs, words", [
     ({"max_tokens": 0}, ["max_tokens", ">= 1"]),
     ({"temperature": -1.0}, ["temperature", ">= 0"]),
