@@ -79,7 +79,8 @@ class GrpcClient:
     def stream(self, prompt: Prompt, *, stream: bool = True, request_id: Optional[str] = None,
                **options) -> Iterator[Chunk]:
         """Send one request and yield its responses as they arrive (one per step when streaming)."""
-        inputs = _inputs(grpcclient, prompt, Options.from_kwargs(options), stream)
+        opts = Options.from_kwargs(options)
+        inputs = _inputs(grpcclient, prompt, opts, stream)
         responses: queue.Queue = queue.Queue()
         self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
         done = False
@@ -87,7 +88,8 @@ class GrpcClient:
             try:
                 self._client.async_stream_infer(self.model, inputs, outputs=_outputs(grpcclient),
                                                 request_id=request_id or uuid.uuid4().hex,
-                                                enable_empty_final_response=True)
+                                                enable_empty_final_response=True,
+                                                parameters=opts.parameters() or None)
             except InferenceServerException as exc:
                 # The stream broke before the request went out; its callback holds the reason.
                 try:
@@ -157,12 +159,13 @@ class AsyncGrpcClient:
                      **options) -> AsyncIterator[Chunk]:
         import asyncio
 
-        inputs = _inputs(grpcaio, prompt, Options.from_kwargs(options), stream)
+        opts = Options.from_kwargs(options)
+        inputs = _inputs(grpcaio, prompt, opts, stream)
         finished = asyncio.Event()
 
         async def requests():
             yield {"model_name": self.model, "inputs": inputs, "outputs": _outputs(grpcaio),
-                   "request_id": request_id or uuid.uuid4().hex}
+                   "request_id": request_id or uuid.uuid4().hex, "parameters": opts.parameters() or None}
             await finished.wait()  # keep our side open until the answer is complete
 
         responses = self._client.stream_infer(requests())

@@ -29,9 +29,19 @@ def grpc_url(host: str | None) -> str:
 def http_body(item, stream: bool) -> dict:
     """The JSON body of Triton's generate endpoints for one workload item (greedy, no prompt echo)."""
     body = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": item.ignore_eos,
-            "exclude_input_in_output": True, "stream": stream}
+            "exclude_input_in_output": True, "stream": stream,
+            # what the users read: the model sends these outputs only when asked (vLLM backend contract)
+            "return_finish_reason": True, "return_num_output_tokens": True}
     body["text_input" if isinstance(item.prompt, str) else "input_ids"] = item.prompt
     return body
+
+
+def finish_reason(data: dict):
+    """The finish reason of an HTTP generate answer or stream event: None while running (the model
+    writes "None" then, as the vLLM backend does)."""
+    reason = data.get("finish_reason")
+    reason = reason[0] if isinstance(reason, list) and reason else reason
+    return None if reason in (None, "", "None") else reason
 
 
 def open_grpc_client(host: str | None, **kwargs) -> int:

@@ -31,7 +31,7 @@ grpc_gevent.init_gevent()  # grpc must yield to gevent, or one stream would bloc
 
 from locust import HttpUser, User, between, events, task  # noqa: E402
 
-from client.tools.locust_common import (close_grpc_client, grpc_client, http_body,  # noqa: E402
+from client.tools.locust_common import (close_grpc_client, finish_reason, grpc_client, http_body,  # noqa: E402
                                   open_grpc_client)
 from client.tools.workloads import make_workload  # noqa: E402
 
@@ -113,8 +113,7 @@ class HttpGenerateUser(HttpUser):
             except ValueError:
                 r.failure(f"not JSON: {r.text[:200]}")
                 return
-            reason = data.get("finish_reason")
-            reason = reason[0] if isinstance(reason, list) and reason else reason
+            reason = finish_reason(data)
             if "error" in data or not reason or reason in ("abort", "error"):
                 r.failure(f"bad answer: {str(data)[:200]}")
             else:

@@ -37,7 +37,7 @@ grpc_gevent.init_gevent()  # grpc must yield to gevent, or one stream would bloc
 import gevent  # noqa: E402
 from locust import HttpUser, User, between, events, task  # noqa: E402
 
-from client.tools.locust_common import (close_grpc_client, grpc_client, http_body,  # noqa: E402
+from client.tools.locust_common import (close_grpc_client, finish_reason, grpc_client, http_body,  # noqa: E402
                                   open_grpc_client)
 from client.tools.workloads import make_workload  # noqa: E402
 
@@ -45,7 +45,7 @@ MAX_TOKENS = int(os.environ.get("INFLIGHT_MAX_TOKENS", "64"))
 CANCEL = float(os.environ.get("INFLIGHT_SOAK_CANCEL", "0.1"))
 TIMEOUT = float(os.environ.get("INFLIGHT_SOAK_TIMEOUT", "120"))
 SEED = int(os.environ.get("INFLIGHT_SOAK_SEED", "0"))
-# Mixed lengths (DESIGN.md's `mixed` workload): half token-id prompts, half text prompts.
+# Mixed lengths (docs/design.md's `mixed` workload): half token-id prompts, half text prompts.
 WORKLOAD = (make_workload("mixed", 256, seed=SEED, max_output_len=MAX_TOKENS)
             + make_workload("mixed", 256, seed=SEED + 1, max_output_len=MAX_TOKENS, prompt_format="text"))
 _items = itertools.count()
@@ -208,8 +208,8 @@ class SoakHttpUser(HttpUser):
                         stopper.kill()
                     track.refused(f"HTTP {r.status_code}: {message}")
                     return
-                reason = _first(data.get("finish_reason"))
-                track.tokens = int(_first(data.get("num_output_tokens")) or 0)
+                reason = finish_reason(data)
+                track.tokens = int(_first(data.get("num_output_tokens")) or 0)  # one answer: all of them
         except Exception as exc:
             track.end("failed", f"{type(exc).__name__}: {exc}")
             return
@@ -220,11 +220,11 @@ class SoakHttpUser(HttpUser):
     def _stop_later(self, rid: str, delay: float, stopped: dict) -> None:
         gevent.sleep(delay)
         stopped["sent"] = True
-        r = self.client.request("POST", "/v2/models/llm/generate", json={"id": rid, "stop": True},
+        r = self.client.request("POST", "/v2/models/llm/generate", json={"id": rid, "stop": True, "return_finish_reason": True},
                                 timeout=TIMEOUT, name="stop", catch_response=True)
         with r:
             r.success()
-            if r.status_code == 200 and _first(_json(r.text).get("finish_reason")) == "abort":
+            if r.status_code == 200 and finish_reason(_json(r.text)) == "abort":
                 stopped["ok"] = True
             else:  # it had finished (or not yet arrived): it completes on its own
                 COUNTS["stop_missed"] += 1
@@ -256,7 +256,7 @@ class SoakHttpStreamUser(HttpUser):
                         return
                     ids = event.get("output_ids", [])
                     track.tokens += len(ids) if isinstance(ids, list) else 1
-                    reason = _first(event.get("finish_reason")) or reason
+                    reason = finish_reason(event) or reason
                     if reason:
                         break
                     if cancel_after is not None and track.tokens >= cancel_after:

@@ -192,18 +192,18 @@ def test_stop_ends_a_non_streaming_http_generate(server):
 
 BAD_OPTIONS = [
     ("", dict(), "text_input is empty"),
-    ([], dict(), "input_ids is empty"),
+    ([], dict(), "the prompt is empty"),
     ([1, 2, 99999], dict(), r"token id 99999 is outside the vocabulary \[0, 2000\)"),
     ([1, -3], dict(), r"token id -3 is outside the vocabulary"),
     ("word " * (MAX_MODEL_LEN + 10), dict(), f"max_model_len is {MAX_MODEL_LEN}"),
-    ("hi", dict(max_tokens=0), "max_tokens must be >= 1"),
+    ("hi", dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     ("hi", dict(max_tokens=MAX_MODEL_LEN + 1), f"exceeds max_model_len \\({MAX_MODEL_LEN}\\)"),
     ("hi", dict(temperature=-0.5), "temperature must be a finite number >= 0"),
-    ("hi", dict(temperature=float("nan")), "temperature must be a number; got NaN"),
+    ("hi", dict(temperature=float("nan")), "temperature must be a finite number.*got nan"),
     ("hi", dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     ("hi", dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
     ("hi", dict(top_k=-1), "top_k must be an integer >= 0"),
-    ("hi", dict(seed=-1), r"seed must be in \[0, 2\^63\)"),
+    ("hi", dict(seed=2**63), r"seed must be .*got 9223372036854775808"),
     ("hi", dict(min_tokens=9, max_tokens=4), "min_tokens must be in"),
 ]
 
@@ -239,7 +239,7 @@ def test_bad_requests_over_http_and_the_server_stays_ready(server):
         http.generate(None, max_tokens=3)
     with pytest.raises(GenerationError, match=r"top_p must be in \(0, 1\]"):
         http.generate_stream("hi", top_p=2.0)
-    with pytest.raises(GenerationError, match="max_tokens must be >= 1"):
+    with pytest.raises(GenerationError, match="max_tokens must be an integer >= 1"):
         http.generate("hi", max_tokens=-4)
     assert server.is_ready() and http.is_ready()
     assert http.generate("fine", max_tokens=4).finish_reason == "length"

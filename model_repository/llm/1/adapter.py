@@ -259,7 +259,7 @@ class Frontend:
             parsed = parse_request(inputs, parameters,
                                    max_input_bytes=getattr(self.engine, "max_input_bytes", None))
             if parsed.stop:
-                self._stop(client_id, sender)
+                self._stop(client_id, sender, parsed.returns)
                 return
             if self._closing:
                 raise ServerClosing("the server is shutting down; retry later")
@@ -285,7 +285,7 @@ class Frontend:
         except Exception as exc:  # ValueError (bad request), QueueFullError, engine refusal
             self.respond(sender, None, error_for(exc), True)
 
-    def _stop(self, client_id: str, sender: Any) -> None:
+    def _stop(self, client_id: str, sender: Any, returns: frozenset) -> None:
         if not client_id:
             raise ValueError("stop=true needs the request id of the request to cancel "
                              "(set the same request id as that request)")
@@ -294,8 +294,10 @@ class Frontend:
         stopped = sum(1 for lv in targets if self.engine.abort(lv.key))
         if not stopped:
             raise ValueError(f"stop: no request with id '{client_id}' is running")
-        # The stop request's own answer: nothing generated, and it asks for no other output.
+        # The stop request's own answer: nothing generated; 'abort' (what it did) if it asks.
         tensors = {"text_output": np.array([b""], dtype=np.object_), "output_ids": np.zeros([0], dtype=np.int32)}
+        if "return_finish_reason" in returns:
+            tensors["finish_reason"] = np.array([b"abort"], dtype=np.object_)
         self.respond(sender, tensors, None, True)
 
     def num_live(self) -> int:

@@ -182,8 +182,9 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Option
     get = {k: v for k, v in inputs.items() if v is not None}
     request_params = _request_parameters(parameters)
     priority = request_params.pop("priority", 0)  # an argument of add_request, not a sampling key
+    returns = frozenset(n for n in RETURN_FLAGS if n in get and _value(n, get[n]))
     if "stop" in get and _value("stop", get["stop"]):
-        return ParsedRequest(stop=True)
+        return ParsedRequest(stop=True, returns=returns)
     prompt = _prompt(get, max_input_bytes)
 
     if "sampling_parameters" in get:  # as the vLLM backend: the tensor, else the request parameters
@@ -224,7 +225,6 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Option
         if "exclude_input_in_output" in get else None
     if stream and exclude is False:  # the vLLM backend's rule and message
         raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
-    returns = frozenset(n for n in RETURN_FLAGS if n in get and _value(n, get[n]))
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
                          exclude_input=bool(stream or exclude), priority=priority, returns=returns)
 
