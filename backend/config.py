@@ -1,6 +1,6 @@
 """EngineConfig: every engine setting, validated in one place.
 
-Field names are a contract: they are the `parameters` keys of `config.pbtxt` (DESIGN.md), named after
+Field names are a contract: they are the `parameters` keys of `config.pbtxt` (docs/design.md), named after
 TensorRT-LLM's backend where it has one. `from_params` maps the strings Triton hands us into typed
 fields; `validate` is the single place a bad value is refused, with the key and what is allowed.
 """

@@ -1,4 +1,4 @@
-"""The seeded workloads (DESIGN.md's mixed distribution) and `inflight bench --in-process`."""
+"""The seeded workloads (docs/design.md's mixed distribution) and `inflight bench --in-process`."""
 import json
 
 import numpy as np

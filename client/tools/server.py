@@ -11,7 +11,7 @@ repository's own `llm/config.pbtxt` (the rendered file, hand edits and all) with
 user's `config.pbtxt` stays the source of truth for everything that is not overridden, and is
 never rewritten by a run.
 
-Running Triton locally needs three things the wheel leaves to us (DESIGN.md, "Running Triton
+Running Triton locally needs three things the wheel leaves to us (docs/design.md, "Running Triton
 locally"): the Python backend stub for the running interpreter's version in `backends/python/`,
 the interpreter's own `libpython` first on `LD_LIBRARY_PATH`, then the wheel's bundled libraries.
 """

@@ -1,4 +1,4 @@
-"""Seeded benchmark workloads (DESIGN.md, "Performance: how we measure").
+"""Seeded benchmark workloads (docs/design.md, "Performance: how we measure").
 
     from client.tools.workloads import make_workload
     items = make_workload("mixed", num_requests=200, seed=0)            # token-id prompts, all at once
