@@ -133,3 +133,40 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
     writer.write_tensors_to_file()
     writer.close()
     return weights
+
+
+def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
+    """A one-tensor Llama file whose tokenizer is SentencePiece-style (``tokenizer.ggml.model`` =
+    llama, as Llama 2 and Mistral files have): "▁" for spaces, <0xNN> byte tokens, merges implied by
+    the scores. The pieces are the ASCII ones of the default model's vocabulary, respelled."""
+    import gguf
+
+    tokens, _, _ = tokenizer_metadata(tokenizer_json)
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    pieces = dict.fromkeys(t.replace("Ġ", "▁") for t in tokens[3:]
+                           if all(ord(c) < 128 or c == "Ġ" for c in t))
+    vocab = ["<unk>", "<s>", "</s>"] + byte_tokens + [p for p in pieces if p not in byte_tokens]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(vocab) - 259)  # unknown, control, byte, normal
+    scores = [0.0] * 259 + [-float(i) for i in range(len(vocab) - 259)]
+    s = SHAPE
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(vocab)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((len(vocab), s["hidden"])).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

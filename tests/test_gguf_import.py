@@ -17,7 +17,7 @@ from backend.gguf_dequant import supported_types
 from backend.gguf_import import GGUFImportError, import_gguf
 from backend.make_model import make_model
 from backend.tokenizer import Tokenizer
-from gguf_files import ALL_TYPES, CHAT_TEMPLATE, write_gguf
+from gguf_files import ALL_TYPES, CHAT_TEMPLATE, write_gguf, write_sentencepiece_gguf
 from smollm2 import smollm2_dir, smollm2_gguf
 
 TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines  ", "Ünïcödé → 日本語のテキスト 🎉",
@@ -105,6 +105,17 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(tmp_path, tiny_tokenizer_
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
     assert (ours.bos_token_id, ours.eos_token_id) == (1, 2)
     assert ours.chat_template == CHAT_TEMPLATE
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path, tiny_tokenizer_json):
+    path = tmp_path / "spm.gguf"
+    write_sentencepiece_gguf(path, tiny_tokenizer_json)
+    out = import_gguf(path, tmp_path / "out", log=lambda *_: None)
+    ours, theirs = Tokenizer.from_dir(out), hf_tokenizer_from_gguf(path)
+    for text in TEXTS + [" hello world", "the theory of everything"]:
+        ids = theirs(text)["input_ids"]
+        assert ids[0] == 1 and ours.encode(text) == ids, text  # BOS first, as llama.cpp adds it
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
