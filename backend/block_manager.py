@@ -11,18 +11,32 @@ until it is handed out again, least recently freed first.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Optional, Sequence
 
 from backend.errors import NoFreeBlocksError
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, limit: Optional[int] = None) -> list[int]:
-    """Chained hashes of the full blocks among the first `limit` tokens."""
+ROOT_KEY = b""
+
+
+def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A full block's prefix-cache key: sha256 over its parent's key and its token ids. Python's
+    hash() of a tuple is 64 bits and unkeyed, so a crafted collision could hand one request
+    another's KV (vLLM moved to sha256 after CVE-2025-25183)."""
+    h = hashlib.sha256(parent)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, limit: Optional[int] = None) -> list[bytes]:
+    """Chained keys of the full blocks among the first `limit` tokens."""
     n = len(token_ids) if limit is None else min(limit, len(token_ids))
-    hashes, parent = [], 0
+    hashes, parent = [], ROOT_KEY
     for start in range(0, n - n % block_size, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        parent = block_key(parent, token_ids[start:start + block_size])
         hashes.append(parent)
     return hashes
 
@@ -37,9 +51,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
-        self._block_hash: dict[int, int] = {}  # block -> hash of its (full) contents
-        self._cached: dict[int, int] = {}  # hash -> block
-        self._hashed: dict[str, tuple[int, int]] = {}  # seq -> (blocks registered, last hash)
+        self._block_hash: dict[int, bytes] = {}  # block -> key of its (full) contents
+        self._cached: dict[bytes, int] = {}  # key -> block
+        self._hashed: dict[str, tuple[int, bytes]] = {}  # seq -> (blocks registered, last key)
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -112,7 +126,7 @@ class BlockManager:
         if not self.enable_prefix_caching or self._tables.get(seq_id):
             return 0
         table = self._tables.setdefault(seq_id, [])
-        last = 0
+        last = ROOT_KEY
         for h in block_hashes(token_ids, self.block_size, len(token_ids) - 1):
             block = self._cached.get(h)
             if block is None:
@@ -130,11 +144,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(seq_id, [])
-        done, parent = self._hashed.get(seq_id, (0, 0))
+        done, parent = self._hashed.get(seq_id, (0, ROOT_KEY))
         full = min(num_computed // self.block_size, len(table))
         bs = self.block_size
         for i in range(done, full):
-            parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
             block = table[i]
             if parent not in self._cached and block not in self._block_hash:
                 self._cached[parent] = block

@@ -118,3 +118,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestPrefixCacheMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_keys_are_sha256_chained_over_parent_and_tokens():
+    import hashlib
+    from array import array
+
+    from backend.block_manager import block_hashes
+    tokens = list(range(40, 52))
+    keys = block_hashes(tokens, 4)
+    want, parent = [], b""
+    for i in range(0, 12, 4):
+        parent = hashlib.sha256(parent + array("q", tokens[i:i + 4]).tobytes()).digest()
+        want.append(parent)
+    assert keys == want
+    # a block's key depends on everything before it, not only on its own tokens
+    assert block_hashes([9, 9, 9, 9] + tokens[4:8], 4)[1] != keys[1]
