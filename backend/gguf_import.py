@@ -48,8 +48,8 @@ _LAYER_TENSORS = {
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
-# Precomputed rope frequencies (Llama 3 files): derived data that HF checkpoints do not store.
-_SKIPPED_TENSORS = ("rope_freqs.weight",)
+# Llama 3.1+ files store their rope scaling as per-frequency factors; HF configs as parameters.
+ROPE_FREQS = "rope_freqs.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -116,12 +116,11 @@ def hf_config(meta: dict[str, Any], tensor_names: Sequence[str], out_dtype: str)
     else:
         config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_names)
     scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        config["rope_scaling"] = {"rope_type": scaling,
-                                  "factor": float(key("rope.scaling.factor", 1.0))}
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if original:
-            config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise GGUFImportError(f"{arch}.rope.scaling.type {scaling!r} is not supported; supported: "
+                              "none, linear (and Llama 3 scaling stored as rope_freqs)")
     for name, key_ in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("pad_token_id", "padding_token_id")):
         if meta.get(f"tokenizer.ggml.{key_}") is not None:
@@ -149,19 +148,44 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .reshape(weight.shape))
 
 
+def llama3_factors(head_dim: int, theta: float, factor: float, low: float = 1.0, high: float = 4.0,
+                   original: int = 8192) -> np.ndarray:
+    """The per-frequency rope divisors that llama.cpp's converter writes for Llama 3 scaling."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+
+
+def llama3_rope_scaling(factors: np.ndarray, config: dict[str, Any]) -> dict[str, Any]:
+    """The HF ``rope_scaling`` that reproduces a file's ``rope_freqs``: llama3 with Meta's
+    defaults (low 1, high 4, original context 8192) and the file's largest factor; anything else
+    is refused rather than imported with positions that differ from the original model."""
+    factor = float(factors.max())
+    expected = llama3_factors(config["head_dim"], config["rope_theta"], factor)
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+        raise GGUFImportError(f"{ROPE_FREQS} is not Llama 3 rope scaling (factor {factor:g}, "
+                              "low_freq_factor 1, high_freq_factor 4, original context 8192); "
+                              "other rope scalings are not supported")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
 def convert_tensors(reader, config: dict[str, Any], arch: str) -> dict[str, np.ndarray]:
     """HF name -> float32 array for every tensor of the file."""
     permuted = arch in ("llama", "mistral")  # Qwen2 files keep HF's row order
     out: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        if tensor.name in _SKIPPED_TENSORS:
-            continue
-        name = hf_tensor_name(tensor.name)
         shape = tuple(reversed([int(s) for s in tensor.shape]))
         try:
             array = dequantize(tensor.data, int(tensor.tensor_type), shape)
         except ValueError as exc:
             raise GGUFImportError(f"tensor {tensor.name}: {exc}") from None
+        if tensor.name == ROPE_FREQS:  # derived data, kept as config parameters
+            config["rope_scaling"] = llama3_rope_scaling(array.astype(np.float64), config)
+            continue
+        name = hf_tensor_name(tensor.name)
         if permuted and ".q_proj." in name:
             array = unpermute_rows(array, config["num_attention_heads"])
         elif permuted and ".k_proj." in name:

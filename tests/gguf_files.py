@@ -8,6 +8,7 @@ carry a real vocabulary and merges without any download.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -75,7 +76,8 @@ def tokenizer_metadata(tokenizer_json: Path) -> tuple[list[str], list[str], list
 
 def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int = 0,
                types: Sequence[str] = ALL_TYPES, name: Optional[str] = None, tied: bool = True,
-               pre: str = "smollm", tensor_type_override: Optional[tuple[str, int]] = None) -> dict:
+               pre: str = "smollm", tensor_type_override: Optional[tuple[str, int]] = None,
+               extra_tensors: Optional[dict] = None) -> dict:
     """Write a random ``arch`` model; return its HF-named float32 weights (before quantization).
 
     ``tensor_type_override`` = (gguf tensor name, raw ggml type id) writes that tensor's bytes
@@ -128,6 +130,8 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
             writer.add_tensor(name_, data)
         else:
             writer.add_tensor(name_, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    for name_, data in (extra_tensors or {}).items():
+        writer.add_tensor(name_, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -170,3 +174,19 @@ def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def llama_cpp_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float = 1.0,
+                           high_freq_factor: float = 4.0, old_context_len: int = 8192) -> np.ndarray:
+    """``rope_freqs`` as llama.cpp's converter computes it for a Llama 3.1+ checkpoint."""
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_context_len / high_freq_factor:
+            factors.append(1.0)
+        elif wavelen > old_context_len / low_freq_factor:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)

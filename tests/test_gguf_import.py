@@ -15,9 +15,11 @@ from safetensors.torch import load_file
 
 from backend.gguf_dequant import supported_types
 from backend.gguf_import import GGUFImportError, import_gguf
+from backend.loader import load_model_config
 from backend.make_model import make_model
 from backend.tokenizer import Tokenizer
-from gguf_files import ALL_TYPES, CHAT_TEMPLATE, write_gguf, write_sentencepiece_gguf
+from gguf_files import (ALL_TYPES, CHAT_TEMPLATE, SHAPE, llama_cpp_rope_factors, write_gguf,
+                        write_sentencepiece_gguf)
 from smollm2 import smollm2_dir, smollm2_gguf
 
 TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines  ", "Ünïcödé → 日本語のテキスト 🎉",
@@ -116,6 +118,24 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path, tiny_tokenizer_j
         ids = theirs(text)["input_ids"]
         assert ids[0] == 1 and ours.encode(text) == ids, text  # BOS first, as llama.cpp adds it
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path, tiny_tokenizer_json):
+    # What llama.cpp writes for Llama 3.2 (factor 32); transformers' loader drops it, we keep it.
+    factors = llama_cpp_rope_factors(SHAPE["head_dim"], 10000.0, 32.0)
+    assert 1.0 < factors[6] < 32.0 and factors[0] == 1.0 and factors[-1] == 32.0  # all three bands
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, tiny_tokenizer_json, types=("F16",), extra_tensors={"rope_freqs.weight": factors})
+    out = import_gguf(path, tmp_path / "out", log=lambda *_: None)
+    scaling = load_model_config(out).rope_scaling
+    assert scaling == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert "rope_freqs.weight" not in load_file(str(out / "model.safetensors"))
+    path = tmp_path / "other.gguf"
+    write_gguf(path, tiny_tokenizer_json, types=("F16",),
+               extra_tensors={"rope_freqs.weight": np.linspace(1, 4, 8, dtype=np.float32)})
+    with pytest.raises(GGUFImportError, match="rope_freqs.weight is not Llama 3 rope scaling"):
+        import_gguf(path, tmp_path / "out2", log=lambda *_: None)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
