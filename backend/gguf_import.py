@@ -1,30 +1,22 @@
 """``inflight import-gguf FILE.gguf --out DIR``: a GGUF file (llama.cpp, Ollama) to a Hugging Face
 checkpoint folder that the engine loads.
 
-The folder gets ``config.json`` (with ``architectures``), ``model.safetensors`` (the dequantized
-weights under HF names), ``tokenizer.json`` + ``tokenizer_config.json`` (with the chat template) and
+The folder gets ``config.json`` (with ``architectures``), the dequantized weights under HF names
+(``model.safetensors``, or 2 GiB shards with ``model.safetensors.index.json`` for large models),
+``tokenizer.json`` + ``tokenizer_config.json`` (with the chat template) and
 ``generation_config.json``. Only the ``gguf`` reader, numpy, safetensors and tokenizers are used:
 no transformers, nothing downloaded, nothing executed from the file.
 
-What the conversion undoes:
-
-- quantization (backend/gguf_dequant.py: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1);
-- GGUF's dimension order: a tensor's shape is listed innermost first, so it is reversed;
-- llama.cpp's converter permutes the rows of q_proj and k_proj of Llama-architecture models (its
-  rope rotates interleaved pairs, HF's rotates the two halves of each head); the permutation is
-  inverted here. Qwen2 files are not permuted.
-
-Mistral files say ``general.architecture = llama``; as in transformers, a ``general.name``
-containing "mistral" makes them MistralForCausalLM. Other architectures and tensor types are
-refused with a message naming them. The result is checked against transformers' own GGUF loader,
-tensor for tensor, in tests/test_gguf_import.py.
+Dequantization is backend/gguf_dequant.py, the meaning of names and keys backend/gguf_mapping.py.
+The file is memory-mapped and converted one shard at a time, so memory stays near one shard even
+for a model larger than RAM in float32. The result is checked against transformers' own GGUF
+loader, tensor for tensor, in tests/test_gguf_import.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -34,178 +26,78 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from backend.gguf_dequant import TYPE_NAMES, dequantize, supported_types, type_name
+from backend.gguf_mapping import (ROPE_FREQS, GGUFImportError, hf_architecture, hf_config,
+                                  hf_tensor_name, llama3_rope_scaling, read_metadata, unpermute_rows)
 from backend.gguf_tokenizer import build_tokenizer, tokenizer_config
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
+__all__ = ["GGUFImportError", "import_gguf", "main"]
 
-# GGUF tensor name (after blk.N.) -> HF name (after model.layers.N.)
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                   "output": "lm_head"}
-# Llama 3.1+ files store their rope scaling as per-frequency factors; HF configs as parameters.
-ROPE_FREQS = "rope_freqs.weight"
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+OUTPUT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # -> bytes per value
+SHARD_BYTES = 2 << 30
 
 
-class GGUFImportError(ValueError):
-    """A GGUF file this importer cannot convert (the message says what and why)."""
+def _numpy_shape(tensor) -> tuple[int, ...]:
+    return tuple(reversed([int(s) for s in tensor.shape]))  # GGUF lists dimensions innermost first
 
 
-def read_metadata(reader) -> dict[str, Any]:
-    """Every key-value field of a ``gguf.GGUFReader`` as plain Python values."""
-    return {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+def _dequantized(tensor) -> np.ndarray:
+    try:
+        return dequantize(tensor.data, int(tensor.tensor_type), _numpy_shape(tensor))
+    except ValueError as exc:
+        raise GGUFImportError(f"tensor {tensor.name}: {exc}") from None
 
 
-def hf_architecture(meta: dict[str, Any]) -> tuple[str, str]:
-    """(GGUF architecture, HF architecture class) of a file; refuses unsupported ones."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFImportError(f"GGUF architecture {arch!r} is not supported; supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    name = str(meta.get("general.name") or "").lower()
-    if arch == "qwen2":
-        return arch, "Qwen2ForCausalLM"
-    if arch == "mistral" or "mistral" in name:
-        return arch, "MistralForCausalLM"
-    return arch, "LlamaForCausalLM"
+def _hf_tensor(tensor, config: dict[str, Any], permuted: bool) -> tuple[str, np.ndarray]:
+    name, array = hf_tensor_name(tensor.name), _dequantized(tensor)
+    if permuted and ".q_proj." in name:
+        array = unpermute_rows(array, config["num_attention_heads"])
+    elif permuted and ".k_proj." in name:
+        array = unpermute_rows(array, config["num_key_value_heads"])
+    return name, array
 
 
-def hf_config(meta: dict[str, Any], tensor_names: Sequence[str], out_dtype: str) -> dict[str, Any]:
-    """``config.json`` from the file's ``<arch>.*`` keys and which tensors it has."""
-    arch, architecture = hf_architecture(meta)
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise GGUFImportError(f"GGUF metadata key {arch}.{name} is missing")
-        return value
-
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
-    config: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                       "Qwen2ForCausalLM": "qwen2"}[architecture],
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(head_dim or hidden // heads),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length", 4096)),
-        "vocab_size": int(vocab) if vocab else None,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "hidden_act": "silu",
-        "torch_dtype": out_dtype,
-    }
-    if architecture == "Qwen2ForCausalLM":
-        config["use_sliding_window"] = False
-    elif architecture == "MistralForCausalLM":
-        config["sliding_window"] = None  # the file states none; HF's class default would add one
-    else:
-        config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_names)
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
-        raise GGUFImportError(f"{arch}.rope.scaling.type {scaling!r} is not supported; supported: "
-                              "none, linear (and Llama 3 scaling stored as rope_freqs)")
-    for name, key_ in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                       ("pad_token_id", "padding_token_id")):
-        if meta.get(f"tokenizer.ggml.{key_}") is not None:
-            config[name] = int(meta[f"tokenizer.ggml.{key_}"])
-    return config
+def _shards(tensors: list, itemsize: int) -> list[list]:
+    """Tensors grouped in file order into shards of at most SHARD_BYTES (a bigger one alone)."""
+    shards: list[list] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = int(np.prod(_numpy_shape(tensor))) * itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += nbytes
+    return shards
 
 
-def hf_tensor_name(name: str) -> str:
-    """HF parameter name of a GGUF tensor name; refuses names it does not know."""
-    base, _, suffix = name.rpartition(".")
-    if base in _GLOBAL_TENSORS and suffix == "weight":
-        return f"{_GLOBAL_TENSORS[base]}.weight"
-    match = _LAYER_RE.match(name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        layer, part, suffix = match.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{suffix}"
-    raise GGUFImportError(f"GGUF tensor {name!r} has no counterpart in the supported architectures")
-
-
-def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Invert llama.cpp's q/k permutation: per head, rows (pair, 2) back to (2, half)."""
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    return (weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
-            .reshape(weight.shape))
-
-
-def llama3_factors(head_dim: int, theta: float, factor: float, low: float = 1.0, high: float = 4.0,
-                   original: int = 8192) -> np.ndarray:
-    """The per-frequency rope divisors that llama.cpp's converter writes for Llama 3 scaling."""
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / freqs
-    smooth = (original / wavelen - low) / (high - low)
-    mid = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
-
-
-def llama3_rope_scaling(factors: np.ndarray, config: dict[str, Any]) -> dict[str, Any]:
-    """The HF ``rope_scaling`` that reproduces a file's ``rope_freqs``: llama3 with Meta's
-    defaults (low 1, high 4, original context 8192) and the file's largest factor; anything else
-    is refused rather than imported with positions that differ from the original model."""
-    factor = float(factors.max())
-    expected = llama3_factors(config["head_dim"], config["rope_theta"], factor)
-    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
-        raise GGUFImportError(f"{ROPE_FREQS} is not Llama 3 rope scaling (factor {factor:g}, "
-                              "low_freq_factor 1, high_freq_factor 4, original context 8192); "
-                              "other rope scalings are not supported")
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
-
-
-def convert_tensors(reader, config: dict[str, Any], arch: str) -> dict[str, np.ndarray]:
-    """HF name -> float32 array for every tensor of the file."""
-    permuted = arch in ("llama", "mistral")  # Qwen2 files keep HF's row order
-    out: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-        shape = tuple(reversed([int(s) for s in tensor.shape]))
-        try:
-            array = dequantize(tensor.data, int(tensor.tensor_type), shape)
-        except ValueError as exc:
-            raise GGUFImportError(f"tensor {tensor.name}: {exc}") from None
-        if tensor.name == ROPE_FREQS:  # derived data, kept as config parameters
-            config["rope_scaling"] = llama3_rope_scaling(array.astype(np.float64), config)
-            continue
-        name = hf_tensor_name(tensor.name)
-        if permuted and ".q_proj." in name:
-            array = unpermute_rows(array, config["num_attention_heads"])
-        elif permuted and ".k_proj." in name:
-            array = unpermute_rows(array, config["num_key_value_heads"])
-        out[name] = array
-    if "model.embed_tokens.weight" not in out:
-        raise GGUFImportError("the GGUF file has no token_embd.weight")
-    if config["vocab_size"] is None:
-        config["vocab_size"] = int(out["model.embed_tokens.weight"].shape[0])
-    return out
-
-
-def _save_weights(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+def _save(arrays: dict[str, np.ndarray], path: Path, dtype: str) -> None:
     import torch
     from safetensors.torch import save_file
 
     torch_dtype = getattr(torch, dtype)
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)).to(torch_dtype)
-               for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    save_file({k: torch.from_numpy(np.ascontiguousarray(v)).to(torch_dtype) for k, v in arrays.items()},
+              str(path), metadata={"format": "pt"})
     path.chmod(0o644)  # safetensors creates the file owner-only; a server user must read it
+
+
+def write_weights(reader, config: dict[str, Any], arch: str, folder: Path, dtype: str) -> None:
+    """Dequantize every tensor into ``folder`` under its HF name, one shard at a time."""
+    weights = [t for t in reader.tensors if t.name != ROPE_FREQS]
+    if not any(t.name == "token_embd.weight" for t in weights):
+        raise GGUFImportError("the GGUF file has no token_embd.weight")
+    permuted = arch in ("llama", "mistral")  # Qwen2 files keep HF's row order
+    shards = _shards(weights, OUTPUT_DTYPES[dtype])
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(shards, 1):
+        file = ("model.safetensors" if len(shards) == 1
+                else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
+        arrays = dict(_hf_tensor(t, config, permuted) for t in shard)
+        _save(arrays, folder / file, dtype)
+        weight_map.update(dict.fromkeys(arrays, file))
+    if len(shards) > 1:
+        total = sum(int(np.prod(_numpy_shape(t))) for t in weights) * OUTPUT_DTYPES[dtype]
+        _write_json(folder / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -240,14 +132,18 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
         raise GGUFImportError(f"GGUF tensor type(s) {', '.join(unreadable)} not supported; "
                               f"supported: {', '.join(supported_types())}")
     log(f"import-gguf: {gguf_path.name}: {arch}, {len(reader.tensors)} tensors ({', '.join(types)})")
-    config = hf_config(meta, [t.name for t in reader.tensors], dtype)
-    tensors = convert_tensors(reader, config, arch)
+    config = hf_config(meta, {t.name: _numpy_shape(t) for t in reader.tensors}, dtype)
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:  # derived data, kept as config parameters
+            config["rope_scaling"] = llama3_rope_scaling(_dequantized(tensor).astype(np.float64), config)
+        else:
+            hf_tensor_name(tensor.name)  # refuse unknown tensors before writing anything
 
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        _save_weights(tensors, staging / "model.safetensors", dtype)
+        write_weights(reader, config, arch, staging, dtype)
         _write_json(staging / "config.json", config)
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                       if k in config}

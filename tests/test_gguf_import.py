@@ -87,6 +87,21 @@ def test_random_gguf_matches_transformers(tmp_path, tiny_tokenizer_json, arch, n
     assert np.corrcoef(ours[q0].numpy().ravel(), original[q0].ravel())[0, 1] > 0.98
 
 
+def test_large_models_are_written_in_shards_with_an_index(tmp_path, tiny_tokenizer_json, monkeypatch):
+    import backend.gguf_import as gi
+    from backend.loader import iter_weights
+    path = tmp_path / "model.gguf"
+    write_gguf(path, tiny_tokenizer_json, types=("Q8_0",))
+    whole = load_file(str(import_gguf(path, tmp_path / "whole", log=lambda *_: None) / "model.safetensors"))
+    monkeypatch.setattr(gi, "SHARD_BYTES", 200_000)  # the embedding alone is 2000 x 64 x 4 bytes
+    out = import_gguf(path, tmp_path / "sharded", log=lambda *_: None)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    loaded = dict(iter_weights(out))  # what the engine's loader reads
+    assert set(loaded) == set(whole) and all(torch.equal(loaded[k], whole[k]) for k in whole)
+
+
 def test_random_gguf_covers_every_supported_type(tmp_path, tiny_tokenizer_json):
     import gguf
     path = tmp_path / "model.gguf"

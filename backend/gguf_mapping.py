@@ -1,0 +1,154 @@
+"""What a GGUF file's metadata and tensor names mean in Hugging Face terms (for backend/gguf_import.py).
+
+- ``general.architecture`` llama / mistral / qwen2 -> LlamaForCausalLM / MistralForCausalLM /
+  Qwen2ForCausalLM (Mistral files usually say "llama"; as in transformers, a ``general.name``
+  containing "mistral" makes them Mistral); anything else is refused by name.
+- ``<arch>.*`` keys -> ``config.json``; no ``output.weight`` -> tied embeddings.
+- ``blk.N.attn_q.weight``... -> ``model.layers.N.self_attn.q_proj.weight``...
+- llama.cpp's converter permutes the rows of q_proj and k_proj of Llama-architecture models (its
+  rope rotates interleaved pairs, HF's the two halves of each head): ``unpermute_rows`` inverts it.
+- ``rope_freqs.weight`` (Llama 3.1+: per-frequency rope divisors) -> ``rope_scaling`` llama3.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+# GGUF tensor name (after blk.N.) -> HF name (after model.layers.N.)
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+# Llama 3.1+ files store their rope scaling as per-frequency factors; HF configs as parameters.
+ROPE_FREQS = "rope_freqs.weight"
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+class GGUFImportError(ValueError):
+    """A GGUF file this importer cannot convert (the message says what and why)."""
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """Every key-value field of a ``gguf.GGUFReader`` as plain Python values."""
+    return {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def hf_architecture(meta: dict[str, Any]) -> tuple[str, str]:
+    """(GGUF architecture, HF architecture class) of a file; refuses unsupported ones."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFImportError(f"GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    name = str(meta.get("general.name") or "").lower()
+    if arch == "qwen2":
+        return arch, "Qwen2ForCausalLM"
+    if arch == "mistral" or "mistral" in name:
+        return arch, "MistralForCausalLM"
+    return arch, "LlamaForCausalLM"
+
+
+def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
+              out_dtype: str) -> dict[str, Any]:
+    """``config.json`` from the file's ``<arch>.*`` keys and its tensors (name -> numpy shape)."""
+    arch, architecture = hf_architecture(meta)
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise GGUFImportError(f"GGUF metadata key {arch}.{name} is missing")
+        return value
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embedding = tensor_shapes.get("token_embd.weight")
+    vocab = (meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+             or (embedding[0] if embedding else None))
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                       "Qwen2ForCausalLM": "qwen2"}[architecture],
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim or hidden // heads),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "vocab_size": int(vocab) if vocab else None,
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
+        "hidden_act": "silu",
+        "torch_dtype": out_dtype,
+    }
+    if architecture == "Qwen2ForCausalLM":
+        config["use_sliding_window"] = False
+    elif architecture == "MistralForCausalLM":
+        config["sliding_window"] = None  # the file states none; HF's class default would add one
+    else:
+        config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_shapes)
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise GGUFImportError(f"{arch}.rope.scaling.type {scaling!r} is not supported; supported: "
+                              "none, linear (and Llama 3 scaling stored as rope_freqs)")
+    for name, key_ in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                       ("pad_token_id", "padding_token_id")):
+        if meta.get(f"tokenizer.ggml.{key_}") is not None:
+            config[name] = int(meta[f"tokenizer.ggml.{key_}"])
+    return config
+
+
+def hf_tensor_name(name: str) -> str:
+    """HF parameter name of a GGUF tensor name; refuses names it does not know."""
+    base, _, suffix = name.rpartition(".")
+    if base in _GLOBAL_TENSORS and suffix == "weight":
+        return f"{_GLOBAL_TENSORS[base]}.weight"
+    match = _LAYER_RE.match(name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        layer, part, suffix = match.groups()
+        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{suffix}"
+    raise GGUFImportError(f"GGUF tensor {name!r} has no counterpart in the supported architectures")
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's q/k permutation: per head, rows (pair, 2) back to (2, half)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape))
+
+
+def llama3_factors(head_dim: int, theta: float, factor: float, low: float = 1.0, high: float = 4.0,
+                   original: int = 8192) -> np.ndarray:
+    """The per-frequency rope divisors that llama.cpp's converter writes for Llama 3 scaling."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+
+
+def llama3_rope_scaling(factors: np.ndarray, config: dict[str, Any]) -> dict[str, Any]:
+    """The HF ``rope_scaling`` that reproduces a file's ``rope_freqs``: llama3 with Meta's
+    defaults (low 1, high 4, original context 8192) and the file's largest factor; anything else
+    is refused rather than imported with positions that differ from the original model."""
+    factor = float(factors.max())
+    expected = llama3_factors(config["head_dim"], config["rope_theta"], factor)
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+        raise GGUFImportError(f"{ROPE_FREQS} is not Llama 3 rope scaling (factor {factor:g}, "
+                              "low_freq_factor 1, high_freq_factor 4, original context 8192); "
+                              "other rope scalings are not supported")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
