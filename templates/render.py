@@ -107,6 +107,32 @@ def render(gpus: Optional[Sequence[int]] = None, count: int = 1,
     return f"{HEADER}{_digest(body)}\n{body}"
 
 
+TRTLLM_MODEL = "llm_trtllm"
+TRTLLM_CONFIG = REPO_ROOT / "model_repository" / TRTLLM_MODEL / "config.pbtxt"
+
+
+def render_trtllm() -> str:
+    """model_repository/llm_trtllm/config.pbtxt: `llm`'s inputs and outputs with a batch dimension
+    (max_batch_size 1), for clients that send the TensorRT-LLM format ([1, 1] shapes). It is
+    committed as rendered (nothing in it depends on the machine) and a test keeps it in step."""
+    return f"""# The `llm` model in the TensorRT-LLM request format: every input and output has a batch
+# dimension of 1 ([1, 1] where `llm` takes [1]), as Triton's OpenAI frontend and TensorRT-LLM
+# clients send them. Each request is passed to `llm` (BLS): one engine serves both models.
+# Rendered by templates/render.py (render_trtllm) from templates/tensors.py; do not edit.
+name: "{TRTLLM_MODEL}"
+backend: "python"
+max_batch_size: 1
+model_transaction_policy {{ decoupled: true }}
+input [
+{tensors.pbtxt(tensors.INPUTS, optional=True)}
+]
+output [
+{tensors.pbtxt(tensors.OUTPUTS, optional=False)}
+]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]  # it only forwards: no device of its own
+"""
+
+
 def is_hand_edited(text: str) -> bool:
     first, _, body = text.partition("\n")
     if not first.startswith(HEADER):

@@ -167,3 +167,13 @@ def test_every_input_of_the_table_is_read_and_is_in_the_rendered_config():
     table = {t.name: (model_config_pb2.DataType.Value("TYPE_" + t.data_type), list(t.dims)) for t in T.INPUTS}
     assert rendered == table and set(adapter.INPUT_NAMES) == set(table)
     assert [o.name for o in config.output] == [t.name for t in T.OUTPUTS]
+
+
+def test_the_committed_trtllm_config_is_the_rendered_one():
+    from templates import render as R
+
+    assert R.TRTLLM_CONFIG.read_text() == R.render_trtllm(), "re-render: python -c 'from templates import " \
+        "render as R; R.TRTLLM_CONFIG.write_text(R.render_trtllm())'"
+    config = R.parse_config(R.render_trtllm())
+    assert config.max_batch_size == 1 and config.model_transaction_policy.decoupled
+    assert [i.name for i in config.input] == [t.name for t in T.INPUTS]

@@ -154,7 +154,21 @@ def make_run_repository(dest: Path, model_repository: Path = DEFAULT_MODEL_REPOS
         link = model_dir / version.name
         if not link.exists():
             link.symlink_to(version.resolve(), target_is_directory=True)
+    _add_trtllm_model(Path(dest))
     return Path(dest)
+
+
+def _add_trtllm_model(dest: Path) -> None:
+    """`llm_trtllm` beside `llm`: the same model in the TensorRT-LLM request format ([1, 1]
+    shapes), which forwards to `llm` (model_repository/llm_trtllm/1/model.py)."""
+    from templates.render import TRTLLM_MODEL, render_trtllm
+
+    model_dir = dest / TRTLLM_MODEL
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(render_trtllm())
+    link = model_dir / "1"
+    if not link.exists():
+        link.symlink_to((DEFAULT_MODEL_REPOSITORY / TRTLLM_MODEL / "1").resolve(), target_is_directory=True)
 
 
 class TritonServer:

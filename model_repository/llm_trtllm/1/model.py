@@ -1,0 +1,81 @@
+"""The `llm_trtllm` model: the `llm` model in the TensorRT-LLM request format.
+
+Triton's OpenAI frontend (for any backend but vLLM) and TensorRT-LLM clients send every input with
+a batch dimension, [1, 1] where the vLLM backend's clients send [1]. One Triton model cannot take
+both ranks (its config fixes the rank of each input; checked on 2.51), so this thin decoupled
+model takes the batched form (max_batch_size 1, the same table of inputs and outputs) and passes
+each request to `llm` through BLS: the batch dimension is dropped from the inputs and added back
+to the outputs; the request parameters and the request id go along. There is one engine, in
+`llm`; nothing here loads torch.
+"""
+import json
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from templates.tensors import INPUTS, OUTPUTS  # noqa: E402
+
+TARGET = "llm"
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.output_names = [t.name for t in OUTPUTS]
+
+    def execute(self, requests):
+        # Each request waits on its BLS responses in a thread of its own; Triton's thread returns.
+        for request in requests:
+            threading.Thread(target=self._forward, args=(request,), daemon=True).start()
+        return None
+
+    def _forward(self, request):
+        sender = request.get_response_sender()
+        try:
+            inputs = []
+            for t in INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, t.name)
+                if tensor is not None:
+                    inputs.append(pb_utils.Tensor(t.name, _unbatch(t.name, tensor.as_numpy())))
+            stream = pb_utils.get_input_tensor_by_name(request, "stream")
+            stream = bool(stream.as_numpy().reshape(-1)[0]) if stream is not None else False
+            bls = pb_utils.InferenceRequest(model_name=TARGET, inputs=inputs, request_id=request.request_id(),
+                                            requested_output_names=self.output_names,
+                                            parameters=json.loads(request.parameters() or "{}"))
+            last = None
+            responses = bls.exec(decoupled=True)
+            for response in responses:
+                if response.has_error():
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[], error=response.error()), flags=FINAL)
+                    return
+                tensors = [pb_utils.Tensor(t.name(), t.as_numpy()[np.newaxis]) for t in response.output_tensors()]
+                if not tensors:
+                    continue
+                if stream:
+                    if sender.is_cancelled():
+                        getattr(responses, "cancel", lambda: None)()
+                        break
+                    sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
+                else:
+                    last = tensors  # one answer: sent with the FINAL flag (HTTP generate needs that)
+            if last is not None:
+                sender.send(pb_utils.InferenceResponse(output_tensors=last), flags=FINAL)
+            else:
+                sender.send(flags=FINAL)
+        except Exception as exc:  # never leave a request without its FINAL response
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                f"llm_trtllm: {type(exc).__name__}: {exc}")), flags=FINAL)
+
+
+def _unbatch(name, array):
+    """[1, ...] -> [...]: the batch dimension Triton checked against max_batch_size 1."""
+    if array.ndim == 0 or array.shape[0] != 1:
+        raise ValueError(f"{name}: the TensorRT-LLM format takes a batch of one; got shape {list(array.shape)}")
+    return array[0]

@@ -1,0 +1,69 @@
+"""The TensorRT-LLM request format ([1, 1] shapes, its input names) on `llm_trtllm`, built exactly
+as Triton's OpenAI frontend builds it for a non-vLLM backend (engine/utils/triton.py,
+_create_trtllm_generate_request); what we cannot honour is refused naming the input."""
+import numpy as np
+import pytest
+
+from .conftest import requires_tritonserver
+from .raw_requests import array, grpc_stream, http_generate
+
+pytestmark = requires_tritonserver
+MODEL = "llm_trtllm"
+
+
+def openai_frontend_request(prompt, stream, max_tokens, stop=None, echo=None):
+    """_create_trtllm_generate_request for a completion with temperature 0 and a seed."""
+    inputs = {"text_input": np.array([[prompt.encode()]], dtype=np.object_), "stream": np.bool_([[stream]]),
+              "max_tokens": np.int32([[max_tokens]])}
+    if stop:
+        inputs["stop_words"] = np.array([[s.encode() for s in stop]], dtype=np.object_)
+    inputs.update(top_p=np.float32([[1.0]]), frequency_penalty=np.float32([[0.0]]),
+                  presence_penalty=np.float32([[0.0]]), seed=np.uint64([[1234]]), temperature=np.float32([[0.0]]))
+    if echo is not None:
+        inputs["exclude_input_in_output"] = np.bool_([[not echo]])
+    inputs["return_num_input_tokens"] = np.bool_([[True]])
+    inputs["return_num_output_tokens"] = np.bool_([[True]])
+    return inputs
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_openai_frontends_tensorrt_llm_format(server, llm, stream):
+    ref = llm.greedy("The quick brown fox", 6)
+    responses = grpc_stream(server.grpc_url, openai_frontend_request("The quick brown fox", stream, 6, echo=False),
+                            model=MODEL)
+    assert all(r["text_output"].shape == (1, 1) for r in responses)  # the batch dimension comes back
+    assert "".join(r["text_output"][0, 0].decode() for r in responses) == ref.text
+    # what the frontend reads for `usage`: the prompt's tokens, and the completion's summed over responses
+    assert int(responses[0]["num_input_tokens"][0, 0]) == len(ref.prompt_token_ids)
+    assert sum(int(r["num_output_tokens"][0, 0]) for r in responses) == 6
+    assert len(responses) == (len(responses) if stream else 1)
+
+
+def test_stop_words_and_the_trtllm_names_over_http(server, llm):
+    ref = llm.greedy("Once upon a time", 8)
+    stop = ref.text[len(ref.text) // 2:][:3]
+    if not stop.strip():
+        pytest.skip("the reference text has no usable stop string")
+    events = http_generate(server.http_url, {"text_input": "Once upon a time", "max_tokens": 8, "temperature": 0.0,
+                                             "stop_words": [stop], "exclude_input_in_output": True,
+                                             "return_finish_reason": True}, stream=False, model=MODEL)
+    text = events[0]["text_output"]
+    text = text[0] if isinstance(text, list) else text
+    assert stop not in text and ref.text.startswith(text) and events[0]["finish_reason"] in ("stop", ["stop"])
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("beam_width", np.int32([[2]]), "beam_width: only 1 is supported"),
+    ("return_log_probs", np.bool_([[True]]), "return_log_probs .* not supported"),
+])
+def test_what_we_do_not_support_is_refused_by_name(server, name, value, message):
+    inputs = openai_frontend_request("hi", False, 2)
+    inputs[name] = value
+    with pytest.raises(RuntimeError, match=message):
+        grpc_stream(server.grpc_url, inputs, model=MODEL)
+
+
+def test_llm_itself_refuses_the_batched_shapes_with_tritons_own_message(server):
+    """Why llm_trtllm exists: a Triton model fixes the rank of each input."""
+    with pytest.raises(Exception, match=r"unexpected shape for input 'text_input'.*Expected \[1\], got \[1,1\]"):
+        grpc_stream(server.grpc_url, {"text_input": array("hi", trtllm=True)})
