@@ -1,0 +1,40 @@
+"""python -m client.openai_server: serve the OpenAI API for a running tritonserver."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m client.openai_server",
+                                description="OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+                                            "/v1/models) in front of the inflight model in Triton.")
+    p.add_argument("--grpc-url", default="localhost:8001", help="Triton's gRPC address (default localhost:8001)")
+    p.add_argument("--model-path", help="the checkpoint folder Triton serves: its tokenizer and chat "
+                                        "template render /v1/chat/completions")
+    p.add_argument("--served-model-name", default="llm",
+                   help="the model name clients pass and /v1/models lists (default llm, the Triton model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.model_path and not Path(args.model_path).is_dir():
+        print(f"openai_server: --model-path {args.model_path} is not a folder", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from client.openai_server.app import create_app
+
+    app = create_app(args.grpc_url, args.model_path, args.served_model_name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

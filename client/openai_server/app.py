@@ -1,0 +1,231 @@
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+Each call becomes one Triton request per choice (prompts x n), sent on the shared gRPC channel and
+read as they stream back; their pieces are merged into one SSE stream (`stream: true`) or one body.
+A client that goes away cancels its Triton requests: leaving the SSE generator (Starlette cancels
+it on disconnect) or the disconnect watcher of a non-streaming call cancels the tasks, whose gRPC
+streams are then cancelled (triton.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from client.openai_server.responses import ChoiceState, Piece, Reply, sse
+from client.openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
+                                            triton_tensors)
+from client.openai_server.triton import TritonBackend
+
+MAX_BODY_BYTES = 8 << 20
+
+
+class ChatRenderer:
+    """Messages -> prompt token ids, by the checkpoint's chat template. The ids are sent (not the
+    text) because the template writes its own special tokens: the text must be encoded without the
+    tokenizer's BOS, as vLLM and transformers encode a rendered chat."""
+
+    def __init__(self, model_path: Optional[str]):
+        from backend.tokenizer import Tokenizer
+
+        self.model_path = model_path
+        self.tokenizer = Tokenizer.from_dir(model_path) if model_path else None
+
+    def __call__(self, messages: list[dict[str, Any]]) -> list[int]:
+        from backend.chat_template import ChatTemplateError
+
+        if self.tokenizer is None:
+            raise APIError(400, "chat needs the model's tokenizer and chat template: start the server "
+                                "with --model-path (inflight serve passes it); /v1/completions works without")
+        if self.tokenizer.chat_template is None:
+            raise bad("messages", f"the served model ({self.model_path}) has no chat template; "
+                                  "use /v1/completions with a prompt instead")
+        try:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise bad("messages", str(exc)) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm") -> FastAPI:
+    triton = TritonBackend(grpc_url)
+    render = ChatRenderer(model_path)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await triton.close()
+
+    app = FastAPI(title="inflight OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.triton = triton
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = await triton.ready()
+        return JSONResponse({"status": "ok" if ok else "triton model not ready"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "inflight", "root": model_path}]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        _check_model(name)
+        return {"id": served_model_name, "object": "model", "created": 0, "owned_by": "inflight",
+                "root": model_path}
+
+    def _check_model(name: Any) -> None:
+        if name is None:
+            raise bad("model", "model is required")
+        if name != served_model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                                f"'{served_model_name}'", "model", "model_not_found")
+
+    async def _body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        _check_model(body.get("model"))
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        gen = parse_completion(await _body(request))
+        return await _answer(request, gen, Reply(f"cmpl-{gen.request_id}", served_model_name, chat=False))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _body(request)
+        gen = parse_chat(body, render)
+        return await _answer(request, gen, Reply(f"chatcmpl-{gen.request_id}", served_model_name, chat=True))
+
+    async def _answer(request: Request, gen: Generation, reply: Reply):
+        declared = await triton.declared_inputs()
+        tensors = [triton_tensors(gen, i, declared) for i in range(len(gen.prompts))]
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(_run(i * gen.n, t, gen.logprobs, queue)) for i, t in enumerate(tensors)]
+        try:
+            if gen.stream:
+                first = await queue.get()  # a refusal before any token is answered with its status
+                if isinstance(first[1], APIError):
+                    raise first[1]
+                return StreamingResponse(_sse(gen, reply, tasks, queue, first),
+                                         media_type="text/event-stream")
+            return await _whole(request, gen, reply, tasks, queue)
+        except BaseException:
+            _cancel(tasks)
+            raise
+
+    async def _run(first_choice: int, tensors, top_k: Optional[int], queue: asyncio.Queue) -> None:
+        """One prompt's Triton request: (choice index, Piece) per completion per response."""
+        index = first_choice
+        try:
+            async for got in triton.generate(tensors, top_k):
+                for offset, piece in enumerate(got):
+                    await queue.put((first_choice + offset, piece))
+        except APIError as exc:
+            await queue.put((index, exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must still end the call, not hang it
+            await queue.put((index, APIError(500, f"{type(exc).__name__}: {exc}")))
+
+    async def _whole(request: Request, gen: Generation, reply: Reply, tasks, queue) -> JSONResponse:
+        states = [ChoiceState() for _ in range(gen.num_choices)]
+        watcher = asyncio.create_task(_watch_disconnect(request))
+        try:
+            remaining = gen.num_choices
+            while remaining:
+                getter = asyncio.create_task(queue.get())
+                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:  # the client left: stop generating for it
+                    getter.cancel()
+                    _cancel(tasks)
+                    return JSONResponse({}, status_code=499)
+                index, item = getter.result()
+                if isinstance(item, APIError):
+                    raise item
+                remaining -= states[index].add(item)
+        finally:
+            watcher.cancel()
+        prefixes = _echo_prefixes(gen, render) if gen.echo else None
+        return JSONResponse(reply.body(states, gen.n, gen.logprobs is not None, prefixes))
+
+    async def _sse(gen: Generation, reply: Reply, tasks, queue, first) -> AsyncIterator[bytes]:
+        states = [ChoiceState() for _ in range(gen.num_choices)]
+        started = [False] * gen.num_choices
+        prefixes = _echo_prefixes(gen, render) if gen.echo else None
+        remaining, item = gen.num_choices, first
+        try:
+            while True:
+                index, piece = item
+                if isinstance(piece, APIError):  # after the headers went out: an error event
+                    yield sse(piece.body())
+                    break
+                if states[index].finish_reason is not None:
+                    item = await queue.get()  # a finished completion's reason, repeated (n > 1)
+                    continue
+                ended = states[index].add(piece)
+                if piece.text or ended or piece.logprobs or not started[index]:
+                    yield sse(reply.chunk(index, piece, states[index], not started[index],
+                                          gen.logprobs is not None, gen.include_usage,
+                                          prefixes[index] if prefixes else ""))
+                    started[index] = True
+                remaining -= ended
+                if not remaining:
+                    if gen.include_usage:
+                        yield sse(reply.usage_chunk(states, gen.n))
+                    break
+                item = await queue.get()
+            yield sse("[DONE]")
+        finally:  # also on disconnect: Starlette cancels this generator
+            _cancel(tasks)
+
+    return app
+
+
+def _echo_prefixes(gen: Generation, render: ChatRenderer) -> list[str]:
+    """echo: each choice starts with its prompt (token-id prompts are decoded)."""
+    out = []
+    for i in range(gen.num_choices):
+        prompt = gen.prompts[i // gen.n]
+        if isinstance(prompt, str):
+            out.append(prompt)
+        elif render.tokenizer is not None:
+            out.append(render.tokenizer.decode(prompt, skip_special_tokens=False))
+        else:
+            raise bad("echo", "echo of a token-id prompt needs --model-path (the tokenizer)")
+    return out
+
+
+def _cancel(tasks) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+
+
+async def _watch_disconnect(request: Request, interval: float = 0.2) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(interval)
+
+
+__all__ = ["create_app", "ChatRenderer"]

@@ -1,0 +1,189 @@
+"""Triton responses -> OpenAI JSON: one `Piece` per Triton response, added up per choice into
+`ChoiceState`, and the completion / chat bodies and SSE chunks built from them. No I/O here.
+
+The `logprobs` output follows the vLLM backend's additional-outputs contract: per response, a JSON
+list with one object per new token, {token_id: {"logprob", "rank", "decoded_token"}}, the sampled
+token included.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+# Engine reasons OpenAI has no word for are passed through (abort: the server stopped the request).
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    text: str
+    top: list[tuple[int, float, str]]  # (token id, logprob, text), best first
+
+
+@dataclass
+class Piece:
+    """What one Triton response holds for one completion: its new text and tokens (streaming; the
+    whole answer otherwise), and its finish reason once it ended."""
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: Optional[str] = None
+    num_input_tokens: Optional[int] = None
+    logprobs: Optional[list[TokenLogprob]] = None
+
+
+def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> list[Piece]:
+    """One Triton response -> one Piece per completion. As the vLLM backend lays it out, each output
+    has one entry per completion (n of them); output_ids is sent only for n = 1; finish_reason is
+    the string "None" while a completion runs; num_output_tokens counts this response's tokens.
+    `get(name)` is the numpy array of an output, or None when the response lacks it."""
+    texts, ids, reasons, n_in, n_out, lps = (get(n) for n in (
+        "text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs"))
+    texts = [_str(v) for v in texts.reshape(-1)] if texts is not None else [""]
+    n = len(texts)
+    prompt_tokens = int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None
+    out = []
+    for i in range(n):
+        reason = _str(reasons.reshape(-1)[i]) if reasons is not None and reasons.size > i else ""
+        token_ids = [int(t) for t in ids.reshape(-1)] if ids is not None and n == 1 else None
+        count = (int(n_out.reshape(-1)[i]) if n_out is not None and n_out.size > i
+                 else len(token_ids) if token_ids is not None else 0)
+        piece = Piece(text=texts[i], num_tokens=count,
+                      finish_reason=None if reason in ("", "None") else reason,
+                      num_input_tokens=prompt_tokens)
+        if top_k is not None and lps is not None and lps.size > i and token_ids is not None:
+            piece.logprobs = parse_logprobs(_str(lps.reshape(-1)[i]), token_ids, top_k)
+        out.append(piece)
+    return out
+
+
+def parse_logprobs(raw: str, token_ids: list[int], top_k: int) -> list[TokenLogprob]:
+    """The `logprobs` entry of one response -> one TokenLogprob per new token. Each token's object
+    holds the top k by rank and the sampled token (vLLM); which one was sampled is told by
+    output_ids, which the model sends for n = 1 only (so logprobs need n = 1: translate.py)."""
+    entries = json.loads(raw) if raw and raw != "null" else []
+    out = []
+    for token_id, entry in zip(token_ids, entries):
+        ranked = sorted(((int(k), v) for k, v in entry.items()), key=lambda kv: kv[1].get("rank", 0))
+        sampled = entry.get(str(token_id), {"logprob": float("-inf"), "decoded_token": ""})
+        top = [(t, float(v["logprob"]), v.get("decoded_token") or "") for t, v in ranked[:top_k]]
+        out.append(TokenLogprob(token_id, float(sampled["logprob"]), sampled.get("decoded_token") or "", top))
+    return out
+
+
+def _str(value: Any) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, (bytes, np.bytes_)) else str(value)
+
+
+@dataclass
+class ChoiceState:
+    """One choice added up over its pieces."""
+    text: str = ""
+    num_output_tokens: int = 0
+    num_input_tokens: int = 0
+    finish_reason: Optional[str] = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, piece: Piece) -> bool:
+        """Take one response's piece; True when it ends the choice. With n > 1 a finished
+        completion keeps its reason in the responses that follow: those pieces are ignored."""
+        if self.finish_reason is not None:
+            return False
+        self.text += piece.text
+        self.num_output_tokens += piece.num_tokens
+        if piece.num_input_tokens is not None:
+            self.num_input_tokens = piece.num_input_tokens
+        if piece.logprobs:
+            self.logprobs.extend(piece.logprobs)
+        if piece.finish_reason:
+            self.finish_reason = FINISH_REASONS.get(piece.finish_reason, piece.finish_reason)
+            return True
+        return False
+
+
+def usage(choices: list[ChoiceState], n: int) -> dict[str, int]:
+    """Prompt tokens count once per prompt (every n-th choice), as OpenAI counts them."""
+    prompt = sum(c.num_input_tokens for c in choices[::n])
+    completion = sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- logprobs in OpenAI's two shapes -----------------------------------------------------------------
+
+def chat_logprobs(tokens: list[TokenLogprob]) -> dict[str, Any]:
+    def item(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**item(t.text, t.logprob), "top_logprobs": [item(s, lp) for _, lp, s in t.top]}
+                        for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{s: lp for _, lp, s in t.top} for t in tokens], "text_offset": offsets}
+
+
+# -- bodies ------------------------------------------------------------------------------------------
+
+@dataclass
+class Reply:
+    """What every body and chunk of one call shares."""
+    id: str
+    model: str
+    chat: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def body(self, choices: list[ChoiceState], n: int, want_logprobs: bool,
+             prefixes: Optional[list[str]] = None) -> dict[str, Any]:
+        """The non-streaming answer (prefixes: the echoed prompts)."""
+        out = []
+        for i, c in enumerate(choices):
+            if self.chat:
+                out.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
+                            "finish_reason": c.finish_reason})
+            else:
+                prefix = prefixes[i] if prefixes else ""
+                out.append({"index": i, "text": prefix + c.text,
+                            "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+                            "finish_reason": c.finish_reason})
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
+                "usage": usage(choices, n)}
+
+    def chunk(self, index: int, piece: Piece, state: ChoiceState, first: bool, want_logprobs: bool,
+              include_usage: bool, prefix: str = "") -> dict[str, Any]:
+        """One SSE chunk for one Triton response of choice `index` (`state` already holds it)."""
+        reason = state.finish_reason if piece.finish_reason else None  # on the piece that ended it
+        lp = piece.logprobs or []
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+            choice = {"index": index, "delta": delta,
+                      "logprobs": chat_logprobs(lp) if want_logprobs else None, "finish_reason": reason}
+        else:
+            offset = len(state.text) - len(piece.text)
+            choice = {"index": index, "text": (prefix if first else "") + piece.text,
+                      "logprobs": completion_logprobs(lp, offset) if want_logprobs else None,
+                      "finish_reason": reason}
+        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if include_usage:
+            out["usage"] = None  # as OpenAI: null on every chunk but the last
+        return out
+
+    def usage_chunk(self, choices: list[ChoiceState], n: int) -> dict[str, Any]:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage(choices, n)}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode("utf-8")

@@ -1,0 +1,128 @@
+"""The OpenAI server's one connection to Triton: tritonclient's asyncio gRPC client, whose channel
+every request shares (each request is its own bidirectional stream on it).
+
+A request whose consumer stops early (the HTTP client went away) has its stream cancelled, and
+Triton cancels the request: the engine aborts it and frees its KV blocks within a step.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import AsyncIterator, Optional
+
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from client.openai_server.responses import Piece, pieces
+from client.openai_server.translate import APIError
+
+MODEL_NAME = "llm"
+OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
+           "logprobs", "cumulative_logprob")
+
+
+def error_status(message: str) -> int:
+    """The HTTP status of an error response from the model. Over the gRPC stream Triton sends the
+    message without its code, so the adapter's wording tells them apart (triton_inputs.error_for):
+    a full queue (retry later) 429; shutting down or a dead engine 503; an internal failure is
+    written "<ExceptionType>: ..." 500; anything else is a refused request 400."""
+    low = message.lower()
+    if "queue full" in low:
+        return 429
+    if "shutting down" in low or "shut down" in low or "engine stopped" in low:
+        return 503
+    head = message.split(":", 1)[0]
+    if head.isidentifier() and (head.endswith("Error") or head.endswith("Exception")):
+        return 500
+    return 400
+
+
+def _unreachable(exc: Exception, url: str) -> APIError:
+    return APIError(503, f"Triton is unreachable at {url} ({_message(exc)})", code="triton_unavailable")
+
+
+def _message(exc: BaseException) -> str:
+    message = getattr(exc, "message", None)
+    return message() if callable(message) else str(exc)
+
+
+class TritonBackend:
+    def __init__(self, url: str, model: str = MODEL_NAME):
+        self.url = url
+        self.model = model
+        self._client: Optional[grpcaio.InferenceServerClient] = None
+        self._inputs: Optional[frozenset[str]] = None
+        self._outputs: tuple[str, ...] = ()
+
+    @property
+    def client(self) -> grpcaio.InferenceServerClient:
+        if self._client is None:  # made on first use, inside the server's event loop
+            self._client = grpcaio.InferenceServerClient(self.url)
+        return self._client
+
+    async def declared_inputs(self) -> frozenset[str]:
+        """The model's input names (read once): which `return_*` switches it has."""
+        if self._inputs is None:
+            try:
+                meta = await self.client.get_model_metadata(self.model, as_json=True)
+            except InferenceServerException as exc:
+                raise _unreachable(exc, self.url) from None
+            self._inputs = frozenset(i["name"] for i in meta.get("inputs", []))
+            self._outputs = tuple(o["name"] for o in meta.get("outputs", []) if o["name"] in OUTPUTS)
+        return self._inputs
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client.is_model_ready(self.model))
+        except InferenceServerException:
+            return False
+
+    async def generate(self, tensors: dict[str, tuple[np.ndarray, str]],
+                       top_k: Optional[int] = None) -> AsyncIterator[list[Piece]]:
+        """Send one request and yield each response (a Piece per completion) until every completion
+        has its finish reason. Raises
+        APIError: the model's refusal (its status from the message), or Triton unreachable (503).
+        Leaving early cancels the request on the server."""
+        await self.declared_inputs()
+        inputs = []
+        for name, (array, datatype) in tensors.items():
+            tensor = grpcaio.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        outputs = [grpcaio.InferRequestedOutput(name) for name in self._outputs]
+        request_id = uuid.uuid4().hex
+        closing = asyncio.Event()
+        finished: set[int] = set()  # completions that have their finish reason
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs, "outputs": outputs, "request_id": request_id}
+            await closing.wait()  # our side stays open until the answer is complete
+
+        responses = self.client.stream_infer(requests())
+        done = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    message = _message(error)
+                    raise APIError(error_status(message), message, code="triton_error")
+                got = pieces(result.as_numpy, top_k)
+                finished.update(i for i, p in enumerate(got) if p.finish_reason is not None)
+                done = len(finished) == len(got)
+                yield got
+                if done:
+                    break
+            if not done:
+                raise APIError(503, "Triton closed the stream before the answer was complete",
+                               code="triton_unavailable")
+        except InferenceServerException as exc:  # the channel itself failed
+            raise _unreachable(exc, self.url) from None
+        finally:
+            closing.set()
+            if not done:
+                responses.cancel()  # early exit or failure: Triton cancels the request
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
