@@ -289,6 +289,20 @@ def test_metrics_endpoint_shows_the_design_names(server):
     assert gauge(server, "inflight_prompt_tokens_total") > 0
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_inter_token_histogram_counts_every_token(server, stream):
+    """As vLLM: one sample per token after the first, whether the responses carried one token each
+    (streaming) or all of them at once (one answer)."""
+    def counts():
+        return (gauge(server, "inflight_inter_token_latency_seconds_count"),
+                gauge(server, "inflight_e2e_request_latency_seconds_count"))
+    itl, e2e = counts()
+    with GrpcClient(server.grpc_url) as client:
+        client.generate("count my tokens", stream=stream, max_tokens=9, ignore_eos=True)
+    wait_until(lambda: counts()[1] == e2e + 1)  # observed off the responder's thread
+    assert counts()[0] == itl + 8
+
+
 # -- configuration -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("params,message", [
