@@ -38,6 +38,15 @@ class Metrics:
                 "prompt_tokens_total": "inflight_prompt_tokens_total",
                 "generation_tokens_total": "inflight_generation_tokens_total"}
 
+    @staticmethod
+    def instance_labels(args, device):
+        """The labels of one instance's metrics: model and version, plus the instance (`llm_0_1`) and
+        its device (`cpu`, `cuda:1`). Each instance runs its own engine, so without them N
+        instances would write one gauge (the last writer wins); with them the gauges of the
+        instances sum to the server's totals, and queries and autoscalers sum over `instance`."""
+        return {"model": args["model_name"], "version": args["model_version"],
+                "instance": args["model_instance_name"], "device": str(device)}
+
     def __init__(self, labels):
         fam = pb_utils.MetricFamily
         self.families = []
@@ -133,8 +142,7 @@ class TritonPythonModel:
             self.faults.install(self.engine)
             pb_utils.Logger.log_warn(f"inflight: FAULT INJECTION IS ARMED ({adapter.FAULT_ENV}=1): model steps "
                                      f"fail on demand through {self.faults.path}. For tests only.")
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.metrics = Metrics(labels)
+        self.metrics = Metrics(Metrics.instance_labels(args, engine_config.device))
         self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
                                          stop_file=Path(args["model_repository"]) / STOP_FILE,
                                          stream_interval=engine_config.stream_interval)
