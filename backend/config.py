@@ -38,6 +38,9 @@ class EngineConfig:
     batch_scheduler_policy: str = "guaranteed_no_evict"
     enable_chunked_context: bool = True
     enable_kv_cache_reuse: bool = False
+    # guaranteed_no_evict: let later requests start ahead of one that does not fit when they cannot
+    # delay it past its reservation (docs/design.md, "Scheduling"). false: strict order, as TRT-LLM.
+    enable_backfill: bool = True
     batching_mode: str = "inflight"
     max_queue_size: int = 1024  # waiting requests beyond this are refused at once; 0: unbounded
     max_queue_delay_microseconds: int = 50000  # static/dynamic: longest wait for a batch to fill

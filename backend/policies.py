@@ -27,15 +27,23 @@ class CapacityPolicy:
 
 class GuaranteedNoEvict(CapacityPolicy):
     """Start a request only when the blocks to finish it, and those every running request may still
-    need, fit in the cache together. A started request therefore never waits for blocks."""
+    need, fit in the cache together. A started request therefore never waits for blocks.
+
+    Prefix-aware: a block shared through the prefix cache (or forked among the n completions of
+    one prompt) is reserved once, however many hold it; cached blocks nobody holds count as free."""
     name = "guaranteed_no_evict"
 
     def reserved_blocks(self, running: Sequence[Request]) -> int:
-        return sum(self.blocks.blocks_for(r.max_kv_tokens) for r in running)
+        held: set[int] = set()
+        future = 0
+        for r in running:
+            table = self.blocks.block_table(r.seq_id)
+            held.update(table)
+            future += max(0, self.blocks.blocks_for(r.max_kv_tokens) - len(table))
+        return len(held) + future
 
     def can_admit(self, request: Request, running: Sequence[Request], tokens_now: int) -> bool:
-        need = self.blocks.blocks_for(request.max_kv_tokens)
-        return self.reserved_blocks(running) + need <= self.blocks.num_blocks
+        return self.reserved_blocks([*running, request]) <= self.blocks.num_blocks
 
     def check_invariant(self, running: Sequence[Request]) -> None:
         reserved = self.reserved_blocks(running)

@@ -188,7 +188,9 @@ class Request:
         self.seq_id = request_id if index == 0 else f"{request_id}#{index}"
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.priority = priority
+        self.priority = priority  # lower runs first
+        self.arrival_seq: Optional[int] = None  # the waiting queue's arrival number, kept across preemption
+        self.admitted_time: Optional[float] = None  # when it first started running
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache

@@ -3,8 +3,11 @@
 Each step, `schedule()` forms one flat batch within the token budget:
   1. running requests first, oldest first: one token each when decoding, the next prompt chunk
      when their prefill is unfinished;
-  2. then waiting requests, first come first served, while the batching gate (batching.py),
-     `max_num_seqs`, the token budget and the capacity policy (policies.py) let them start.
+  2. then waiting requests, most urgent first (priority, then arrival), while the batching gate
+     (batching.py), `max_num_seqs`, the token budget and the capacity policy (policies.py) let
+     them start. Under `guaranteed_no_evict` with `enable_backfill`, a request that does not fit
+     (the head) no longer stops admission: later ones may start when they cannot delay the head
+     past its reservation (backfill.py). Without it, admission stops at the head, as TensorRT-LLM.
 `postprocess()` appends the sampled tokens, detects the end of each request and frees its blocks.
 
 Capacity (who may hold blocks) is the policy's; batch forming (who computes how many tokens) is
@@ -13,15 +16,16 @@ this class's. Request-level padded batches (static, dynamic) are `PaddedSchedule
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
+from backend.admission import Admission
 from backend.batching import make_gate
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.policies import make_policy
 from backend.request import Request, RequestStatus
+from backend.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -63,17 +67,18 @@ class SchedulerOutput:
         return not self.decodes and not self.prefills and not self.padding
 
 
-class Scheduler:
+class Scheduler(Admission):
     def __init__(self, config: EngineConfig, blocks: BlockManager, max_model_len: int):
         self.config = config
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.policy = make_policy(config.batch_scheduler_policy, blocks)
         self.gate = make_gate(config)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0  # prompt tokens whose KV was reused instead of computed
+        self._init_admission()
 
     # -- arrivals and aborts ------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
@@ -94,7 +99,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.params.max_tokens, request.params.n)
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def abort(self, request_id: str) -> list[Request]:
         """Abort every sequence of the request (all n completions); returns them."""
@@ -122,7 +127,12 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.steps += 1
         budget = self.config.max_num_batched_tokens
+        # The step a head was promised: keep a token of the budget for it, so running prefills
+        # cannot crowd it out (backfill.py counts on a budget above max_num_seqs for this).
+        held = 1 if self.reservation is not None and self.reservation[1] <= self.steps else 0
+        budget -= held
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -130,11 +140,15 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            if not self._grow_or_preempt(req, req.num_computed_tokens + n, out):
-                break  # req itself was preempted; everything newer already was
+            grown, refund, earlier = self._grow_or_preempt(req, req.num_computed_tokens + n, out)
+            budget += refund
+            i -= earlier
+            if not grown:
+                continue  # req itself was preempted: the next running request is at i now
             self._add(out, req, n)
             budget -= n
             i += 1
+        budget += held
         if not out.preempted:
             budget = self._admit(out, budget, now)
         self._use_leftover_budget(out, budget)
@@ -161,17 +175,32 @@ class Scheduler:
         for s in out.seqs + out.padding:
             s.block_table = self.blocks.block_table(s.request.seq_id)
 
-    def _grow_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+    def _grow_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> tuple[bool, int, int]:
+        """Give req the blocks for num_tokens, preempting the least urgent running requests while
+        they are short (max_utilization). Returns (req still runs, budget given back by victims
+        already scheduled this step, how many of those were before req in the running list)."""
+        refund = earlier = 0
         while not self.blocks.can_grow(req.seq_id, num_tokens):
             if not self.policy.may_preempt:
                 raise AssertionError(f"{self.policy.name}: {req.seq_id} ran out of reserved blocks")
-            victim = self.running.pop()  # the newest running request
-            self._preempt(victim)
-            out.preempted.append(victim)
+            victim = self._least_urgent()
+            earlier += self.running.index(victim) < self.running.index(req)
+            refund += self._evict(victim, out)
             if victim is req:
-                return False
+                return False, refund, earlier
         self.blocks.grow(req.seq_id, num_tokens)
-        return True
+        return True, refund, earlier
+
+    def _evict(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt a running request, dropping any rows it has in this step; returns their tokens."""
+        self.running.remove(victim)
+        self._preempt(victim)
+        out.preempted.append(victim)
+        freed = 0
+        for rows in (out.decodes, out.prefills):
+            freed += sum(s.num_new_tokens for s in rows if s.request is victim)
+            rows[:] = [s for s in rows if s.request is not victim]
+        return freed
 
     def _preempt(self, req: Request) -> None:
         """Free req's blocks and queue it first; it recomputes its prompt and outputs later."""
@@ -180,26 +209,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
-
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        allowed = self.gate.num_to_admit(self.waiting, self.holders(), now)
-        while self.waiting and allowed > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.gate.next_candidate(self.waiting)
-            if self._waits_for_sibling(req):
-                break
-            req.num_computed_tokens = self._reuse_computed(req)
-            n = self._chunk(req, budget)
-            if n == 0 or not self.policy.can_admit(req, self.running, req.num_computed_tokens + n):
-                self.blocks.free(req.seq_id)  # give back a reused prefix; it stays cached
-                req.num_computed_tokens = 0
-                break  # first come first served: no skipping past a request that does not fit
-            self._start(req, req.num_computed_tokens + n)
-            self.prefix_hit_tokens += req.num_computed_tokens
-            self._add(out, req, n)
-            budget -= n
-            allowed -= 1
-        return budget
+        self.waiting.push(req)  # back in its (priority, arrival) place
 
     def _start(self, req: Request, num_tokens: int) -> None:
         self.waiting.remove(req)
@@ -207,31 +217,6 @@ class Scheduler:
             self.blocks.grow(req.seq_id, num_tokens)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-
-    # -- n > 1: the completions of one prompt share its KV ------------------------------------
-    def _first_sibling(self, req: Request) -> Optional[Request]:
-        if req.index == 0:
-            return None
-        return next((r for r in self.running if r.request_id == req.request_id and r.index == 0), None)
-
-    def _waits_for_sibling(self, req: Request) -> bool:
-        """A later completion waits until the first one has computed the prompt it will share."""
-        if req.index == 0:
-            return False
-        first = self._first_sibling(req)
-        if first is None:
-            first = next((r for r in self.waiting if r.request_id == req.request_id and r.index == 0), None)
-            return first is not None
-        return first.num_computed_tokens < req.num_prompt_tokens - 1
-
-    def _reuse_computed(self, req: Request) -> int:
-        """Tokens already in the cache for req: its first sibling's full prompt blocks, shared, or
-        a cached prefix (enable_kv_cache_reuse). The last prompt token is always computed again, so
-        that its logits give the first token."""
-        first = self._first_sibling(req)
-        if first is not None:
-            return self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
-        return self.blocks.reuse_prefix(req.seq_id, req.all_token_ids)
 
     # -- after the model ran ------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: Mapping[str, object], now: float) -> list[Request]:
