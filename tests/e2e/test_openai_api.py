@@ -1,0 +1,240 @@
+"""The OpenAI-compatible server against a real tritonserver, with the official `openai` SDK as the
+client: the tiny model (the session's server) for completions, usage, logprobs, n, errors and the
+disconnect; SmolLM2-135M-Instruct (made the way `make model` makes it) for chat."""
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from .conftest import MAX_MODEL_LEN, requires_tritonserver, wait_until
+
+openai = pytest.importorskip("openai")
+pytestmark = requires_tritonserver
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OpenAIServer:
+    """`python -m client.openai_server` in its own process, as `inflight serve` starts it."""
+
+    def __init__(self, grpc_url: str, model_path=None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "client.openai_server", "--grpc-url", grpc_url,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if model_path:
+            cmd += ["--model-path", str(model_path)]
+        self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while not self._up():
+            assert self.process.poll() is None, self.process.stderr.read().decode()
+            assert time.monotonic() < deadline, "the OpenAI server did not start"
+            time.sleep(0.1)
+
+    def _up(self) -> bool:
+        try:
+            return urllib.request.urlopen(f"{self.url}/v1/models", timeout=2).status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def client(self):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def api(server, model_path):
+    srv = OpenAIServer(server.grpc_url, model_path)
+    yield srv.client()
+    srv.stop()
+
+
+def gauge(server, name, **labels) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return float(value)
+    raise KeyError(name)
+
+
+GREEDY = dict(model="llm", temperature=0)
+
+
+# -- completions on the tiny model -------------------------------------------------------------------
+
+def test_models_lists_the_served_model(api):
+    assert [m.id for m in api.models.list().data] == ["llm"]
+
+
+def test_completion_matches_the_engine_and_the_stream_joins_to_it(api, llm):
+    prompt, max_tokens = "Once upon a time", 12
+    ref = llm.greedy(prompt, max_tokens)
+    whole = api.completions.create(prompt=prompt, max_tokens=max_tokens, **GREEDY)
+    assert whole.choices[0].text == ref.text
+    assert whole.choices[0].finish_reason == ref.finish_reason
+    # usage: the tokenizer's counts (the engine's prompt ids, BOS included) and the tokens generated
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+    assert whole.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+
+    chunks = list(api.completions.create(prompt=prompt, max_tokens=max_tokens, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 1
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == ref.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in text_chunks)
+
+
+def test_logprobs_are_the_engines_and_greedy_picks_the_top_one(api, llm):
+    out = api.completions.create(prompt="The quick brown fox", max_tokens=6, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and sampled <= 0
+        assert sampled == pytest.approx(max(top.values()))  # greedy: the sampled token ranks first
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_n_completions_with_a_seed_repeat_and_count_the_prompt_once(api):
+    kwargs = dict(model="llm", prompt="Tokens per second", max_tokens=5, n=3, seed=7, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    first, again = api.completions.create(**kwargs), api.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1  # the completions are sampled apart
+    assert first.usage.completion_tokens == 15
+    single = api.completions.create(model="llm", prompt="Tokens per second", max_tokens=1)
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens
+
+
+def test_stop_strings_end_the_text(api, llm):
+    ref = llm.greedy("Hello world", 16)
+    stop = ref.text[4:7]
+    out = api.completions.create(prompt="Hello world", max_tokens=16, stop=[stop], **GREEDY)
+    assert out.choices[0].finish_reason == "stop"
+    assert stop not in out.choices[0].text and ref.text.startswith(out.choices[0].text)
+
+
+# -- errors in OpenAI's shape ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(top_p=3), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(presence_penalty=9), "presence_penalty"),
+    (dict(extra_body={"max_token": 5}), "max_token"),
+])
+def test_bad_parameters_get_openai_errors(api, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model="llm", prompt="Hi", **kwargs)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param and param in err.value.body["message"]
+    assert err.value.body["type"] == "invalid_request_error"
+
+
+def test_refusals_from_the_model_and_unknown_models(api):
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):  # the engine's own check
+        api.completions.create(model="llm", prompt="hello " * (MAX_MODEL_LEN + 8), max_tokens=4)
+    with pytest.raises(openai.NotFoundError) as err:
+        api.completions.create(model="gpt-4o", prompt="Hi")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError, match="no chat template") as err:  # the tiny model has none
+        api.chat.completions.create(model="llm", messages=[{"role": "user", "content": "Hi"}])
+    assert err.value.body["param"] == "messages"
+
+
+def test_triton_unreachable_is_a_503():
+    srv = OpenAIServer(f"127.0.0.1:{_free_port()}")
+    try:
+        with pytest.raises(openai.APIStatusError) as err:
+            srv.client().completions.create(model="llm", prompt="Hi", max_tokens=2)
+        assert err.value.status_code == 503 and "unreachable" in err.value.body["message"]
+    finally:
+        srv.stop()
+
+
+# -- a client that leaves ----------------------------------------------------------------------------
+
+def test_a_disconnected_streaming_client_frees_its_kv_blocks(api, server):
+    before = gauge(server, "inflight_generation_tokens_total")
+    stream = api.completions.create(model="llm", prompt="Cancel me part-way", max_tokens=400, stream=True,
+                                    extra_body={"ignore_eos": True})
+    received = 0
+    for chunk in stream:
+        received += 1
+        if received == 3:
+            assert gauge(server, "inflight_kv_blocks", state="used") > 0
+            assert gauge(server, "inflight_num_requests_running") == 1
+            break
+    stream.close()  # the HTTP connection goes; the server must cancel the Triton request
+    wait_until(lambda: gauge(server, "inflight_kv_blocks", state="used") == 0, timeout=10)
+    assert gauge(server, "inflight_num_requests_running") == 0
+    assert gauge(server, "inflight_generation_tokens_total") - before < 400
+    assert api.completions.create(model="llm", prompt="still serving", max_tokens=2).choices[0].finish_reason == "length"
+
+
+# -- chat on SmolLM2-135M-Instruct -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_api(model_repository):
+    from client.tools.server import TritonServer
+    from smollm2 import smollm2_dir
+
+    path = smollm2_dir()  # fetched and imported as `make model` does (once; reused afterwards)
+    params = {"max_model_len": "1024", "max_num_seqs": "4"}
+    with TritonServer(model_repository, params=params, model_path=str(path)) as triton:
+        srv = OpenAIServer(triton.grpc_url, path)
+        try:
+            yield srv.client(), path
+        finally:
+            srv.stop()
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_smollm2_chat_answers_paris_and_the_stream_joins_to_it(smollm2_api):
+    from backend.tokenizer import Tokenizer
+
+    api, path = smollm2_api
+    whole = api.chat.completions.create(messages=QUESTION, max_tokens=16, **GREEDY)
+    answer = whole.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert whole.choices[0].message.role == "assistant"
+    tokenizer = Tokenizer.from_dir(path)
+    prompt_ids = tokenizer.encode(tokenizer.render_chat(QUESTION), add_special_tokens=False)
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+
+    chunks = list(api.chat.completions.create(messages=QUESTION, max_tokens=16, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == answer
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+    lp = api.chat.completions.create(messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens == 4
+    assert "".join(t.token for t in content) == lp.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+
