@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1.6
 # inflight on NVIDIA's Triton Inference Server image (Triton 2.51, Python backend, Python 3.10).
 #
 #   docker build -t inflight .
@@ -34,21 +33,25 @@ COPY model_repository/ model_repository/
 # The project and its dependencies (the image has its own tritonserver: no nvidia-pytriton).
 RUN python3 -m pip install /opt/inflight && python3 -c "import torch, backend, client.cli"
 
-COPY <<'EOF' /usr/local/bin/inflight-entrypoint
-#!/usr/bin/env bash
-set -euo pipefail
-cd "${INFLIGHT_HOME:-/workspace}"
-if [ ! -f model_repository/llm/1/model.py ]; then
-  echo "inflight: no model_repository/llm/1/model.py in $PWD; mount the repository: -v \$PWD:/workspace" >&2
-  exit 2
-fi
-[ -f models/default/config.json ] || inflight make-model --out models/default
-# Renders config.pbtxt if missing (KIND_GPU on the GPUs seen); keeps a hand-edited one.
-inflight config --output model_repository/llm/config.pbtxt
-exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config "$@"
-EOF
-RUN chmod +x /usr/local/bin/inflight-entrypoint
+# The entrypoint and the health check are files (hadolint does not parse COPY heredocs).
+COPY deploy/docker/entrypoint.sh /usr/local/bin/inflight-entrypoint
+COPY deploy/docker/healthcheck.py /opt/inflight/deploy/docker/healthcheck.py
+
+# A non-root user, uid/gid 10001 (clear of the base image's users; USER names it by number so the
+# host can resolve it). /opt/inflight is its own so the copy in the image can be served as it is
+# (INFLIGHT_HOME=/opt/inflight, as the Kubernetes manifests do: the entrypoint writes the default
+# model and config.pbtxt there). A mounted /workspace must be writable by it (or run with --user).
+RUN groupadd --gid 10001 inflight \
+    && useradd --create-home --uid 10001 --gid 10001 --shell /bin/bash inflight \
+    && mkdir -p /workspace \
+    && chown -R inflight:inflight /opt/inflight /workspace
+USER 10001:10001
 
 WORKDIR /workspace
-EXPOSE 8000 8001 8002
+# 8000 HTTP, 8001 gRPC, 8002 metrics; 9000 the OpenAI-compatible API (`inflight serve --openai-port`).
+EXPOSE 8000 8001 8002 9000
+# Live means a 1-token generate goes through the engine: a crashed stub still reports ready.
+# start-period covers the model load.
+HEALTHCHECK --interval=30s --timeout=15s --start-period=300s --retries=3 \
+    CMD ["python3", "/opt/inflight/deploy/docker/healthcheck.py", "--timeout", "10"]
 ENTRYPOINT ["/usr/local/bin/inflight-entrypoint"]

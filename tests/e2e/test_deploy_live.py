@@ -1,0 +1,56 @@
+"""The deployment files against a live server: every metric the Grafana dashboard queries exists on
+/metrics, and the health check (Docker HEALTHCHECK, Kubernetes liveness) passes on a working server
+and fails where no engine answers."""
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from client.grpc_client import GrpcClient
+
+from .conftest import requires_tritonserver, wait_until
+
+pytestmark = requires_tritonserver
+
+ROOT = Path(__file__).resolve().parents[2]
+HEALTHCHECK = ROOT / "deploy" / "docker" / "healthcheck.py"
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every inflight_* name in the dashboard's PromQL (tests/test_deploy.py checks the queries)."""
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "inflight.json").read_text())
+    return {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"\b(inflight_[a-z0-9_]+)", target["expr"])}
+
+
+def series_names(server) -> set[str]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return {m.group(1) for m in re.finditer(r"^(inflight_[a-z0-9_]+)[{ ]", text, re.M)}
+
+
+def test_every_metric_the_dashboard_queries_is_served(server):
+    with GrpcClient(server.grpc_url) as client:
+        client.generate("dashboard", stream=True, max_tokens=4)
+    served = wait_until(lambda: (lambda names: names if "inflight_e2e_request_latency_seconds_bucket" in names
+                                 else None)(series_names(server)))
+    queried = dashboard_metric_names()
+    assert queried and queried <= served, sorted(queried - served)
+
+
+def run_healthcheck(url: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HEALTHCHECK), "--url", url, "--timeout", "30"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_healthcheck_passes_on_a_live_server(server):
+    proc = run_healthcheck(f"http://{server.http_url}")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_healthcheck_fails_where_nothing_answers():
+    from client.tools.server import free_port
+
+    proc = run_healthcheck(f"http://127.0.0.1:{free_port()}")
+    assert proc.returncode == 1 and "inflight healthcheck:" in proc.stderr
