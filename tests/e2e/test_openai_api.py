@@ -1,69 +1,28 @@
 """The OpenAI-compatible server against a real tritonserver, with the official `openai` SDK as the
 client: the tiny model (the session's server) for completions, usage, logprobs, n, errors and the
 disconnect; SmolLM2-135M-Instruct (made the way `make model` makes it) for chat."""
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
+import os
 import urllib.request
-from pathlib import Path
 
 import pytest
+
+from client.openai_server.launcher import OpenAIServer
+from client.tools.server import free_port
 
 from .conftest import MAX_MODEL_LEN, requires_tritonserver, wait_until
 
 openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class OpenAIServer:
-    """`python -m client.openai_server` in its own process, as `inflight serve` starts it."""
-
-    def __init__(self, grpc_url: str, model_path=None):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "client.openai_server", "--grpc-url", grpc_url,
-               "--host", "127.0.0.1", "--port", str(self.port)]
-        if model_path:
-            cmd += ["--model-path", str(model_path)]
-        self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while not self._up():
-            assert self.process.poll() is None, self.process.stderr.read().decode()
-            assert time.monotonic() < deadline, "the OpenAI server did not start"
-            time.sleep(0.1)
-
-    def _up(self) -> bool:
-        try:
-            return urllib.request.urlopen(f"{self.url}/v1/models", timeout=2).status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def client(self):
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+def sdk(api_server):
+    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def api(server, model_path):
-    srv = OpenAIServer(server.grpc_url, model_path)
-    yield srv.client()
-    srv.stop()
+    with OpenAIServer(server.grpc_url, model_path) as api_server:  # as `inflight serve` starts it
+        yield sdk(api_server)
 
 
 def gauge(server, name, **labels) -> float:
@@ -164,13 +123,10 @@ def test_refusals_from_the_model_and_unknown_models(api):
 
 
 def test_triton_unreachable_is_a_503():
-    srv = OpenAIServer(f"127.0.0.1:{_free_port()}")
-    try:
+    with OpenAIServer(f"127.0.0.1:{free_port()}") as api_server:  # nothing listens there
         with pytest.raises(openai.APIStatusError) as err:
-            srv.client().completions.create(model="llm", prompt="Hi", max_tokens=2)
-        assert err.value.status_code == 503 and "unreachable" in err.value.body["message"]
-    finally:
-        srv.stop()
+            sdk(api_server).completions.create(model="llm", prompt="Hi", max_tokens=2)
+    assert err.value.status_code == 503 and "unreachable" in err.value.body["message"]
 
 
 # -- a client that leaves ----------------------------------------------------------------------------
@@ -203,11 +159,8 @@ def smollm2_api(model_repository):
     path = smollm2_dir()  # fetched and imported as `make model` does (once; reused afterwards)
     params = {"max_model_len": "1024", "max_num_seqs": "4"}
     with TritonServer(model_repository, params=params, model_path=str(path)) as triton:
-        srv = OpenAIServer(triton.grpc_url, path)
-        try:
-            yield srv.client(), path
-        finally:
-            srv.stop()
+        with OpenAIServer(triton.grpc_url, path) as api_server:
+            yield sdk(api_server), path
 
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -238,3 +191,46 @@ def test_smollm2_chat_answers_paris_and_the_stream_joins_to_it(smollm2_api):
     assert "".join(t.token for t in content) == lp.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
 
+
+
+# -- inflight serve starts it beside tritonserver and stops it with it -------------------------------
+
+def test_inflight_serve_runs_the_openai_server_beside_triton(model_repository, model_path):
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import psutil
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "serve", "--model-repository", str(model_repository),
+         "--model-path", str(model_path), "--host", "127.0.0.1", "--http-port", str(free_port()),
+         "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--openai-port", str(port),
+         "--param", "max_model_len=512"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines, ready = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(120), "".join(lines[-30:])
+        assert f"http://localhost:{port}/v1" in "".join(lines)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("client.openai_server" in " ".join(c.cmdline()) for c in children)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model="llm", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, f"left behind: {[' '.join(p.cmdline()) for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
