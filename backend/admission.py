@@ -71,16 +71,18 @@ class Admission:
                     if window is None:
                         break  # strict order: no skipping past a request that does not fit
                 continue
-            self._start(req, req.num_computed_tokens + n)
-            req.admitted_time = now
+            self._start(req, req.num_computed_tokens + n, now)
             self.prefix_hit_tokens += req.num_computed_tokens
             self.num_backfilled += window is not None
             self._add(out, req, n)
             budget -= n
             allowed -= 1
-        if window is None:
-            self.reservation = None
+        if self.reservation is not None and self.reservation[0] not in self._waiting_ids():
+            self.reservation = None  # its head started (or was aborted); a loop cut short keeps it
         return budget
+
+    def _waiting_ids(self) -> set[str]:
+        return {r.seq_id for r in self.waiting}
 
     def _window(self, head: Request) -> Optional[Window]:
         """The head's backfill window (None when backfill is off), and its reservation kept."""

@@ -203,11 +203,18 @@ class LLMEngine:
             "kv_blocks_used": b.num_used_blocks,
             "kv_blocks_free": b.num_free_blocks,
             "kv_cache_usage_ratio": b.num_used_blocks / b.num_blocks,
+            "kv_blocks_reserved": self._reserved_blocks(),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_backfilled": self.scheduler.num_backfilled,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running requests hold or may still need (no-evict's reservation)."""
+        reserved = getattr(self.scheduler.policy, "reserved_blocks", None)
+        return min(self.blocks.num_blocks, reserved(self.scheduler.holders())) if reserved else self.blocks.num_used_blocks
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

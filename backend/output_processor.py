@@ -75,10 +75,14 @@ class OutputProcessor:
         if req.status.finished:
             del self._states[req.seq_id]
         new_text = state.stops.emit(final=req.status.finished)
+        queued = None
+        if len(req.output_token_ids) == len(new_ids) and new_ids and req.admitted_time is not None:
+            queued = max(0.0, req.admitted_time - req.arrival_time)  # its first token: report the wait once
         return RequestOutput(req.request_id, req.prompt_token_ids, new_ids, list(req.output_token_ids),
                              new_text, state.stops.emitted, req.status.finished, req.finish_reason, req.error,
                              index=req.index, new_logprobs=new_logprobs,
-                             logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob)
+                             logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
+                             queue_seconds=queued)
 
     def _hold(self, outputs: list[RequestOutput], released: list[Request]) -> list[RequestOutput]:
         """Padded batches: hold each member's outputs, merged, until its batch ends; aborts and

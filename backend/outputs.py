@@ -44,6 +44,7 @@ class RequestOutput:
     logprobs: Optional[list[TokenLogprobs]] = None  # one per generated token so far
     cumulative_logprob: Optional[float] = None  # sum of the sampled tokens' logprobs
     samples: Optional[list["RequestOutput"]] = None  # LLM.generate with n > 1: all n, by index
+    queue_seconds: Optional[float] = None  # on its first output: arrival to first scheduled
 
 
 def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:

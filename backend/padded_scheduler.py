@@ -90,7 +90,7 @@ class PaddedScheduler(Scheduler):
             n = self._chunk(req, budget) if budget > 0 else 0
             if not self.policy.can_admit(req, self.running, n):
                 break
-            self._start(req, n)
+            self._start(req, n, now)
             members.append(req)
             if n:
                 self._add(out, req, n)

@@ -211,7 +211,9 @@ class Scheduler(Admission):
         self.num_preemptions += 1
         self.waiting.push(req)  # back in its (priority, arrival) place
 
-    def _start(self, req: Request, num_tokens: int) -> None:
+    def _start(self, req: Request, num_tokens: int, now: float) -> None:
+        if req.admitted_time is None:
+            req.admitted_time = now
         self.waiting.remove(req)
         if num_tokens:
             self.blocks.grow(req.seq_id, num_tokens)
