@@ -22,6 +22,8 @@ help:
 	@echo "make serve   setup + model + config, then start tritonserver on 8000/8001/8002"
 	@echo "make test    setup, then run the whole test suite"
 	@echo "make soak    2-minute Locust soak against a local tritonserver (docs/reliability.md)"
+	@echo "make gpu-check  the GPU acceptance script (CUDA machine; results in $(GPU_CHECK_OUT)/)"
+	@echo "make aot    compile every kernel ahead of time for sm_80 and sm_90 (no GPU needed)"
 
 # Re-installs only when pyproject.toml changes (or the venv is new).
 setup: $(STAMP)
@@ -59,3 +61,14 @@ LOAD_HOST ?= http://127.0.0.1:8000
 load: setup
 	$(VENV)/bin/locust -f client/tools/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_USERS) \
 		--run-time $(LOAD_TIME) --host $(LOAD_HOST) --only-summary --stop-timeout 30
+
+# -- GPU readiness (issue 16) --
+.PHONY: gpu-check aot
+GPU_CHECK_OUT ?= gpu-check
+# The GPU acceptance script (kernels/gpu_check.py) on a CUDA machine: gpu_check.json + .md in $(GPU_CHECK_OUT).
+gpu-check: setup
+	$(VENV)/bin/inflight gpu-check --out $(GPU_CHECK_OUT)
+
+# Every kernel compiled ahead of time for sm_80 and sm_90 (no GPU needed); the table and a JSON.
+aot: setup
+	env -u TRITON_INTERPRET $(PY) -m kernels.aot --json $${TMPDIR:-/tmp}/inflight-aot.json
