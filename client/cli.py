@@ -37,6 +37,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from client.openai_server.launcher import OpenAIServer, OpenAIServerError
     from client.tools.server import MODEL_NAME, ServerError, TritonServer
     from templates.render import DEFAULT_OUTPUT, read_parameters, write_config
 
@@ -64,6 +65,11 @@ def _serve(args: argparse.Namespace) -> int:
                           http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_verbose=args.log_verbose,
                           log_to_console=True)
+    # -- the OpenAI-compatible server beside it (client/openai_server; --openai-port 0: none) --
+    openai_api = None
+    if args.openai_port:
+        openai_api = OpenAIServer(server.grpc_url, Path(args.model_path).resolve() if args.model_path else resolved,
+                                  host=args.host, port=args.openai_port, log_to_console=True)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -72,7 +78,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.start()
         server.wait_ready(args.ready_timeout)
-        _print_usage(server)
+        if openai_api is not None:
+            openai_api.start()
+        _print_usage(server, openai_api)
         while server.process is not None and server.process.poll() is None:
             time.sleep(0.5)
         code = server.process.returncode if server.process is not None else 0
@@ -81,29 +89,40 @@ def _serve(args: argparse.Namespace) -> int:
     except ServerError as exc:
         print(f"inflight serve: {exc}", file=sys.stderr)
         return 1
+    except OpenAIServerError as exc:
+        print(f"inflight serve: {exc} (--openai-port 0 serves without it)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninflight serve: stopping", file=sys.stderr)
         return 0
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
+        if openai_api is not None:  # first: its clients' requests are cancelled, not cut off
+            openai_api.stop()
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _print_usage(server) -> None:
+def _print_usage(server, openai_api=None) -> None:
     host = "localhost" if server.host in ("0.0.0.0", "127.0.0.1", "") else server.host
     http, grpc = f"{host}:{server.http_port}", f"{host}:{server.grpc_port}"
     body = '{"text_input": "Once upon a time", "max_tokens": 32}'
     stream_body = '{"text_input": "Once upon a time", "max_tokens": 32, "stream": true}'
+    openai_lines = ""
+    if openai_api is not None:
+        api = f"http://{host}:{openai_api.port}/v1"
+        chat = '{"model": "llm", "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+        openai_lines = (f"  OpenAI   {api}   (chat/completions, completions, models)\n"
+                        f"                        curl -s {api}/chat/completions -H 'Content-Type: application/json' -d '{chat}'\n")
     print(f"""
 inflight: model 'llm' is ready.
   gRPC     {grpc}     inflight generate "Once upon a time" --stream --url {grpc}
   HTTP     {http}     curl -s {http}/v2/models/llm/generate -d '{body}'
                         curl -sN {http}/v2/models/llm/generate_stream -d '{stream_body}'
                         (HTTP `infer` refuses decoupled models: use generate / generate_stream)
-  metrics  http://{host}:{server.metrics_port}/metrics   (inflight_* beside Triton's own)
+{openai_lines}  metrics  http://{host}:{server.metrics_port}/metrics   (inflight_* beside Triton's own)
 Ctrl-C stops the server.
 """, flush=True)
 
@@ -178,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for the model to load (default 600)")
+    p.add_argument("--openai-port", type=int, default=9000,
+                   help="port of the OpenAI-compatible API started beside tritonserver (default 9000; 0: none)")
 
     p = sub.add_parser("generate", help="send one prompt and print the answer as it arrives")
     p.add_argument("prompt")
@@ -205,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     # -- gpu-check (kernels/gpu_check.py parses its own arguments) --
     sub.add_parser("gpu-check", add_help=False,
                    help="the GPU acceptance script, or its CPU rehearsal (see `inflight gpu-check --help`)")
+
+    # -- gpu-check (kernels/gpu_check.py parses its own arguments) --
+    sub.add_parser("gpu-check", add_help=False,
+                   help="the GPU acceptance script, or its CPU rehearsal (see `inflight gpu-check --help`)")
     return parser
 
 
@@ -217,6 +242,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "import-gguf":  # FILE --out DIR [--dtype] [--force]
         from backend.gguf_import import main as import_gguf_main
         return import_gguf_main(argv[1:])
+    if argv and argv[0] == "gpu-check":  # [--dry-run] [--out DIR]
+        from kernels.gpu_check import main as gpu_check_main
+        return gpu_check_main(argv[1:])
     if argv and argv[0] == "gpu-check":  # [--dry-run] [--out DIR]
         from kernels.gpu_check import main as gpu_check_main
         return gpu_check_main(argv[1:])
