@@ -101,3 +101,15 @@ def test_streaming_with_the_prompt_in_the_output_is_refused_with_vllms_message(s
     inputs = {"text_input": array(PROMPT), "stream": array(True), "exclude_input_in_output": array(False)}
     with pytest.raises(RuntimeError, match="When streaming, `exclude_input_in_output` = False is not allowed."):
         grpc_stream(server.grpc_url, inputs)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_cli_asks_for_what_it_prints(server, protocol, capsys):
+    from client.cli import main
+
+    url = server.grpc_url if protocol == "grpc" else f"http://{server.http_url}"
+    assert main(["generate", "Hello world", "--url", url, "--max-tokens", "5", "--temperature", "0",
+                 "--ignore-eos", "--logprobs", "0", "--repetition-penalty", "1.2", "--bad-word", "zebra",
+                 "-v"]) == 0
+    err = capsys.readouterr().err
+    assert "[finish_reason: length]" in err and "[cumulative_logprob: -" in err
