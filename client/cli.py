@@ -134,8 +134,6 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop_words=args.stop or None, ignore_eos=args.ignore_eos or None,
         min_tokens=args.min_tokens,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, bad_words=args.bad_word or None, logprobs=args.logprobs,
         exclude_input_in_output=True if args.stream else (not args.echo),
     ).items() if v is not None}
     protocol = args.protocol or ("http" if args.url and args.url.startswith(("http://", "https://")) else "grpc")
@@ -150,13 +148,12 @@ def _generate(args: argparse.Namespace) -> int:
             chunks = lambda: client.stream(args.prompt, **options)  # noqa: E731
         else:  # one response: the Result has the chunk's text and finish_reason
             chunks = lambda: [client.generate(args.prompt, **options)]  # noqa: E731
-    reason, cumulative = None, None
+    reason = None
     try:
         for chunk in chunks():
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             reason = chunk.finish_reason or reason
-            cumulative = chunk.cumulative_logprob if chunk.cumulative_logprob is not None else cumulative
     except GenerationError as exc:
         print(f"\ninflight generate: {exc}", file=sys.stderr)
         return 1
@@ -171,8 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 1
     print()
     if args.verbose:
-        print(f"[finish_reason: {reason}]" + (f" [cumulative_logprob: {cumulative:.4f}]"
-                                              if cumulative is not None else ""), file=sys.stderr)
+        print(f"[finish_reason: {reason}]", file=sys.stderr)
     return 0
 
 
@@ -218,12 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--min-tokens", type=int)
-    p.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats (vLLM's formula)")
-    p.add_argument("--presence-penalty", type=float)
-    p.add_argument("--frequency-penalty", type=float)
-    p.add_argument("--bad-word", action="append", default=[], metavar="TEXT", help="never generate it (repeatable)")
-    p.add_argument("--logprobs", type=int, metavar="K",
-                   help="compute logprobs (K top candidates); -v prints the cumulative logprob")
     p.add_argument("--echo", action="store_true", help="print the prompt before the answer (non-streaming)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the finish reason")
 
@@ -232,10 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     # -- import-gguf (backend/gguf_import.py parses its own arguments) --
     sub.add_parser("import-gguf", add_help=False,
                    help="convert a GGUF file into a checkpoint folder (see `inflight import-gguf --help`)")
-
-    # -- gpu-check (kernels/gpu_check.py parses its own arguments) --
-    sub.add_parser("gpu-check", add_help=False,
-                   help="the GPU acceptance script, or its CPU rehearsal (see `inflight gpu-check --help`)")
 
     # -- gpu-check (kernels/gpu_check.py parses its own arguments) --
     sub.add_parser("gpu-check", add_help=False,
@@ -252,9 +238,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "import-gguf":  # FILE --out DIR [--dtype] [--force]
         from backend.gguf_import import main as import_gguf_main
         return import_gguf_main(argv[1:])
-    if argv and argv[0] == "gpu-check":  # [--dry-run] [--out DIR]
-        from kernels.gpu_check import main as gpu_check_main
-        return gpu_check_main(argv[1:])
     if argv and argv[0] == "gpu-check":  # [--dry-run] [--out DIR]
         from kernels.gpu_check import main as gpu_check_main
         return gpu_check_main(argv[1:])
