@@ -134,6 +134,8 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop_words=args.stop or None, ignore_eos=args.ignore_eos or None,
         min_tokens=args.min_tokens,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, bad_words=args.bad_word or None, logprobs=args.logprobs,
         exclude_input_in_output=True if args.stream else (not args.echo),
     ).items() if v is not None}
     protocol = args.protocol or ("http" if args.url and args.url.startswith(("http://", "https://")) else "grpc")
@@ -148,12 +150,13 @@ def _generate(args: argparse.Namespace) -> int:
             chunks = lambda: client.stream(args.prompt, **options)  # noqa: E731
         else:  # one response: the Result has the chunk's text and finish_reason
             chunks = lambda: [client.generate(args.prompt, **options)]  # noqa: E731
-    reason = None
+    reason, cumulative = None, None
     try:
         for chunk in chunks():
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             reason = chunk.finish_reason or reason
+            cumulative = chunk.cumulative_logprob if chunk.cumulative_logprob is not None else cumulative
     except GenerationError as exc:
         print(f"\ninflight generate: {exc}", file=sys.stderr)
         return 1
@@ -168,7 +171,8 @@ def _generate(args: argparse.Namespace) -> int:
         return 1
     print()
     if args.verbose:
-        print(f"[finish_reason: {reason}]", file=sys.stderr)
+        print(f"[finish_reason: {reason}]" + (f" [cumulative_logprob: {cumulative:.4f}]"
+                                              if cumulative is not None else ""), file=sys.stderr)
     return 0
 
 
@@ -214,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--min-tokens", type=int)
+    p.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats (vLLM's formula)")
+    p.add_argument("--presence-penalty", type=float)
+    p.add_argument("--frequency-penalty", type=float)
+    p.add_argument("--bad-word", action="append", default=[], metavar="TEXT", help="never generate it (repeatable)")
+    p.add_argument("--logprobs", type=int, metavar="K",
+                   help="compute logprobs (K top candidates); -v prints the cumulative logprob")
     p.add_argument("--echo", action="store_true", help="print the prompt before the answer (non-streaming)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the finish reason")
 
