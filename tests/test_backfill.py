@@ -179,10 +179,11 @@ def test_worst_case_finish_counts_the_prompt_work_of_requests_served_first():
     the whole budget, so they add to its worst-case finish, and a newly started request's too."""
     from backend.backfill import Window, finish_bounds, own_work
     old = req("old", 40, 5)  # 40 prompt tokens to compute: 39 beyond one per step
-    young = req("young", 1, 10)
-    young.num_computed_tokens = 1
-    assert own_work(old) == 40 + 5 - 1 and own_work(young) == 1 + 10 - 1
-    assert finish_bounds([old, young]) == [44, 39 + 10]
+    young = req("young", 4, 10)  # decoding: 2 tokens out, the last one not yet computed
+    young.output_token_ids = [7, 7]
+    young.num_computed_tokens = 5
+    assert own_work(old) == 40 + 5 - 1 and own_work(young) == 1 + (10 - 2) - 1
+    assert finish_bounds([old, young]) == [44, 39 + 8]
     small = req("small", 2, 3)  # own work 4
     window = Window(head=req("head", 4, 50), reserve_by=10, spare_blocks=0, spare_slots=0, ahead=39)
     assert not window.admits(small, need=1), "it could still run at the reservation"
