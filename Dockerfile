@@ -1,7 +1,8 @@
 # inflight on NVIDIA's Triton Inference Server image (Triton 2.51, Python backend, Python 3.10).
 #
 #   docker build -t inflight .
-#   docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -v $PWD:/workspace inflight
+#   docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -p9000:9000 \
+#       --user "$(id -u):$(id -g)" -v $PWD:/workspace inflight
 #
 # The container serves /workspace/model_repository (the mounted repository): on first start it
 # writes the default model into models/default and renders model_repository/llm/config.pbtxt
