@@ -257,7 +257,8 @@ class Frontend:
         `parameters` is the request's parameters as Triton gives them (a JSON object)."""
         try:
             parsed = parse_request(inputs, parameters,
-                                   max_input_bytes=getattr(self.engine, "max_input_bytes", None))
+                                   max_input_bytes=getattr(self.engine, "max_input_bytes", None),
+                                   max_model_len=getattr(self.engine, "max_model_len", None))
             if parsed.stop:
                 self._stop(client_id, sender, parsed.returns)
                 return

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from backend.errors import EngineDeadError, QueueFullError
-from backend.request import MAX_STOP_STRINGS, SamplingParams
+from backend.request import MAX_BAD_WORDS, MAX_STOP_STRINGS, SamplingParams
 from templates.tensors import INPUTS, RETURN_FLAGS
 
 DEFAULT_MAX_TOKENS = 16
@@ -97,11 +97,16 @@ def _text(name: str, value: Any) -> str:
     raise ValueError(f"{name} must be a BYTES (string) tensor; got {type(value).__name__}")
 
 
+# The string-list inputs: SamplingParams' limit on each (checked here too, before decoding them).
+_LIST_LIMITS = {"stop_words": (MAX_STOP_STRINGS, "stop strings"), "bad_words": (MAX_BAD_WORDS, "bad words")}
+
+
 def _strings(name: str, array: np.ndarray) -> list[str]:
     if array.dtype.kind not in "OSU":
         raise ValueError(f"{name} must be a BYTES (string) tensor; got {array.dtype}")
-    if array.size > MAX_STOP_STRINGS:  # before decoding any of them
-        raise ValueError(f"{name}: at most {MAX_STOP_STRINGS} strings; got {array.size}")
+    most, what = _LIST_LIMITS[name]
+    if array.size > most:  # a byte cap in effect: before decoding any of them
+        raise ValueError(f"{name}: at most {most} {what}; got {array.size}")
     return [_text(name, v) for v in array.reshape(-1)]
 
 
@@ -112,7 +117,8 @@ def _byte_cap(name: str, raw: Any, limit: int, what: str = "") -> None:
             raise ValueError(f"{name} is {size} bytes; the limit is {limit} bytes{what}")
 
 
-def _prompt(get: Mapping[str, np.ndarray], max_input_bytes: Optional[int]) -> Union[str, list[int]]:
+def _prompt(get: Mapping[str, np.ndarray], max_input_bytes: Optional[int],
+            max_model_len: Optional[int]) -> Union[str, list[int]]:
     text, ids = get.get("text_input"), get.get("input_ids")
     if text is not None and ids is not None:
         raise ValueError("send either text_input or input_ids, not both")
@@ -123,7 +129,8 @@ def _prompt(get: Mapping[str, np.ndarray], max_input_bytes: Optional[int]) -> Un
             raise ValueError(f"text_input must be a BYTES (string) tensor; got {text.dtype}")
         raw = _one("text_input", text)
         if max_input_bytes:
-            _byte_cap("text_input", raw, max_input_bytes, " (max_input_bytes)")
+            _byte_cap("text_input", raw, max_input_bytes, " (max_input_bytes" + (
+                f"; max_model_len is {max_model_len} tokens)" if max_model_len else ")"))
         prompt = _text("text_input", raw)
         if not prompt:
             raise ValueError("text_input is empty: the prompt needs at least one character")
@@ -157,9 +164,9 @@ def _check_keys(source: str, data: Mapping[str, Any]) -> None:
     if unknown:
         hint = (" (over HTTP generate, a JSON field that is not an input arrives as a request parameter: "
                 "check its spelling)" if source == "request parameters" else "")
-        raise ValueError(f"{source}: unknown key(s) {', '.join(repr(k) for k in unknown)}; the sampling "
-                         f"keys are {', '.join(SamplingParams.KEYS)}, and the inputs {', '.join(INPUT_NAMES)}"
-                         f"{hint}")
+        raise ValueError(f"{source}: unknown input(s) or sampling key(s) {', '.join(repr(k) for k in unknown)}; "
+                         f"the inputs are {', '.join(INPUT_NAMES)}; the sampling keys are "
+                         f"{', '.join(SamplingParams.KEYS)}{hint}")
 
 
 def _request_parameters(raw: Optional[str]) -> dict[str, Any]:
@@ -174,18 +181,19 @@ def _request_parameters(raw: Optional[str]) -> dict[str, Any]:
 
 
 def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str] = None,
-                  max_input_bytes: Optional[int] = None) -> ParsedRequest:
+                  max_input_bytes: Optional[int] = None, max_model_len: Optional[int] = None) -> ParsedRequest:
     """Convert one request's tensors and parameters. Raises ValueError naming the input and the rule.
 
     `parameters` is the request's parameters as Triton gives them (a JSON object). The byte caps
-    run before anything is decoded: `max_input_bytes` on text_input, 1 MiB on the sampling JSON."""
+    run before anything is decoded: `max_input_bytes` on text_input, 1 MiB on the sampling JSON.
+    `max_model_len` only goes into the message of the first."""
     get = {k: v for k, v in inputs.items() if v is not None}
     request_params = _request_parameters(parameters)
     priority = request_params.pop("priority", 0)  # an argument of add_request, not a sampling key
     returns = frozenset(n for n in RETURN_FLAGS if n in get and _value(n, get[n]))
     if "stop" in get and _value("stop", get["stop"]):
         return ParsedRequest(stop=True, returns=returns)
-    prompt = _prompt(get, max_input_bytes)
+    prompt = _prompt(get, max_input_bytes, max_model_len)
 
     if "sampling_parameters" in get:  # as the vLLM backend: the tensor, else the request parameters
         raw = _one("sampling_parameters", get["sampling_parameters"])
@@ -218,7 +226,14 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Option
     except (TypeError, ValueError):
         raise ValueError(f"priority must be an integer; got {priority!r}") from None
 
-    params = SamplingParams.from_dict(sampling)  # every value check, naming the field and its limit
+    try:
+        params = SamplingParams.from_dict(sampling)  # every value check, naming the field and its limit
+    except ValueError as exc:
+        if "max_tokens" in get and sampling["max_tokens"] < 0 and str(exc).startswith("max_tokens"):
+            # Not a second check: why a client that sent a huge number sees a negative one.
+            raise ValueError(f"{exc} (max_tokens is an INT32: a value past 2147483647 wraps around to a "
+                             "negative one)") from None
+        raise
 
     stream = _value("stream", get["stream"]) if "stream" in get else False
     exclude = _value("exclude_input_in_output", get["exclude_input_in_output"]) \
