@@ -113,3 +113,19 @@ def test_the_cli_asks_for_what_it_prints(server, protocol, capsys):
                  "-v"]) == 0
     err = capsys.readouterr().err
     assert "[finish_reason: length]" in err and "[cumulative_logprob: -" in err
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "once"])
+def test_n_completions_come_in_one_response_as_the_vllm_backend_shapes_them(server, llm, stream):
+    sampling = {**SAMPLING, "n": 2}
+    responses = send(server, "grpc", stream, {"return_finish_reason", "return_num_output_tokens"}, sampling)
+    ref = llm.greedy(PROMPT, MAX_TOKENS)
+    texts = ["", ""]
+    for r in responses:
+        assert r["text_output"].shape == (2,) and r["num_output_tokens"].shape == (2,)
+        assert "output_ids" not in r  # ragged across completions: left out for n > 1
+        texts = [a + b.decode() for a, b in zip(texts, r["text_output"])]
+    assert values(responses[-1], "finish_reason") == ["length", "length"]
+    assert sum(int(r["num_output_tokens"][1]) for r in responses) == MAX_TOKENS
+    want = ref.text if stream else PROMPT + ref.text
+    assert texts == [want, want]  # greedy: both completions are the engine's greedy answer
