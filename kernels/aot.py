@@ -161,14 +161,12 @@ def collect(models: dict[str, ModelShape], dtypes: list[str], targets: list[str]
                     if key not in rows:
                         fn = launch.kernel.fn
                         jobs[key] = (fn.__module__, fn.__name__, arch, signature, constexprs, attrs, options)
-                        specialized = {k: v for k, v in zip(signature, ["*" if t.startswith("*") else t
-                                                                         for t in signature.values()])}
                         # the runtime-value specializations (ints == 1, 16-divisibility) that set
                         # apart launches of one configuration; the same across dtypes and targets
                         variant = hashlib.sha1(repr((key[2], key[3])).encode()).hexdigest()[:6]
                         rows[key] = dict(kernel=launch.name, config=launch.config(), variant=variant,
                                          dtype=dtype_name, target=target, models=[],
-                                         specialized=[n for n, t in specialized.items()
+                                         specialized=[n for n, t in signature.items()   # ints == 1
                                                       if t == "constexpr" and n not in launch.constexprs])
                     if model not in rows[key]["models"]:
                         rows[key]["models"].append(model)
