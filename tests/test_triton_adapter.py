@@ -1,7 +1,6 @@
 """The Triton adapter's logic without a server: config mapping, and the
 Frontend's response rules (one response per step when streaming, one at the end otherwise, every
 request closed with FINAL, cancellation, `stop` by request id, shutdown)."""
-import math
 import threading
 import time
 

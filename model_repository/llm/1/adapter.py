@@ -16,6 +16,8 @@
   to see the unmerged path) however fast the engine steps. `stream_interval` N > 1 holds a
   streaming request's outputs back until they carry N new tokens (its first token and its last
   output go at once): fewer responses, each an IPC that the engine waits for behind the GIL.
+- `output_tensors` (triton_outputs.py): a response's tensors, as the vLLM backend's additional
+  outputs contract shapes them; `Observations`: histogram samples written off the responder.
 - `FaultInjector` (fault_injection.py): test-only faults in the model step, armed only by
   INFLIGHT_FAULT_INJECTION=1.
 
@@ -26,11 +28,8 @@ that also carries the Triton error code to answer with (INVALID_ARG, UNAVAILABLE
 """
 from __future__ import annotations
 
-import collections
 import itertools
-import json
 import logging
-import math
 import queue
 import threading
 import time
@@ -44,6 +43,7 @@ from backend.config import EngineConfig
 from backend.outputs import merge_outputs
 from fault_injection import FAULT_ENV, FaultInjector
 from triton_inputs import DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, error_for, parse_request
+from triton_outputs import Observations, output_tensors
 
 # What model.py and the tests use, from here and from the two modules beside this one.
 __all__ = ["DEFAULT_MAX_TOKENS", "Error", "FAULT_ENV", "FaultInjector", "Frontend", "INPUT_NAMES",
@@ -115,58 +115,6 @@ class _Entry:
         self.live, self.outs, self.t_first, self.t_last, self.taken = live, outs, t, t, False
 
 
-def _logprobs_json(logprobs: Optional[list]) -> bytes:
-    """The vLLM backend's `logprobs` output for one completion: per token, token id -> its
-    logprob, rank and text; `null` when the request did not ask for logprobs."""
-    if logprobs is None:
-        return b"null"
-    return json.dumps([{str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                        for tid, lp in step.items()} for step in logprobs]).encode("utf-8")
-
-
-def output_tensors(live: Live, outs: Mapping[int, Any], prompt_ids_text: Callable[[list[int]], str]) -> dict[str, np.ndarray]:
-    """The output tensors of one response, as the vLLM backend shapes them: one entry per
-    completion. Streaming: each completion's new tokens (none for one without an output in this
-    response); otherwise all of them, with the prompt in front unless exclude_input_in_output.
-    text_output (and output_ids for n = 1) always; the others only when asked for."""
-    texts, ids_, new_counts, reasons, cumulative, logprobs = [], [], [], [], [], []
-    for i in range(live.n):
-        out = outs.get(i) if live.stream else live.latest.get(i)
-        last = live.latest.get(i, out)
-        if out is None:
-            text, ids, lps = "", [], ([] if last is not None and last.logprobs is not None else None)
-        elif live.stream:
-            text, ids, lps = out.new_text, list(out.new_token_ids), out.new_logprobs
-        else:
-            text, ids, lps = out.text, list(out.token_ids), out.logprobs
-            if not live.exclude_input:
-                prompt = live.prompt_text if live.prompt_text is not None else prompt_ids_text(out.prompt_token_ids)
-                text, ids = prompt + text, list(out.prompt_token_ids) + ids
-        texts.append(text.encode("utf-8"))
-        ids_.append(ids)
-        new_counts.append(len(out.new_token_ids if live.stream else out.token_ids) if out is not None else 0)
-        reasons.append(str(last.finish_reason if last is not None else None).encode())
-        cum = last.cumulative_logprob if last is not None else None
-        cumulative.append(math.nan if cum is None else cum)
-        logprobs.append(_logprobs_json(lps))
-    tensors = {"text_output": np.array(texts, dtype=np.object_)}
-    if live.n == 1:
-        tensors["output_ids"] = np.array(ids_[0], dtype=np.int32)
-    asked = live.returns
-    if "return_finish_reason" in asked:
-        tensors["finish_reason"] = np.array(reasons, dtype=np.object_)
-    if "return_cumulative_logprob" in asked:
-        tensors["cumulative_logprob"] = np.array(cumulative, dtype=np.float32)
-    if "return_logprobs" in asked:
-        tensors["logprobs"] = np.array(logprobs, dtype=np.object_)
-    if "return_num_input_tokens" in asked:
-        first = next((o for o in live.latest.values()), None)
-        tensors["num_input_tokens"] = np.array([len(first.prompt_token_ids) if first else 0], dtype=np.uint32)
-    if "return_num_output_tokens" in asked:
-        tensors["num_output_tokens"] = np.array(new_counts, dtype=np.uint32)
-    return tensors
-
-
 Respond = Callable[[Any, Optional[dict], Optional[str], bool], None]
 
 
@@ -176,44 +124,6 @@ class NullMetrics:
 
     def update(self, stats: Mapping[str, float]) -> None:
         pass
-
-
-class Observations:
-    """Histogram samples, written to the metrics from a thread of their own. Each observation of a
-    Triton custom metric is an IPC round trip to the server (pb_utils has no observe-many), and the
-    inter-token histogram takes one per token: queued here, they cost the responder an append."""
-
-    def __init__(self, metrics: Any, interval: float):
-        self.metrics = metrics
-        self.interval = interval
-        self._pending: collections.deque = collections.deque()  # (kind, seconds, count)
-        self._wake = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="inflight-metrics", daemon=True)
-        self._thread.start()
-
-    def add(self, kind: str, seconds: float, count: int = 1) -> None:
-        self._pending.append((kind, seconds, count))
-
-    def flush(self) -> None:
-        while self._pending:
-            kind, seconds, count = self._pending.popleft()
-            try:
-                for _ in range(count):
-                    self.metrics.observe(kind, seconds)
-            except Exception:
-                log.exception("metrics observe failed")
-
-    def _run(self) -> None:
-        while not self._closed:
-            self._wake.wait(self.interval)
-            self.flush()
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join(timeout)
-        self.flush()
 
 
 class Frontend:
