@@ -67,3 +67,33 @@ def test_llm_itself_refuses_the_batched_shapes_with_tritons_own_message(server):
     """Why llm_trtllm exists: a Triton model fixes the rank of each input."""
     with pytest.raises(Exception, match=r"unexpected shape for input 'text_input'.*Expected \[1\], got \[1,1\]"):
         grpc_stream(server.grpc_url, {"text_input": array("hi", trtllm=True)})
+
+
+def test_a_cancelled_stream_on_llm_trtllm_stops_the_llm_request(server):
+    """The client leaves after the first response: llm_trtllm cancels its BLS request to llm, so
+    the engine stops generating long before its 400 tokens."""
+    import threading
+
+    import tritonclient.grpc as grpcclient
+
+    from .conftest import wait_until
+    from .test_server import gauge
+
+    generated = gauge(server, "inflight_generation_tokens_total")
+    first = threading.Event()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: first.set())
+    inputs = []
+    for name, value in openai_frontend_request("cancel me", True, 400).items():
+        t = grpcclient.InferInput(name, list(value.shape), {"O": "BYTES", "b": "BOOL", "i": "INT32", "f": "FP32",
+                                                           "u": "UINT64"}[value.dtype.kind])
+        t.set_data_from_numpy(value)
+        inputs.append(t)
+    inputs.append(grpcclient.InferInput("ignore_eos", [1, 1], "BOOL"))
+    inputs[-1].set_data_from_numpy(np.bool_([[True]]))
+    client.async_stream_infer(MODEL, inputs)
+    assert first.wait(30)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    wait_until(lambda: gauge(server, "inflight_num_requests_running") == 0, timeout=30)
+    assert gauge(server, "inflight_generation_tokens_total") - generated < 200

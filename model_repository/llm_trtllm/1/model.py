@@ -7,10 +7,15 @@ model takes the batched form (max_batch_size 1, the same table of inputs and out
 each request to `llm` through BLS: the batch dimension is dropped from the inputs and added back
 to the outputs; the request parameters and the request id go along. There is one engine, in
 `llm`; nothing here loads torch.
+
+A client that cancels is seen at the next response (`is_cancelled`). The 2.51 stub cannot cancel
+a BLS request, so the llm request is stopped the way an HTTP client stops one: a `stop` request
+with its request id (one of our own when the client set none).
 """
 import json
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -46,32 +51,42 @@ class TritonPythonModel:
                     inputs.append(pb_utils.Tensor(t.name, _unbatch(t.name, tensor.as_numpy())))
             stream = pb_utils.get_input_tensor_by_name(request, "stream")
             stream = bool(stream.as_numpy().reshape(-1)[0]) if stream is not None else False
-            bls = pb_utils.InferenceRequest(model_name=TARGET, inputs=inputs, request_id=request.request_id(),
+            request_id = request.request_id() or f"llm_trtllm-{uuid.uuid4().hex}"
+            bls = pb_utils.InferenceRequest(model_name=TARGET, inputs=inputs, request_id=request_id,
                                             requested_output_names=self.output_names,
                                             parameters=json.loads(request.parameters() or "{}"))
-            last = None
-            responses = bls.exec(decoupled=True)
-            for response in responses:
+            last, cancelled = None, False
+            for response in bls.exec(decoupled=True):  # read to the end, also once cancelled
+                if cancelled:
+                    continue
                 if response.has_error():
                     sender.send(pb_utils.InferenceResponse(output_tensors=[], error=response.error()), flags=FINAL)
                     return
                 tensors = [pb_utils.Tensor(t.name(), t.as_numpy()[np.newaxis]) for t in response.output_tensors()]
                 if not tensors:
                     continue
-                if stream:
-                    if sender.is_cancelled():
-                        getattr(responses, "cancel", lambda: None)()
-                        break
+                if sender.is_cancelled():
+                    cancelled = True
+                    _stop(request_id)
+                elif stream:
                     sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
                 else:
                     last = tensors  # one answer: sent with the FINAL flag (HTTP generate needs that)
-            if last is not None:
+            if last is not None and not cancelled:
                 sender.send(pb_utils.InferenceResponse(output_tensors=last), flags=FINAL)
             else:
                 sender.send(flags=FINAL)
         except Exception as exc:  # never leave a request without its FINAL response
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
                 f"llm_trtllm: {type(exc).__name__}: {exc}")), flags=FINAL)
+
+
+def _stop(request_id):
+    """Stop llm's request `request_id` (its `stop` input), as a client of llm would."""
+    stop = pb_utils.InferenceRequest(model_name=TARGET, inputs=[pb_utils.Tensor("stop", np.array([True]))],
+                                     request_id=request_id, requested_output_names=["text_output"])
+    for _ in stop.exec(decoupled=True):  # its one answer; an error means it had already ended
+        pass
 
 
 def _unbatch(name, array):
