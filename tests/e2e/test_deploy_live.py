@@ -54,3 +54,26 @@ def test_healthcheck_fails_where_nothing_answers():
 
     proc = run_healthcheck(f"http://127.0.0.1:{free_port()}")
     assert proc.returncode == 1 and "inflight healthcheck:" in proc.stderr
+
+
+def test_healthcheck_fails_when_the_stub_is_dead_though_triton_reads_ready(model_repository, model_path):
+    """Why liveness is a generate and not /v2/health/ready: kill -9 of the Python stub leaves
+    Triton 2.51 reporting ready, and only a request through the engine shows the server is dead."""
+    import os
+    import signal
+
+    from client.tools.server import TritonServer
+    from client.tools.soak import server_processes
+
+    with TritonServer(model_repository, params={"max_model_len": "512"}, model_path=str(model_path),
+                      exit_timeout=2) as server:
+        assert run_healthcheck(f"http://{server.http_url}").returncode == 0
+        _, stubs = server_processes(server.process.pid)
+        stubs = [p for p in stubs if "/llm/1/" in " ".join(p.cmdline())]   # llm's, not llm_trtllm's
+        assert len(stubs) == 1
+        os.kill(stubs[0].pid, signal.SIGKILL)
+        wait_until(lambda: not stubs[0].is_running() or stubs[0].status() == "zombie", timeout=10)
+        ready = urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10).status
+        assert ready == 200                                   # the readiness probe stays green...
+        proc = run_healthcheck(f"http://{server.http_url}")
+        assert proc.returncode == 1 and "not healthy" in proc.stderr, proc.stderr   # ...liveness does not
