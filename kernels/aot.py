@@ -63,7 +63,8 @@ MODELS = {
     "Qwen2-7B": ModelShape(3584, 28, 4, 128, 18944),        # Qwen/Qwen2-7B
     "Mistral-7B": ModelShape(4096, 32, 8, 128, 14336),      # mistralai/Mistral-7B-v0.1
 }
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_DTYPES = ["bf16", "fp16"]   # what a GPU deployment serves; fp32 on request (--dtypes fp32)
 # Shared memory per block with the opt-in attribute (cudaDevAttrMaxSharedMemoryPerBlockOptin):
 # 163 KiB on compute capability 8.0 (A100), 227 KiB on 9.0 (H100/H200); CUDA C++ Programming
 # Guide, "Technical Specifications per Compute Capability".
@@ -177,7 +178,7 @@ def run(models: Optional[dict[str, ModelShape]] = None, dtypes: Optional[list[st
         targets: Optional[list[str]] = None, jobs: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE) -> list[dict]:
     """Compile everything; returns the rows with ok, shared_bytes, error and seconds filled in."""
-    rows, compile_jobs = collect(models or MODELS, dtypes or list(DTYPES), targets or list(TARGETS), block_size)
+    rows, compile_jobs = collect(models or MODELS, dtypes or DEFAULT_DTYPES, targets or list(TARGETS), block_size)
     work = list(compile_jobs.values())
     workers = jobs or min(len(work), os.cpu_count() or 1)
     if workers > 1:
@@ -225,7 +226,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="KV cache block size (kv_block_size; default %(default)s)")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: %(default)s)")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
+                   help=f"comma-separated, of {', '.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated (default: %(default)s)")
     args = p.parse_args(argv)
     chosen = {}
