@@ -162,7 +162,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                             seq_lens, scale)
     C.check_dtype(name, "cu_seqlens_q", cu_seqlens_q, C.INDEX_DTYPES)
     t, h, d = q.shape
-    nb, bs, g, _ = k_cache.shape
     if seq_lens.dim() != 1:
         raise ValueError(f"{name}: seq_lens must be 1-D [num_seqs]; got shape {tuple(seq_lens.shape)}")
     s = seq_lens.shape[0]
