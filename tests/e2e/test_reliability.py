@@ -760,11 +760,11 @@ def test_abort_takes_effect_before_the_next_step(default_model_dir):
     outputs = []
     done = threading.Event()
 
-    def watching_run(out, blocks):
+    def watching_run(out):
         if seen["aborted"] and seen["next_step"] is None:
             seen["next_step"] = (engine.engine.blocks.num_blocks_of("long"),
                                  any(s.request.request_id == "long" for s in out.seqs))
-        return real_run(out, blocks)
+        return real_run(out)
 
     def on_output(out):  # called on the engine thread, between two steps
         outputs.append(out)
