@@ -56,8 +56,10 @@ def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> Reques
     logprobs = None
     if first.new_logprobs is not None or then.new_logprobs is not None:
         logprobs = list(first.new_logprobs or []) + list(then.new_logprobs or [])
+    queued = first.queue_seconds if then.queue_seconds is None else then.queue_seconds
     return dataclasses.replace(then, new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
-                               new_text=first.new_text + then.new_text, new_logprobs=logprobs)
+                               new_text=first.new_text + then.new_text, new_logprobs=logprobs,
+                               queue_seconds=queued)
 
 
 class StopStringMatcher:

@@ -188,3 +188,14 @@ def test_worst_case_finish_counts_the_prompt_work_of_requests_served_first():
     window = Window(head=req("head", 4, 50), reserve_by=10, spare_blocks=0, spare_slots=0, ahead=39)
     assert not window.admits(small, need=1), "it could still run at the reservation"
     assert Window(head=window.head, reserve_by=10, spare_blocks=0, spare_slots=0, ahead=0).admits(small, need=1)
+
+
+def test_the_strict_vs_backfill_bench_reports_heads_and_no_late_admission(default_model_dir):
+    from client.tools.backfill_bench import run_once
+    from client.tools.workloads import make_workload
+    items = make_workload("hol", 12, seed=1)
+    strict = run_once(str(default_model_dir), False, items, kv_tokens=1024, block_size=16)
+    backfill = run_once(str(default_model_dir), True, items, kv_tokens=1024, block_size=16)
+    assert strict["backfilled"] == 0 and not strict["heads"]
+    assert backfill["backfilled"] > 0 and backfill["heads"] and not backfill["late_heads"]
+    assert strict["preemptions"] == backfill["preemptions"] == 0

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--mode", type=_modes, default=["inflight"],
                       help="in-process: comma list of inflight,static,dynamic,none (one engine each); "
                            "a server reports its own mode")
-    what.add_argument("--workload", default="mixed", help="fixed | mixed | FILE.jsonl (default mixed)")
+    what.add_argument("--workload", default="mixed", help="fixed | mixed | hol | FILE.jsonl (default mixed)")
     what.add_argument("--num-requests", type=int, default=128)
     what.add_argument("--concurrency", type=_ints, default=[16], help="requests in flight; a comma list sweeps")
     what.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: all at once)")

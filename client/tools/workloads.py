@@ -9,6 +9,9 @@
 - `mixed`: prompt lengths lognormal(mean 4.5, sigma 0.8) clipped to 8..1024, output lengths
   lognormal(4.2, 0.7) clipped to 8..512 (numpy's `lognormal(mean, sigma)`: the parameters of the
   underlying normal). Every request sets `ignore_eos`, so it generates exactly its output length.
+- `hol` (head of line): every `HOL["every"]`-th request asks for a very large `max_tokens`
+  (`HOL["large_output"]`), the others are small (prompts 16..64, outputs 8..48): under strict
+  no-evict admission a large request that does not fit blocks every small one behind it.
 - `FILE.jsonl`: one request per line, `{"prompt": "..."}` or `{"input_ids": [...]}` plus
   `"max_tokens"` (or `"output_len"`), and optionally `"arrival_s"` (seconds from the start).
   Lines beyond `num_requests` are ignored; fewer lines are cycled.
@@ -34,7 +37,8 @@ FIRST_ID = 3  # ids 0..2 are <unk>, <s>, </s> in the default model
 DEFAULT_VOCAB_SIZE = 2000  # the default model's
 MIXED = dict(prompt_mean=4.5, prompt_sigma=0.8, prompt_min=8, prompt_max=1024,
              output_mean=4.2, output_sigma=0.7, output_min=8, output_max=512)
-WORKLOADS = ("fixed", "mixed")
+HOL = dict(every=8, large_prompt=64, large_output=600, small_prompt=(16, 64), small_output=(8, 48))
+WORKLOADS = ("fixed", "mixed", "hol")
 
 
 @dataclass
@@ -90,6 +94,8 @@ def make_workload(name: str, num_requests: int, *, seed: int = 0, rate: Optional
     if name == "fixed":
         prompt_lens = [fixed_prompt_len] * num_requests
         output_lens = [fixed_output_len] * num_requests
+    elif name == "hol":
+        prompt_lens, output_lens = _head_of_line_lengths(rng, num_requests)
     else:
         m = MIXED
         prompt_lens = _lognormal_lengths(rng, num_requests, m["prompt_mean"], m["prompt_sigma"],
@@ -109,6 +115,14 @@ def make_workload(name: str, num_requests: int, *, seed: int = 0, rate: Optional
             prompt, n = _text_prompt(rng, words, p, tokenizer)
         items.append(WorkItem(i, prompt, n, o, t))
     return items
+
+
+def _head_of_line_lengths(rng: np.random.Generator, n: int) -> tuple[list[int], list[int]]:
+    h = HOL
+    large = [i % h["every"] == 0 for i in range(n)]
+    prompts = [h["large_prompt"] if big else int(rng.integers(*h["small_prompt"])) for big in large]
+    outputs = [h["large_output"] if big else int(rng.integers(*h["small_output"])) for big in large]
+    return prompts, outputs
 
 
 def _from_file(path: Path, num_requests: int, rng: np.random.Generator, rate: Optional[float]) -> list[WorkItem]:

@@ -264,22 +264,31 @@ def test_a_bad_request_does_not_disturb_running_ones(server, llm):
 # -- metrics ------------------------------------------------------------------------------------------
 
 GAUGES = ["inflight_num_requests_running", "inflight_num_requests_waiting", "inflight_kv_cache_usage_ratio"]
-COUNTERS = ["inflight_num_preemptions_total", "inflight_prompt_tokens_total", "inflight_generation_tokens_total"]
+COUNTERS = ["inflight_num_preemptions_total", "inflight_prompt_tokens_total", "inflight_generation_tokens_total",
+            "inflight_num_backfilled_total"]
 HISTOGRAMS = ["inflight_time_to_first_token_seconds", "inflight_inter_token_latency_seconds",
-              "inflight_e2e_request_latency_seconds"]
+              "inflight_e2e_request_latency_seconds", "inflight_request_queue_time_seconds"]
+
+
+def _observed_all(server) -> bool:
+    try:
+        return all(gauge(server, f"{name}_count") >= 1 for name in HISTOGRAMS)
+    except KeyError:
+        return False
 
 
 def test_metrics_endpoint_shows_the_design_names(server):
     with GrpcClient(server.grpc_url) as client:
         client.generate("count me", stream=True, max_tokens=6)
     wait_until(lambda: gauge(server, "inflight_generation_tokens_total") >= 6)
+    wait_until(lambda: _observed_all(server))  # histograms are observed off the responder's thread
     names = {key.split("{")[0] for key in metrics(server)}
     for name in GAUGES + COUNTERS:
         assert name in names, name
     for name in HISTOGRAMS:
         assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= names, name
         assert gauge(server, f"{name}_count") >= 1
-    for state in ("used", "free", "total"):
+    for state in ("used", "free", "total", "reserved"):
         gauge(server, "inflight_kv_blocks", state=state)
     total = gauge(server, "inflight_kv_blocks", state="total")
     assert total == HAND_EDITED_KV_TOKENS // 16  # the hand-edited config.pbtxt value took effect

@@ -311,6 +311,9 @@ class Frontend:
         if new > 0:
             if live.last_token_time is None:
                 self.observations.add("ttft", t_first - live.arrival)
+                queued = next((o.queue_seconds for o in outs.values() if o.queue_seconds is not None), None)
+                if queued is not None:  # arrival to first scheduled, in the engine
+                    self.observations.add("queue", queued)
                 since, new = t_first, new - 1
             else:
                 since = live.last_token_time

@@ -27,16 +27,18 @@ STOP_FILE = ".inflight-stopping"  # client/tools/server.py creates it in its run
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0]
 ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+QUEUE_BUCKETS = [0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 E2E_BUCKETS = [0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0]
 
 
 class Metrics:
-    """The DESIGN.md metrics as Triton custom metrics. The families stay attributes of this object
+    """The docs/design.md metrics as Triton custom metrics. The families stay attributes of this object
     (owned by the model): a MetricFamily that is garbage-collected takes its metrics with it."""
 
     COUNTERS = {"num_preemptions": "inflight_num_preemptions_total",
                 "prompt_tokens_total": "inflight_prompt_tokens_total",
-                "generation_tokens_total": "inflight_generation_tokens_total"}
+                "generation_tokens_total": "inflight_generation_tokens_total",
+                "num_backfilled": "inflight_num_backfilled_total"}
 
     @staticmethod
     def instance_labels(args, device):
@@ -63,10 +65,12 @@ class Metrics:
         self.usage = family("inflight_kv_cache_usage_ratio", "Used share of the KV-cache blocks (0-1)",
                             fam.GAUGE).Metric(labels=labels)
         blocks = family("inflight_kv_blocks", "KV-cache blocks by state", fam.GAUGE)
-        self.blocks = {s: blocks.Metric(labels={**labels, "state": s}) for s in ("used", "free", "total")}
+        # reserved: what the running requests hold or may still need (no-evict's reservation)
+        self.blocks = {s: blocks.Metric(labels={**labels, "state": s}) for s in ("used", "free", "total", "reserved")}
         docs = {"num_preemptions": "Requests preempted (max_utilization)",
                 "prompt_tokens_total": "Prompt tokens admitted",
-                "generation_tokens_total": "Tokens generated"}
+                "generation_tokens_total": "Tokens generated",
+                "num_backfilled": "Requests started ahead of a waiting request that did not fit (enable_backfill)"}
         self.counters = {k: family(name, docs[k], fam.COUNTER).Metric(labels=labels)
                          for k, name in self.COUNTERS.items()}
         self._counted = {k: 0 for k in self.COUNTERS}
@@ -77,6 +81,8 @@ class Metrics:
                           fam.HISTOGRAM).Metric(labels=labels, buckets=ITL_BUCKETS),
             "e2e": family("inflight_e2e_request_latency_seconds", "Request latency, arrival to last token",
                           fam.HISTOGRAM).Metric(labels=labels, buckets=E2E_BUCKETS),
+            "queue": family("inflight_request_queue_time_seconds", "Time waiting for admission, arrival to first scheduled",
+                            fam.HISTOGRAM).Metric(labels=labels, buckets=QUEUE_BUCKETS),
         }
         self._last = {}
 
@@ -88,8 +94,9 @@ class Metrics:
         self._set("waiting", self.waiting, stats["num_requests_waiting"])
         total, used = stats["kv_blocks_total"], stats["kv_blocks_used"]
         self._set("usage", self.usage, used / total if total else 0.0)
-        for state, key in (("used", "kv_blocks_used"), ("free", "kv_blocks_free"), ("total", "kv_blocks_total")):
-            self._set(state, self.blocks[state], stats[key])
+        for state, key in (("used", "kv_blocks_used"), ("free", "kv_blocks_free"), ("total", "kv_blocks_total"),
+                           ("reserved", "kv_blocks_reserved")):
+            self._set(state, self.blocks[state], stats.get(key, 0))
         for key, metric in self.counters.items():
             delta = stats.get(key, 0) - self._counted[key]
             if delta > 0:
