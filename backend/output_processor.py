@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 from backend.outputs import Logprob, RequestOutput, StopStringMatcher, TokenLogprobs, merge_outputs
 from backend.request import Request, RequestStatus
-from backend.tokenizer import IncrementalDetokenizer, Tokenizer
+from backend.detokenizer import IncrementalDetokenizer
+from backend.tokenizer import Tokenizer
 
 Finish = Callable[[Request, RequestStatus], None]
 

@@ -22,7 +22,8 @@ from tokenizers import Tokenizer as RawTokenizer  # noqa: E402
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 
 from backend.make_model import CORPUS_PATH, make_model  # noqa: E402
-from backend.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from backend.detokenizer import IncrementalDetokenizer  # noqa: E402
+from backend.tokenizer import Tokenizer  # noqa: E402
 
 FFFD = "\ufffd"
 HYP = settings(derandomize=True, deadline=None, max_examples=150,
