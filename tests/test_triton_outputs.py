@@ -129,3 +129,10 @@ def test_inter_token_histogram_counts_every_token_of_merged_responses(frontend):
     wait_for(lambda: metrics.observed.count("itl") == 7)
     gaps = [s for k, s in zip(metrics.observed, metrics.seconds) if k == "itl"]
     assert len(set(gaps)) == 1 and gaps[0] >= 0
+
+
+def test_an_error_for_one_completion_ends_the_whole_request(frontend):
+    rid, sender = submit(frontend, stream=one(True, np.bool_), sampling_parameters=S('{"n": 3}'))
+    frontend.engine.emit(rid, [], "error", error="adding the request failed", index=0)
+    wait_for(lambda: sender.final)
+    assert sender.responses == [(None, "adding the request failed", True)] and frontend.num_live() == 0

@@ -228,8 +228,8 @@ class Frontend:
                 # answer is built from the totals, so the newest output replaces the held one
                 # (merging would copy the whole answer so far at every step).
                 out = merge_outputs(held, out) if live.stream else out
-            if out.finished:
-                live.unfinished -= 1
+            if out.finished:  # an error ends every completion (the engine may send it once for all n)
+                live.unfinished = 0 if out.finish_reason == "error" else live.unfinished - 1
             # After its first token, a non-streaming request has nothing to send until every
             # completion has ended: its outputs are held (no responder wake-up, no per-step ITL
             # metric IPC), and the last one carries the mean gap since the first token.
@@ -294,7 +294,8 @@ class Frontend:
         if live.done:
             return
         live.latest.update(outs)
-        finished = sum(1 for o in live.latest.values() if o.finished) == live.n
+        ended = [o.finish_reason for o in live.latest.values() if o.finished]
+        finished = len(ended) == live.n or "error" in ended
         now = time.monotonic()
         if not finished and not live.cancelled and now - live.last_cancel_check >= self.cancel_interval:
             live.last_cancel_check = now
