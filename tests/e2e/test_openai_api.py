@@ -157,10 +157,11 @@ def smollm2_api(model_repository):
     from smollm2 import smollm2_dir
 
     path = smollm2_dir()  # fetched and imported as `make model` does (once; reused afterwards)
-    params = {"max_model_len": "1024", "max_num_seqs": "4"}
+    # One request runs and one may wait: a third is refused (the queue-full test).
+    params = {"max_model_len": "1024", "max_num_seqs": "1", "max_queue_size": "1"}
     with TritonServer(model_repository, params=params, model_path=str(path)) as triton:
         with OpenAIServer(triton.grpc_url, path) as api_server:
-            yield sdk(api_server), path
+            yield sdk(api_server), path, triton
 
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -169,7 +170,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def test_smollm2_chat_answers_paris_and_the_stream_joins_to_it(smollm2_api):
     from backend.tokenizer import Tokenizer
 
-    api, path = smollm2_api
+    api, path, _ = smollm2_api
     whole = api.chat.completions.create(messages=QUESTION, max_tokens=16, **GREEDY)
     answer = whole.choices[0].message.content
     assert "Paris" in answer, answer
@@ -191,6 +192,27 @@ def test_smollm2_chat_answers_paris_and_the_stream_joins_to_it(smollm2_api):
     assert "".join(t.token for t in content) == lp.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
 
+
+
+def test_a_full_queue_is_a_429(smollm2_api):
+    import threading
+
+    api, _, triton = smollm2_api
+    long = dict(model="llm", messages=QUESTION, max_tokens=300, stream=True, extra_body={"ignore_eos": True})
+    running = api.chat.completions.create(**long)
+    next(iter(running))  # it runs: max_num_seqs is 1
+    waiting = threading.Thread(target=lambda: list(api.chat.completions.create(**{**long, "max_tokens": 2})))
+    waiting.start()  # it waits: the queue (max_queue_size 1) is full now
+    try:
+        wait_until(lambda: gauge(triton, "inflight_num_requests_waiting") == 1, timeout=30)
+        with pytest.raises(openai.RateLimitError) as err:
+            api.chat.completions.create(model="llm", messages=QUESTION, max_tokens=2)
+        assert err.value.status_code == 429 and "queue full" in err.value.body["message"]
+        assert err.value.body["type"] == "rate_limit_error"
+    finally:
+        running.close()  # cancels it; the waiting one then runs its 2 tokens
+        waiting.join(60)
+    assert not waiting.is_alive()
 
 
 # -- inflight serve starts it beside tritonserver and stops it with it -------------------------------
