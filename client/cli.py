@@ -76,6 +76,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if openai_api is not None:
+            openai_api.check_port()  # before the model loads, not after
         server.start()
         server.wait_ready(args.ready_timeout)
         if openai_api is not None:

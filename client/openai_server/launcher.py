@@ -10,6 +10,7 @@ dies with the process that started it (Linux), like tritonserver itself.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,7 +51,19 @@ class OpenAIServer:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.port}"
 
+    def check_port(self) -> None:
+        """Raise OpenAIServerError unless the port is free (an answer on a port someone else holds
+        would pass for ours in start())."""
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.host, self.port))
+            except OSError as exc:
+                raise OpenAIServerError(f"port {self.port} on {self.host} is not free for the OpenAI "
+                                        f"server ({exc.strerror})") from None
+
     def start(self, timeout: float = 60.0) -> "OpenAIServer":
+        self.check_port()
         cmd = [sys.executable, "-m", "client.openai_server", "--grpc-url", self.grpc_url,
                "--host", self.host, "--port", str(self.port)]
         if self.model_path:

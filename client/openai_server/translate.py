@@ -46,8 +46,8 @@ _PARAM_OF_FIELD = {"stop_words": "stop"}
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-             500: "server_error", 503: "service_unavailable"}
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  code: Optional[str] = None):
@@ -162,7 +162,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
         return False
     if not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad("stream_options", "stream_options accepts {\"include_usage\": bool}")
     return bool(options.get("include_usage", False))
 
