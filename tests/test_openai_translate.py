@@ -13,7 +13,7 @@ from client.openai_server.app import ChatRenderer
 from client.openai_server.responses import ChoiceState, Reply, parse_logprobs, pieces, usage
 from client.openai_server.translate import (DEFAULT_CHAT_MAX_TOKENS, APIError, parse_chat, parse_completion,
                                             triton_tensors)
-from client.openai_server.triton import error_status
+from client.openai_server.triton_backend import error_status
 
 ALL_RETURNS = frozenset({"text_input", "input_ids", "stream", "exclude_input_in_output", "sampling_parameters",
                          "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from client.openai_server.responses import ChoiceState, Piece, Reply, sse
 from client.openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
                                             triton_tensors)
-from client.openai_server.triton import TritonBackend
+from client.openai_server.triton_backend import TritonBackend
 
 MAX_BODY_BYTES = 8 << 20
 
