@@ -36,11 +36,12 @@ def test_generate_reports_a_bad_request(server, capsys):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_stops_cleanly_mid_stream(model_repository, model_path, sig):
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics, openai = free_port(), free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "serve", "--model-repository", str(model_repository),
          "--model-path", str(model_path), "--host", "127.0.0.1", "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--param", "max_model_len=512"],
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai),
+         "--param", "max_model_len=512"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     ready = threading.Event()
