@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -33,26 +34,23 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return blocks.reshape(-1, *cache.shape[2:])[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """q [..., Q, H, D], k/v [..., K, G, D] -> [..., Q, H, D] in float32 math. Query head h reads
-    kv head h // (H / G); the H/G query heads of a group are stacked as rows of one matmul, so no
-    kv head is copied. mask [..., Q, K] (broadcastable; False -> -inf)."""
-    *lead, nq, h, d = q.shape
-    g = k.shape[-2]
-    rep = h // g
-    qg = q.float().reshape(*lead, nq, g, rep, d).movedim(-4, -2)  # [..., G, rep, Q, D]
-    qg = qg.reshape(*lead, g, rep * nq, d)
-    kt = k.float().movedim(-3, -1)  # [..., G, D, K]
-    vg = v.float().movedim(-3, -2)  # [..., G, K, D]
-    scores = torch.matmul(qg, kt) * scale  # [..., G, rep*Q, K]
-    if mask is not None:
-        m = mask.unsqueeze(-3).expand(*mask.shape[:-2], rep, *mask.shape[-2:])
-        m = m.reshape(*mask.shape[:-2], rep * mask.shape[-2], mask.shape[-1]).unsqueeze(-3)
-        scores = scores.masked_fill(~m, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vg)  # [..., G, rep*Q, D]
-    out = out.reshape(*lead, g, rep, nq, d).movedim(-2, -4)  # [..., Q, G, rep, D]
-    return out.reshape(*lead, nq, h, d).to(q.dtype)
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's chunk: q [Q, H, D] at the last Q of the K positions of k/v [K, G, D] ->
+    [Q, H, D], float32 math. torch's SDPA (its CPU flash kernel) walks the keys in tiles, so no
+    [H, Q, K] score matrix, mask or softmax is ever materialized (at 4k tokens that was ~0.5 GB per
+    layer). Query row i sits at position K - Q + i: when the chunk is the whole sequence that is
+    the plain causal mask; after cached context (a previous chunk, a reused prefix) the offset
+    needs an explicit [Q, K] boolean mask, 1 byte per pair instead of three fp32 matrices."""
+    nq, nk = q.shape[0], k.shape[0]
+    qh = q.float().transpose(0, 1)  # [H, Q, D] views: SDPA takes the strides as they are
+    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [G, K, D]
+    if nq == nk:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(nk - nq, nk, device=q.device)
+        mask = torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None]  # [Q, K]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1).to(q.dtype)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -147,10 +145,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             continue
         k = _gather_context(k_cache, block_tables[i], length)
         v = _gather_context(v_cache, block_tables[i], length)
-        q_pos = torch.arange(length - q_len, length, device=q.device)
-        k_pos = torch.arange(length, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [Q, K], broadcast over the heads
-        out[start:end] = _attend(q[start:end], k, v, scale, mask)
+        out[start:end] = _causal_attention(q[start:end], k, v, scale)
     return out
 
 
