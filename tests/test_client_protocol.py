@@ -1,0 +1,50 @@
+"""client/protocol.py without a server: requests ask for the outputs `Result` shows, `n` and
+`logprobs` travel as request parameters, the tensor types are the model's table, and responses
+are read the way the model now writes them (outputs only when asked, "None" while running,
+num_output_tokens per response)."""
+import json
+
+import numpy as np
+
+from client.protocol import OUTPUTS, TENSOR_TYPES, Chunk, Options, Result, request_json, request_tensors
+from templates import tensors as T
+
+
+def test_tensor_types_and_outputs_come_from_the_models_table():
+    assert set(TENSOR_TYPES) == {t.name for t in T.INPUTS} and OUTPUTS == tuple(t.name for t in T.OUTPUTS)
+    assert TENSOR_TYPES["seed"] == (np.uint64, "UINT64") and TENSOR_TYPES["text_input"] == (np.object_, "BYTES")
+
+
+def test_requests_ask_for_what_the_result_shows():
+    tensors = request_tensors("hi", Options(max_tokens=3, bad_words=["x"]), stream=True)
+    asked = {name for name, (array, _) in tensors.items() if name.startswith("return_") and array[0]}
+    assert asked == {"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"}
+    assert list(tensors["bad_words"][0]) == [b"x"]
+    with_logprobs = Options(logprobs=2, n=3)
+    tensors = request_tensors("hi", with_logprobs, stream=False)
+    assert {"return_logprobs", "return_cumulative_logprob"} <= set(tensors)
+    assert "n" not in tensors and "logprobs" not in tensors  # no such inputs: request parameters
+    assert with_logprobs.parameters() == {"n": 3, "logprobs": 2}
+    body = request_json("hi", with_logprobs, stream=True)
+    assert body["n"] == 3 and body["logprobs"] == 2 and body["return_logprobs"] is True
+    assert request_json(None, Options(), False, "job", stop=True) == {"id": "job", "stop": True,
+                                                                     "return_finish_reason": True}
+
+
+def test_responses_are_read_per_response_and_running_is_none():
+    step = Chunk.from_json({"text_output": "a", "output_ids": 7, "finish_reason": "None", "num_output_tokens": 1,
+                            "num_input_tokens": 4, "logprobs": json.dumps([{"7": {"logprob": -0.5, "rank": 1,
+                                                                                    "decoded_token": "a"}}]),
+                            "cumulative_logprob": -0.5})
+    last = Chunk.from_arrays({"text_output": np.array([b"b"], dtype=np.object_),
+                              "output_ids": np.array([8], np.int32),
+                              "finish_reason": np.array([b"length"], dtype=np.object_),
+                              "num_output_tokens": np.array([1], np.uint32)}.get)
+    assert not step.finished and step.finish_reason is None and last.finished
+    result = Result()
+    result.add(step)
+    result.add(last)
+    assert (result.text, result.token_ids, result.num_output_tokens, result.num_input_tokens) == ("ab", [7, 8], 2, 4)
+    assert result.finish_reason == "length" and result.cumulative_logprob == -0.5 and len(result.logprobs) == 1
+    two = Chunk.from_json({"text_output": ["x", "y"], "finish_reason": ["stop", "None"]})
+    assert two.texts == ["x", "y"] and not two.finished
