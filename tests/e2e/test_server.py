@@ -305,10 +305,14 @@ def test_the_inter_token_histogram_counts_every_token(server, stream):
     def counts():
         return (gauge(server, "inflight_inter_token_latency_seconds_count"),
                 gauge(server, "inflight_e2e_request_latency_seconds_count"))
+    # Quiet first: requests of earlier tests (cancelled ones) may still be ending.
+    wait_until(lambda: gauge(server, "inflight_num_requests_running") == 0
+               and gauge(server, "inflight_num_requests_waiting") == 0, timeout=30)
+    time.sleep(0.5)  # their samples are written off the responder's thread, every 0.1 s
     itl, e2e = counts()
     with GrpcClient(server.grpc_url) as client:
         client.generate("count my tokens", stream=stream, max_tokens=9, ignore_eos=True)
-    wait_until(lambda: counts()[1] == e2e + 1)  # observed off the responder's thread
+    wait_until(lambda: counts()[1] == e2e + 1)
     assert counts()[0] == itl + 8
 
 
