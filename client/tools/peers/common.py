@@ -1,0 +1,34 @@
+"""What every peer runner shares: its arguments, the workload file and the result file. Plain
+standard library, so the runners import it from the peer venvs too (by path, see run_vllm.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def parse_runner_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--workload", type=Path, required=True, help="JSON: [{'input_ids': [...], 'max_tokens': n}]")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--warmup", type=int, default=4, help="untimed requests (4 output tokens each) first")
+    return p.parse_args(argv)
+
+
+def load_workload(path: Path) -> list[tuple[list[int], int]]:
+    return [(r["input_ids"], r["max_tokens"]) for r in json.loads(Path(path).read_text())]
+
+
+def write_result(path: Path, engine: str, elapsed_s: float, output_lens: list[int],
+                 items: list[tuple[list[int], int]]) -> None:
+    expected = [n for _, n in items]
+    if output_lens != expected:  # ignore_eos: a peer that stops early would look faster
+        wrong = sum(a != b for a, b in zip(output_lens, expected))
+        raise SystemExit(f"{engine}: {wrong} of {len(items)} requests did not generate their max_tokens")
+    out_tokens = sum(output_lens)
+    prompt_tokens = sum(len(p) for p, _ in items)
+    Path(path).write_text(json.dumps({
+        "engine": engine, "elapsed_s": elapsed_s, "requests": len(items), "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed_s,
+        "total_tok_s": (out_tokens + prompt_tokens) / elapsed_s}))
