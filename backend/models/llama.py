@@ -94,8 +94,17 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # -- weights --------------------------------------------------------------------------------
-    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # Fused parameter -> the HF tensors it concatenates, in order (vLLM's packed_modules_mapping).
+    # Each is loaded once into its slice (shard_sizes); tensor parallelism will cut at the same
+    # boundaries, so they stay explicit rather than implied by a plain concatenation.
+    packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    _FUSED = {hf: (fused, shard) for fused, hfs in packed_modules_mapping.items() for shard, hf in enumerate(hfs)}
+
+    def shard_sizes(self, fused: str) -> tuple[int, ...]:
+        """Output rows of each shard of a fused projection: (q, k, v) or (gate, up)."""
+        if fused == "qkv_proj":
+            return self.layers[0].self_attn.split
+        return (self.cfg.intermediate_size,) * 2
 
     def load_weights(self, weights) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; fail on missing or unknown names."""
@@ -119,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         for name in list(loaded):  # a fused weight counts once all of its shards arrived
             if "#" in name:
                 base = name.split("#")[0]
-                shards = 3 if base.endswith("qkv_proj.weight") or base.endswith("qkv_proj.bias") else 2
+                shards = len(self.packed_modules_mapping[base.split(".")[-2]])
                 if all(f"{base}#{i}" in loaded for i in range(shards)):
                     loaded.add(base)
         missing = sorted(set(params) - loaded)
@@ -136,10 +145,7 @@ class LlamaForCausalLM(nn.Module):
             param.data.copy_(tensor)
             loaded.add(name)
             return
-        if name.split(".")[-2] == "qkv_proj":
-            sizes = self.layers[0].self_attn.split
-        else:
-            sizes = (param.shape[0] // 2,) * 2
+        sizes = self.shard_sizes(name.split(".")[-2])
         offset = sum(sizes[:shard])
         expected = (sizes[shard],) + tuple(param.shape[1:])
         if tuple(tensor.shape) != expected:

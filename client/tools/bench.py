@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # -- step probe (issue 15): its own options, in client/tools/step_probe.py --
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--step-probe" in argv:
+        from client.tools.step_probe import main as step_probe_main
+        return step_probe_main([a for a in argv if a != "--step-probe"])
+    # -- end step probe --
     args = build_parser().parse_args(argv)
     if args.num_requests < 1:
         print("inflight bench: --num-requests must be >= 1", file=sys.stderr)

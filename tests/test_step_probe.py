@@ -1,0 +1,63 @@
+"""The step probe (`inflight bench --step-probe`) and the peer comparison's result check, on a tiny
+random checkpoint: what they time, in which order, and that the numbers they report are sane."""
+import json
+
+import pytest
+
+from client.tools import step_probe
+from client.tools.peers.common import write_result
+from hf_checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=2)
+
+
+def test_interleaved_times_a_b_b_a_and_reports_medians():
+    calls = []
+    a_s, b_s = step_probe.interleaved(lambda: calls.append("a"), lambda: calls.append("b"), rounds=2)
+    assert calls == ["a", "b", "b", "a"] * 2
+    assert 0 <= a_s < 0.1 and 0 <= b_s < 0.1
+
+
+def test_the_floor_is_four_projections_per_layer_and_the_lm_head(llama_dir, monkeypatch):
+    from backend import LLM
+    model = LLM(str(llama_dir)).engine.runner.model
+    shapes = []
+
+    class CountingF:
+        @staticmethod
+        def linear(x, w):
+            shapes.append((tuple(x.shape), tuple(w.shape)))
+    monkeypatch.setattr(step_probe, "F", CountingF)
+    step_probe.matmul_floor(model, batch=3)()
+    cfg = model.cfg
+    assert len(shapes) == 4 * cfg.num_layers + 1
+    assert all(x[0] == 3 and x[1] == w[1] for x, w in shapes)  # B rows, inner dims agree
+    assert shapes[-1][1] == (cfg.vocab_size, cfg.hidden_size)
+
+
+def test_probe_decode_reports_engine_and_floor(llama_dir):
+    row = step_probe.probe_decode(str(llama_dir), batch=2, context=9, steps=2, seed=0)
+    assert row["batch"] == 2 and row["engine_step_ms"] > 0 and row["matmul_step_ms"] > 0
+    assert row["engine_tok_s"] == pytest.approx(2e3 / row["engine_step_ms"])
+    assert row["fraction_of_floor"] == pytest.approx(row["matmul_step_ms"] / row["engine_step_ms"])
+
+
+def test_bench_dispatches_step_probe(llama_dir, tmp_path, capsys):
+    from client.tools.bench import main
+    out = tmp_path / "probe.json"
+    assert main(["--step-probe", "--model-path", str(llama_dir), "--batch-sizes", "1", "--steps", "1",
+                 "--context", "4", "--output-json", str(out)]) == 0
+    assert [r["batch"] for r in json.loads(out.read_text())["decode"]] == [1]
+    assert main(["--step-probe", "--model-path", str(tmp_path / "nope")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_a_peer_that_stops_early_is_refused(tmp_path):
+    items = [([5, 6, 7], 4), ([8], 2)]
+    write_result(tmp_path / "ok.json", "x", 2.0, [4, 2], items)
+    assert json.loads((tmp_path / "ok.json").read_text())["output_tok_s"] == 3.0
+    with pytest.raises(SystemExit, match="x: 1 of 2 requests did not generate their max_tokens"):
+        write_result(tmp_path / "short.json", "x", 1.0, [4, 1], items)
