@@ -7,7 +7,8 @@
   its own thread; the callbacks only queue. One responder thread builds and sends the responses,
   so the engine loop never waits on Triton's IPC. It also polls `is_cancelled()` (an IPC round
   trip, ~75 us: each live request at most once per `cancel_interval`, at its outputs or, for one
-  that has none, from a sweep every `poll_interval`) and keeps the metrics current.
+  that has none, from a sweep every `poll_interval`). Every metric IPC (histogram samples, the
+  engine's gauges) runs on a metrics thread of its own (triton_outputs.MetricsWriter).
   A request's output that is still waiting for the responder when the next one arrives takes the
   next one in (the new tokens and text concatenated), as vLLM's output collector does: while the
   responder keeps up, every step gets its own response; when it falls behind, each request gets
@@ -17,7 +18,7 @@
   streaming request's outputs back until they carry N new tokens (its first token and its last
   output go at once): fewer responses, each an IPC that the engine waits for behind the GIL.
 - `output_tensors` (triton_outputs.py): a response's tensors, as the vLLM backend's additional
-  outputs contract shapes them; `Observations`: histogram samples written off the responder.
+  outputs contract shapes them; `MetricsWriter`: the metrics thread.
 - `FaultInjector` (fault_injection.py): test-only faults in the model step, armed only by
   INFLIGHT_FAULT_INJECTION=1.
 
@@ -43,7 +44,7 @@ from backend.config import EngineConfig
 from backend.outputs import merge_outputs
 from fault_injection import FAULT_ENV, FaultInjector
 from triton_inputs import DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, error_for, parse_request
-from triton_outputs import Observations, output_tensors
+from triton_outputs import MetricsWriter, output_tensors
 
 # What model.py and the tests use, from here and from the two modules beside this one.
 __all__ = ["DEFAULT_MAX_TOKENS", "Error", "FAULT_ENV", "FaultInjector", "Frontend", "INPUT_NAMES",
@@ -155,8 +156,7 @@ class Frontend:
         self.max_queued = 0  # the deepest the queue has been
         self.num_coalesced = 0  # engine outputs merged into an earlier one that was still waiting
         self._closing = False
-        self._stats_dirty = True
-        self.observations = Observations(self.metrics, stats_interval)
+        self.metrics_writer = MetricsWriter(self.metrics, stats_interval, self.engine.stats)
         self._thread = threading.Thread(target=self._run, name="inflight-responder", daemon=True)
         self._thread.start()
 
@@ -192,7 +192,7 @@ class Frontend:
                 with self._lock:
                     self._live.pop(live.key, None)
                 raise
-            self._stats_dirty = True
+            self.metrics_writer.poke()
         except Exception as exc:  # ValueError (bad request), QueueFullError, engine refusal
             self.respond(sender, None, error_for(exc), True)
 
@@ -261,7 +261,7 @@ class Frontend:
 
     # -- the responder thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        last_poll = last_stats = time.monotonic()
+        last_poll = time.monotonic()
         while True:
             try:
                 item = self._queue.get(timeout=self.poll_interval)
@@ -285,10 +285,6 @@ class Frontend:
                 self._poll_cancelled()
                 if self.stop_file is not None and not self._closing and self.stop_file.exists():
                     self.abort_all()
-            if self._stats_dirty or now - last_stats >= self.stats_interval:
-                last_stats = now
-                self._stats_dirty = False
-                self._update_stats()
 
     def _handle(self, live: Live, outs: dict, t_first: float, t: float) -> None:
         if live.done:
@@ -311,15 +307,16 @@ class Frontend:
         # of the mean gap, so the histogram counts tokens however the responses were merged.
         if new > 0:
             if live.last_token_time is None:
-                self.observations.add("ttft", t_first - live.arrival)
+                self.metrics_writer.add("ttft", t_first - live.arrival)
+                self.metrics_writer.poke()  # it is running now: the gauges show it without waiting
                 queued = next((o.queue_seconds for o in outs.values() if o.queue_seconds is not None), None)
                 if queued is not None:  # arrival to first scheduled, in the engine
-                    self.observations.add("queue", queued)
+                    self.metrics_writer.add("queue", queued)
                 since, new = t_first, new - 1
             else:
                 since = live.last_token_time
             if new > 0:
-                self.observations.add("itl", (t - since) / new, new)
+                self.metrics_writer.add("itl", (t - since) / new, new)
             live.last_token_time = t
         if finished:
             self._finish(live, outs, t)
@@ -330,8 +327,8 @@ class Frontend:
         live.done = True
         with self._lock:
             self._live.pop(live.key, None)
-        self._stats_dirty = True
-        self.observations.add("e2e", t - live.arrival)
+        self.metrics_writer.poke()
+        self.metrics_writer.add("e2e", t - live.arrival)
         failed = next((o for o in live.latest.values() if o.finish_reason == "error"), None)
         if live.cancelled:  # nobody listens: just close the request
             self.respond(live.sender, None, None, True)
@@ -356,12 +353,6 @@ class Frontend:
                 live.cancelled = True
                 self.engine.abort(live.key)
 
-    def _update_stats(self) -> None:
-        try:
-            self.metrics.update(self.engine.stats())
-        except Exception:
-            log.exception("metrics update failed")
-
     # -- shutdown ------------------------------------------------------------------------------------
     def abort_all(self) -> None:
         """Refuse new requests and abort the running ones (each ends with 'abort' and FINAL)."""
@@ -383,7 +374,7 @@ class Frontend:
             time.sleep(0.02)
         self._queue.put(_CLOSE)
         self._thread.join(timeout)
-        self.observations.close()
+        self.metrics_writer.close()
         with self._lock:
             left, self._live = list(self._live.values()), {}
         for live in left:  # the engine never answered these: close them ourselves

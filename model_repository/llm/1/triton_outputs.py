@@ -1,6 +1,6 @@
 """A response's output tensors, as the vLLM backend's additional-outputs contract shapes them
-(its docs/additional_outputs.md and src/model.py), and the histogram samples the responder
-takes, written to the metrics off its thread. No Triton imports: unit-tested without a server."""
+(its docs/additional_outputs.md and src/model.py), and the metrics writer: every metric IPC
+(the responder's histogram samples, the engine's gauges) on a thread of its own. No Triton imports: unit-tested without a server."""
 from __future__ import annotations
 
 import collections
@@ -69,14 +69,17 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
     return tensors
 
 
-class Observations:
-    """Histogram samples, written to the metrics from a thread of their own. Each observation of a
-    Triton custom metric is an IPC round trip to the server (pb_utils has no observe-many), and the
-    inter-token histogram takes one per token: queued here, they cost the responder an append."""
+class MetricsWriter:
+    """Every metric IPC, on a thread of its own: histogram samples (queued by the responder) and
+    the engine's gauges and counters (every `interval`, and at once when poked). Each observation
+    or set of a Triton custom metric is an IPC round trip to the server (pb_utils has no
+    observe-many), and the inter-token histogram takes one per token: queued here, they cost the
+    responder an append. One thread also keeps the metric IPC from ever running concurrently."""
 
-    def __init__(self, metrics: Any, interval: float):
+    def __init__(self, metrics: Any, interval: float, stats: Optional[Callable[[], Mapping[str, float]]] = None):
         self.metrics = metrics
         self.interval = interval
+        self.stats = stats
         self._pending: collections.deque = collections.deque()  # (kind, seconds, count)
         self._wake = threading.Event()
         self._closed = False
@@ -85,6 +88,10 @@ class Observations:
 
     def add(self, kind: str, seconds: float, count: int = 1) -> None:
         self._pending.append((kind, seconds, count))
+
+    def poke(self) -> None:
+        """The engine's figures changed (a request arrived or ended): write them now."""
+        self._wake.set()
 
     def flush(self) -> None:
         while self._pending:
@@ -98,7 +105,13 @@ class Observations:
     def _run(self) -> None:
         while not self._closed:
             self._wake.wait(self.interval)
+            self._wake.clear()
             self.flush()
+            if self.stats is not None:
+                try:
+                    self.metrics.update(self.stats())
+                except Exception:
+                    log.exception("metrics update failed")
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
