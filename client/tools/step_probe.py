@@ -133,7 +133,7 @@ def probe_long_prompt(model_path: str, length: int, seed: int) -> dict:
     from transformers import AutoModelForCausalLM
     from backend import LLM, SamplingParams
     ids = _random_ids(np.random.default_rng(seed), length, _vocab(model_path))
-    hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     row = {"prompt_tokens": length}
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for name, budget in (("chunked", 2048), ("unchunked", length)):
@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     report: dict = {"model_path": args.model_path, "torch_threads": torch.get_num_threads(), "decode": [],
                     "long_prompts": []}
-    print(f"step probe: {args.model_path}, {torch.get_num_threads()} torch threads, context {args.context}")
+    print(f"step probe: {args.model_path}, context {args.context}")
     print(f"{'batch':>5} {'engine ms':>10} {'matmul ms':>10} {'engine tok/s':>13} {'matmul tok/s':>13} "
           f"{'of floor':>9}")
     for batch in args.batch_sizes:
@@ -185,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{row['hf_forward_chunked_s']:.2f} s ({row['chunked_speedup_vs_hf']:.2f}x); unchunked "
               f"{row['engine_unchunked_s']:.2f} s vs {row['hf_forward_unchunked_s']:.2f} s "
               f"({row['unchunked_speedup_vs_hf']:.2f}x)")
+    report["torch_threads"] = torch.get_num_threads()  # as the engine set them (backend/runner.py)
+    print(f"torch threads: {report['torch_threads']}")
     if args.profile:
         print(profile_step(args.model_path, args.profile, args.context, args.seed))
     if args.output_json:
