@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
 from tokenizers import pre_tokenizers, processors
 
 CONTROL, USER_DEFINED = 3, 4

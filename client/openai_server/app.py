@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from client.openai_server.responses import ChoiceState, Piece, Reply, sse
+from client.openai_server.responses import ChoiceState, Reply, sse
 from client.openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
                                             triton_tensors)
 from client.openai_server.triton_backend import TritonBackend
