@@ -7,7 +7,7 @@ import dataclasses
 from typing import Callable, Optional
 
 from backend.outputs import Logprob, RequestOutput, StopStringMatcher, TokenLogprobs, merge_outputs
-from backend.request import Request, RequestStatus
+from backend.request import Request, RequestStatus, seq_id_of
 from backend.detokenizer import IncrementalDetokenizer
 from backend.tokenizer import Tokenizer
 
@@ -90,7 +90,7 @@ class OutputProcessor:
         errors answer at once."""
         ready = []
         for o in outputs:
-            key = _key(o)
+            key = seq_id_of(o.request_id, o.index)
             merged = merge_outputs(self._held.pop(key, None), o)
             if o.finished and o.finish_reason in ("abort", "error"):
                 ready.append(merged)
@@ -120,7 +120,3 @@ class OutputProcessor:
         return RequestOutput(req.request_id, req.prompt_token_ids, [], list(req.output_token_ids), "", "",
                              True, req.finish_reason, req.error, index=req.index,
                              logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob)
-
-
-def _key(o: RequestOutput) -> str:
-    return o.request_id if o.index == 0 else f"{o.request_id}#{o.index}"

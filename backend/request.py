@@ -161,6 +161,11 @@ def _strings(name: str, values: list[str], most: int, what: str) -> None:
             raise ValueError(f"{name}: each entry must be a string of 1..{MAX_STOP_STRING_CHARS} characters")
 
 
+def seq_id_of(request_id: str, index: int) -> str:
+    """The id of a request's index-th completion: the request id itself for the first."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -185,7 +190,7 @@ class Request:
                  seed: int = 0, priority: int = 0, index: int = 0):
         self.request_id = request_id
         self.index = index
-        self.seq_id = request_id if index == 0 else f"{request_id}#{index}"
+        self.seq_id = seq_id_of(request_id, index)
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority  # lower runs first
