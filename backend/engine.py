@@ -159,7 +159,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(time.monotonic())
         self.idle = batch.is_empty
         if batch.is_empty:
-            return self.outputs.release(self._released())
+            return self.outputs.release(self.scheduler.pop_released())
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its own requests, not the engine
@@ -168,11 +168,7 @@ class LLMEngine:
         self.scheduler.postprocess(batch, sampled, time.monotonic())
         self.generation_tokens_total += len(sampled)
         return self.outputs.step_outputs([s.request for s in batch.seqs], sampled, self.scheduler.finish,
-                                         self._released())
-
-    def _released(self) -> list[Request]:
-        pop = getattr(self.scheduler, "pop_released", None)  # padded batches only
-        return pop() if pop is not None else []
+                                         self.scheduler.pop_released())
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         for req in requests:
@@ -203,18 +199,13 @@ class LLMEngine:
             "kv_blocks_used": b.num_used_blocks,
             "kv_blocks_free": b.num_free_blocks,
             "kv_cache_usage_ratio": b.num_used_blocks / b.num_blocks,
-            "kv_blocks_reserved": self._reserved_blocks(),
+            "kv_blocks_reserved": self.scheduler.policy.reserved_blocks(self.scheduler.holders()),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_backfilled": self.scheduler.num_backfilled,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
         }
-
-    def _reserved_blocks(self) -> int:
-        """Blocks the running requests hold or may still need (no-evict's reservation)."""
-        reserved = getattr(self.scheduler.policy, "reserved_blocks", None)
-        return min(self.blocks.num_blocks, reserved(self.scheduler.holders())) if reserved else self.blocks.num_used_blocks
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

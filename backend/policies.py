@@ -21,6 +21,11 @@ class CapacityPolicy:
     def can_admit(self, request: Request, running: Sequence[Request], tokens_now: int) -> bool:
         raise NotImplementedError
 
+    def reserved_blocks(self, running: Sequence[Request]) -> int:
+        """Blocks `running` holds (a shared block once), and, for policies that promise them, the
+        blocks they may still need."""
+        return len({b for r in running for b in self.blocks.block_table(r.seq_id)})
+
     def check_invariant(self, running: Sequence[Request]) -> None:
         """Raise AssertionError when the policy's promise does not hold for `running`."""
 
@@ -34,13 +39,9 @@ class GuaranteedNoEvict(CapacityPolicy):
     name = "guaranteed_no_evict"
 
     def reserved_blocks(self, running: Sequence[Request]) -> int:
-        held: set[int] = set()
-        future = 0
-        for r in running:
-            table = self.blocks.block_table(r.seq_id)
-            held.update(table)
-            future += max(0, self.blocks.blocks_for(r.max_kv_tokens) - len(table))
-        return len(held) + future
+        future = sum(max(0, self.blocks.blocks_for(r.max_kv_tokens) - self.blocks.num_blocks_of(r.seq_id))
+                     for r in running)
+        return super().reserved_blocks(running) + future
 
     def can_admit(self, request: Request, running: Sequence[Request], tokens_now: int) -> bool:
         return self.reserved_blocks([*running, request]) <= self.blocks.num_blocks

@@ -120,6 +120,10 @@ class Scheduler(Admission):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def pop_released(self) -> list[Request]:
+        """Requests whose padded batch ended (PaddedScheduler); in-flight batching holds none."""
+        return []
+
     @property
     def num_running(self) -> int:
         return len(self.running)
