@@ -130,8 +130,9 @@ class LLMEngine:
             raise QueueFullError(f"queue full: {limit} requests are waiting (max_queue_size); retry later")
 
     def add(self, request: Request) -> None:
-        """Queue a made request and, when it asks for n > 1, its n - 1 sibling completions."""
-        self.scheduler.check_fits(request.num_prompt_tokens, request.params.max_tokens, request.params.n)
+        """Queue a made request and, when it asks for n > 1, its n - 1 sibling completions (the
+        scheduler checks each as it queues it; all share the prompt and params, so the first
+        refusal comes before any is queued)."""
         family = [request] + [Request(request.request_id, request.prompt_token_ids, request.params,
                                       request.eos_token_ids, request.arrival_time, seed=self._seeds.getrandbits(63),
                                       priority=request.priority, index=i) for i in range(1, request.params.n)]
