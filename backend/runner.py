@@ -13,8 +13,10 @@ import torch
 
 from backend.attention import AttentionContext
 from backend.config import EngineConfig
+from backend.cpu_affinity import allowed_cores, pin_omp_threads
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
+from backend.models.packed_linear import can_pack, pack_linears
 from backend.models.rope import rope_cos_sin
 from backend.outputs import Sampled
 from backend.sampler import sample
@@ -48,7 +50,9 @@ def cpu_threads() -> int:
     may run on but one. OpenMP threads wait for each other at every op; when a core is also busy
     with something else (tritonserver, the client, another process) the op stalls until the
     descheduled thread returns. Measured on a loaded 2-core machine (docs/performance.md): 2
-    threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109)."""
+    threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109).
+    More than one thread are pinned one per core (backend/cpu_affinity.py), as vLLM-CPU binds its
+    own; INFLIGHT_CPU_PIN=0 leaves them to the kernel's scheduler."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -63,14 +67,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:  # set on the thread that builds the engine, which is the one that steps it
-            torch.set_num_threads(cpu_threads())
+            threads = cpu_threads()
+            torch.set_num_threads(threads)
+            if 1 < threads <= len(allowed_cores()) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
+                log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads))
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
-        self.ops = get_ops(config.attention_backend, self.device)
+        self.ops = get_ops(config.attention_backend, self.device, self.dtype)
         self.block_size = config.kv_block_size
         with torch.device("meta"):  # no host copy, no random init: every weight is loaded below
             model = LlamaForCausalLM(model_cfg).to(self.dtype)
         model = model.to_empty(device=self.device)
         model.load_weights(iter_weights(config.model_path))
+        if self.ops.name == "cpu" and can_pack(self.device, self.dtype):
+            pack_linears(model)  # oneDNN GEMMs on reordered weights (models/packed_linear.py)
         self.model = model.eval()
         cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
                                 model_cfg.rope_scaling)
@@ -80,8 +89,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(model_cfg.num_layers)]
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s", self.num_blocks, self.block_size,
-                 self.num_blocks * self._bytes_per_block() / 2**20, self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s", self.num_blocks,
+                 self.block_size, self.num_blocks * self._bytes_per_block() / 2**20, self.device, self.ops.name)
 
     # -- KV cache sizing ------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:

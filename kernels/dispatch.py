@@ -1,18 +1,23 @@
 """Pick the kernel implementations for a device and an `attention_backend` setting.
 
-auto: the Triton kernels on CUDA, the torch references elsewhere.
+auto: the Triton kernels on CUDA; on CPU the C decode attention (kernels/csrc, built on first use)
+      with the torch references for the rest, or the references alone when the cache is not
+      float32 or no C compiler is there.
 triton: the Triton kernels everywhere (on CPU they need TRITON_INTERPRET=1, set before triton loads).
 torch: the references everywhere.
 """
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from kernels import reference
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,11 +42,24 @@ def triton_ops() -> KernelOps:
                      t.rotary_embedding, t.silu_mul)
 
 
-def get_ops(attention_backend: str, device: torch.device) -> KernelOps:
+def cpu_ops(dtype: torch.dtype) -> KernelOps:
+    """The CPU engine's kernels: the references, with decode attention in C for float32 caches."""
+    if dtype != torch.float32:
+        return TORCH_OPS
+    from kernels import cpu_build, cpu_decode_attention
+    try:
+        cpu_build.load("decode_attention")
+    except cpu_build.CpuKernelUnavailable as e:
+        log.warning("CPU decode attention kernel unavailable, using the torch reference: %s", e)
+        return TORCH_OPS
+    return replace(TORCH_OPS, name="cpu", decode_attention=cpu_decode_attention.decode_attention)
+
+
+def get_ops(attention_backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
     if attention_backend == "torch":
         return TORCH_OPS
     if attention_backend == "auto":
-        return triton_ops() if device.type == "cuda" else TORCH_OPS
+        return triton_ops() if device.type == "cuda" else cpu_ops(dtype)
     if attention_backend == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend=triton on CPU needs TRITON_INTERPRET=1 in the "

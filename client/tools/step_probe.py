@@ -25,7 +25,6 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from client.tools.workloads import FIRST_ID
 
@@ -68,22 +67,24 @@ def interleaved(a: Callable[[], None], b: Callable[[], None], rounds: int = 1) -
 
 # -- decode steps against their matmul floor ------------------------------------------------------
 def matmul_floor(model, batch: int) -> Callable[[], None]:
-    """One decode step's matmuls alone: each layer's four projections and the lm_head, B rows."""
+    """One decode step's matmuls alone: each layer's four projections and the lm_head, B rows,
+    through the model's own linear modules (so the floor uses the engine's GEMM: oneDNN's on
+    reordered weights on CPU, see backend/models/packed_linear.py)."""
     cfg = model.cfg
     x = torch.randn(batch, cfg.hidden_size)
     attn_out = torch.randn(batch, cfg.num_heads * cfg.head_dim)
     act = torch.randn(batch, cfg.intermediate_size)
-    weights = [(layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight) for layer in model.layers]
+    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                layer.mlp.down_proj) for layer in model.layers]
 
     @torch.inference_mode()
     def step() -> None:
-        for qkv, o, gate_up, down in weights:
-            F.linear(x, qkv)
-            F.linear(attn_out, o)
-            F.linear(x, gate_up)
-            F.linear(act, down)
-        F.linear(x, model.lm_head.weight)
+        for qkv, o, gate_up, down in linears:
+            qkv(x)
+            o(attn_out)
+            gate_up(x)
+            down(act)
+        model.lm_head(x)
     return step
 
 

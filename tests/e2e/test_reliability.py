@@ -691,9 +691,10 @@ def test_a_responder_that_keeps_up_sends_one_response_per_step(coalesce_after):
         s = SlowSender()
         fe.submit("one", {"text_input": np.array([b"hi"], np.object_), "stream": np.array([True])}, s)
         (rid,) = engine.callbacks
-        for step in range(20):  # slower than the responder
+        for step in range(20):  # slower than the responder: each step waits for the last response
             _emit(engine, rid, step, 20, finished=step == 19)
-            time.sleep(0.002)
+            # (a fixed 2 ms pause here failed once under a full test run, the responder descheduled)
+            wait_until(lambda: len(s.responses) == step + 1)
         wait_until(lambda: s.responses and s.responses[-1][2])
         assert len(s.responses) == 20 and fe.num_coalesced == 0
     finally:

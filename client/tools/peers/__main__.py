@@ -31,9 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default="inflight,vllm,transformers")
     p.add_argument("--workload", default="mixed")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--inflight-threads", type=int, default=None,
-                   help="OMP_NUM_THREADS for inflight's runner only (the peers keep their own defaults); "
-                        "1 holds up on a shared 2-core machine, see docs/performance.md")
+    p.add_argument("--inflight-threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="OMP_NUM_THREADS for inflight's runner (default: one per core, pinned, as vLLM-CPU "
+                        "binds one OpenMP thread per core; the peers keep their own defaults)")
     p.add_argument("--output-json", type=Path)
     return p
 

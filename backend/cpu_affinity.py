@@ -1,0 +1,63 @@
+"""Pin the calling thread's OpenMP team to one core per thread (vLLM's VLLM_CPU_OMP_THREADS_BIND).
+
+Unpinned, the kernel moves torch's OpenMP threads between cores; two threads may share one core
+for a while and every op of the step waits for the slower one. Pinned, thread i of the team stays
+on core i. The team belongs to the thread that calls torch (libgomp keeps one pool per calling
+thread), so `pin_omp_threads` must run on the thread that steps the engine.
+
+How: libgomp's own entry point for `#pragma omp parallel` (GOMP_parallel) is called through ctypes
+with a Python callback; each team member runs it once and sets its own affinity. The libgomp is
+the one torch loaded (torch/lib/libgomp.so.1), so the pinned threads are the ones torch's ops use.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_ALLOWED: list[int] = []  # the cores this process could use before any thread was pinned
+
+
+def allowed_cores() -> list[int]:
+    if not _ALLOWED:
+        _ALLOWED.extend(sorted(os.sched_getaffinity(0)))
+    return list(_ALLOWED)
+
+
+def _libgomp() -> Optional[ctypes.CDLL]:
+    import torch
+    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    name = str(path) if path.exists() else "libgomp.so.1"
+    try:  # RTLD_NOLOAD-like: the library torch already loaded is returned, not a second copy
+        return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+
+
+def pin_omp_threads(num_threads: int, cores: Optional[Sequence[int]] = None) -> dict[int, int]:
+    """Pin a team of num_threads threads (the caller is thread 0) to `cores` (default: the cores
+    this process may run on, in order). Returns {OpenMP thread number: core}; empty when the
+    OpenMP runtime is not torch's libgomp (then nothing is pinned)."""
+    cores = allowed_cores() if cores is None else list(cores)
+    if num_threads < 1 or num_threads > len(cores):
+        raise ValueError(f"cannot pin {num_threads} threads to {len(cores)} cores {cores}")
+    gomp = _libgomp()
+    if gomp is None or not hasattr(gomp, "GOMP_parallel"):
+        return {}
+    gomp.omp_get_thread_num.restype = ctypes.c_int
+    placed: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def pin(_data) -> None:  # runs once in every team member, under the GIL ctypes takes for it
+        n = gomp.omp_get_thread_num()
+        os.sched_setaffinity(0, {cores[n]})
+        with lock:
+            placed[n] = cores[n]
+
+    callback = _CALLBACK(pin)
+    gomp.GOMP_parallel.argtypes = [_CALLBACK, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    gomp.GOMP_parallel(callback, None, num_threads, 0)
+    return placed

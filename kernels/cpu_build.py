@@ -1,0 +1,96 @@
+"""Build the CPU kernels in kernels/csrc/ with the machine's C compiler, once, and load them.
+
+They are compiled where they run, for that CPU (-march=native), into a cache keyed by the source,
+the flags, the compiler and the CPU's feature flags, so a second process (or a second run) loads
+the library in milliseconds. No torch headers, no Python API: plain C functions over raw pointers,
+called through ctypes by their wrappers.
+
+OpenMP: the library names libgomp.so.1, the soname torch already loaded, so the dynamic loader
+hands it torch's copy and the kernels run in the same thread team as torch's own ops (one runtime,
+no second pool of spinning threads).
+
+-ffast-math is given when compiling only (it lets the float reductions and expf vectorize); it is
+left off the link, since linking with it would add crtfastmath.o, which turns on flush-to-zero
+for the whole process.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+CSRC = Path(__file__).resolve().parent / "csrc"
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC",
+                 "-std=c11", "-Wall", "-Werror"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """No C compiler, or the build failed: the caller uses the torch reference instead."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("INFLIGHT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inflight")
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> Optional[str]:
+    chosen = os.environ.get("CC")
+    return shutil.which(chosen) if chosen else shutil.which("gcc") or shutil.which("cc")
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CpuKernelUnavailable(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}")
+
+
+def build(name: str) -> Path:
+    """Compile kernels/csrc/<name>.c into the cache (if not there yet); the library's path."""
+    cc = _compiler()
+    if cc is None:
+        raise CpuKernelUnavailable(f"no C compiler: CC={os.environ.get('CC')!r} is not runnable"
+                                   if os.environ.get("CC") else "no C compiler (gcc or cc) on PATH; set CC")
+    source = (CSRC / f"{name}.c").read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    key = hashlib.sha256(b"\0".join([source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+                                     version.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders never clash
+        obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
+        _run([cc, *COMPILE_FLAGS, "-c", str(CSRC / f"{name}.c"), "-o", str(obj)])
+        _run([cc, str(obj), "-o", str(lib), *LINK_FLAGS])
+        os.replace(lib, target)  # atomic: a reader sees no library or a whole one
+    log.info("built CPU kernel %s -> %s", name, target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str) -> ctypes.CDLL:
+    """The compiled library (built on first use). torch is imported first, so that libgomp.so.1
+    resolves to torch's copy."""
+    import torch  # noqa: F401  (see above)
+    return ctypes.CDLL(str(build(name)))

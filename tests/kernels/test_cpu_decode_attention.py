@@ -1,0 +1,99 @@
+"""The C decode attention (kernels/csrc/decode_attention.c, the CPU engine's path) against the torch
+reference on shuffled paged caches whose unused slots hold poison, and its argument checks."""
+import random
+
+import pytest
+import torch
+
+from kernels import cpu_build, dispatch, reference
+from kernels.cpu_decode_attention import decode_attention
+from kernel_testutil import build_paged_cache, seed_for
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (14, 2, 64), (8, 1, 128)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_matches_the_reference_on_a_shuffled_cache(num_heads, num_kv_heads, head_dim, block_size):
+    rng = random.Random(seed_for("cpu-decode", num_heads, head_dim, block_size))
+    lens = [1, block_size + 1, 3 * block_size - 1] + [rng.randint(1, 300) for _ in range(13)]
+    gen = torch.Generator().manual_seed(seed_for("cpu-decode-data", num_heads, block_size))
+    k_cache, v_cache, tables = build_paged_cache(lens, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
+    expected = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_result_does_not_depend_on_the_thread_count(threads):
+    gen = torch.Generator().manual_seed(seed_for("cpu-decode-threads"))
+    lens = [37, 5, 250, 16, 99]
+    k_cache, v_cache, tables = build_paged_cache(lens, 16, 2, 64, torch.float32, gen)
+    q = torch.randn(len(lens), 6, 64, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+        torch.set_num_threads(threads)
+        assert torch.equal(decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_empty_batch():
+    k_cache = torch.zeros(2, 16, 1, 8)
+    out = decode_attention(torch.zeros(0, 2, 8), k_cache, k_cache, torch.zeros(0, 1, dtype=torch.int32),
+                           torch.zeros(0, dtype=torch.int32), 1.0)
+    assert out.shape == (0, 2, 8)
+
+
+def _args(**over):
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache, tables = build_paged_cache([20, 3], 16, 2, 8, torch.float32, gen)
+    args = dict(q=torch.randn(2, 4, 8, generator=gen), k_cache=k_cache, v_cache=v_cache,
+                block_tables=tables, seq_lens=torch.tensor([20, 3], dtype=torch.int32))
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(q=torch.zeros(2, 4, 8, dtype=torch.float16)), "q must be a contiguous float32"),
+    (dict(q=torch.zeros(2, 3, 8)), "not a multiple of 2 kv heads"),
+    (dict(q=torch.zeros(2, 4, 16)), "head dim 16 vs cache 8"),
+    (dict(seq_lens=torch.tensor([20, 3])), "seq_lens must be int32"),
+    (dict(seq_lens=torch.tensor([20, 999], dtype=torch.int32)), "seq_len of 999 exceeds"),
+    (dict(block_tables=torch.full((2, 4), 10_000, dtype=torch.int32)), "block ids must lie in"),
+    (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), "block_tables must be int32 [2, MB]"),
+])
+def test_bad_arguments_are_refused_by_name(over, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        decode_attention(**_args(**over), scale=1.0)
+
+
+def test_the_build_is_cached_and_keyed_by_the_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))
+    first = cpu_build.build("decode_attention")
+    assert first.parent == tmp_path / "cpu_kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_build.build("decode_attention") == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setattr(cpu_build, "COMPILE_FLAGS", cpu_build.COMPILE_FLAGS + ["-DINFLIGHT_TEST_KEY"])
+    assert cpu_build.build("decode_attention") != first
+
+
+def test_without_a_compiler_the_engine_keeps_the_torch_reference(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu_build, "load", cpu_build.load.__wrapped__)  # no cached library
+    with pytest.raises(cpu_build.CpuKernelUnavailable):
+        cpu_build.build("decode_attention")
+    assert dispatch.cpu_ops(torch.float32) is dispatch.TORCH_OPS
+    assert "using the torch reference" in caplog.text
+
+
+def test_auto_on_cpu_uses_the_c_kernel_for_float32_only():
+    cpu = torch.device("cpu")
+    assert dispatch.get_ops("auto", cpu, torch.float32).decode_attention is decode_attention
+    assert dispatch.get_ops("auto", cpu, torch.bfloat16) is dispatch.TORCH_OPS
+    assert dispatch.get_ops("torch", cpu, torch.float32) is dispatch.TORCH_OPS

@@ -1,0 +1,116 @@
+"""The CPU engine's fast path: oneDNN linears on reordered weights, OpenMP threads pinned to cores,
+and which of them an engine picks."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from backend.models.packed_linear import MAX_ROWS, PackedLinear, can_pack, pack_linears, row_bucket
+from hf_checkpoints import make_checkpoint
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_a_packed_linear_computes_the_linear(bias, rows):
+    gen = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(200, 96, generator=gen) * 0.1)
+        if bias:
+            linear.bias.copy_(torch.randn(200, generator=gen))
+    x = torch.randn(rows, 96, generator=gen)
+    torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+    wide = torch.randn(rows, 192, generator=gen)[:, ::2]  # a strided view, as a split leaves them
+    torch.testing.assert_close(PackedLinear(linear)(wide), linear(wide), atol=1e-5, rtol=1e-5)
+
+
+def test_row_counts_fall_in_few_buckets():
+    """oneDNN keeps a ~0.65 MB primitive per input shape: every row count may not make its own."""
+    buckets = [row_bucket(n) for n in range(1, MAX_ROWS + 1)]
+    assert all(b >= n for n, b in zip(range(1, MAX_ROWS + 1), buckets))
+    assert buckets == sorted(buckets) and max(buckets) == MAX_ROWS
+    assert len(set(buckets)) <= 14
+    assert all(b - n < 8 for n, b in zip(range(1, 65), buckets))  # decode batches: little padding
+
+
+def test_long_inputs_run_in_slices_that_reuse_the_buckets(monkeypatch):
+    linear = nn.Linear(32, 48)
+    packed = PackedLinear(linear)
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    x = torch.randn(2 * MAX_ROWS + 37, 32)
+    torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    assert seen == [MAX_ROWS, MAX_ROWS, row_bucket(37)]
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_the_outputs():
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Sequential(nn.Linear(32, 8, bias=False)))
+    for p in model.parameters():
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(5, 16, generator=gen)
+    expected = model(x)
+    assert pack_linears(model) == 2
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_only_cpu_float32_and_bfloat16_are_packed():
+    assert can_pack(torch.device("cpu"), torch.float32)
+    assert can_pack(torch.device("cpu"), torch.bfloat16)
+    assert not can_pack(torch.device("cpu"), torch.float16)
+    assert not can_pack(torch.device("cuda"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=5)
+
+
+@pytest.mark.parametrize("backend,packed,ops", [("auto", True, "cpu"), ("torch", False, "torch")])
+def test_the_cpu_engine_packs_only_on_its_fast_path(llama_dir, backend, packed, ops):
+    from backend import LLM, SamplingParams
+    llm = LLM(str(llama_dir), attention_backend=backend)
+    runner = llm.engine.runner
+    assert runner.ops.name == ops
+    assert isinstance(runner.model.layers[0].mlp.down_proj, PackedLinear) == packed
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0))
+    assert len(out[0].token_ids) == 6
+
+
+def test_both_paths_decode_the_same_greedy_tokens(llama_dir):
+    from backend import LLM, SamplingParams
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([5, 17, 33, 40])]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    fast = [o.token_ids for o in LLM(str(llama_dir)).generate(prompts, params)]
+    plain = [o.token_ids for o in LLM(str(llama_dir), attention_backend="torch").generate(prompts, params)]
+    assert fast == plain
+
+
+PIN_SCRIPT = """
+import os, sys, torch
+from backend.cpu_affinity import allowed_cores, pin_omp_threads
+n = int(sys.argv[1])
+torch.set_num_threads(n)
+placed = pin_omp_threads(n)
+print(sorted(placed.items()), sorted(os.sched_getaffinity(0)), allowed_cores())
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin two threads")
+def test_two_threads_are_pinned_one_per_core():
+    cores = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", PIN_SCRIPT, "2"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)), check=True).stdout
+    assert out.strip() == f"{[(0, cores[0]), (1, cores[1])]} {[cores[0]]} {cores}"
+
+
+def test_pinning_more_threads_than_cores_is_refused():
+    from backend.cpu_affinity import allowed_cores, pin_omp_threads
+    with pytest.raises(ValueError, match="cannot pin"):
+        pin_omp_threads(len(allowed_cores()) + 1)
