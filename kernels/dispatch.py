@@ -1,8 +1,8 @@
 """Pick the kernel implementations for a device and an `attention_backend` setting.
 
-auto: the Triton kernels on CUDA; on CPU the C decode attention (kernels/csrc, built on first use)
-      with the torch references for the rest, or the references alone when the cache is not
-      float32 or no C compiler is there.
+auto: the Triton kernels on CUDA; on CPU the C kernels (kernels/csrc, built on first use) with
+      torch's SDPA for prefill attention, or the references alone when the model is not float32
+      or no C compiler is there.
 triton: the Triton kernels everywhere (on CPU they need TRITON_INTERPRET=1, set before triton loads).
 torch: the references everywhere.
 """
@@ -43,16 +43,19 @@ def triton_ops() -> KernelOps:
 
 
 def cpu_ops(dtype: torch.dtype) -> KernelOps:
-    """The CPU engine's kernels: the references, with decode attention in C for float32 caches."""
+    """The CPU engine's kernels for float32: C (kernels/csrc, built on first use) for decode
+    attention, the cache store, RMSNorm, RoPE and SiLU·mul; torch's SDPA reference for prefill."""
     if dtype != torch.float32:
         return TORCH_OPS
-    from kernels import cpu_build, cpu_decode_attention
+    from kernels import cpu_build, cpu_decode_attention as attn, cpu_elementwise as ew
     try:
         cpu_build.load("decode_attention")
+        cpu_build.load("elementwise")
     except cpu_build.CpuKernelUnavailable as e:
-        log.warning("CPU decode attention kernel unavailable, using the torch reference: %s", e)
+        log.warning("CPU kernels unavailable, using the torch references: %s", e)
         return TORCH_OPS
-    return replace(TORCH_OPS, name="cpu", decode_attention=cpu_decode_attention.decode_attention)
+    return replace(TORCH_OPS, name="cpu", decode_attention=attn.decode_attention, store_kv=ew.store_kv,
+                   rms_norm=ew.rms_norm, rotary_embedding=ew.rotary_embedding, silu_mul=ew.silu_mul)
 
 
 def get_ops(attention_backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:

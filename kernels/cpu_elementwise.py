@@ -1,0 +1,143 @@
+"""The CPU engine's elementwise kernels in C (kernels/csrc/elementwise.c): RMSNorm with the
+residual add, SiLU·mul, RoPE and the KV-cache store, one call each.
+
+Same signatures and results as their torch references (kernels/reference.py), which are their
+oracles in the tests. In torch each is 5-20 ops; at a small decode batch the dispatch of ~60 ops per
+layer was a quarter of SmolLM2's step (docs/performance.md). float32 only, like the C decode
+attention they run beside.
+
+Index bounds (positions, slots) need a pass over the index tensor; the engine passes the same
+positions and slot mapping to every layer of a step, so a tensor already checked (same object,
+unchanged since) is not checked again.
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Optional
+
+import torch
+
+from kernels import _common, cpu_build
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm_f32": [_P, _P, _P, _P, _P, _I, _I, _F],
+    "silu_mul_f32": [_P, _P, _I, _I],
+    "rotary_f32": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+    "store_kv_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+}
+
+
+def _fn(name: str):
+    fn = getattr(cpu_build.load("elementwise"), name)
+    if fn.argtypes is None:
+        fn.restype, fn.argtypes = None, _SIGNATURES[name]
+    return fn
+
+
+def _check_f32(name: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name}: expected float32 CPU tensors; got {t.dtype} on {t.device}")
+
+
+def _rows(name: str, t: torch.Tensor, what: str) -> int:
+    """The row stride of a [T, ...] tensor whose rows are each contiguous."""
+    inner = t[0] if t.shape[0] else t.new_empty(t.shape[1:])
+    if t.shape[0] and not inner.is_contiguous():
+        raise ValueError(f"{name}: each row of {what} must be contiguous; got strides {t.stride()}")
+    return t.stride(0) if t.shape[0] > 1 else inner.numel()
+
+
+class _Checked:
+    """Index tensors whose bounds were checked: the same tensor, unchanged, is not read again.
+    Inference tensors (the engine's) keep no version counter; for them the same object counts
+    as unchanged, which holds for the engine's per-step tensors, built once and only read."""
+
+    def __init__(self):
+        self._seen: dict[str, tuple[weakref.ref, Optional[int], int]] = {}
+
+    def once(self, key: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
+        version = None if t.is_inference() else t._version
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is t and seen[1] == version and seen[2] == high:
+            return
+        if t.numel() and (int(t.min()) < low or int(t.max()) >= high):
+            raise ValueError(f"{what} must lie in [{low}, {high}); got [{int(t.min())}, {int(t.max())}]")
+        self._seen[key] = (weakref.ref(t), version, high)
+
+
+checked = _Checked()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] (+ residual) -> (rmsnorm(h) * weight, h), h = x + residual or x."""
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    _check_f32("rms_norm", x, weight, *([] if residual is None else [residual]))
+    t, n = x.shape
+    if tuple(weight.shape) != (n,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
+                         f"{None if residual is None else tuple(residual.shape)} do not agree")
+    out, h = _common.alloc((t, n), x.dtype, x.device), _common.alloc((t, n), x.dtype, x.device)
+    _fn("rms_norm_f32")(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                        weight.contiguous().data_ptr(), out.data_ptr(), h.data_ptr(), t, n, float(eps))
+    return out, h
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    x = x.contiguous()
+    _check_f32("silu_mul", x)
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_mul: expected [T, 2I]; got {tuple(x.shape)}")
+    t, i = x.shape[0], x.shape[1] // 2
+    out = _common.alloc((t, i), x.dtype, x.device)
+    _fn("silu_mul_f32")(x.data_ptr(), out.data_ptr(), t, i)
+    return out
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE. q [T, H, D], k [T, G, D] (rows may be strided, as the fused qkv split
+    leaves them), positions [T] int64, cos/sin [max_pos, D/2] -> new contiguous (q, k)."""
+    _check_f32("rotary_embedding", q, k, cos_cache, sin_cache)
+    t, h, d = q.shape
+    g = k.shape[1]
+    if k.shape[0] != t or k.shape[2] != d or d % 2 or tuple(cos_cache.shape[1:]) != (d // 2,) \
+            or sin_cache.shape != cos_cache.shape:
+        raise ValueError(f"rotary_embedding: q {tuple(q.shape)}, k {tuple(k.shape)}, cos/sin "
+                         f"{tuple(cos_cache.shape)}/{tuple(sin_cache.shape)} do not agree")
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (t,):
+        raise ValueError(f"rotary_embedding: positions must be int64 [{t}]; got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    checked.once("positions", positions, 0, cos_cache.shape[0], "rotary_embedding: positions")
+    cos_cache, sin_cache, positions = cos_cache.contiguous(), sin_cache.contiguous(), positions.contiguous()
+    q_out, k_out = _common.alloc((t, h, d), q.dtype, q.device), _common.alloc((t, g, d), k.dtype, k.device)
+    _fn("rotary_f32")(q.data_ptr(), _rows("rotary_embedding", q, "q"), k.data_ptr(),
+                      _rows("rotary_embedding", k, "k"), q_out.data_ptr(), k_out.data_ptr(),
+                      positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(), t, h, g, d)
+    return q_out, k_out
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, G, D] into the paged cache [NB, BS, G, D] at slot_mapping [T] int64
+    (-1: not stored), in place."""
+    _check_f32("store_kv", key, value, k_cache, v_cache)
+    nb, bs, g, d = k_cache.shape
+    t = key.shape[0]
+    if tuple(key.shape) != (t, g, d) or value.shape != key.shape or v_cache.shape != k_cache.shape \
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError(f"store_kv: key {tuple(key.shape)}, value {tuple(value.shape)} and contiguous "
+                         f"caches {tuple(k_cache.shape)} do not agree")
+    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (t,):
+        raise ValueError(f"store_kv: slot_mapping must be int64 [{t}]; got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    checked.once("slots", slot_mapping, -1, nb * bs, "store_kv: slots")
+    slot_mapping = slot_mapping.contiguous()
+    _fn("store_kv_f32")(key.data_ptr(), _rows("store_kv", key, "key"), value.data_ptr(),
+                        _rows("store_kv", value, "value"), k_cache.data_ptr(), v_cache.data_ptr(),
+                        slot_mapping.data_ptr(), t, g * d)
