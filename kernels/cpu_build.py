@@ -40,9 +40,17 @@ class CpuKernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
+    """INFLIGHT_CACHE_DIR, else ~/.cache/inflight; a temporary folder when that cannot be made (a
+    container run with --user and no writable home)."""
     root = os.environ.get("INFLIGHT_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inflight")
-    return Path(root) / "cpu_kernels"
+    path = Path(root) / "cpu_kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        path = Path(tempfile.gettempdir()) / f"inflight-cpu-kernels-{os.getuid()}"
+        path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _cpu_flags() -> str:
@@ -72,14 +80,16 @@ def build(name: str) -> Path:
     if cc is None:
         raise CpuKernelUnavailable(f"no C compiler: CC={os.environ.get('CC')!r} is not runnable"
                                    if os.environ.get("CC") else "no C compiler (gcc or cc) on PATH; set CC")
-    source = (CSRC / f"{name}.c").read_bytes()
+    try:
+        source = (CSRC / f"{name}.c").read_bytes()
+    except OSError as e:  # an install that left the C sources out
+        raise CpuKernelUnavailable(f"no source for CPU kernel '{name}': {e}") from e
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     key = hashlib.sha256(b"\0".join([source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
                                      version.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders never clash
         obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
         _run([cc, *COMPILE_FLAGS, "-c", str(CSRC / f"{name}.c"), "-o", str(obj)])

@@ -15,7 +15,7 @@ from .conftest import MODEL_DIR, SERVER_PARAMS, requires_tritonserver, wait_unti
 pytestmark = requires_tritonserver
 
 REQUESTS = 8
-MAX_TOKENS = 120
+MAX_TOKENS = 480     # ~3 s: all eight must be seen running at once (gauges refresh every 0.1 s); 120 took 0.8 s
 KV_TOKENS = 4096      # per engine; small, so the test is quick to start
 BLOCK_SIZE = 16
 SERIES = re.compile(r'^(inflight_[a-z0-9_]+)\{([^}]*)\}\s+(\S+)$')
