@@ -29,10 +29,15 @@ _SIGNATURES = {
 }
 
 
+_FNS: dict = {}
+
+
 def _fn(name: str):
-    fn = getattr(cpu_build.load("elementwise"), name)
-    if fn.argtypes is None:
+    fn = _FNS.get(name)
+    if fn is None:
+        fn = getattr(cpu_build.load("elementwise"), name)
         fn.restype, fn.argtypes = None, _SIGNATURES[name]
+        _FNS[name] = fn
     return fn
 
 
@@ -43,11 +48,14 @@ def _check_f32(name: str, *tensors: torch.Tensor) -> None:
 
 
 def _rows(name: str, t: torch.Tensor, what: str) -> int:
-    """The row stride of a [T, ...] tensor whose rows are each contiguous."""
-    inner = t[0] if t.shape[0] else t.new_empty(t.shape[1:])
-    if t.shape[0] and not inner.is_contiguous():
-        raise ValueError(f"{name}: each row of {what} must be contiguous; got strides {t.stride()}")
-    return t.stride(0) if t.shape[0] > 1 else inner.numel()
+    """The row stride of a [T, ...] tensor whose rows are each contiguous (read off its strides:
+    a view op per call would cost more than the kernel at a small batch)."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            raise ValueError(f"{name}: each row of {what} must be contiguous; got strides {t.stride()}")
+        expected *= size
+    return t.stride(0) if t.shape[0] > 1 else expected
 
 
 class _Checked:

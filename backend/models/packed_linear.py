@@ -9,9 +9,10 @@ not grow (but for a tied lm_head, whose dense copy the embedding still needs).
 
 oneDNN builds (and caches) one primitive per input shape, about 0.65 MB each, and keeps up to a
 thousand: fed every row count from 1 to 2,048 as they come, the process grew by hundreds of MB
-(the soak test caught it). So the rows go in fixed buckets: up to 64 rows, the next multiple of 8;
-up to 256, the next multiple of 32; more, in slices of 256. That is 14 shapes per weight shape,
-whatever the traffic; a padded row costs little, as a small batch is bound by reading the weights.
+(the soak test caught it). So the rows go in fixed buckets: one row alone; up to 64 rows, the next
+multiple of 8; up to 256, the next multiple of 32; more, in slices of 256. That is 15 shapes per
+weight shape, whatever the traffic; a padded row costs little, as a small batch is bound by
+reading the weights.
 
 The batch-size hint only steers the reorder's blocking; any number of rows works. Results differ
 from MKL's by float summation order (~1e-5 relative), as any two GEMM libraries do.
@@ -26,7 +27,10 @@ MAX_ROWS = 256  # rows per GEMM call; longer inputs (prefill chunks) go in slice
 
 
 def row_bucket(rows: int) -> int:
-    """The row count a GEMM of `rows` rows (at most MAX_ROWS) is padded to."""
+    """The row count a GEMM of `rows` rows (at most MAX_ROWS) is padded to. One row stays one
+    (a lone decode, where oneDNN's matrix-vector kernel beats an 8-row GEMM)."""
+    if rows == 1:
+        return 1
     step = 8 if rows <= 64 else 32
     return -(-rows // step) * step
 PACKABLE = (torch.float32, torch.bfloat16)
