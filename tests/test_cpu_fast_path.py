@@ -32,8 +32,9 @@ def test_row_counts_fall_in_few_buckets():
     buckets = [row_bucket(n) for n in range(1, MAX_ROWS + 1)]
     assert all(b >= n for n, b in zip(range(1, MAX_ROWS + 1), buckets))
     assert buckets == sorted(buckets) and max(buckets) == MAX_ROWS
-    assert len(set(buckets)) <= 15
+    assert len(set(buckets)) <= 30
     assert all(b - n < 8 for n, b in zip(range(1, 65), buckets))  # decode batches: little padding
+    assert all(b - n < 256 for n, b in zip(range(257, MAX_ROWS + 1), buckets[256:]))  # chunks: < 256 rows
 
 
 def test_long_inputs_run_in_slices_that_reuse_the_buckets(monkeypatch):
