@@ -22,8 +22,11 @@ _ALLOWED: list[int] = []  # the cores this process could use before any thread w
 
 
 def allowed_cores() -> list[int]:
+    """The cores this process may run on, as first seen (pinning narrows the calling thread's own
+    affinity to one core, which os.sched_getaffinity(0) would then report)."""
     if not _ALLOWED:
-        _ALLOWED.extend(sorted(os.sched_getaffinity(0)))
+        _ALLOWED.extend(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                        else range(os.cpu_count() or 1))
     return list(_ALLOWED)
 
 

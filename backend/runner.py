@@ -52,11 +52,11 @@ def cpu_threads() -> int:
     descheduled thread returns. Measured on a loaded 2-core machine (docs/performance.md): 2
     threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109).
     More than one thread are pinned one per core (backend/cpu_affinity.py), as vLLM-CPU binds its
-    own; INFLIGHT_CPU_PIN=0 leaves them to the kernel's scheduler."""
+    own; INFLIGHT_CPU_PIN=0 leaves them to the kernel's scheduler. The cores are counted as they
+    were before any pinning: a second engine built on a pinned thread gets the same count."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return max(1, len(allowed_cores()) - 1)
 
 
 class ModelRunner:

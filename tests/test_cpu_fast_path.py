@@ -115,3 +115,13 @@ def test_pinning_more_threads_than_cores_is_refused():
     from backend.cpu_affinity import allowed_cores, pin_omp_threads
     with pytest.raises(ValueError, match="cannot pin"):
         pin_omp_threads(len(allowed_cores()) + 1)
+
+
+def test_a_pinned_thread_still_counts_every_core(monkeypatch):
+    """Pinning narrows the engine thread to one core; a second engine built on that thread (the
+    step probe builds several) must still get one thread per core but one, not one thread."""
+    from backend import cpu_affinity, runner
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_affinity, "_ALLOWED", list(range(8)))  # as first seen, before pinning
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # the thread as pinning left it
+    assert runner.cpu_threads() == 7
