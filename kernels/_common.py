@@ -8,7 +8,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Sequence
+import weakref
+from typing import Optional, Sequence
 
 import torch
 
@@ -94,3 +95,25 @@ def check_paged_attention(name: str, q: torch.Tensor, q_layout: str, k_cache: to
         raise ValueError(f"{name}: num_heads {h} must be a multiple of num_kv_heads {g}")
     if not math.isfinite(scale):
         raise ValueError(f"{name}: scale must be finite; got {scale}")
+
+
+class _BoundsChecked:
+    """Index tensors whose bounds were checked: the same tensor, unchanged, is not read again (the
+    engine passes one step's positions, slots, tables and lengths to every layer). Inference
+    tensors (the engine's) keep no version counter; for them the same object counts as unchanged,
+    which holds for the engine's per-step tensors, built once and only read."""
+
+    def __init__(self):
+        self._seen: dict[str, tuple[weakref.ref, Optional[int], int]] = {}
+
+    def once(self, key: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
+        version = None if t.is_inference() else t._version
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is t and seen[1] == version and seen[2] == high:
+            return
+        if t.numel() and (int(t.min()) < low or int(t.max()) >= high):
+            raise ValueError(f"{what} must lie in [{low}, {high}); got [{int(t.min())}, {int(t.max())}]")
+        self._seen[key] = (weakref.ref(t), version, high)
+
+
+bounds_checked = _BoundsChecked()

@@ -100,6 +100,15 @@ def build(name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
+def function(library: str, name: str, argtypes: tuple) -> ctypes._CFuncPtr:
+    """One C function of a kernel library, bound once with its argument types (the wrappers call
+    it every layer of every step: binding it per call cost more than a small kernel)."""
+    fn = getattr(load(library), name)
+    fn.restype, fn.argtypes = None, list(argtypes)
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
 def load(name: str) -> ctypes.CDLL:
     """The compiled library (built on first use). torch is imported first, so that libgomp.so.1
     resolves to torch's copy."""

@@ -8,12 +8,11 @@ attention they run beside.
 
 Index bounds (positions, slots) need a pass over the index tensor; the engine passes the same
 positions and slot mapping to every layer of a step, so a tensor already checked (same object,
-unchanged since) is not checked again.
+unchanged since) is not checked again (`_common.bounds_checked`).
 """
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import Optional
 
 import torch
@@ -22,23 +21,15 @@ from kernels import _common, cpu_build
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "rms_norm_f32": [_P, _P, _P, _P, _P, _I, _I, _F],
-    "silu_mul_f32": [_P, _P, _I, _I],
-    "rotary_f32": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I],
-    "store_kv_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+    "rms_norm_f32": (_P, _P, _P, _P, _P, _I, _I, _F),
+    "silu_mul_f32": (_P, _P, _I, _I),
+    "rotary_f32": (_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I),
+    "store_kv_f32": (_P, _I, _P, _I, _P, _P, _P, _I, _I),
 }
 
 
-_FNS: dict = {}
-
-
 def _fn(name: str):
-    fn = _FNS.get(name)
-    if fn is None:
-        fn = getattr(cpu_build.load("elementwise"), name)
-        fn.restype, fn.argtypes = None, _SIGNATURES[name]
-        _FNS[name] = fn
-    return fn
+    return cpu_build.function("elementwise", name, _SIGNATURES[name])
 
 
 def _check_f32(name: str, *tensors: torch.Tensor) -> None:
@@ -56,27 +47,6 @@ def _rows(name: str, t: torch.Tensor, what: str) -> int:
             raise ValueError(f"{name}: each row of {what} must be contiguous; got strides {t.stride()}")
         expected *= size
     return t.stride(0) if t.shape[0] > 1 else expected
-
-
-class _Checked:
-    """Index tensors whose bounds were checked: the same tensor, unchanged, is not read again.
-    Inference tensors (the engine's) keep no version counter; for them the same object counts
-    as unchanged, which holds for the engine's per-step tensors, built once and only read."""
-
-    def __init__(self):
-        self._seen: dict[str, tuple[weakref.ref, Optional[int], int]] = {}
-
-    def once(self, key: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
-        version = None if t.is_inference() else t._version
-        seen = self._seen.get(key)
-        if seen is not None and seen[0]() is t and seen[1] == version and seen[2] == high:
-            return
-        if t.numel() and (int(t.min()) < low or int(t.max()) >= high):
-            raise ValueError(f"{what} must lie in [{low}, {high}); got [{int(t.min())}, {int(t.max())}]")
-        self._seen[key] = (weakref.ref(t), version, high)
-
-
-checked = _Checked()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -121,7 +91,8 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if positions.dtype != torch.int64 or tuple(positions.shape) != (t,):
         raise ValueError(f"rotary_embedding: positions must be int64 [{t}]; got {positions.dtype} "
                          f"{tuple(positions.shape)}")
-    checked.once("positions", positions, 0, cos_cache.shape[0], "rotary_embedding: positions")
+    _common.bounds_checked.once("positions", positions, 0, cos_cache.shape[0],
+                                "rotary_embedding: positions")
     cos_cache, sin_cache, positions = cos_cache.contiguous(), sin_cache.contiguous(), positions.contiguous()
     q_out, k_out = _common.alloc((t, h, d), q.dtype, q.device), _common.alloc((t, g, d), k.dtype, k.device)
     _fn("rotary_f32")(q.data_ptr(), _rows("rotary_embedding", q, "q"), k.data_ptr(),
@@ -144,7 +115,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (t,):
         raise ValueError(f"store_kv: slot_mapping must be int64 [{t}]; got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
-    checked.once("slots", slot_mapping, -1, nb * bs, "store_kv: slots")
+    _common.bounds_checked.once("slots", slot_mapping, -1, nb * bs, "store_kv: slots")
     slot_mapping = slot_mapping.contiguous()
     _fn("store_kv_f32")(key.data_ptr(), _rows("store_kv", key, "key"), value.data_ptr(),
                         _rows("store_kv", value, "value"), k_cache.data_ptr(), v_cache.data_ptr(),

@@ -35,6 +35,8 @@ def row_bucket(rows: int) -> int:
         return 1
     step = 8 if rows <= 64 else 32 if rows <= 256 else 256
     return -(-rows // step) * step
+
+
 PACKABLE = (torch.float32, torch.bfloat16)
 
 

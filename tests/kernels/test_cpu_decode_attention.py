@@ -60,9 +60,11 @@ def _args(**over):
 
 
 @pytest.mark.parametrize("over,message", [
-    (dict(q=torch.zeros(2, 4, 8, dtype=torch.float16)), "q must be a contiguous float32"),
-    (dict(q=torch.zeros(2, 3, 8)), "not a multiple of 2 kv heads"),
-    (dict(q=torch.zeros(2, 4, 16)), "head dim 16 vs cache 8"),
+    (dict(q=torch.zeros(2, 4, 8, dtype=torch.float16)), "q dtype torch.float16 != cache dtype torch.float32"),
+    (dict(q=torch.zeros(2, 4, 8, dtype=torch.float16), k_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float16),
+          v_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float16)), "q must be a contiguous float32"),
+    (dict(q=torch.zeros(2, 3, 8)), "num_heads 3 must be a multiple of num_kv_heads 2"),
+    (dict(q=torch.zeros(2, 4, 16)), "q head_dim 16 != cache head_dim 8"),
     (dict(seq_lens=torch.tensor([20, 3])), "seq_lens must be int32"),
     (dict(seq_lens=torch.tensor([20, 999], dtype=torch.int32)), "seq_lens (the table holds 4 blocks of 16) must lie in [0, 65); got [20, 999]"),
     (dict(block_tables=torch.full((2, 4), 10_000, dtype=torch.int32)), "block ids must lie in"),
