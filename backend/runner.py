@@ -14,6 +14,7 @@ import torch
 from backend.attention import AttentionContext
 from backend.config import EngineConfig
 from backend.cpu_affinity import allowed_cores, pin_omp_threads
+from backend.cpu_memory import keep_freed_memory
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
 from backend.models.packed_linear import can_pack, pack_linears
@@ -71,6 +72,7 @@ class ModelRunner:
             torch.set_num_threads(threads)
             if 1 < threads <= len(allowed_cores()) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
                 log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads))
+            keep_freed_memory()  # no page faults on every step's fresh activations (cpu_memory.py)
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
         self.ops = get_ops(config.attention_backend, self.device, self.dtype)
         self.block_size = config.kv_block_size

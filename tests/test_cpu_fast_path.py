@@ -125,3 +125,34 @@ def test_a_pinned_thread_still_counts_every_core(monkeypatch):
     monkeypatch.setattr(cpu_affinity, "_ALLOWED", list(range(8)))  # as first seen, before pinning
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # the thread as pinning left it
     assert runner.cpu_threads() == 7
+
+
+FAULT_SCRIPT = """
+import resource, sys, torch
+from backend import LLM
+LLM(sys.argv[1])  # a CPU engine sets the malloc thresholds as it starts (backend/cpu_memory.py)
+def steps(n):  # the activations of a 4,096-row prefill step come and go: 50 MB and 12 MB tensors
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        a = torch.empty(50 * 2**18).fill_(1.0)
+        b = torch.empty(12 * 2**18).fill_(2.0)
+        del a, b
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+steps(10)  # the heap settles
+print(steps(10))
+"""
+
+
+@pytest.mark.parametrize("mallopt", ["1", "0"])
+def test_the_cpu_engine_keeps_freed_activations_off_fresh_pages(llama_dir, mallopt):
+    """With glibc's defaults each 50 MB tensor is mmapped anew and faults in all 12,800 of its
+    pages; with the engine's thresholds the freed memory is reused and, once the heap has grown to
+    the working set, nothing faults."""
+    env = dict(os.environ, INFLIGHT_CPU_MALLOPT=mallopt)
+    out = subprocess.run([sys.executable, "-c", FAULT_SCRIPT, str(llama_dir)], capture_output=True, text=True,
+                         env=env, cwd=os.path.dirname(os.path.dirname(__file__)), check=True).stdout
+    faults = int(out.strip().splitlines()[-1])
+    if mallopt == "1":
+        assert faults < 1000
+    else:
+        assert faults > 10 * 12800
