@@ -17,7 +17,7 @@ from backend.cpu_affinity import allowed_cores, pin_omp_threads
 from backend.cpu_memory import keep_freed_memory
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
-from backend.models.packed_linear import can_pack, pack_linears
+from backend.models.packed_linear import can_pack, pack_linears, padded_rows
 from backend.models.rope import rope_cos_sin
 from backend.outputs import Sampled
 from backend.sampler import sample
@@ -80,8 +80,12 @@ class ModelRunner:
             model = LlamaForCausalLM(model_cfg).to(self.dtype)
         model = model.to_empty(device=self.device)
         model.load_weights(iter_weights(config.model_path))
+        # Rows a step is padded to: on the CPU fast path, oneDNN GEMMs on reordered weights, each
+        # row count a bucket (models/packed_linear.py); elsewhere none.
+        self.padded_rows = lambda rows: rows
         if self.ops.name == "cpu" and can_pack(self.device, self.dtype):
-            pack_linears(model)  # oneDNN GEMMs on reordered weights (models/packed_linear.py)
+            pack_linears(model)
+            self.padded_rows = padded_rows
         self.model = model.eval()
         cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
                                 model_cfg.rope_scaling)
@@ -140,13 +144,13 @@ class ModelRunner:
     def _context(self, **fields) -> AttentionContext:
         return AttentionContext(ops=self.ops, scale=self.model_cfg.head_dim ** -0.5, **fields)
 
-    def _tables(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    def _tables(self, seqs: list[ScheduledSeq], empty_rows: int = 0) -> torch.Tensor:
         # Padding rows may attend past their member's blocks: those entries stay 0 (a valid block
         # whose contents only feed discarded rows).
         needed = [-(-(s.start + s.num_new_tokens) // self.block_size) for s in seqs]
         width = max([1] + [len(s.block_table) for s in seqs] + needed)
-        padded = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, s in enumerate(seqs):
+        padded = np.zeros((empty_rows + len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs, start=empty_rows):
             padded[i, :len(s.block_table)] = s.block_table
         return torch.from_numpy(padded).to(self.device, non_blocking=True)
 
@@ -157,9 +161,13 @@ class ModelRunner:
         decodes = out.decodes + [s for s in out.padding if s.num_new_tokens == 1]
         prefills = out.prefills + [s for s in out.padding if s.num_new_tokens > 1]
         seqs = decodes + prefills
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        # Rows that round the step up to a GEMM bucket (CPU fast path) come first, as decode rows of
+        # empty sequences: stored nowhere, attending to nothing (their output is zero), never sampled.
+        num_tokens = sum(s.num_new_tokens for s in seqs)
+        empty = self.padded_rows(num_tokens) - num_tokens
+        ids: list[int] = [PAD_TOKEN_ID] * empty
+        positions: list[int] = [0] * empty
+        slots: list[int] = [-1] * empty
         bs = self.block_size
         for s in seqs:  # plain ints: most rows are one decode token, where numpy costs more
             start, end = s.start, s.start + s.num_new_tokens
@@ -174,16 +182,16 @@ class ModelRunner:
         dev = self.device
         as_t = lambda a, dt: torch.from_numpy(np.asarray(a, dtype=dt)).to(dev, non_blocking=True)
         q_lens = [s.num_new_tokens for s in prefills]
-        d_lens = [s.start + 1 for s in decodes]
+        d_lens = [0] * empty + [s.start + 1 for s in decodes]
         ctx = self._context(
-            kv_caches=self.kv_caches, slot_mapping=as_t(slots, np.int64), num_decode_tokens=len(decodes),
-            decode_block_tables=self._tables(decodes), decode_seq_lens=as_t(d_lens, np.int32),
+            kv_caches=self.kv_caches, slot_mapping=as_t(slots, np.int64), num_decode_tokens=len(d_lens),
+            decode_block_tables=self._tables(decodes, empty), decode_seq_lens=as_t(d_lens, np.int32),
             prefill_block_tables=self._tables(prefills),
             prefill_cu_seqlens_q=as_t(np.concatenate([[0], np.cumsum(q_lens)]), np.int32),
             prefill_seq_lens=as_t([s.start + s.num_new_tokens for s in prefills], np.int32),
             decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0))
         # Logits are needed only at the last token of each sequence that samples this step.
-        ends = np.cumsum([s.num_new_tokens for s in seqs]) - 1
+        ends = empty + np.cumsum([s.num_new_tokens for s in seqs]) - 1
         sample_rows = [int(e) for e, s in zip(ends, seqs) if s.samples]
         sampling = [s.request for s in seqs if s.samples]
         return as_t(ids, np.int64), as_t(positions, np.int64), ctx, sample_rows, sampling

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from backend.models.packed_linear import MAX_ROWS, PackedLinear, can_pack, pack_linears, row_bucket
+from backend.models.packed_linear import (MAX_ROWS, PackedLinear, can_pack, pack_linears, padded_rows,
+                                          row_bucket)
 from hf_checkpoints import make_checkpoint
 
 
@@ -28,13 +29,22 @@ def test_a_packed_linear_computes_the_linear(bias, rows):
 
 
 def test_row_counts_fall_in_few_buckets():
-    """oneDNN keeps a ~0.65 MB primitive per input shape: every row count may not make its own."""
+    """oneDNN keeps a ~0.6 MB primitive per input shape: every row count may not make its own."""
     buckets = [row_bucket(n) for n in range(1, MAX_ROWS + 1)]
     assert all(b >= n for n, b in zip(range(1, MAX_ROWS + 1), buckets))
     assert buckets == sorted(buckets) and max(buckets) == MAX_ROWS
-    assert len(set(buckets)) <= 30
-    assert all(b - n < 8 for n, b in zip(range(1, 65), buckets))  # decode batches: little padding
+    assert len(set(buckets)) <= 44
+    assert all(b - n < 4 for n, b in zip(range(9, 65), buckets[8:]))  # decode batches: little padding
+    assert all(b - n < 16 for n, b in zip(range(65, 257), buckets[64:]))
     assert all(b - n < 256 for n, b in zip(range(257, MAX_ROWS + 1), buckets[256:]))  # chunks: < 256 rows
+
+
+@pytest.mark.parametrize("rows", [1, 5, 37, 300, MAX_ROWS, MAX_ROWS + 1, 2 * MAX_ROWS + 37])
+def test_a_step_is_padded_so_that_every_gemm_slice_is_a_bucket(rows):
+    padded = padded_rows(rows)
+    assert rows <= padded < rows + 256
+    slices = [min(MAX_ROWS, padded - start) for start in range(0, padded, MAX_ROWS)]
+    assert all(row_bucket(n) == n for n in slices)
 
 
 def test_long_inputs_run_in_slices_that_reuse_the_buckets(monkeypatch):
@@ -156,3 +166,36 @@ def test_the_cpu_engine_keeps_freed_activations_off_fresh_pages(llama_dir, mallo
         assert faults < 1000
     else:
         assert faults > 10 * 12800
+
+
+def _staggered_greedy(model_dir, backend):
+    """Requests join a running batch (decode rows and prefill chunks in one step) and leave it."""
+    from backend import LLM, SamplingParams
+    engine = LLM(str(model_dir), attention_backend=backend, max_num_batched_tokens=48).engine
+    prompts = [[(11 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate([7, 21, 3, 50, 13, 30])]
+    tokens = {}
+    for step in range(40):
+        if step < len(prompts):
+            engine.add_request(str(step), prompts[step], SamplingParams(max_tokens=5 + 3 * step, temperature=0.0))
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    assert not engine.has_work() and engine.blocks.num_used_blocks == 0
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def test_padded_steps_decode_what_unpadded_ones_do(llama_dir, monkeypatch):
+    """The fast path pads each step to a GEMM bucket with rows of empty sequences; the layers'
+    GEMMs then pad nothing (only the lm_head, on the sampled rows, may), and the tokens are the
+    plain path's."""
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    pads = []
+    real_pad = torch.nn.functional.pad
+    monkeypatch.setattr(torch.nn.functional, "pad", lambda *a, **k: pads.append(1) or real_pad(*a, **k))
+    fast = _staggered_greedy(llama_dir, "auto")
+    assert seen and all(row_bucket(n) == n for n in seen)
+    steps_with_samples = len(seen) // (4 * 2 + 1)  # the test model: 2 layers of 4 GEMMs, then lm_head
+    assert len(pads) <= steps_with_samples, "a layer GEMM padded its input"
+    assert fast == _staggered_greedy(llama_dir, "torch")

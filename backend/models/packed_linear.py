@@ -7,14 +7,17 @@ a weight already reordered into its blocked layout, does no per-call packing. On
 and 1.8x at 64 (docs/performance.md). The reordered weight replaces the dense one, so memory does
 not grow (but for a tied lm_head, whose dense copy the embedding still needs).
 
-oneDNN builds (and caches) one primitive per input shape, about 0.65 MB each, and keeps up to a
-thousand: fed every row count from 1 to 2,048 as they come, the process grew by hundreds of MB
-(the soak test caught it). So the rows go in fixed buckets: one row alone; up to 64 rows, the next
-multiple of 8; up to 256, the next multiple of 32; up to 4,096 (a prefill chunk), the next
-multiple of 256; more, in slices of 4,096. That is 30 shapes per weight shape at most, whatever
-the traffic. A padded row costs little: a small batch is bound by reading the weights, and a
-chunk pads by fewer than 256 rows (at most 12.5% of 2,048). Slicing chunks into 256-row GEMMs
-instead cost the copy of every slice into the output and ~4% of GEMM speed.
+oneDNN builds (and caches) one primitive per input shape, about 0.6 MB each (3.4 MB past 256
+rows), and keeps up to a thousand: fed every row count from 1 to 2,048 as they come, the process
+grew by hundreds of MB (the soak test caught it). So the rows go in fixed buckets, 44 at most per
+weight shape whatever the traffic: up to 8 rows, 4, 6 or 8; up to 64, the next multiple of 4; up
+to 256, of 16; up to 4,096 (a prefill chunk), of 256; more, in slices of 4,096. Past 8 rows a
+step's GEMMs cost ~1.6 ms a row on SmolLM2 (2 threads), padding rows included, so the steps are
+fine where decode batches live; below, the cost is reading the weights, and oneDNN's kernels for 4
+to 6 rows read them faster than its 1-, 2- or 8-row ones (20 against 24-28 ms a step, in one
+run). Slicing chunks into 256-row GEMMs instead cost the copy of every slice into the output and
+~4% of GEMM speed. The runner pads a whole step to its bucket once (`padded_rows`), so the
+layers' GEMMs pad nothing.
 
 The batch-size hint only steers the reorder's blocking; any number of rows works. Results differ
 from MKL's by float summation order (~1e-5 relative), as any two GEMM libraries do.
@@ -29,12 +32,17 @@ MAX_ROWS = 4096  # rows per GEMM call; longer inputs go in slices of this many
 
 
 def row_bucket(rows: int) -> int:
-    """The row count a GEMM of `rows` rows (at most MAX_ROWS) is padded to. One row stays one
-    (a lone decode, where oneDNN's matrix-vector kernel beats an 8-row GEMM)."""
-    if rows == 1:
-        return 1
-    step = 8 if rows <= 64 else 32 if rows <= 256 else 256
+    """The row count a GEMM of `rows` rows (1 to MAX_ROWS) is padded to."""
+    if rows <= 8:
+        return 4 if rows <= 4 else 6 if rows <= 6 else 8
+    step = 4 if rows <= 64 else 16 if rows <= 256 else 256
     return -(-rows // step) * step
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a step of `rows` tokens is padded to so that every GEMM slice is a bucket."""
+    whole, rest = divmod(rows, MAX_ROWS)
+    return whole * MAX_ROWS + (row_bucket(rest) if rest else 0)
 
 
 PACKABLE = (torch.float32, torch.bfloat16)
