@@ -26,6 +26,21 @@ def test_matches_the_reference_on_a_shuffled_cache(num_heads, num_kv_heads, head
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
+def test_a_sequence_of_no_tokens_attends_to_nothing():
+    """The runner pads a step to a GEMM bucket with rows of empty sequences: their output is zero
+    (nothing read, nothing NaN), and the real rows beside them are unchanged."""
+    gen = torch.Generator().manual_seed(seed_for("cpu-decode-empty"))
+    lens = [0, 0, 37, 0, 130]
+    k_cache, v_cache, tables = build_paged_cache([max(n, 1) for n in lens], 16, 3, 64, torch.float32, gen)
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    out = decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    real = [i for i, n in enumerate(lens) if n]
+    assert torch.equal(out[[0, 1, 3]], torch.zeros(3, 9, 64))
+    expected = reference.decode_attention(q[real], k_cache, v_cache, tables[real],
+                                          torch.tensor([lens[i] for i in real], dtype=torch.int32), 0.125)
+    torch.testing.assert_close(out[real], expected, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_result_does_not_depend_on_the_thread_count(threads):
     gen = torch.Generator().manual_seed(seed_for("cpu-decode-threads"))
