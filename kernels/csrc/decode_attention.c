@@ -1,47 +1,55 @@
 /* Paged decode attention on the CPU, reading K/V in place from the block-paged cache.
 
-   One query token per sequence, one sequence per task. Each cached token's K and V rows (all kv
-   heads) are read once per layer, straight out of their blocks, with no padded copy; the query
-   heads that share a kv head (GQA) read it from cache. Softmax in float32 over exactly the
-   sequence's own tokens (no padding, no mask); a sequence of length 0 (the runner's padding rows)
-   gets zeros. Layouts, all contiguous:
+   One query token per sequence. Each cached token's K and V rows (all kv heads) are read once
+   per layer, straight out of their blocks, with no padded copy; the query heads that share a kv
+   head (GQA) read it from cache. Softmax in float32 over exactly the sequence's own tokens (no
+   padding, no mask); a sequence of length 0 (the runner's padding rows) gets zeros. Layouts, all
+   contiguous:
      q, out [S, H, D]; k_cache, v_cache [NB, BS, G, D]; block_tables [S, MB] int32; seq_lens [S] int32
    The Python wrapper (kernels/cpu_decode_attention.py) checks shapes, dtypes and that every
    seq_len fits its table, and that every block id is in range.
 
+   A task is a chunk of one sequence's tokens (whole blocks): its own max, sum and weighted V per
+   head, merged per sequence afterwards (flash-decoding's split). A few long sequences, the tail
+   of a workload, would otherwise leave all but one core idle. Chunks are at least MIN_CHUNK
+   tokens and sized from the batch alone (about TASKS of them), not from the thread count, so a
+   result does not depend on how many threads ran it.
+
    Speed (docs/performance.md): the kernel waits on memory, rows scattered block by block. The
    loops walk blocks, not tokens (no division per token), the common head sizes get their own
-   copies with a known trip count, and each row is prefetched AHEAD tokens early. Batch 32 at
-   ~150 tokens, 30 layers of caches, 2 threads: 16.8 -> 13.8 ms; the same rows only summed (no
-   attention math) take 9.4 ms. */
+   copies with a known trip count, and each row is prefetched AHEAD tokens early. 30 layers of
+   SmolLM2's caches, 2 threads: batch 32 at ~150 tokens 16.8 -> 13.8 ms (the same rows only
+   summed take 9.4 ms); one sequence of 900 tokens 5.8 -> 3.1 ms. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Ask for the row AHEAD tokens on, wherever its block lies: the hardware prefetcher stops at
-   each 4 KB page and knows nothing of the block table (2 to 16 measured alike; 4 it is). */
-#define AHEAD 4
-static inline void prefetch_row(const float *cache, const int32_t *table, int64_t t, int64_t len,
+#define AHEAD 4     /* rows prefetched ahead (2 to 16 measured alike) */
+#define MIN_CHUNK 128 /* tokens: below this a chunk's merge costs more than its parallelism gains */
+#define TASKS 16      /* chunks a batch is cut into, about: enough for every core of a small server */
+
+/* The hardware prefetcher stops at each 4 KB page and knows nothing of the block table. */
+static inline void prefetch_row(const float *cache, const int32_t *table, int64_t t, int64_t end,
                                 int64_t BS, int64_t row) {
-    if (t >= len) return;
+    if (t >= end) return;
     const char *p = (const char *)(cache + ((int64_t)table[t / BS] * BS + t % BS) * row);
     for (int64_t b = 0; b < row * (int64_t)sizeof(float); b += 64) __builtin_prefetch(p + b);
 }
 
-/* One sequence: scores for every head over its tokens, softmax, then the weighted sum of V. */
-static inline __attribute__((always_inline)) void one_sequence(
+/* Tokens [t0, t1) of one sequence, t0 on a block boundary: per head h, part[h] = (m, l, acc[D])
+   with m the chunk's top score, l = sum_t exp(s_t - m) and acc = sum_t exp(s_t - m) v_t. */
+static inline __attribute__((always_inline)) void one_chunk(
         const float *restrict qs, const float *restrict k_cache, const float *restrict v_cache,
-        const int32_t *restrict table, int64_t len, float *restrict os, float *restrict scores,
-        int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
-    const int64_t rep = H / G, row = G * D;
-    memset(os, 0, sizeof(float) * H * D);
-    for (int64_t b = 0, t0 = 0; t0 < len; b++, t0 += BS) {
-        const int64_t n = len - t0 < BS ? len - t0 : BS;
-        const float *kb = k_cache + (int64_t)table[b] * BS * row;
-        for (int64_t i = 0; i < n; i++) {
+        const int32_t *restrict table, int64_t t0, int64_t t1, float *restrict part,
+        float *restrict scores, int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
+    const int64_t rep = H / G, row = G * D, n = t1 - t0, stride = D + 2;
+    for (int64_t t = t0; t < t1; t += BS) {
+        const float *kb = k_cache + (int64_t)table[t / BS] * BS * row;
+        const int64_t m = t1 - t < BS ? t1 - t : BS;
+        for (int64_t i = 0; i < m; i++) {
             const float *k = kb + i * row;
-            prefetch_row(k_cache, table, t0 + i + AHEAD, len, BS, row);
+            prefetch_row(k_cache, table, t + i + AHEAD, t1, BS, row);
             for (int64_t g = 0; g < G; g++) {
                 const float *kg = k + g * D;
                 for (int64_t r = 0; r < rep; r++) {
@@ -50,37 +58,37 @@ static inline __attribute__((always_inline)) void one_sequence(
                     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
                     for (int64_t d = 0; d < D; d++) acc += qh[d] * kg[d];
-                    scores[h * len + t0 + i] = acc * scale;
+                    scores[h * n + (t - t0) + i] = acc * scale;
                 }
             }
         }
     }
     for (int64_t h = 0; h < H; h++) {
-        float *sh = scores + h * len;
+        float *sh = scores + h * n, *ph = part + h * stride;
         float top = sh[0];
-        for (int64_t t = 1; t < len; t++) top = sh[t] > top ? sh[t] : top;
+        for (int64_t i = 1; i < n; i++) top = sh[i] > top ? sh[i] : top;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sh[t] = expf(sh[t] - top);
-            sum += sh[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) sh[t] *= inv;
-    }
-    for (int64_t b = 0, t0 = 0; t0 < len; b++, t0 += BS) {
-        const int64_t n = len - t0 < BS ? len - t0 : BS;
-        const float *vb = v_cache + (int64_t)table[b] * BS * row;
         for (int64_t i = 0; i < n; i++) {
+            sh[i] = expf(sh[i] - top);
+            sum += sh[i];
+        }
+        ph[0] = top;
+        ph[1] = sum;
+        memset(ph + 2, 0, sizeof(float) * D);
+    }
+    for (int64_t t = t0; t < t1; t += BS) {
+        const float *vb = v_cache + (int64_t)table[t / BS] * BS * row;
+        const int64_t m = t1 - t < BS ? t1 - t : BS;
+        for (int64_t i = 0; i < m; i++) {
             const float *v = vb + i * row;
-            prefetch_row(v_cache, table, t0 + i + AHEAD, len, BS, row);
+            prefetch_row(v_cache, table, t + i + AHEAD, t1, BS, row);
             for (int64_t g = 0; g < G; g++) {
                 const float *vg = v + g * D;
                 for (int64_t r = 0; r < rep; r++) {
                     const int64_t h = g * rep + r;
-                    const float p = scores[h * len + t0 + i];
-                    float *o = os + h * D;
+                    const float p = scores[h * n + (t - t0) + i];
+                    float *o = part + h * stride + 2;
 #pragma omp simd
                     for (int64_t d = 0; d < D; d++) o[d] += p * vg[d];
                 }
@@ -94,29 +102,66 @@ void decode_attention_f32(const float *restrict q, const float *restrict k_cache
                           const int32_t *restrict seq_lens, float *restrict out,
                           int64_t S, int64_t H, int64_t G, int64_t D, int64_t BS, int64_t MB,
                           float scale) {
+    int64_t total = 0, longest = 1;
+    for (int64_t s = 0; s < S; s++) {
+        total += seq_lens[s] > 0 ? seq_lens[s] : 0;
+        longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+    }
+    int64_t chunk = (total + TASKS - 1) / TASKS;
+    chunk = chunk < MIN_CHUNK ? MIN_CHUNK : chunk;
+    chunk = (chunk + BS - 1) / BS * BS; /* whole blocks */
+    /* Task j covers chunk j - first[s] of sequence owner[j] = s. */
+    int64_t *first = malloc(sizeof(int64_t) * (S + 1));
+    first[0] = 0;
+    for (int64_t s = 0; s < S; s++)
+        first[s + 1] = first[s] + (seq_lens[s] > 0 ? (seq_lens[s] + chunk - 1) / chunk : 0);
+    const int64_t tasks = first[S], stride = D + 2;
+    float *parts = malloc(sizeof(float) * (tasks ? tasks : 1) * H * stride);
+    int64_t *owner = malloc(sizeof(int64_t) * (tasks ? tasks : 1));
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = first[s]; j < first[s + 1]; j++) owner[j] = s;
 #pragma omp parallel
     {
-        float *scores = NULL;
-        int64_t capacity = 0;
+        float *scores = malloc(sizeof(float) * H * (chunk < longest ? chunk : longest));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < S; s++) {
-            const int64_t len = seq_lens[s];
-            float *os = out + s * H * D;
-            if (len <= 0) { memset(os, 0, sizeof(float) * H * D); continue; }
-            if (H * len > capacity) {
-                free(scores);
-                capacity = H * len;
-                scores = malloc(sizeof(float) * capacity);
-            }
+        for (int64_t j = 0; j < tasks; j++) {
+            const int64_t s = owner[j], t0 = (j - first[s]) * chunk;
+            const int64_t t1 = t0 + chunk < seq_lens[s] ? t0 + chunk : seq_lens[s];
             const float *qs = q + s * H * D;
             const int32_t *table = block_tables + s * MB;
-            if (D == 64)  /* the common head sizes, with the inner loops' trip count known */
-                one_sequence(qs, k_cache, v_cache, table, len, os, scores, H, G, 64, BS, scale);
+            float *part = parts + j * H * stride;
+            if (D == 64)
+                one_chunk(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 64, BS, scale);
             else if (D == 128)
-                one_sequence(qs, k_cache, v_cache, table, len, os, scores, H, G, 128, BS, scale);
+                one_chunk(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 128, BS, scale);
             else
-                one_sequence(qs, k_cache, v_cache, table, len, os, scores, H, G, D, BS, scale);
+                one_chunk(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, D, BS, scale);
         }
         free(scores);
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < S; s++) { /* merge: each chunk rescaled to the sequence's top */
+            for (int64_t h = 0; h < H; h++) {
+                float *o = out + (s * H + h) * D;
+                memset(o, 0, sizeof(float) * D);
+                if (first[s + 1] == first[s]) continue;
+                float top = -INFINITY, sum = 0.0f;
+                for (int64_t j = first[s]; j < first[s + 1]; j++) {
+                    const float m = parts[(j * H + h) * stride];
+                    top = m > top ? m : top;
+                }
+                for (int64_t j = first[s]; j < first[s + 1]; j++) {
+                    const float *ph = parts + (j * H + h) * stride, w = expf(ph[0] - top);
+                    sum += w * ph[1];
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) o[d] += w * ph[2 + d];
+                }
+                const float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
     }
+    free(parts);
+    free(owner);
+    free(first);
 }

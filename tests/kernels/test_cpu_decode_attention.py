@@ -26,6 +26,19 @@ def test_matches_the_reference_on_a_shuffled_cache(num_heads, num_kv_heads, head
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lens,block_size", [([1000], 16), ([997, 3], 32), ([641], 1), ([129, 2000, 5], 16)])
+def test_long_sequences_split_into_chunks_merge_to_the_reference(lens, block_size):
+    """A few long sequences are cut into chunks that run in parallel and merge by their softmax
+    statistics; the merge must give the one-pass result."""
+    gen = torch.Generator().manual_seed(seed_for("cpu-decode-chunks", len(lens), block_size))
+    k_cache, v_cache, tables = build_paged_cache(lens, block_size, 3, 64, torch.float32, gen)
+    q = torch.randn(len(lens), 9, 64, generator=gen) * 3  # sharp softmaxes: chunk maxima differ
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    expected = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
 def test_a_sequence_of_no_tokens_attends_to_nothing():
     """The runner pads a step to a GEMM bucket with rows of empty sequences: their output is zero
     (nothing read, nothing NaN), and the real rows beside them are unchanged."""
