@@ -25,8 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define AHEAD 4     /* rows prefetched ahead (2 to 16 measured alike) */
-#define MIN_CHUNK 128 /* tokens: below this a chunk's merge costs more than its parallelism gains */
+#define AHEAD 4       /* rows prefetched ahead (2 to 16 measured alike) */
+#define MIN_CHUNK 128 /* tokens, a floor that keeps each merge small against its chunk (not tuned) */
 #define TASKS 16      /* chunks a batch is cut into, about: enough for every core of a small server */
 
 /* The hardware prefetcher stops at each 4 KB page and knows nothing of the block table. */
