@@ -37,32 +37,70 @@ static inline void prefetch_row(const float *cache, const int32_t *table, int64_
     for (int64_t b = 0; b < row * (int64_t)sizeof(float); b += 64) __builtin_prefetch(p + b);
 }
 
-/* Tokens [t0, t1) of one sequence, t0 on a block boundary: per head h, part[h] = (m, l, acc[D])
-   with m the chunk's top score, l = sum_t exp(s_t - m) and acc = sum_t exp(s_t - m) v_t. */
+/* Scores of one cached token (its K row holds every kv head) against every query head. */
+static inline __attribute__((always_inline)) void qk_row(
+        const float *restrict k, int64_t i, const float *restrict qs, float *restrict scores,
+        int64_t n, int64_t H, int64_t G, const int64_t D, float scale) {
+    const int64_t rep = H / G;
+    for (int64_t g = 0; g < G; g++) {
+        const float *kg = k + g * D;
+        for (int64_t r = 0; r < rep; r++) {
+            const int64_t h = g * rep + r;
+            const float *qh = qs + h * D;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; d++) acc += qh[d] * kg[d];
+            scores[h * n + i] = acc * scale;
+        }
+    }
+}
+
+/* One cached token's V row, weighted by its probability under every head, into the heads' sums. */
+static inline __attribute__((always_inline)) void pv_row(
+        const float *restrict v, int64_t i, const float *restrict scores, float *restrict part,
+        int64_t n, int64_t H, int64_t G, const int64_t D) {
+    const int64_t rep = H / G, stride = D + 2;
+    for (int64_t g = 0; g < G; g++) {
+        const float *vg = v + g * D;
+        for (int64_t r = 0; r < rep; r++) {
+            const int64_t h = g * rep + r;
+            const float p = scores[h * n + i];
+            float *o = part + h * stride + 2;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] += p * vg[d];
+        }
+    }
+}
+
+/* One pass over the rows of tokens [t0, t1), t0 on a block boundary: block by block (no division
+   per token), the row AHEAD on prefetched. `values` (a constant where it is called) picks the
+   pass: K rows into scores, or V rows into the weighted sums. */
+static inline __attribute__((always_inline)) void walk(
+        int values, const float *restrict cache, const int32_t *restrict table, int64_t t0, int64_t t1,
+        const float *restrict qs, float *restrict scores, float *restrict part,
+        int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
+    const int64_t row = G * D, n = t1 - t0;
+    for (int64_t t = t0; t < t1; t += BS) {
+        const float *block = cache + (int64_t)table[t / BS] * BS * row;
+        const int64_t m = t1 - t < BS ? t1 - t : BS;
+        for (int64_t j = 0; j < m; j++) {
+            prefetch_row(cache, table, t + j + AHEAD, t1, BS, row);
+            if (values)
+                pv_row(block + j * row, t - t0 + j, scores, part, n, H, G, D);
+            else
+                qk_row(block + j * row, t - t0 + j, qs, scores, n, H, G, D, scale);
+        }
+    }
+}
+
+/* Tokens [t0, t1) of one sequence: per head h, part[h] = (m, l, acc[D]) with m the chunk's top
+   score, l = sum_t exp(s_t - m) and acc = sum_t exp(s_t - m) v_t. */
 static inline __attribute__((always_inline)) void one_chunk(
         const float *restrict qs, const float *restrict k_cache, const float *restrict v_cache,
         const int32_t *restrict table, int64_t t0, int64_t t1, float *restrict part,
         float *restrict scores, int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
-    const int64_t rep = H / G, row = G * D, n = t1 - t0, stride = D + 2;
-    for (int64_t t = t0; t < t1; t += BS) {
-        const float *kb = k_cache + (int64_t)table[t / BS] * BS * row;
-        const int64_t m = t1 - t < BS ? t1 - t : BS;
-        for (int64_t i = 0; i < m; i++) {
-            const float *k = kb + i * row;
-            prefetch_row(k_cache, table, t + i + AHEAD, t1, BS, row);
-            for (int64_t g = 0; g < G; g++) {
-                const float *kg = k + g * D;
-                for (int64_t r = 0; r < rep; r++) {
-                    const int64_t h = g * rep + r;
-                    const float *qh = qs + h * D;
-                    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t d = 0; d < D; d++) acc += qh[d] * kg[d];
-                    scores[h * n + (t - t0) + i] = acc * scale;
-                }
-            }
-        }
-    }
+    const int64_t n = t1 - t0, stride = D + 2;
+    walk(0, k_cache, table, t0, t1, qs, scores, part, H, G, D, BS, scale);
     for (int64_t h = 0; h < H; h++) {
         float *sh = scores + h * n, *ph = part + h * stride;
         float top = sh[0];
@@ -77,24 +115,7 @@ static inline __attribute__((always_inline)) void one_chunk(
         ph[1] = sum;
         memset(ph + 2, 0, sizeof(float) * D);
     }
-    for (int64_t t = t0; t < t1; t += BS) {
-        const float *vb = v_cache + (int64_t)table[t / BS] * BS * row;
-        const int64_t m = t1 - t < BS ? t1 - t : BS;
-        for (int64_t i = 0; i < m; i++) {
-            const float *v = vb + i * row;
-            prefetch_row(v_cache, table, t + i + AHEAD, t1, BS, row);
-            for (int64_t g = 0; g < G; g++) {
-                const float *vg = v + g * D;
-                for (int64_t r = 0; r < rep; r++) {
-                    const int64_t h = g * rep + r;
-                    const float p = scores[h * n + (t - t0) + i];
-                    float *o = part + h * stride + 2;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) o[d] += p * vg[d];
-                }
-            }
-        }
-    }
+    walk(1, v_cache, table, t0, t1, qs, scores, part, H, G, D, BS, scale);
 }
 
 void decode_attention_f32(const float *restrict q, const float *restrict k_cache,
