@@ -60,6 +60,11 @@ def cpu_threads() -> int:
     return max(1, len(allowed_cores()) - 1)
 
 
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes: K and V, every layer, every kv head."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int):
         self.config = config
@@ -100,9 +105,7 @@ class ModelRunner:
 
     # -- KV cache sizing ------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        c = self.model_cfg
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+        return self.block_size * kv_bytes_per_token(self.model_cfg, self.dtype)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

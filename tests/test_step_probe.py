@@ -60,3 +60,26 @@ def test_a_peer_that_stops_early_is_refused(tmp_path):
     assert json.loads((tmp_path / "ok.json").read_text())["output_tok_s"] == 3.0
     with pytest.raises(SystemExit, match="x: 1 of 2 requests did not generate their max_tokens"):
         write_result(tmp_path / "short.json", "x", 1.0, [4, 1], items)
+
+
+def test_inflights_peer_runner_sizes_its_cache_as_vllm_and_generates_every_token(llama_dir, tmp_path, monkeypatch):
+    """run_inflight gets vLLM's KV budget (VLLM_CPU_KVCACHE_SPACE GiB) in tokens, from the same
+    bytes-per-token the runner sizes its own cache with, and writes a checked result."""
+    import sys
+    from backend import LLM
+    from client.tools.peers import run_inflight
+    items = [([5, 6, 7, 8, 9], 6), ([10, 11], 3), (list(range(3, 40)), 5)]
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps([{"input_ids": p, "max_tokens": n} for p, n in items]))
+    made = []
+    monkeypatch.setattr("backend.LLM", lambda *a, **k: made.append(k) or LLM(*a, **k))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.001")
+    monkeypatch.setattr(sys, "argv", ["run_inflight", "--model-path", str(llama_dir), "--workload", str(workload),
+                                      "--out", str(tmp_path / "r.json"), "--warmup", "1"])
+    assert run_inflight.main() == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["engine"] == "inflight" and result["output_tokens"] == 14
+    runner = LLM(str(llama_dir), cpu_kv_cache_tokens=made[0]["cpu_kv_cache_tokens"]).engine.runner
+    cache_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+    assert runner.num_blocks == made[0]["cpu_kv_cache_tokens"] // runner.block_size
+    assert cache_bytes <= 0.001 * 2**30 < cache_bytes + runner._bytes_per_block()

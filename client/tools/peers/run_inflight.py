@@ -14,14 +14,17 @@ from client.tools.peers.common import load_workload, parse_runner_args, write_re
 
 def main() -> int:
     args = parse_runner_args(sys.argv[1:])
+    import torch
     from backend import LLM, SamplingParams
     from backend.loader import load_model_config
+    from backend.runner import kv_bytes_per_token
     items = load_workload(args.workload)
     longest = max(len(p) for p, _ in items)
     cfg = load_model_config(args.model_path)
-    token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
+    token_bytes = kv_bytes_per_token(cfg, torch.float32)
     kv_tokens = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30) // token_bytes
-    llm = LLM(args.model_path, dtype="float32", max_model_len=max(longest + 600, 2048), max_num_seqs=256,
+    max_model_len = min(max(longest + 600, 2048), cfg.max_position_embeddings)
+    llm = LLM(args.model_path, dtype="float32", max_model_len=max_model_len, max_num_seqs=256,
               max_num_batched_tokens=4096, cpu_kv_cache_tokens=kv_tokens)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     llm.generate([p for p, _ in items[:args.warmup]], [greedy(4)] * min(args.warmup, len(items)))
