@@ -62,7 +62,7 @@ def cpu_threads() -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """KV-cache bytes one token takes: K and V, every layer, every kv head."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
@@ -166,8 +166,8 @@ class ModelRunner:
         seqs = decodes + prefills
         # Rows that round the step up to a GEMM bucket (CPU fast path) come first, as decode rows of
         # empty sequences: stored nowhere, attending to nothing (their output is zero), never sampled.
-        num_tokens = sum(s.num_new_tokens for s in seqs)
-        empty = self.padded_rows(num_tokens) - num_tokens
+        counts = [s.num_new_tokens for s in seqs]
+        empty = self.padded_rows(sum(counts)) - sum(counts)
         ids: list[int] = [PAD_TOKEN_ID] * empty
         positions: list[int] = [0] * empty
         slots: list[int] = [-1] * empty
@@ -194,7 +194,7 @@ class ModelRunner:
             prefill_seq_lens=as_t([s.start + s.num_new_tokens for s in prefills], np.int32),
             decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0))
         # Logits are needed only at the last token of each sequence that samples this step.
-        ends = empty + np.cumsum([s.num_new_tokens for s in seqs]) - 1
+        ends = empty + np.cumsum(counts) - 1
         sample_rows = [int(e) for e, s in zip(ends, seqs) if s.samples]
         sampling = [s.request for s in seqs if s.samples]
         return as_t(ids, np.int64), as_t(positions, np.int64), ctx, sample_rows, sampling
