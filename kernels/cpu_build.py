@@ -53,6 +53,7 @@ def cache_dir() -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -66,6 +67,12 @@ def _cpu_flags() -> str:
 def _compiler() -> Optional[str]:
     chosen = os.environ.get("CC")
     return shutil.which(chosen) if chosen else shutil.which("gcc") or shutil.which("cc")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cc: str) -> str:
+    """First line of `cc --version`: part of every library's cache key (one run per process)."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
 
 
 def _run(cmd: list[str]) -> None:
@@ -84,9 +91,8 @@ def build(name: str) -> Path:
         source = (CSRC / f"{name}.c").read_bytes()
     except OSError as e:  # an install that left the C sources out
         raise CpuKernelUnavailable(f"no source for CPU kernel '{name}': {e}") from e
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     key = hashlib.sha256(b"\0".join([source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-                                     version.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+                                     _compiler_version(cc).encode(), _cpu_flags().encode()])).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target
