@@ -42,7 +42,7 @@ INPUTS: tuple[Tensor, ...] = (
     # -- sampling settings --
     Tensor("max_tokens", "INT32", (1,), "default 16; >= 1", "max_tokens"),
     Tensor("temperature", "FP32", (1,), "default 1.0; >= 0, below 1e-5 is greedy", "temperature"),
-    Tensor("top_k", "INT32", (1,), "default 0 (off); >= 0", "top_k"),
+    Tensor("top_k", "INT32", (1,), "default 0; -1 or 0: off (vLLM's -1); else >= 1", "top_k"),
     Tensor("top_p", "FP32", (1,), "default 1.0; (0, 1]", "top_p"),
     Tensor("seed", "UINT64", (1,), "default: unseeded; [0, 2^63)", "seed"),
     Tensor("stop_words", "STRING", (-1,), "stop strings (not part of the output)", "stop"),

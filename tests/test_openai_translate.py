@@ -205,7 +205,7 @@ def test_error_status_of_the_engines_messages(default_model_dir):
         llm.engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
     assert error_status(str(full.value)) == 429
     with pytest.raises(ValueError) as bad:
-        SamplingParams(top_k=-1)
+        SamplingParams(top_k=-2)
     assert error_status(str(bad.value)) == 400
     assert error_status("the server is shutting down; retry later") == 503
     assert error_status("RuntimeError: CUDA error: an illegal memory access") == 500

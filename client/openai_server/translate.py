@@ -121,8 +121,6 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
         value = _typed(body, name, kinds, what)
         if value is not None:
             sampling[name] = value
-    if body.get("top_k") == -1:  # vLLM's "off"; the engine's is 0
-        sampling["top_k"] = 0
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
