@@ -61,7 +61,9 @@ class OutputProcessor:
         state = self._states[req.seq_id]
         delta = ""
         if state.detok is not None:
-            delta = state.detok.add(new_ids) if new_ids else ""
+            # vLLM v1: the EOS or stop token that ended a request is in its token ids, not its text
+            text_ids = new_ids[:-1] if new_ids and req.stop_token_id is not None else new_ids
+            delta = state.detok.add(text_ids) if text_ids else ""
             if req.status.finished:
                 delta += state.detok.flush()
         # vLLM checks stop strings only once more than min_tokens tokens were generated

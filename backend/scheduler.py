@@ -253,6 +253,7 @@ class Scheduler(Admission):
         n_out = len(req.output_token_ids)
         if n_out >= req.params.min_tokens and (
                 token in req.eos_token_ids or token in req.params.stop_token_ids):
+            req.stop_token_id = token
             return RequestStatus.FINISHED_STOPPED
         if n_out >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -166,3 +166,28 @@ def test_bad_words_are_never_generated(llm):
     for ids in banned:
         n = len(ids)
         assert all(out.token_ids[i:i + n] != ids for i in range(len(out.token_ids))), f"{word!r} generated"
+
+
+def test_a_stop_token_ends_the_output_but_is_left_out_of_its_text(llm):
+    """vLLM v1: a token of stop_token_ids is the last of token_ids, and not in the text."""
+    greedy = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=12, temperature=0))[0]
+    tok = llm.tokenizer
+    at = next(i for i in range(3, 12) if tok.decode([greedy.token_ids[i]]).strip()
+              and greedy.token_ids[i] not in greedy.token_ids[:i])
+    stop_id = greedy.token_ids[at]
+    for stream in (False, True):
+        if stream:  # the same through the step outputs (what the server streams)
+            eng = llm.engine
+            eng.add_request("stop-token", PROMPTS[4], SamplingParams(max_tokens=12, temperature=0,
+                                                                      stop_token_ids=[stop_id]))
+            steps = []
+            while eng.has_work():
+                steps += eng.step()
+            out = steps[-1]
+            assert "".join(o.new_text for o in steps) == out.text
+        else:
+            out = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=12, temperature=0,
+                                                            stop_token_ids=[stop_id]))[0]
+        assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[:at + 1]
+        assert out.text == tok.decode(greedy.token_ids[:at])
+        assert not out.text.endswith(tok.decode([stop_id]))
