@@ -75,6 +75,23 @@ TENSOR_TYPES = {t.name: (_NUMPY[t.data_type], "BYTES" if t.data_type == "STRING"
                 for t in tensor_table.INPUTS}
 OUTPUTS = tuple(t.name for t in tensor_table.OUTPUTS)
 _LISTS = {t.name for t in tensor_table.INPUTS if t.dims == (-1,)}
+_INTEGER_TYPES = ("INT32", "UINT32", "INT64", "UINT64")
+
+
+def checked_ints(name: str, values: Sequence[Any], triton_type: str) -> list[int]:
+    """Integers that fit the input's type, or ValueError naming the value: numpy wraps an
+    out-of-range Python int (4294967301 becomes 5 in an INT32), and Triton wraps a JSON number the
+    same way, so past this point nobody could tell."""
+    info = np.iinfo(_NUMPY[triton_type])
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name}: {v!r} is not an integer")
+        if not info.min <= int(v) <= info.max:
+            hint = " (token ids are in [0, vocabulary size))" if name == "input_ids" else ""
+            raise ValueError(f"{name}: {int(v)} does not fit {triton_type} [{info.min}, {info.max}]{hint}")
+        out.append(int(v))
+    return out
 
 
 def request_tensors(prompt: Optional[Prompt], options: Options, stream: bool,
@@ -98,6 +115,8 @@ def request_tensors(prompt: Optional[Prompt], options: Options, stream: bool,
     out = {}
     for name, value in values.items():
         dtype, triton_type = TENSOR_TYPES[name]
+        if triton_type in _INTEGER_TYPES:  # never let numpy wrap a value that does not fit
+            checked_ints(name, value if name in _LISTS else [value], triton_type)
         if name in _LISTS:
             items = [v.encode("utf-8") if isinstance(v, str) else v for v in value]
             array = np.array(items, dtype=dtype).reshape([-1])
@@ -123,13 +142,15 @@ def request_json(prompt: Optional[Prompt], options: Options, stream: bool,
     if isinstance(prompt, str):
         body["text_input"] = prompt
     elif prompt is not None:
-        body["input_ids"] = [int(t) for t in prompt]
+        body["input_ids"] = checked_ints("input_ids", list(prompt), "INT32")
     body["stream"] = stream
     body.update((name, True) for name in options.returns())
     for f in fields(options):
         value = getattr(options, f.name)
         if value is not None:
             body[f.name] = list(value) if f.name in _LISTS else value
+            if TENSOR_TYPES.get(f.name, (None, ""))[1] in _INTEGER_TYPES:
+                checked_ints(f.name, [value], TENSOR_TYPES[f.name][1])
     return body
 
 

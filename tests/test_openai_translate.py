@@ -115,6 +115,8 @@ def test_chat_parameters():
     ({"logprobs": 1}, "logprobs"),
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),

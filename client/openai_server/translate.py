@@ -179,6 +179,8 @@ def parse_completion(body: dict[str, Any]) -> Generation:
         raise bad("prompt", "prompt must be a non-empty string, a list of token ids, or a list of those")
     if any(p == "" for p in prompts):
         raise bad("prompt", "prompt must not be empty")
+    for p in prompts:
+        _check_token_ids(p)
     logprobs = _typed(body, "logprobs", (int,), "an integer (the number of top logprobs)")
     echo = bool(_typed(body, "echo", (bool,), "a boolean"))
     if echo and logprobs is not None:
@@ -209,8 +211,9 @@ def parse_chat(body: dict[str, Any], render: Callable[[list[dict[str, Any]]], st
                 raise bad("messages", f"messages[{i}].content: only text parts are supported")
             message = {**message, "content": "".join(p["text"] for p in content)}
             messages[i] = message
-        elif content is not None and not isinstance(content, str):
-            raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+        elif not isinstance(content, str):  # null included: a template would fail on it (a 500)
+            raise bad("messages", f"messages[{i}].content must be a string or a list of text parts; "
+                                  f"got {json.dumps(content)[:40]}")
     want = _typed(body, "logprobs", (bool,), "a boolean")
     top = _typed(body, "top_logprobs", (int,), "an integer")
     if top is not None and not want:
@@ -227,6 +230,20 @@ def parse_chat(body: dict[str, Any], render: Callable[[list[dict[str, Any]]], st
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+MAX_TOKEN_ID = 2**31 - 1  # input_ids is an INT32 tensor: numpy would wrap a larger id silently
+
+
+def _check_token_ids(prompt: Prompt) -> None:
+    """A token id the INT32 input cannot carry is refused here, naming it; one that fits but is
+    past the vocabulary is refused by the engine, naming it too (a 400 either way)."""
+    if isinstance(prompt, str):
+        return
+    bad_id = next((t for t in prompt if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad_id is not None:
+        raise bad("prompt", f"prompt: token id {bad_id} is outside the vocabulary (token ids are in "
+                            f"[0, vocabulary size), at most {MAX_TOKEN_ID})")
 
 
 def _check_choices(gen: Generation) -> None:
