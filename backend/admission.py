@@ -93,6 +93,7 @@ class Admission:
             at = self.steps + window.reserve_by - 1  # reserve_by 1 is this schedule() call
             if self.reservation is None or self.reservation[0] != head.seq_id or at < self.reservation[1]:
                 self.reservation = (head.seq_id, at)
+                self.reservation_priority = head.priority
         return window
 
     def _preempt_for(self, req: Request, out: "SchedulerOutput") -> Optional[int]:

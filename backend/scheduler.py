@@ -99,6 +99,10 @@ class Scheduler(Admission):
 
     def add(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.params.max_tokens, request.params.n)
+        if self.reservation is not None and request.priority < self.reservation_priority:
+            # A more urgent request runs first, even on blocks the head was promised: the head's
+            # reservation is void and computed again at the next step (docs/design.md, "Priority").
+            self.reservation = None
         self.waiting.push(request)
 
     def abort(self, request_id: str) -> list[Request]:

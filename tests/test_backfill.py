@@ -6,6 +6,7 @@ that nothing is preempted, no block leaks or is owned twice, and no head starts 
 reservation."""
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,12 +32,13 @@ def req(rid, prompt_len, max_tokens, priority=0, first=1):
                    (EOS,), arrival_time=0.0, priority=priority)
 
 
-def step(sched, token=7, eos_rate=0.0, rng=None):
+def step(sched, token=7, eos_rate=0.0, rng=None, check=True):
     out = sched.schedule(0.0)
     sampled = {s.request.seq_id: Sampled(EOS if rng and rng.random() < eos_rate else token)
                for s in out.seqs if s.samples}
     sched.postprocess(out, sampled, 0.0)
-    sched.check_integrity()
+    if check:
+        sched.check_integrity()
     return out
 
 
@@ -123,6 +125,104 @@ def test_backfill_never_preempts_leaks_or_delays_a_head_past_its_reservation(
     assert not sched.has_work, "requests starved"
     assert ended == {r.request_id for r in added}
     assert sched.blocks.num_used_blocks == 0
+
+
+# Two shapes of workload make the worst case tight, so that a rule bent by one token shows:
+# one-token prompts (the finish bounds are exact: every step samples), and long prompts on a small
+# budget (running prefills take the whole budget on the head's reserved step unless a token is held).
+SHAPES = {"one-token prompts": dict(prompt=(1, 1), max_tokens=(1, 24), blocks=(4, 24), block_sizes=(1, 2, 4),
+                                    budget=(9, 64), max_seqs=(2, 8), arrive=0.5),
+          "long prompts, small budget": dict(prompt=(1, 200), max_tokens=(1, 80), blocks=(8, 48),
+                                             block_sizes=(1, 4, 16), budget=(9, 20), max_seqs=(1, 8), arrive=0.6)}
+
+
+def seeded_run(seed: int, shape: dict, priorities: bool = False) -> tuple[list, list]:
+    """One random run. Returns (late, broken): the heads that started after the reservation they
+    were promised (reset when a more urgent request arrived while they waited), and those that
+    started after the first reservation they were ever given."""
+    rng = random.Random(seed)
+    max_seqs = rng.randint(*shape["max_seqs"])
+    sched = make(rng.randint(*shape["blocks"]), rng.choice(shape["block_sizes"]),
+                 max(rng.randint(*shape["budget"]), max_seqs + 1), max_seqs)
+    pending = []
+    for i in range(rng.randint(5, 30)):
+        r = req(f"r{i}", rng.randint(*shape["prompt"]), rng.randint(*shape["max_tokens"]),
+                priority=rng.randint(-2, 2) if priorities else 0)
+        try:
+            sched.check_fits(r.num_prompt_tokens, r.params.max_tokens)
+        except ValueError:
+            continue
+        pending.append(r)
+    promised: dict[str, int] = {}
+    first: dict[str, int] = {}
+    late, broken = [], []
+    while pending or sched.has_work:
+        while pending and rng.random() < shape["arrive"]:
+            new = pending.pop(0)
+            for w in sched.waiting:  # the rule's exception: a more urgent arrival voids the promise
+                if new.priority < w.priority:
+                    promised.pop(w.seq_id, None)
+            sched.add(new)
+        waiting = {r.seq_id for r in sched.waiting}
+        out = step(sched, check=False)  # the property test checks integrity at every step
+        for s in out.seqs:
+            sid = s.request.seq_id
+            if sid in waiting and sched.steps > promised.get(sid, sched.steps):
+                late.append((sid, promised[sid], sched.steps))
+            if sid in waiting and sched.steps > first.get(sid, sched.steps):
+                broken.append((sid, first[sid], sched.steps))
+        if sched.reservation is not None:
+            sid, at = sched.reservation
+            promised[sid] = min(promised.get(sid, at), at)
+            first.setdefault(sid, at)
+        assert sched.steps < 20_000, "requests starved"
+    sched.check_integrity()
+    assert sched.num_preemptions == 0 and sched.blocks.num_used_blocks == 0
+    return late, broken
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_no_head_starts_past_its_reservation_in_300_seeded_runs(shape):
+    """Equal priorities: every reservation is kept (the promise in docs/design.md)."""
+    runs = [seeded_run(seed, SHAPES[shape]) for seed in range(300)]
+    late = [(seed, late) for seed, (late, _) in enumerate(runs) if late]
+    assert not late, f"heads started past their reservation: {late[:3]}"
+    assert sum(bool(b) for _, b in runs) == 0
+
+
+def test_a_more_urgent_arrival_voids_a_reservation_and_only_that_does():
+    """Priorities, both ways: a request more urgent than the head runs first, so the head may start
+    after the reservation it had (it happens: the rule is not vacuous); but a head that saw no more
+    urgent arrival while it waited, or the reservation it got after one, is always kept."""
+    broken = 0
+    for shape in SHAPES.values():
+        for seed in range(300):
+            late, was_broken = seeded_run(seed, shape, priorities=True)
+            assert not late, f"seed {seed}: heads started past their reservation: {late[:3]}"
+            broken += bool(was_broken)
+    assert broken > 20, "more urgent arrivals should delay some heads past their first reservation"
+
+
+def test_the_reservation_is_computed_again_after_a_more_urgent_arrival():
+    """A (running) holds 4 of 10 blocks until step 9; the head needs 9 and is reserved for step 10.
+    An urgent request that fits now starts at once on blocks the head was promised: the head's
+    reservation is dropped and computed again (later), and the head keeps the new one."""
+    sched = make(num_blocks=10, block_size=4)
+    sched.add(req("A", 4, 9))
+    step(sched)
+    sched.add(req("head", 4, 33))
+    step(sched)
+    assert sched.reservation[0] == "head"
+    first = sched.reservation[1]
+    sched.add(req("urgent", 4, 12, priority=-1))
+    assert sched.reservation is None  # void at once: the urgent request runs first
+    out = step(sched)
+    assert [s.request.request_id for s in out.seqs if s.start == 0] == ["urgent"]
+    assert sched.reservation[0] == "head" and sched.reservation[1] > first
+    again = sched.reservation[1]
+    while "head" in {r.request_id for r in sched.waiting}:
+        step(sched)
+    assert first < sched.steps <= again
 
 
 def test_shared_prefix_blocks_are_reserved_once():
