@@ -131,8 +131,8 @@ BAD = [
         r"top_p must be in \(0, 1\]"),
     Bad("top_p above 1", grpc_tensors(text_input="hi", top_p=1.5), {"text_input": "hi", "top_p": 1.5},
         r"top_p must be in \(0, 1\]"),
-    Bad("negative top_k", grpc_tensors(text_input="hi", top_k=-1), {"text_input": "hi", "top_k": -1},
-        "top_k must be an integer >= 0"),
+    Bad("top_k below -1", grpc_tensors(text_input="hi", top_k=-2), {"text_input": "hi", "top_k": -2},
+        "top_k must be an integer >= -1"),
     Bad("token id outside the vocabulary", grpc_tensors(input_ids=(np.array([1, 99999], np.int32), "INT32")),
         {"input_ids": [1, 99999]}, r"token id 99999 is outside the vocabulary \[0, 2000\)"),
     Bad("wrong type", grpc_tensors(text_input="hi", max_tokens=(np.array([4.0], np.float32), "FP32")),
@@ -710,7 +710,7 @@ def test_queue_full_and_shutdown_are_unavailable_bad_requests_invalid_arg():
             fe.submit(f"q{i}", {"text_input": np.array([b"hi"], np.object_)}, SlowSender())
         assert got[-1] == "queue full: 8 requests are waiting (max_queue_size); retry later"
         assert got[-1].code == "UNAVAILABLE"
-        fe.submit("bad", {"text_input": np.array([b"hi"], np.object_), "top_k": np.array([-1], np.int32)},
+        fe.submit("bad", {"text_input": np.array([b"hi"], np.object_), "top_k": np.array([-2], np.int32)},
                   SlowSender())
         assert got[-1].code == "INVALID_ARG" and "top_k" in got[-1]
         fe.submit("", {"text_input": np.array([b"hi"], np.object_)}, SlowSender(), parameters='{"max_token": 5}')

@@ -202,7 +202,7 @@ BAD_OPTIONS = [
     ("hi", dict(temperature=float("nan")), "temperature must be a finite number.*got nan"),
     ("hi", dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     ("hi", dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
-    ("hi", dict(top_k=-1), "top_k must be an integer >= 0"),
+    ("hi", dict(top_k=-2), "top_k must be an integer >= -1"),
     ("hi", dict(seed=2**63), r"seed must be .*got 9223372036854775808"),
     ("hi", dict(min_tokens=9, max_tokens=4), "min_tokens must be in"),
 ]
@@ -252,7 +252,7 @@ def test_a_bad_request_does_not_disturb_running_ones(server, llm):
         async with AsyncGrpcClient(server.grpc_url) as client:
             good = asyncio.ensure_future(client.generate(PROMPTS[3], stream=True, max_tokens=40, **GREEDY))
             await asyncio.sleep(0.05)
-            bad = await asyncio.gather(*(client.generate("hi", top_k=-1) for _ in range(5)),
+            bad = await asyncio.gather(*(client.generate("hi", top_k=-2) for _ in range(5)),
                                        return_exceptions=True)
             return await good, bad
 
