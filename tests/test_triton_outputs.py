@@ -107,6 +107,7 @@ def test_n_completions_without_streaming_answer_once_when_all_have_ended(fronten
 def test_inter_token_histogram_counts_every_token_of_merged_responses(frontend):
     """vLLM observes one ITL sample per token; merged outputs (a responder that fell behind) carry
     k tokens in one response: k samples of the mean gap, not one."""
+    frontend.max_backlog = 1  # merge everything past one waiting response
     release = threading.Event()
 
     class Blocking(list):
@@ -123,7 +124,7 @@ def test_inter_token_histogram_counts_every_token_of_merged_responses(frontend):
         frontend.engine.emit(rid, [i], "length" if i == 7 else None)
     release.set()
     wait_for(lambda: sender.final)
-    assert len(sender.responses) == 1  # eight tokens, one response
+    assert len(sender.responses) == 1  # eight tokens, one response (the first waited for the blocker)
     metrics = frontend.metrics
     wait_for(lambda: metrics.observed.count("ttft") == 2 and metrics.observed.count("e2e") == 1)
     wait_for(lambda: metrics.observed.count("itl") == 7)

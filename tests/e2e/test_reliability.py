@@ -653,10 +653,10 @@ def _emit(engine, rid, step, n, finished=False):
                                         "length" if finished else None))
 
 
-@pytest.mark.parametrize("coalesce_after", [0, 16])  # 0: the default, merge whatever still waits
-def test_a_responder_that_falls_behind_merges_outputs_so_its_queue_stays_bounded(coalesce_after):
+@pytest.mark.parametrize("max_backlog", [adapter.MAX_STREAM_BACKLOG, 1])
+def test_a_responder_that_falls_behind_merges_outputs_so_its_queue_stays_bounded(max_backlog):
     engine = FakeEngine()
-    fe = adapter.Frontend(engine, slow_respond, poll_interval=0.01, coalesce_after=coalesce_after)
+    fe = adapter.Frontend(engine, slow_respond, poll_interval=0.01, max_backlog=max_backlog)
     try:
         senders = []
         for i in range(8):
@@ -669,7 +669,7 @@ def test_a_responder_that_falls_behind_merges_outputs_so_its_queue_stays_bounded
             for rid in keys:
                 _emit(engine, rid, step, steps, finished=step == steps - 1)
         wait_until(lambda: all(any(f for _, _, f in s.responses) for s in senders), timeout=30)
-        assert fe.max_queued <= coalesce_after + 8 + 1  # coalesce_after + one per live request
+        assert fe.max_queued <= 8 * max_backlog  # the backlog of each live request
         assert fe.num_coalesced > 0
         expected = "".join(chr(ord("a") + i % 26) for i in range(steps))
         for s in senders:
@@ -683,10 +683,10 @@ def test_a_responder_that_falls_behind_merges_outputs_so_its_queue_stays_bounded
         fe.close(timeout=1)
 
 
-@pytest.mark.parametrize("coalesce_after", [0, 16])
-def test_a_responder_that_keeps_up_sends_one_response_per_step(coalesce_after):
+@pytest.mark.parametrize("max_backlog", [adapter.MAX_STREAM_BACKLOG, 1])
+def test_a_responder_that_keeps_up_sends_one_response_per_step(max_backlog):
     engine = FakeEngine()
-    fe = adapter.Frontend(engine, slow_respond, poll_interval=0.01, coalesce_after=coalesce_after)
+    fe = adapter.Frontend(engine, slow_respond, poll_interval=0.01, max_backlog=max_backlog)
     try:
         s = SlowSender()
         fe.submit("one", {"text_input": np.array([b"hi"], np.object_), "stream": np.array([True])}, s)
