@@ -595,6 +595,30 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
         assert restarted.process.returncode == -signal.SIGSEGV
 
 
+@requires_tritonserver
+def test_the_stubs_exit_when_tritonserver_is_killed(model_repository, model_path):
+    """kill -9 of tritonserver itself: each model's stub (llm, and llm_trtllm's) sees its parent gone
+    and exits within a second or two, instead of living on as an orphan holding the model
+    (~550 MB for the default model; backend/parent_watch.py)."""
+    import psutil
+
+    from client.tools.server import TritonServer
+
+    server = TritonServer(model_repository, params={"max_model_len": "512"}, model_path=str(model_path))
+    with server:
+        _, stubs = server_processes(server.process.pid)
+        assert len(stubs) == 2, [p.cmdline() for p in stubs]
+        os.kill(server.process.pid, signal.SIGKILL)
+
+        def gone(p) -> bool:
+            try:  # an exited stub may stay a zombie until its new parent reaps it: its memory is free
+                return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_until(lambda: all(gone(p) for p in stubs), timeout=10, interval=0.1)
+
+
 # -- the adapter's bounds, without a server -----------------------------------------------------------
 
 class FakeTokenizer:
