@@ -2,8 +2,9 @@
 
 `LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly).
 `AsyncEngine` (async_engine.py) runs it on its own thread for the server. Who runs is the
-scheduler's (scheduler.py, padded_scheduler.py); the model run is the runner's (runner.py, the
-only device-facing layer); text, stop strings and logprobs are the output processor's.
+scheduler's (backend/sched/); the model run is the runner's (runner.py, the only device-facing
+layer); text, stop strings and logprobs are the output processor's, which returns the requests a
+stop string ended for the scheduler to finish.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from backend.output_processor import OutputProcessor
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus, SamplingParams
 from backend.runner import ModelRunner
-from backend.scheduler import make_scheduler
+from backend.sched.factory import make_scheduler
 from backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size,
                                    enable_prefix_caching=config.enable_kv_cache_reuse)
         self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
-        self.outputs = OutputProcessor(self.tokenizer, hold_until_released=self.scheduler.gate.pads)
+        self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
         self.prompt_tokens_total = 0
@@ -150,7 +151,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort every completion of the request; their final outputs (none if it is unknown)."""
-        return [self.outputs.ended(r, self.scheduler.finish) for r in self.scheduler.abort(request_id)]
+        return self.scheduler.deliver([self.outputs.ended(r) for r in self.scheduler.abort(request_id)])
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -160,7 +161,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(time.monotonic())
         self.idle = batch.is_empty
         if batch.is_empty:
-            return self.outputs.release(self.scheduler.pop_released())
+            return self.scheduler.deliver([])
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its own requests, not the engine
@@ -168,15 +169,17 @@ class LLMEngine:
             return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}")
         self.scheduler.postprocess(batch, sampled, time.monotonic())
         self.generation_tokens_total += len(sampled)
-        return self.outputs.step_outputs([s.request for s in batch.seqs], sampled, self.scheduler.finish,
-                                         self.scheduler.pop_released())
+        outputs, stopped = self.outputs.step_outputs([s.request for s in batch.seqs], sampled)
+        for req in stopped:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return self.scheduler.deliver(outputs)
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         for req in requests:
             if not req.status.finished:
                 req.error = message
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return [self.outputs.ended(req, self.scheduler.finish) for req in requests]
+        return self.scheduler.deliver([self.outputs.ended(req) for req in requests])
 
     def fail_running(self, message: str) -> list[RequestOutput]:
         """After an unexpected exception in a step outside the model run (in scheduling or
@@ -188,7 +191,7 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             results.append(self.outputs.closing(req))
         self.check_integrity()
-        return results
+        return self.scheduler.deliver(results)
 
     def stats(self) -> dict[str, Union[int, float]]:
         b = self.blocks

@@ -7,15 +7,6 @@ from typing import Optional
 
 
 @dataclass
-class Sampled:
-    """One row's result: the token and, when the request asked for logprobs, the raw numbers."""
-    token: int
-    logprob: Optional[float] = None
-    rank: Optional[int] = None  # 1 = the most likely token
-    top: Optional[list[tuple[int, float]]] = None  # the top k (token, logprob), best first
-
-
-@dataclass
 class Logprob:
     """One candidate token's log-probability (log_softmax of the raw logits), its rank among the
     vocabulary (1 = most likely) and its text, as vLLM reports them."""

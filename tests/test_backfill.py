@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
-from backend.outputs import Sampled
+from backend.sched.step import Sampled
 from backend.request import Request, RequestStatus, SamplingParams
-from backend.scheduler import Scheduler
+from backend.sched.scheduler import Scheduler
 
 EOS = 0
 
@@ -277,7 +277,7 @@ def test_under_max_utilization_an_urgent_request_preempts_the_least_urgent():
 def test_worst_case_finish_counts_the_prompt_work_of_requests_served_first():
     """A request is served after every older one: their prompt tokens beyond one per step can take
     the whole budget, so they add to its worst-case finish, and a newly started request's too."""
-    from backend.backfill import Window, finish_bounds, own_work
+    from backend.sched.backfill import Window, finish_bounds, own_work
     old = req("old", 40, 5)  # 40 prompt tokens to compute: 39 beyond one per step
     young = req("young", 4, 10)  # decoding: 2 tokens out, the last one not yet computed
     young.output_token_ids = [7, 7]

@@ -9,51 +9,82 @@ Waiting requests are tried most urgent first (priority, then arrival) while the 
 - `max_utilization`: a request that does not fit may preempt the least urgent running request
   when it is less urgent (vLLM's priority policy).
 The n completions of one prompt start after the first has computed it, sharing its blocks.
+
+`Admission` is a collaborator of the scheduler: it works on the `RequestPool` and the batching
+gate it is given, and keeps the reservation clock (`steps`) and the head's reservation.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import NamedTuple, Optional
 
-from backend.backfill import Backfill, Window
+from backend.config import EngineConfig
 from backend.request import Request
+from backend.sched.backfill import Backfill, Window
+from backend.sched.batching import BatchingGate
+from backend.sched.pool import RequestPool
+from backend.sched.step import SchedulerOutput
 
-if TYPE_CHECKING:
-    from backend.scheduler import SchedulerOutput
+
+class Reservation(NamedTuple):
+    seq_id: str  # the head
+    step: int  # the schedule() call by which it surely starts
+
+
+def chunk(req: Request, budget: int, config: EngineConfig) -> int:
+    """How many of req's uncomputed tokens this step may take."""
+    remaining = req.num_tokens - req.num_computed_tokens
+    if remaining <= budget:
+        return remaining
+    chunked = config.enable_chunked_context or remaining > config.max_num_batched_tokens
+    return budget if chunked else 0
 
 
 class Admission:
-    """Mixed into Scheduler, which provides waiting, running, blocks, policy, gate and config."""
-
-    def _init_admission(self) -> None:
+    def __init__(self, config: EngineConfig, pool: RequestPool, gate: BatchingGate):
+        self.config = config
+        self.pool = pool
+        self.blocks = pool.blocks
+        self.policy = pool.policy
+        self.gate = gate
         self.num_backfilled = 0  # requests started ahead of a head that did not fit
+        self.prefix_hit_tokens = 0  # prompt tokens whose KV was reused instead of computed
         self.steps = 0  # schedule() calls: the clock of reservations
-        # The head's reservation: (seq_id, the step by which it surely starts), kept at its earliest.
-        self.reservation: Optional[tuple[str, int]] = None
+        self.reservation: Optional[Reservation] = None  # the head's, kept at its earliest
+        self._reserved_priority = 0
         self.backfill: Optional[Backfill] = None
-        c = self.config
+        c = config
         if (c.enable_backfill and c.batch_scheduler_policy == "guaranteed_no_evict" and c.batching_mode == "inflight"
                 and Backfill.usable(c.enable_chunked_context, c.max_num_batched_tokens, c.max_num_seqs)):
             self.backfill = Backfill(self.blocks.num_blocks, c.max_num_seqs, self.blocks.blocks_for,
                                      self.policy.reserved_blocks)
 
-    def _least_urgent(self) -> Request:
-        """The running request to preempt: the least urgent, the newest among equals (vLLM)."""
-        return max(reversed(self.running), key=lambda r: r.priority)
+    def arrived(self, req: Request) -> None:
+        """A more urgent request runs first, even on blocks the head was promised: the head's
+        reservation is void and computed again at the next step (docs/design.md, "Priority")."""
+        if self.reservation is not None and req.priority < self._reserved_priority:
+            self.reservation = None
 
-    def _admit(self, out: "SchedulerOutput", budget: int, now: float) -> int:
-        allowed = self.gate.num_to_admit(self.waiting, self.holders(), now)
+    def held_token(self) -> int:
+        """1 on and after the head's reserved step: a token of the budget kept for it, so that
+        running prefills cannot crowd it out (backfill.py counts on a budget above max_num_seqs)."""
+        return 1 if self.reservation is not None and self.reservation.step <= self.steps else 0
+
+    def admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """Start waiting requests into `out` within `budget`; returns the budget left."""
+        pool, config = self.pool, self.config
+        allowed = self.gate.num_to_admit(pool.waiting, pool.holders(), now)
         window: Optional[Window] = None  # set once a head does not fit (backfill only)
-        queue, i = list(self.waiting), 0
+        queue, i = list(pool.waiting), 0
         while i < len(queue):
             req = queue[i]
             i += 1
-            if not (allowed > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs):
+            if not (allowed > 0 and budget > 0 and len(pool.running) < config.max_num_seqs):
                 break
             if self._waits_for_sibling(req):
                 break
             req.num_computed_tokens = self._reuse_computed(req)
-            n = self._chunk(req, budget)
-            fits = n > 0 and self.policy.can_admit(req, self.running, req.num_computed_tokens + n)
+            n = chunk(req, budget, config)
+            fits = n > 0 and self.policy.can_admit(req, pool.running, req.num_computed_tokens + n)
             if fits and window is not None:
                 # no sharing credit: the blocks it shares now may be its alone by the reservation
                 fits = window.admits(req, self.blocks.blocks_for(req.max_kv_tokens))
@@ -71,48 +102,46 @@ class Admission:
                     if window is None:
                         break  # strict order: no skipping past a request that does not fit
                 continue
-            self._start(req, req.num_computed_tokens + n, now)
+            pool.start(req, req.num_computed_tokens + n, now)
             self.prefix_hit_tokens += req.num_computed_tokens
             self.num_backfilled += window is not None
-            self._add(out, req, n)
+            out.add(req, n)
             budget -= n
             allowed -= 1
-        if self.reservation is not None and self.reservation[0] not in self._waiting_ids():
+        if self.reservation is not None and self.reservation.seq_id not in {r.seq_id for r in pool.waiting}:
             self.reservation = None  # its head started (or was aborted); a loop cut short keeps it
         return budget
-
-    def _waiting_ids(self) -> set[str]:
-        return {r.seq_id for r in self.waiting}
 
     def _window(self, head: Request) -> Optional[Window]:
         """The head's backfill window (None when backfill is off), and its reservation kept."""
         if self.backfill is None:
             return None
-        window = self.backfill.window(head, self.running)
+        window = self.backfill.window(head, self.pool.running)
         if window is not None:
             at = self.steps + window.reserve_by - 1  # reserve_by 1 is this schedule() call
-            if self.reservation is None or self.reservation[0] != head.seq_id or at < self.reservation[1]:
-                self.reservation = (head.seq_id, at)
-                self.reservation_priority = head.priority
+            r = self.reservation
+            if r is None or r.seq_id != head.seq_id or at < r.step:
+                self.reservation = Reservation(head.seq_id, at)
+                self._reserved_priority = head.priority
         return window
 
-    def _preempt_for(self, req: Request, out: "SchedulerOutput") -> Optional[int]:
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> Optional[int]:
         """max_utilization with priorities: preempt the least urgent running request when it is
         less urgent than req (vLLM's priority policy). Returns the budget its rows gave back."""
-        if not self.running:
+        if not self.pool.running:
             return None
-        victim = self._least_urgent()
+        victim = self.pool.least_urgent()
         if victim.priority <= req.priority:
             return None
         self.blocks.free(req.seq_id)
         req.num_computed_tokens = 0
-        return self._evict(victim, out)
+        return self.pool.evict(victim, out)
 
     # -- n > 1: the completions of one prompt share its KV ------------------------------------
     def _first_sibling(self, req: Request) -> Optional[Request]:
         if req.index == 0:
             return None
-        return next((r for r in self.running if r.request_id == req.request_id and r.index == 0), None)
+        return next((r for r in self.pool.running if r.request_id == req.request_id and r.index == 0), None)
 
     def _waits_for_sibling(self, req: Request) -> bool:
         """A later completion waits until the first one has computed the prompt it will share."""
@@ -120,7 +149,7 @@ class Admission:
             return False
         first = self._first_sibling(req)
         if first is None:
-            first = next((r for r in self.waiting if r.request_id == req.request_id and r.index == 0), None)
+            first = next((r for r in self.pool.waiting if r.request_id == req.request_id and r.index == 0), None)
             return first is not None
         return first.num_computed_tokens < req.num_prompt_tokens - 1
 
@@ -132,4 +161,3 @@ class Admission:
         if first is not None:
             return self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
         return self.blocks.reuse_prefix(req.seq_id, req.all_token_ids)
-
