@@ -33,7 +33,7 @@ def measure(waiting: int, steps: int, reuse: bool) -> dict:
     from backend.config import EngineConfig
     from backend.request import Request, SamplingParams
     try:
-        from backend.sched import make_scheduler
+        from backend.sched.factory import make_scheduler
     except ImportError:  # checkouts before scheduling became a package
         from backend.scheduler import make_scheduler
     try:
