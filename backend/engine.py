@@ -203,7 +203,7 @@ class LLMEngine:
             "kv_blocks_used": b.num_used_blocks,
             "kv_blocks_free": b.num_free_blocks,
             "kv_cache_usage_ratio": b.num_used_blocks / b.num_blocks,
-            "kv_blocks_reserved": self.scheduler.policy.reserved_blocks(self.scheduler.holders()),
+            "kv_blocks_reserved": self.scheduler.policy.reserved_blocks(),  # a tally, kept as requests start and end
             "num_preemptions": self.scheduler.num_preemptions,
             "num_backfilled": self.scheduler.num_backfilled,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,

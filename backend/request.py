@@ -205,6 +205,8 @@ class Request:
         self.num_preemptions = 0
         self.error: Optional[str] = None
         self.stop_token_id: Optional[int] = None  # the EOS or stop token that ended it (never in its text)
+        # (tokens hashed, their full blocks' prefix-cache keys): kept while it waits (admission.py)
+        self.prefix_hashes: Optional[tuple[int, list[bytes]]] = None
         # Sampling state lives with the request, so the sampler keeps none: one uniform number per
         # token from the request's own stream (a request's tokens do not depend on its batch).
         self.rng = random.Random(params.seed if params.seed is not None else seed)

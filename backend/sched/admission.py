@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+from backend.block_manager import block_hashes
 from backend.config import EngineConfig
 from backend.request import Request
 from backend.sched.backfill import Backfill, Window
@@ -55,8 +56,7 @@ class Admission:
         c = config
         if (c.enable_backfill and c.batch_scheduler_policy == "guaranteed_no_evict" and c.batching_mode == "inflight"
                 and Backfill.usable(c.enable_chunked_context, c.max_num_batched_tokens, c.max_num_seqs)):
-            self.backfill = Backfill(self.blocks.num_blocks, c.max_num_seqs, self.blocks.blocks_for,
-                                     self.policy.reserved_blocks)
+            self.backfill = Backfill(self.blocks, c.max_num_seqs, self.policy)
 
     def arrived(self, req: Request) -> None:
         """A more urgent request runs first, even on blocks the head was promised: the head's
@@ -74,29 +74,36 @@ class Admission:
         pool, config = self.pool, self.config
         allowed = self.gate.num_to_admit(pool.waiting, pool.holders(), now)
         window: Optional[Window] = None  # set once a head does not fit (backfill only)
+        unstarted: set[str] = set()  # requests whose first completion was passed over in this pass
         queue, i = list(pool.waiting), 0
         while i < len(queue):
             req = queue[i]
             i += 1
             if not (allowed > 0 and budget > 0 and len(pool.running) < config.max_num_seqs):
                 break
-            if self._waits_for_sibling(req):
+            if req.index and self._waits_for_sibling(req, unstarted):
                 break
-            req.num_computed_tokens = self._reuse_computed(req)
-            n = chunk(req, budget, config)
-            fits = n > 0 and self.policy.can_admit(req, pool.running, req.num_computed_tokens + n)
+            if self.policy.cannot_fit(req):  # O(1), the common case under overload: nothing to attach
+                n, fits = 0, False
+            else:
+                req.num_computed_tokens = self._reuse_computed(req)
+                n = chunk(req, budget, config)
+                fits = n > 0 and self.policy.can_admit(req, req.num_computed_tokens + n)
             if fits and window is not None:
                 # no sharing credit: the blocks it shares now may be its alone by the reservation
                 fits = window.admits(req, self.blocks.blocks_for(req.max_kv_tokens))
             if not fits and self.policy.may_preempt:
-                freed = self._preempt_for(req, out)
+                freed = self._preempt_for(req, out, unstarted)
                 if freed is not None:
                     budget += freed
                     i -= 1  # try req again, with the victim's blocks free
                     continue
             if not fits:
-                self.blocks.free(req.seq_id)  # give back a reused prefix; it stays cached
-                req.num_computed_tokens = 0
+                if req.index == 0:
+                    unstarted.add(req.request_id)
+                if req.num_computed_tokens:
+                    self.blocks.free(req.seq_id)  # give back a reused prefix; it stays cached
+                    req.num_computed_tokens = 0
                 if window is None:
                     window = self._window(req)
                     if window is None:
@@ -125,7 +132,7 @@ class Admission:
                 self._reserved_priority = head.priority
         return window
 
-    def _preempt_for(self, req: Request, out: SchedulerOutput) -> Optional[int]:
+    def _preempt_for(self, req: Request, out: SchedulerOutput, unstarted: set[str]) -> Optional[int]:
         """max_utilization with priorities: preempt the least urgent running request when it is
         less urgent than req (vLLM's priority policy). Returns the budget its rows gave back."""
         if not self.pool.running:
@@ -135,6 +142,8 @@ class Admission:
             return None
         self.blocks.free(req.seq_id)
         req.num_computed_tokens = 0
+        if victim.index == 0:
+            unstarted.add(victim.request_id)  # it waits again: its later completions wait for it
         return self.pool.evict(victim, out)
 
     # -- n > 1: the completions of one prompt share its KV ------------------------------------
@@ -143,14 +152,13 @@ class Admission:
             return None
         return next((r for r in self.pool.running if r.request_id == req.request_id and r.index == 0), None)
 
-    def _waits_for_sibling(self, req: Request) -> bool:
-        """A later completion waits until the first one has computed the prompt it will share."""
-        if req.index == 0:
-            return False
+    def _waits_for_sibling(self, req: Request, unstarted: set[str]) -> bool:
+        """A later completion waits until the first one has computed the prompt it will share. The
+        first, when it still waits, comes before it in the queue (same priority, earlier arrival),
+        so this pass has passed it over (`unstarted`): no search of the queue."""
         first = self._first_sibling(req)
         if first is None:
-            first = next((r for r in self.pool.waiting if r.request_id == req.request_id and r.index == 0), None)
-            return first is not None
+            return req.request_id in unstarted
         return first.num_computed_tokens < req.num_prompt_tokens - 1
 
     def _reuse_computed(self, req: Request) -> int:
@@ -160,4 +168,9 @@ class Admission:
         first = self._first_sibling(req)
         if first is not None:
             return self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
-        return self.blocks.reuse_prefix(req.seq_id, req.all_token_ids)
+        if not self.blocks.enable_prefix_caching:
+            return 0
+        if req.prefix_hashes is None or req.prefix_hashes[0] != req.num_tokens:  # once per request, not per step
+            tokens = req.all_token_ids
+            req.prefix_hashes = (len(tokens), block_hashes(tokens, self.blocks.block_size, len(tokens) - 1))
+        return self.blocks.reuse_prefix(req.seq_id, hashes=req.prefix_hashes[1])

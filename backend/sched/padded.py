@@ -48,6 +48,7 @@ class PaddedPool(RequestPool):
         else:
             if request in self.lingering:
                 self.lingering.remove(request)
+                self.policy.released(request)
                 request.status = status
             else:
                 super().finish(request, status)
@@ -65,6 +66,7 @@ class PaddedPool(RequestPool):
         if self.running or not self.lingering or any(self.pad_pending.get(r.seq_id) for r in self.lingering):
             return
         for r in self.lingering:
+            self.policy.released(r)
             self.blocks.free(r.seq_id)
             self.pad_pending.pop(r.seq_id, None)
         self.released.extend(self.lingering)
@@ -111,7 +113,7 @@ class PaddedAdmission(Admission):
         while pool.waiting and len(members) < allowed and len(pool.running) < self.config.max_num_seqs:
             req = self.gate.next_candidate(pool.waiting)
             n = chunk(req, budget, self.config) if budget > 0 else 0
-            if not self.policy.can_admit(req, pool.running, n):
+            if not self.policy.can_admit(req, n):
                 break
             pool.start(req, n, now)
             members.append(req)

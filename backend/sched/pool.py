@@ -34,6 +34,7 @@ class RequestPool:
             self.blocks.grow(req.seq_id, num_tokens)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self.policy.started(req)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (any status), freeing its blocks. Finishing a finished request only
@@ -44,6 +45,7 @@ class RequestPool:
         request.status = status
         if request in self.running:
             self.running.remove(request)
+            self.policy.released(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free(request.seq_id)
@@ -52,6 +54,7 @@ class RequestPool:
         """Free a running request's blocks and queue it again in its (priority, arrival) place; it
         recomputes its prompt and outputs later."""
         self.running.remove(req)
+        self.policy.released(req)
         self.blocks.free(req.seq_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING

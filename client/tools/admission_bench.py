@@ -32,14 +32,14 @@ def measure(waiting: int, steps: int, reuse: bool) -> dict:
     from backend.block_manager import BlockManager
     from backend.config import EngineConfig
     from backend.request import Request, SamplingParams
-    try:
+    import backend
+
+    if (Path(backend.__file__).parent / "sched").is_dir():
         from backend.sched.factory import make_scheduler
-    except ImportError:  # checkouts before scheduling became a package
-        from backend.scheduler import make_scheduler
-    try:
         from backend.sched.step import Sampled
-    except ImportError:
+    else:  # checkouts before scheduling became a package (the editable install must not mix them)
         from backend.outputs import Sampled
+        from backend.scheduler import make_scheduler
 
     def run(n_waiting: int) -> list[float]:
         cfg = EngineConfig(model_path="unused", kv_block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
