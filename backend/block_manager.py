@@ -130,6 +130,23 @@ class BlockManager:
         return len(shared) * self.block_size
 
     # -- prefix caching -----------------------------------------------------------------------
+    def is_cached_prefix(self, hashes: Sequence[bytes]) -> bool:
+        """Is the first block of these keys cached (so reuse_prefix would attach something)?"""
+        return bool(hashes) and hashes[0] in self._cached
+
+    def probe_prefix(self, hashes: Sequence[bytes]) -> tuple[int, bool]:
+        """What reuse_prefix would attach, without attaching it: (how many of those blocks other
+        sequences hold, whether it reaches a cached block nobody holds)."""
+        held = 0
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                return held, True
+            held += 1
+        return held, False
+
     def reuse_prefix(self, seq_id: str, token_ids: Sequence[int] = (), hashes: Optional[Sequence[bytes]] = None) -> int:
         """Attach the longest cached prefix of token_ids to a sequence that holds no blocks yet.
         Returns how many tokens are already computed. The last token is never reused, so the
@@ -140,7 +157,7 @@ class BlockManager:
             return 0
         if hashes is None:
             hashes = block_hashes(token_ids, self.block_size, len(token_ids) - 1)
-        if not hashes or hashes[0] not in self._cached:
+        if not self.is_cached_prefix(hashes):
             return 0
         table = self._tables.setdefault(seq_id, [])
         last = ROOT_KEY

@@ -83,7 +83,7 @@ class Admission:
                 break
             if req.index and self._waits_for_sibling(req, unstarted):
                 break
-            if self.policy.cannot_fit(req):  # O(1), the common case under overload: nothing to attach
+            if self._cannot_fit_untried(req):  # the common case under overload: nothing attached
                 n, fits = 0, False
             else:
                 req.num_computed_tokens = self._reuse_computed(req)
@@ -170,7 +170,25 @@ class Admission:
             return self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
         if not self.blocks.enable_prefix_caching:
             return 0
-        if req.prefix_hashes is None or req.prefix_hashes[0] != req.num_tokens:  # once per request, not per step
+        return self.blocks.reuse_prefix(req.seq_id, hashes=self._prefix_hashes(req))
+
+    def _prefix_hashes(self, req: Request) -> list[bytes]:
+        """req's prefix-cache keys, computed once while it waits rather than at every step."""
+        if req.prefix_hashes is None or req.prefix_hashes[0] != req.num_tokens:
             tokens = req.all_token_ids
             req.prefix_hashes = (len(tokens), block_hashes(tokens, self.blocks.block_size, len(tokens) - 1))
-        return self.blocks.reuse_prefix(req.seq_id, hashes=req.prefix_hashes[1])
+        return req.prefix_hashes[1]
+
+    def _cannot_fit_untried(self, req: Request) -> bool:
+        """True when req surely cannot start now, known without attaching its cached prefix: the
+        blocks it would share with running requests are counted, not attached. When its prefix
+        reaches a cached block nobody holds, it is tried for real (attaching and giving back such
+        blocks refreshes them in the cache's eviction order, which this must not change)."""
+        if req.index:
+            return False  # a later completion shares its first one's prompt: tried for real
+        shared = 0
+        if self.blocks.enable_prefix_caching:
+            shared, touches_free = self.blocks.probe_prefix(self._prefix_hashes(req))
+            if touches_free:
+                return False
+        return self.policy.cannot_fit(req, shared)

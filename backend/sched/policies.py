@@ -33,9 +33,10 @@ class CapacityPolicy:
         """May request (holding what it reuses, if anything) start, computing tokens_now tokens?"""
         raise NotImplementedError
 
-    def cannot_fit(self, request: Request) -> bool:
-        """True when request surely cannot start now, whatever it could reuse: checked before it
-        attaches a cached prefix, so a waiting request that does not fit costs O(1) a step."""
+    def cannot_fit(self, request: Request, shared: int) -> bool:
+        """True when request, sharing `shared` blocks that running requests hold, surely cannot
+        start now: checked before anything is attached, so a waiting request that does not fit
+        costs O(its shared blocks) a step."""
         return False
 
     def reserved_blocks(self) -> int:
@@ -82,12 +83,8 @@ class GuaranteedNoEvict(CapacityPolicy):
     def reserved_blocks(self) -> int:
         return self.blocks.num_used_blocks + self.need_total - self.blocks.num_held
 
-    def cannot_fit(self, request: Request) -> bool:
-        # Only for a request that could share nothing: attaching a cached prefix and giving it
-        # back also moves those blocks in the cache's eviction order, which must not change.
-        if self.blocks.enable_prefix_caching or request.index:
-            return False
-        return self.reserved_blocks() + self.need(request) > self.blocks.num_blocks
+    def cannot_fit(self, request: Request, shared: int) -> bool:
+        return self.reserved_blocks() + self.need(request) - shared > self.blocks.num_blocks
 
     def can_admit(self, request: Request, tokens_now: int) -> bool:
         return self.reserved_blocks() + self.need(request) <= self.blocks.num_blocks
