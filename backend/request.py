@@ -196,6 +196,9 @@ class Request:
         self.priority = priority  # lower runs first
         self.arrival_seq: Optional[int] = None  # the waiting queue's arrival number, kept across preemption
         self.admitted_time: Optional[float] = None  # when it first started running
+        self.first_scheduled_step: Optional[int] = None  # the engine step it first ran
+        self.finished_time: Optional[float] = None
+        self.reports_queue = False  # the caller asked where it stands (QueueInfo on its outputs)
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache

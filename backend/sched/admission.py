@@ -109,7 +109,7 @@ class Admission:
                     if window is None:
                         break  # strict order: no skipping past a request that does not fit
                 continue
-            pool.start(req, req.num_computed_tokens + n, now)
+            pool.start(req, req.num_computed_tokens + n, now, self.steps)
             self.prefix_hit_tokens += req.num_computed_tokens
             self.num_backfilled += window is not None
             out.add(req, n)

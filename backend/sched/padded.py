@@ -17,6 +17,7 @@ No torch here.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterable
 
 from backend.outputs import RequestOutput, merge_outputs
@@ -43,6 +44,7 @@ class PaddedPool(RequestPool):
             request.status = status  # a new reason for a finished member (a stop string at the end)
         elif request in self.running and status in _ENDS_NORMALLY:
             request.status = status
+            request.finished_time = time.monotonic()
             self.running.remove(request)
             self.lingering.append(request)  # keeps its slot and blocks until the batch ends
         else:
@@ -115,7 +117,7 @@ class PaddedAdmission(Admission):
             n = chunk(req, budget, self.config) if budget > 0 else 0
             if not self.policy.can_admit(req, n):
                 break
-            pool.start(req, n, now)
+            pool.start(req, n, now, self.steps)
             members.append(req)
             if n:
                 out.add(req, n)

@@ -39,6 +39,10 @@ class CapacityPolicy:
         costs O(its shared blocks) a step."""
         return False
 
+    def reserved_for(self, request: Request) -> int:
+        """The blocks a running request has reserved: what it holds (no-evict: to completion)."""
+        return self.blocks.num_blocks_of(request.seq_id)
+
     def reserved_blocks(self) -> int:
         """Blocks the holders hold (a shared block once), and, for policies that promise them, the
         blocks they may still need. Valid between admissions (only holders hold blocks)."""
@@ -73,6 +77,9 @@ class GuaranteedNoEvict(CapacityPolicy):
 
     def need(self, request: Request) -> int:
         return self.blocks.blocks_for(request.max_kv_tokens)
+
+    def reserved_for(self, request: Request) -> int:
+        return self.need(request)
 
     def started(self, request: Request) -> None:
         self.need_total += self.need(request)

@@ -7,6 +7,7 @@ back its KV blocks. Padded batches keep finished members in the pool until their
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 from backend.block_manager import BlockManager
@@ -25,10 +26,11 @@ class RequestPool:
         self.num_preemptions = 0
 
     # -- moves ----------------------------------------------------------------------------------
-    def start(self, req: Request, num_tokens: int, now: float) -> None:
-        """A waiting request starts running, holding the blocks for its first num_tokens."""
+    def start(self, req: Request, num_tokens: int, now: float, step: int) -> None:
+        """A waiting request starts running at engine step `step`, holding the blocks for its first
+        num_tokens."""
         if req.admitted_time is None:
-            req.admitted_time = now
+            req.admitted_time, req.first_scheduled_step = now, step
         self.waiting.remove(req)
         if num_tokens:
             self.blocks.grow(req.seq_id, num_tokens)
@@ -43,6 +45,7 @@ class RequestPool:
             request.status = status
             return
         request.status = status
+        request.finished_time = time.monotonic()
         if request in self.running:
             self.running.remove(request)
             self.policy.released(request)
