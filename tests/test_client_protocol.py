@@ -65,3 +65,18 @@ def test_integers_that_do_not_fit_their_input_are_refused_not_wrapped():
         with pytest.raises(ValueError, match=r"seed: -1 does not fit UINT64"):
             build("hi", Options(seed=-1))
     assert request_tensors([1, 2**31 - 1], Options(), stream=False)["input_ids"][0].tolist() == [1, 2**31 - 1]
+
+
+def test_queue_info_is_a_switch_and_its_outputs_are_read():
+    tensors = request_tensors("hi", Options(queue_info=True), stream=True)
+    assert bool(tensors["return_queue_info"][0][0]) and "queue_info" not in tensors
+    body = request_json("hi", Options(queue_info=True), stream=True)
+    assert body["return_queue_info"] is True and "queue_info" not in body
+    assert "return_queue_info" not in request_tensors("hi", Options(), stream=True)
+    chunk = Chunk.from_json({"text_output": "", "output_ids": [], "queue_position": 2, "reserved_step": -1,
+                             "engine_step": 9, "seconds_since_arrival": 0.25})
+    assert chunk.queue == {"queue_position": 2, "reserved_step": -1, "engine_step": 9, "seconds_since_arrival": 0.25}
+    assert Chunk.from_json({"text_output": "a"}).queue is None
+    arrays = {"text_output": np.array([b""], dtype=np.object_), "queue_position": np.array([0], np.int32),
+              "arrival_time_ns": np.array([17], np.int64)}
+    assert Chunk.from_arrays(arrays.get).queue == {"queue_position": 0, "arrival_time_ns": 17}

@@ -68,14 +68,17 @@ class FakeEngine:
         self.aborted = []
         self.lock = threading.Lock()
 
-    def add_request(self, rid, prompt, params, on_output, priority=0):
+    def add_request(self, rid, prompt, params, on_output, priority=0, **kw):
         if prompt == "too long":
             raise ValueError("prompt has 999 tokens; max_model_len is 64")
         with self.lock:
             self.requests[rid] = (prompt, params, on_output, [])
+            self.options = getattr(self, "options", {})
+            self.options[rid] = kw
 
-    def emit(self, rid, new_ids, finish_reason=None, error=None, index=0, new_logprobs=None):
-        """One step's output of completion `index`; new_logprobs: one float per new token."""
+    def emit(self, rid, new_ids, finish_reason=None, error=None, index=0, new_logprobs=None, queue=None):
+        """One step's output of completion `index`; new_logprobs: one float per new token; queue: a
+        QueueInfo (the engine's answer to queue_info=True)."""
         prompt, params, cb, outs = self.requests[rid]
         while len(outs) <= index:
             outs.append(([], []))
@@ -89,7 +92,7 @@ class FakeEngine:
                          FakeTokenizer().decode(out), finish_reason is not None, finish_reason, error,
                          index=index, new_logprobs=new_lp, logprobs=list(lps) if new_lp is not None else None,
                          cumulative_logprob=sum(next(iter(d.values())).logprob for d in lps)
-                         if new_lp is not None else None))
+                         if new_lp is not None else None, queue=queue))
 
     def abort(self, rid):
         with self.lock:

@@ -205,7 +205,7 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
                     item = await queue.get()  # a finished completion's reason, repeated (n > 1)
                     continue
                 ended = states[index].add(piece)
-                if piece.text or ended or piece.logprobs or not started[index]:
+                if piece.text or ended or piece.logprobs or not started[index] or piece.queue_info is not None:
                     yield sse(reply.chunk(index, piece, states[index], not started[index],
                                           gen.logprobs is not None, gen.include_usage,
                                           prefixes[index] if prefixes else ""))

@@ -191,10 +191,12 @@ class Frontend:
                     raise ValueError(f"request id '{client_id}' is already in use by a running request; "
                                      "give each request its own id (or stop the running one first)")
                 self._live[live.key] = live
+            # asked for only when set, so engines without queue reports (tests' fakes) still work
+            queue = {"queue_info": True} if "return_queue_info" in parsed.returns else {}
             try:
                 self.engine.add_request(live.key, parsed.prompt, parsed.params,
                                         lambda out, live=live: self._on_output(live, out),
-                                        priority=parsed.priority)
+                                        priority=parsed.priority, **queue)
             except BaseException:
                 with self._lock:
                     self._live.pop(live.key, None)
@@ -227,6 +229,8 @@ class Frontend:
         """Queue an output for the responder; when this request already has `max_backlog` entries
         waiting for it, merge the output into the newest of them instead."""
         now = time.monotonic()
+        if not live.stream and not out.new_token_ids and not out.finished:
+            return  # where it stands while it waits: streamed only (its answer carries the last)
         with self._pending_lock:
             i = out.index
             held = live.held.pop(i, None)
