@@ -1,6 +1,6 @@
 """inflight's engine: paged KV cache, in-flight batching, Llama-family models. No Triton here.
 
-The public names load lazily, so `import backend.config` (or `backend.scheduler`, ...) does not pull
+The public names load lazily, so `import backend.config` (or `backend.sched.factory`, ...) does not pull
 in torch: a bad config is refused before the model's libraries load.
 """
 from __future__ import annotations

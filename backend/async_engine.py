@@ -51,8 +51,8 @@ class AsyncEngine:
     max_input_bytes = property(lambda self: self.engine.max_input_bytes)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    on_output: OutputCallback, priority: int = 0) -> None:
-        request = self.engine.make_request(request_id, prompt, params, priority=priority)
+                    on_output: OutputCallback, priority: int = 0, queue_info: bool = False) -> None:
+        request = self.engine.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info)
         with self._lock:
             if self._broken is not None:
                 raise EngineDeadError(f"the engine stopped after an internal error ({self._broken}); "

@@ -51,6 +51,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self.num_held = 0  # table entries of every sequence: a block shared by k sequences counts k
         self._block_hash: dict[int, bytes] = {}  # block -> key of its (full) contents
         self._cached: dict[bytes, int] = {}  # key -> block
         self._hashed: dict[str, tuple[int, bytes]] = {}  # seq -> (blocks registered, last key)
@@ -70,6 +71,10 @@ class BlockManager:
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
+
+    def ref_count(self, block: int) -> int:
+        """How many sequences hold the block."""
+        return self._ref_counts[block]
 
     def num_blocks_of(self, seq_id: str) -> int:
         return len(self._tables.get(seq_id, ()))
@@ -97,11 +102,14 @@ class BlockManager:
             self._forget_hash(block)  # its old contents are about to be overwritten
             self._ref_counts[block] = 1
             table.append(block)
+        self.num_held += need
 
     def free(self, seq_id: str) -> None:
         """Give back every block of seq_id (a no-op for an unknown id)."""
         self._hashed.pop(seq_id, None)
-        for block in reversed(self._tables.pop(seq_id, [])):
+        table = self._tables.pop(seq_id, [])
+        self.num_held -= len(table)
+        for block in reversed(table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free[block] = None
@@ -113,21 +121,47 @@ class BlockManager:
         if self._tables.get(child_id):
             return 0
         shared = self._tables.get(parent_id, [])[:num_tokens // self.block_size]
+        if not shared:
+            return 0
         for block in shared:
             self._ref_counts[block] += 1
         self._tables[child_id] = list(shared)
+        self.num_held += len(shared)
         return len(shared) * self.block_size
 
     # -- prefix caching -----------------------------------------------------------------------
-    def reuse_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+    def is_cached_prefix(self, hashes: Sequence[bytes]) -> bool:
+        """Is the first block of these keys cached (so reuse_prefix would attach something)?"""
+        return bool(hashes) and hashes[0] in self._cached
+
+    def probe_prefix(self, hashes: Sequence[bytes]) -> tuple[int, bool]:
+        """What reuse_prefix would attach, without attaching it: (how many of those blocks other
+        sequences hold, whether it reaches a cached block nobody holds)."""
+        held = 0
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                return held, True
+            held += 1
+        return held, False
+
+    def reuse_prefix(self, seq_id: str, token_ids: Sequence[int] = (), hashes: Optional[Sequence[bytes]] = None) -> int:
         """Attach the longest cached prefix of token_ids to a sequence that holds no blocks yet.
         Returns how many tokens are already computed. The last token is never reused, so the
-        sequence always has at least one token to run (its logits give the next token)."""
+        sequence always has at least one token to run (its logits give the next token).
+        `hashes` in place of token_ids: `block_hashes(token_ids, block_size, len(token_ids) - 1)`,
+        kept by a caller that tries the same sequence at every step."""
         if not self.enable_prefix_caching or self._tables.get(seq_id):
+            return 0
+        if hashes is None:
+            hashes = block_hashes(token_ids, self.block_size, len(token_ids) - 1)
+        if not self.is_cached_prefix(hashes):
             return 0
         table = self._tables.setdefault(seq_id, [])
         last = ROOT_KEY
-        for h in block_hashes(token_ids, self.block_size, len(token_ids) - 1):
+        for h in hashes:
             block = self._cached.get(h)
             if block is None:
                 break
@@ -135,6 +169,7 @@ class BlockManager:
                 del self._free[block]
             self._ref_counts[block] += 1
             table.append(block)
+            self.num_held += 1
             last = h
         self._hashed[seq_id] = (len(table), last)
         return len(table) * self.block_size
@@ -171,6 +206,7 @@ class BlockManager:
             assert len(table) == len(set(table)), f"{seq_id} holds a block twice"
             for block in table:
                 counts[block] += 1
+        assert self.num_held == sum(counts), f"num_held {self.num_held}, tables hold {sum(counts)}"
         for block in range(self.num_blocks):
             assert counts[block] == self._ref_counts[block], f"block {block}: bad reference count"
             owned = counts[block] > 0

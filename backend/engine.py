@@ -2,8 +2,9 @@
 
 `LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly).
 `AsyncEngine` (async_engine.py) runs it on its own thread for the server. Who runs is the
-scheduler's (scheduler.py, padded_scheduler.py); the model run is the runner's (runner.py, the
-only device-facing layer); text, stop strings and logprobs are the output processor's.
+scheduler's (backend/sched/); the model run is the runner's (runner.py, the only device-facing
+layer); text, stop strings and logprobs are the output processor's, which returns the requests a
+stop string ended for the scheduler to finish.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from backend.config import EngineConfig
 from backend.errors import QueueFullError
 from backend.loader import load_model_config
 from backend.output_processor import OutputProcessor
+from backend.queue_report import QueueReporter
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus, SamplingParams
 from backend.runner import ModelRunner
-from backend.scheduler import make_scheduler
+from backend.sched.factory import make_scheduler
 from backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size,
                                    enable_prefix_caching=config.enable_kv_cache_reuse)
         self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
-        self.outputs = OutputProcessor(self.tokenizer, hold_until_released=self.scheduler.gate.pads)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
         self.prompt_tokens_total = 0
@@ -73,8 +76,10 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                     arrival_time: Optional[float] = None, priority: int = 0) -> Request:
-        """Tokenize and check a request against every limit; raises ValueError saying which."""
+                     arrival_time: Optional[float] = None, priority: int = 0, queue_info: bool = False) -> Request:
+        """Tokenize and check a request against every limit; raises ValueError saying which.
+        `queue_info`: its outputs carry a QueueInfo, and while it waits it gets outputs of its own
+        whenever its place or reservation changes (queue_report.py)."""
         params.validate()
         ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
@@ -84,6 +89,7 @@ class LLMEngine:
         request = Request(request_id, ids, params, eos, arrival_time, seed=self._seeds.getrandbits(63),
                           priority=priority)
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        request.reports_queue = queue_info
         return request
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -140,17 +146,19 @@ class LLMEngine:
             seq.bad_words_ids = request.bad_words_ids
             self.scheduler.add(seq)
             self.outputs.add(seq)
+            self.queue.follow(seq)
         self.prompt_tokens_total += request.num_prompt_tokens
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> Request:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+                    queue_info: bool = False) -> Request:
         self.check_queue()
-        request = self.make_request(request_id, prompt, params, priority=priority)
+        request = self.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info)
         self.add(request)
         return request
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort every completion of the request; their final outputs (none if it is unknown)."""
-        return [self.outputs.ended(r, self.scheduler.finish) for r in self.scheduler.abort(request_id)]
+        return self._deliver([self.outputs.ended(r) for r in self.scheduler.abort(request_id)])
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -160,7 +168,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(time.monotonic())
         self.idle = batch.is_empty
         if batch.is_empty:
-            return self.outputs.release(self.scheduler.pop_released())
+            return self._deliver([])
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its own requests, not the engine
@@ -168,15 +176,22 @@ class LLMEngine:
             return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}")
         self.scheduler.postprocess(batch, sampled, time.monotonic())
         self.generation_tokens_total += len(sampled)
-        return self.outputs.step_outputs([s.request for s in batch.seqs], sampled, self.scheduler.finish,
-                                         self.scheduler.pop_released())
+        outputs, stopped = self.outputs.step_outputs([s.request for s in batch.seqs], sampled)
+        for req in stopped:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """What to hand out: the step's outputs with where followed requests stand, held back
+        while a padded batch runs."""
+        return self.scheduler.deliver(self.queue.report(outputs))
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         for req in requests:
             if not req.status.finished:
                 req.error = message
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return [self.outputs.ended(req, self.scheduler.finish) for req in requests]
+        return self._deliver([self.outputs.ended(req) for req in requests])
 
     def fail_running(self, message: str) -> list[RequestOutput]:
         """After an unexpected exception in a step outside the model run (in scheduling or
@@ -188,7 +203,7 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             results.append(self.outputs.closing(req))
         self.check_integrity()
-        return results
+        return self._deliver(results)
 
     def stats(self) -> dict[str, Union[int, float]]:
         b = self.blocks
@@ -200,7 +215,7 @@ class LLMEngine:
             "kv_blocks_used": b.num_used_blocks,
             "kv_blocks_free": b.num_free_blocks,
             "kv_cache_usage_ratio": b.num_used_blocks / b.num_blocks,
-            "kv_blocks_reserved": self.scheduler.policy.reserved_blocks(self.scheduler.holders()),
+            "kv_blocks_reserved": self.scheduler.policy.reserved_blocks(),  # a tally, kept as requests start and end
             "num_preemptions": self.scheduler.num_preemptions,
             "num_backfilled": self.scheduler.num_backfilled,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,

@@ -7,15 +7,6 @@ from typing import Optional
 
 
 @dataclass
-class Sampled:
-    """One row's result: the token and, when the request asked for logprobs, the raw numbers."""
-    token: int
-    logprob: Optional[float] = None
-    rank: Optional[int] = None  # 1 = the most likely token
-    top: Optional[list[tuple[int, float]]] = None  # the top k (token, logprob), best first
-
-
-@dataclass
 class Logprob:
     """One candidate token's log-probability (log_softmax of the raw logits), its rank among the
     vocabulary (1 = most likely) and its text, as vLLM reports them."""
@@ -26,6 +17,23 @@ class Logprob:
 
 # Per generated token: candidate token id -> Logprob (the sampled token and the top k).
 TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class QueueInfo:
+    """Where a request stands, for a caller that asked (`return_queue_info`): while it waits, its
+    place and the engine step its start is reserved for; once it runs, the KV blocks reserved for
+    it; and its times (time.monotonic() seconds, None until they happen), as TensorRT-LLM's
+    per-request timing metrics and vLLM's RequestMetrics name them."""
+    engine_step: int  # the engine step (schedule() call) this reflects; reserved_step counts the same
+    position: int  # 0: the next to start (most urgent first); -1 once it has started
+    reserved_step: Optional[int]  # guaranteed_no_evict with backfill: it starts at or before this step
+    first_scheduled_step: Optional[int]  # the step it first ran
+    kv_blocks_reserved: int  # blocks reserved for it to completion once it runs (max_utilization: held)
+    arrival_time: float
+    first_scheduled_time: Optional[float]
+    first_token_time: Optional[float]
+    finished_time: Optional[float]
 
 
 @dataclass
@@ -45,6 +53,7 @@ class RequestOutput:
     cumulative_logprob: Optional[float] = None  # sum of the sampled tokens' logprobs
     samples: Optional[list["RequestOutput"]] = None  # LLM.generate with n > 1: all n, by index
     queue_seconds: Optional[float] = None  # on its first output: arrival to first scheduled
+    queue: Optional[QueueInfo] = None  # only for a request added with queue_info=True
 
 
 def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:
@@ -59,7 +68,7 @@ def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> Reques
     queued = first.queue_seconds if then.queue_seconds is None else then.queue_seconds
     return dataclasses.replace(then, new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
                                new_text=first.new_text + then.new_text, new_logprobs=logprobs,
-                               queue_seconds=queued)
+                               queue_seconds=queued, queue=then.queue or first.queue)
 
 
 class StopStringMatcher:

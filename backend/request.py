@@ -27,7 +27,7 @@ class SamplingParams:
     """vLLM-style sampling settings. A temperature below 1e-5 means greedy."""
     max_tokens: int = 16
     temperature: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 or -1: off (vLLM's -1)
     top_p: float = 1.0
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
@@ -36,7 +36,7 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1  # completions of the same prompt (its KV computed once)
     logprobs: Optional[int] = None  # None: none; 0: the sampled token's; k: also the top k
-    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output
+    repetition_penalty: float = 1.0  # > 0; above 1 discourages tokens of the prompt and the output
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     bad_words: list[str] = field(default_factory=list)  # words that are never generated
@@ -51,7 +51,7 @@ class SamplingParams:
     def validate(self) -> None:
         _int_range("max_tokens", self.max_tokens, 1)
         _number("temperature", self.temperature, 0.0)
-        _int_range("top_k", self.top_k, 0, hint=" (0 disables it)")
+        _int_range("top_k", self.top_k, -1, hint=" (-1 or 0 disables it)")
         if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -61,7 +61,7 @@ class SamplingParams:
         _int_range("n", self.n, 1, MAX_N)
         if self.logprobs is not None:
             _int_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, exclusive=True, high=2.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, exclusive=True)  # vLLM: any > 0
         _number("presence_penalty", self.presence_penalty, -2.0, high=2.0)
         _number("frequency_penalty", self.frequency_penalty, -2.0, high=2.0)
         _strings("stop_words", self.stop, MAX_STOP_STRINGS, "stop strings")
@@ -196,6 +196,9 @@ class Request:
         self.priority = priority  # lower runs first
         self.arrival_seq: Optional[int] = None  # the waiting queue's arrival number, kept across preemption
         self.admitted_time: Optional[float] = None  # when it first started running
+        self.first_scheduled_step: Optional[int] = None  # the engine step it first ran
+        self.finished_time: Optional[float] = None
+        self.reports_queue = False  # the caller asked where it stands (QueueInfo on its outputs)
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
@@ -204,6 +207,9 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.num_preemptions = 0
         self.error: Optional[str] = None
+        self.stop_token_id: Optional[int] = None  # the EOS or stop token that ended it (never in its text)
+        # (tokens hashed, their full blocks' prefix-cache keys): kept while it waits (admission.py)
+        self.prefix_hashes: Optional[tuple[int, list[bytes]]] = None
         # Sampling state lives with the request, so the sampler keeps none: one uniform number per
         # token from the request's own stream (a request's tokens do not depend on its batch).
         self.rng = random.Random(params.seed if params.seed is not None else seed)

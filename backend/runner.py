@@ -19,9 +19,8 @@ from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
 from backend.models.packed_linear import can_pack, pack_linears, padded_rows
 from backend.models.rope import rope_cos_sin
-from backend.outputs import Sampled
 from backend.sampler import sample
-from backend.scheduler import ScheduledSeq, SchedulerOutput
+from backend.sched.step import Sampled, ScheduledSeq, SchedulerOutput
 from kernels.dispatch import get_ops
 
 log = logging.getLogger(__name__)

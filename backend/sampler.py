@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from backend.outputs import Sampled
+from backend.sched.step import Sampled
 from backend.request import Request
 
 

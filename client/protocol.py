@@ -48,8 +48,10 @@ class Options:
     exclude_input_in_output: Optional[bool] = None
     n: Optional[int] = None
     logprobs: Optional[int] = None
+    queue_info: Optional[bool] = None  # where the request stands (return_queue_info): Chunk.queue
 
     PARAMETERS = ("n", "logprobs")
+    SWITCHES = ("queue_info",)  # they only add return_* inputs
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "Options":
@@ -61,7 +63,7 @@ class Options:
 
     def returns(self) -> tuple[str, ...]:
         extra = ("return_logprobs", "return_cumulative_logprob") if self.logprobs is not None else ()
-        return SHOWN + extra
+        return SHOWN + extra + (("return_queue_info",) if self.queue_info else ())
 
     def parameters(self) -> dict[str, Any]:
         """The request parameters: the sampling keys that have no input tensor."""
@@ -69,12 +71,29 @@ class Options:
 
 
 _NUMPY = {"STRING": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT32": np.uint32, "INT64": np.int64,
-          "UINT64": np.uint64, "FP32": np.float32}
+          "UINT64": np.uint64, "FP32": np.float32, "FP64": np.float64}
 # name -> (numpy dtype, Triton wire datatype), from the model's tensor table
 TENSOR_TYPES = {t.name: (_NUMPY[t.data_type], "BYTES" if t.data_type == "STRING" else t.data_type)
                 for t in tensor_table.INPUTS}
 OUTPUTS = tuple(t.name for t in tensor_table.OUTPUTS)
 _LISTS = {t.name for t in tensor_table.INPUTS if t.dims == (-1,)}
+_INTEGER_TYPES = ("INT32", "UINT32", "INT64", "UINT64")
+
+
+def checked_ints(name: str, values: Sequence[Any], triton_type: str) -> list[int]:
+    """Integers that fit the input's type, or ValueError naming the value: numpy wraps an
+    out-of-range Python int (4294967301 becomes 5 in an INT32), and Triton wraps a JSON number the
+    same way, so past this point nobody could tell."""
+    info = np.iinfo(_NUMPY[triton_type])
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name}: {v!r} is not an integer")
+        if not info.min <= int(v) <= info.max:
+            hint = " (token ids are in [0, vocabulary size))" if name == "input_ids" else ""
+            raise ValueError(f"{name}: {int(v)} does not fit {triton_type} [{info.min}, {info.max}]{hint}")
+        out.append(int(v))
+    return out
 
 
 def request_tensors(prompt: Optional[Prompt], options: Options, stream: bool,
@@ -93,11 +112,13 @@ def request_tensors(prompt: Optional[Prompt], options: Options, stream: bool,
         values.update((name, True) for name in options.returns())
         for f in fields(options):
             value = getattr(options, f.name)
-            if value is not None and f.name not in Options.PARAMETERS:
+            if value is not None and f.name not in Options.PARAMETERS + Options.SWITCHES:
                 values[f.name] = value
     out = {}
     for name, value in values.items():
         dtype, triton_type = TENSOR_TYPES[name]
+        if triton_type in _INTEGER_TYPES:  # never let numpy wrap a value that does not fit
+            checked_ints(name, value if name in _LISTS else [value], triton_type)
         if name in _LISTS:
             items = [v.encode("utf-8") if isinstance(v, str) else v for v in value]
             array = np.array(items, dtype=dtype).reshape([-1])
@@ -123,13 +144,15 @@ def request_json(prompt: Optional[Prompt], options: Options, stream: bool,
     if isinstance(prompt, str):
         body["text_input"] = prompt
     elif prompt is not None:
-        body["input_ids"] = [int(t) for t in prompt]
+        body["input_ids"] = checked_ints("input_ids", list(prompt), "INT32")
     body["stream"] = stream
     body.update((name, True) for name in options.returns())
     for f in fields(options):
         value = getattr(options, f.name)
-        if value is not None:
+        if value is not None and f.name not in Options.SWITCHES:
             body[f.name] = list(value) if f.name in _LISTS else value
+            if TENSOR_TYPES.get(f.name, (None, ""))[1] in _INTEGER_TYPES:
+                checked_ints(f.name, [value], TENSOR_TYPES[f.name][1])
     return body
 
 
@@ -148,6 +171,7 @@ class Chunk:
     finish_reasons: list[Optional[str]] = field(default_factory=list)
     logprobs: Optional[list[dict[str, Any]]] = None  # per token: {token id: {logprob, rank, decoded_token}}
     cumulative_logprob: Optional[float] = None
+    queue: Optional[dict[str, Any]] = None  # the return_queue_info outputs, by name, when present
     time: float = field(default_factory=time.monotonic)
 
     @property
@@ -172,9 +196,11 @@ class Chunk:
             array = get(name)
             return [] if array is None else list(array.reshape(-1))
         n_in = values("num_input_tokens")
-        return cls.build([_str(v) for v in values("text_output")], values("output_ids"), values("finish_reason"),
-                         n_in[0] if n_in else None, values("num_output_tokens"), values("logprobs"),
-                         values("cumulative_logprob"))
+        chunk = cls.build([_str(v) for v in values("text_output")], values("output_ids"), values("finish_reason"),
+                          n_in[0] if n_in else None, values("num_output_tokens"), values("logprobs"),
+                          values("cumulative_logprob"))
+        chunk.queue = _queue({name: values(name) for name in tensor_table.QUEUE_INFO_OUTPUTS})
+        return chunk
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Chunk":
@@ -187,9 +213,17 @@ class Chunk:
             value = data.get(name)
             return [] if value is None else value if isinstance(value, list) else [value]
         n_in = values("num_input_tokens")
-        return cls.build([str(v) for v in values("text_output")], values("output_ids"), values("finish_reason"),
-                         n_in[0] if n_in else None, values("num_output_tokens"), values("logprobs"),
-                         values("cumulative_logprob"))
+        chunk = cls.build([str(v) for v in values("text_output")], values("output_ids"), values("finish_reason"),
+                          n_in[0] if n_in else None, values("num_output_tokens"), values("logprobs"),
+                          values("cumulative_logprob"))
+        chunk.queue = _queue({name: values(name) for name in tensor_table.QUEUE_INFO_OUTPUTS})
+        return chunk
+
+
+def _queue(found: dict[str, list]) -> Optional[dict[str, Any]]:
+    if not any(found.values()):
+        return None
+    return {k: (float(v[0]) if k == "seconds_since_arrival" else int(v[0])) for k, v in found.items() if v}
 
 
 def _str(value: Any) -> str:
@@ -213,6 +247,7 @@ class Result:
     first_token_time: Optional[float] = None
     end: Optional[float] = None
     chunk_times: list[float] = field(default_factory=list)
+    queue: Optional[dict[str, Any]] = None  # the last return_queue_info outputs seen
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
@@ -225,6 +260,8 @@ class Result:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         if chunk.cumulative_logprob is not None:
             self.cumulative_logprob = chunk.cumulative_logprob
+        if chunk.queue is not None:
+            self.queue = chunk.queue
         if chunk.token_ids or chunk.text:
             if self.first_token_time is None:
                 self.first_token_time = chunk.time

@@ -39,10 +39,13 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("return_logprobs", "BOOL", (1,), "add logprobs (needs the sampling key logprobs)"),
     Tensor("return_num_input_tokens", "BOOL", (1,), "add num_input_tokens"),
     Tensor("return_num_output_tokens", "BOOL", (1,), "add num_output_tokens"),
+    Tensor("return_queue_info", "BOOL", (1,),
+           "add where it stands (queue_position ... seconds_since_arrival); streaming, also a response "
+           "(no tokens) whenever its place or reservation changes while it waits"),
     # -- sampling settings --
     Tensor("max_tokens", "INT32", (1,), "default 16; >= 1", "max_tokens"),
     Tensor("temperature", "FP32", (1,), "default 1.0; >= 0, below 1e-5 is greedy", "temperature"),
-    Tensor("top_k", "INT32", (1,), "default 0 (off); >= 0", "top_k"),
+    Tensor("top_k", "INT32", (1,), "default 0; -1 or 0: off (vLLM's -1); else >= 1", "top_k"),
     Tensor("top_p", "FP32", (1,), "default 1.0; (0, 1]", "top_p"),
     Tensor("seed", "UINT64", (1,), "default: unseeded; [0, 2^63)", "seed"),
     Tensor("stop_words", "STRING", (-1,), "stop strings (not part of the output)", "stop"),
@@ -76,11 +79,29 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("logprobs", "STRING", (-1,), "if asked; one JSON per completion, the new tokens' (null if not set)"),
     Tensor("num_input_tokens", "UINT32", (1,), "if asked; the prompt's tokens"),
     Tensor("num_output_tokens", "UINT32", (-1,), "if asked; one per completion: the tokens in this response"),
+    # -- return_queue_info (docs/triton.md, "Queue info"); the first completion's with n > 1 --
+    Tensor("queue_position", "INT32", (1,), "if asked; its place among the waiting (0: next to start); -1 once it runs"),
+    Tensor("reserved_step", "INT64", (1,),
+           "if asked; guaranteed_no_evict with backfill, the waiting head only: it starts by this engine step; -1: none"),
+    Tensor("engine_step", "INT64", (1,), "if asked; the engine step this response reflects (reserved_step's clock)"),
+    Tensor("first_scheduled_step", "INT64", (1,), "if asked; the engine step it first ran; -1 until then"),
+    Tensor("kv_blocks_reserved", "UINT32", (1,),
+           "if asked; KV blocks reserved for it once it runs (to completion under guaranteed_no_evict); 0 while waiting"),
+    Tensor("arrival_time_ns", "INT64", (1,), "if asked; Unix time in ns it arrived (TensorRT-LLM's name)"),
+    Tensor("first_scheduled_time_ns", "INT64", (1,), "if asked; Unix time in ns it first ran; 0 until then"),
+    Tensor("first_token_time_ns", "INT64", (1,), "if asked; Unix time in ns of its first token; 0 until then"),
+    Tensor("finished_time_ns", "INT64", (1,), "if asked; Unix time in ns it finished; 0 until then"),
+    Tensor("seconds_since_arrival", "FP64", (1,), "if asked; seconds from its arrival to this response"),
 )
 
 RETURN_FLAGS = tuple(t.name for t in INPUTS if t.name.startswith("return_") and t.name != "return_log_probs")
+# What return_queue_info adds, each [1] (the request's first completion).
+QUEUE_INFO_OUTPUTS = ("queue_position", "reserved_step", "engine_step", "first_scheduled_step", "kv_blocks_reserved",
+                      "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "finished_time_ns",
+                      "seconds_since_arrival")
 
 _BY_NAME = {t.name: t for t in INPUTS + OUTPUTS}
+assert set(QUEUE_INFO_OUTPUTS) <= {t.name for t in OUTPUTS}
 
 
 def tensor(name: str) -> Tensor:

@@ -12,11 +12,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from backend import LLM, EngineConfig, SamplingParams
-from backend.outputs import Sampled
+from backend.sched.step import Sampled
 from backend.block_manager import BlockManager
 from backend.async_engine import AsyncEngine
 from backend.request import Request
-from backend.scheduler import ScheduledSeq, SchedulerOutput, make_scheduler
+from backend.sched.factory import make_scheduler
+from backend.sched.step import ScheduledSeq, SchedulerOutput
 
 EOS = 0
 
@@ -49,7 +50,7 @@ def run_out(sched, now=0.0, max_steps=10_000):
         if not sched.has_work:
             return outs
         outs.append(step(sched, now))
-        sched.pop_released()
+        sched.pool.pop_released()
     raise AssertionError("did not finish")
 
 
@@ -115,8 +116,8 @@ def test_static_pads_prompts_and_runs_to_the_longest_member():
                 decode_pad += s.num_new_tokens
             else:
                 prompt_pad += s.num_new_tokens
-        assert all(s.request.request_id != "next" for s in out.seqs) or not sched.lingering
-        for r in sched.pop_released():
+        assert all(s.request.request_id != "next" for s in out.seqs) or not sched.pool.lingering
+        for r in sched.pool.pop_released():
             released_at[r.request_id] = n
         if "next" in {s.request.request_id for s in out.seqs}:
             break
@@ -134,9 +135,9 @@ def test_finished_members_keep_their_blocks_until_the_batch_ends():
     sched.add(req("a", 8, 1))
     sched.add(req("b", 8, 6))
     step(sched, 0.0)  # prefill: a samples its only token and finishes
-    assert [r.request_id for r in sched.lingering] == ["a"]
+    assert [r.request_id for r in sched.pool.lingering] == ["a"]
     assert sched.blocks.num_blocks_of("a") > 0
-    assert not sched.pop_released()
+    assert not sched.pool.pop_released()
     run_out(sched)
     assert sched.blocks.num_used_blocks == 0
 
@@ -147,7 +148,7 @@ def test_aborting_the_last_running_member_ends_the_batch():
     sched.add(req("b", 8, 50))
     step(sched, 0.0)
     sched.abort("b")
-    assert [r.request_id for r in sched.pop_released()] == ["a"]
+    assert [r.request_id for r in sched.pool.pop_released()] == ["a"]
     assert sched.blocks.num_used_blocks == 0 and not sched.has_work
 
 
@@ -207,7 +208,7 @@ def test_request_level_batches_stay_consistent(seed, mode, policy, num_blocks, b
         if not sched.gate.pads:
             answered.update(r.request_id for r in finished)
         if sched.gate.pads:
-            answered.update(r.request_id for r in sched.pop_released())
+            answered.update(r.request_id for r in sched.pool.pop_released())
         sched.check_integrity()
         if not pending and not sched.has_work:
             break

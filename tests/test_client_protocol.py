@@ -48,3 +48,35 @@ def test_responses_are_read_per_response_and_running_is_none():
     assert result.finish_reason == "length" and result.cumulative_logprob == -0.5 and len(result.logprobs) == 1
     two = Chunk.from_json({"text_output": ["x", "y"], "finish_reason": ["stop", "None"]})
     assert two.texts == ["x", "y"] and not two.finished
+
+
+def test_integers_that_do_not_fit_their_input_are_refused_not_wrapped():
+    """numpy wraps 4294967301 into an INT32 as 5, and Triton wraps a JSON number the same way: the
+    client library refuses it, naming the value, for tensors and for HTTP JSON alike."""
+    import pytest
+
+    for build in (lambda p, o: request_tensors(p, o, stream=False), lambda p, o: request_json(p, o, False)):
+        with pytest.raises(ValueError, match=r"input_ids: 4294967301 does not fit INT32"):
+            build([1, 4294967301], Options())
+        with pytest.raises(ValueError, match=r"input_ids: -2147483649 does not fit INT32"):
+            build([-2147483649], Options())
+        with pytest.raises(ValueError, match=r"max_tokens: 1000000000000 does not fit INT32"):
+            build("hi", Options(max_tokens=10**12))
+        with pytest.raises(ValueError, match=r"seed: -1 does not fit UINT64"):
+            build("hi", Options(seed=-1))
+    assert request_tensors([1, 2**31 - 1], Options(), stream=False)["input_ids"][0].tolist() == [1, 2**31 - 1]
+
+
+def test_queue_info_is_a_switch_and_its_outputs_are_read():
+    tensors = request_tensors("hi", Options(queue_info=True), stream=True)
+    assert bool(tensors["return_queue_info"][0][0]) and "queue_info" not in tensors
+    body = request_json("hi", Options(queue_info=True), stream=True)
+    assert body["return_queue_info"] is True and "queue_info" not in body
+    assert "return_queue_info" not in request_tensors("hi", Options(), stream=True)
+    chunk = Chunk.from_json({"text_output": "", "output_ids": [], "queue_position": 2, "reserved_step": -1,
+                             "engine_step": 9, "seconds_since_arrival": 0.25})
+    assert chunk.queue == {"queue_position": 2, "reserved_step": -1, "engine_step": 9, "seconds_since_arrival": 0.25}
+    assert Chunk.from_json({"text_output": "a"}).queue is None
+    arrays = {"text_output": np.array([b""], dtype=np.object_), "queue_position": np.array([0], np.int32),
+              "arrival_time_ns": np.array([17], np.int64)}
+    assert Chunk.from_arrays(arrays.get).queue == {"queue_position": 0, "arrival_time_ns": 17}

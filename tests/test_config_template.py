@@ -40,7 +40,10 @@ def test_rendered_config_is_a_valid_decoupled_triton_config():
             "stop_words", "ignore_eos", "min_tokens", "exclude_input_in_output", "stop"} <= names
     assert all(i.optional for i in config.input)
     assert [o.name for o in config.output] == ["text_output", "output_ids", "finish_reason", "cumulative_logprob",
-                                               "logprobs", "num_input_tokens", "num_output_tokens"]
+                                               "logprobs", "num_input_tokens", "num_output_tokens",
+                                               "queue_position", "reserved_step", "engine_step", "first_scheduled_step",
+                                               "kv_blocks_reserved", "arrival_time_ns", "first_scheduled_time_ns",
+                                               "first_token_time_ns", "finished_time_ns", "seconds_since_arrival"]
 
 
 def test_instance_group_gpu_where_gpus_exist_cpu_where_none():

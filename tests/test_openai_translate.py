@@ -115,6 +115,8 @@ def test_chat_parameters():
     ({"logprobs": 1}, "logprobs"),
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -205,7 +207,7 @@ def test_error_status_of_the_engines_messages(default_model_dir):
         llm.engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=2))
     assert error_status(str(full.value)) == 429
     with pytest.raises(ValueError) as bad:
-        SamplingParams(top_k=-1)
+        SamplingParams(top_k=-2)
     assert error_status(str(bad.value)) == 400
     assert error_status("the server is shutting down; retry later") == 503
     assert error_status("RuntimeError: CUDA error: an illegal memory access") == 500
@@ -242,3 +244,30 @@ def test_chat_without_a_template_or_with_a_hostile_one_is_a_400(default_model_di
     assert err.value.status == 400
     with pytest.raises(APIError, match="--model-path") as err:
         ChatRenderer(None)([{"role": "user", "content": "Hi"}])
+
+
+def test_queue_info_is_an_extension_off_by_default():
+    from templates.tensors import QUEUE_INFO_OUTPUTS
+
+    declared = ALL_RETURNS | {"return_queue_info"}
+    assert "return_queue_info" not in triton_tensors(parse_completion({"model": "llm", "prompt": "a"}), 0, declared)
+    gen = parse_completion({"model": "llm", "prompt": "a", "return_queue_info": True, "stream": True})
+    assert bool(_sent(triton_tensors(gen, 0, declared), "return_queue_info"))
+    assert "return_queue_info" not in json.loads(_sent(triton_tensors(gen, 0, declared), "sampling_parameters"))
+    assert _chat(return_queue_info=True).queue_info
+    with pytest.raises(APIError) as err:
+        parse_completion({"model": "llm", "prompt": "a", "return_queue_info": "yes"})
+    assert err.value.param == "return_queue_info"
+    with pytest.raises(APIError, match="no queue info outputs"):
+        triton_tensors(gen, 0, ALL_RETURNS)
+    # a response with the outputs: every choice's piece carries them, and so do the chunk and body
+    values = {name: [i] for i, name in enumerate(QUEUE_INFO_OUTPUTS)}
+    got = pieces(_getter(text_output=["x"], finish_reason=["None"], **values), None)
+    assert got[0].queue_info == {name: i for i, name in enumerate(QUEUE_INFO_OUTPUTS)}
+    state = ChoiceState()
+    state.add(got[0])
+    reply = Reply("cmpl-1", "llm", chat=False)
+    assert reply.chunk(0, got[0], state, True, False, False)["choices"][0]["queue_info"] == got[0].queue_info
+    assert reply.body([state], 1, False)["choices"][0]["queue_info"] == got[0].queue_info
+    plain = pieces(_getter(text_output=["x"], finish_reason=["None"]), None)[0]
+    assert plain.queue_info is None and "queue_info" not in reply.chunk(0, plain, ChoiceState(), True, False, False)["choices"][0]

@@ -65,3 +65,13 @@ def test_each_request_draws_from_its_own_seeded_stream():
     assert len(set(alone)) > 1
     g = tokens_of(logits.clone(), [Request(f"g{i}", [1], greedy) for i in range(3)])
     assert g == logits.argmax(-1).tolist()
+
+
+def test_top_k_minus_one_is_off_like_zero():
+    """vLLM's -1 and our 0 both keep the whole vocabulary: the same draws from the same seeds."""
+    rng = np.random.default_rng(5)
+    logits = torch.from_numpy(rng.normal(0, 1, (64, VOCAB)).astype(np.float32))
+    draws = {k: tokens_of(logits.clone(), [Request(f"r{i}", [1], SamplingParams(max_tokens=4, top_k=k, seed=i))
+                                           for i in range(64)]) for k in (-1, 0, 3)}
+    assert draws[-1] == draws[0]
+    assert draws[3] != draws[0], "top_k 3 filters (the check can tell a filter from none)"

@@ -56,7 +56,8 @@ def test_stop_string_cuts_the_text(llm):
     ({"temperature": float("nan")}, ["temperature", "finite"]),
     ({"top_p": 0.0}, ["top_p", "(0, 1]"]),
     ({"top_p": 1.5}, ["top_p", "(0, 1]"]),
-    ({"top_k": -1}, ["top_k", ">= 0"]),
+    ({"top_k": -2}, ["top_k", ">= -1", "-1 or 0 disables it"]),
+    ({"repetition_penalty": 0.0}, ["repetition_penalty", "> 0"]),
     ({"min_tokens": 5, "max_tokens": 2}, ["min_tokens", "max_tokens=2"]),
 ])
 def test_bad_sampling_params_are_refused(kwargs, words):

@@ -9,11 +9,11 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from backend.outputs import Sampled
+from backend.sched.step import Sampled
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.request import Request, SamplingParams
-from backend.scheduler import Scheduler
+from backend.sched.scheduler import Scheduler
 
 EOS = 0
 

@@ -68,14 +68,17 @@ class FakeEngine:
         self.aborted = []
         self.lock = threading.Lock()
 
-    def add_request(self, rid, prompt, params, on_output, priority=0):
+    def add_request(self, rid, prompt, params, on_output, priority=0, **kw):
         if prompt == "too long":
             raise ValueError("prompt has 999 tokens; max_model_len is 64")
         with self.lock:
             self.requests[rid] = (prompt, params, on_output, [])
+            self.options = getattr(self, "options", {})
+            self.options[rid] = kw
 
-    def emit(self, rid, new_ids, finish_reason=None, error=None, index=0, new_logprobs=None):
-        """One step's output of completion `index`; new_logprobs: one float per new token."""
+    def emit(self, rid, new_ids, finish_reason=None, error=None, index=0, new_logprobs=None, queue=None):
+        """One step's output of completion `index`; new_logprobs: one float per new token; queue: a
+        QueueInfo (the engine's answer to queue_info=True)."""
         prompt, params, cb, outs = self.requests[rid]
         while len(outs) <= index:
             outs.append(([], []))
@@ -89,7 +92,7 @@ class FakeEngine:
                          FakeTokenizer().decode(out), finish_reason is not None, finish_reason, error,
                          index=index, new_logprobs=new_lp, logprobs=list(lps) if new_lp is not None else None,
                          cumulative_logprob=sum(next(iter(d.values())).logprob for d in lps)
-                         if new_lp is not None else None))
+                         if new_lp is not None else None, queue=queue))
 
     def abort(self, rid):
         with self.lock:
@@ -190,7 +193,12 @@ def test_streaming_sends_one_response_per_step_and_final_with_the_last(frontend)
     assert frontend.num_live() == 0
 
 
-def test_streaming_outputs_that_arrive_while_one_waits_are_merged_into_it(frontend):
+@pytest.mark.parametrize("backlog", [adapter.MAX_STREAM_BACKLOG, 2])
+def test_streaming_sends_a_response_per_step_while_behind_and_merges_only_past_the_backlog(frontend, backlog):
+    """The responder is held while 5 steps arrive: with the default backlog each step still gets
+    its own response (as the vLLM backend sends them); past a backlog of 2 responses waiting, the
+    later steps are merged into the newest of them, tokens and counts intact."""
+    frontend.max_backlog = backlog
     release = threading.Event()
 
     class Blocking(list):  # the responder waits inside this request's respond until released
@@ -205,12 +213,17 @@ def test_streaming_outputs_that_arrive_while_one_waits_are_merged_into_it(fronte
     wait_for(lambda: frontend.queue_depth() == 0)  # taken: the responder is now held
     for i in range(5):
         frontend.engine.emit(rid, [i], "length" if i == 4 else None)
+    assert frontend.queue_depth() == min(5, backlog)
     release.set()
     wait_for(lambda: sender.final)
-    assert len(sender.responses) == 1 and frontend.num_coalesced == 4
-    tensors, error, final = sender.responses[0]
-    assert error is None and final and text(tensors) == "abcde"
-    assert list(tensors["output_ids"]) == [0, 1, 2, 3, 4] and tensors["num_output_tokens"][0] == 5
+    want = [[0], [1], [2], [3], [4]] if backlog >= 5 else [[0], [1, 2, 3, 4]]
+    assert [list(t["output_ids"]) for t, _, _ in sender.responses] == want
+    assert frontend.num_coalesced == 5 - len(want)
+    assert [text(t) for t, _, _ in sender.responses] == ["a", "b", "c", "d", "e"] if backlog >= 5 else ["a", "bcde"]
+    assert [int(t["num_output_tokens"][0]) for t, _, _ in sender.responses] == [len(w) for w in want]
+    assert [f for _, e, f in sender.responses if e is None] == [False] * (len(want) - 1) + [True]
+    # the inter-token histogram counts tokens, however they were grouped
+    wait_for(lambda: sorted(frontend.metrics.observed).count("itl") == 4)
 
 
 def test_stream_interval_sends_the_first_token_at_once_then_every_n_tokens_and_the_end(frontend):

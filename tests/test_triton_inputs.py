@@ -130,7 +130,7 @@ def test_refusals_name_the_input_and_the_rule(inputs, message):
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.1), ("top_p", 0.0),
-                                         ("top_k", -1), ("min_tokens", 99), ("logprobs", 21), ("n", 0),
+                                         ("top_k", -2), ("min_tokens", 99), ("logprobs", 21), ("n", 0),
                                          ("repetition_penalty", 0.0)])
 def test_value_limits_are_samplingparams_own_messages(field, value):
     """The one validation path: the same message as SamplingParams gives, from a tensor or JSON."""
@@ -177,3 +177,23 @@ def test_the_committed_trtllm_config_is_the_rendered_one():
     config = R.parse_config(R.render_trtllm())
     assert config.max_batch_size == 1 and config.model_transaction_policy.decoupled
     assert [i.name for i in config.input] == [t.name for t in T.INPUTS]
+
+
+@pytest.mark.parametrize("top_k, penalty", [(-1, 3.0), (0, 0.05), (5, 10.0)])
+def test_one_rule_for_top_k_and_repetition_penalty_on_every_path(top_k, penalty):
+    """vLLM's rule everywhere: top_k -1 (or 0) is off, any repetition_penalty > 0 is allowed. The
+    tensors, the sampling_parameters JSON and the request parameters all reach SamplingParams,
+    and the OpenAI server sends the value through unchanged (it has no rule of its own)."""
+    from client.openai_server.translate import parse_completion
+
+    paths = [parse({"text_input": S("a"), "top_k": one(top_k, np.int32),
+                    "repetition_penalty": one(penalty, np.float32)}),
+             parse({"text_input": S("a"), "sampling_parameters": S(json.dumps(
+                 {"top_k": top_k, "repetition_penalty": penalty}))}),
+             parse({"text_input": S("a")}, json.dumps({"top_k": top_k, "repetition_penalty": penalty}))]
+    for parsed in paths:
+        assert parsed.params.top_k == top_k
+        assert math.isclose(parsed.params.repetition_penalty, penalty, rel_tol=1e-6)
+    gen = parse_completion({"model": "llm", "prompt": "a", "top_k": top_k, "repetition_penalty": penalty})
+    assert (gen.sampling["top_k"], gen.sampling["repetition_penalty"]) == (top_k, penalty)
+    assert SamplingParams.from_dict(gen.sampling).top_k == top_k

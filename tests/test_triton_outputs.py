@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 from adapter_module import load_adapter
+from templates import tensors as T
 from test_triton_adapter import S, FakeEngine, FakeTokenizer, Metrics, one, respond, submit, wait_for
 
 adapter = load_adapter()
@@ -107,6 +108,7 @@ def test_n_completions_without_streaming_answer_once_when_all_have_ended(fronten
 def test_inter_token_histogram_counts_every_token_of_merged_responses(frontend):
     """vLLM observes one ITL sample per token; merged outputs (a responder that fell behind) carry
     k tokens in one response: k samples of the mean gap, not one."""
+    frontend.max_backlog = 1  # merge everything past one waiting response
     release = threading.Event()
 
     class Blocking(list):
@@ -123,7 +125,7 @@ def test_inter_token_histogram_counts_every_token_of_merged_responses(frontend):
         frontend.engine.emit(rid, [i], "length" if i == 7 else None)
     release.set()
     wait_for(lambda: sender.final)
-    assert len(sender.responses) == 1  # eight tokens, one response
+    assert len(sender.responses) == 1  # eight tokens, one response (the first waited for the blocker)
     metrics = frontend.metrics
     wait_for(lambda: metrics.observed.count("ttft") == 2 and metrics.observed.count("e2e") == 1)
     wait_for(lambda: metrics.observed.count("itl") == 7)
@@ -136,3 +138,56 @@ def test_an_error_for_one_completion_ends_the_whole_request(frontend):
     frontend.engine.emit(rid, [], "error", error="adding the request failed", index=0)
     wait_for(lambda: sender.final)
     assert sender.responses == [(None, "adding the request failed", True)] and frontend.num_live() == 0
+
+
+QUEUE_OUTPUTS = set(T.QUEUE_INFO_OUTPUTS)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_queue_info_streams_while_waiting_and_rides_on_every_response(frontend, stream):
+    """return_queue_info: the engine is asked for it; streaming, each change while the request
+    waits is a response without tokens; every response carries the ten outputs, with the engine's
+    monotonic times as Unix nanoseconds; not streaming, only the answer (with the last ones)."""
+    import time
+
+    from backend.outputs import QueueInfo
+
+    rid, sender = submit(frontend, stream=one(stream, np.bool_), **flags("return_queue_info", "return_num_output_tokens"))
+    engine = frontend.engine
+    assert engine.options[rid] == {"queue_info": True}
+    t0 = time.monotonic()
+
+    def info(step, position, reserved=None, started=None, blocks=0, first_token=None, finished=None):
+        return QueueInfo(step, position, reserved, started, blocks, t0, None if started is None else t0 + 0.5,
+                         first_token, finished)
+
+    engine.emit(rid, [], queue=info(3, 1))
+    engine.emit(rid, [], queue=info(7, 0, reserved=12))
+    engine.emit(rid, [0], queue=info(11, -1, started=11, blocks=5, first_token=t0 + 0.75))
+    engine.emit(rid, [1], "length", queue=info(12, -1, started=11, blocks=5, first_token=t0 + 0.75, finished=t0 + 1))
+    wait_for(lambda: sender.final)
+    responses = [t for t, _, _ in sender.responses]
+    assert all(QUEUE_OUTPUTS <= set(t) for t in responses)
+    column = lambda name: [int(t[name][0]) for t in responses]  # noqa: E731
+    if stream:
+        assert column("queue_position") == [1, 0, -1, -1] and column("reserved_step") == [-1, 12, -1, -1]
+        assert column("engine_step") == [3, 7, 11, 12] and column("first_scheduled_step") == [-1, -1, 11, 11]
+        assert column("kv_blocks_reserved") == [0, 0, 5, 5] and column("num_output_tokens") == [0, 0, 1, 1]
+        assert [list(t["output_ids"]) for t in responses] == [[], [], [0], [1]]
+    else:
+        assert len(responses) == 1 and column("queue_position") == [-1] and column("first_scheduled_step") == [11]
+    last = responses[-1]
+    unix = time.time_ns()
+    arrival = int(last["arrival_time_ns"][0])
+    assert abs(unix - arrival) < 60e9 and last["arrival_time_ns"].dtype == np.int64
+    assert int(last["first_scheduled_time_ns"][0]) - arrival == pytest.approx(0.5e9, abs=1e3)
+    assert int(last["first_token_time_ns"][0]) - arrival == pytest.approx(0.75e9, abs=1e3)
+    assert int(last["finished_time_ns"][0]) - arrival == pytest.approx(1e9, abs=1e3)
+    assert last["seconds_since_arrival"].dtype == np.float64 and 0 <= last["seconds_since_arrival"][0] < 60
+    if stream:
+        assert int(responses[0]["first_token_time_ns"][0]) == 0 and int(responses[0]["finished_time_ns"][0]) == 0
+
+
+def test_queue_info_is_not_asked_of_the_engine_unless_requested(frontend):
+    rid, sender = submit(frontend, stream=one(True, np.bool_))
+    assert frontend.engine.options[rid] == {}

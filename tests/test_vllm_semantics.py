@@ -166,3 +166,96 @@ def test_bad_words_are_never_generated(llm):
     for ids in banned:
         n = len(ids)
         assert all(out.token_ids[i:i + n] != ids for i in range(len(out.token_ids))), f"{word!r} generated"
+
+
+def test_a_stop_token_ends_the_output_but_is_left_out_of_its_text(llm):
+    """vLLM v1: a token of stop_token_ids is the last of token_ids, and not in the text."""
+    greedy = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=12, temperature=0))[0]
+    tok = llm.tokenizer
+    at = next(i for i in range(3, 12) if tok.decode([greedy.token_ids[i]]).strip()
+              and greedy.token_ids[i] not in greedy.token_ids[:i])
+    stop_id = greedy.token_ids[at]
+    for stream in (False, True):
+        if stream:  # the same through the step outputs (what the server streams)
+            eng = llm.engine
+            eng.add_request("stop-token", PROMPTS[4], SamplingParams(max_tokens=12, temperature=0,
+                                                                      stop_token_ids=[stop_id]))
+            steps = []
+            while eng.has_work():
+                steps += eng.step()
+            out = steps[-1]
+            assert "".join(o.new_text for o in steps) == out.text
+        else:
+            out = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=12, temperature=0,
+                                                            stop_token_ids=[stop_id]))[0]
+        assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[:at + 1]
+        assert out.text == tok.decode(greedy.token_ids[:at])
+        assert not out.text.endswith(tok.decode([stop_id]))
+
+
+def test_bad_words_ban_the_word_after_a_space_too(llm):
+    """vLLM bans each bad word alone and after a space. The oracle is the tokenizer, not the
+    engine's own list: find a greedy output with a word that a space makes a different token of the
+    same length (" two" vs "two"), ban the bare word, and that token must vanish from the output."""
+    tok = llm.tokenizer
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0))
+    found = None
+    for prompt, out in zip(PROMPTS, greedy):
+        for i, t in enumerate(out.token_ids):
+            piece = tok.decode([t])
+            word = piece.strip()
+            if not (piece.startswith(" ") and word.isalpha()):
+                continue
+            plain = tok.encode(word, add_special_tokens=False)
+            spaced = tok.encode(" " + word, add_special_tokens=False)
+            if spaced == [t] and len(plain) == len(spaced) and plain != spaced:
+                found = (prompt, out, i, word, plain, spaced)
+                break
+        if found:
+            break
+    assert found, "no greedy output holds a spaced word to ban"
+    prompt, out, at, word, plain, spaced = found
+    banned = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, bad_words=[word]))[0]
+    assert banned.token_ids[:at] == out.token_ids[:at]
+    assert banned.token_ids[at] != spaced[0]
+    for ids in (plain, spaced):
+        assert all(banned.token_ids[i:i + len(ids)] != ids for i in range(len(banned.token_ids))), (word, ids)
+
+
+def test_stop_strings_are_looked_for_only_past_min_tokens(llm):
+    """vLLM: a stop string counts once more than min_tokens tokens exist. One that completes on
+    token k (1-based) stops the output with min_tokens k - 1, and not with min_tokens k."""
+    tok = llm.tokenizer
+    greedy = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=16, temperature=0))[0]
+    pieces = [tok.decode([t]) for t in greedy.token_ids]
+    k = next(i + 1 for i in range(2, 16) if len(pieces[i].strip()) >= 3
+             and greedy.text.find(pieces[i]) == len(tok.decode(greedy.token_ids[:i])))
+    stop = pieces[k - 1]  # first completes with the k-th token
+    base = dict(max_tokens=16, temperature=0, stop=[stop])
+    stopped = llm.generate([PROMPTS[2]], SamplingParams(min_tokens=k - 1, **base))[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == k
+    assert stopped.text == tok.decode(greedy.token_ids[:k - 1])
+    held = llm.generate([PROMPTS[2]], SamplingParams(min_tokens=k, **base))[0]
+    assert len(held.token_ids) > k and held.token_ids[:k] == greedy.token_ids[:k]
+    assert held.text.startswith(tok.decode(greedy.token_ids[:k]))
+
+
+def test_logprobs_are_of_the_raw_logits_before_penalties_and_bans():
+    """vLLM v1's logprobs are log_softmax of the raw logits: penalties, bad words and the
+    min_tokens ban of EOS change which token is sampled, never the logprobs reported."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, 40).astype(np.float32)
+    order = np.argsort(-logits)
+    eos, bad, seen = int(order[0]), int(order[1]), int(order[2])
+    params = SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.8, presence_penalty=1.5,
+                            min_tokens=5, logprobs=5)
+    req = Request("p", [seen, 3], params, eos_token_ids=(eos,))
+    req.output_token_ids = [seen, 7]
+    req.bad_words_ids = [[bad]]
+    got = sample(torch.from_numpy(logits.copy())[None], [req])[0]
+    assert got.token not in (eos, bad, seen), "the bans and penalties moved the choice"
+    raw = torch.log_softmax(torch.from_numpy(logits).double(), -1)
+    assert got.logprob == pytest.approx(float(raw[got.token]), abs=1e-5)
+    assert got.rank == int((raw > raw[got.token]).sum()) + 1 > 3
+    assert [t for t, _ in got.top] == order[:5].tolist()
+    assert [lp for _, lp in got.top] == pytest.approx(raw[order[:5]].tolist(), abs=1e-5)

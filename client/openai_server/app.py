@@ -48,7 +48,28 @@ class ChatRenderer:
             text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise bad("messages", str(exc)) from None
+        except (TypeError, ValueError, LookupError, RuntimeError) as exc:  # the template on these messages
+            raise bad("messages", f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, read chunk by chunk and refused (413) as soon as it passes `limit`: a declared
+    Content-Length past it is refused before anything is read, and a chunked body is never
+    buffered beyond it (reading it whole first would hold any amount a client sends)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, f"Content-Length is not a number: {declared[:40]!r}")
+        if int(declared) > limit:
+            raise APIError(413, f"the request body is {int(declared)} bytes; the limit is {limit}")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is over {limit} bytes (the limit)")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -95,11 +116,10 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
                                 f"'{served_model_name}'", "model", "model_not_found")
 
     async def _body(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
         try:
-            body = json.loads(raw)
+            body = json.loads(await read_body(request))
+        except RecursionError:  # json's C scanner recurses once per nesting level
+            raise APIError(400, "the request body is nested too deeply to be a request") from None
         except ValueError as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -185,7 +205,7 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
                     item = await queue.get()  # a finished completion's reason, repeated (n > 1)
                     continue
                 ended = states[index].add(piece)
-                if piece.text or ended or piece.logprobs or not started[index]:
+                if piece.text or ended or piece.logprobs or not started[index] or piece.queue_info is not None:
                     yield sse(reply.chunk(index, piece, states[index], not started[index],
                                           gen.logprobs is not None, gen.include_usage,
                                           prefixes[index] if prefixes else ""))

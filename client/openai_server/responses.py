@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from templates.tensors import QUEUE_INFO_OUTPUTS
+
 # Engine reasons OpenAI has no word for are passed through (abort: the server stopped the request).
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -35,6 +37,7 @@ class Piece:
     finish_reason: Optional[str] = None
     num_input_tokens: Optional[int] = None
     logprobs: Optional[list[TokenLogprob]] = None
+    queue_info: Optional[dict[str, Any]] = None  # return_queue_info's outputs, by name
 
 
 def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> list[Piece]:
@@ -47,6 +50,7 @@ def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> 
     texts = [_str(v) for v in texts.reshape(-1)] if texts is not None else [""]
     n = len(texts)
     prompt_tokens = int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None
+    queue_info = _queue_info(get)
     out = []
     for i in range(n):
         reason = _str(reasons.reshape(-1)[i]) if reasons is not None and reasons.size > i else ""
@@ -58,8 +62,17 @@ def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> 
                       num_input_tokens=prompt_tokens)
         if top_k is not None and lps is not None and lps.size > i and token_ids is not None:
             piece.logprobs = parse_logprobs(_str(lps.reshape(-1)[i]), token_ids, top_k)
+        piece.queue_info = queue_info
         out.append(piece)
     return out
+
+
+def _queue_info(get: Callable[[str], Optional[np.ndarray]]) -> Optional[dict[str, Any]]:
+    """The return_queue_info outputs of a response (the request's, so every choice shows them)."""
+    found = {name: get(name) for name in QUEUE_INFO_OUTPUTS}
+    if all(v is None for v in found.values()):
+        return None
+    return {k: v.reshape(-1)[0].item() for k, v in found.items() if v is not None and v.size}
 
 
 def parse_logprobs(raw: str, token_ids: list[int], top_k: int) -> list[TokenLogprob]:
@@ -88,6 +101,7 @@ class ChoiceState:
     num_input_tokens: int = 0
     finish_reason: Optional[str] = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    queue_info: Optional[dict[str, Any]] = None  # the newest
 
     def add(self, piece: Piece) -> bool:
         """Take one response's piece; True when it ends the choice. With n > 1 a finished
@@ -100,6 +114,8 @@ class ChoiceState:
             self.num_input_tokens = piece.num_input_tokens
         if piece.logprobs:
             self.logprobs.extend(piece.logprobs)
+        if piece.queue_info is not None:
+            self.queue_info = piece.queue_info
         if piece.finish_reason:
             self.finish_reason = FINISH_REASONS.get(piece.finish_reason, piece.finish_reason)
             return True
@@ -158,6 +174,8 @@ class Reply:
                 out.append({"index": i, "text": prefix + c.text,
                             "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
                             "finish_reason": c.finish_reason})
+            if c.queue_info is not None:  # an extension field, only when asked (return_queue_info)
+                out[-1]["queue_info"] = c.queue_info
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
                 "usage": usage(choices, n)}
 
@@ -175,6 +193,8 @@ class Reply:
             choice = {"index": index, "text": (prefix if first else "") + piece.text,
                       "logprobs": completion_logprobs(lp, offset) if want_logprobs else None,
                       "finish_reason": reason}
+        if piece.queue_info is not None:  # an extension field, only when asked (return_queue_info)
+            choice["queue_info"] = piece.queue_info
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if include_usage:
             out["usage"] = None  # as OpenAI: null on every chunk but the last

@@ -35,8 +35,10 @@ IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort")
 # vLLM's OpenAI server accepts these engine settings beside OpenAI's own; so do we (AIPerf sends
 # ignore_eos for fixed output lengths).
 ENGINE_EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids")
+# Our own extension, off by default: where the request stands (return_queue_info, docs/triton.md).
+EXTENSIONS = ("return_queue_info",)
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-          "presence_penalty", "frequency_penalty", "logprobs") + ENGINE_EXTRAS + IGNORED
+          "presence_penalty", "frequency_penalty", "logprobs") + ENGINE_EXTRAS + EXTENSIONS + IGNORED
 COMPLETION_FIELDS = COMMON + ("prompt", "echo")
 CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs")
 # engine field (as SamplingParams' messages name it) -> the OpenAI parameter, where they differ
@@ -75,6 +77,7 @@ class Generation:
     logprobs: Optional[int] = None  # None: none; k: the sampled token's and the top k
     echo: bool = False
     chat: bool = False
+    queue_info: bool = False  # return_queue_info: each choice carries `queue_info`
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -121,8 +124,6 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
         value = _typed(body, name, kinds, what)
         if value is not None:
             sampling[name] = value
-    if body.get("top_k") == -1:  # vLLM's "off"; the engine's is 0
-        sampling["top_k"] = 0
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -181,6 +182,8 @@ def parse_completion(body: dict[str, Any]) -> Generation:
         raise bad("prompt", "prompt must be a non-empty string, a list of token ids, or a list of those")
     if any(p == "" for p in prompts):
         raise bad("prompt", "prompt must not be empty")
+    for p in prompts:
+        _check_token_ids(p)
     logprobs = _typed(body, "logprobs", (int,), "an integer (the number of top logprobs)")
     echo = bool(_typed(body, "echo", (bool,), "a boolean"))
     if echo and logprobs is not None:
@@ -188,7 +191,8 @@ def parse_completion(body: dict[str, Any]) -> Generation:
     stream = bool(_typed(body, "stream", (bool,), "a boolean"))
     sampling, n = _sampling(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, logprobs)
     gen = Generation(prompts=prompts, sampling=sampling, n=n, stream=stream,
-                     include_usage=_stream_options(body, stream), logprobs=logprobs, echo=echo)
+                     include_usage=_stream_options(body, stream), logprobs=logprobs, echo=echo,
+                     queue_info=bool(_typed(body, "return_queue_info", (bool,), "a boolean")))
     _check_choices(gen)
     return gen
 
@@ -211,8 +215,9 @@ def parse_chat(body: dict[str, Any], render: Callable[[list[dict[str, Any]]], st
                 raise bad("messages", f"messages[{i}].content: only text parts are supported")
             message = {**message, "content": "".join(p["text"] for p in content)}
             messages[i] = message
-        elif content is not None and not isinstance(content, str):
-            raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+        elif not isinstance(content, str):  # null included: a template would fail on it (a 500)
+            raise bad("messages", f"messages[{i}].content must be a string or a list of text parts; "
+                                  f"got {json.dumps(content)[:40]}")
     want = _typed(body, "logprobs", (bool,), "a boolean")
     top = _typed(body, "top_logprobs", (int,), "an integer")
     if top is not None and not want:
@@ -222,13 +227,28 @@ def parse_chat(body: dict[str, Any], render: Callable[[list[dict[str, Any]]], st
     sampling, n = _sampling(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS, logprobs,
                              "top_logprobs")
     gen = Generation(prompts=[render(messages)], sampling=sampling, n=n, stream=stream,
-                     include_usage=_stream_options(body, stream), logprobs=logprobs, chat=True)
+                     include_usage=_stream_options(body, stream), logprobs=logprobs, chat=True,
+                     queue_info=bool(_typed(body, "return_queue_info", (bool,), "a boolean")))
     _check_choices(gen)
     return gen
 
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+MAX_TOKEN_ID = 2**31 - 1  # input_ids is an INT32 tensor: numpy would wrap a larger id silently
+
+
+def _check_token_ids(prompt: Prompt) -> None:
+    """A token id the INT32 input cannot carry is refused here, naming it; one that fits but is
+    past the vocabulary is refused by the engine, naming it too (a 400 either way)."""
+    if isinstance(prompt, str):
+        return
+    bad_id = next((t for t in prompt if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad_id is not None:
+        raise bad("prompt", f"prompt: token id {bad_id} is outside the vocabulary (token ids are in "
+                            f"[0, vocabulary size), at most {MAX_TOKEN_ID})")
 
 
 def _check_choices(gen: Generation) -> None:
@@ -255,11 +275,14 @@ def triton_tensors(gen: Generation, index: int, declared: frozenset[str]) -> dic
     tensors["exclude_input_in_output"] = (np.array([True]), "BOOL")
     sampling = json.dumps(gen.sampling).encode("utf-8")
     tensors["sampling_parameters"] = (np.array([sampling], dtype=np.object_), "BYTES")
-    wanted = RETURN_INPUTS + (("return_logprobs",) if gen.logprobs is not None else ())
+    wanted = RETURN_INPUTS + (("return_logprobs",) if gen.logprobs is not None else ()) \
+        + (("return_queue_info",) if gen.queue_info else ())
     for name in wanted:
         if name in declared:
             tensors[name] = (np.array([True]), "BOOL")
     if gen.logprobs is not None and "return_logprobs" not in declared:
         raise APIError(400, "logprobs: the served model has no logprobs output (return_logprobs)",
                        "top_logprobs" if gen.chat else "logprobs")
+    if gen.queue_info and "return_queue_info" not in declared:
+        raise APIError(400, "return_queue_info: the served model has no queue info outputs", "return_queue_info")
     return tensors

@@ -114,6 +114,11 @@ def test_bad_parameters_get_openai_errors(api, kwargs, param):
 def test_refusals_from_the_model_and_unknown_models(api):
     with pytest.raises(openai.BadRequestError, match="max_model_len"):  # the engine's own check
         api.completions.create(model="llm", prompt="hello " * (MAX_MODEL_LEN + 8), max_tokens=4)
+    # token ids: past the vocabulary, the engine's 400; past INT32, the server's (never wrapped)
+    with pytest.raises(openai.BadRequestError, match=r"token id 99999 is outside the vocabulary \[0, 2000\)"):
+        api.completions.create(model="llm", prompt=[1, 99999], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="token id 4294967301 is outside the vocabulary"):
+        api.completions.create(model="llm", prompt=[1, 4294967301], max_tokens=2)
     with pytest.raises(openai.NotFoundError) as err:
         api.completions.create(model="gpt-4o", prompt="Hi")
     assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"

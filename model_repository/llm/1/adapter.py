@@ -9,14 +9,15 @@
   trip, ~75 us: each live request at most once per `cancel_interval`, at its outputs or, for one
   that has none, from a sweep every `poll_interval`). Every metric IPC (histogram samples, the
   engine's gauges) runs on a metrics thread of its own (triton_outputs.MetricsWriter).
-  A request's output that is still waiting for the responder when the next one arrives takes the
-  next one in (the new tokens and text concatenated), as vLLM's output collector does: while the
-  responder keeps up, every step gets its own response; when it falls behind, each request gets
-  one response carrying every step since its last, never later than it would have been sent.
-  So the queue holds at most one entry per live request (plus `coalesce_after`, which tests raise
-  to see the unmerged path) however fast the engine steps. `stream_interval` N > 1 holds a
-  streaming request's outputs back until they carry N new tokens (its first token and its last
-  output go at once): fewer responses, each an IPC that the engine waits for behind the GIL.
+  Streaming, every engine step is its own response, as the vLLM backend sends them and clients
+  count them, also while the responder is behind. Only past `MAX_STREAM_BACKLOG` responses of
+  one request waiting for the responder are its next outputs merged into the newest waiting one
+  (the new tokens and text concatenated, never later than it would have been sent), so the queue
+  holds at most that many entries per live request however fast the engine steps.
+  `stream_interval` N > 1 holds a streaming request's outputs back until they carry N new tokens
+  (its first token and its last output go at once): fewer responses, each an IPC that the engine
+  waits for behind the GIL. The inter-token histogram and `num_output_tokens` count tokens,
+  whatever a response carries.
 - `output_tensors` (triton_outputs.py): a response's tensors, as the vLLM backend's additional
   outputs contract shapes them; `MetricsWriter`: the metrics thread.
 - `FaultInjector` (fault_injection.py): test-only faults in the model step, armed only by
@@ -51,6 +52,11 @@ __all__ = ["DEFAULT_MAX_TOKENS", "Error", "FAULT_ENV", "FaultInjector", "Fronten
            "engine_config", "error_for", "parse_request"]
 
 log = logging.getLogger("inflight.triton")
+
+# Responses of one streaming request that may wait for the responder before its next outputs are
+# merged into the newest of them (docs/triton.md): memory stays bounded per live request while a
+# responder that is only briefly behind still sends one response per engine step.
+MAX_STREAM_BACKLOG = 8
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -99,6 +105,7 @@ class Live:
     # outputs held back by completion index (non-streaming: until every completion ends;
     # stream_interval > 1: until they carry enough tokens). Guarded by Frontend._pending_lock.
     waiting: Optional["_Entry"] = None
+    backlog: int = 0  # its entries queued for the responder and not yet taken
     held: dict = field(default_factory=dict)
     unfinished: int = 1  # completions whose last output has not arrived yet
     answered: bool = False  # an output with tokens has been queued
@@ -132,7 +139,7 @@ class Frontend:
 
     def __init__(self, engine: Any, respond: Respond, metrics: Any = None,
                  poll_interval: float = 0.05, stats_interval: float = 0.1, cancel_interval: float = 0.2,
-                 stop_file: Optional[Path] = None, coalesce_after: int = 0,
+                 stop_file: Optional[Path] = None, max_backlog: int = MAX_STREAM_BACKLOG,
                  stream_interval: int = 1):
         self.engine = engine
         # `inflight serve` creates this file just before it stops Triton: Triton unloads a decoupled
@@ -151,7 +158,7 @@ class Frontend:
         self._ids = itertools.count()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # _Entry objects
         self._queued = 0  # entries in _queue not yet taken (guarded by _pending_lock)
-        self.coalesce_after = coalesce_after
+        self.max_backlog = max(1, max_backlog)
         self.stream_interval = stream_interval
         self.max_queued = 0  # the deepest the queue has been
         self.num_coalesced = 0  # engine outputs merged into an earlier one that was still waiting
@@ -184,10 +191,12 @@ class Frontend:
                     raise ValueError(f"request id '{client_id}' is already in use by a running request; "
                                      "give each request its own id (or stop the running one first)")
                 self._live[live.key] = live
+            # asked for only when set, so engines without queue reports (tests' fakes) still work
+            queue = {"queue_info": True} if "return_queue_info" in parsed.returns else {}
             try:
                 self.engine.add_request(live.key, parsed.prompt, parsed.params,
                                         lambda out, live=live: self._on_output(live, out),
-                                        priority=parsed.priority)
+                                        priority=parsed.priority, **queue)
             except BaseException:
                 with self._lock:
                     self._live.pop(live.key, None)
@@ -217,9 +226,11 @@ class Frontend:
 
     # -- called on the engine's thread -------------------------------------------------------------
     def _on_output(self, live: Live, out: Any) -> None:
-        """Queue an output for the responder; when the responder is behind, merge it into this
-        request's outputs that are still waiting instead."""
+        """Queue an output for the responder; when this request already has `max_backlog` entries
+        waiting for it, merge the output into the newest of them instead."""
         now = time.monotonic()
+        if not live.stream and not out.new_token_ids and not out.finished:
+            return  # where it stands while it waits: streamed only (its answer carries the last)
         with self._pending_lock:
             i = out.index
             held = live.held.pop(i, None)
@@ -243,13 +254,14 @@ class Frontend:
                 live.held.clear()
             live.answered = live.answered or bool(out.new_token_ids)
             entry = live.waiting
-            if entry is not None and self._queued > self.coalesce_after:
+            if entry is not None and (live.backlog >= self.max_backlog or not live.stream):
                 for j, o in outs.items():
                     entry.outs[j] = merge_outputs(entry.outs.get(j), o) if live.stream else o
                 entry.t_last = now
                 self.num_coalesced += 1
                 return
             entry = live.waiting = _Entry(live, outs, now)
+            live.backlog += 1
             self._queued += 1
             self.max_queued = max(self.max_queued, self._queued)
         self._queue.put(entry)
@@ -273,6 +285,7 @@ class Frontend:
                 with self._pending_lock:  # from here on, nothing is merged into it
                     item.taken = True
                     self._queued -= 1
+                    item.live.backlog -= 1
                     if item.live.waiting is item:
                         item.live.waiting = None
                 try:

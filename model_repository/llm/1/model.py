@@ -130,6 +130,8 @@ def respond(sender, tensors, error, final):
 
 class TritonPythonModel:
     def initialize(self, args):
+        from backend.parent_watch import exit_with_parent
+        exit_with_parent()  # a tritonserver killed abruptly must not leave this stub behind
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(

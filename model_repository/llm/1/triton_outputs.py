@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import threading
+import time
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -66,7 +67,38 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
         tensors["num_input_tokens"] = np.array([len(first.prompt_token_ids) if first else 0], dtype=np.uint32)
     if "return_num_output_tokens" in asked:
         tensors["num_output_tokens"] = np.array(new_counts, dtype=np.uint32)
+    if "return_queue_info" in asked:
+        first = outs.get(0) if live.stream else None
+        queue = getattr(first, "queue", None) or getattr(live.latest.get(0), "queue", None)
+        if queue is not None:
+            tensors.update(queue_tensors(queue))
     return tensors
+
+
+# Engine times are time.monotonic() seconds; clients get Unix nanoseconds, as TensorRT-LLM's timing outputs.
+_UNIX_NS_AT_MONOTONIC_ZERO = time.time_ns() - time.monotonic_ns()
+
+
+def _unix_ns(t: Optional[float]) -> int:
+    return 0 if t is None else _UNIX_NS_AT_MONOTONIC_ZERO + int(t * 1e9)
+
+
+def queue_tensors(q: Any) -> dict[str, np.ndarray]:
+    """The `return_queue_info` outputs of a backend.outputs.QueueInfo."""
+    def one(value, dtype):
+        return np.array([value], dtype=dtype)
+    return {
+        "queue_position": one(q.position, np.int32),
+        "reserved_step": one(-1 if q.reserved_step is None else q.reserved_step, np.int64),
+        "engine_step": one(q.engine_step, np.int64),
+        "first_scheduled_step": one(-1 if q.first_scheduled_step is None else q.first_scheduled_step, np.int64),
+        "kv_blocks_reserved": one(q.kv_blocks_reserved, np.uint32),
+        "arrival_time_ns": one(_unix_ns(q.arrival_time), np.int64),
+        "first_scheduled_time_ns": one(_unix_ns(q.first_scheduled_time), np.int64),
+        "first_token_time_ns": one(_unix_ns(q.first_token_time), np.int64),
+        "finished_time_ns": one(_unix_ns(q.finished_time), np.int64),
+        "seconds_since_arrival": one(time.monotonic() - q.arrival_time, np.float64),
+    }
 
 
 class MetricsWriter:

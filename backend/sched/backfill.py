@@ -19,11 +19,11 @@ r, so they never delay it. This needs chunked prefill and a budget above `max_nu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
+from backend.block_manager import BlockManager
 from backend.request import Request
-
-Reserved = Callable[[Sequence[Request]], int]  # prefix-aware blocks to completion of a set of requests
+from backend.sched.policies import GuaranteedNoEvict
 
 
 def own_work(req: Request) -> int:
@@ -71,12 +71,10 @@ class Window:
 
 
 class Backfill:
-    def __init__(self, num_blocks: int, max_num_seqs: int, blocks_for: Callable[[int], int],
-                 reserved: Reserved):
-        self.num_blocks = num_blocks
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, policy: GuaranteedNoEvict):
+        self.blocks = blocks
         self.max_num_seqs = max_num_seqs
-        self.blocks_for = blocks_for
-        self.reserved = reserved
+        self.policy = policy
 
     @staticmethod
     def usable(chunked: bool, budget: int, max_num_seqs: int) -> bool:
@@ -84,13 +82,30 @@ class Backfill:
 
     def window(self, head: Request, running: Sequence[Request]) -> Optional[Window]:
         """The head's reservation and what is spare then; None if it can never fit (a request
-        that does not fit even alone is refused at arrival, so this is defensive)."""
+        that does not fit even alone is refused at arrival, so this is defensive).
+
+        Walks the running requests in order of their worst-case finish, taking each one's blocks
+        out of the reservation as it ends: O(their blocks) in all, from the policy's tally (which
+        counts every holder: `running` is all of them under in-flight batching)."""
         bounds = finish_bounds(running)
-        need = self.blocks_for(head.max_kv_tokens)  # no prefix credit: its cached blocks may be gone by then
+        need = self.blocks.blocks_for(head.max_kv_tokens)  # no prefix credit: its cached blocks may be gone by then
+        ending = sorted(range(len(running)), key=bounds.__getitem__)
+        reserved, still = self.policy.reserved_blocks(), len(running)
+        dropped: dict[int, int] = {}  # block -> holders already ended
+        ahead = sum(excess(r) for r in running)
+        j = 0
         for at in sorted({1} | {b + 1 for b in bounds}):
-            still = [r for r, b in zip(running, bounds) if b >= at]
-            free = self.num_blocks - self.reserved(still)
-            slots = self.max_num_seqs - len(still)
+            while j < len(ending) and bounds[ending[j]] < at:  # finished by step `at`: its blocks are free
+                r = running[ending[j]]
+                table = self.blocks.block_table(r.seq_id)
+                reserved -= self.policy.need(r) - len(table)
+                for b in table:
+                    dropped[b] = dropped.get(b, 0) + 1
+                    reserved -= dropped[b] == self.blocks.ref_count(b)
+                still -= 1
+                j += 1
+            free = self.blocks.num_blocks - reserved
+            slots = self.max_num_seqs - still
             if free >= need and slots >= 1:
-                return Window(head, at, free - need, slots - 1, sum(excess(r) for r in running))
+                return Window(head, at, free - need, slots - 1, ahead)
         return None

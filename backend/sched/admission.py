@@ -1,0 +1,194 @@
+"""Admission: which waiting requests start this step (the scheduler's second half). No torch here.
+
+Waiting requests are tried most urgent first (priority, then arrival) while the batching gate,
+`max_num_seqs`, the token budget and the capacity policy (policies.py) let them start:
+- `guaranteed_no_evict`, strict (`enable_backfill` false, as TensorRT-LLM): stop at the first
+  request that does not fit, the head;
+- with `enable_backfill` (the default): later requests may start when they cannot delay the head
+  past its reservation (backfill.py);
+- `max_utilization`: a request that does not fit may preempt the least urgent running request
+  when it is less urgent (vLLM's priority policy).
+The n completions of one prompt start after the first has computed it, sharing its blocks.
+
+`Admission` is a collaborator of the scheduler: it works on the `RequestPool` and the batching
+gate it is given, and keeps the reservation clock (`steps`) and the head's reservation.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from backend.block_manager import block_hashes
+from backend.config import EngineConfig
+from backend.request import Request
+from backend.sched.backfill import Backfill, Window
+from backend.sched.batching import BatchingGate
+from backend.sched.pool import RequestPool
+from backend.sched.step import SchedulerOutput
+
+
+class Reservation(NamedTuple):
+    seq_id: str  # the head
+    step: int  # the schedule() call by which it surely starts
+
+
+def chunk(req: Request, budget: int, config: EngineConfig) -> int:
+    """How many of req's uncomputed tokens this step may take."""
+    remaining = req.num_tokens - req.num_computed_tokens
+    if remaining <= budget:
+        return remaining
+    chunked = config.enable_chunked_context or remaining > config.max_num_batched_tokens
+    return budget if chunked else 0
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, pool: RequestPool, gate: BatchingGate):
+        self.config = config
+        self.pool = pool
+        self.blocks = pool.blocks
+        self.policy = pool.policy
+        self.gate = gate
+        self.num_backfilled = 0  # requests started ahead of a head that did not fit
+        self.prefix_hit_tokens = 0  # prompt tokens whose KV was reused instead of computed
+        self.steps = 0  # schedule() calls: the clock of reservations
+        self.reservation: Optional[Reservation] = None  # the head's, kept at its earliest
+        self._reserved_priority = 0
+        self.backfill: Optional[Backfill] = None
+        c = config
+        if (c.enable_backfill and c.batch_scheduler_policy == "guaranteed_no_evict" and c.batching_mode == "inflight"
+                and Backfill.usable(c.enable_chunked_context, c.max_num_batched_tokens, c.max_num_seqs)):
+            self.backfill = Backfill(self.blocks, c.max_num_seqs, self.policy)
+
+    def arrived(self, req: Request) -> None:
+        """A more urgent request runs first, even on blocks the head was promised: the head's
+        reservation is void and computed again at the next step (docs/design.md, "Priority")."""
+        if self.reservation is not None and req.priority < self._reserved_priority:
+            self.reservation = None
+
+    def held_token(self) -> int:
+        """1 on and after the head's reserved step: a token of the budget kept for it, so that
+        running prefills cannot crowd it out (backfill.py counts on a budget above max_num_seqs)."""
+        return 1 if self.reservation is not None and self.reservation.step <= self.steps else 0
+
+    def admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """Start waiting requests into `out` within `budget`; returns the budget left."""
+        pool, config = self.pool, self.config
+        allowed = self.gate.num_to_admit(pool.waiting, pool.holders(), now)
+        window: Optional[Window] = None  # set once a head does not fit (backfill only)
+        unstarted: set[str] = set()  # requests whose first completion was passed over in this pass
+        queue, i = list(pool.waiting), 0
+        while i < len(queue):
+            req = queue[i]
+            i += 1
+            if not (allowed > 0 and budget > 0 and len(pool.running) < config.max_num_seqs):
+                break
+            if req.index and self._waits_for_sibling(req, unstarted):
+                break
+            if self._cannot_fit_untried(req):  # the common case under overload: nothing attached
+                n, fits = 0, False
+            else:
+                req.num_computed_tokens = self._reuse_computed(req)
+                n = chunk(req, budget, config)
+                fits = n > 0 and self.policy.can_admit(req, req.num_computed_tokens + n)
+            if fits and window is not None:
+                # no sharing credit: the blocks it shares now may be its alone by the reservation
+                fits = window.admits(req, self.blocks.blocks_for(req.max_kv_tokens))
+            if not fits and self.policy.may_preempt:
+                freed = self._preempt_for(req, out, unstarted)
+                if freed is not None:
+                    budget += freed
+                    i -= 1  # try req again, with the victim's blocks free
+                    continue
+            if not fits:
+                if req.index == 0:
+                    unstarted.add(req.request_id)
+                if req.num_computed_tokens:
+                    self.blocks.free(req.seq_id)  # give back a reused prefix; it stays cached
+                    req.num_computed_tokens = 0
+                if window is None:
+                    window = self._window(req)
+                    if window is None:
+                        break  # strict order: no skipping past a request that does not fit
+                continue
+            pool.start(req, req.num_computed_tokens + n, now, self.steps)
+            self.prefix_hit_tokens += req.num_computed_tokens
+            self.num_backfilled += window is not None
+            out.add(req, n)
+            budget -= n
+            allowed -= 1
+        if self.reservation is not None and self.reservation.seq_id not in {r.seq_id for r in pool.waiting}:
+            self.reservation = None  # its head started (or was aborted); a loop cut short keeps it
+        return budget
+
+    def _window(self, head: Request) -> Optional[Window]:
+        """The head's backfill window (None when backfill is off), and its reservation kept."""
+        if self.backfill is None:
+            return None
+        window = self.backfill.window(head, self.pool.running)
+        if window is not None:
+            at = self.steps + window.reserve_by - 1  # reserve_by 1 is this schedule() call
+            r = self.reservation
+            if r is None or r.seq_id != head.seq_id or at < r.step:
+                self.reservation = Reservation(head.seq_id, at)
+                self._reserved_priority = head.priority
+        return window
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput, unstarted: set[str]) -> Optional[int]:
+        """max_utilization with priorities: preempt the least urgent running request when it is
+        less urgent than req (vLLM's priority policy). Returns the budget its rows gave back."""
+        if not self.pool.running:
+            return None
+        victim = self.pool.least_urgent()
+        if victim.priority <= req.priority:
+            return None
+        self.blocks.free(req.seq_id)
+        req.num_computed_tokens = 0
+        if victim.index == 0:
+            unstarted.add(victim.request_id)  # it waits again: its later completions wait for it
+        return self.pool.evict(victim, out)
+
+    # -- n > 1: the completions of one prompt share its KV ------------------------------------
+    def _first_sibling(self, req: Request) -> Optional[Request]:
+        if req.index == 0:
+            return None
+        return next((r for r in self.pool.running if r.request_id == req.request_id and r.index == 0), None)
+
+    def _waits_for_sibling(self, req: Request, unstarted: set[str]) -> bool:
+        """A later completion waits until the first one has computed the prompt it will share. The
+        first, when it still waits, comes before it in the queue (same priority, earlier arrival),
+        so this pass has passed it over (`unstarted`): no search of the queue."""
+        first = self._first_sibling(req)
+        if first is None:
+            return req.request_id in unstarted
+        return first.num_computed_tokens < req.num_prompt_tokens - 1
+
+    def _reuse_computed(self, req: Request) -> int:
+        """Tokens already in the cache for req: its first sibling's full prompt blocks, shared, or
+        a cached prefix (enable_kv_cache_reuse). The last prompt token is always computed again, so
+        that its logits give the first token."""
+        first = self._first_sibling(req)
+        if first is not None:
+            return self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
+        if not self.blocks.enable_prefix_caching:
+            return 0
+        return self.blocks.reuse_prefix(req.seq_id, hashes=self._prefix_hashes(req))
+
+    def _prefix_hashes(self, req: Request) -> list[bytes]:
+        """req's prefix-cache keys, computed once while it waits rather than at every step."""
+        if req.prefix_hashes is None or req.prefix_hashes[0] != req.num_tokens:
+            tokens = req.all_token_ids
+            req.prefix_hashes = (len(tokens), block_hashes(tokens, self.blocks.block_size, len(tokens) - 1))
+        return req.prefix_hashes[1]
+
+    def _cannot_fit_untried(self, req: Request) -> bool:
+        """True when req surely cannot start now, known without attaching its cached prefix: the
+        blocks it would share with running requests are counted, not attached. When its prefix
+        reaches a cached block nobody holds, it is tried for real (attaching and giving back such
+        blocks refreshes them in the cache's eviction order, which this must not change)."""
+        if req.index:
+            return False  # a later completion shares its first one's prompt: tried for real
+        shared = 0
+        if self.blocks.enable_prefix_caching:
+            shared, touches_free = self.blocks.probe_prefix(self._prefix_hashes(req))
+            if touches_free:
+                return False
+        return self.policy.cannot_fit(req, shared)

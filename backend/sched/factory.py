@@ -1,0 +1,17 @@
+"""`make_scheduler`: the scheduler for a config, kept apart from the classes it chooses among."""
+from __future__ import annotations
+
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.sched.batching import make_gate
+from backend.sched.padded import PaddedScheduler
+from backend.sched.policies import make_policy
+from backend.sched.scheduler import Scheduler
+
+
+def make_scheduler(config: EngineConfig, blocks: BlockManager, max_model_len: int) -> Scheduler:
+    """The in-flight scheduler, or the padded request-level batches (static, dynamic)."""
+    gate = make_gate(config)
+    if gate.pads:
+        return PaddedScheduler(config, blocks, max_model_len, gate, make_policy(config.batch_scheduler_policy, blocks))
+    return Scheduler(config, blocks, max_model_len, gate)

@@ -1,0 +1,127 @@
+"""Capacity policies: who may hold KV blocks. Batch forming (who computes how many tokens this step)
+lives in the scheduler; these classes only answer "may this request start?" and "how do we make
+room?". One small class per policy behind one interface, after TensorRT-LLM's
+GuaranteedNoEvictScheduler and MaxUtilizationScheduler. No torch here.
+
+Each policy keeps its reservation as a running tally, told by the pool when a request starts
+holding blocks and when it gives them back, so that trying a waiting request costs O(1) however
+many requests run, and `reserved_blocks()` (the metrics' `kv_blocks{state="reserved"}`) is a read.
+`check_invariant` recomputes it from the block tables.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from backend.block_manager import BlockManager
+from backend.request import Request
+
+
+class CapacityPolicy:
+    name = ""
+    may_preempt = False
+
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+
+    def started(self, request: Request) -> None:
+        """request now holds blocks (it started running)."""
+
+    def released(self, request: Request) -> None:
+        """request holds no blocks any more (it finished or was preempted)."""
+
+    def can_admit(self, request: Request, tokens_now: int) -> bool:
+        """May request (holding what it reuses, if anything) start, computing tokens_now tokens?"""
+        raise NotImplementedError
+
+    def cannot_fit(self, request: Request, shared: int) -> bool:
+        """True when request, sharing `shared` blocks that running requests hold, surely cannot
+        start now: checked before anything is attached, so a waiting request that does not fit
+        costs O(its shared blocks) a step."""
+        return False
+
+    def reserved_for(self, request: Request) -> int:
+        """The blocks a running request has reserved: what it holds (no-evict: to completion)."""
+        return self.blocks.num_blocks_of(request.seq_id)
+
+    def reserved_blocks(self) -> int:
+        """Blocks the holders hold (a shared block once), and, for policies that promise them, the
+        blocks they may still need. Valid between admissions (only holders hold blocks)."""
+        return self.blocks.num_used_blocks
+
+    def reserved_by(self, holders: Sequence[Request]) -> int:
+        """The same, recomputed from the block tables of `holders` (the check of the tally)."""
+        return len({b for r in holders for b in self.blocks.block_table(r.seq_id)})
+
+    def check_invariant(self, holders: Sequence[Request]) -> None:
+        """Raise AssertionError when the policy's promise, or its tally, does not hold."""
+        recomputed = self.reserved_by(holders)
+        assert self.reserved_blocks() == recomputed, f"reserved tally {self.reserved_blocks()}, tables say {recomputed}"
+
+
+class GuaranteedNoEvict(CapacityPolicy):
+    """Start a request only when the blocks to finish it, and those every running request may still
+    need, fit in the cache together. A started request therefore never waits for blocks.
+
+    Prefix-aware: a block shared through the prefix cache (or forked among the n completions of
+    one prompt) is reserved once, however many hold it; cached blocks nobody holds count as free.
+
+    The tally: with H the holders, reserved = |blocks held| + sum over H of (need(r) - held by r),
+    where need(r) is the blocks to completion. |blocks held| is the block manager's used count and
+    the sum of held-by-r is its `num_held`, so only sum(need) is kept here. A candidate that holds
+    a reused prefix while it is tried is counted by the same two numbers: its cost is need(c)."""
+    name = "guaranteed_no_evict"
+
+    def __init__(self, blocks: BlockManager):
+        super().__init__(blocks)
+        self.need_total = 0  # sum of need() over the holders
+
+    def need(self, request: Request) -> int:
+        return self.blocks.blocks_for(request.max_kv_tokens)
+
+    def reserved_for(self, request: Request) -> int:
+        return self.need(request)
+
+    def started(self, request: Request) -> None:
+        self.need_total += self.need(request)
+
+    def released(self, request: Request) -> None:
+        self.need_total -= self.need(request)
+
+    def reserved_blocks(self) -> int:
+        return self.blocks.num_used_blocks + self.need_total - self.blocks.num_held
+
+    def cannot_fit(self, request: Request, shared: int) -> bool:
+        return self.reserved_blocks() + self.need(request) - shared > self.blocks.num_blocks
+
+    def can_admit(self, request: Request, tokens_now: int) -> bool:
+        return self.reserved_blocks() + self.need(request) <= self.blocks.num_blocks
+
+    def reserved_by(self, holders: Sequence[Request]) -> int:
+        future = sum(max(0, self.need(r) - self.blocks.num_blocks_of(r.seq_id)) for r in holders)
+        return super().reserved_by(holders) + future
+
+    def check_invariant(self, holders: Sequence[Request]) -> None:
+        super().check_invariant(holders)
+        reserved = self.reserved_blocks()
+        assert reserved <= self.blocks.num_blocks, (
+            f"no-evict reservation broken: running requests may need {reserved} blocks "
+            f"of {self.blocks.num_blocks}")
+        for r in holders:
+            assert self.blocks.num_blocks_of(r.seq_id) <= self.need(r)
+
+
+class MaxUtilization(CapacityPolicy):
+    """Start a request when this step's blocks fit; when blocks run out later, the scheduler
+    preempts the newest running request and recomputes it from its tokens."""
+    name = "max_utilization"
+    may_preempt = True
+
+    def can_admit(self, request: Request, tokens_now: int) -> bool:
+        return self.blocks.can_grow(request.seq_id, tokens_now)
+
+
+POLICIES = {p.name: p for p in (GuaranteedNoEvict, MaxUtilization)}
+
+
+def make_policy(name: str, blocks: BlockManager) -> CapacityPolicy:
+    return POLICIES[name](blocks)

@@ -1,0 +1,187 @@
+"""The scheduler: in-flight (iteration-level) batching over a paged KV cache. No torch here.
+
+Each step, `schedule()` forms one flat batch within the token budget:
+  1. running requests first, oldest first: one token each when decoding, the next prompt chunk
+     when their prefill is unfinished;
+  2. then waiting requests, most urgent first (priority, then arrival), while the batching gate
+     (batching.py), `max_num_seqs`, the token budget and the capacity policy (policies.py) let
+     them start (admission.py). Under `guaranteed_no_evict` with `enable_backfill`, a request
+     that does not fit (the head) no longer stops admission: later ones may start when they cannot
+     delay the head past its reservation (backfill.py). Without it, admission stops at the head,
+     as TensorRT-LLM.
+`postprocess()` appends the sampled tokens, detects the end of each request and frees its blocks.
+
+Capacity (who may hold blocks) is the policy's; who waits and runs is the pool's (pool.py); which
+waiting requests start is the admission's; batch forming (who computes how many tokens) is this
+class's. Request-level padded batches (static, dynamic) are `PaddedScheduler` (padded.py);
+`make_scheduler` (factory.py) picks one. See docs/design.md, "Scheduling".
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Optional
+
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.request import Request, RequestStatus
+from backend.sched.admission import Admission, chunk
+from backend.sched.batching import BatchingGate, make_gate
+from backend.sched.policies import make_policy
+from backend.sched.pool import RequestPool
+from backend.sched.step import SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, max_model_len: int,
+                 gate: Optional[BatchingGate] = None, pool: Optional[RequestPool] = None,
+                 admission: Optional[Admission] = None):
+        """The in-flight scheduler; padded batches pass their own gate, pool and admission."""
+        self.config = config
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.gate = gate or make_gate(config)
+        self.pool = pool or RequestPool(blocks, make_policy(config.batch_scheduler_policy, blocks))
+        self.policy = self.pool.policy
+        self.admission = admission or Admission(config, self.pool, self.gate)
+
+    # What the engine, its metrics and the tests read.
+    waiting = property(lambda self: self.pool.waiting)
+    running = property(lambda self: self.pool.running)
+    num_preemptions = property(lambda self: self.pool.num_preemptions)
+    num_backfilled = property(lambda self: self.admission.num_backfilled)
+    prefix_hit_tokens = property(lambda self: self.admission.prefix_hit_tokens)
+    steps = property(lambda self: self.admission.steps)
+    reservation = property(lambda self: self.admission.reservation)
+
+    # -- arrivals and aborts ------------------------------------------------------------------
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+        """Refuse, with the numbers, a request that could never run to completion."""
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if self.blocks.blocks_for(total - 1) > self.blocks.num_blocks:  # the last token is never stored
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the KV "
+                             f"cache ({capacity} tokens = {self.blocks.num_blocks} blocks of {self.blocks.block_size})")
+        if not self.config.enable_chunked_context and prompt_len > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens}) and enable_chunked_context is off")
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request.num_prompt_tokens, request.params.max_tokens, request.params.n)
+        self.admission.arrived(request)
+        self.pool.waiting.push(request)
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Abort every sequence of the request (all n completions); returns them."""
+        found = [r for r in self.pool.iter_requests() if r.request_id == request_id]
+        for r in found:
+            self.finish(r, RequestStatus.FINISHED_ABORTED)
+        return found
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        self.pool.finish(request, status)
+
+    def deliver(self, outputs: list) -> list:
+        """The outputs to hand out now: all of them (padded batches hold theirs; padded.py)."""
+        return outputs
+
+    has_work = property(lambda self: self.pool.has_work)
+    num_running = property(lambda self: self.pool.num_running)
+
+    def holders(self) -> list[Request]:
+        return self.pool.holders()
+
+    def iter_requests(self) -> Iterable[Request]:
+        return self.pool.iter_requests()
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.admission.steps += 1
+        budget = self.config.max_num_batched_tokens
+        held = self.admission.held_token()
+        budget -= held
+        running = self.pool.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = chunk(req, budget, self.config)
+            if n == 0:
+                i += 1
+                continue
+            grown, refund, earlier = self._grow_or_preempt(req, req.num_computed_tokens + n, out)
+            budget += refund
+            i -= earlier
+            if not grown:
+                continue  # req itself was preempted: the next running request is at i now
+            out.add(req, n)
+            budget -= n
+            i += 1
+        budget += held
+        if not out.preempted:
+            budget = self.admission.admit(out, budget, now)
+        self._use_leftover_budget(out, budget)
+        for s in out.seqs + out.padding:
+            s.block_table = self.blocks.block_table(s.request.seq_id)
+        return out
+
+    def _use_leftover_budget(self, out: SchedulerOutput, budget: int) -> None:
+        """In-flight batching leaves it unused (padded batches spend it on padding rows)."""
+
+    def _grow_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> tuple[bool, int, int]:
+        """Give req the blocks for num_tokens, preempting the least urgent running requests while
+        they are short (max_utilization). Returns (req still runs, budget given back by victims
+        already scheduled this step, how many of those were before req in the running list)."""
+        refund = earlier = 0
+        running = self.pool.running
+        while not self.blocks.can_grow(req.seq_id, num_tokens):
+            if not self.policy.may_preempt:
+                raise AssertionError(f"{self.policy.name}: {req.seq_id} ran out of reserved blocks")
+            victim = self.pool.least_urgent()
+            earlier += running.index(victim) < running.index(req)
+            refund += self.pool.evict(victim, out)
+            if victim is req:
+                return False, refund, earlier
+        self.blocks.grow(req.seq_id, num_tokens)
+        return True, refund, earlier
+
+    # -- after the model ran ------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: Mapping[str, object], now: float) -> list[Request]:
+        """Record computed tokens and sampled ones (`sampled`: seq_id -> an object with .token);
+        return the requests that finished this step."""
+        finished = []
+        for seq in out.seqs:
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = seq.start + seq.num_new_tokens
+            if self.blocks.enable_prefix_caching:
+                self.blocks.register_computed(req.seq_id, req.all_token_ids, req.num_computed_tokens)
+            result = sampled.get(req.seq_id)
+            if result is None:
+                continue
+            req.output_token_ids.append(result.token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._stop_status(req, result.token)
+            if status is not None:
+                self.finish(req, status)
+                finished.append(req)
+        self.gate.after_step(self.pool.running)
+        return finished
+
+    def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
+        n_out = len(req.output_token_ids)
+        if n_out >= req.params.min_tokens and (
+                token in req.eos_token_ids or token in req.params.stop_token_ids):
+            req.stop_token_id = token
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self.config.max_num_seqs)
