@@ -7,7 +7,7 @@ GPU takes to do it. This measures the issuing side without a GPU: the engine's r
 (Triton path: the kernel wrappers with their checks and launch plans, the torch ops between them,
 step-input building and sampling) runs on CPU tensors, with every compiled-kernel launch replaced
 by a no-op that counts it (`kernels.launch.recording`). The model is Llama-shaped in depth (32
-layers, GQA) but tiny in width (hidden 64, vocabulary 2,000), so the torch ops between launches cost
+layers, GQA) but tiny in width (hidden 32, vocabulary 2,000), so the torch ops between launches cost
 about what dispatching them costs, not arithmetic. What is counted per step:
 
 - `triton`: compiled-kernel launches (each a ~5-20 us argument-binding + driver call on a GPU);
@@ -40,7 +40,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # the wrappers accept CPU tenso
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=32, num_attention_heads=4,
+MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=32, num_attention_heads=2,
              num_key_value_heads=1, vocab_size=2000, max_position_embeddings=16640)
 BLOCK_SIZE = 16
 KV_BLOCKS = 1024   # the tables point into a small cache: no kernel reads it

@@ -57,7 +57,7 @@ def _attend_tile(q, acc, m_i, l_i, k_ptrs, v_ptrs, kv_mask, scores_mask, scale_l
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bts", "stride_btb"])   # the table's width changes per step
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
     scale_log2,
