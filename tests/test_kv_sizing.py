@@ -96,3 +96,41 @@ def test_the_lock_is_per_gpu_and_released_when_the_holder_exits(tmp_path, monkey
     with kv_sizing.one_engine_at_a_time(DeviceEnv(torch.device("cpu"), torch.device("cpu"))):
         pass                                                  # the CPU takes no lock
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inflight-gpu-GPU-a.lock", "inflight-gpu-GPU-b.lock"]
+
+
+def test_the_warm_up_runs_the_largest_prefill_decode_steps_and_the_sampler(monkeypatch, tmp_path, default_model_dir):
+    """What the activation peak is measured over: a prefill of the whole token budget, decode steps
+    of max_num_seqs rows and of one, and the sampler on max_num_seqs rows with every option on;
+    all between the peak reset and the peak read, on the engine's GPU."""
+    from backend import runner as runner_module
+    from backend.config import EngineConfig
+    from backend.loader import load_model_config
+    from backend.request import MAX_LOGPROBS
+
+    cuda = FakeCuda().install(monkeypatch)
+    monkeypatch.setenv("INFLIGHT_LOCK_DIR", str(tmp_path))
+    steps, sampled = [], []
+    run, sample = runner_module.ModelRunner.run, runner_module.sample
+
+    def recording_run(self, out):
+        steps.append((len(cuda.calls), [s.num_new_tokens for s in out.prefills], len(out.decodes)))
+        return run(self, out)
+
+    def recording_sample(logits, requests):
+        sampled.append(requests)
+        return sample(logits, requests)
+
+    monkeypatch.setattr(runner_module.ModelRunner, "run", recording_run)
+    monkeypatch.setattr(runner_module, "sample", recording_sample)
+    config = EngineConfig(model_path=str(default_model_dir), device="cuda:1", attention_backend="torch",
+                          max_num_seqs=6, max_num_batched_tokens=40, max_tokens_in_paged_kv_cache=512)
+    runner = runner_module.ModelRunner(config, load_model_config(str(default_model_dir)), 128)
+    assert [(p, d) for _, p, d in steps] == [([40], 0), ([], 6), ([], 1)]
+    names = [name for name, _ in cuda.calls]
+    reset, peak = names.index("reset_peak_memory_stats"), names.index("max_memory_allocated")
+    assert all(reset < calls_before <= peak for calls_before, _, _ in steps)
+    biggest = max(sampled, key=len)
+    p = biggest[0].params
+    assert len(biggest) == 6 and p.logprobs == MAX_LOGPROBS and p.top_p < 1 and p.top_k > 0
+    assert p.repetition_penalty != 1 and p.frequency_penalty and p.presence_penalty and p.min_tokens
+    assert runner.num_blocks == 512 // 16 and runner.kv_caches[0][0].shape[0] == 32   # the explicit size wins
