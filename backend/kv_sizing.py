@@ -28,9 +28,10 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from backend.device import DeviceEnv
+if TYPE_CHECKING:  # no torch at import: the sizing rules are plain arithmetic
+    from backend.device import DeviceEnv
 
 log = logging.getLogger(__name__)
 GIB = 2 ** 30
@@ -49,7 +50,7 @@ class GpuMemory:
     activation: int   # the warm-up's allocation peak above what was allocated before it
 
 
-def measure(env: DeviceEnv, warm_up: Callable[[], None]) -> GpuMemory:
+def measure(env: "DeviceEnv", warm_up: Callable[[], None]) -> GpuMemory:
     """Free memory before the warm-up and the warm-up's activation peak (steps 1 and 2 above)."""
     env.synchronize()
     env.release_cached()
@@ -80,7 +81,7 @@ def lock_path(identity: str) -> Path:
 
 
 @contextlib.contextmanager
-def one_engine_at_a_time(env: DeviceEnv) -> Iterator[None]:
+def one_engine_at_a_time(env: "DeviceEnv") -> Iterator[None]:
     """Hold the GPU's lock (CUDA only) for the block: engines on one GPU load and size one after
     another. The lock is the file's flock, so it is released when the process dies; the file is
     opened read-only, so an engine of another user (a container's uid) can lock it too."""

@@ -1,6 +1,7 @@
 """The host side of one decode step on the Triton path, measured on a machine with no GPU.
 
     python -m kernels.host_overhead [--batches 1,64,256] [--contexts 512,8192] [--json FILE]
+    python -m kernels.host_overhead --before REF     # REF's runner against this one, interleaved
 
 On a GPU a decode step is host-bound when the CPU takes longer to issue the step's work than the
 GPU takes to do it. This measures the issuing side without a GPU: the engine's real ModelRunner
@@ -227,6 +228,41 @@ def _skip_replay(runner) -> Iterator[None]:
         graphs.forward_static = original
 
 
+def compare(ref: str, argv: list[str], rounds: int) -> int:
+    """This probe on git REF's engine and on this one, in separate processes, A B B A per round (a
+    shared machine's drift hits both alike); the medians per configuration, as a markdown table."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = Path(tmp) / "before"
+        before.mkdir()
+        archive = subprocess.run(["git", "archive", ref], cwd=root, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+        (before / "kernels" / "host_overhead.py").write_bytes(Path(__file__).read_bytes())
+        for i, who in enumerate(["before", "after", "after", "before"] * rounds):
+            out = Path(tmp) / f"{i}.json"
+            subprocess.run([sys.executable, "-m", "kernels.host_overhead", *argv, "--json", str(out)], check=True,
+                           cwd=before if who == "before" else root, stdout=subprocess.DEVNULL)
+            for row in json.loads(out.read_text())["rows"]:
+                key = (row["sampling"], row["context"], row["batch"])
+                name = who if who == "before" else ("graphs" if row["graphs"] else "eager")
+                results.setdefault(key, {}).setdefault(name, []).append(row)
+    print(f"| sampling | context | batch | before ms | eager ms | graphs ms | before / graphs | "
+          f"launches before | eager | graphs | to device before / after | reads back before / after |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    for (sampling, ctx, b), runs in sorted(results.items()):
+        med = {k: statistics.median(r["host_ms"] for r in v) for k, v in runs.items()}
+        launches = {k: v[0]["triton"] + v[0]["torch_ops"] for k, v in runs.items()}
+        first = {k: v[0] for k, v in runs.items()}
+        print(f"| {sampling} | {ctx} | {b} | {med['before']:.2f} | {med['eager']:.2f} | {med['graphs']:.2f} | "
+              f"{med['before'] / med['graphs']:.1f}x | {launches['before']:.0f} | {launches['eager']:.0f} | "
+              f"{launches['graphs']:.0f} | {first['before']['h2d']:.0f} / {first['eager']['h2d']:.0f} | "
+              f"{first['before']['d2h']:.0f} / {first['eager']['d2h']:.0f} |")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.host_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,64,256")
@@ -234,7 +270,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--sampling", default="greedy,mixed")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--json", type=Path)
+    p.add_argument("--before", metavar="REF", help="compare with the engine at git REF (interleaved runs)")
+    p.add_argument("--rounds", type=int, default=1, help="with --before: rounds of A B B A")
     args = p.parse_args(argv)
+    if args.before:
+        return compare(args.before, ["--batches", args.batches, "--contexts", args.contexts, "--sampling",
+                                     args.sampling, "--steps", str(args.steps)], args.rounds)
     from backend.make_model import make_model
 
     batches = [int(b) for b in args.batches.split(",")]

@@ -28,7 +28,7 @@ def test_engine_seams_import_neither_torch_nor_triton():
     import subprocess
 
     modules = ["backend.config", "backend.request", "backend.scheduler", "backend.block_manager",
-               "backend.policies", "backend.errors", "backend"]
+               "backend.policies", "backend.errors", "backend.kv_sizing", "backend.warmup", "backend"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
             "heavy = sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules)\n"
             "print(','.join(heavy))\n")
