@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -93,16 +94,26 @@ def counting(counts: Counts) -> Iterator[None]:
     for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu"):
         patch(torch.Tensor, name, counted("d2h"))   # (numpy() refuses a GPU tensor: not counted)
 
+    made_on_host = weakref.WeakSet()   # tensors from host data: their .to(device) is the h2d copy
+
     def to_host(original):
         def wrapper(self, *a, **k):
-            if any(str(x) == "cpu" for x in (*a, k.get("device"))):
+            if self not in made_on_host and any(str(x) == "cpu" for x in (*a, k.get("device"))):
                 counts.d2h += 1
             return original(self, *a, **k)
         return wrapper
 
+    def from_host(original):
+        def wrapper(*a, **k):
+            counts.h2d += 1
+            tensor = original(*a, **k)
+            made_on_host.add(tensor)
+            return tensor
+        return wrapper
+
     patch(torch.Tensor, "to", to_host)
-    patch(torch, "from_numpy", counted("h2d"))
-    patch(torch, "tensor", counted("h2d"))
+    patch(torch, "from_numpy", from_host)
+    patch(torch, "tensor", from_host)
     with launch.recording() as launches, _OpCounter(counts):
         try:
             yield
