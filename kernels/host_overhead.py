@@ -36,7 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -94,11 +93,12 @@ def counting(counts: Counts) -> Iterator[None]:
     for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu"):
         patch(torch.Tensor, name, counted("d2h"))   # (numpy() refuses a GPU tensor: not counted)
 
-    made_on_host = weakref.WeakSet()   # tensors from host data: their .to(device) is the h2d copy
+    # Tensors made from host data (kept alive, so their ids stay theirs): their .to(device) is the h2d copy.
+    made_on_host: dict[int, torch.Tensor] = {}
 
     def to_host(original):
         def wrapper(self, *a, **k):
-            if self not in made_on_host and any(str(x) == "cpu" for x in (*a, k.get("device"))):
+            if id(self) not in made_on_host and any(str(x) == "cpu" for x in (*a, k.get("device"))):
                 counts.d2h += 1
             return original(self, *a, **k)
         return wrapper
@@ -107,7 +107,7 @@ def counting(counts: Counts) -> Iterator[None]:
         def wrapper(*a, **k):
             counts.h2d += 1
             tensor = original(*a, **k)
-            made_on_host.add(tensor)
+            made_on_host[id(tensor)] = tensor
             return tensor
         return wrapper
 
