@@ -11,13 +11,27 @@
 # Arguments after the image name go to tritonserver (e.g. --log-verbose=1).
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
+# The CUDA build of torch: 12.8 (cu128), not the default PyPI wheel. torch 2.13.0's default Linux
+# wheel is a CUDA 13 build, which needs NVIDIA driver 580 or newer. This base image (24.10) is CUDA
+# 12.6 and asks for driver 560 (data-center GPUs: R525/R535/R545 too, through CUDA's
+# compatibility); a CUDA 12 build of torch runs on every driver that CUDA 12 runs on (CUDA's
+# minor-version compatibility), so the image runs wherever its base does. cu128 is the newest
+# CUDA 12 build, with native code for A100 (sm_80) and H100/H200 (sm_90). On a host with driver
+# 580 or newer, --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 gives the CUDA 13 one.
 ARG TORCH_VERSION=2.13.0
-# The PyTorch wheel index of the CUDA build to install (same torch version as the CPU pin).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
+
+# Triton (the kernel compiler) builds a small C launcher with gcc at its first kernel launch, against
+# Python.h: the image needs a C compiler and the Python headers. (The base image's apt versions move
+# with its release: pinning them would break the next rebuild.)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 # CUDA torch first, so the project's torch==2.13.0 pin is already met by the +cuXXX build. It brings
 # the triton compiler it was built with (3.7.1), which pyproject's triton range accepts: the
@@ -32,8 +46,10 @@ COPY kernels/ kernels/
 COPY client/ client/
 COPY templates/ templates/
 COPY model_repository/ model_repository/
-# The project and its dependencies (the image has its own tritonserver: no nvidia-pytriton).
-RUN python3 -m pip install /opt/inflight && python3 -c "import torch, backend, client.cli"
+# The project and its dependencies (the image has its own tritonserver: no nvidia-pytriton), and
+# transformers, the oracle of `inflight gpu-check` (its greedy check), at the test extra's pin.
+RUN python3 -m pip install /opt/inflight "transformers==5.24.0" \
+    && python3 -c "import torch, transformers, backend, client.cli"
 
 # The entrypoint and the health check are files (hadolint does not parse COPY heredocs).
 COPY deploy/docker/entrypoint.sh /usr/local/bin/inflight-entrypoint
@@ -45,9 +61,19 @@ COPY deploy/docker/healthcheck.py /opt/inflight/deploy/docker/healthcheck.py
 # model and writes config.pbtxt there). A mounted /workspace must be writable by it (or run with --user).
 RUN groupadd --gid 10001 inflight \
     && useradd --create-home --uid 10001 --gid 10001 --shell /bin/bash inflight \
-    && mkdir -p /workspace \
+    && mkdir -p /workspace /tmp/inflight-home \
+    && chmod 1777 /tmp/inflight-home \
     && chown -R inflight:inflight /opt/inflight /workspace
 USER 10001:10001
+# Caches any uid can write: with --user "$(id -u):$(id -g)" (a uid the image does not know) HOME
+# would be /, where Triton's kernel cache (~/.triton), its launcher build and every ~/.cache user
+# (Hugging Face, the CPU kernels) cannot write. /tmp/inflight-home is world-writable (sticky).
+ENV HOME=/tmp/inflight-home \
+    XDG_CACHE_HOME=/tmp/inflight-home/.cache \
+    TRITON_HOME=/tmp/inflight-home \
+    TRITON_CACHE_DIR=/tmp/inflight-home/.triton/cache \
+    HF_HOME=/tmp/inflight-home/.cache/huggingface \
+    MPLCONFIGDIR=/tmp/inflight-home/.config/matplotlib
 
 WORKDIR /workspace
 # 8000 HTTP, 8001 gRPC, 8002 metrics; 9000 the OpenAI-compatible API (`inflight serve --openai-port`).

@@ -49,6 +49,7 @@ class AsyncEngine:
     vocab_size = property(lambda self: self.engine.vocab_size)
     max_model_len = property(lambda self: self.engine.max_model_len)
     max_input_bytes = property(lambda self: self.engine.max_input_bytes)
+    device = property(lambda self: self.engine.runner.device)  # where it runs, index included (cuda:1)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     on_output: OutputCallback, priority: int = 0, queue_info: bool = False) -> None:

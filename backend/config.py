@@ -21,12 +21,16 @@ _FALSE = ("0", "false", "no", "off")
 @dataclass
 class EngineConfig:
     model_path: str = ""
-    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU
+    # auto: float32 on CPU; on CUDA the checkpoint's half type, float32 checkpoints in bfloat16
+    # (float16 before compute capability 8.0), as vLLM (backend/device.py)
+    dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     kv_block_size: int = 16
     # Explicit KV capacity in tokens; 0 sizes it from kv_cache_free_gpu_mem_fraction on CUDA and
     # from cpu_kv_cache_tokens on CPU.
     max_tokens_in_paged_kv_cache: int = 0
+    # Share of the GPU memory free after the weights and the largest step's activations that the KV
+    # cache takes; the rest is headroom (CUDA graphs, cuBLAS, fragmentation): backend/kv_sizing.py.
     kv_cache_free_gpu_mem_fraction: float = 0.9
     cpu_kv_cache_tokens: int = 65536
     max_num_seqs: int = 64
@@ -47,6 +51,9 @@ class EngineConfig:
     executor_static_batch_size: int = -1  # -1: off; N: static batches of N (forces batching_mode=static)
     dynamic_padding_threshold: float = 1.1  # dynamic: a batch holds lengths within this factor
     attention_backend: str = "auto"
+    # true: no CUDA graphs, every decode step launches its kernels one by one (vLLM's enforce_eager).
+    # false: decode steps replay graphs captured at start-up per padded batch size (Triton kernels, CUDA).
+    enforce_eager: bool = False
     seed: int = 0
     # Streaming (the server): a response carries at least this many new tokens (the first token and
     # the last response go out at once), as vLLM's --stream-interval. 1: a response per step.
@@ -80,9 +87,10 @@ class EngineConfig:
         _at_least("kv_block_size", self.kv_block_size, 1)
         _at_least("max_tokens_in_paged_kv_cache", self.max_tokens_in_paged_kv_cache, 0)
         _at_least("cpu_kv_cache_tokens", self.cpu_kv_cache_tokens, 1)
-        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
-            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1]; "
-                             f"got {self.kv_cache_free_gpu_mem_fraction}")
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction < 1.0:
+            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1): the rest of the free memory is "
+                             "headroom for CUDA graphs, cuBLAS workspaces and fragmentation; got "
+                             f"{self.kv_cache_free_gpu_mem_fraction}")
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("max_model_len", self.max_model_len, 0)

@@ -7,48 +7,179 @@ draws its token by inverse transform from one uniform number taken from the requ
 `random.Random`, advanced once per generated token, so a request's tokens do not depend on which
 other requests share the batch. Logprobs are vLLM v1's: log_softmax of the raw logits, before
 penalties and temperature.
+
+On a GPU a step's sampling costs the host two transfers to the device (the per-row settings as one
+array, every (row, token) index of the penalties and bans as another) and one back (the tokens and
+logprobs of every row, packed in one tensor): no read per row, no tensor built per row.
 """
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
+from backend.device import to_device
 from backend.sched.step import Sampled
 from backend.request import Request
+
+# Per-row settings, the columns of one float64 array: temperature, top_k (vocab when off), top_p,
+# the row's uniform number, repetition, frequency and presence penalties.
+_TEMP, _TOP_K, _TOP_P, _U, _REP, _FREQ, _PRES = range(7)
+_prompt_tokens: "weakref.WeakKeyDictionary[Request, np.ndarray]" = weakref.WeakKeyDictionary()
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[Sampled]:
     """logits [N, V] float32, one row per request (modified in place); returns N results."""
-    want_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    raw = torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
-    for i, req in enumerate(requests):
-        if req.params.penalized:
-            _apply_penalties(logits[i], req)
-        _ban(logits[i], _banned(req, logits.shape[-1]))
+    n, vocab = logits.shape
+    plan = _Plan.build(requests, vocab)
+    dev = logits.device
+    settings = to_device(plan.settings, dev)
+    index = to_device(plan.index, dev)
+    raw = torch.log_softmax(logits[plan.logprob_rows].float(), dim=-1) if plan.logprob_rows else None
+    # Per-row logits masks (structured outputs: the tokens a grammar allows) are applied here, as one
+    # batched mask over the rows that have one: before the penalties, the bans and the choice.
+    if plan.rep_count:
+        _repetition(logits, index[plan.rep_slice], settings)
+    if plan.freq_rows:
+        _frequency_presence(logits, index[plan.freq_slice], index[plan.counted_slice], settings)
+    if plan.ban_count:
+        banned = index[plan.ban_slice].view(2, -1)
+        logits[banned[0], banned[1]] = float("-inf")
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, req in enumerate(requests) if not req.params.greedy]
-    if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        tokens[idx] = _draw(logits[idx], [requests[i] for i in rows])
-    out = [Sampled(t) for t in tokens.tolist()]
+    if plan.random_rows:
+        rows = index[plan.random_slice]
+        tokens[rows] = _draw(logits[rows], settings[rows], plan.max_top_k, plan.any_top_p, vocab)
+    parts = [tokens.double()]
     if raw is not None:
-        _fill_logprobs(out, raw, want_logprobs, requests)
-    return out
+        parts += _logprobs(raw, tokens[index[plan.logprob_slice]], plan.max_top)
+    host = torch.cat(parts).cpu().numpy()       # the step's one read back
+    return plan.unpack(host)
+
+
+@dataclass
+class _Plan:
+    """What sample() needs to know on the host, built from the requests with no device access."""
+    n: int
+    settings: np.ndarray          # [N, 7] float64
+    index: np.ndarray             # int64: the segments below, back to back
+    random_rows: list[int]
+    logprob_rows: list[int]
+    freq_rows: list[int]
+    rep_count: int
+    ban_count: int
+    max_top_k: int               # the largest top-k of a random row; vocab when none asks for one
+    any_top_p: bool
+    max_top: int
+    tops: list[int]               # per logprob row: how many top entries it asked for
+    bounds: np.ndarray            # where each segment of `index` starts and ends
+
+    @classmethod
+    def build(cls, requests: Sequence[Request], vocab: int) -> "_Plan":
+        n = len(requests)
+        settings = np.zeros((n, 7), dtype=np.float64)
+        rep_rows: list[np.ndarray] = []
+        rep_toks: list[np.ndarray] = []
+        freq_rows, freq_toks, ban_rows, ban_toks = [], [], [], []
+        random_rows, logprob_rows, counted = [], [], []
+        for i, req in enumerate(requests):
+            p = req.params
+            if p.logprobs is not None:
+                logprob_rows.append(i)
+            if p.penalized:
+                settings[i, _REP:] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                if p.repetition_penalty != 1.0:
+                    toks = np.concatenate([_unique_prompt(req), np.asarray(req.output_token_ids, dtype=np.int64)])
+                    rep_rows.append(np.full(len(toks), i, dtype=np.int64))
+                    rep_toks.append(toks)
+                if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+                    counted.append(i)
+                    freq_rows += [len(counted) - 1] * len(req.output_token_ids)
+                    freq_toks += req.output_token_ids
+            banned = _banned(req, vocab)
+            ban_rows += [i] * len(banned)
+            ban_toks += banned
+            if not p.greedy:
+                random_rows.append(i)
+                top_k = p.top_k if 0 < p.top_k < vocab else vocab
+                settings[i, :_REP] = (p.temperature, top_k, p.top_p, req.rng.random())
+        rep = (np.concatenate(rep_rows + rep_toks) if rep_rows else np.zeros(0, dtype=np.int64))
+        segments = [rep, np.asarray(freq_rows + freq_toks, dtype=np.int64), np.asarray(counted, dtype=np.int64),
+                    np.asarray(ban_rows + ban_toks, dtype=np.int64), np.asarray(random_rows, dtype=np.int64),
+                    np.asarray(logprob_rows, dtype=np.int64)]
+        top_ks = [int(settings[i, _TOP_K]) for i in random_rows]
+        return cls(n, settings, np.concatenate(segments), random_rows, logprob_rows, counted,
+                   len(rep) // 2, len(ban_rows), max(top_ks) if top_ks and min(top_ks) < vocab else vocab,
+                   any(settings[i, _TOP_P] < 1.0 for i in random_rows),
+                   max((requests[i].params.logprobs for i in logprob_rows), default=0),
+                   [requests[i].params.logprobs for i in logprob_rows], np.cumsum([0] + [len(s) for s in segments]))
+
+    def _slice(self, k: int) -> slice:
+        return slice(int(self.bounds[k]), int(self.bounds[k + 1]))
+
+    rep_slice = property(lambda self: self._slice(0))        # rows then tokens
+    freq_slice = property(lambda self: self._slice(1))       # rows (among the counted) then tokens
+    counted_slice = property(lambda self: self._slice(2))    # the rows with frequency/presence counts
+    ban_slice = property(lambda self: self._slice(3))        # rows then tokens
+    random_slice = property(lambda self: self._slice(4))
+    logprob_slice = property(lambda self: self._slice(5))
+
+    def unpack(self, host: np.ndarray) -> list[Sampled]:
+        """The packed read-back: tokens [N], then for the logprob rows L: chosen [L], ranks [L], top
+        ids [L, k], top values [L, k]."""
+        n, rows, k = self.n, len(self.logprob_rows), self.max_top
+        out = [Sampled(int(t)) for t in host[:n]]
+        if rows:
+            chosen, ranks = host[n:n + rows], host[n + rows:n + 2 * rows]
+            top_ids = host[n + 2 * rows:n + 2 * rows + rows * k].reshape(rows, k)
+            top_vals = host[n + 2 * rows + rows * k:].reshape(rows, k)
+            for j, i in enumerate(self.logprob_rows):
+                want = self.tops[j]
+                out[i].logprob, out[i].rank = float(chosen[j]), int(ranks[j])
+                out[i].top = [(int(t), float(v)) for t, v in zip(top_ids[j, :want], top_vals[j, :want])]
+        return out
+
+
+def _unique_prompt(req: Request) -> np.ndarray:
+    """The prompt's distinct tokens, worked out once per request (the prompt never changes)."""
+    toks = _prompt_tokens.get(req)
+    if toks is None:
+        toks = _prompt_tokens[req] = np.unique(np.asarray(req.prompt_token_ids, dtype=np.int64))
+    return toks
+
+
+def _repetition(logits: torch.Tensor, pairs: torch.Tensor, settings: torch.Tensor) -> None:
+    """vLLM's repetition penalty over the prompt and the output: positive logits divided, negative
+    ones multiplied. A token listed twice for a row gets the same value twice (from the original)."""
+    rows, toks = pairs.view(2, -1)
+    vals = logits[rows, toks]
+    penalty = settings[rows, _REP].to(logits.dtype)
+    logits[rows, toks] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+
+def _frequency_presence(logits: torch.Tensor, pairs: torch.Tensor, rows: torch.Tensor, settings: torch.Tensor) -> None:
+    """vLLM's frequency and presence penalties over the output tokens, counted on the device, for
+    `rows` (pairs index them 0.. in that order)."""
+    local, toks = pairs.view(2, -1)
+    counts = torch.zeros(rows.shape[0], logits.shape[1], dtype=logits.dtype, device=logits.device)
+    counts.index_put_((local, toks), torch.ones_like(toks, dtype=logits.dtype), accumulate=True)
+    sub = logits[rows]
+    sub -= settings[rows, _FREQ, None].to(logits.dtype) * counts
+    sub -= settings[rows, _PRES, None].to(logits.dtype) * (counts > 0).to(logits.dtype)
+    logits[rows] = sub
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:
-    """vLLM's formulas: repetition over the prompt and the output (positive logits divided, negative
-    ones multiplied); presence and frequency over the output only."""
-    p = req.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)), device=row.device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(torch.tensor(req.output_token_ids, device=row.device), minlength=row.shape[0])
-        row -= p.frequency_penalty * counts[:row.shape[0]].to(row.dtype)
-        row -= p.presence_penalty * (counts[:row.shape[0]] > 0).to(row.dtype)
+    """One row's penalties in place (the batched path on a batch of one)."""
+    plan = _Plan.build([req], row.shape[-1])
+    settings, index = to_device(plan.settings, row.device), to_device(plan.index, row.device)
+    logits = row.view(1, -1)
+    if plan.rep_count:
+        _repetition(logits, index[plan.rep_slice], settings)
+    if plan.freq_rows:
+        _frequency_presence(logits, index[plan.freq_slice], index[plan.counted_slice], settings)
 
 
 def _banned(req: Request, vocab: int) -> list[int]:
@@ -65,45 +196,35 @@ def _banned(req: Request, vocab: int) -> list[int]:
     return [t for t in banned if 0 <= t < vocab]
 
 
-def _ban(row: torch.Tensor, tokens: list[int]) -> None:
-    if tokens:
-        row[tokens] = float("-inf")
-
-
-def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    n, vocab = logits.shape
-    dev = logits.device
-    params = [r.params for r in requests]
-    x = logits.float() / torch.tensor([[p.temperature] for p in params], device=dev)
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if min(top_k) < vocab:  # keep the k largest (ties with the k-th included)
-        kth = x.topk(max(top_k), dim=-1).values.gather(1, torch.tensor([[k - 1] for k in top_k], device=dev))
+def _draw(logits: torch.Tensor, settings: torch.Tensor, max_top_k: int, any_top_p: bool, vocab: int) -> torch.Tensor:
+    """One token per row by inverse transform of the row's uniform number, after temperature,
+    top-k (ties with the k-th kept) and top-p (the smallest prefix reaching it, the first always)."""
+    x = logits.float() / settings[:, _TEMP, None].float()
+    if max_top_k < vocab:  # keep the k largest (ties with the k-th included)
+        kth = x.topk(max_top_k, dim=-1).values.gather(1, settings[:, _TOP_K, None].long() - 1)
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    top_p = [p.top_p for p in params]
-    if min(top_p) < 1.0:  # keep the smallest prefix whose mass reaches top_p (the first always)
+    if any_top_p:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # float64 thresholds: a top_p of 1e-300 is 0 in float32, which would drop every token
         before = sorted_probs.double().cumsum(-1) - sorted_probs.double()
-        outside = before >= torch.tensor([[p] for p in top_p], dtype=torch.float64, device=dev)
+        outside = before >= settings[:, _TOP_P, None]
         outside[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(outside, 0.0))
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    u = torch.tensor([[r.rng.random()] for r in requests], dtype=torch.float64, device=dev)
     # The first token whose cumulative mass exceeds u x total: never one of zero probability.
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(settings[:, _U, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
 
 
-def _fill_logprobs(out: list[Sampled], raw: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> None:
-    tokens = torch.tensor([out[i].token for i in rows], device=raw.device)
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """The sampled tokens' logprobs and ranks and the top k of every logprob row, as float64 parts
+    of the step's one read-back."""
     chosen = raw.gather(1, tokens[:, None])
     ranks = (raw > chosen).sum(-1) + 1
-    k = max(requests[i].params.logprobs for i in rows)
-    top_vals, top_ids = raw.topk(k, dim=-1) if k else (None, None)
-    for j, i in enumerate(rows):
-        out[i].logprob = float(chosen[j])
-        out[i].rank = int(ranks[j])
-        want = requests[i].params.logprobs
-        out[i].top = list(zip(top_ids[j, :want].tolist(), top_vals[j, :want].tolist())) if want else []
+    parts = [chosen[:, 0].double(), ranks.double()]
+    if k:
+        top_vals, top_ids = raw.topk(k, dim=-1)
+        parts += [top_ids.double().flatten(), top_vals.double().flatten()]
+    return parts

@@ -8,8 +8,10 @@ dimension under 16). For each model shape below, in bf16 and fp16, this builds e
 tensors (the layouts and index dtypes of backend/runner.py and backend/models/llama.py), asks each
 wrapper's `plan_*` function for its launches, the same function the wrapper itself launches, with
 the GPU's configuration, and compiles them through Triton's own argument specialization (so
-strides of 1 and 16-byte alignment specialize as at a real launch). Decode attention is planned
-for every split count the dispatcher can choose (1..MAX_SPLITS).
+strides of 1 and 16-byte alignment specialize as at a real launch). The launches are planned at
+several step shapes and, for decode attention, every split count the dispatcher can choose
+(1..MAX_SPLITS); the rows are distinct compiled variants, so the table also shows that what
+changes from step to step compiles nothing new (the engine's warm-up compiles the same set).
 
 It fails (exit 1) on any compile error or on shared memory over the target's per-block limit, and
 prints one row per kernel x configuration x dtype x target. --json writes the same rows:
@@ -72,18 +74,32 @@ TARGETS = {"sm_80": (80, 163 * 1024), "sm_90": (90, 227 * 1024)}
 DEFAULT_BLOCK_SIZE = 16   # EngineConfig.kv_block_size's default
 
 
+# Step shapes the launches are planned at: (tokens, decode sequences, block-table width). The
+# integers that change from step to step are not specialized by the kernels, so every shape lands
+# on the same compiled variants: the sweep shows it (the rows are deduplicated by variant).
+STEP_SHAPES = ((6, 2, 3), (1, 1, 1), (48, 16, 64), (256, 256, 2048))
+
+
 def model_launches(shape: ModelShape, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> list[Launch]:
-    """Every launch one engine step of this model makes, with engine-like argument layouts: q and k
-    are strided views of the fused qkv projection, index tensors int32 (slots, positions int64)."""
-    tokens, seqs, table_width = 6, 2, 3
+    """Every launch an engine step of this model makes, with the engine's argument layouts (q and k
+    strided views of the fused qkv projection, v contiguous, index tensors int32, slots and
+    positions int64), at each of STEP_SHAPES and, for decode attention, every split count."""
+    launches: list[Launch] = []
+    for tokens, seqs, width in STEP_SHAPES:
+        launches += _step_launches(shape, dtype, block_size, tokens, seqs, width)
+    return launches
+
+
+def _step_launches(shape: ModelShape, dtype: torch.dtype, block_size: int, tokens: int, seqs: int,
+                   table_width: int) -> list[Launch]:
     h, g, d = shape.heads, shape.kv_heads, shape.head_dim
     qkv = torch.zeros(tokens, (h + 2 * g) * d, dtype=dtype)
     q, k, v = qkv.split((h * d, g * d, g * d), dim=-1)
-    q, k, v = q.view(tokens, h, d), k.view(tokens, g, d), v.reshape(tokens, g, d)
-    k_cache = torch.zeros(seqs * table_width, block_size, g, d, dtype=dtype)
+    q, k, v = q.view(tokens, h, d), k.view(tokens, g, d), v.reshape(tokens, g, d).contiguous()
+    k_cache = torch.zeros(4, block_size, g, d, dtype=dtype)   # the values are never read: any blocks do
     v_cache = torch.zeros_like(k_cache)
-    tables = torch.zeros(seqs, table_width, dtype=torch.int32)
-    seq_lens = torch.ones(seqs, dtype=torch.int32)
+    tables = torch.zeros(max(seqs, 2), table_width, dtype=torch.int32)
+    seq_lens = torch.ones(max(seqs, 2), dtype=torch.int32)
     cos = torch.zeros(64, d // 2, dtype=torch.float32)
     positions = torch.zeros(tokens, dtype=torch.int64)
     q_rot, k_rot = torch.empty(tokens, h, d, dtype=dtype), torch.empty(tokens, g, d, dtype=dtype)
@@ -91,6 +107,8 @@ def model_launches(shape: ModelShape, dtype: torch.dtype, block_size: int = DEFA
     weight = torch.ones(shape.hidden, dtype=dtype)
     gate_up = torch.zeros(tokens, 2 * shape.intermediate, dtype=dtype)
     scale = d ** -0.5
+    prefill_seqs = 2 if tokens > 1 else 1
+    cu = torch.tensor([0, tokens // 2, tokens][-prefill_seqs - 1:], dtype=torch.int32)
 
     launches = [
         plan_rms_norm(x, weight, 1e-5, None, torch.empty_like(x), x),                     # first layer
@@ -98,13 +116,13 @@ def model_launches(shape: ModelShape, dtype: torch.dtype, block_size: int = DEFA
         plan_rotary_embedding(q, k, positions, cos, cos.clone(), q_rot, k_rot),
         plan_store_kv(k_rot, v, k_cache, v_cache, torch.zeros(tokens, dtype=torch.int64)),
         plan_silu_mul(gate_up, torch.empty(tokens, shape.intermediate, dtype=dtype)),
-        plan_prefill_attention(q_rot, k_cache, v_cache, tables,
-                               torch.tensor([0, 2, tokens], dtype=torch.int32), seq_lens, scale,
-                               torch.empty_like(q_rot), tokens, on_gpu=True),
+        plan_prefill_attention(q_rot, k_cache, v_cache, tables[:prefill_seqs], cu, seq_lens[:prefill_seqs],
+                               scale, torch.empty_like(q_rot), tokens, on_gpu=True),
     ]
-    decode_q = q_rot[:seqs]
+    n = min(seqs, tokens)
+    decode_q = q_rot[:n]
     for num_splits in range(1, decode_mod.MAX_SPLITS + 1):
-        launches += decode_mod.plan_decode_attention(decode_q, k_cache, v_cache, tables, seq_lens, scale,
+        launches += decode_mod.plan_decode_attention(decode_q, k_cache, v_cache, tables[:n], seq_lens[:n], scale,
                                                      torch.empty_like(decode_q), num_splits,
                                                      decode_mod.DEFAULT_BLOCK_N)
     return launches

@@ -12,10 +12,15 @@ Design (flash-decoding):
 - Online softmax in the exp2 domain (scale folded with log2(e)), positions past the split's end
   masked to -inf.
 - Split-K: when batch * kv_heads programs cannot fill the GPU, each sequence's context is cut into
-  num_splits ranges (tile-aligned, sized per sequence; a runtime argument, so a new split count
-  does not compile a new kernel), each split writes its normalised partial
+  num_splits ranges (tile-aligned, sized per sequence), each split writes its normalised partial
   output and log-sum-exp, and a second small kernel merges them. With one split the first kernel
   writes the output directly and the merge is skipped.
+- Compiled variants: Triton specializes an integer argument that equals 1 or is divisible by 16
+  unless told not to, so the values that change from step to step (the split count, the strides
+  of the partials and of the block table) are marked `do_not_specialize`, and the merge kernel
+  always spans MAX_SPLITS partials (masked). Decode attention is then two variants per model and
+  dtype (one pass, split-K) plus one merge, whatever the batch: the engine's warm-up compiles
+  them all, and `python -m kernels.aot` checks the same set.
 - A sequence of length 0 produces zeros (the torch reference produces NaN for it).
 
 The wrapper never syncs with the device (no `.item()`), so it can be captured in a CUDA graph; the
@@ -38,7 +43,11 @@ MAX_SPLITS = 64
 DEFAULT_BLOCK_N = 64         # kv positions per tile: the K of the P@V tl.dot, so >= 16 on the GPU
 
 
-@triton.jit
+_STEP_VARYING = ["stride_bts", "stride_btb", "stride_ps", "stride_ph", "stride_pk", "stride_pd",
+                 "stride_ls", "stride_lh", "stride_lk", "num_splits"]
+
+
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
@@ -119,7 +128,7 @@ def _decode_attention_kernel(
         tl.store(part_lse_ptr + seq64 * stride_ls + heads * stride_lh + split * stride_lk, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_VARYING[2:])
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,
     stride_ps, stride_ph, stride_pk, stride_pd,
@@ -197,8 +206,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
         num_splits = choose_num_splits(s, g, bound, C.num_sms(q.device))
-    if num_splits < 1:
-        raise ValueError(f"{name}: num_splits must be >= 1; got {num_splits}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"{name}: num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
 
     for launch in plan_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
                                         num_splits, block_n):
@@ -240,7 +249,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             (part_o, part_lse, out,
              *part_o.stride(), *part_lse.stride(), *out.stride(),
              num_splits),
-            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SPLITS=max(2, C.next_pow2(num_splits))),
+            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SPLITS=MAX_SPLITS),   # one variant for every count
             num_warps=4 if block_d >= 128 else 2,
         ))
     return launches

@@ -7,8 +7,12 @@ time are, by construction, the ones launched. Nothing here imports triton.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
+
+# While set, launches are appended here instead of run (`recording`).
+_recorded: Optional[list] = None
 
 
 @dataclass(frozen=True)
@@ -36,4 +40,20 @@ class Launch:
         return {**self.constexprs, **self.options()}
 
     def __call__(self) -> None:
+        if _recorded is not None:
+            _recorded.append(self)
+            return
         self.kernel[self.grid](*self.args, **self.constexprs, **self.options())
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Within the block every launch is recorded instead of run (the list it yields): for counting
+    launches, and for checking which compiled variants a run asks for, on a machine with no GPU.
+    The kernels' outputs are then left unwritten."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer

@@ -57,7 +57,7 @@ def _attend_tile(q, acc, m_i, l_i, k_ptrs, v_ptrs, kv_mask, scores_mask, scale_l
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bts", "stride_btb"])   # the table's width changes per step
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
     scale_log2,
@@ -133,9 +133,9 @@ def _prefill_attention_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _default_blocks(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+def _default_blocks(dtype: torch.dtype, head_dim: int, interpreted: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). fp32 tiles are halved to fit shared memory."""
-    if device.type != "cuda":
+    if interpreted:
         return 32, 32, 4, 1            # the interpreter: small tiles waste less on short chunks
     if dtype == torch.float32:
         return 64, 32, 4, 2
@@ -198,10 +198,11 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, out: torch.Tensor, max_q_len: int, *, on_gpu: bool = False,
                            block_m: Optional[int] = None, block_n: Optional[int] = None) -> Launch:
     """The launch prefill_attention makes for checked arguments (kernels.aot compiles the same, with
-    on_gpu=True: the configuration is the GPU's even for the CPU tensors it compiles from)."""
+    on_gpu=True). The tiles are the GPU's wherever the kernel is compiled for one, whatever device
+    the tensors are on; the interpreter's only where the kernel is interpreted."""
     d, h, g = q.shape[2], q.shape[1], k_cache.shape[2]
-    device = torch.device("cuda") if on_gpu else q.device  # only the device type matters
-    bm, bn, num_warps, num_stages = _default_blocks(q.dtype, d, device)
+    interpreted = not on_gpu and type(_prefill_attention_kernel).__name__ == "InterpretedFunction"
+    bm, bn, num_warps, num_stages = _default_blocks(q.dtype, d, interpreted)
     bm, bn = block_m or bm, block_n or bn
     return Launch(
         _prefill_attention_kernel, (C.cdiv(max_q_len, bm), seq_lens.shape[0], h),

@@ -16,14 +16,33 @@ import torch
 import torch.nn.functional as F
 
 
+def host_reads_are_free(t: torch.Tensor) -> bool:
+    """Reading t's values on the host costs nothing on the CPU; on a GPU it stalls the host until the
+    device catches up, in every layer. The references take a branch without such reads there."""
+    return t.device.type == "cpu"
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write key/value [T, G, D] into the paged cache at slot_mapping [T] (in place)."""
+    """Write key/value [T, G, D] into the paged cache at slot_mapping [T] (in place); slot -1 skips.
+
+    Dropping the skipped rows would need their count on the host (a boolean mask: a device sync).
+    Instead each skipped row writes what a stored row writes (the nearest stored row before it, or
+    the first stored row): a duplicate of a store, which is harmless. With no stored row at all,
+    every row writes the first cache slot's own contents back."""
     nb, bs, g, d = k_cache.shape
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(nb * bs, g, d)[slots] = key[valid].to(k_cache.dtype)
-    v_cache.view(nb * bs, g, d)[slots] = value[valid].to(v_cache.dtype)
+    t = slot_mapping.shape[0]
+    if t == 0:
+        return
+    stored = slot_mapping >= 0
+    rows = torch.arange(t, device=slot_mapping.device)
+    last_stored = torch.where(stored, rows, -1).cummax(0).values
+    source = torch.where(last_stored >= 0, last_stored, stored.int().argmax())   # argmax: the first stored
+    slots = slot_mapping[source].clamp(min=0)
+    any_stored = stored.any()
+    for new, cache in ((key, k_cache), (value, v_cache)):
+        flat = cache.view(nb * bs, g, d)
+        flat.index_put_((slots,), torch.where(any_stored, new[source].to(cache.dtype), flat[slots]))
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -62,11 +81,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query token per sequence. q [S, H, D]; seq_lens [S] = cached tokens to attend to
     (the query's own K/V already stored). Returns [S, H, D].
 
-    Sequences are gathered in groups of similar length (`length_groups`), each padded to its own
-    longest, so a batch of mixed lengths costs about what its tokens cost, not S x the longest.
-    max_seq_len is the Triton wrapper's grid hint; here the lengths are read on the host anyway."""
+    On the CPU sequences are gathered in groups of similar length (`length_groups`), each padded to
+    its own longest, so a batch of mixed lengths costs about what its tokens cost, not S x the
+    longest. On a GPU, where reading the lengths would sync, all are padded to max_seq_len (the
+    caller's host-side bound; default the block tables' capacity)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    if not host_reads_are_free(seq_lens):   # one padded pass to the host-known bound, no device read
+        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
+        return _decode_padded(q, k_cache, v_cache, block_tables, seq_lens, bound, scale)
     lens = seq_lens.tolist()
     groups = length_groups(lens)
     if len(groups) == 1:
@@ -112,7 +135,7 @@ def _decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     s, h, d = q.shape
     nb, bs, g = k_cache.shape[:3]
     rep = h // g
-    nblocks = (max_len + bs - 1) // bs
+    nblocks = min((max_len + bs - 1) // bs, block_tables.shape[1])
     rows = block_tables[:, :nblocks].reshape(-1).long()
     k = k_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
     v = v_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
@@ -138,6 +161,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     (a previous chunk, a reused prefix) is read from the cache like the rest. max_q_len (the
     longest chunk, known on the host) lets the Triton kernel size its grid without a device read.
     """
+    if not host_reads_are_free(seq_lens):
+        return _prefill_padded(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                               max_q_len if max_q_len is not None else q.shape[0])
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -150,6 +176,37 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v = _gather_context(v_cache, block_tables[i], length)
         out[start:end] = _causal_attention(q[start:end], k, v, scale)
     return out
+
+
+def _prefill_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_q_len: int) -> torch.Tensor:
+    """prefill_attention with no host read of the lengths (the GPU branch): every chunk padded to
+    max_q_len queries and to the tables' capacity in keys, one masked SDPA over all of them, and
+    each token's row gathered back. Memory grows with S x max_q_len x capacity (the mask): this is
+    the fallback path; the Triton kernel is the GPU's."""
+    t, h, d = q.shape
+    s = seq_lens.shape[0]
+    nb, bs, g, _ = k_cache.shape
+    dev = q.device
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]                                              # [S]
+    qi = torch.arange(max_q_len, device=dev)
+    q_rows = (cu[:-1, None] + qi[None, :]).clamp(max=max(t - 1, 0))       # [S, Q]
+    q_valid = qi[None, :] < q_lens[:, None]
+    q_pos = seq_lens.long()[:, None] - q_lens[:, None] + qi[None, :]       # each query's position
+    keys = block_tables.shape[1] * bs
+    k_pos = torch.arange(keys, device=dev)
+    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]     # [S, Q, K]
+    visible[:, :, 0] |= ~q_valid                                  # padded queries see one key: no NaN
+    blocks = block_tables.long().reshape(-1)
+    k = k_cache.index_select(0, blocks).view(s, keys, g, d)
+    v = v_cache.index_select(0, blocks).view(s, keys, g, d)
+    qh = q[q_rows].float().transpose(1, 2)                                  # [S, H, Q, D]
+    out = F.scaled_dot_product_attention(qh, k.float().transpose(1, 2), v.float().transpose(1, 2),
+                                         attn_mask=visible[:, None], scale=scale, enable_gqa=True)
+    token = torch.arange(t, device=dev)
+    seq_of = torch.searchsorted(cu[1:], token, right=True).clamp(max=s - 1)   # each token's sequence
+    return out.transpose(1, 2)[seq_of, token - cu[seq_of]].to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -248,7 +248,8 @@ def test_padding_rows_never_write_the_cache(default_model_dir):
     assert engine.runner.run(out) == {}
     for (k0, v0), (k1, v1) in zip(before, engine.runner.kv_caches):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
-    slots = engine.runner._prepare(out)[2].slot_mapping
+    from backend.step_inputs import build_step
+    slots = build_step(out, engine.runner.tables, 0).slot_mapping
     assert (slots == -1).all()
 
 

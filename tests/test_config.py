@@ -26,7 +26,10 @@ def test_static_batch_size_switches_to_static_batching():
     ({"enable_chunked_context": "maybe"}, ["enable_chunked_context", "true or false"]),
     ({"batch_scheduler_policy": "fifo"}, ["batch_scheduler_policy", "guaranteed_no_evict", "max_utilization"]),
     ({"batching_mode": "continuous"}, ["batching_mode", "inflight", "dynamic", "static", "none"]),
-    ({"kv_cache_free_gpu_mem_fraction": "1.5"}, ["kv_cache_free_gpu_mem_fraction", "(0, 1]"]),
+    ({"kv_cache_free_gpu_mem_fraction": "1.5"}, ["kv_cache_free_gpu_mem_fraction", "(0, 1)"]),
+    # 1.0 would hand the whole free memory to the cache: no room for CUDA graphs or fragmentation
+    ({"kv_cache_free_gpu_mem_fraction": "1.0"}, ["kv_cache_free_gpu_mem_fraction", "(0, 1)", "headroom"]),
+    ({"enforce_eager": "sometimes"}, ["enforce_eager", "true or false"]),
     ({"attention_backend": "flash"}, ["attention_backend", "auto", "triton", "torch"]),
     ({"device": "tpu"}, ["device", "cuda:N"]),
     ({"executor_static_batch_size": "0"}, ["executor_static_batch_size", "-1"]),

@@ -47,6 +47,34 @@ def test_dockerfile_runs_as_non_root_with_a_generate_healthcheck():
     assert "<<" not in text   # heredocs: hadolint 2.15 cannot parse them
 
 
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n", " ", "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")))
+    return [(m.group(1), m.group(2)) for m in re.finditer(r"^([A-Z]+)\s+(.*)$", joined, re.M)]
+
+
+def test_dockerfile_has_what_triton_and_gpu_check_need_at_run_time():
+    """Triton builds its launcher with gcc against Python.h at the first kernel launch; any uid
+    (--user "$(id -u):$(id -g)", HOME=/ otherwise) must be able to write Triton's cache; the torch
+    build is a CUDA 12 one (the default wheel is CUDA 13: driver 580+, newer than the base image
+    asks for); gpu-check's oracle (transformers) is installed."""
+    text = (ROOT / "Dockerfile").read_text()
+    steps = _instructions(text)
+    runs = " ".join(args for op, args in steps if op == "RUN")
+    assert re.search(r"apt-get install -y --no-install-recommends [^&]*\bgcc\b", runs)
+    assert re.search(r"apt-get install [^&]*\bpython3-dev\b", runs)
+    env = " ".join(args for op, args in steps if op == "ENV")
+    home = re.search(r"\bHOME=(\S+)", env).group(1)
+    assert re.search(rf"TRITON_CACHE_DIR={re.escape(home)}/", env) and f"XDG_CACHE_HOME={home}/" in env
+    assert re.search(rf"chmod 1777 [^&]*{re.escape(home)}\b", runs), "HOME must be writable by any uid"
+    user_at = max(i for i, (op, _) in enumerate(steps) if op == "USER")
+    assert any(op == "ENV" and "HOME=" in args for op, args in steps[user_at:]), "HOME set for the runtime user"
+    index = re.search(r"^ARG TORCH_INDEX=(\S+)$", text, re.M).group(1)
+    assert re.search(r"/whl/cu12\d$", index), index
+    assert "driver 580" in text and "560" in text   # the choice is explained where it is made
+    assert re.search(r"pip install [^&]*transformers==", runs)
+
+
 def manifests() -> dict[str, dict]:
     kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
     return {name: yaml.safe_load((KUBE / name).read_text()) for name in kustomization["resources"]}

@@ -94,6 +94,7 @@ def test_the_runner_imports_only_the_step_contract_from_scheduling():
     edges = graph()
     assert {m for m in edges["backend.runner"] if m.startswith("backend.sched")} == {"backend.sched.step"}
     assert {m for m in edges["backend.sampler"] if m.startswith("backend.sched")} <= {"backend.sched.step"}
+    assert {m for m in edges["backend.warmup"] if m.startswith("backend.sched")} <= {"backend.sched.step"}
 
 
 def test_scheduling_imports_nothing_above_it():
@@ -107,8 +108,9 @@ def test_scheduling_imports_nothing_above_it():
         assert not above, f"{m} imports {above}"
     users = {m for m, targets in edges.items() if m not in sched and targets & sched}
     # who uses scheduling: the engine (the factory, and the queue reports it makes from the
-    # scheduler's state), the runner and sampler (the step contract)
-    assert users <= {"backend.engine", "backend.queue_report", "backend.runner", "backend.sampler"}, users
+    # scheduler's state), the runner, its warm-up and the sampler (the step contract)
+    assert users <= {"backend.engine", "backend.queue_report", "backend.runner", "backend.sampler",
+                     "backend.warmup"}, users
 
 
 def test_the_graph_sees_every_kind_of_import():

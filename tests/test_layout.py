@@ -28,7 +28,8 @@ def test_engine_seams_import_neither_torch_nor_triton():
     import subprocess
 
     modules = ["backend.config", "backend.request", "backend.sched.factory", "backend.block_manager",
-               "backend.sched.step", "backend.errors", "backend.parent_watch", "backend"]
+               "backend.sched.step", "backend.errors", "backend.parent_watch", "backend.kv_sizing",
+               "backend.warmup", "backend"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
             "heavy = sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules)\n"
             "print(','.join(heavy))\n")

@@ -27,11 +27,19 @@ def one(value, dtype):
 # -- engine_config ---------------------------------------------------------------------------------
 
 def test_engine_config_device_follows_the_instance(tmp_path):
+    """Triton's Python backend passes the kind as TRITONSERVER_InstanceGroupKindString writes it
+    ("GPU", "CPU", "MODEL") and the device id as a string; "KIND_GPU" (config.pbtxt's spelling) is
+    accepted too."""
     params = {"model_path": str(tmp_path), "max_num_seqs": "8"}
+    assert adapter.engine_config(params, "GPU", "1", tmp_path).device == "cuda:1"
     assert adapter.engine_config(params, "KIND_GPU", 1, tmp_path).device == "cuda:1"
-    assert adapter.engine_config(params, "KIND_CPU", 0, tmp_path).device == "cpu"
-    forced = adapter.engine_config({**params, "device": "cpu"}, "KIND_GPU", 0, tmp_path)
+    assert adapter.engine_config({**params, "device": "cuda"}, "GPU", "1", tmp_path).device == "cuda:1"
+    assert adapter.engine_config(params, "CPU", "0", tmp_path).device == "cpu"
+    assert adapter.engine_config(params, "MODEL", "0", tmp_path).device == "cpu"
+    forced = adapter.engine_config({**params, "device": "cpu"}, "GPU", "0", tmp_path)
     assert forced.device == "cpu" and forced.max_num_seqs == 8
+    pinned = adapter.engine_config({**params, "device": "cuda:0"}, "GPU", "1", tmp_path)
+    assert pinned.device == "cuda:0"
 
 
 def test_engine_config_relative_model_path_is_from_the_repository_root(tmp_path):

@@ -55,6 +55,9 @@ def find_tritonserver() -> TritonInstall:
     try:
         import pytriton  # noqa: F401  (only its location is needed)
     except ImportError as exc:
+        system = Path(shutil.which("tritonserver") or "/opt/tritonserver/bin/tritonserver")
+        if system.is_file():  # NVIDIA's tritonserver image: its own server, backends and stub
+            return TritonInstall(binary=system, backend_dir=system.resolve().parents[1] / "backends", lib_dirs=())
         raise ServerError("the local tritonserver comes with nvidia-pytriton: "
                           "run `make setup` (or pip install -e '.[server]')") from exc
     pkg = Path(pytriton.__file__).resolve().parent
@@ -75,6 +78,8 @@ def ensure_python_stub(install: TritonInstall) -> Path:
     """
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = install.backend_dir.parent / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.parent.parent.is_dir() and (install.backend_dir / "python" / stub.name).is_file():
+        return install.backend_dir  # a server built for this Python (the tritonserver image)
     if not stub.is_file():
         raise ServerError(f"nvidia-pytriton ships no Python backend stub for Python {version} ({stub})")
     target = install.backend_dir / "python" / stub.name

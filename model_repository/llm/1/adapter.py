@@ -65,12 +65,16 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
                   repo_root: Path) -> EngineConfig:
     """config.pbtxt parameters -> EngineConfig, in one place (EngineConfig.from_params validates).
 
-    `device: auto` follows the instance: KIND_GPU -> cuda:<device_id>, anything else -> cpu.
-    A relative `model_path` is taken from the repository root.
+    `device: auto` follows the instance: a GPU instance -> cuda:<device_id>, anything else -> cpu;
+    `device: cuda` in a GPU instance is its GPU too. Triton's Python backend passes the kind as
+    TRITONSERVER_InstanceGroupKindString writes it ("GPU", "CPU", "MODEL"); config.pbtxt's
+    "KIND_GPU" is accepted as well. A relative `model_path` is taken from the repository root.
     """
     overrides: dict[str, Any] = {}
-    if str(params.get("device", "auto")).strip() in ("", "auto"):
-        overrides["device"] = f"cuda:{int(device_id)}" if instance_kind == "KIND_GPU" else "cpu"
+    device = str(params.get("device", "auto")).strip()
+    on_gpu = instance_kind in ("GPU", "KIND_GPU")
+    if device in ("", "auto") or (device == "cuda" and on_gpu):
+        overrides["device"] = f"cuda:{int(device_id)}" if on_gpu else "cpu"
     model_path = str(params.get("model_path", "")).strip()
     if model_path and not Path(model_path).is_absolute():
         overrides["model_path"] = str((Path(repo_root) / model_path).resolve())

@@ -151,12 +151,12 @@ class TritonPythonModel:
             self.faults.install(self.engine)
             pb_utils.Logger.log_warn(f"inflight: FAULT INJECTION IS ARMED ({adapter.FAULT_ENV}=1): model steps "
                                      f"fail on demand through {self.faults.path}. For tests only.")
-        self.metrics = Metrics(Metrics.instance_labels(args, engine_config.device))
+        self.metrics = Metrics(Metrics.instance_labels(args, self.engine.device))  # as resolved: cuda:1
         self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
                                          stop_file=Path(args["model_repository"]) / STOP_FILE,
                                          stream_interval=engine_config.stream_interval)
         pb_utils.Logger.log_info(
-            f"inflight: {args['model_instance_name']} on {engine_config.device}, model {engine_config.model_path}, "
+            f"inflight: {args['model_instance_name']} on {self.engine.device}, model {engine_config.model_path}, "
             f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
             f"KV blocks {self.engine.stats()['kv_blocks_total']}")
 
