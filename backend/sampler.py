@@ -16,12 +16,14 @@ import torch
 
 from backend.outputs import Sampled
 from backend.request import Request
+from backend.structured.matcher import apply_grammar_masks
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[Sampled]:
     """logits [N, V] float32, one row per request (modified in place); returns N results."""
     want_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     raw = torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
+    apply_grammar_masks(logits, requests)  # structured outputs: after the raw logprobs, before everything else
     for i, req in enumerate(requests):
         if req.params.penalized:
             _apply_penalties(logits[i], req)

@@ -242,7 +242,8 @@ class Scheduler(Admission):
             req.output_token_ids.append(result.token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._stop_status(req, result.token)
+            ended = req.grammar.advance(req, result.token) if req.grammar is not None else None  # structured outputs
+            status = ended or self._stop_status(req, result.token)
             if status is not None:
                 self.finish(req, status)
                 finished.append(req)
