@@ -105,6 +105,8 @@ class ConstraintCompiler:
         return self._compiler
 
     def _compile(self, spec: StructuredOutputs) -> CompiledConstraint:
+        import xgrammar as xgr
+
         compiler = self._xgr_compiler()
         kind, source = spec.kind, spec.source
         where = f"{FIELD}.{kind}"
@@ -123,7 +125,7 @@ class ConstraintCompiler:
             elif kind == "grammar":
                 grammar = (compiler.compile_grammar(source) if "::=" in source else compiler.compile_lark(source))
             else:
-                grammar = compiler.compile_structural_tag(source)
+                grammar = compiler.compile_grammar(_json_strings_fixed(xgr.Grammar.from_structural_tag(source)))
         except Exception as exc:  # xgrammar raises RuntimeError (and pydantic's) with the reason
             raise ValueError(f"{where}: cannot be compiled: {_reason(exc)}") from None
         allowed, completed = _first_tokens(grammar, self.vocab_size, self.stop_token_ids)
@@ -146,7 +148,10 @@ def _json_schema_ebnf(schema: str, any_whitespace: bool, strict: bool = True) ->
     disable_additional_properties asks the same)."""
     import xgrammar as xgr
 
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict)
+    return _json_strings_fixed(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict))
+
+
+def _json_strings_fixed(grammar) -> str:
     return str(grammar).replace(_LENGTH_STRING_CHAR, _JSON_STRING_CHAR)
 
 
