@@ -7,8 +7,8 @@ tokens and is recomputed from them (max_utilization), so its matcher needs no ro
 
 `apply_grammar_masks` runs in the sampler after the raw log_softmax (logprobs stay those of the raw
 logits, as vLLM's) and before penalties and sampling: one bitmask for the step's rows, filled for the
-constrained rows only, and one `apply_token_bitmask_inplace` over those rows. Rows without a
-constraint share the step untouched.
+constrained rows only (one batched call of xgrammar's, on several threads), and one
+`apply_token_bitmask_inplace` over those rows. Rows without a constraint share the step untouched.
 
 A request ends ("stop") when its grammar is complete and admits nothing more than its end: that is
 checked as soon as the token that completes it is appended, so the request ends then, without a
@@ -18,6 +18,8 @@ ignore_eos say. When the grammar is complete but may go on (a regex `a+`), the m
 """
 from __future__ import annotations
 
+import os
+from functools import lru_cache
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
@@ -28,6 +30,8 @@ from backend.request import RequestStatus
 if TYPE_CHECKING:
     from backend.request import Request
     from backend.structured.compiler import CompiledConstraint
+
+FILL_THREADS = 8  # the most threads filling a step's bitmasks (at most one per core this process may use)
 
 
 class GrammarState:
@@ -65,12 +69,12 @@ class GrammarState:
             self._next_mask = mask[0]
         return None
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of a step's bitmask."""
-        if self._next_mask is not None:
-            bitmask[row] = self._next_mask
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
+    def copy_ready_mask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the next mask into row `row` if `advance` already computed it; whether it did."""
+        if self._next_mask is None:
+            return False
+        bitmask[row] = self._next_mask
+        return True
 
 
 def apply_grammar_masks(logits: torch.Tensor, requests: Sequence["Request"]) -> None:
@@ -82,9 +86,17 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence["Request"]) -> 
     import xgrammar as xgr
 
     bitmask = xgr_bitmask(len(requests), logits.shape[-1])
-    for i in rows:
-        requests[i].grammar.fill(bitmask, i)
+    to_fill = [i for i in rows if not requests[i].grammar.copy_ready_mask(bitmask, i)]
+    if to_fill:  # one call, on several threads: the model is not running meanwhile
+        _batch_matcher().batch_fill_next_token_bitmask([requests[i].grammar.matcher for i in to_fill],
+                                                       bitmask, to_fill)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+@lru_cache(maxsize=1)
+def _batch_matcher():
+    import xgrammar as xgr
+    return xgr.BatchGrammarMatcher(max_threads=min(FILL_THREADS, len(os.sched_getaffinity(0))))
 
 
 def xgr_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

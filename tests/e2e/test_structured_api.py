@@ -8,23 +8,17 @@ the server serves on and holds no KV block."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
-import numpy as np
 import pytest
 
 from client.tools.server import free_port
 
-from .conftest import requires_tritonserver, wait_until
+from .conftest import inflight_serve, requires_tritonserver, stop_serve, wait_until
 from .raw_requests import array, grpc_stream, http_generate
 
 openai = pytest.importorskip("openai")
@@ -60,34 +54,16 @@ def served():
     from smollm2 import smollm2_dir
 
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "serve", "--model-path", str(smollm2_dir()), "--host", "127.0.0.1",
-         "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
-         "--metrics-port", str(ports["metrics"]), "--openai-port", str(ports["openai"]),
-         "--tool-call-parser", "hermes", "--param", "max_model_len=1024", "--param", "max_num_seqs=32",
-         "--param", "cpu_kv_cache_tokens=16384"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines, ready = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if "Ctrl-C stops" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    proc, _ = inflight_serve(
+        ["--model-path", str(smollm2_dir()), "--host", "127.0.0.1", "--http-port", str(ports["http"]),
+         "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
+         "--openai-port", str(ports["openai"]), "--tool-call-parser", "hermes", "--param", "max_model_len=1024",
+         "--param", "max_num_seqs=32", "--param", "cpu_kv_cache_tokens=16384"], timeout=300)
     try:
-        assert ready.wait(300), "".join(lines[-30:])
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['openai']}/v1", api_key="unused",
-                               max_retries=0, timeout=300)
-        yield client, ports
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{ports['openai']}/v1", api_key="unused", max_retries=0,
+                            timeout=300), ports
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_serve(proc)
 
 
 def kv_blocks_used(ports) -> float:
