@@ -158,6 +158,7 @@ def test_replies_carry_openai_tool_calls_and_finish_reasons():
     assert calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "get_weather"
     assert "".join(c["function"]["arguments"] for c in calls if c["index"] == 0) == json.dumps(
         {"city": 'P"aris }', "unit": "C"})
+    assert len([c for c in calls if c["index"] == 0 and c["function"]["arguments"]]) > 2  # in pieces
     assert deltas[-1]["finish_reason"] == "tool_calls" and all(d["finish_reason"] is None for d in deltas[:-1])
 
 

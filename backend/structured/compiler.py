@@ -49,7 +49,8 @@ class ConstraintCompiler:
         self.stop_token_ids = [t for t in stop_token_ids if 0 <= t < vocab_size]
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._init_lock = threading.Lock()  # the tokenizer info, built once
         self._compiler = None  # xgrammar.GrammarCompiler, made on first use
         self.hits = self.misses = 0
 
@@ -75,18 +76,22 @@ class ConstraintCompiler:
                 self.hits += 1
                 return found
             self.misses += 1
-            compiled = self._compile(spec)
+        # Outside the lock: a schema that takes long to compile holds up no other request's lookup
+        # (two threads may compile the same new constraint once each; the second result is kept).
+        compiled = self._compile(spec)
+        with self._lock:
             self._cache[key] = compiled
+            self._cache.move_to_end(key)
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-            return compiled
-
-    def clear_cache(self) -> None:
-        with self._lock:
-            self._cache.clear()
+        return compiled
 
     # -- with xgrammar ------------------------------------------------------------------------------
     def _xgr_compiler(self):
+        with self._init_lock:
+            return self._make_xgr_compiler()
+
+    def _make_xgr_compiler(self):
         if self._compiler is None:
             if self.tokenizer is None:
                 raise ValueError(f"{FIELD} needs the model's tokenizer: this checkpoint has no tokenizer.json")

@@ -157,7 +157,7 @@ def test_the_sdk_reads_enforced_tool_calls(served, stream, choice):
                   temperature=0, parallel_tool_calls=False)
     if stream:
         with api.chat.completions.stream(**kwargs) as events:
-            deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+            deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta" and e.arguments_delta]
             final = events.get_final_completion()
         assert len(deltas) > 1  # the arguments arrived in pieces
     else:
@@ -204,6 +204,9 @@ def test_the_vllm_backends_guided_choice_request(served):
     answer = http_generate(f"127.0.0.1:{ports['http']}", {"text_input": prompt, "sampling_parameters": sampling,
                                                           "exclude_input_in_output": True}, stream=False)
     assert answer[0]["text_output"] in ("Positive", "Negative")
+    with pytest.raises(RuntimeError, match=r"structured_outputs\.regex: cannot be compiled"):
+        grpc_stream(f"127.0.0.1:{ports['grpc']}", {"text_input": array(prompt), "sampling_parameters": array(
+            json.dumps({"structured_outputs": json.dumps({"regex": "(unclosed"})}))})
 
 
 @pytest.mark.parametrize("kwargs, param, words", [
