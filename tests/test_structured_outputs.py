@@ -183,3 +183,16 @@ def test_each_distinct_constraint_compiles_once_in_a_bounded_cache(default_model
         engine.make_request(f"r{i}", "x", SamplingParams(structured_outputs=spec))
     # a+ miss, b+ miss, a+ hit, c+ miss (evicts b+), b+ miss again
     assert (engine.grammars.hits, engine.grammars.misses) == (1, 4) and len(engine.grammars._cache) == 2
+
+
+def test_the_constraint_modules_load_without_torch_or_xgrammar():
+    """The request, its constraint and the compiler's module load neither torch nor xgrammar: a bad
+    constraint is refused by the Triton adapter and the OpenAI server before the heavy libraries."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport backend.request, backend.structured, backend.structured.compiler\n"
+            "import client.openai_server.constraints, client.openai_server.tools\n"
+            "print(','.join(m for m in ('torch', 'xgrammar', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
