@@ -10,15 +10,20 @@ The environment matches transformers' so that templates written for it render th
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``), a ``tojson``
 filter that keeps non-ASCII text, and the globals ``raise_exception(message)`` and
 ``strftime_now(format)``. The special tokens (``bos_token``, ``eos_token``...) are variables.
+
+Tools (OpenAI tool calling) go to the template as its ``tools`` variable, as transformers passes
+them. A template that never reads ``tools`` would drop them without a word: the caller's
+``tools_fallback`` then rewrites the messages instead (the OpenAI server's puts the tools in the
+system message: client/openai_server/tools.py).
 """
 from __future__ import annotations
 
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-__all__ = ["ChatTemplateError", "compile_template", "render_chat_template"]
+__all__ = ["ChatTemplateError", "compile_template", "render_chat_template", "reads_variable"]
 
 
 class ChatTemplateError(ValueError):
@@ -42,10 +47,8 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=16)
-def compile_template(source: str):
-    """The compiled template (cached by its text)."""
-    from jinja2 import TemplateSyntaxError
+@lru_cache(maxsize=1)
+def _environment():
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -54,8 +57,27 @@ def compile_template(source: str):
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=16)
+def compile_template(source: str):
+    """The compiled template (cached by its text)."""
+    from jinja2 import TemplateSyntaxError
+
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
+    except TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template syntax error (line {exc.lineno}): {exc.message}") from None
+
+
+@lru_cache(maxsize=16)
+def reads_variable(source: str, name: str) -> bool:
+    """Whether the template reads the variable `name` (e.g. ``tools``) anywhere."""
+    from jinja2 import TemplateSyntaxError, meta
+
+    try:
+        return name in meta.find_undeclared_variables(_environment().parse(source))
     except TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template syntax error (line {exc.lineno}): {exc.message}") from None
 
@@ -81,12 +103,15 @@ def _plain(value: Any, where: str = "messages") -> Any:
 def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]],
                          add_generation_prompt: bool = True,
                          special_tokens: Optional[Mapping[str, Optional[str]]] = None,
+                         tools_fallback: Optional[Callable[[list, list], list]] = None,
                          **variables: Any) -> str:
     """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with ``template``.
 
     ``add_generation_prompt`` appends the opening of the assistant's turn, so that the model's
     continuation is the answer. ``special_tokens`` (``bos_token``, ``eos_token``...) and any other
-    ``variables`` (``tools``, ``documents``...) are passed to the template as variables.
+    ``variables`` (``tools``, ``documents``...) are passed to the template as variables. When
+    ``tools`` are given and the template never reads them, ``tools_fallback(messages, tools)``
+    returns the messages to render in their place.
     Raises ChatTemplateError for bad messages or a template that fails, including on a sandbox
     violation.
     """
@@ -97,6 +122,8 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]],
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
+    if variables.get("tools") and tools_fallback is not None and not reads_variable(template, "tools"):
+        messages = tools_fallback(list(messages), list(variables["tools"]))
     context = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     context.update(_plain(variables, "variables"))
     compiled = compile_template(template)

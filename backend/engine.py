@@ -23,6 +23,7 @@ from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus, SamplingParams
 from backend.runner import ModelRunner
 from backend.sched.factory import make_scheduler
+from backend.structured.compiler import ConstraintCompiler
 from backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class LLMEngine:
         self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
+        self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids())  # structured outputs
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
         self.prompt_tokens_total = 0
@@ -83,14 +85,18 @@ class LLMEngine:
         params.validate()
         ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+        request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
+                          seed=self._seeds.getrandbits(63), priority=priority)
+        request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        request.grammar = self.grammars.new_state(params)  # compiled (or cached) now, before any KV block
+        request.reports_queue = queue_info
+        return request
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
-        request = Request(request_id, ids, params, eos, arrival_time, seed=self._seeds.getrandbits(63),
-                          priority=priority)
-        request.bad_words_ids = self._bad_words_ids(params.bad_words)
-        request.reports_queue = queue_info
-        return request
+        return tuple(eos)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -144,6 +150,8 @@ class LLMEngine:
                                       priority=request.priority, index=i) for i in range(1, request.params.n)]
         for seq in family:
             seq.bad_words_ids = request.bad_words_ids
+            if seq is not request and request.grammar is not None:
+                seq.grammar = request.grammar.sibling()  # each completion follows the grammar on its own
             self.scheduler.add(seq)
             self.outputs.add(seq)
             self.queue.follow(seq)

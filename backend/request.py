@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from backend.structured.spec import LEGACY_KEYS, OBJECT_KEYS, StructuredOutputs, fold_legacy_keys
+
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
@@ -40,12 +42,16 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     bad_words: list[str] = field(default_factory=list)  # words that are never generated
+    # JSON schema, regex, choice, grammar... (backend/structured/): compiled at arrival by the engine
+    structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -68,6 +74,9 @@ class SamplingParams:
         _strings("bad_words", self.bad_words, MAX_BAD_WORDS, "bad words")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids; got {len(self.stop_token_ids)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs (a dict of its fields is converted "
+                             f"when SamplingParams is made); got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -83,7 +92,7 @@ class SamplingParams:
         """Settings from a JSON object whose values may be strings ("0.5", "true"), as the vLLM
         backend accepts them. `stop_words` is an alias of `stop`. Unknown keys are refused."""
         kwargs: dict[str, Any] = {}
-        for key, value in data.items():
+        for key, value in fold_legacy_keys(data).items():
             name = "stop" if key == "stop_words" else key
             kind = _KINDS.get(name)
             if kind is None:
@@ -133,9 +142,10 @@ def _optional_int(value: Any) -> Optional[int]:
 _KINDS = {"max_tokens": _to_int, "temperature": float, "top_k": _to_int, "top_p": float,
           "seed": _optional_int, "stop": _to_strings, "stop_token_ids": _to_ints, "ignore_eos": _to_bool,
           "min_tokens": _to_int, "n": _to_int, "logprobs": _optional_int, "repetition_penalty": float,
-          "presence_penalty": float, "frequency_penalty": float, "bad_words": _to_strings}
+          "presence_penalty": float, "frequency_penalty": float, "bad_words": _to_strings,
+          "structured_outputs": StructuredOutputs.parse}
 assert set(_KINDS) == {f.name for f in fields(SamplingParams)}
-KEYS = tuple(_KINDS) + ("stop_words",)
+KEYS = tuple(_KINDS) + ("stop_words",) + tuple(k for k in OBJECT_KEYS + tuple(LEGACY_KEYS) if k not in _KINDS)
 SamplingParams.KEYS = KEYS
 
 
@@ -218,6 +228,7 @@ class Request:
         self.bad_words_ids: list[list[int]] = []  # set by the engine, which has the tokenizer
         self.logprobs: Optional[list[dict]] = [] if params.logprobs is not None else None
         self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
+        self.grammar = None  # structured outputs: its GrammarState (backend/structured/matcher.py), set by the engine
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,6 +24,7 @@ import torch
 from backend.device import to_device
 from backend.sched.step import Sampled
 from backend.request import Request
+from backend.structured.matcher import apply_grammar_masks
 
 # Per-row settings, the columns of one float64 array: temperature, top_k (vocab when off), top_p,
 # the row's uniform number, repetition, frequency and presence penalties.
@@ -39,8 +40,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[Sampled]:
     settings = to_device(plan.settings, dev)
     index = to_device(plan.index, dev)
     raw = torch.log_softmax(logits[plan.logprob_rows].float(), dim=-1) if plan.logprob_rows else None
-    # Per-row logits masks (structured outputs: the tokens a grammar allows) are applied here, as one
-    # batched mask over the rows that have one: before the penalties, the bans and the choice.
+    apply_grammar_masks(logits, requests)  # structured outputs: after the raw logprobs, before everything else
     if plan.rep_count:
         _repetition(logits, index[plan.rep_slice], settings)
     if plan.freq_rows:

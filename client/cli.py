@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from client.openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from templates.render import parse_param
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
     openai_api = None
     if args.openai_port:
         openai_api = OpenAIServer(server.grpc_url, Path(args.model_path).resolve() if args.model_path else resolved,
-                                  host=args.host, port=args.openai_port, log_to_console=True)
+                                  host=args.host, port=args.openai_port, log_to_console=True,
+                                  tool_call_parser=args.tool_call_parser)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -205,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the model to load (default 600)")
     p.add_argument("--openai-port", type=int, default=9000,
                    help="port of the OpenAI-compatible API started beside tritonserver (default 9000; 0: none)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                   help="the tool-call format of the OpenAI server's chat (vLLM's name; default hermes: "
+                        "<tool_call> JSON)")
 
     p = sub.add_parser("generate", help="send one prompt and print the answer as it arrives")
     p.add_argument("prompt")

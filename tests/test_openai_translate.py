@@ -119,7 +119,7 @@ def test_chat_parameters():
     ({"messages": [{"role": "user"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_bad_chat_parameters_are_named(body, param):
     with pytest.raises(APIError) as err:

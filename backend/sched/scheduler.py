@@ -166,7 +166,10 @@ class Scheduler:
             req.output_token_ids.append(result.token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._stop_status(req, result.token)
+            # structured outputs: the grammar takes every token, and may end the request (a stop
+            # or EOS token is still recorded as such by _stop_status, so its text is left out)
+            ended = req.grammar.advance(req, result.token) if req.grammar is not None else None
+            status = self._stop_status(req, result.token) or ended
             if status is not None:
                 self.finish(req, status)
                 finished.append(req)

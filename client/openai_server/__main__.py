@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from client.openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m client.openai_server",
@@ -16,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "template render /v1/chat/completions")
     p.add_argument("--served-model-name", default="llm",
                    help="the model name clients pass and /v1/models lists (default llm, the Triton model)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                   help="the format tool calls are written in and read from (vLLM's flag; default hermes: "
+                        "<tool_call> JSON; llama3_json: Llama 3's JSON calls)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
@@ -31,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from client.openai_server.app import create_app
 
-    app = create_app(args.grpc_url, args.model_path, args.served_model_name)
+    app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

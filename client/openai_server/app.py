@@ -35,7 +35,7 @@ class ChatRenderer:
         self.model_path = model_path
         self.tokenizer = Tokenizer.from_dir(model_path) if model_path else None
 
-    def __call__(self, messages: list[dict[str, Any]]) -> list[int]:
+    def __call__(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
         from backend.chat_template import ChatTemplateError
 
         if self.tokenizer is None:
@@ -45,7 +45,7 @@ class ChatRenderer:
             raise bad("messages", f"the served model ({self.model_path}) has no chat template; "
                                   "use /v1/completions with a prompt instead")
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=True, **variables)  # tools
         except ChatTemplateError as exc:
             raise bad("messages", str(exc)) from None
         except (TypeError, ValueError, LookupError, RuntimeError) as exc:  # the template on these messages
@@ -76,7 +76,8 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm") -> FastAPI:
+def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm",
+               tool_call_parser: str = "hermes") -> FastAPI:
     triton = TritonBackend(grpc_url)
     render = ChatRenderer(model_path)
 
@@ -135,8 +136,9 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _body(request)
-        gen = parse_chat(body, render)
-        return await _answer(request, gen, Reply(f"chatcmpl-{gen.request_id}", served_model_name, chat=True))
+        gen = parse_chat(body, render, tool_call_parser)
+        return await _answer(request, gen, Reply(f"chatcmpl-{gen.request_id}", served_model_name, chat=True,
+                                                 tools=gen.tools))
 
     async def _answer(request: Request, gen: Generation, reply: Reply):
         declared = await triton.declared_inputs()

@@ -38,12 +38,13 @@ def _die_with_parent() -> None:
 
 class OpenAIServer:
     def __init__(self, grpc_url: str, model_path: Optional[str | Path] = None, *, host: str = "127.0.0.1",
-                 port: int = 0, log_to_console: bool = False):
+                 port: int = 0, log_to_console: bool = False, tool_call_parser: str = "hermes"):
         self.grpc_url = grpc_url
         self.model_path = str(model_path) if model_path else None
         self.host = host
         self.port = port or free_port()
         self.log_to_console = log_to_console
+        self.tool_call_parser = tool_call_parser
         self.process: Optional[subprocess.Popen] = None
 
     @property
@@ -65,7 +66,7 @@ class OpenAIServer:
     def start(self, timeout: float = 60.0) -> "OpenAIServer":
         self.check_port()
         cmd = [sys.executable, "-m", "client.openai_server", "--grpc-url", self.grpc_url,
-               "--host", self.host, "--port", str(self.port)]
+               "--host", self.host, "--port", str(self.port), "--tool-call-parser", self.tool_call_parser]
         if self.model_path:
             cmd += ["--model-path", self.model_path]
         out = None if self.log_to_console else subprocess.DEVNULL

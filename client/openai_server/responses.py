@@ -4,17 +4,26 @@
 The `logprobs` output follows the vLLM backend's additional-outputs contract: per response, a JSON
 list with one object per new token, {token_id: {"logprob", "rank", "decoded_token"}}, the sampled
 token included.
+
+With tools (tools.py), a chat answer's text is read for tool calls in the server's format
+(tool_parsers.py): the message gets OpenAI's `tool_calls`, and a stream sends `delta.tool_calls`
+(the call's id and name first, then its `arguments` piece by piece); finish_reason is
+"tool_calls" when calls were made, except for a named tool_choice ("stop", as OpenAI).
 """
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
 from templates.tensors import QUEUE_INFO_OUTPUTS
+from client.openai_server.tool_parsers import ToolCallParser, openai_calls, parse_tool_calls
+
+if TYPE_CHECKING:
+    from client.openai_server.tools import ToolCalling
 
 # Engine reasons OpenAI has no word for are passed through (abort: the server stopped the request).
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -156,6 +165,8 @@ class Reply:
     model: str
     chat: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: Optional["ToolCalling"] = None
+    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # streaming: one per choice
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -166,9 +177,10 @@ class Reply:
         out = []
         for i, c in enumerate(choices):
             if self.chat:
-                out.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                message, calls = self._message(c.text)
+                out.append({"index": i, "message": message,
                             "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": self._finish_reason(c.finish_reason, calls)})
             else:
                 prefix = prefixes[i] if prefixes else ""
                 out.append({"index": i, "text": prefix + c.text,
@@ -185,9 +197,14 @@ class Reply:
         reason = state.finish_reason if piece.finish_reason else None  # on the piece that ended it
         lp = piece.logprobs or []
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
-            choice = {"index": index, "delta": delta,
-                      "logprobs": chat_logprobs(lp) if want_logprobs else None, "finish_reason": reason}
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            calls = False
+            if self.tools is not None and self.tools.parses:
+                calls = self._tool_delta(index, piece, delta)
+            else:
+                delta["content"] = piece.text
+            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(lp) if want_logprobs else None,
+                      "finish_reason": self._finish_reason(reason, calls)}
         else:
             offset = len(state.text) - len(piece.text)
             choice = {"index": index, "text": (prefix if first else "") + piece.text,
@@ -199,6 +216,45 @@ class Reply:
         if include_usage:
             out["usage"] = None  # as OpenAI: null on every chunk but the last
         return out
+
+    # -- tool calls ------------------------------------------------------------------------------------
+    def _message(self, text: str) -> tuple[dict[str, Any], bool]:
+        if self.tools is None or not self.tools.parses:
+            return {"role": "assistant", "content": text}, False
+        content, calls = parse_tool_calls(text, self.tools.parser)
+        if not self.tools.parallel:
+            calls = calls[:1]
+        if not calls:
+            return {"role": "assistant", "content": text}, False
+        return {"role": "assistant", "content": content, "tool_calls": calls}, True
+
+    def _tool_delta(self, index: int, piece: Piece, delta: dict[str, Any]) -> bool:
+        """Fill a stream chunk's delta from the parser of choice `index`; whether it has made calls."""
+        parser = self._parsers.setdefault(index, ToolCallParser(self.tools.parser))
+        events = parser.feed(piece.text) + (parser.finish() if piece.finish_reason else [])
+        most = None if self.tools.parallel else 1
+        content = "".join(e[1] for e in events if e[0] == "content")
+        calls: list[dict[str, Any]] = []
+        for event in events:
+            if event[0] == "content" or (most is not None and event[1] >= most):
+                continue
+            if event[0] == "call":
+                calls.append({"index": event[1], "id": event[2], "type": "function",
+                              "function": {"name": event[3], "arguments": ""}})
+            elif calls and calls[-1]["index"] == event[1]:
+                calls[-1]["function"]["arguments"] += event[2]
+            else:
+                calls.append({"index": event[1], "function": {"arguments": event[2]}})
+        if content or not calls:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return bool(openai_calls(parser.tool_calls))
+
+    def _finish_reason(self, reason: Optional[str], calls: bool) -> Optional[str]:
+        if reason == "stop" and calls and not self.tools.named:
+            return "tool_calls"
+        return reason
 
     def usage_chunk(self, choices: list[ChoiceState], n: int) -> dict[str, Any]:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from backend.request import SamplingParams
+from client.openai_server.constraints import FIELDS as STRUCTURED_FIELDS, FieldError, structured_outputs
+from client.openai_server.tools import ToolCalling, check_tool_messages, prepare_messages
 
 # A chat request that gives no max_tokens / max_completion_tokens gets this many (OpenAI: until the
 # model stops). Bounded, because guaranteed_no_evict reserves KV blocks for all of them up front.
@@ -26,9 +28,8 @@ MAX_CHOICES = 64  # prompts x n of one call
 Prompt = Union[str, list[int]]
 
 # OpenAI fields the engine cannot honour: refused with a 400 that names them (unless null/default).
-UNSUPPORTED = {"best_of": 1, "suffix": None, "logit_bias": None, "tools": None, "tool_choice": "none",
-               "functions": None, "function_call": "none", "response_format": None,
-               "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None,
+UNSUPPORTED = {"best_of": 1, "suffix": None, "logit_bias": None,
+               "functions": None, "function_call": "none", "audio": None, "modalities": None, "prediction": None,
                "web_search_options": None}
 # Accepted and without effect on generation (bookkeeping fields of OpenAI's API).
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort")
@@ -38,9 +39,10 @@ ENGINE_EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "sto
 # Our own extension, off by default: where the request stands (return_queue_info, docs/triton.md).
 EXTENSIONS = ("return_queue_info",)
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-          "presence_penalty", "frequency_penalty", "logprobs") + ENGINE_EXTRAS + EXTENSIONS + IGNORED
+          "presence_penalty", "frequency_penalty", "logprobs") + ENGINE_EXTRAS + EXTENSIONS + IGNORED + STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON + ("prompt", "echo")
-CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs")
+CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                        "parallel_tool_calls")
 # engine field (as SamplingParams' messages name it) -> the OpenAI parameter, where they differ
 _PARAM_OF_FIELD = {"stop_words": "stop"}
 
@@ -78,6 +80,7 @@ class Generation:
     echo: bool = False
     chat: bool = False
     queue_info: bool = False  # return_queue_info: each choice carries `queue_info`
+    tools: Optional[ToolCalling] = None  # tool calling: how answers are parsed (tools.py)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -190,6 +193,7 @@ def parse_completion(body: dict[str, Any]) -> Generation:
         raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
     stream = bool(_typed(body, "stream", (bool,), "a boolean"))
     sampling, n = _sampling(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, logprobs)
+    _constrain(body, sampling, None)
     gen = Generation(prompts=prompts, sampling=sampling, n=n, stream=stream,
                      include_usage=_stream_options(body, stream), logprobs=logprobs, echo=echo,
                      queue_info=bool(_typed(body, "return_queue_info", (bool,), "a boolean")))
@@ -197,9 +201,10 @@ def parse_completion(body: dict[str, Any]) -> Generation:
     return gen
 
 
-def parse_chat(body: dict[str, Any], render: Callable[[list[dict[str, Any]]], str]) -> Generation:
+def parse_chat(body: dict[str, Any], render: Callable[..., str], tool_call_parser: str = "hermes") -> Generation:
     """/v1/chat/completions: `messages` rendered into one prompt by the checkpoint's chat template
-    (`render`); `logprobs` is a boolean and `top_logprobs` the k."""
+    (`render`, with the tools as its variable); `logprobs` is a boolean and `top_logprobs` the k;
+    tool calls are in `tool_call_parser`'s format (tools.py)."""
     _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -215,7 +220,9 @@ def parse_chat(body: dict[str, Any], render: Callable[[list[dict[str, Any]]], st
                 raise bad("messages", f"messages[{i}].content: only text parts are supported")
             message = {**message, "content": "".join(p["text"] for p in content)}
             messages[i] = message
-        elif not isinstance(content, str):  # null included: a template would fail on it (a 500)
+        elif content is None and message["role"] == "assistant" and message.get("tool_calls"):
+            messages[i] = {**message, "content": ""}  # OpenAI's shape of a turn that only called tools
+        elif not isinstance(content, str):  # null otherwise: a template would fail on it (a 500)
             raise bad("messages", f"messages[{i}].content must be a string or a list of text parts; "
                                   f"got {json.dumps(content)[:40]}")
     want = _typed(body, "logprobs", (bool,), "a boolean")
@@ -226,11 +233,30 @@ def parse_chat(body: dict[str, Any], render: Callable[[list[dict[str, Any]]], st
     stream = bool(_typed(body, "stream", (bool,), "a boolean"))
     sampling, n = _sampling(body, ("max_completion_tokens", "max_tokens"), DEFAULT_CHAT_MAX_TOKENS, logprobs,
                              "top_logprobs")
-    gen = Generation(prompts=[render(messages)], sampling=sampling, n=n, stream=stream,
-                     include_usage=_stream_options(body, stream), logprobs=logprobs, chat=True,
+    try:
+        tools = ToolCalling.from_body(body, tool_call_parser)
+        check_tool_messages(messages)
+    except FieldError as exc:
+        raise bad(exc.param, str(exc)) from None
+    _constrain(body, sampling, tools)
+    prompt = render(prepare_messages(messages), tools=tools.template_tools(), tools_fallback=tools.tools_in_system_message) \
+        if tools else render(messages)
+    gen = Generation(prompts=[prompt], sampling=sampling, n=n, stream=stream,
+                     include_usage=_stream_options(body, stream), logprobs=logprobs, chat=True, tools=tools,
                      queue_info=bool(_typed(body, "return_queue_info", (bool,), "a boolean")))
     _check_choices(gen)
     return gen
+
+
+def _constrain(body: dict[str, Any], sampling: dict[str, Any], tools: Optional[ToolCalling]) -> None:
+    """response_format, vLLM's structured_outputs / guided_* and enforced tool calls -> the
+    engine's structured_outputs (constraints.py)."""
+    try:
+        spec = structured_outputs(body, tools)
+    except FieldError as exc:
+        raise bad(exc.param, str(exc)) from None
+    if spec is not None:
+        sampling["structured_outputs"] = spec
 
 
 def _is_token(value: Any) -> bool:

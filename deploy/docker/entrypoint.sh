@@ -5,7 +5,8 @@
 # model_path; `make model` does the same outside Docker) and renders
 # model_repository/llm/config.pbtxt (KIND_GPU on the GPUs it sees) when they are missing. Then it
 # starts the OpenAI-compatible API on INFLIGHT_OPENAI_PORT (default 9000; 0 turns it off) beside
-# tritonserver. Arguments go to tritonserver (e.g. --log-verbose=1).
+# tritonserver (INFLIGHT_TOOL_CALL_PARSER: its --tool-call-parser, default hermes). Arguments go to
+# tritonserver (e.g. --log-verbose=1).
 set -euo pipefail
 cd "${INFLIGHT_HOME:-/workspace}"
 if [ ! -f model_repository/llm/1/model.py ]; then
@@ -28,6 +29,6 @@ openai_port="${INFLIGHT_OPENAI_PORT:-9000}"
 if [ "$openai_port" != 0 ]; then
   # A thin translator to Triton's gRPC port; it waits for Triton and answers 503 until it is up.
   python3 -m client.openai_server --grpc-url 127.0.0.1:8001 --host 0.0.0.0 --port "$openai_port" \
-    --model-path "$model_path" &
+    --model-path "$model_path" --tool-call-parser "${INFLIGHT_TOOL_CALL_PARSER:-hermes}" &
 fi
 exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config "$@"

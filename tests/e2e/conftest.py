@@ -134,3 +134,45 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01):
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(interval)
+
+
+def inflight_serve(args, timeout: float = 120.0):
+    """`inflight serve ARGS` (the `make serve` path) in its own session, started once its banner
+    ("Ctrl-C stops") is printed: (process, its output lines so far). The caller stops it, and must
+    kill its session in a `finally` (`stop_serve`)."""
+    import subprocess
+    import sys
+    import threading
+
+    proc = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines, ready = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(timeout):
+        stop_serve(proc)
+        raise AssertionError("inflight serve did not start:\n" + "".join(lines[-30:]))
+    return proc, lines
+
+
+def stop_serve(proc, timeout: float = 60.0) -> None:
+    """Ctrl-C, then the whole session killed if it is still there."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

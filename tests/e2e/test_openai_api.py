@@ -1,7 +1,6 @@
 """The OpenAI-compatible server against a real tritonserver, with the official `openai` SDK as the
 client: the tiny model (the session's server) for completions, usage, logprobs, n, errors and the
 disconnect; SmolLM2-135M-Instruct (made the way `make model` makes it) for chat."""
-import os
 import urllib.request
 
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from client.openai_server.launcher import OpenAIServer
 from client.tools.server import free_port
 
-from .conftest import MAX_MODEL_LEN, requires_tritonserver, wait_until
+from .conftest import MAX_MODEL_LEN, inflight_serve, requires_tritonserver, stop_serve, wait_until
 
 openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
@@ -224,30 +223,15 @@ def test_a_full_queue_is_a_429(smollm2_api):
 
 def test_inflight_serve_runs_the_openai_server_beside_triton(model_repository, model_path):
     import signal
-    import subprocess
-    import sys
-    import threading
 
     import psutil
 
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "serve", "--model-repository", str(model_repository),
-         "--model-path", str(model_path), "--host", "127.0.0.1", "--http-port", str(free_port()),
-         "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--openai-port", str(port),
-         "--param", "max_model_len=512"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines, ready = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if "Ctrl-C stops" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    proc, lines = inflight_serve(
+        ["--model-repository", str(model_repository), "--model-path", str(model_path), "--host", "127.0.0.1",
+         "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+         "--openai-port", str(port), "--param", "max_model_len=512"])
     try:
-        assert ready.wait(120), "".join(lines[-30:])
         assert f"http://localhost:{port}/v1" in "".join(lines)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("client.openai_server" in " ".join(c.cmdline()) for c in children)
@@ -258,6 +242,4 @@ def test_inflight_serve_runs_the_openai_server_beside_triton(model_repository, m
         _, alive = psutil.wait_procs(children, timeout=5)
         assert not alive, f"left behind: {[' '.join(p.cmdline()) for p in alive]}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_serve(proc)

@@ -39,8 +39,6 @@ _UNSUPPORTED_KEYS = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "beam search is not supported",
     "lora_name": "LoRA adapters are not supported",
-    "guided_decoding": "guided decoding is not supported",
-    "structured_outputs": "structured outputs are not supported",
     "logit_bias": "logit_bias is not supported (use bad_words)",
     "allowed_token_ids": "allowed_token_ids is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported (logprobs is)",
