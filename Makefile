@@ -65,7 +65,7 @@ load: setup
 # -- GPU readiness (issue 16) --
 .PHONY: gpu-check aot
 GPU_CHECK_OUT ?= gpu-check
-# The GPU acceptance script (kernels/gpu_check.py) on a CUDA machine: gpu_check.json + .md in $(GPU_CHECK_OUT).
+# The GPU acceptance script (client/tools/gpu_check.py) on a CUDA machine: gpu_check.json + .md in $(GPU_CHECK_OUT).
 gpu-check: setup
 	$(VENV)/bin/inflight gpu-check --out $(GPU_CHECK_OUT)
 

@@ -24,7 +24,7 @@ from backend.request import Request, RequestStatus, SamplingParams
 from backend.runner import ModelRunner
 from backend.sched.factory import make_scheduler
 from backend.structured.compiler import ConstraintCompiler
-from backend.tokenizer import Tokenizer
+from backend.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]

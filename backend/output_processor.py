@@ -8,8 +8,8 @@ from typing import Optional
 
 from backend.outputs import Logprob, RequestOutput, StopStringMatcher, TokenLogprobs
 from backend.request import Request, RequestStatus
-from backend.detokenizer import IncrementalDetokenizer
-from backend.tokenizer import Tokenizer
+from backend.text.detokenizer import IncrementalDetokenizer
+from backend.text.tokenizer import Tokenizer
 
 
 class _State:

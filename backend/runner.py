@@ -17,8 +17,8 @@ import torch
 
 from backend.attention import AttentionContext
 from backend.config import EngineConfig
-from backend.cpu_affinity import allowed_cores, pin_omp_threads
-from backend.cpu_memory import keep_freed_memory
+from backend.cpu.affinity import allowed_cores, pin_omp_threads
+from backend.cpu.memory import keep_freed_memory
 from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
@@ -27,7 +27,7 @@ from backend.models.llama import LlamaForCausalLM
 from backend.models.packed_linear import can_pack, pack_linears, padded_rows
 from backend.models.rope import rope_cos_sin
 from backend.sampler import sample
-from backend.sched.step import Sampled, ScheduledSeq, SchedulerOutput
+from backend.sched.step import Sampled, SchedulerOutput
 from backend.step_inputs import BlockTables, StepInputs, build_step
 from backend.warmup import prefill_tokens, warm_up_steps
 from kernels.dispatch import get_ops
@@ -42,7 +42,7 @@ def cpu_threads() -> int:
     with something else (tritonserver, the client, another process) the op stalls until the
     descheduled thread returns. Measured on a loaded 2-core machine (docs/performance.md): 2
     threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109).
-    More than one thread are pinned one per core (backend/cpu_affinity.py), as vLLM-CPU binds its
+    More than one thread are pinned one per core (backend/cpu/affinity.py), as vLLM-CPU binds its
     own; INFLIGHT_CPU_PIN=0 leaves them to the kernel's scheduler. The cores are counted as they
     were before any pinning: a second engine built on a pinned thread gets the same count."""
     if os.environ.get("OMP_NUM_THREADS"):
@@ -63,7 +63,7 @@ class ModelRunner:
             torch.set_num_threads(threads)
             if 1 < threads <= len(allowed_cores()) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
                 log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads))
-            keep_freed_memory()  # no page faults on every step's fresh activations (cpu_memory.py)
+            keep_freed_memory()  # no page faults on every step's fresh activations (cpu/memory.py)
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
         self.ops = get_ops(config.attention_backend, self.device, self.dtype)
         self.block_size = config.kv_block_size
@@ -166,7 +166,7 @@ class ModelRunner:
         return self.graphs.size_for(len(out.decodes) + len(out.padding))
 
     @torch.inference_mode()
-    def run(self, out) -> dict[str, Sampled]:
+    def run(self, out: SchedulerOutput) -> dict[str, Sampled]:
         """Run one step (a SchedulerOutput); returns what every sequence that reached its end
         sampled, by seq_id."""
         size = self._graph_size(out)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from client.openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from templates.render import parse_param
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from client.openai_server.launcher import OpenAIServer, OpenAIServerError
+    from openai_server.launcher import OpenAIServer, OpenAIServerError
     from client.tools.server import MODEL_NAME, ServerError, TritonServer
     from templates.render import DEFAULT_OUTPUT, read_parameters, write_config
 
@@ -66,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
                           http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_verbose=args.log_verbose,
                           log_to_console=True)
-    # -- the OpenAI-compatible server beside it (client/openai_server; --openai-port 0: none) --
+    # -- the OpenAI-compatible server beside it (openai_server; --openai-port 0: none) --
     openai_api = None
     if args.openai_port:
         openai_api = OpenAIServer(server.grpc_url, Path(args.model_path).resolve() if args.model_path else resolved,
@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("import-gguf", add_help=False,
                    help="convert a GGUF file into a checkpoint folder (see `inflight import-gguf --help`)")
 
-    # -- gpu-check (kernels/gpu_check.py parses its own arguments) --
+    # -- gpu-check (client/tools/gpu_check.py parses its own arguments) --
     sub.add_parser("gpu-check", add_help=False,
                    help="the GPU acceptance script, or its CPU rehearsal (see `inflight gpu-check --help`)")
     return parser
@@ -256,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from backend.gguf_import import main as import_gguf_main
         return import_gguf_main(argv[1:])
     if argv and argv[0] == "gpu-check":  # [--dry-run] [--out DIR]
-        from kernels.gpu_check import main as gpu_check_main
+        from client.tools.gpu_check import main as gpu_check_main
         return gpu_check_main(argv[1:])
     args = build_parser().parse_args(argv)
     return {"config": _config, "serve": _serve, "generate": _generate}[args.command](args)

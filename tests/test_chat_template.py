@@ -1,11 +1,11 @@
-"""Chat templates (backend/chat_template.py, Tokenizer.render_chat): the same text as transformers'
+"""Chat templates (backend/text/chat_template.py, Tokenizer.render_chat): the same text as transformers'
 apply_chat_template on SmolLM2's template and on templates using its helpers, and a sandbox that
 stops hostile templates instead of running their code."""
 import pytest
 from jinja2.exceptions import SecurityError
 
-from backend.chat_template import ChatTemplateError, render_chat_template
-from backend.tokenizer import Tokenizer
+from backend.text.chat_template import ChatTemplateError, render_chat_template
+from backend.text.tokenizer import Tokenizer
 from smollm2 import smollm2_dir
 
 CONVERSATIONS = [

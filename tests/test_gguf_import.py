@@ -17,7 +17,7 @@ from backend.gguf_dequant import supported_types
 from backend.gguf_import import GGUFImportError, import_gguf
 from backend.loader import load_model_config
 from backend.make_model import make_model
-from backend.tokenizer import Tokenizer
+from backend.text.tokenizer import Tokenizer
 from gguf_files import (ALL_TYPES, CHAT_TEMPLATE, SHAPE, llama_cpp_rope_factors, write_gguf,
                         write_sentencepiece_gguf)
 from smollm2 import smollm2_dir, smollm2_gguf

@@ -17,7 +17,7 @@ from safetensors import safe_open  # noqa: E402
 
 from backend import make_model as mm  # noqa: E402
 from backend.make_model import main, make_model  # noqa: E402
-from backend.tokenizer import Tokenizer  # noqa: E402
+from backend.text.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
@@ -227,7 +227,7 @@ def test_cli_main(tmp_path, capsys):
 
 
 def test_backend_does_not_import_transformers():
-    code = ("import sys, backend.make_model, backend.tokenizer; "
+    code = ("import sys, backend.make_model, backend.text.tokenizer; "
             "sys.exit(1 if 'transformers' in sys.modules else 0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)

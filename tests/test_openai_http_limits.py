@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from client.openai_server.app import MAX_BODY_BYTES
-from client.openai_server.launcher import OpenAIServer
+from openai_server.app import MAX_BODY_BYTES
+from openai_server.launcher import OpenAIServer
 from client.tools.server import free_port
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content + '' }}\n{% endfor %}[assistant]"

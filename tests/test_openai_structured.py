@@ -12,11 +12,11 @@ import jsonschema
 import pytest
 
 from backend import LLM, SamplingParams
-from backend.tokenizer import Tokenizer
-from client.openai_server.responses import ChoiceState, Piece, Reply
-from client.openai_server.tool_parsers import ToolCallParser, parse_tool_calls
-from client.openai_server.tools import ToolCalling
-from client.openai_server.translate import APIError, parse_chat, parse_completion
+from backend.text.tokenizer import Tokenizer
+from openai_server.responses import ChoiceState, Piece, Reply
+from openai_server.tool_parsers import ToolCallParser, parse_tool_calls
+from openai_server.tools import ToolCalling
+from openai_server.translate import APIError, parse_chat, parse_completion
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {

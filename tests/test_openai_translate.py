@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from backend.request import SamplingParams
-from client.openai_server.app import ChatRenderer
-from client.openai_server.responses import ChoiceState, Reply, parse_logprobs, pieces, usage
-from client.openai_server.translate import (DEFAULT_CHAT_MAX_TOKENS, APIError, parse_chat, parse_completion,
+from openai_server.app import ChatRenderer
+from openai_server.responses import ChoiceState, Reply, parse_logprobs, pieces, usage
+from openai_server.translate import (DEFAULT_CHAT_MAX_TOKENS, APIError, parse_chat, parse_completion,
                                             triton_tensors)
-from client.openai_server.triton_backend import error_status
+from openai_server.triton_backend import error_status
 
 ALL_RETURNS = frozenset({"text_input", "input_ids", "stream", "exclude_input_in_output", "sampling_parameters",
                          "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
@@ -224,7 +224,7 @@ def _with_template(src, dst, template):
 
 
 def test_chat_prompt_is_the_rendered_template_without_an_added_bos(default_model_dir, tmp_path):
-    from backend.tokenizer import Tokenizer
+    from backend.text.tokenizer import Tokenizer
 
     template = "{% for m in messages %}<s>[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
     path = _with_template(default_model_dir, tmp_path / "m", template)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.tokenizer import Tokenizer
+from backend.text.tokenizer import Tokenizer
 from smollm2 import smollm2_dir
 
 MAX_NEW_TOKENS = 16

@@ -1,4 +1,4 @@
-"""backend.tokenizer: encoding parity with transformers' AutoTokenizer, and streaming detokenization.
+"""backend.text.tokenizer: encoding parity with transformers' AutoTokenizer, and streaming detokenization.
 
 The reference for encoding is transformers (test-only). Tokenizers are built locally: the default
 model's byte-level BPE (backend.make_model) and, to cover SentencePiece-style "▁" tokenizers, BPE and
@@ -22,8 +22,8 @@ from tokenizers import Tokenizer as RawTokenizer  # noqa: E402
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 
 from backend.make_model import CORPUS_PATH, make_model  # noqa: E402
-from backend.detokenizer import IncrementalDetokenizer  # noqa: E402
-from backend.tokenizer import Tokenizer  # noqa: E402
+from backend.text.detokenizer import IncrementalDetokenizer  # noqa: E402
+from backend.text.tokenizer import Tokenizer  # noqa: E402
 
 FFFD = "\ufffd"
 HYP = settings(derandomize=True, deadline=None, max_examples=150,

@@ -184,7 +184,7 @@ def test_one_rule_for_top_k_and_repetition_penalty_on_every_path(top_k, penalty)
     """vLLM's rule everywhere: top_k -1 (or 0) is off, any repetition_penalty > 0 is allowed. The
     tensors, the sampling_parameters JSON and the request parameters all reach SamplingParams,
     and the OpenAI server sends the value through unchanged (it has no rule of its own)."""
-    from client.openai_server.translate import parse_completion
+    from openai_server.translate import parse_completion
 
     paths = [parse({"text_input": S("a"), "top_k": one(top_k, np.int32),
                     "repetition_penalty": one(penalty, np.float32)}),

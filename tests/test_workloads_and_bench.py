@@ -32,7 +32,7 @@ def test_arrivals_all_at_once_or_poisson():
 
 
 def test_jsonl_round_trip_and_text_prompts(tmp_path, default_model_dir):
-    from backend.tokenizer import Tokenizer
+    from backend.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)
     items = make_workload("mixed", 6, seed=1, prompt_format="text", tokenizer=tok)

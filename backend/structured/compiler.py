@@ -1,7 +1,7 @@
 """Constraints compiled to grammars for one engine's tokenizer, once per distinct constraint.
 
 `ConstraintCompiler` belongs to an engine. On the first constrained request it builds xgrammar's
-`TokenizerInfo` from the checkpoint's own tokenizer (backend/tokenizer.py) and the model's vocabulary
+`TokenizerInfo` from the checkpoint's own tokenizer (backend/text/tokenizer.py) and the model's vocabulary
 size (the logits' width, which may exceed the tokenizer's) and EOS ids; every later request reuses
 it. Each distinct constraint (its kind, text and options) is compiled once and kept in a bounded
 LRU cache. Compiling happens in `LLMEngine.make_request`, on the caller's thread and before the
@@ -23,7 +23,7 @@ from backend.structured.spec import FIELD, CompiledConstraint, StructuredOutputs
 if TYPE_CHECKING:
     from backend.request import SamplingParams
     from backend.structured.matcher import GrammarState
-    from backend.tokenizer import Tokenizer
+    from backend.text.tokenizer import Tokenizer
 
 CACHE_SIZE = 128  # compiled grammars kept; a large schema's token-mask cache takes megabytes
 COMPILE_THREADS = 2

@@ -142,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from backend.loader import load_model_config
         vocab = load_model_config(args.model_path).vocab_size
         if args.prompt_format == "text":
-            from backend.tokenizer import Tokenizer
+            from backend.text.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_dir(args.model_path)
     try:
         items = make_workload(args.workload, args.num_requests, seed=args.seed, rate=args.rate,

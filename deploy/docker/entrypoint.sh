@@ -28,7 +28,7 @@ fi
 openai_port="${INFLIGHT_OPENAI_PORT:-9000}"
 if [ "$openai_port" != 0 ]; then
   # A thin translator to Triton's gRPC port; it waits for Triton and answers 503 until it is up.
-  python3 -m client.openai_server --grpc-url 127.0.0.1:8001 --host 0.0.0.0 --port "$openai_port" \
+  python3 -m openai_server --grpc-url 127.0.0.1:8001 --host 0.0.0.0 --port "$openai_port" \
     --model-path "$model_path" --tool-call-parser "${INFLIGHT_TOOL_CALL_PARSER:-hermes}" &
 fi
 exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config "$@"

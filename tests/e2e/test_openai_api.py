@@ -5,7 +5,7 @@ import urllib.request
 
 import pytest
 
-from client.openai_server.launcher import OpenAIServer
+from openai_server.launcher import OpenAIServer
 from client.tools.server import free_port
 
 from .conftest import MAX_MODEL_LEN, inflight_serve, requires_tritonserver, stop_serve, wait_until
@@ -172,7 +172,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_smollm2_chat_answers_paris_and_the_stream_joins_to_it(smollm2_api):
-    from backend.tokenizer import Tokenizer
+    from backend.text.tokenizer import Tokenizer
 
     api, path, _ = smollm2_api
     whole = api.chat.completions.create(messages=QUESTION, max_tokens=16, **GREEDY)
@@ -234,7 +234,7 @@ def test_inflight_serve_runs_the_openai_server_beside_triton(model_repository, m
     try:
         assert f"http://localhost:{port}/v1" in "".join(lines)
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert any("client.openai_server" in " ".join(c.cmdline()) for c in children)
+        assert any("openai_server" in " ".join(c.cmdline()) for c in children)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert client.completions.create(model="llm", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
         proc.send_signal(signal.SIGINT)

@@ -93,7 +93,7 @@ def test_a_non_streaming_answer_carries_the_outputs_once(small_server):
 
 def test_the_openai_server_passes_it_through_when_asked(small_server, model_path):
     openai = pytest.importorskip("openai")
-    from client.openai_server.launcher import OpenAIServer
+    from openai_server.launcher import OpenAIServer
 
     with OpenAIServer(small_server.grpc_url, model_path) as api_server:
         api = openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="unused", max_retries=0, timeout=120)

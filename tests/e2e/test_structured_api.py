@@ -171,8 +171,8 @@ def test_the_sdk_reads_enforced_tool_calls(served, stream, choice):
 
 
 def test_a_second_turn_with_the_tools_result(served):
-    from backend.tokenizer import Tokenizer
-    from client.openai_server.tools import ToolCalling
+    from backend.text.tokenizer import Tokenizer
+    from openai_server.tools import ToolCalling
     from smollm2 import smollm2_dir
 
     api, _ = served

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import gpu_check
-from kernels.gpu_check_served import device_check, kv_check, scrape
+from client.tools import gpu_check
+from client.tools.gpu_check_served import device_check, kv_check, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,7 @@ def test_greedy_check_fails_when_the_engine_and_transformers_disagree(two_checkp
     """transformers is handed other weights than the engine ran: the check must notice."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.gpu_check_engine import greedy
+    from client.tools.gpu_check_engine import greedy
 
     load = AutoModelForCausalLM.from_pretrained.__func__
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
@@ -117,6 +117,6 @@ def test_greedy_check_fails_when_the_engine_and_transformers_disagree(two_checkp
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_real_run_refuses_without_a_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kernels.gpu_check", "--out", str(tmp_path)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "client.tools.gpu_check", "--out", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr

@@ -1,4 +1,4 @@
-"""kernels.bench: the GPU benchmark script. Its GPU run cannot happen here, so check that it
+"""client.tools.kernel_bench: the GPU benchmark script. Its GPU run cannot happen here, so check that it
 imports without a GPU, that its command line parses, and rehearse the whole script on the CPU
 (tiny shapes, the Triton interpreter) so a broken code path fails here rather than on the GPU."""
 import json
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kernels import bench
+from client.tools import kernel_bench as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_help_runs_without_a_gpu():
-    out = subprocess.run([sys.executable, "-m", "kernels.bench", "--help"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "client.tools.kernel_bench", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--out" in out.stdout and "copy bandwidth" in out.stdout
@@ -35,7 +35,7 @@ def test_parse_args():
 def test_dry_run_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench", "--dry-run-cpu", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "client.tools.kernel_bench", "--dry-run-cpu", "--out", str(out),
                            "--batches", "1,2", "--contexts", "40", "--engine-contexts", "20", "--skip-reference"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""gpu-check's served part (kernels/gpu_check.py runs it in its own process):
+"""gpu-check's served part (client/tools/gpu_check.py runs it in its own process):
 
 1. A tritonserver with `instance_group [{ count: 2 kind: KIND_GPU gpus: [0] }]` (KIND_CPU where
    there is no GPU, as in the dry run): two engines on one GPU. The check reads the server's own
@@ -20,7 +20,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERIES = re.compile(r'^(inflight_[a-z0-9_]+)\{([^}]*)\}\s+(\S+)$')
 
 

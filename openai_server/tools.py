@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from client.openai_server.constraints import FieldError
-from client.openai_server.tool_parsers import HERMES_CLOSE, HERMES_OPEN, LLAMA3_SEPARATOR, PARSERS
+from openai_server.constraints import FieldError
+from openai_server.tool_parsers import HERMES_CLOSE, HERMES_OPEN, LLAMA3_SEPARATOR, PARSERS
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128

@@ -1,4 +1,4 @@
-"""gpu-check's engine parts (kernels/gpu_check.py runs each in its own process):
+"""gpu-check's engine parts (client/tools/gpu_check.py runs each in its own process):
 
 greedy  The engine (on cuda:N, the machine's last GPU, dtype auto: bfloat16 for this float32-free
         bf16 checkpoint) against transformers in float32 on the same GPU and weights, at batch
@@ -8,7 +8,7 @@ greedy  The engine (on cuda:N, the machine's last GPU, dtype auto: bfloat16 for 
 decode  The engine's real decode step (LLMEngine.step: scheduling, step inputs, the model,
         sampling, outputs) at batch x context points, with CUDA graphs and with enforce_eager,
         against the bandwidth floor (weights + KV read once at the measured copy bandwidth) and
-        beside kernels.bench's CUDA-graphed step of the same model shape built from the kernels
+        beside client.tools.kernel_bench's CUDA-graphed step of the same model shape built from the kernels
         alone (the microbenchmark: no engine around it).
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _free(device: str) -> None:
 def decode(plan: dict, model_dir: Path, device: str) -> dict:
     from backend import LLM, SamplingParams
     from backend.loader import load_model_config
-    from kernels import bench
+    from client.tools import kernel_bench as bench
 
     bench.P = dict(bench.FULL if device.startswith("cuda") else bench.DRY)
     cfg = load_model_config(str(model_dir))
@@ -145,9 +145,9 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
 
 
 def _microbench(cfg, shapes: list[tuple[int, int]], copy_gbs: float) -> dict:
-    """kernels.bench's decode step (kernels and matmuls only, CUDA-graphed on a GPU) on this model's
+    """client.tools.kernel_bench's decode step (kernels and matmuls only, CUDA-graphed on a GPU) on this model's
     shape: the same batches and contexts, ms each."""
-    from kernels import bench
+    from client.tools import kernel_bench as bench
     from kernels import triton_ops as ops
 
     bench.P = dict(bench.P, model=dict(bench.LLAMA3_8B, hidden=cfg.hidden_size, layers=cfg.num_layers,

@@ -1,6 +1,6 @@
 """GPU benchmark and bf16 check of the Triton kernels. One command, a few minutes on an H100/H200:
 
-    python -m kernels.bench --out results.json
+    python -m client.tools.kernel_bench --out results.json
 
 1. Device copy bandwidth (a large device-to-device copy, CUDA events): the yardstick for every
    memory-bound figure below ("% copy" = achieved GB/s / copy GB/s, bytes read + written).
@@ -88,7 +88,7 @@ TOL_ELEMENTWISE = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), tor
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m client.tools.kernel_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="kernel_bench.json", help="JSON results file (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size (default: %(default)s)")
@@ -530,7 +530,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         P = DRY
     elif not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU (the kernels are checked on the CPU by the test suite under "
+        print("client.tools.kernel_bench needs a CUDA GPU (the kernels are checked on the CPU by the test suite under "
               "TRITON_INTERPRET=1 instead).", file=sys.stderr)
         return 2
     else:

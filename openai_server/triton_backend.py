@@ -14,9 +14,9 @@ import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from client.openai_server.responses import Piece, pieces
+from openai_server.responses import Piece, pieces
 from templates.tensors import QUEUE_INFO_OUTPUTS
-from client.openai_server.translate import APIError
+from openai_server.translate import APIError
 
 MODEL_NAME = "llm"
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-from backend.tokenizer import Tokenizer
+from backend.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

@@ -14,7 +14,7 @@ filter that keeps non-ASCII text, and the globals ``raise_exception(message)`` a
 Tools (OpenAI tool calling) go to the template as its ``tools`` variable, as transformers passes
 them. A template that never reads ``tools`` would drop them without a word: the caller's
 ``tools_fallback`` then rewrites the messages instead (the OpenAI server's puts the tools in the
-system message: client/openai_server/tools.py).
+system message: openai_server/tools.py).
 """
 from __future__ import annotations
 

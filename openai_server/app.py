@@ -16,10 +16,10 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from client.openai_server.responses import ChoiceState, Reply, sse
-from client.openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
+from openai_server.responses import ChoiceState, Reply, sse
+from openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
                                             triton_tensors)
-from client.openai_server.triton_backend import TritonBackend
+from openai_server.triton_backend import TritonBackend
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -30,13 +30,13 @@ class ChatRenderer:
     tokenizer's BOS, as vLLM and transformers encode a rendered chat."""
 
     def __init__(self, model_path: Optional[str]):
-        from backend.tokenizer import Tokenizer
+        from backend.text.tokenizer import Tokenizer
 
         self.model_path = model_path
         self.tokenizer = Tokenizer.from_dir(model_path) if model_path else None
 
     def __call__(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
-        from backend.chat_template import ChatTemplateError
+        from backend.text.chat_template import ChatTemplateError
 
         if self.tokenizer is None:
             raise APIError(400, "chat needs the model's tokenizer and chat template: start the server "

@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from backend.request import SamplingParams
-from client.openai_server.constraints import FIELDS as STRUCTURED_FIELDS, FieldError, structured_outputs
-from client.openai_server.tools import ToolCalling, check_tool_messages, prepare_messages
+from openai_server.constraints import FIELDS as STRUCTURED_FIELDS, FieldError, structured_outputs
+from openai_server.tools import ToolCalling, check_tool_messages, prepare_messages
 
 # A chat request that gives no max_tokens / max_completion_tokens gets this many (OpenAI: until the
 # model stops). Bounded, because guaranteed_no_evict reserves KV blocks for all of them up front.

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from templates.tensors import QUEUE_INFO_OUTPUTS
-from client.openai_server.tool_parsers import ToolCallParser, openai_calls, parse_tool_calls
+from openai_server.tool_parsers import ToolCallParser, openai_calls, parse_tool_calls
 
 if TYPE_CHECKING:
-    from client.openai_server.tools import ToolCalling
+    from openai_server.tools import ToolCalling
 
 # Engine reasons OpenAI has no word for are passed through (abort: the server stopped the request).
 FINISH_REASONS = {"stop": "stop", "length": "length"}

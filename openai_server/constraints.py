@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from backend.structured.spec import FIELD, KINDS, LEGACY_KEYS, StructuredOutputs, fold_legacy_keys
 
 if TYPE_CHECKING:
-    from client.openai_server.tools import ToolCalling
+    from openai_server.tools import ToolCalling
 
 # vLLM's extra OpenAI fields that set a constraint.
 EXTRA_FIELDS = (FIELD,) + tuple(LEGACY_KEYS)

@@ -21,7 +21,7 @@ from typing import Optional
 
 from client.tools.server import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class OpenAIServerError(RuntimeError):
@@ -65,7 +65,7 @@ class OpenAIServer:
 
     def start(self, timeout: float = 60.0) -> "OpenAIServer":
         self.check_port()
-        cmd = [sys.executable, "-m", "client.openai_server", "--grpc-url", self.grpc_url,
+        cmd = [sys.executable, "-m", "openai_server", "--grpc-url", self.grpc_url,
                "--host", self.host, "--port", str(self.port), "--tool-call-parser", self.tool_call_parser]
         if self.model_path:
             cmd += ["--model-path", self.model_path]

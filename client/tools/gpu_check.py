@@ -8,15 +8,15 @@ Parts, each in its own process (budget in seconds):
   environment (in-process) torch sees CUDA; transformers, tritonclient and a tritonserver are there.
   kernels (150)  every Triton kernel against its torch reference in bf16, fp16 and fp32; decode
                  attention at batch 1/64/256 x context 1k/4k/16k against the copy bandwidth
-                 (`python -m kernels.bench`, Llama-3-8B heads).
+                 (`python -m client.tools.kernel_bench`, Llama-3-8B heads).
   greedy (150)   a Llama-shaped checkpoint (head_dim 128, GQA 32/8, 16 layers, bf16) on cuda:N (the
                  last GPU): the engine's greedy tokens at batch 1 (a 16k prompt), 64 and 256 against
-                 transformers in float32, teacher-forced (kernels/gpu_check_engine.py).
+                 transformers in float32, teacher-forced (client/tools/gpu_check_engine.py).
   decode (150)   the engine's real decode step at (1, 16k), (64, 4k), (256, 1k), CUDA graphs on and
                  off, against the bandwidth floor and beside the CUDA-graphed microbenchmark.
   served (150)   tritonserver with two engines on GPU 0 (count: 2): every instance's `device` metric
                  label must name a GPU, the second engine sized from what the first left; then
-                 served vs in-process throughput (kernels/gpu_check_served.py).
+                 served vs in-process throughput (client/tools/gpu_check_served.py).
 
 It writes DIR/gpu_check.md: the tables (to paste into docs/performance.md) and every result as
 JSON. Exit 1 if a check failed. `--dry-run` rehearses every part on the CPU with tiny shapes
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOTAL_BUDGET_S = 570
 LLAMA_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=32,
                    num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=16896,
@@ -99,19 +99,19 @@ def run_part(name: str, dry_run: bool, work: Path) -> dict:
     model_dir = work / "model"
     last_gpu = f"cuda:{torch.cuda.device_count() - 1}" if not dry_run else "cpu"
     if name == "kernels":
-        from kernels import bench
+        from client.tools import kernel_bench as bench
         path = work / "kernel_bench.json"
         code = bench.main(["--out", str(path), *plan["kernels"]])
         res = json.loads(path.read_text()) if path.exists() else {}
         res["ok"] = code == 0 and res.get("failed_checks", 1) == 0
     elif name == "greedy":
-        from kernels.gpu_check_engine import greedy
+        from client.tools.gpu_check_engine import greedy
         res = greedy(plan, model_dir, last_gpu)
     elif name == "decode":
-        from kernels.gpu_check_engine import decode
+        from client.tools.gpu_check_engine import decode
         res = decode(plan, model_dir, "cpu" if dry_run else "cuda:0")
     elif name == "served":
-        from kernels.gpu_check_served import served
+        from client.tools.gpu_check_served import served
         res = served(plan, model_dir, on_gpu=not dry_run)
         res["ok"] = all(check["ok"] for check in res.values() if isinstance(check, dict))
     else:
@@ -221,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             budget = plan["budgets"][name]
             limit = min(budget, deadline - time.time())
             t0 = time.time()
-            cmd = [sys.executable, "-m", "kernels.gpu_check", "--part", name, "--work", str(work)]
+            cmd = [sys.executable, "-m", "client.tools.gpu_check", "--part", name, "--work", str(work)]
             print(f"$ {' '.join(cmd[2:])}   (budget {budget} s)", flush=True)
             try:
                 proc = subprocess.run(cmd + (["--dry-run"] if args.dry_run else []), cwd=ROOT, env=env,

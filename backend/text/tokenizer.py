@@ -154,7 +154,7 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(int(token_id))
 
-    # -- chat template (backend/chat_template.py renders it in a jinja2 sandbox) -----------------
+    # -- chat template (backend/text/chat_template.py renders it in a jinja2 sandbox) -----------------
     @property
     def chat_template(self) -> Optional[str]:
         """The checkpoint's chat template (tokenizer_config.json), or None."""
@@ -170,7 +170,7 @@ class Tokenizer:
 
         Encode the result with ``add_special_tokens=False``: the template writes its own markers.
         Raises ``ChatTemplateError`` (a ValueError) when there is no template or it fails."""
-        from backend.chat_template import ChatTemplateError, render_chat_template
+        from backend.text.chat_template import ChatTemplateError, render_chat_template
 
         if self.chat_template is None:
             raise ChatTemplateError(f"the tokenizer at {self.name_or_path} has no chat template")

@@ -1,7 +1,7 @@
 """The host side of one decode step on the Triton path, measured on a machine with no GPU.
 
-    python -m kernels.host_overhead [--batches 1,64,256] [--contexts 512,8192] [--json FILE]
-    python -m kernels.host_overhead --before REF     # REF's runner against this one, interleaved
+    python -m client.tools.host_overhead [--batches 1,64,256] [--contexts 512,8192] [--json FILE]
+    python -m client.tools.host_overhead --before REF     # REF's runner against this one, interleaved
 
 On a GPU a decode step is host-bound when the CPU takes longer to issue the step's work than the
 GPU takes to do it. This measures the issuing side without a GPU: the engine's real ModelRunner
@@ -244,17 +244,17 @@ def compare(ref: str, argv: list[str], rounds: int) -> int:
     shared machine's drift hits both alike); the medians per configuration, as a markdown table."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
         before.mkdir()
         archive = subprocess.run(["git", "archive", ref], cwd=root, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
-        (before / "kernels" / "host_overhead.py").write_bytes(Path(__file__).read_bytes())
+        (before / "client" / "tools" / "host_overhead.py").write_bytes(Path(__file__).read_bytes())
         for i, who in enumerate(["before", "after", "after", "before"] * rounds):
             out = Path(tmp) / f"{i}.json"
-            subprocess.run([sys.executable, "-m", "kernels.host_overhead", *argv, "--json", str(out)], check=True,
+            subprocess.run([sys.executable, "-m", "client.tools.host_overhead", *argv, "--json", str(out)], check=True,
                            cwd=before if who == "before" else root, stdout=subprocess.DEVNULL)
             for row in json.loads(out.read_text())["rows"]:
                 key = (row["sampling"], row["context"], row["batch"])
@@ -275,7 +275,7 @@ def compare(ref: str, argv: list[str], rounds: int) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.host_overhead", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m client.tools.host_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--contexts", default="512,8192")
     p.add_argument("--sampling", default="greedy,mixed")

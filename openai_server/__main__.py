@@ -1,4 +1,4 @@
-"""python -m client.openai_server: serve the OpenAI API for a running tritonserver."""
+"""python -m openai_server: serve the OpenAI API for a running tritonserver."""
 from __future__ import annotations
 
 import argparse
@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from client.openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m client.openai_server",
+    p = argparse.ArgumentParser(prog="python -m openai_server",
                                 description="OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
                                             "/v1/models) in front of the inflight model in Triton.")
     p.add_argument("--grpc-url", default="localhost:8001", help="Triton's gRPC address (default localhost:8001)")
@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     import uvicorn
 
-    from client.openai_server.app import create_app
+    from openai_server.app import create_app
 
     app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

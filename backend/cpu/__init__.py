@@ -1,0 +1,1 @@
+"""Helpers of the CPU engine: OpenMP thread pinning, glibc's memory thresholds."""

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, incremental detokenizing, chat templates (no torch)."""
