@@ -13,6 +13,7 @@ small. No torch here: the importer runs without it until it writes.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -49,8 +50,7 @@ def supported_types() -> list[str]:
 def tensor_bytes(ggml_type: int, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of numpy ``shape`` (outermost first) takes in a GGUF file."""
     per_block, nbytes = BLOCK_SIZES[int(ggml_type)]
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    return count // per_block * nbytes
+    return math.prod(int(s) for s in shape) // per_block * nbytes  # Python ints: no overflow
 
 
 # -- the shared pieces of the layout ---------------------------------------------------------------
