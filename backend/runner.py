@@ -15,10 +15,9 @@ from backend.attention import AttentionContext
 from backend.config import EngineConfig
 from backend.cpu_affinity import allowed_cores, pin_omp_threads
 from backend.cpu_memory import keep_freed_memory
-from backend.loader import ModelConfig, iter_weights
-from backend.models.llama import LlamaForCausalLM
-from backend.models.packed_linear import can_pack, pack_linears, padded_rows
+from backend.loader import ModelConfig
 from backend.models.rope import rope_cos_sin
+from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.outputs import Sampled
 from backend.sampler import sample
 from backend.scheduler import ScheduledSeq, SchedulerOutput
@@ -79,33 +78,27 @@ class ModelRunner:
                 log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads))
             keep_freed_memory()  # no page faults on every step's fresh activations (cpu_memory.py)
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
-        self.ops = get_ops(config.attention_backend, self.device, self.dtype)
+        self.ops = get_ops(config.attention_backend, self.device, compute_dtype(self.dtype, self.device))
         self.block_size = config.kv_block_size
-        with torch.device("meta"):  # no host copy, no random init: every weight is loaded below
-            model = LlamaForCausalLM(model_cfg).to(self.dtype)
-        model = model.to_empty(device=self.device)
-        model.load_weights(iter_weights(config.model_path))
-        # Rows a step is padded to: on the CPU fast path, oneDNN GEMMs on reordered weights, each
-        # row count a bucket (models/packed_linear.py); elsewhere none.
-        self.padded_rows = lambda rows: rows
-        if self.ops.name == "cpu" and can_pack(self.device, self.dtype):
-            pack_linears(model)
-            self.padded_rows = padded_rows
-        self.model = model.eval()
+        # Float, packed-quantized or int8 weights, and the rows a step is padded to (oneDNN's
+        # buckets on the CPU fast path): backend/models/weights.py.
+        self.weights = load_model(config, model_cfg, self.device, self.dtype, self.ops.name)
+        self.model, self.padded_rows = self.weights.model, self.weights.padded_rows
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
                                 model_cfg.rope_scaling)
         self.rope = (cos.to(self.device), sin.to(self.device))
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(model_cfg.num_layers)]
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s", self.num_blocks,
                  self.block_size, self.num_blocks * self._bytes_per_block() / 2**20, self.device, self.ops.name)
 
     # -- KV cache sizing ------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        return self.block_size * kv_bytes_per_token(self.model_cfg, self.dtype)
+        return self.block_size * kv_bytes_per_token(self.model_cfg, self.kv_dtype)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -128,7 +121,7 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, len(self.rope[0]))
         nblocks = -(-n // self.block_size)
         shape = (nblocks, self.block_size, c.num_kv_heads, c.head_dim)
-        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(c.num_layers)]
+        caches = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),) * 2 for _ in range(c.num_layers)]
         table = torch.arange(nblocks, dtype=torch.int32, device=self.device)[None]
         lens = torch.tensor([n], dtype=torch.int32, device=self.device)
         ctx = self._context(kv_caches=caches, slot_mapping=torch.arange(n, device=self.device),

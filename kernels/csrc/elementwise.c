@@ -91,3 +91,29 @@ void store_kv_f32(const float *key, int64_t key_row_stride, const float *value,
         memcpy(v_cache + slot * row, value + t * value_row_stride, sizeof(float) * row);
     }
 }
+
+/* float32 -> bfloat16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* store_kv_f32 into a bfloat16 cache (kv_cache_dtype=bfloat16): rows rounded to bf16. */
+void store_kv_bf16(const float *key, int64_t key_row_stride, const float *value,
+                   int64_t value_row_stride, uint16_t *k_cache, uint16_t *v_cache,
+                   const int64_t *slot_mapping, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const float *k = key + t * key_row_stride, *v = value + t * value_row_stride;
+        uint16_t *kc = k_cache + slot * row, *vc = v_cache + slot * row;
+#pragma omp simd
+        for (int64_t i = 0; i < row; i++) {
+            kc[i] = f32_to_bf16(k[i]);
+            vc[i] = f32_to_bf16(v[i]);
+        }
+    }
+}
