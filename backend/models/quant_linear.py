@@ -34,6 +34,15 @@ def cpu_kernel(qtype: str, parts: Mapping[str, torch.Tensor]):
         return None
 
 
+def packed_matmul(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) for a packed matrix W (``parts``: its arrays, docs/quantization.md)
+    on a device without the C kernel: the seam a GPU kernel plugs into. Here the torch reference,
+    which dequantizes W for the call."""
+    out = torch.nn.functional.linear(x.float(), dequantize(qtype, parts), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
 class QuantLinear(nn.Module):
     def __init__(self, qtype: str, parts: Mapping[str, torch.Tensor], bias: bool = False):
         super().__init__()
@@ -57,11 +66,10 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
         if self.kernel is not None:
+            bias = None if self.bias is None else self.bias.float()
             return self.kernel.matmul(x.float(), bias).to(x.dtype)
-        out = torch.nn.functional.linear(x.float(), dequantize(self.qtype, self.parts), bias)
-        return out.to(x.dtype)
+        return packed_matmul(x, self.qtype, self.parts, self.bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized, float32."""
