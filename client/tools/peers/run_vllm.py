@@ -19,7 +19,8 @@ def main() -> int:
     items = load_workload(args.workload)
     longest = max(len(p) + n for p, n in items)
     llm = LLM(model=args.model_path, dtype="float32", skip_tokenizer_init=True,
-              max_model_len=max(longest, 2048), seed=0)
+              max_model_len=max(longest, 2048), seed=0,
+              **({"max_num_seqs": args.concurrency} if args.concurrency else {}))
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in items]
     llm.generate(prompts[:args.warmup], greedy(4), use_tqdm=False)
