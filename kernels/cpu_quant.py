@@ -176,7 +176,7 @@ class CpuQuantWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 -> x @ W.T + bias, [M, N] float32."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != self.in_features:
+        if x.dtype != torch.float32 or x.is_cuda or x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"{NAME}: x must be a float32 CPU tensor [M, {self.in_features}]; got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
         if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (self.out_features,)):

@@ -66,10 +66,12 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            bias = None if self.bias is None else self.bias.float()
-            return self.kernel.matmul(x.float(), bias).to(x.dtype)
-        return packed_matmul(x, self.qtype, self.parts, self.bias)
+        if self.kernel is None:
+            return packed_matmul(x, self.qtype, self.parts, self.bias)
+        bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
+        if x.dtype == torch.float32:  # the CPU engine's activations: no conversion per call
+            return self.kernel.matmul(x, bias)
+        return self.kernel.matmul(x.float(), bias).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized, float32."""
