@@ -139,3 +139,15 @@ def test_what_cannot_be_done_is_refused_by_name(tmp_path, tiny_tokenizer_json, d
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="layout 'someone-else/9' is not one inflight reads"):
         LLM(str(folder), **SMALL)
+
+
+def test_bf16_weights_run_bf16_gemms_beside_float32_activations(default_model_dir):
+    bf16, f32 = LLM(str(default_model_dir), dtype="bfloat16", **SMALL), LLM(str(default_model_dir), **SMALL)
+    runner = bf16.engine.runner
+    assert runner.ops.name == "cpu" and runner.model.compute_dtype == torch.float32  # the C kernels
+    linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.dtype == torch.bfloat16 for m in linears)
+    assert all(p.dtype == torch.float32 for p in runner.model.parameters() if p.dim() == 1)  # norms
+    assert runner.weights.weight_bytes < 0.55 * f32.engine.runner.weights.weight_bytes
+    mean, worst = logprob_gap(bf16, f32, list(range(5, 65)))
+    assert mean < 0.1 and worst < 0.5, (mean, worst)

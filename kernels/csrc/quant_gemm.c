@@ -154,7 +154,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, floa
    where it is called, so each (type, MT) pair compiles to its own straight-line loop. */
 static inline __attribute__((always_inline)) void tile_rows(
         const int TYPE, const int MT, const qweight_t *w, int64_t t, int64_t m0, const int8_t *qa,
-        const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo) {
+        const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo, int stream) {
     const int64_t K = w->K, G = K / QK, S = K / 256, N = w->N;
     const __m512i nib = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01), two = _mm512_set1_epi8(0x03);
     __m512 acc[MT];
@@ -237,7 +237,9 @@ static inline __attribute__((always_inline)) void tile_rows(
     const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
     const __mmask16 mask = (__mmask16)((1u << valid) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
+    if (valid == TILE && stream) /* see qgemm */
+        for (int r = 0; r < MT; r++) _mm512_stream_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
         for (int r = 0; r < MT; r++) _mm512_storeu_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
     else
         for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
@@ -245,8 +247,9 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 #define MT_MAX 4
 static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
-                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo) {
-#define ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, bias, out, ldo)
+                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
+                          int stream) {
+#define ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, bias, out, ldo, stream)
 #define BY_TYPE(MT_)                                                            \
     switch (type) {                                                             \
     case Q8_0: ROWS(Q8_0, MT_); break; case Q4_0: ROWS(Q4_0, MT_); break;       \
@@ -268,7 +271,9 @@ static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, i
 #else
 /* Portable: the same sums in plain C, a tile-group's codes decoded once for all activation rows. */
 static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
-                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo) {
+                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
+                          int stream) {
+    (void)stream;
     const int64_t K = w->K, G = K / QK, S = K / 256, N = w->N, n0 = t * TILE;
     const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
     int32_t codes[TILE][QK];
@@ -309,9 +314,14 @@ static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, i
 }
 #endif
 
-/* out[M, N] (row stride ldo) = x[M, K] @ W^T + bias. */
+/* out[M, N] (row stride ldo) = x[M, K] @ W^T + bias.
+
+   A large output (the lm_head's: 49152 floats a row, 3 x 2^16 bytes) is written with streaming
+   stores: each tile writes 64 bytes into each of its rows, and rows that far apart all fall in one
+   L1 and one L2 set, so ordinary stores miss on nearly every line (4x slower at 64 rows). */
 void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, float *out, int64_t ldo) {
     const int64_t K = w->K, G = K / QK, T = (w->N + TILE - 1) / TILE;
+    const int stream = ((uintptr_t)out % 64 == 0) && (ldo % 16 == 0) && M * ldo * 4 > (4 << 20);
     int8_t *qa = malloc((size_t)(M * K));
     float *da = malloc(sizeof(float) * (size_t)(M * G));
     int32_t *sa = malloc(sizeof(int32_t) * (size_t)(M * G * 2));
@@ -319,8 +329,11 @@ void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, flo
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
 #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < T; t++) tile_all_rows((int)w->type, w, t, m0, m1, qa, da, sa, bias, out, ldo);
+        for (int64_t t = 0; t < T; t++) tile_all_rows((int)w->type, w, t, m0, m1, qa, da, sa, bias, out, ldo, stream);
     }
+#ifdef QUANT_AVX512
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered: visible before returning */
+#endif
     free(qa);
     free(da);
     free(sa);
