@@ -40,6 +40,7 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 ISA_FLAGS = {
     "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                     "-mfma", "-DQUANT_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],  # the portable C code, vectorized for AVX2 CPUs
     "portable": [],  # the compiler's baseline for the machine (x86-64: SSE2)
 }
 

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 TILE = 16
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+BUILDS = ("avx512_vnni", "avx2", "portable")  # best first (kernels/cpu_build.py ISA_FLAGS)
 NAME = "quant_gemm"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -78,21 +80,31 @@ def _probe_runs(isa: str) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def chosen_isa() -> str:
-    """The build of quant_gemm.c this process uses: "avx512_vnni" or "portable"."""
-    if os.environ.get("INFLIGHT_CPU_ISA") == "portable":
-        log.info("quantized GEMM: portable C kernel (INFLIGHT_CPU_ISA=portable)")
-        return "portable"
+    """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx2" (the
+    plain C code vectorized for AVX2), else "portable" (the same for the compiler's baseline)."""
+    forced = os.environ.get("INFLIGHT_CPU_ISA")
+    if forced:
+        if forced not in BUILDS:
+            raise ValueError(f"INFLIGHT_CPU_ISA={forced!r}; one of {', '.join(BUILDS)}")
+        log.info("quantized GEMM: the %s build (INFLIGHT_CPU_ISA)", forced)
+        return forced
     flags = set(cpu_build._cpu_flags().split())
-    missing = [f for f in VNNI_FLAGS if f not in flags]
-    if missing:
-        why = f"the CPU does not list {', '.join(missing)}"
-    else:
-        ok, why = _probe_runs("avx512_vnni")
+    why = {}
+    for isa, needed in (("avx512_vnni", VNNI_FLAGS), ("avx2", AVX2_FLAGS)):
+        missing = [f for f in needed if f not in flags]
+        if missing:
+            why[isa] = f"the CPU does not list {', '.join(missing)}"
+            continue
+        ok, why[isa] = _probe_runs(isa)
         if ok:
-            return "avx512_vnni"
-    log.warning("quantized GEMM: falling back to the portable C kernel (several times slower): the "
-                "AVX512-VNNI build cannot run here: %s", why)
-    return "portable"
+            break
+    else:
+        isa = "portable"
+    if isa != "avx512_vnni":
+        log.warning("quantized GEMM: falling back to the %s C kernel, several times slower than the "
+                    "AVX512-VNNI one and than float32 GEMMs (quantization=none dequantizes at load: faster "
+                    "here, 5x the memory); not used: %s", isa, "; ".join(f"{k}: {v}" for k, v in why.items()))
+    return isa
 
 
 # -- the weight, re-laid in tiles -----------------------------------------------------------------

@@ -24,7 +24,11 @@ def packed(qtype: str, n: int, blocks: int, seed: int) -> dict[str, torch.Tensor
 
 
 def builds() -> list[str]:
-    return ["avx512_vnni", "portable"] if cpu_quant.chosen_isa() == "avx512_vnni" else ["portable"]
+    """Every build this CPU runs (the portable one runs anywhere)."""
+    flags = set(cpu_build._cpu_flags().split())
+    runs = [isa for isa, needed in (("avx512_vnni", cpu_quant.VNNI_FLAGS), ("avx2", cpu_quant.AVX2_FLAGS))
+            if set(needed) <= flags]
+    return runs + ["portable"]
 
 
 @pytest.fixture(params=builds())
@@ -92,13 +96,17 @@ def fresh_choice():
     cpu_quant.chosen_isa.cache_clear()
 
 
-def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx2 fma f16c")
+@pytest.mark.parametrize("flags,expected", [("fpu sse2 avx2 fma f16c", "avx2"), ("fpu sse2", "portable")])
+def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, caplog, flags, expected):
+    if expected == "avx2" and "avx2" not in builds():
+        pytest.skip("this CPU cannot run the AVX2 build's probe")
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + flags)
     with caplog.at_level(logging.WARNING, logger="kernels.cpu_quant"):
-        assert cpu_quant.chosen_isa() == "portable"
-        assert cpu_quant.chosen_isa() == "portable"
+        assert cpu_quant.chosen_isa() == expected
+        assert cpu_quant.chosen_isa() == expected
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "portable" in lines[0] and "does not list avx512f, avx512bw" in lines[0]
+    assert len(lines) == 1 and f"falling back to the {expected} C kernel" in lines[0]
+    assert "avx512_vnni: the CPU does not list avx512f, avx512bw" in lines[0]
 
 
 def test_a_probe_that_dies_falls_back(fresh_choice, monkeypatch, caplog, tmp_path):
