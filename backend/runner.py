@@ -84,7 +84,7 @@ class ModelRunner:
         # buckets on the CPU fast path): backend/models/weights.py.
         self.weights = load_model(config, model_cfg, self.device, self.dtype, self.ops.name)
         self.model, self.padded_rows = self.weights.model, self.weights.padded_rows
-        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device, self.weights.quantization)
         cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta,
                                 model_cfg.rope_scaling)
         self.rope = (cos.to(self.device), sin.to(self.device))

@@ -61,6 +61,8 @@ def test_packed_weights_run_as_they_are_and_match_their_float_form(tmp_path, tin
     floats = LLM(str(folder), quantization="none", attention_backend="torch", **SMALL)  # plain nn.Linear
     runner = quant.engine.runner
     assert runner.weights.quantization == "gguf" and floats.engine.runner.weights.quantization == "none"
+    # kv_cache_dtype auto: bfloat16 beside quantized weights on CPU, the dtype's beside float ones
+    assert runner.kv_dtype == torch.bfloat16 and floats.engine.runner.kv_dtype == torch.float32
     model, reference = runner.model, floats.engine.runner.model
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert (model.lm_head is model.embed_tokens.table) == tied  # a tied lm_head reads the same table
