@@ -11,9 +11,19 @@ MODEL_DIR = REPO_ROOT / DEFAULT_DIR
 CACHE_DIR = MODEL_DIR.parent / ".cache"
 
 
+PACKED_DIR = MODEL_DIR.parent / (MODEL_DIR.name + "-q4_1")
+
+
 @lru_cache(maxsize=1)
 def smollm2_dir() -> Path:
+    """The float32 import (dequantized): the oracle tests' model."""
     return fetch_model(MODEL_DIR, CACHE_DIR)
+
+
+@lru_cache(maxsize=1)
+def smollm2_packed_dir() -> Path:
+    """The packed import (Q4_1 + Q8_0 kept as in the file): what `make serve` serves."""
+    return fetch_model(PACKED_DIR, CACHE_DIR, packed=True)
 
 
 def smollm2_gguf(dest_dir: Path) -> Path:
