@@ -59,7 +59,7 @@ def plan_tiles(m: int, n: int, k: int, device: torch.device, block_k: int = 128,
         want = 1
     else:
         bm, bn, bk, warps, stages = (16 if m <= 16 else 64), 64, block_k, 4, None
-        tiles = C.cdiv(n, bn) * C.cdiv(m, bm)
+        tiles = max(1, C.cdiv(n, bn) * C.cdiv(m, bm))
         want = max(1, PROGRAMS_PER_SM * (sms or C.num_sms(device)) // tiles)
         want = min(want, MAX_SPLITS, max(1, C.cdiv(k, bk) // MIN_K_TILES_PER_SPLIT))
     if split_k is not None:
