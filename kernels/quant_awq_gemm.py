@@ -27,10 +27,10 @@ PACK = 8   # int4 codes per int32
 
 
 @triton.jit
-def _awq_nibbles(ptr, row_off, col, shift, mask):
-    """The 4-bit codes at [rows, outputs] of an AWQ-packed int32 array (int32, 0..15)."""
-    p = tl.load(ptr + row_off + col[None, :], mask=mask, other=0)
-    return (p >> shift[None, :]) & 15
+def _spread(packed, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[ROWS, BLOCK_N / 8] int32 -> [ROWS, BLOCK_N]: each int32 repeated for its eight outputs, in
+    registers (loading it once per output would make the pipeliner stage eight copies)."""
+    return tl.reshape(tl.broadcast_to(packed[:, :, None], (ROWS, BLOCK_N // 8, 8)), (ROWS, BLOCK_N))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -45,22 +45,26 @@ def _awq_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
-    col = offs_n // 8
+    cols = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)     # the int32 columns of the tile
+    mask_c = cols < N // 8
     shift = ((offs_n % 2) * 4 + (offs_n % 8) // 2) * 4
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
+        # BLOCK_K divides GROUP (awq_launches): the tile's rows share one group's zeros and scales
+        group = (k0 // GROUP).to(tl.int64)
+        z = tl.load(qz_ptr + group * stride_qz + cols, mask=mask_c, other=0)
+        z = (tl.reshape(tl.broadcast_to(z[:, None], (BLOCK_N // 8, 8)), (BLOCK_N,)) >> shift) & 15
+        s = tl.load(s_ptr + group * stride_s + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
-        wmask = kmask[:, None] & mask_n[None, :]
-        group = (offs_k // GROUP).to(tl.int64)[:, None]
-        q = _awq_nibbles(qw_ptr, offs_k.to(tl.int64)[:, None] * stride_qw, col, shift, wmask)
-        z = _awq_nibbles(qz_ptr, group * stride_qz, col, shift, wmask)
-        s = tl.load(s_ptr + group * stride_s + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+        p = tl.load(qw_ptr + offs_k.to(tl.int64)[:, None] * stride_qw + cols[None, :],
+                    mask=kmask[:, None] & mask_c[None, :], other=0)
+        q = (_spread(p, BLOCK_K, BLOCK_N) >> shift[None, :]) & 15
         x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & kmask[None, :], other=0.0)
-        w = ((q - z).to(tl.float32) * s).to(x.dtype)
+        w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(x.dtype)
         acc += tl.dot(x, w, input_precision="ieee")
     T.store_tile(acc, bias_ptr, out_ptr, part_ptr, M, N, offs_m, offs_n, stride_om, stride_on, HAS_BIAS)
 
@@ -77,6 +81,8 @@ def check_awq_weight(name: str, parts: Mapping[str, torch.Tensor]) -> tuple[int,
     groups = scales.shape[0]
     if groups < 1 or k % groups:
         raise ValueError(f"{name}: AWQ scales need a row count dividing K = {k}; got shape {tuple(scales.shape)}")
+    if (k // groups) % 16:
+        raise ValueError(f"{name}: the AWQ group size must be a multiple of 16 (32, 64, 128 or K); got {k // groups}")
     T.check_array(name, "qweight", qw, (k, n // PACK), (torch.int32,))
     T.check_array(name, "qzeros", parts["qzeros"], (groups, n // PACK), (torch.int32,))
     T.check_array(name, "scales", scales, (groups, n), (torch.float16, torch.bfloat16))
@@ -86,16 +92,22 @@ def check_awq_weight(name: str, parts: Mapping[str, torch.Tensor]) -> tuple[int,
 def awq_linear(x: torch.Tensor, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor] = None,
                split_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ W (+ bias) -> [M, N] in x's dtype; W an AWQ-packed [K, N] matrix."""
+    out, plans = awq_launches(x, parts, bias, split_k)
+    T.run(plans)
+    return out
+
+
+def awq_launches(x: torch.Tensor, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor] = None,
+                 split_k: Optional[int] = None) -> tuple[torch.Tensor, list[Launch]]:
+    """awq_linear's checks, its output (unwritten) and the launches that write it."""
     name = "awq_linear"
-    n, k, _ = check_awq_weight(name, parts)
+    n, k, group = check_awq_weight(name, parts)
     T.check_activations(name, x, k)
     T.check_bias(name, bias, n)
     C.check_device(name, x, *parts.values(), *([bias] if bias is not None else []))
-    tiles = T.plan_tiles(x.shape[0], n, k, x.device, split_k=split_k)
+    tiles = T.plan_tiles(x.shape[0], n, k, x.device, split_k=split_k, k_group=group)
     out, partials = T.outputs(x, n, tiles)
-    if x.shape[0]:
-        T.run(plan_awq_linear(x, parts, bias, out, partials, tiles))
-    return out
+    return out, plan_awq_linear(x, parts, bias, out, partials, tiles) if x.shape[0] else []
 
 
 def plan_awq_linear(x: torch.Tensor, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor],
@@ -103,12 +115,14 @@ def plan_awq_linear(x: torch.Tensor, parts: Mapping[str, torch.Tensor], bias: Op
     """The launches awq_linear makes for checked arguments (kernels.aot compiles the same)."""
     m, n = out.shape
     qw, qz, scales = parts["qweight"], parts["qzeros"], parts["scales"]
-    k = qw.shape[0]
+    k, group = qw.shape[0], qw.shape[0] // scales.shape[0]
+    if group % tiles.block_k:
+        raise ValueError(f"awq_linear: K tiles of {tiles.block_k} straddle groups of {group} (plan_tiles(k_group=))")
     epilogue, has_bias = T.epilogue_args(bias, out, partials)
     main = Launch(
         _awq_gemm_kernel, tiles.grid(m, n),
         (x, qw, qz, scales, *epilogue, m, n, k, tiles.k_per_split,
-         k // scales.shape[0], *x.stride(), qw.stride(0), qz.stride(0), scales.stride(0), *out.stride()),
+         group, *x.stride(), qw.stride(0), qz.stride(0), scales.stride(0), *out.stride()),
         dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
              HAS_BIAS=has_bias),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)

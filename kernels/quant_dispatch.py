@@ -25,14 +25,24 @@ QTYPES = GGUF_QTYPES + W8_QTYPES + ("AWQ",)
 
 
 def _kernel(qtype: str):
+    """The family's `*_launches(x, parts, bias)`: checks, the output, the launches that write it."""
     if qtype in GGUF_QTYPES:
-        from kernels.quant_gguf_gemm import gguf_linear
-        return lambda x, parts, bias: gguf_linear(x, qtype, parts, bias)
+        from kernels.quant_gguf_gemm import gguf_launches
+        return lambda x, parts, bias: gguf_launches(x, qtype, parts, bias)
     if qtype in W8_QTYPES:
-        from kernels.quant_w8_gemm import w8_linear
-        return lambda x, parts, bias: w8_linear(x, qtype, parts, bias)
-    from kernels.quant_awq_gemm import awq_linear
-    return awq_linear
+        from kernels.quant_w8_gemm import w8_launches
+        return lambda x, parts, bias: w8_launches(x, qtype, parts, bias)
+    from kernels.quant_awq_gemm import awq_launches
+    return awq_launches
+
+
+def quant_launches(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
+                   bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list]:
+    """quant_linear's checks, for x [M, K]: the output [M, N] (unwritten) and the kernel launches
+    that write it (to run later, e.g. timed without the Python checks: kernels/quant_bench.py)."""
+    if qtype not in QTYPES:
+        raise ValueError(f"quant_linear: no GPU kernel for {qtype!r}; supported: {', '.join(QTYPES)}")
+    return _kernel(qtype)(x, parts, bias)
 
 
 def quant_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
@@ -44,7 +54,9 @@ def quant_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
         raise ValueError("quant_linear: x must have a feature dimension")
     rows = x.reshape(-1, x.shape[-1])
     if x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        out = _kernel(qtype)(rows, parts, bias)
+        out, plans = quant_launches(rows, qtype, parts, bias)
+        for launch in plans:
+            launch()
     else:
         out = linear_reference(rows, qtype, parts, bias)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -96,7 +108,7 @@ def aot_launches(projections: Mapping[str, tuple[int, int, bool]], dtype: torch.
             for m in AOT_ROWS:
                 x = torch.empty(m, k, dtype=dtype)
                 for sms in AOT_SMS:
-                    tiles = T.plan_tiles(m, n, k, x.device, sms=sms)
+                    tiles = T.plan_tiles(m, n, k, x.device, sms=sms, k_group=128 if qtype == "AWQ" else None)
                     res, partials = T.outputs(x, n, tiles)
                     if qtype in GGUF_QTYPES:
                         plans = plan_gguf_linear(x, qtype, parts, bias, res, partials, tiles)

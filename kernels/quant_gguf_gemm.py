@@ -144,6 +144,14 @@ def check_gguf_weight(name: str, qtype: str, parts: Mapping[str, torch.Tensor]) 
 def gguf_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
                 bias: Optional[torch.Tensor] = None, split_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype; W a packed GGUF matrix (docs/quantization.md)."""
+    out, plans = gguf_launches(x, qtype, parts, bias, split_k)
+    T.run(plans)
+    return out
+
+
+def gguf_launches(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor] = None,
+                  split_k: Optional[int] = None) -> tuple[torch.Tensor, list[Launch]]:
+    """gguf_linear's checks, its output (unwritten) and the launches that write it."""
     name = "gguf_linear"
     n, k = check_gguf_weight(name, qtype, parts)
     T.check_activations(name, x, k)
@@ -151,9 +159,7 @@ def gguf_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
     C.check_device(name, x, *parts.values(), *([bias] if bias is not None else []))
     tiles = T.plan_tiles(x.shape[0], n, k, x.device, split_k=split_k)
     out, partials = T.outputs(x, n, tiles)
-    if x.shape[0]:
-        T.run(plan_gguf_linear(x, qtype, parts, bias, out, partials, tiles))
-    return out
+    return out, plan_gguf_linear(x, qtype, parts, bias, out, partials, tiles) if x.shape[0] else []
 
 
 def plan_gguf_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor],

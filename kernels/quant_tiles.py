@@ -50,10 +50,11 @@ class Tiles:
 
 
 def plan_tiles(m: int, n: int, k: int, device: torch.device, block_k: int = 128,
-               split_k: Optional[int] = None, sms: Optional[int] = None) -> Tiles:
+               split_k: Optional[int] = None, sms: Optional[int] = None, k_group: Optional[int] = None) -> Tiles:
     """Tiles for an [M, K] x [K, N] product. `block_k` is the decode K tile (a multiple of every
     family's group width); `split_k` forces a split count (tests, benchmarks), else it is chosen
-    for `sms` streaming multiprocessors (default: the device's; kernels.aot plans for real GPUs)."""
+    for `sms` streaming multiprocessors (default: the device's; kernels.aot plans for real GPUs).
+    With `k_group`, the K tile divides it (a tile never straddles two groups of scales)."""
     if m > DECODE_MAX_M:
         bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
         want = 1
@@ -62,6 +63,8 @@ def plan_tiles(m: int, n: int, k: int, device: torch.device, block_k: int = 128,
         tiles = max(1, C.cdiv(n, bn) * C.cdiv(m, bm))
         want = max(1, PROGRAMS_PER_SM * (sms or C.num_sms(device)) // tiles)
         want = min(want, MAX_SPLITS, max(1, C.cdiv(k, bk) // MIN_K_TILES_PER_SPLIT))
+    if k_group is not None:
+        bk = min(bk, k_group & -k_group)          # the largest power of two dividing the group
     if split_k is not None:
         if not 1 <= split_k <= MAX_SPLITS:
             raise ValueError(f"split_k must be in [1, {MAX_SPLITS}]; got {split_k}")

@@ -36,7 +36,7 @@ def _w8_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, GROUP,
     stride_xm, stride_xk, stride_qw, stride_s, stride_om, stride_on,
-    PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -54,6 +54,8 @@ def _w8_gemm_kernel(
         wmask = mask_n[:, None] & kmask[None, :]
         x = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & kmask[None, :], other=0.0)
         q = tl.load(qw_ptr + rows * stride_qw + offs_k[None, :], mask=wmask, other=0)
+        if FP8:  # e4m3 codes arrive as bytes: a masked lane's 0 is +0.0 (no integer casts to e4m3)
+            q = q.to(tl.float8e4nv, bitcast=True)
         if PER_CHANNEL:
             w = q.to(x.dtype)
         else:
@@ -89,6 +91,14 @@ def check_w8_weight(name: str, qtype: str, parts: Mapping[str, torch.Tensor]) ->
 def w8_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
               bias: Optional[torch.Tensor] = None, split_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype; W 8-bit codes with group or channel scales."""
+    out, plans = w8_launches(x, qtype, parts, bias, split_k)
+    T.run(plans)
+    return out
+
+
+def w8_launches(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor] = None,
+                split_k: Optional[int] = None) -> tuple[torch.Tensor, list[Launch]]:
+    """w8_linear's checks, its output (unwritten) and the launches that write it."""
     name = "w8_linear"
     n, k, _ = check_w8_weight(name, qtype, parts)
     T.check_activations(name, x, k)
@@ -99,9 +109,7 @@ def w8_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
                          f"this GPU has {torch.cuda.get_device_capability(x.device)}")
     tiles = T.plan_tiles(x.shape[0], n, k, x.device, split_k=split_k)
     out, partials = T.outputs(x, n, tiles)
-    if x.shape[0]:
-        T.run(plan_w8_linear(x, qtype, parts, bias, out, partials, tiles))
-    return out
+    return out, plan_w8_linear(x, qtype, parts, bias, out, partials, tiles) if x.shape[0] else []
 
 
 def plan_w8_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor],
@@ -113,9 +121,9 @@ def plan_w8_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor
     epilogue, has_bias = T.epilogue_args(bias, out, partials)
     main = Launch(
         _w8_gemm_kernel, tiles.grid(m, n),
-        (x, qw, scales, *epilogue, m, n, k, tiles.k_per_split, k // scales.shape[1],
+        (x, qw.view(torch.uint8) if qtype == "FP8" else qw, scales, *epilogue, m, n, k, tiles.k_per_split, k // scales.shape[1],
          *x.stride(), qw.stride(0), scales.stride(0), *out.stride()),
-        dict(PER_CHANNEL=scales.shape[1] == 1, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        dict(FP8=qtype == "FP8", PER_CHANNEL=scales.shape[1] == 1, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
              BLOCK_K=tiles.block_k, HAS_BIAS=has_bias),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return T.launches(main, tiles, partials, bias, out)

@@ -1,6 +1,6 @@
 """AWQ: the packing order against the documented one (AutoAWQ's GEMM format as vLLM loads it), and
 kernels/quant_awq_gemm.py against the dequantized reference under the Triton interpreter, fp32 and
-fp16: groups of 128 and 64, N a multiple of 8 but not of the tiles, decode, split-K, prefill."""
+fp16: groups of 128, 64 and 32, N a multiple of 8 but not of the tiles, decode, split-K, prefill."""
 import pytest
 import torch
 
@@ -44,7 +44,7 @@ def awq_matrix(n: int, k: int, group: int, seed: int) -> dict[str, torch.Tensor]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("k,group", [(384, 128), (192, 64)])
+@pytest.mark.parametrize("k,group", [(384, 128), (192, 64), (160, 32)])
 @pytest.mark.parametrize("m,n,split_k,with_bias", CASES)
 def test_awq_linear_matches_the_dequantized_reference(k, group, dtype, m, n, split_k, with_bias):
     seed = seed_for(k, m, n)
@@ -65,6 +65,9 @@ def test_bad_arrays_are_refused_naming_the_array():
         awq_linear(x, {**parts, "scales": torch.ones(3, 16, dtype=torch.float16, device=DEVICE)})
     with pytest.raises(ValueError, match=r"qzeros must have shape \(2, 2\)"):
         awq_linear(x, {**parts, "qzeros": parts["qzeros"][:1]})
+    with pytest.raises(ValueError, match="group size must be a multiple of 16"):
+        awq_linear(torch.zeros(2, 24, device=DEVICE), {"qweight": parts["qweight"][:24], "qzeros": parts["qzeros"],
+                                                       "scales": parts["scales"]})
     with pytest.raises(ValueError, match="scales must have dtype"):
         awq_linear(x, {**parts, "scales": parts["scales"].float()})
     with pytest.raises(ValueError, match="the output dimension must be a multiple of 8"):

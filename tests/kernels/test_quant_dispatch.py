@@ -58,7 +58,7 @@ def test_imported_matrices_of_every_type_run_through_quant_linear(packed_folders
 def test_on_the_cpu_without_the_interpreter_the_reference_runs(packed_folders, monkeypatch):
     calls = []
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(quant_dispatch, "_kernel", lambda qtype: calls.append(qtype))
+    monkeypatch.setattr(quant_dispatch, "quant_launches", lambda *args: calls.append(args))
     name, qtype, parts = next(m for m in packed_modules(packed_folders[1]) if m[1] == "Q6_K")
     x = torch.randn(4, parts["qweight"].shape[1] * 2)
     bias = torch.randn(parts["qweight"].shape[0])
