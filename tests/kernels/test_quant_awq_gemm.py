@@ -28,6 +28,8 @@ def test_quantize_awq_round_trips_within_half_a_step():
     w = torch.randn(16, 256, generator=torch.Generator().manual_seed(0))
     parts = quantize_awq(w, group=128)
     assert parts["qweight"].shape == (256, 2) and parts["qzeros"].shape == (2, 2) and parts["scales"].shape == (2, 16)
+    groups = w.t().reshape(2, 128, 16)          # [K / G, G, N]: AWQ's asymmetric grid, 16 levels per group
+    assert torch.equal(parts["scales"], ((groups.amax(dim=1) - groups.amin(dim=1)) / 15).half())
     step = parts["scales"].float().repeat_interleave(128, dim=0).t()
     err = (dequantize_awq(parts) - w).abs()
     # rounding to the grid: half a step, plus at most one more step where the 4-bit range clips
