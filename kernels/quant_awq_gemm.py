@@ -41,16 +41,11 @@ def _awq_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    cols = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)     # the int32 columns of the tile
+    offs_m, offs_n, mask_m, mask_n, k_start, k_end = T.program_tile(M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N)
+    cols = tl.program_id(0) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)     # the int32 columns of the tile
     mask_c = cols < N // 8
     shift = ((offs_n % 2) * 4 + (offs_n % 8) // 2) * 4
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    k_start = pid_s * K_PER_SPLIT
-    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         # BLOCK_K divides GROUP (awq_launches): the tile's rows share one group's zeros and scales
@@ -92,21 +87,14 @@ def check_awq_weight(name: str, parts: Mapping[str, torch.Tensor]) -> tuple[int,
 def awq_linear(x: torch.Tensor, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor] = None,
                split_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ W (+ bias) -> [M, N] in x's dtype; W an AWQ-packed [K, N] matrix."""
-    out, plans = awq_launches(x, parts, bias, split_k)
-    T.run(plans)
-    return out
+    return T.run(*awq_launches(x, parts, bias, split_k))
 
 
 def awq_launches(x: torch.Tensor, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor] = None,
                  split_k: Optional[int] = None) -> tuple[torch.Tensor, list[Launch]]:
     """awq_linear's checks, its output (unwritten) and the launches that write it."""
-    name = "awq_linear"
-    n, k, group = check_awq_weight(name, parts)
-    T.check_activations(name, x, k)
-    T.check_bias(name, bias, n)
-    C.check_device(name, x, *parts.values(), *([bias] if bias is not None else []))
-    tiles = T.plan_tiles(x.shape[0], n, k, x.device, split_k=split_k, k_group=group)
-    out, partials = T.outputs(x, n, tiles)
+    n, k, group = check_awq_weight("awq_linear", parts)
+    tiles, out, partials = T.prepare("awq_linear", x, n, k, list(parts.values()), bias, split_k, group)
     return out, plan_awq_linear(x, parts, bias, out, partials, tiles) if x.shape[0] else []
 
 

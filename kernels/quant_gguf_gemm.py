@@ -52,16 +52,11 @@ def _gguf_gemm_kernel(
     HALF: tl.constexpr = BLOCK_K // 2
     FIVE_BITS: tl.constexpr = (QTYPE == 2) or (QTYPE == 3) or (QTYPE == 5)
     K_QUANT: tl.constexpr = QTYPE >= 4
-    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
+    offs_m, offs_n, mask_m, mask_n, k_start, k_end = T.program_tile(M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N)
     rows = offs_n.to(tl.int64)[:, None]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     j = tl.arange(0, HALF)          # byte of the tile's row = (group, lane i)
     lane = j % 16
-    k_start = pid_s * K_PER_SPLIT
-    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_lo = k0 + (j // 16) * 32 + lane          # the low nibble's value; the high one is k_lo + 16
@@ -144,21 +139,14 @@ def check_gguf_weight(name: str, qtype: str, parts: Mapping[str, torch.Tensor]) 
 def gguf_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
                 bias: Optional[torch.Tensor] = None, split_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype; W a packed GGUF matrix (docs/quantization.md)."""
-    out, plans = gguf_launches(x, qtype, parts, bias, split_k)
-    T.run(plans)
-    return out
+    return T.run(*gguf_launches(x, qtype, parts, bias, split_k))
 
 
 def gguf_launches(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor] = None,
                   split_k: Optional[int] = None) -> tuple[torch.Tensor, list[Launch]]:
     """gguf_linear's checks, its output (unwritten) and the launches that write it."""
-    name = "gguf_linear"
-    n, k = check_gguf_weight(name, qtype, parts)
-    T.check_activations(name, x, k)
-    T.check_bias(name, bias, n)
-    C.check_device(name, x, *parts.values(), *([bias] if bias is not None else []))
-    tiles = T.plan_tiles(x.shape[0], n, k, x.device, split_k=split_k)
-    out, partials = T.outputs(x, n, tiles)
+    n, k = check_gguf_weight("gguf_linear", qtype, parts)
+    tiles, out, partials = T.prepare("gguf_linear", x, n, k, list(parts.values()), bias, split_k)
     return out, plan_gguf_linear(x, qtype, parts, bias, out, partials, tiles) if x.shape[0] else []
 
 

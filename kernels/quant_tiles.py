@@ -74,6 +74,16 @@ def plan_tiles(m: int, n: int, k: int, device: torch.device, block_k: int = 128,
 
 
 @triton.jit
+def program_tile(M, N, K, K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The grid is (N tiles, M tiles, K splits): this program's output rows [BLOCK_M], columns
+    [BLOCK_N], their masks, and its range of K [k_start, k_end)."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * K_PER_SPLIT
+    return offs_m, offs_n, offs_m < M, offs_n < N, k_start, tl.minimum(K, k_start + K_PER_SPLIT)
+
+
+@triton.jit
 def store_tile(acc, bias_ptr, out_ptr, part_ptr, M, N, offs_m, offs_n, stride_om, stride_on,
                HAS_BIAS: tl.constexpr):
     """A program's [BLOCK_M, BLOCK_N] float32 sums: with K split (a runtime choice, so one binary
@@ -170,6 +180,19 @@ def outputs(x: torch.Tensor, n: int, tiles: Tiles) -> tuple[torch.Tensor, Option
     return out, partials
 
 
-def run(plans: list[Launch]) -> None:
+def prepare(name: str, x: torch.Tensor, n: int, k: int, arrays: list[torch.Tensor], bias: Optional[torch.Tensor],
+            split_k: Optional[int], k_group: Optional[int] = None
+            ) -> tuple[Tiles, torch.Tensor, Optional[torch.Tensor]]:
+    """A family wrapper's checks of x and bias against its checked weight ([N, K]), then its tiles,
+    output and partials."""
+    check_activations(name, x, k)
+    check_bias(name, bias, n)
+    C.check_device(name, x, *arrays, *([bias] if bias is not None else []))
+    tiles = plan_tiles(x.shape[0], n, k, x.device, split_k=split_k, k_group=k_group)
+    return (tiles, *outputs(x, n, tiles))
+
+
+def run(out: torch.Tensor, plans: list[Launch]) -> torch.Tensor:
     for launch in plans:
         launch()
+    return out

@@ -36,17 +36,13 @@ def _w8_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, GROUP,
     stride_xm, stride_xk, stride_qw, stride_s, stride_om, stride_on,
-    FP8: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
+    offs_m, offs_n, mask_m, mask_n, k_start, k_end = T.program_tile(M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N)
     rows = offs_n.to(tl.int64)[:, None]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    k_start = pid_s * K_PER_SPLIT
-    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -91,9 +87,7 @@ def check_w8_weight(name: str, qtype: str, parts: Mapping[str, torch.Tensor]) ->
 def w8_linear(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
               bias: Optional[torch.Tensor] = None, split_k: Optional[int] = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype; W 8-bit codes with group or channel scales."""
-    out, plans = w8_launches(x, qtype, parts, bias, split_k)
-    T.run(plans)
-    return out
+    return T.run(*w8_launches(x, qtype, parts, bias, split_k))
 
 
 def w8_launches(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor], bias: Optional[torch.Tensor] = None,
@@ -101,14 +95,10 @@ def w8_launches(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor], 
     """w8_linear's checks, its output (unwritten) and the launches that write it."""
     name = "w8_linear"
     n, k, _ = check_w8_weight(name, qtype, parts)
-    T.check_activations(name, x, k)
-    T.check_bias(name, bias, n)
-    C.check_device(name, x, *parts.values(), *([bias] if bias is not None else []))
+    tiles, out, partials = T.prepare(name, x, n, k, list(parts.values()), bias, split_k)
     if qtype == "FP8" and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
         raise ValueError(f"{name}: FP8 weights need compute capability 8.9 or newer (Ada, Hopper); "
                          f"this GPU has {torch.cuda.get_device_capability(x.device)}")
-    tiles = T.plan_tiles(x.shape[0], n, k, x.device, split_k=split_k)
-    out, partials = T.outputs(x, n, tiles)
     return out, plan_w8_linear(x, qtype, parts, bias, out, partials, tiles) if x.shape[0] else []
 
 
