@@ -22,7 +22,15 @@ from kernels import quant_reference
 FP8_MAX = 448.0                 # the largest finite float8 e4m3fn value
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # nibble j of an AWQ int32 holds output 8 c + AWQ_ORDER[j]
 AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(i) for i in range(8))  # output 8 c + i sits at this shift
-FORMATS = ("INT8", "FP8", "AWQ")
+ARRAYS = {"INT8": ("qweight", "scales"), "FP8": ("qweight", "scales"), "AWQ": ("qweight", "qzeros", "scales")}
+
+
+def logical_shape(qtype: str, parts: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+    """(N, K) = (out_features, in_features) of any quantized matrix, from its `qweight`."""
+    rows, cols = parts["qweight"].shape
+    if qtype == "AWQ":
+        return cols * 8, rows
+    return rows, cols if qtype in ("Q8_0", "INT8", "FP8") else cols * 2
 
 
 def dequantize_w8(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:

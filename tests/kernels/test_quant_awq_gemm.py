@@ -6,7 +6,7 @@ import torch
 
 from kernel_testutil import DEVICE, DTYPES, seed_for
 from kernels.quant_awq_gemm import awq_linear
-from kernels.quant_formats import dequantize_awq, linear_reference, pack_awq, quantize_awq, unpack_awq
+from kernels.quant_formats import dequantize_awq, linear_reference, logical_shape, pack_awq, quantize_awq, unpack_awq
 from quant_testutil import assert_quant_close
 
 CASES = [(1, 40, None, False), (6, 72, 3, True), (70, 24, None, True)]   # (M, N, split_k, bias)
@@ -54,6 +54,7 @@ def test_awq_linear_matches_the_dequantized_reference(k, group, dtype, m, n, spl
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=gen).to(DEVICE) if with_bias else None
+    assert logical_shape("AWQ", parts) == (n, k)
     got = awq_linear(x, parts, bias, split_k=split_k)
     assert_quant_close(got, linear_reference(x, "AWQ", parts, bias), x, "AWQ", parts, f"AWQ g{group} {dtype} M={m}")
 

@@ -14,7 +14,7 @@ from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES, write_gguf
 from kernel_testutil import DEVICE
 from kernels import quant_dispatch
 from kernels.quant_dispatch import QTYPES, quant_linear
-from kernels.quant_formats import linear_reference
+from kernels.quant_formats import linear_reference, logical_shape
 from quant_testutil import assert_quant_close
 
 
@@ -45,10 +45,10 @@ def test_imported_matrices_of_every_type_run_through_quant_linear(packed_folders
         for name, qtype, parts in packed_modules(folder):
             if name in ("model.embed_tokens", "lm_head") or qtype in seen:
                 continue          # the embedding is looked up by rows; one matrix of each type is enough
-            k = parts["qweight"].shape[1] * (1 if qtype == "Q8_0" else 2)
+            n, k = logical_shape(qtype, parts)
             x = torch.randn(2, 3, k, generator=gen).to(torch.float16).to(DEVICE)   # [batch, tokens, K]
             got = quant_linear(x, qtype, parts)
-            assert got.shape == (2, 3, parts["qweight"].shape[0]), name
+            assert got.shape == (2, 3, n), name
             flat = x.reshape(6, k)
             assert_quant_close(got.reshape(6, -1), linear_reference(flat, qtype, parts), flat, qtype, parts, name)
             seen.add(qtype)

@@ -4,7 +4,7 @@ cannot run e4m3). The oracle here is the e4m3 value grid itself: all 256 byte pa
 import pytest
 import torch
 
-from kernels.quant_formats import FP8_MAX, dequantize, linear_reference, quantize_fp8
+from kernels.quant_formats import FP8_MAX, dequantize, linear_reference, logical_shape, quantize_fp8
 
 GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 GRID = GRID[torch.isfinite(GRID)].unique()          # every finite e4m3 value, sorted
@@ -18,7 +18,7 @@ def test_codes_are_the_nearest_e4m3_values_of_the_row_scaled_weight(dtype):
     parts = quantize_fp8(w)
     q, scales = parts["qweight"], parts["scales"]
     assert q.dtype == torch.float8_e4m3fn and q.shape == (37, 203)
-    assert scales.dtype == torch.float32 and scales.shape == (37, 1)
+    assert scales.dtype == torch.float32 and scales.shape == (37, 1) and logical_shape("FP8", parts) == (37, 203)
     amax = w.float().abs().amax(dim=1, keepdim=True)
     expected_scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     assert torch.equal(scales, expected_scales)       # the scale math in float32
