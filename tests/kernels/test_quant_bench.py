@@ -1,6 +1,8 @@
 """kernels/quant_bench.py, the quantized GEMMs' part of `inflight gpu-check`, rehearsed on the CPU
-(interpreter, tiny shapes): its checks pass on the kernels and catch a kernel that is off by one
-rounding step too many; its benchmark rows carry the floor; the bound is the one the tests use."""
+(interpreter, tiny shapes): its checks pass on the kernels and catch results off by 1% of their
+scale; a failed one fails `python -m kernels.bench`; its benchmark rows carry the bandwidth floor."""
+import json
+
 import pytest
 import torch
 
@@ -44,3 +46,17 @@ def test_bench_rows_and_table():
         assert r["floor_us"] == pytest.approx(floor_us) and r["pct_of_floor"] == pytest.approx(floor_us)
     table = quant_bench.markdown([], rows)
     assert sum(line.startswith("| o 72x256 |") for line in table) == len(rows)
+
+
+def test_a_failed_quantized_check_fails_the_kernel_benchmark(monkeypatch, tmp_path):
+    """kernels.bench (what gpu-check runs) counts the quantized checks among its failures."""
+    from kernels import bench
+    bad = dict(kernel="quant_linear", dtype="float16", detail="Q4_0 M=5", max_abs_err=1.0, bound_ratio=9.0, ok=False)
+    monkeypatch.setattr(quant_bench, "checks", lambda device, dry=False: [bad])
+    monkeypatch.setattr(quant_bench, "bench", lambda *args, **kwargs: [])
+    for name in ("run_checks", "bench_kernels"):          # the other kernels' parts, not under test here
+        monkeypatch.setattr(bench, name, lambda *args, **kwargs: [])
+    monkeypatch.setattr(bench, "bench_decode", lambda *args, **kwargs: ([], []))
+    out = tmp_path / "bench.json"
+    assert bench.main(["--dry-run-cpu", "--skip-engine", "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["failed_checks"] == 1
