@@ -37,8 +37,11 @@ def cpu_kernel(qtype: str, parts: Mapping[str, torch.Tensor]):
 def packed_matmul(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) for a packed matrix W (``parts``: its arrays, docs/quantization.md)
-    on a device without the C kernel: the seam a GPU kernel plugs into. Here the torch reference,
-    which dequantizes W for the call."""
+    on a device without the C kernel: on CUDA the Triton GEMMs (kernels/quant_dispatch.py, the
+    arrays read as they are); elsewhere the torch reference, which dequantizes W for the call."""
+    if x.is_cuda:
+        from kernels.quant_dispatch import quant_linear  # triton loads with the first CUDA call
+        return quant_linear(x, qtype, parts, bias)
     out = torch.nn.functional.linear(x.float(), dequantize(qtype, parts), None if bias is None else bias.float())
     return out.to(x.dtype)
 
