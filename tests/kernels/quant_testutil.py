@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.gguf_packed import BLOCK_SIZES, TYPE_IDS, pack
+from backend.gguf.packed import BLOCK_SIZES, TYPE_IDS, pack
 from kernel_testutil import DEVICE
 from kernels.quant_bench import compare
 from test_quant_layout import random_blocks
@@ -12,7 +12,7 @@ from test_quant_layout import random_blocks
 
 def gguf_matrix(qtype: str, n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
     """A random [N, K] matrix of ggml blocks (any bytes, small finite scales) split into the packed
-    arrays by the importer's own function (backend/gguf_packed.py)."""
+    arrays by the importer's own function (backend/gguf/packed.py)."""
     per_block, _ = BLOCK_SIZES[TYPE_IDS[qtype]]
     raw = random_blocks(qtype, n, k // per_block, seed)
     return {a: torch.from_numpy(v).to(DEVICE) for a, v in pack(raw, TYPE_IDS[qtype], (n, k)).items()}

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from backend.gguf_packed import BLOCK_SIZES, PACKED_TYPES, TYPE_IDS, pack
+from backend.gguf.packed import BLOCK_SIZES, PACKED_TYPES, TYPE_IDS, pack
 from kernels import cpu_build, cpu_quant
 from kernels.quant_reference import dequantize, qmatmul
 from test_quant_layout import random_blocks

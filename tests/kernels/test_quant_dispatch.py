@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.gguf_import import import_gguf
+from backend.gguf.importer import import_gguf
 from backend.make_model import make_model
 from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES, write_gguf
 from kernel_testutil import DEVICE

@@ -5,13 +5,13 @@ The folder gets ``config.json`` (with ``architectures``), the weights under HF n
 (``model.safetensors``, or 2 GiB shards with ``model.safetensors.index.json`` for large models),
 ``tokenizer.json`` + ``tokenizer_config.json`` (with the chat template) and
 ``generation_config.json``. Quantized tensors stay packed, in the layout of docs/quantization.md
-(backend/gguf_packed.py); ``--dequantize`` writes float weights instead (kernels/quant_reference.py
+(backend/gguf/packed.py); ``--dequantize`` writes float weights instead (kernels/quant_reference.py
 dequantizes, to ggml's values exactly). Only the ``gguf`` reader, numpy, safetensors, tokenizers
 and torch (to write) are used: nothing downloaded, nothing executed from the file.
 
-Nothing in the file is trusted before backend/gguf_checks.py has checked it: a hostile or broken
+Nothing in the file is trusted before backend/gguf/checks.py has checked it: a hostile or broken
 file ends in one line naming what is wrong (exit status 2), never a traceback or a huge allocation.
-The meaning of names and keys is backend/gguf_mapping.py. The file is memory-mapped and converted
+The meaning of names and keys is backend/gguf/mapping.py. The file is memory-mapped and converted
 one shard at a time. tests/test_gguf_import.py checks the result against transformers' GGUF loader.
 """
 from __future__ import annotations
@@ -27,12 +27,12 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from backend.gguf_checks import check_config, check_shapes, scan
-from backend.gguf_mapping import (ROPE_FREQS, GGUFImportError, hf_architecture, hf_config,
+from backend.gguf.checks import check_config, check_shapes, scan
+from backend.gguf.mapping import (ROPE_FREQS, GGUFImportError, hf_architecture, hf_config,
                                   hf_tensor_name, llama3_rope_scaling, read_metadata, unpermute_rows)
-from backend.gguf_packed import (FLOAT_TYPES, PACKED_TYPES, TYPE_NAMES, float_array, pack,
+from backend.gguf.packed import (FLOAT_TYPES, PACKED_TYPES, TYPE_NAMES, float_array, pack,
                                  supported_types, type_name)
-from backend.gguf_tokenizer import build_tokenizer, tokenizer_config
+from backend.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 __all__ = ["GGUFImportError", "import_gguf", "main", "LAYOUT"]
 
@@ -139,7 +139,7 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 def _open(gguf_path: Path):
-    """The checked file's reader and metadata (backend/gguf_checks.py first, then gguf's reader)."""
+    """The checked file's reader and metadata (backend/gguf/checks.py first, then gguf's reader)."""
     from gguf import GGUFReader
 
     infos = scan(gguf_path)

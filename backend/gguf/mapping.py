@@ -1,4 +1,4 @@
-"""What a GGUF file's metadata and tensor names mean in Hugging Face terms (for backend/gguf_import.py).
+"""What a GGUF file's metadata and tensor names mean in Hugging Face terms (for backend/gguf/importer.py).
 
 - ``general.architecture`` llama / mistral / qwen2 -> LlamaForCausalLM / MistralForCausalLM /
   Qwen2ForCausalLM (Mistral files usually say "llama"; as in transformers, a ``general.name``
@@ -88,7 +88,7 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
         "num_hidden_layers": integer("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": integer("attention.head_count_kv", heads),
-        # head_count 0 is refused by backend/gguf_checks.py, which reads this config
+        # head_count 0 is refused by backend/gguf/checks.py, which reads this config
         "head_dim": int(head_dim or (hidden // heads if heads > 0 else 0)),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from backend.gguf_mapping import GGUFImportError
-from backend.gguf_packed import BLOCK_SIZES, tensor_bytes, type_name
+from backend.gguf.mapping import GGUFImportError
+from backend.gguf.packed import BLOCK_SIZES, tensor_bytes, type_name
 
 MAX_CONTEXT_LENGTH = 1 << 20  # positions: above every published model (Qwen2.5-1M: 1,010,000)
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
