@@ -13,6 +13,7 @@ _EXPORTS = {
     "SamplingParams": "backend.request",
     "EngineConfig": "backend.config",
     "RequestOutput": "backend.outputs",
+    "LoRARequest": "backend.lora.sources",
 }
 
 __all__ = list(_EXPORTS)

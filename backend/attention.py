@@ -8,8 +8,11 @@ or torch references) is chosen once, in `ops`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from backend.lora.step import LoRAStep
 
 from kernels.dispatch import KernelOps
 
@@ -28,6 +31,7 @@ class AttentionContext:
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, the chunk included
     decode_max_seq_len: int = 0  # host-side maxima, so no kernel launch waits on a device read
     prefill_max_q_len: int = 0
+    lora: Optional[LoRAStep] = None  # the step's LoRA adapter segments (backend/lora/step.py); None: none
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, G, D] -> [T, H, D]."""

@@ -31,10 +31,13 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, limit: Optional[int] = None) -> list[bytes]:
-    """Chained keys of the full blocks among the first `limit` tokens."""
+def block_hashes(token_ids: Sequence[int], block_size: int, limit: Optional[int] = None,
+                 root: bytes = ROOT_KEY) -> list[bytes]:
+    """Chained keys of the full blocks among the first `limit` tokens. `root` starts the chain: a
+    request's `cache_salt` (its LoRA adapter's), so equal tokens under different weights never
+    share a key."""
     n = len(token_ids) if limit is None else min(limit, len(token_ids))
-    hashes, parent = [], ROOT_KEY
+    hashes, parent = [], root
     for start in range(0, n - n % block_size, block_size):
         parent = block_key(parent, token_ids[start:start + block_size])
         hashes.append(parent)
@@ -174,12 +177,14 @@ class BlockManager:
         self._hashed[seq_id] = (len(table), last)
         return len(table) * self.block_size
 
-    def register_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Publish seq_id's newly completed full blocks so later sequences can share them."""
+    def register_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
+                          root: bytes = ROOT_KEY) -> None:
+        """Publish seq_id's newly completed full blocks so later sequences can share them; `root`
+        as in block_hashes (the sequence's cache salt)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(seq_id, [])
-        done, parent = self._hashed.get(seq_id, (0, ROOT_KEY))
+        done, parent = self._hashed.get(seq_id, (0, root))
         full = min(num_computed // self.block_size, len(table))
         bs = self.block_size
         for i in range(done, full):

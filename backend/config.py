@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from backend.lora.sources import parse_lora_modules
+
 POLICIES = ("guaranteed_no_evict", "max_utilization")
 BATCHING_MODES = ("inflight", "dynamic", "static", "none")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -66,6 +68,13 @@ class EngineConfig:
     # quantized at load (int8, a scale per 32 values); fp8 = e4m3 weights (CUDA only).
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: dtype's | float32 | bfloat16 | fp8 (e4m3)
+    # Multi-LoRA (docs/lora.md), vLLM's names and defaults: PEFT adapters from the checkpoint
+    # folder's multi_lora.json and `lora_modules` (JSON {name: folder} or NAME=PATH,...), at most
+    # max_loras of them in one step (requests of others wait), ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: str = "{}"
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -108,6 +117,10 @@ class EngineConfig:
         _at_least("max_queue_size", self.max_queue_size, 0)
         _at_least("max_queue_delay_microseconds", self.max_queue_delay_microseconds, 0)
         _at_least("stream_interval", self.stream_interval, 1)
+        _at_least("max_loras", self.max_loras, 1)
+        _at_least("max_lora_rank", self.max_lora_rank, 1)
+        if parse_lora_modules(self.lora_modules) and not self.enable_lora:  # its syntax too, before anything loads
+            raise ValueError("lora_modules needs enable_lora=true")
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")

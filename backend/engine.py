@@ -17,6 +17,8 @@ from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
 from backend.loader import load_model_config
+from backend.lora.engine_api import EngineLoRAs
+from backend.lora.sources import LoRALike
 from backend.output_processor import OutputProcessor
 from backend.queue_report import QueueReporter
 from backend.outputs import RequestOutput
@@ -44,6 +46,7 @@ class LLMEngine:
                                    enable_prefix_caching=config.enable_kv_cache_reuse)
         self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.loras = EngineLoRAs(self.runner.lora, self.scheduler)  # adapters by name (docs/lora.md)
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
         self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids())  # structured outputs
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
@@ -78,11 +81,14 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                     arrival_time: Optional[float] = None, priority: int = 0, queue_info: bool = False) -> Request:
+                     arrival_time: Optional[float] = None, priority: int = 0, queue_info: bool = False,
+                     lora_request: LoRALike = None) -> Request:
         """Tokenize and check a request against every limit; raises ValueError saying which.
         `queue_info`: its outputs carry a QueueInfo, and while it waits it gets outputs of its own
-        whenever its place or reservation changes (queue_report.py)."""
+        whenever its place or reservation changes (queue_report.py). `lora_request`: its LoRA
+        adapter, a name or a LoRARequest (docs/lora.md)."""
         params.validate()
+        lora = self.loras.resolve(lora_request)
         ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
@@ -90,6 +96,8 @@ class LLMEngine:
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
         request.grammar = self.grammars.new_state(params)  # compiled (or cached) now, before any KV block
         request.reports_queue = queue_info
+        if lora is not None:
+            request.lora_name, request.cache_salt = lora.name, lora.salt
         return request
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -150,6 +158,7 @@ class LLMEngine:
                                       priority=request.priority, index=i) for i in range(1, request.params.n)]
         for seq in family:
             seq.bad_words_ids = request.bad_words_ids
+            seq.lora_name, seq.cache_salt = request.lora_name, request.cache_salt
             if seq is not request and request.grammar is not None:
                 seq.grammar = request.grammar.sibling()  # each completion follows the grammar on its own
             self.scheduler.add(seq)
@@ -158,9 +167,10 @@ class LLMEngine:
         self.prompt_tokens_total += request.num_prompt_tokens
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
-                    queue_info: bool = False) -> Request:
+                    queue_info: bool = False, lora_request: LoRALike = None) -> Request:
         self.check_queue()
-        request = self.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info)
+        request = self.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info,
+                                    lora_request=lora_request)
         self.add(request)
         return request
 
@@ -229,6 +239,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
         }
 
     def check_integrity(self) -> None:

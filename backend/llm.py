@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 from backend.config import EngineConfig
 from backend.engine import LLMEngine, Prompt
 from backend.outputs import RequestOutput
+from backend.lora.sources import LoRALike
 from backend.request import SamplingParams
 
 
@@ -23,10 +24,13 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-                 use_tqdm: bool = False, priority: Union[int, Sequence[int]] = 0) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Union[int, Sequence[int]] = 0,
+                 lora_request: Union[LoRALike, Sequence[LoRALike]] = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched in flight; results come back in prompt order.
         With n > 1, each result is the first completion and `samples` holds all n (by index).
-        `priority`: one for all or one per prompt; lower runs first."""
+        `priority`: one for all or one per prompt; lower runs first. `lora_request`: the LoRA
+        adapter (a LoRARequest, as vLLM's, or a loaded adapter's name; None: the base model), one
+        for all or one per prompt; requests of different adapters run in the same steps."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
@@ -34,9 +38,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         order = []
-        for prompt, p, prio in zip(prompts, params, priorities):
-            request = self.engine.add_request(f"offline-{next(self._ids)}", prompt, p, priority=prio)
+        for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
+            request = self.engine.add_request(f"offline-{next(self._ids)}", prompt, p, priority=prio,
+                                              lora_request=lora)
             order.append(request.request_id)
         done: dict[str, list[RequestOutput]] = {rid: [] for rid in order}
         bar = _progress(len(order)) if use_tqdm else None
@@ -56,6 +64,18 @@ class LLM:
                 first = dataclasses.replace(first, samples=samples)
             results.append(first)
         return results
+
+    # -- LoRA adapters at run time (docs/lora.md) ----------------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder under `name` (needs enable_lora); requests then name it."""
+        self.engine.loras.load(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Unload an adapter that no request uses."""
+        self.engine.loras.unload(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.loras.names()
 
     def stats(self) -> dict:
         return self.engine.stats()

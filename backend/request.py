@@ -229,6 +229,10 @@ class Request:
         self.logprobs: Optional[list[dict]] = [] if params.logprobs is not None else None
         self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
         self.grammar = None  # structured outputs: its GrammarState (backend/structured/matcher.py), set by the engine
+        # LoRA (docs/lora.md), set by the engine: the adapter it runs with (None: the base model) and
+        # the root of its prefix-cache keys (the adapter's; b"" for the base model)
+        self.lora_name: Optional[str] = None
+        self.cache_salt = b""
 
     @property
     def num_prompt_tokens(self) -> int:

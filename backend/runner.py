@@ -23,6 +23,7 @@ from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
 from backend.loader import ModelConfig
+from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
 from backend.models.rope import rope_cos_sin
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
@@ -71,6 +72,7 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         with one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
+            self.lora = make_lora_manager(config, model_cfg, self.model, self.ops.name, self.env.tensor_device)
             cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta, model_cfg.rope_scaling)
             self.rope = (cos.to(self.env.tensor_device), sin.to(self.env.tensor_device))
             self.tables = BlockTables(config.max_num_seqs, -(-max_model_len // self.block_size), self.block_size,
@@ -129,8 +131,8 @@ class ModelRunner:
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
         """Decode steps through static buffers (graphs captured on CUDA) unless enforce_eager, or
         with kernels other than Triton's (the references size their work from the lengths)."""
-        if self.config.enforce_eager or self.ops.name != "triton":
-            return None
+        if self.config.enforce_eager or self.ops.name != "triton" or self.lora is not None:
+            return None  # (LoRA steps run eagerly: docs/lora.md)
         empty_i32 = torch.zeros(1, dtype=torch.int32, device=self.env.tensor_device)
         make_context = functools.partial(
             self._context, kv_caches=self.kv_caches, prefill_block_tables=self.tables.table[:0],
@@ -154,7 +156,8 @@ class ModelRunner:
             decode_seq_lens=step.decode_seq_lens,
             prefill_block_tables=table[:, :step.prefill_width].index_select(0, step.prefill_rows),
             prefill_cu_seqlens_q=step.prefill_cu_seqlens_q, prefill_seq_lens=step.prefill_seq_lens,
-            decode_max_seq_len=max_seq_len, prefill_max_q_len=step.prefill_max_q_len)
+            decode_max_seq_len=max_seq_len, prefill_max_q_len=step.prefill_max_q_len,
+            lora=self.lora.step(step.adapter_runs, step.ids.shape[0]) if self.lora is not None else None)
 
     def _graph_size(self, out) -> Optional[int]:
         if self.graphs is None or out.prefills or any(s.num_new_tokens > 1 for s in out.padding):

@@ -15,13 +15,14 @@ tokens). Each step gathers its rows from it on the device.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
 from backend.device import to_device
+from backend.lora.segments import adapter_runs, order_by_adapter
 
 log = logging.getLogger(__name__)
 PAD_TOKEN_ID = 0  # what padding and empty rows feed the model; their results are discarded
@@ -129,13 +130,15 @@ class StepInputs:
     prefill_max_q_len: int
     sampling: list                    # the Requests that sample, in sample_index order
     pure_decode: bool                 # no prefill rows: a decode step (graphable)
+    adapter_runs: list = field(default_factory=list)  # (first row, end row, LoRA adapter): lora/segments.py
 
 
 def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
     """SchedulerOutput -> StepInputs: the host work of a step, then two host-to-device copies (the
     int64 and the int32 arrays) and the block-table writes."""
-    decodes = out.decodes + [s for s in out.padding if s.num_new_tokens == 1]
-    prefills = out.prefills + [s for s in out.padding if s.num_new_tokens > 1]
+    # each part grouped by LoRA adapter, so an adapter's rows are row ranges in every layer
+    decodes = order_by_adapter(out.decodes + [s for s in out.padding if s.num_new_tokens == 1])
+    prefills = order_by_adapter(out.prefills + [s for s in out.padding if s.num_new_tokens > 1])
     seqs = decodes + prefills
     rows, ur, uc, uv = tables.assign(seqs)
     ids: list[int] = [PAD_TOKEN_ID] * empty_rows
@@ -178,7 +181,7 @@ def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
         decode_width=max([1] + [blocks(n) for n in d_lens]),
         prefill_width=max([1] + [blocks(n) for n in p_lens]),
         decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0),
-        sampling=sampling, pure_decode=not prefills)
+        sampling=sampling, pure_decode=not prefills, adapter_runs=adapter_runs(empty_rows, seqs))
 
 
 def _to_device(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:

@@ -44,10 +44,14 @@ def make_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """Greedy continuations from transformers in float32 on CPU, one prompt at a time."""
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy continuations from transformers in float32 on CPU, one prompt at a time. `model_dir`:
+    a checkpoint folder, or a transformers model already loaded (a merged LoRA model, say)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if isinstance(model_dir, (str, Path)):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    else:
+        model = model_dir.eval()
     outs = []
     with torch.no_grad():
         for prompt, n in zip(prompts, max_tokens):

@@ -6,11 +6,14 @@ max_model_len at it). q/k/v and gate/up projections are fused into one matmul ea
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from backend.attention import AttentionContext
 from backend.loader import ModelConfig
+from backend.lora.step import LoRAStep, with_lora
 from kernels.dispatch import KernelOps
 
 
@@ -27,13 +30,13 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
+        q, k, v = with_lora(ctx.lora, self.layer, "qkv_proj", h, self.qkv_proj(h)).split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ctx.ops.rotary_embedding(q, k, positions, rope[0], rope[1])
-        out = ctx.attend(self.layer, q, k, v.contiguous())
-        return self.o_proj(out.reshape(t, -1))
+        out = ctx.attend(self.layer, q, k, v.contiguous()).reshape(t, -1)
+        return with_lora(ctx.lora, self.layer, "o_proj", out, self.o_proj(out))
 
 
 class MLP(nn.Module):
@@ -42,8 +45,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+    def forward(self, h: torch.Tensor, ops: KernelOps, lora: Optional[LoRAStep] = None, layer: int = 0) -> torch.Tensor:
+        act = ops.silu_mul(with_lora(lora, layer, "gate_up_proj", h, self.gate_up_proj(h)))
+        return with_lora(lora, layer, "down_proj", act, self.down_proj(act))
 
 
 class RMSNormWeight(nn.Module):
@@ -68,7 +72,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, ctx, rope)
         norm = self.post_attention_layernorm
         h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
-        return self.mlp(h, ops), residual
+        return self.mlp(h, ops, ctx.lora, self.self_attn.layer), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -22,6 +22,7 @@ from backend.config import EngineConfig
 from backend.request import Request
 from backend.sched.backfill import Backfill, Window
 from backend.sched.batching import BatchingGate
+from backend.sched.lora_slots import LoRASlots
 from backend.sched.pool import RequestPool
 from backend.sched.step import SchedulerOutput
 
@@ -53,6 +54,7 @@ class Admission:
         self.reservation: Optional[Reservation] = None  # the head's, kept at its earliest
         self._reserved_priority = 0
         self.backfill: Optional[Backfill] = None
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None  # lora_slots.py
         c = config
         if (c.enable_backfill and c.batch_scheduler_policy == "guaranteed_no_evict" and c.batching_mode == "inflight"
                 and Backfill.usable(c.enable_chunked_context, c.max_num_batched_tokens, c.max_num_seqs)):
@@ -76,6 +78,8 @@ class Admission:
         window: Optional[Window] = None  # set once a head does not fit (backfill only)
         unstarted: set[str] = set()  # requests whose first completion was passed over in this pass
         queue, i = list(pool.waiting), 0
+        if self.lora_slots is not None:
+            self.lora_slots.begin(pool.running)
         while i < len(queue):
             req = queue[i]
             i += 1
@@ -83,6 +87,10 @@ class Admission:
                 break
             if req.index and self._waits_for_sibling(req, unstarted):
                 break
+            if self.lora_slots is not None and not self.lora_slots.may_start(req):
+                if req.index == 0:
+                    unstarted.add(req.request_id)
+                continue  # waits for a LoRA slot, keeping its place (lora_slots.py)
             if self._cannot_fit_untried(req):  # the common case under overload: nothing attached
                 n, fits = 0, False
             else:
@@ -110,6 +118,8 @@ class Admission:
                         break  # strict order: no skipping past a request that does not fit
                 continue
             pool.start(req, req.num_computed_tokens + n, now, self.steps)
+            if self.lora_slots is not None:
+                self.lora_slots.started(req)
             self.prefix_hit_tokens += req.num_computed_tokens
             self.num_backfilled += window is not None
             out.add(req, n)
@@ -176,7 +186,8 @@ class Admission:
         """req's prefix-cache keys, computed once while it waits rather than at every step."""
         if req.prefix_hashes is None or req.prefix_hashes[0] != req.num_tokens:
             tokens = req.all_token_ids
-            req.prefix_hashes = (len(tokens), block_hashes(tokens, self.blocks.block_size, len(tokens) - 1))
+            req.prefix_hashes = (len(tokens), block_hashes(tokens, self.blocks.block_size, len(tokens) - 1,
+                                                           root=req.cache_salt))
         return req.prefix_hashes[1]
 
     def _cannot_fit_untried(self, req: Request) -> bool:

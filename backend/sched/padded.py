@@ -112,12 +112,17 @@ class PaddedAdmission(Admission):
         pool = self.pool
         allowed = self.gate.num_to_admit(pool.waiting, pool.holders(), now)
         members = []
+        slots = self.lora_slots
+        if slots is not None:
+            slots.begin(pool.running)
         while pool.waiting and len(members) < allowed and len(pool.running) < self.config.max_num_seqs:
             req = self.gate.next_candidate(pool.waiting)
             n = chunk(req, budget, self.config) if budget > 0 else 0
-            if not self.policy.can_admit(req, n):
-                break
+            if not self.policy.can_admit(req, n) or (slots is not None and not slots.may_start(req)):
+                break  # (a request whose LoRA adapter finds no slot starts a later batch)
             pool.start(req, n, now, self.steps)
+            if slots is not None:
+                slots.started(req)
             members.append(req)
             if n:
                 out.add(req, n)

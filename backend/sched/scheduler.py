@@ -159,7 +159,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens = seq.start + seq.num_new_tokens
             if self.blocks.enable_prefix_caching:
-                self.blocks.register_computed(req.seq_id, req.all_token_ids, req.num_computed_tokens)
+                self.blocks.register_computed(req.seq_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
             result = sampled.get(req.seq_id)
             if result is None:
                 continue

@@ -1,0 +1,62 @@
+"""The per-step LoRA object every layer reads (`AttentionContext.lora`): after a fused projection's
+GEMM, `add(out, x, layer, projection)` adds the low-rank product of each adapter segment of the
+step to that projection's output, in place.
+
+The segments come from the step's rows grouped by adapter (backend/lora/segments.py), made once
+per step and kept per fused projection (an adapter that does not touch a projection is left out
+of its segments). On CUDA the segmented Triton kernels run (kernels/lora_sgmv.py: one shrink and
+one expand launch per projection, whatever the mix); elsewhere the torch reference, a matmul per
+segment on row slices (kernels/lora_reference.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from backend.lora.bank import LoRABank
+from backend.lora.peft_format import FUSED
+from kernels.lora_reference import Segments
+
+
+class LoRAStep:
+    def __init__(self, bank: LoRABank, runs: list[tuple[int, int, int]], num_rows: int,
+                 lora_add: Callable, on_device: bool):
+        """`runs`: (first row, end row, slot) of the step's adapter segments; `lora_add`: the
+        segmented product (kernel or reference); `on_device`: give the kernels the segments as
+        device tensors (one transfer for the step)."""
+        self.bank = bank
+        self.lora_add = lora_add
+        self.segments: dict[str, Segments] = {
+            fused: Segments([r for r in runs if fused in bank.targets[r[2]]]) for fused in FUSED}
+        if on_device:
+            self._to_device(num_rows)
+
+    def _to_device(self, num_rows: int) -> None:
+        """Each projection's segments as int32 device tensors (starts, lens, slots), padded to the
+        same count with slot -1, in one host-to-device copy."""
+        width = max(1, max(len(s.runs) for s in self.segments.values()))
+        host = torch.zeros((len(self.segments), 3, width), dtype=torch.int32)
+        host[:, 2] = -1
+        for i, seg in enumerate(self.segments.values()):
+            for j, (start, end, slot) in enumerate(seg.runs):
+                host[i, :, j] = torch.tensor([start, end - start, slot], dtype=torch.int32)
+        device = next(iter(self.bank.a.values())).device
+        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        for i, seg in enumerate(self.segments.values()):
+            seg.starts, seg.lens, seg.slots = table[i, 0], table[i, 1], table[i, 2]
+            seg.max_len = max((end - start for start, end, _ in seg.runs), default=0) or num_rows
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
+        """out (the projection's output for input x) += each segment's adapter delta; returns out."""
+        segments = self.segments[projection]
+        if not segments.runs:
+            return out
+        key = (layer, projection)
+        return self.lora_add(out, x, self.bank.a[key], self.bank.b[key], self.bank.shard_bounds[projection], segments)
+
+
+def with_lora(lora: Optional[LoRAStep], layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A fused projection's output `out` (of input `x`) with the step's adapter deltas added: the
+    one call the model makes per projection (backend/models/llama.py)."""
+    return out if lora is None else lora.add(out, x, layer, projection)

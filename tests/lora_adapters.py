@@ -1,0 +1,71 @@
+"""LoRA adapters for the tests, written by PEFT itself (its own layout: adapter_config.json and
+adapter_model.safetensors), and the oracle: transformers with the adapter merged into the base
+weights by PEFT's merge_and_unload.
+
+The adapters' weights are random (seeded), lora_B included (PEFT starts it at zero, which would
+make every adapter the base model), scaled so an adapter changes the greedy tokens without making
+near ties: lora_A rows have unit norm on average and lora_B's std is `b_std`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from hf_checkpoints import hf_greedy  # noqa: E402
+
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    r: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ALL_MODULES
+    use_rslora: bool = False
+    b_std: float = 0.05
+    rank_pattern: dict = field(default_factory=dict)
+    alpha_pattern: dict = field(default_factory=dict)
+    layers: Optional[tuple[int, ...]] = None  # PEFT's layers_to_transform
+
+
+def _base(base_dir: Path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+
+def make_adapter(base_dir: Path, out_dir: Path, seed: int, spec: AdapterSpec = AdapterSpec()) -> Path:
+    """Write a PEFT adapter for the checkpoint at base_dir into out_dir, with PEFT's save_pretrained."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0,
+                        bias="none", use_rslora=spec.use_rslora, rank_pattern=dict(spec.rank_pattern),
+                        alpha_pattern=dict(spec.alpha_pattern), task_type="CAUSAL_LM",
+                        layers_to_transform=list(spec.layers) if spec.layers is not None else None)
+    model = get_peft_model(_base(base_dir), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * spec.b_std)
+    model.save_pretrained(out_dir)
+    assert (Path(out_dir) / "adapter_model.safetensors").is_file()
+    return Path(out_dir)
+
+
+def merged_greedy(base_dir: Path, adapter_dir: Optional[Path], prompts: list[list[int]],
+                  max_tokens: list[int]) -> list[list[int]]:
+    """The oracle: transformers' greedy tokens with the adapter merged into the base weights by
+    PEFT (merge_and_unload); the base model alone when adapter_dir is None."""
+    model = _base(base_dir)
+    if adapter_dir is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return hf_greedy(model, prompts, max_tokens)
