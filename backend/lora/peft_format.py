@@ -36,6 +36,9 @@ PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)"
                      r"\.(?P<hf>\w+))\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 
+# where a tensor name's module path ends (PEFT's parts and the parameter's own name)
+_MARKER = re.compile(r"\.(?:lora_\w+|base_layer|modules_to_save|original_module|weight|bias)(?:\.|$)")
+
 
 @dataclass
 class LoRAAdapter:
@@ -121,7 +124,7 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_lora_rank: int) -> 
         for key in f.keys():
             m = _TENSOR.match(key)
             if m is None:
-                module = re.sub(r"\.(lora_\w+|weight|bias)(\.\w+)*$", "", key.removeprefix("base_model.model."))
+                module = _MARKER.split(key.removeprefix("base_model.model."), 1)[0]
                 raise _refuse(name, f"module '{module}' (tensor {key}) is not supported: LoRA is served on "
                                     f"{', '.join(SHARD_OF)} of the decoder layers")
             hf, layer = m["hf"], int(m["layer"])
