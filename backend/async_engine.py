@@ -11,6 +11,7 @@ from typing import Callable, Optional, Union
 from backend.config import EngineConfig
 from backend.engine import LLMEngine, Prompt
 from backend.errors import EngineDeadError
+from backend.lora.sources import LoRALike
 from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus, SamplingParams
 
@@ -52,8 +53,10 @@ class AsyncEngine:
     device = property(lambda self: self.engine.runner.device)  # where it runs, index included (cuda:1)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    on_output: OutputCallback, priority: int = 0, queue_info: bool = False) -> None:
-        request = self.engine.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info)
+                    on_output: OutputCallback, priority: int = 0, queue_info: bool = False,
+                    lora_request: LoRALike = None) -> None:
+        request = self.engine.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info,
+                                           lora_request=lora_request)
         with self._lock:
             if self._broken is not None:
                 raise EngineDeadError(f"the engine stopped after an internal error ({self._broken}); "

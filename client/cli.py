@@ -51,6 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
         write_config(config)
         print(f"inflight serve: rendered {config} (edit it to tune the engine)")
     params = dict(args.param)
+    if args.lora_modules:  # vLLM's flag: the adapters, and LoRA on (docs/lora.md)
+        params.update(lora_params(args.lora_modules, params))
     model_path = args.model_path or params.get("model_path") or read_parameters(config.read_text()).get("model_path", "")
     resolved = Path(model_path) if Path(model_path).is_absolute() else REPO_ROOT / model_path
     if args.model_path is None and not resolved.is_dir():
@@ -109,6 +111,18 @@ def _serve(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
+def lora_params(entries: list[str], params: dict[str, str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... -> the config parameters: lora_modules as JSON with absolute
+    folders (the server runs elsewhere), and enable_lora on."""
+    import json
+
+    from backend.lora.sources import parse_lora_modules
+
+    modules = parse_lora_modules(params.get("lora_modules"))
+    modules.update({name: str(Path(path).expanduser().resolve()) for name, path in parse_lora_modules(entries).items()})
+    return {"enable_lora": "true", "lora_modules": json.dumps(modules)}
+
+
 def _print_usage(server, openai_api=None) -> None:
     host = "localhost" if server.host in ("0.0.0.0", "127.0.0.1", "") else server.host
     http, grpc = f"{host}:{server.http_port}", f"{host}:{server.grpc_port}"
@@ -137,7 +151,7 @@ def _generate(args: argparse.Namespace) -> int:
     options = {k: v for k, v in dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop_words=args.stop or None, ignore_eos=args.ignore_eos or None,
-        min_tokens=args.min_tokens,
+        min_tokens=args.min_tokens, lora_name=args.lora_name,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, bad_words=args.bad_word or None, logprobs=args.logprobs,
         exclude_input_in_output=True if args.stream else (not args.echo),
@@ -210,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="the tool-call format of the OpenAI server's chat (vLLM's name; default hermes: "
                         "<tool_call> JSON)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve beside the model's multi_lora.json, as vLLM's "
+                        "flag: NAME=PATH or a JSON {\"name\": ..., \"path\": ...}; turns enable_lora on. "
+                        "Requests pick one with lora_name, the OpenAI API with model (docs/lora.md)")
 
     p = sub.add_parser("generate", help="send one prompt and print the answer as it arrives")
     p.add_argument("prompt")
@@ -229,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--presence-penalty", type=float)
     p.add_argument("--frequency-penalty", type=float)
     p.add_argument("--bad-word", action="append", default=[], metavar="TEXT", help="never generate it (repeatable)")
+    p.add_argument("--lora-name", help="run with this LoRA adapter (one the server loaded)")
     p.add_argument("--logprobs", type=int, metavar="K",
                    help="compute logprobs (K top candidates); -v prints the cumulative logprob")
     p.add_argument("--echo", action="store_true", help="print the prompt before the answer (non-streaming)")

@@ -30,7 +30,7 @@ SHOWN = ("return_finish_reason", "return_num_input_tokens", "return_num_output_t
 @dataclass
 class Options:
     """Per-request options; None leaves the server's default (max_tokens 16, temperature 1.0, ...).
-    `n` and `logprobs` travel as request parameters (they have no input tensor); asking for
+    `n`, `logprobs` and `lora_name` travel as request parameters (they have no input tensor); asking for
     logprobs also asks for the logprobs and cumulative_logprob outputs."""
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -49,8 +49,9 @@ class Options:
     n: Optional[int] = None
     logprobs: Optional[int] = None
     queue_info: Optional[bool] = None  # where the request stands (return_queue_info): Chunk.queue
+    lora_name: Optional[str] = None  # a LoRA adapter the server loaded (docs/lora.md)
 
-    PARAMETERS = ("n", "logprobs")
+    PARAMETERS = ("n", "logprobs", "lora_name")
     SWITCHES = ("queue_info",)  # they only add return_* inputs
 
     @classmethod

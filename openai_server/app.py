@@ -98,23 +98,32 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         ok = await triton.ready()
         return JSONResponse({"status": "ok" if ok else "triton model not ready"}, status_code=200 if ok else 503)
 
+    def _card(name: str, adapters: dict[str, str]) -> dict[str, Any]:
+        """A model of /v1/models: the base, or a LoRA adapter (vLLM's card: its folder, its parent)."""
+        if name in adapters:
+            return {"id": name, "object": "model", "created": 0, "owned_by": "inflight", "root": adapters[name],
+                    "parent": served_model_name}
+        return {"id": served_model_name, "object": "model", "created": 0, "owned_by": "inflight", "root": model_path}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "inflight", "root": model_path}]}
+        adapters = await triton.lora_adapters()
+        return {"object": "list", "data": [_card(n, adapters) for n in [served_model_name, *adapters]]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
-        _check_model(name)
-        return {"id": served_model_name, "object": "model", "created": 0, "owned_by": "inflight",
-                "root": model_path}
+        return _card(await _check_model(name), await triton.lora_adapters())
 
-    def _check_model(name: Any) -> None:
+    async def _check_model(name: Any) -> str:
+        """The model a request names: the served model or one of its LoRA adapters (docs/lora.md)."""
         if name is None:
             raise bad("model", "model is required")
-        if name != served_model_name:
+        adapters = await triton.lora_adapters()
+        if name != served_model_name and name not in adapters:
+            also = f" and its LoRA adapters {', '.join(repr(a) for a in adapters)}" if adapters else ""
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
-                                f"'{served_model_name}'", "model", "model_not_found")
+                                f"'{served_model_name}'{also}", "model", "model_not_found")
+        return name
 
     async def _body(request: Request) -> dict[str, Any]:
         try:
@@ -125,19 +134,26 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        _check_model(body.get("model"))
+        await _check_model(body.get("model"))
         return body
+
+    def _with_adapter(gen: Generation, body: dict[str, Any]) -> Generation:
+        """`model` naming a LoRA adapter runs the base model with it (lora_name, the vLLM backend's key)."""
+        if body["model"] != served_model_name:
+            gen.sampling["lora_name"] = body["model"]
+        return gen
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        gen = parse_completion(await _body(request))
-        return await _answer(request, gen, Reply(f"cmpl-{gen.request_id}", served_model_name, chat=False))
+        body = await _body(request)
+        gen = _with_adapter(parse_completion(body), body)
+        return await _answer(request, gen, Reply(f"cmpl-{gen.request_id}", body["model"], chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _body(request)
-        gen = parse_chat(body, render, tool_call_parser)
-        return await _answer(request, gen, Reply(f"chatcmpl-{gen.request_id}", served_model_name, chat=True,
+        gen = _with_adapter(parse_chat(body, render, tool_call_parser), body)
+        return await _answer(request, gen, Reply(f"chatcmpl-{gen.request_id}", body["model"], chat=True,
                                                  tools=gen.tools))
 
     async def _answer(request: Request, gen: Generation, reply: Reply):

@@ -14,6 +14,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from backend.lora.sources import configured_adapters
 from openai_server.responses import Piece, pieces
 from templates.tensors import QUEUE_INFO_OUTPUTS
 from openai_server.translate import APIError
@@ -55,6 +56,7 @@ class TritonBackend:
         self._client: Optional[grpcaio.InferenceServerClient] = None
         self._inputs: Optional[frozenset[str]] = None
         self._outputs: tuple[str, ...] = ()
+        self._adapters: Optional[dict[str, str]] = None
 
     @property
     def client(self) -> grpcaio.InferenceServerClient:
@@ -72,6 +74,18 @@ class TritonBackend:
             self._inputs = frozenset(i["name"] for i in meta.get("inputs", []))
             self._outputs = tuple(o["name"] for o in meta.get("outputs", []) if o["name"] in OUTPUTS)
         return self._inputs
+
+    async def lora_adapters(self) -> dict[str, str]:
+        """The model's LoRA adapters (name -> folder), from its config as Triton loaded it: with
+        enable_lora, its checkpoint folder's multi_lora.json and its lora_modules (read once)."""
+        if self._adapters is None:
+            try:
+                config = (await self.client.get_model_config(self.model, as_json=True)).get("config", {})
+            except InferenceServerException as exc:
+                raise _unreachable(exc, self.url) from None
+            self._adapters = configured_adapters(
+                {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()})
+        return self._adapters
 
     async def ready(self) -> bool:
         try:

@@ -116,8 +116,10 @@ class Frontend:
                     raise ValueError(f"request id '{client_id}' is already in use by a running request; "
                                      "give each request its own id (or stop the running one first)")
                 self._live[live.key] = live
-            # asked for only when set, so engines without queue reports (tests' fakes) still work
+            # asked for only when set, so engines without queue reports or LoRA (tests' fakes) still work
             queue = {"queue_info": True} if "return_queue_info" in parsed.returns else {}
+            if parsed.lora_name is not None:
+                queue["lora_request"] = parsed.lora_name
             try:
                 self.engine.add_request(live.key, parsed.prompt, parsed.params,
                                         lambda out, live=live: self._on_output(live, out),

@@ -71,6 +71,10 @@ class Metrics:
                 "prompt_tokens_total": "Prompt tokens admitted",
                 "generation_tokens_total": "Tokens generated",
                 "num_backfilled": "Requests started ahead of a waiting request that did not fit (enable_backfill)"}
+        # per LoRA adapter and state (running, waiting): a series for every adapter loaded, made on first sight
+        self.lora_family = family("inflight_lora_requests", "Requests per LoRA adapter, running or waiting", fam.GAUGE)
+        self.lora = {}
+        self.labels = labels
         self.counters = {k: family(name, docs[k], fam.COUNTER).Metric(labels=labels)
                          for k, name in self.COUNTERS.items()}
         self._counted = {k: 0 for k in self.COUNTERS}
@@ -97,6 +101,12 @@ class Metrics:
         for state, key in (("used", "kv_blocks_used"), ("free", "kv_blocks_free"), ("total", "kv_blocks_total"),
                            ("reserved", "kv_blocks_reserved")):
             self._set(state, self.blocks[state], stats.get(key, 0))
+        for adapter, counts in stats.get("lora_requests", {}).items():
+            for state, value in counts.items():
+                key = ("lora", adapter, state)
+                if key not in self.lora:
+                    self.lora[key] = self.lora_family.Metric(labels={**self.labels, "adapter": adapter, "state": state})
+                self._set(key, self.lora[key], value)
         for key, metric in self.counters.items():
             delta = stats.get(key, 0) - self._counted[key]
             if delta > 0:

@@ -38,7 +38,6 @@ _UNSUPPORTED_KEYS = {
     "best_of": "beam search and best_of are not supported (n is)",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "beam search is not supported",
-    "lora_name": "LoRA adapters are not supported",
     "logit_bias": "logit_bias is not supported (use bad_words)",
     "allowed_token_ids": "allowed_token_ids is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported (logprobs is)",
@@ -59,6 +58,7 @@ class ParsedRequest:
     stop: bool = False  # a request that cancels the running request with the same request id
     priority: int = 0
     returns: frozenset = field(default_factory=frozenset)  # the return_* flags set to true
+    lora_name: Optional[str] = None  # the LoRA adapter (the vLLM backend's sampling key)
 
 
 def _one(name: str, array: np.ndarray) -> Any:
@@ -198,12 +198,14 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Option
         _byte_cap("sampling_parameters", raw, MAX_SAMPLING_PARAMETERS_BYTES)
         sampling = _json_object("sampling_parameters", _text("sampling_parameters", raw))
         priority = sampling.pop("priority", priority)
+        lora_name = sampling.pop("lora_name", request_params.pop("lora_name", None))
         _check_keys("sampling_parameters", sampling)
         # The vLLM backend then ignores the request parameters; a misspelt one is still refused.
         _check_keys("request parameters", request_params)
         source = "sampling_parameters"
     else:
         sampling = request_params
+        lora_name = sampling.pop("lora_name", None)
         _check_keys("request parameters", sampling)
         source = "request parameters"
     sampling.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
@@ -238,8 +240,11 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Option
         if "exclude_input_in_output" in get else None
     if stream and exclude is False:  # the vLLM backend's rule and message
         raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise ValueError(f"{source}: lora_name must be a string (a loaded adapter's name); got {lora_name!r}")
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
-                         exclude_input=bool(stream or exclude), priority=priority, returns=returns)
+                         exclude_input=bool(stream or exclude), priority=priority, returns=returns,
+                         lora_name=lora_name or None)
 
 
 def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any]) -> None:
