@@ -77,12 +77,13 @@ class TritonBackend:
 
     async def lora_adapters(self) -> dict[str, str]:
         """The model's LoRA adapters (name -> folder), from its config as Triton loaded it: with
-        enable_lora, its checkpoint folder's multi_lora.json and its lora_modules (read once)."""
+        enable_lora, its checkpoint folder's multi_lora.json and its lora_modules (read once Triton
+        answers; none while it does not, so /v1/models still lists the served model)."""
         if self._adapters is None:
             try:
                 config = (await self.client.get_model_config(self.model, as_json=True)).get("config", {})
-            except InferenceServerException as exc:
-                raise _unreachable(exc, self.url) from None
+            except InferenceServerException:
+                return {}
             self._adapters = configured_adapters(
                 {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()})
         return self._adapters

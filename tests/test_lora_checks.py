@@ -108,3 +108,17 @@ def test_config_keys_are_checked():
     with pytest.raises(ValueError, match="max_lora_rank must be >= 1"):
         EngineConfig.from_params({"enable_lora": "true", "max_lora_rank": "0"})
     assert EngineConfig.from_params({"enable_lora": "true", "lora_modules": "a=/x"}).lora_modules == "a=/x"
+
+
+def test_inflight_serve_lora_modules_becomes_the_parameters(tmp_path, monkeypatch):
+    from client.cli import build_parser, lora_params
+    from client.protocol import Options
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["serve", "--lora-modules", "sql=adapters/sql", '{"name": "poet", "path": "/p"}'])
+    params = lora_params(args.lora_modules, {"lora_modules": "old=/o"})
+    assert params["enable_lora"] == "true"
+    assert json.loads(params["lora_modules"]) == {"old": "/o", "sql": str(tmp_path / "adapters" / "sql"), "poet": "/p"}
+    assert EngineConfig.from_params(params).lora_modules == params["lora_modules"]
+    # the client library sends lora_name as a request parameter (the vLLM backend reads it there too)
+    assert Options(lora_name="sql", max_tokens=3).parameters() == {"lora_name": "sql"}
