@@ -41,6 +41,8 @@ if os.environ.pop("TRITON_INTERPRET", None) == "1" and "triton" in sys.modules:
 from kernels import decode_attention as decode_mod  # noqa: E402
 from kernels.activation import plan_silu_mul  # noqa: E402
 from kernels.launch import Launch  # noqa: E402
+from kernels.lora_reference import Segments  # noqa: E402
+from kernels.lora_sgmv import plan_lora_expand, plan_lora_shrink  # noqa: E402
 from kernels.norm import plan_rms_norm  # noqa: E402
 from kernels.prefill_attention import plan_prefill_attention  # noqa: E402
 from kernels.quant_dispatch import aot_launches as quant_launches  # noqa: E402
@@ -94,6 +96,35 @@ def model_launches(shape: ModelShape, dtype: torch.dtype, block_size: int = DEFA
     launches += quant_launches({"qkv": ((h + 2 * g) * d, shape.hidden, shape.qkv_bias), "o": (shape.hidden, h * d, False),
                                 "gate_up": (2 * shape.intermediate, shape.hidden, False),
                                 "down": (shape.hidden, shape.intermediate, False)}, dtype)
+    launches += lora_launches(shape, dtype)
+    return launches
+
+
+# LoRA (backend/lora/): the slot ranks compiled (max_lora_rank padded to a power of two >= 16), and
+# the segments of a step (the kernels read them from the device; only the grid changes with them).
+LORA_RANKS = (16, 64)
+LORA_SLOTS = 4
+
+
+def lora_launches(shape: ModelShape, dtype: torch.dtype) -> list[Launch]:
+    """The segmented shrink and expand of each fused projection, as backend/lora/step.py launches
+    them: the banks of LORA_SLOTS slots, x and out in the model's dtype, y float32."""
+    h, g, d, hidden, inter = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
+    projections = {"qkv": (hidden, (0, h * d, (h + g) * d, (h + 2 * g) * d)), "o": (h * d, (0, hidden)),
+                   "gate_up": (hidden, (0, inter, 2 * inter)), "down": (inter, (0, hidden))}
+    launches = []
+    for rank in LORA_RANKS:
+        for tokens in (1, 48):
+            table = torch.zeros(3, 2 * LORA_SLOTS, dtype=torch.int32)
+            segments = Segments([], table[0], table[1], table[2], tokens)
+            for fan_in, bounds in projections.values():
+                shards = len(bounds) - 1
+                x = torch.zeros(tokens, fan_in, dtype=dtype)
+                out = torch.zeros(tokens, bounds[-1], dtype=dtype)
+                a_bank = torch.zeros(LORA_SLOTS, shards * rank, fan_in, dtype=dtype)
+                b_bank = torch.zeros(LORA_SLOTS, bounds[-1], rank, dtype=dtype)
+                y = torch.zeros(tokens, shards * rank, dtype=torch.float32)
+                launches += [plan_lora_shrink(x, a_bank, y, segments), plan_lora_expand(y, b_bank, bounds, segments, out)]
     return launches
 
 

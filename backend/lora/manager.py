@@ -51,6 +51,7 @@ class LoRAManager:
         if kernels:
             from kernels.lora_sgmv import lora_add
             self._lora_add, self._on_device = lora_add, True
+            LoRAStep.warm_up(self.bank, lora_add)
         else:
             from kernels.lora_reference import lora_add
             self._lora_add, self._on_device = lora_add, False

@@ -136,17 +136,3 @@ def lora_name_of(lora: LoRALike) -> Optional[str]:
         return None
     return check_name(lora.lora_name if isinstance(lora, LoRARequest) else lora)
 
-
-def configured_adapters(params: Mapping[str, str], repo_root: Union[str, Path, None] = None) -> dict[str, str]:
-    """The adapters an engine with these config.pbtxt parameters loads at start ({} without
-    enable_lora): what the OpenAI server lists as models. A relative model_path is taken from the
-    repository root, as the Triton model takes it."""
-    from backend.config import EngineConfig  # (config imports this module)
-
-    config = EngineConfig.from_params(params)
-    if not config.enable_lora:
-        return {}
-    model_path = config.model_path
-    if model_path and not Path(model_path).is_absolute():
-        model_path = str(Path(repo_root or Path(__file__).resolve().parents[2]) / model_path)
-    return adapter_sources(model_path, config.lora_modules)

@@ -140,4 +140,7 @@ def test_each_kernel_compiles_to_a_few_variants_whatever_the_step():
                       # the quantized GEMMs: 3 variants (decode 16, decode 64, prefill) per qtype, and the
                       # prefill with bias; a qtype is a constexpr (7 GGUF, 3 8-bit, AWQ)
                       "gguf_gemm_kernel": 21, "w8_gemm_kernel": 9, "awq_gemm_kernel": 3,
-                      "split_k_reduce_kernel": 1}, counts
+                      "split_k_reduce_kernel": 1,
+                      # LoRA: the shrink per tile width (16, 32, 64: shards x rank), the expand per
+                      # projection shape (qkv, o/down, gate_up) x rank (16, 64), whatever the tokens
+                      "lora_shrink_kernel": 3, "lora_expand_kernel": 6}, counts
