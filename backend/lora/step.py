@@ -5,8 +5,9 @@ step to that projection's output, in place.
 The segments come from the step's rows grouped by adapter (backend/lora/segments.py), made once
 per step and kept per fused projection (an adapter that does not touch a projection is left out
 of its segments). On CUDA the segmented Triton kernels run (kernels/lora_sgmv.py: one shrink and
-one expand launch per projection, whatever the mix); elsewhere the torch reference, a matmul per
-segment on row slices (kernels/lora_reference.py).
+one expand launch per projection, whatever the mix); elsewhere the batched CPU path
+(cpu_sgmv.py: the step's rows gathered per slot, batched matmuls), or the torch reference's loop
+over segments on row slices (kernels/lora_reference.py) where padding the slots would waste more.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from backend.device import to_device
 from backend.lora.bank import LoRABank
+from backend.lora.cpu_sgmv import GatherPlan, gather_plan, lora_add_batched
 from backend.lora.peft_format import FUSED
 from kernels.lora_reference import Segments
 
@@ -32,8 +34,17 @@ class LoRAStep:
         self.lora_add = lora_add
         self.segments: dict[str, Segments] = {
             fused: Segments([r for r in runs if every_projection or fused in bank.targets[r[2]]]) for fused in FUSED}
+        self.plans: dict[str, Optional[GatherPlan]] = {}
         if on_device:
             self._to_device(num_rows)
+        else:  # the batched CPU path where it pays (cpu_sgmv.py), made once for every layer
+            device = next(iter(bank.a.values())).device
+            made: dict[tuple, Optional[GatherPlan]] = {}
+            for fused, seg in self.segments.items():
+                key = tuple(seg.runs)
+                if key not in made:
+                    made[key] = gather_plan(seg.runs, device)
+                self.plans[fused] = made[key]
 
     @classmethod
     def warm_up(cls, bank: LoRABank, lora_add: Callable) -> None:
@@ -67,6 +78,9 @@ class LoRAStep:
         if not segments.runs:
             return out
         key = (layer, projection)
+        plan = self.plans.get(projection)
+        if plan is not None:
+            return lora_add_batched(out, x, self.bank.a[key], self.bank.b[key], self.bank.shard_bounds[projection], plan)
         return self.lora_add(out, x, self.bank.a[key], self.bank.b[key], self.bank.shard_bounds[projection], segments)
 
 
