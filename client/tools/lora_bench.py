@@ -9,6 +9,10 @@ by step: the adapters dealt round robin to the requests before the step, 0 being
 so a shared machine's load hits every count alike; each figure is the median of its steps. The
 report is each count's step against the base step's (0 adapters: the same engine, no LoRA work in
 the step). What the tokens are does not matter here, only what the step computes.
+
+`--loop-too` adds, interleaved the same way, each count above 1 on the CPU's loop over segments
+(kernels/lora_reference.py) instead of the batched path (backend/lora/cpu_sgmv.py): what decided
+which one the engine takes.
 """
 from __future__ import annotations
 
@@ -52,11 +56,12 @@ def write_random_adapter(model_path: str, folder: Path, rank: int, seed: int, b_
 
 
 def run(model_path: str, batch: int, counts: Sequence[int], rank: int, context: int, steps: int, rounds: int,
-        seed: int, params: Optional[dict] = None) -> dict:
+        seed: int, params: Optional[dict] = None, loop_too: bool = False) -> dict:
     from backend import LLM, SamplingParams
+    from backend.lora import cpu_sgmv
 
     most = max(counts)
-    decode = rounds * steps * 2 * len(counts) + 8  # the steps every request lives through
+    decode = rounds * steps * 2 * (len(counts) + loop_too * len(counts)) + 8  # the steps every request lives through
     with tempfile.TemporaryDirectory() as tmp:
         adapters = {f"lora{i}": write_random_adapter(model_path, Path(tmp) / f"lora{i}", rank, seed + i)
                     for i in range(max(most, 1))}
@@ -66,7 +71,9 @@ def run(model_path: str, batch: int, counts: Sequence[int], rank: int, context: 
     engine = llm.engine
     rng = np.random.default_rng(seed)
     names = list(adapters)
-    order = list(counts) + list(reversed(counts))
+    kinds = [(c, "batched") for c in counts] + [(c, "loop") for c in counts if loop_too and c > 1]
+    order = kinds + kinds[::-1]
+    batched_waste = cpu_sgmv.MAX_WASTE
     sampling = SamplingParams(max_tokens=decode, temperature=0.0, ignore_eos=True)
     requests = [engine.add_request(f"bench-{i}", [int(t) for t in rng.integers(10, engine.vocab_size, context)],
                                    sampling) for i in range(batch)]
@@ -74,18 +81,21 @@ def run(model_path: str, batch: int, counts: Sequence[int], rank: int, context: 
     while len(started) < batch:  # every request prefilled and decoding
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     engine.step()
-    times: dict[int, list[float]] = {c: [] for c in counts}
+    times: dict[tuple[int, str], list[float]] = {k: [] for k in kinds}
     for _ in range(rounds * steps):
-        for count in order:
+        for count, path in order:
             # the same running batch, dealt `count` adapters for this step (what the runner reads)
             for i, req in enumerate(requests):
                 req.lora_name = names[i % count] if count else None
+            cpu_sgmv.MAX_WASTE = batched_waste if path == "batched" else float("-inf")  # -inf: never batched
             t0 = time.perf_counter()
             engine.step()
-            times[count].append(time.perf_counter() - t0)
-    base = statistics.median(times[counts[0]])
-    rows = [{"adapters": c, "step_ms": 1e3 * statistics.median(times[c]), "vs_base": statistics.median(times[c]) / base,
-             "steps_timed": len(times[c])} for c in counts]
+            times[(count, path)].append(time.perf_counter() - t0)
+    cpu_sgmv.MAX_WASTE = batched_waste
+    base = statistics.median(times[kinds[0]])
+    rows = [{"adapters": c, "path": path, "step_ms": 1e3 * statistics.median(times[(c, path)]),
+             "vs_base": statistics.median(times[(c, path)]) / base, "steps_timed": len(times[(c, path)])}
+            for c, path in kinds]
     return {"model": model_path, "batch": batch, "rank": rank, "context": context, "threads": torch.get_num_threads(),
             "rows": rows}
 
@@ -100,6 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="rounds of 0 1 4 4 1 0 per --rounds")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loop-too", action="store_true", help="also time each count > 1 on the loop over segments")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="an engine parameter")
     p.add_argument("--output-json", type=Path)
     args = p.parse_args(argv)
@@ -109,11 +120,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     params = dict(kv.split("=", 1) for kv in args.param)
     from backend.config import EngineConfig
     params = {k: v for k, v in vars(EngineConfig.from_params(params)).items() if k in params}
-    report = run(args.model_path, args.batch, counts, args.rank, args.context, args.steps, args.rounds, args.seed, params)
+    report = run(args.model_path, args.batch, counts, args.rank, args.context, args.steps, args.rounds, args.seed, params,
+                 args.loop_too)
     print(f"{report['model']}: batch {report['batch']}, rank {report['rank']}, context {report['context']}, "
           f"{report['threads']} thread(s)")
     for row in report["rows"]:
-        print(f"  {row['adapters']} adapter(s): {row['step_ms']:.1f} ms/step, {row['vs_base']:.2f}x the base step "
+        path = " (loop over segments)" if row["path"] == "loop" else ""
+        print(f"  {row['adapters']} adapter(s){path}: {row['step_ms']:.1f} ms/step, {row['vs_base']:.2f}x the base step "
               f"({row['steps_timed']} steps)")
     if args.output_json:
         args.output_json.write_text(json.dumps(report, indent=1))
