@@ -69,3 +69,18 @@ def merged_greedy(base_dir: Path, adapter_dir: Optional[Path], prompts: list[lis
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     return hf_greedy(model, prompts, max_tokens)
+
+
+def record_steps(llm):
+    """The adapters (and whether base rows were there) of each step the runner ran."""
+    seen = []
+    manager = llm.engine.runner.lora
+    inner = manager.step
+
+    def step(runs, num_rows):
+        rows = sum(e - s for s, e, _ in runs)
+        seen.append(({n for _, _, n in runs}, rows < num_rows))
+        return inner(runs, num_rows)
+
+    manager.step = step
+    return seen

@@ -11,7 +11,7 @@ import pytest
 
 from backend import LLM, LoRARequest, SamplingParams
 from backend.make_model import make_model
-from lora_adapters import AdapterSpec, make_adapter, merged_greedy
+from lora_adapters import AdapterSpec, make_adapter, merged_greedy, record_steps
 
 MAX_TOKENS = 10
 # a: every projection; b: q and v only (k's slice of the fused qkv stays untouched), rsLoRA;
@@ -46,21 +46,6 @@ def oracle(base, adapters, prompts, names):
         for i, tokens in zip(idx, got):
             out[i] = tokens
     return out
-
-
-def record_steps(llm):
-    """The adapters (and whether base rows were there) of each step the runner ran."""
-    seen = []
-    manager = llm.engine.runner.lora
-    inner = manager.step
-
-    def step(runs, num_rows):
-        rows = sum(e - s for s, e, _ in runs)
-        seen.append(({n for _, _, n in runs}, rows < num_rows))
-        return inner(runs, num_rows)
-
-    manager.step = step
-    return seen
 
 
 def test_three_adapters_and_the_base_mixed_in_one_batch_equal_the_merged_oracle(tiny):

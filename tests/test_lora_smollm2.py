@@ -7,18 +7,19 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.text.tokenizer import Tokenizer
-from lora_adapters import AdapterSpec, make_adapter, merged_greedy
+from lora_adapters import AdapterSpec, make_adapter, merged_greedy, record_steps
 from smollm2 import smollm2_dir
 
 MAX_TOKENS = 8
 SPECS = {
     "all16": AdapterSpec(r=16, alpha=32, b_std=0.05),
     "attn8": AdapterSpec(r=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"), b_std=0.12),
-    "mlp_rs": AdapterSpec(r=4, alpha=4, targets=("gate_proj", "up_proj", "down_proj"), use_rslora=True, b_std=0.12),
+    # rsLoRA at rank 8: alpha / sqrt(r) is 2.8x alpha / r, enough to change its greedy answers
+    "mlp_rs": AdapterSpec(r=8, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), use_rslora=True, b_std=0.12),
 }
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colors:",
-           "The weather today", "1, 2, 3, 4,"]
-NAMES = ["all16", None, "mlp_rs", "attn8", "all16", None]
+           "The weather today", "1, 2, 3, 4,", "Here is a short story about the sea:"]
+NAMES = ["all16", None, "mlp_rs", "attn8", "all16", None, "mlp_rs"]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,10 @@ def test_smollm2_three_adapters_and_the_base_in_one_batch_equal_the_merged_oracl
     base, adapters, prompts = setup
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_model_len=256,
               max_tokens_in_paged_kv_cache=4096, lora_modules=",".join(f"{n}={p}" for n, p in adapters.items()))
+    steps = record_steps(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
                         lora_request=NAMES)
+    assert any(names == set(SPECS) and base_rows for names, base_rows in steps), steps  # all in one step
     want = [None] * len(prompts)
     for name in dict.fromkeys(NAMES):
         idx = [i for i, n in enumerate(NAMES) if n == name]
