@@ -71,6 +71,18 @@ def merged_greedy(base_dir: Path, adapter_dir: Optional[Path], prompts: list[lis
     return hf_greedy(model, prompts, max_tokens)
 
 
+def merged_oracle(base_dir: Path, adapters: dict, prompts: list[list[int]], names: list[Optional[str]],
+                  max_tokens: int) -> list[list[int]]:
+    """The merged models' greedy tokens for each (prompt, adapter name or None), one merge per adapter."""
+    out: list = [None] * len(prompts)
+    for name in dict.fromkeys(names):
+        idx = [i for i, n in enumerate(names) if n == name]
+        got = merged_greedy(base_dir, adapters[name] if name else None, [prompts[i] for i in idx], [max_tokens] * len(idx))
+        for i, tokens in zip(idx, got):
+            out[i] = tokens
+    return out
+
+
 def record_steps(llm):
     """The adapters (and whether base rows were there) of each step the runner ran."""
     seen = []

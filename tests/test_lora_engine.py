@@ -11,7 +11,7 @@ import pytest
 
 from backend import LLM, LoRARequest, SamplingParams
 from backend.make_model import make_model
-from lora_adapters import AdapterSpec, make_adapter, merged_greedy, record_steps
+from lora_adapters import AdapterSpec, make_adapter, merged_oracle, record_steps
 
 MAX_TOKENS = 10
 # a: every projection; b: q and v only (k's slice of the fused qkv stays untouched), rsLoRA;
@@ -38,14 +38,7 @@ def prompts_for(n, seed=0, vocab=2000):
 
 
 def oracle(base, adapters, prompts, names):
-    """The merged model's greedy tokens for each (prompt, adapter name or None)."""
-    out = [None] * len(prompts)
-    for name in dict.fromkeys(names):
-        idx = [i for i, n in enumerate(names) if n == name]
-        got = merged_greedy(base, adapters[name] if name else None, [prompts[i] for i in idx], [MAX_TOKENS] * len(idx))
-        for i, tokens in zip(idx, got):
-            out[i] = tokens
-    return out
+    return merged_oracle(base, adapters, prompts, names, MAX_TOKENS)
 
 
 def test_three_adapters_and_the_base_mixed_in_one_batch_equal_the_merged_oracle(tiny):

@@ -7,7 +7,7 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.text.tokenizer import Tokenizer
-from lora_adapters import AdapterSpec, make_adapter, merged_greedy, record_steps
+from lora_adapters import AdapterSpec, make_adapter, merged_greedy, merged_oracle, record_steps
 from smollm2 import smollm2_dir
 
 MAX_TOKENS = 8
@@ -39,12 +39,7 @@ def test_smollm2_three_adapters_and_the_base_in_one_batch_equal_the_merged_oracl
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
                         lora_request=NAMES)
     assert any(names == set(SPECS) and base_rows for names, base_rows in steps), steps  # all in one step
-    want = [None] * len(prompts)
-    for name in dict.fromkeys(NAMES):
-        idx = [i for i, n in enumerate(NAMES) if n == name]
-        got = merged_greedy(base, adapters[name] if name else None, [prompts[i] for i in idx], [MAX_TOKENS] * len(idx))
-        for i, tokens in zip(idx, got):
-            want[i] = tokens
+    want = merged_oracle(base, adapters, prompts, NAMES, MAX_TOKENS)
     assert [o.token_ids for o in outs] == want
     # every adapter matters: on each of its prompts it answers otherwise than the base model
     base_answers = merged_greedy(base, None, prompts, [MAX_TOKENS] * len(prompts))

@@ -16,7 +16,7 @@ from openai_server.launcher import OpenAIServer
 
 from .conftest import MODEL_DIR, requires_tritonserver, wait_until
 from .raw_requests import array, grpc_stream
-from .test_vllm_backend_clients import PROMPTS, sample_client_request
+from .test_vllm_backend_clients import PROMPTS, run_sample_client
 
 pytestmark = requires_tritonserver
 openai = pytest.importorskip("openai")
@@ -75,7 +75,9 @@ def test_the_vllm_backends_lora_request_answers_with_each_adapter_mixed_on_one_s
     answers = {}
     for k in range(len(names)):
         chosen = [names[(i + k) % len(names)] for i in range(len(PROMPTS))]
-        results, errors = asyncio.run(run_mixed(lora_server.grpc_url, chosen))
+        sampling = [{"temperature": "0", "max_tokens": str(MAX_TOKENS), "ignore_eos": "true",
+                     **({"lora_name": adapter} if adapter else {})} for adapter in chosen]
+        results, errors = asyncio.run(run_sample_client(lora_server.grpc_url, sampling, stream=True))
         assert errors == []
         for i, adapter in enumerate(chosen):
             answers[(i, adapter)] = b"".join(results[str(i)]).decode()
@@ -83,31 +85,6 @@ def test_the_vllm_backends_lora_request_answers_with_each_adapter_mixed_on_one_s
         assert text == reference(PROMPTS[i], adapter), (i, adapter)
     for i in range(len(PROMPTS)):
         assert len({answers[(i, a)] for a in names}) == 4  # four different models
-
-
-async def run_mixed(url, adapters):
-    import tritonclient.grpc.aio as grpcaio
-
-    results = {str(i): [] for i in range(len(PROMPTS))}
-    errors = []
-
-    async def requests():
-        for i, (prompt, adapter) in enumerate(zip(PROMPTS, adapters)):
-            sampling = {"temperature": "0", "max_tokens": str(MAX_TOKENS), "ignore_eos": "true"}
-            if adapter:
-                sampling["lora_name"] = adapter
-            yield sample_client_request(prompt, i, sampling, stream=True, exclude_input_in_output=True)
-
-    client = grpcaio.InferenceServerClient(url=url)
-    try:
-        async for result, error in client.stream_infer(inputs_iterator=requests(), stream_timeout=120):
-            if error:
-                errors.append(error)
-            else:
-                results[result.get_response().id].extend(result.as_numpy("text_output"))
-    finally:
-        await client.close()
-    return results, errors
 
 
 def test_lora_name_as_a_request_parameter_and_unknown_names_listing_the_loaded(lora_server, reference):

@@ -37,13 +37,15 @@ def sample_client_request(prompt, request_id, sampling, stream=False, exclude_in
 
 
 async def run_sample_client(url, sampling, stream=False):
-    """samples/client.py process_stream(): every prompt on one stream, text_output gathered by id."""
+    """samples/client.py process_stream(): every prompt on one stream, text_output gathered by id.
+    `sampling`: one dict for every prompt, or a list of one per prompt."""
     results = {str(i): [] for i in range(len(PROMPTS))}
     errors = []
 
     async def requests():
         for i, prompt in enumerate(PROMPTS):
-            yield sample_client_request(prompt, i, sampling, stream, exclude_input_in_output=stream)
+            yield sample_client_request(prompt, i, sampling[i] if isinstance(sampling, list) else sampling, stream,
+                                        exclude_input_in_output=stream)
 
     client = grpcaio.InferenceServerClient(url=url)
     try:
