@@ -10,6 +10,8 @@ Q4_K_M gives v_proj or down_proj a bigger type than their neighbours): one GEMM 
 
 `quantize_q8_0` makes the Q8_0 arrays of a float matrix (`quantization=int8`: int8 weights with a
 float16 scale per 32 values, as llama.cpp's Q8_0), so float checkpoints reuse the same kernels.
+`quantization=fp8` (CUDA, sm_89+) holds `FP8` matrices (kernels/quant_formats.py): e4m3 codes with
+a float32 scale per output channel, run by the Triton W8 GEMM.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from kernels.quant_reference import ARRAYS, QK, dequantize
+from kernels import quant_formats
+from kernels.quant_reference import ARRAYS, QK
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +45,20 @@ def packed_matmul(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor]
     if x.is_cuda:
         from kernels.quant_dispatch import quant_linear  # triton loads with the first CUDA call
         return quant_linear(x, qtype, parts, bias)
-    out = torch.nn.functional.linear(x.float(), dequantize(qtype, parts), None if bias is None else bias.float())
-    return out.to(x.dtype)
+    return quant_formats.linear_reference(x, qtype, parts, bias)
 
 
 class QuantLinear(nn.Module):
     def __init__(self, qtype: str, parts: Mapping[str, torch.Tensor], bias: bool = False):
         super().__init__()
-        missing = set(ARRAYS.get(qtype, ())) - set(parts)
-        if qtype not in ARRAYS or missing:
-            raise ValueError(f"QuantLinear: a {qtype} matrix needs {', '.join(ARRAYS.get(qtype, ('a known type',)))}")
+        arrays = ARRAYS.get(qtype) or quant_formats.ARRAYS.get(qtype)
+        if arrays is None or set(arrays) - set(parts):
+            raise ValueError(f"QuantLinear: a {qtype} matrix needs {', '.join(arrays or ('a known type',))}")
         self.qtype = qtype
-        qweight = parts["qweight"]
-        self.out_features = qweight.shape[0]
-        self.in_features = qweight.shape[1] * (1 if qtype == "Q8_0" else 2)
-        device = qweight.device
-        self.kernel = cpu_kernel(qtype, parts) if device.type == "cpu" else None
+        self.out_features, self.in_features = quant_formats.logical_shape(qtype, parts)
+        device = parts["qweight"].device
+        # The C kernels read GGUF's types; the GPU formats (FP8 ...) run the reference off CUDA.
+        self.kernel = cpu_kernel(qtype, parts) if device.type == "cpu" and qtype in ARRAYS else None
         # The kernel keeps its own re-laid copy; the packed arrays stay only for the reference.
         self.parts = {} if self.kernel is not None else {k: v.contiguous() for k, v in parts.items()}
         self.bias = nn.Parameter(torch.zeros(self.out_features, device=device), requires_grad=False) if bias else None
@@ -81,7 +82,7 @@ class QuantLinear(nn.Module):
         if self.kernel is not None:
             return self.kernel.rows(ids.reshape(-1)).view(*ids.shape, self.in_features)
         picked = {k: v[ids.reshape(-1)] for k, v in self.parts.items()}
-        return dequantize(self.qtype, picked).view(*ids.shape, self.in_features)
+        return quant_formats.dequantize(self.qtype, picked).view(*ids.shape, self.in_features)
 
     def extra_repr(self) -> str:
         where = f"C kernel ({self.kernel.isa})" if self.kernel is not None else "torch reference"

@@ -25,6 +25,7 @@ from backend.models.quant_linear import (ConcatLinear, QuantEmbedding, QuantLine
 from kernels.quant_reference import ARRAYS, QK, dequantize
 
 log = logging.getLogger(__name__)
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper (kernels/quant_w8_gemm.py)
 PACKED_ARRAYS = {name for names in ARRAYS.values() for name in names}
 
 
@@ -70,8 +71,14 @@ def resolve_quantization(requested: str, model_cfg: ModelConfig, device: torch.d
         raise ValueError(f"quantization={requested} quantizes float weights; this checkpoint is already "
                          "quantized (gguf); use auto, gguf, or none to dequantize it")
     if requested == "fp8":
-        raise ValueError("quantization=fp8 needs a CUDA GPU with fp8 support (sm_89+) and its kernels; "
-                         f"this engine runs on {device.type}")
+        if device.type != "cuda":
+            raise ValueError("quantization=fp8 needs a CUDA GPU with fp8 support (compute capability 8.9+, "
+                             f"Ada or Hopper); this engine runs on {device.type} (int8 is the CPU's weight-only "
+                             "quantization)")
+        capability = tuple(torch.cuda.get_device_capability(device))
+        if capability < FP8_MIN_CAPABILITY:
+            raise ValueError(f"quantization=fp8 needs compute capability 8.9 or newer (Ada, Hopper); {device} "
+                             f"has {capability[0]}.{capability[1]}: use int8 or none")
     return requested
 
 
@@ -165,6 +172,25 @@ def _quantize_int8(model: LlamaForCausalLM) -> None:
                     "%d values: %s", len(kept), QK, ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
 
 
+def _quantize_fp8(model: LlamaForCausalLM) -> None:
+    """quantization=fp8: the decoder layers' projections become FP8 QuantLinears (e4m3, a float32
+    scale per output channel, quantized where the weight lies: on the GPU). The embedding and the
+    lm_head stay in the model's dtype, as vLLM's fp8 leaves them: the logits are the most
+    sensitive product and a small share of the weights of the models fp8 is for."""
+    from kernels.quant_formats import quantize_fp8
+
+    names = [n for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:  # by name, so each float matrix is freed once replaced (the peak: one more)
+        parent, _, child = name.rpartition(".")
+        owner = model.layers.get_submodule(parent)
+        linear = getattr(owner, child)
+        new = QuantLinear("FP8", quantize_fp8(linear.weight.detach()), bias=linear.bias is not None)
+        if linear.bias is not None:
+            new.bias.data.copy_(linear.bias.detach().float())
+        setattr(owner, child, new)
+        del linear
+
+
 def _weight_bytes(model: nn.Module) -> int:
     seen, total = set(), 0
     for module in model.modules():
@@ -205,6 +231,8 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
                     setattr(module, name, nn.Parameter(param.detach().to(compute), requires_grad=False))
     if quantization == "int8":
         _quantize_int8(model)
+    elif quantization == "fp8":
+        _quantize_fp8(model)
     rows: Callable[[int], int] = lambda n: n  # noqa: E731
     if ops_name == "cpu" and can_pack(device, dtype):
         pack_linears(model)  # the float linears left: oneDNN GEMMs on reordered weights
@@ -213,6 +241,8 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
     weight_bytes = _weight_bytes(model)
     float32_bytes = _float32_bytes(model_cfg)
     kind = {"gguf": f"gguf ({describe(modules)})", "int8": "int8 (Q8_0: int8, a float16 scale per 32)",
+            "fp8": "fp8 (e4m3, a float32 scale per output channel; embedding and lm_head "
+                   f"{str(dtype).removeprefix('torch.')})",
             "none": f"none ({str(dtype).removeprefix('torch.')})"}[quantization]
     summary = (f"quantization={kind}; resident weights {weight_bytes / 1e6:.1f} MB "
                f"({weight_bytes / float32_bytes:.0%} of float32's {float32_bytes / 1e6:.1f} MB)")

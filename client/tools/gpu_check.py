@@ -172,11 +172,12 @@ def markdown(res: dict) -> str:
     if d.get("rows"):
         lines += ["", f"Engine decode step (LLMEngine.step), {d['weight_gb']:.2f} GB of weights, copy bandwidth "
                       f"{d['copy_bandwidth_gbs']:.0f} GB/s:", "",
-                  "| batch | context | graphs | engine ms | microbench ms | floor ms | % of floor | tok/s |",
-                  "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {r['batch']} | {r['context']} | {'on' if r['graphs'] else 'off'} | {r['engine_ms']:.2f} | "
+                  "| batch | context | weights | graphs | engine ms | microbench ms | floor ms | % of floor | tok/s |",
+                  "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['batch']} | {r['context']} | {r.get('weights', 'none')} | {'on' if r['graphs'] else 'off'} | {r['engine_ms']:.2f} | "
                   f"{(r['microbench_ms'] or 0):.2f} | {r['floor_ms']:.2f} | {r['pct_of_floor']:.1f} | {r['tokens_per_s']:.0f} |"
                   for r in d["rows"]]
+        lines += ["", f"quantization=fp8: {d.get('fp8', 'not run')} (the fp8 rows' floor counts their own bytes)."]
     s = parts.get("served", {})
     if "devices" in s:
         lines += ["", f"Served, two instances on one device: devices {s['devices']['devices']} "

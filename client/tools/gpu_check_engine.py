@@ -7,9 +7,12 @@ greedy  The engine (on cuda:N, the machine's last GPU, dtype auto: bfloat16 for 
         texts differ legitimately, and teacher forcing keeps checking on the engine's own path.
 decode  The engine's real decode step (LLMEngine.step: scheduling, step inputs, the model,
         sampling, outputs) at batch x context points, with CUDA graphs and with enforce_eager,
-        against the bandwidth floor (weights + KV read once at the measured copy bandwidth) and
-        beside client.tools.kernel_bench's CUDA-graphed step of the same model shape built from the kernels
-        alone (the microbenchmark: no engine around it).
+        and with quantization=fp8 (graphs on) where the GPU has fp8 (sm_89+), against the
+        bandwidth floor (weights + KV read once at the measured copy bandwidth) and beside
+        client.tools.kernel_bench's CUDA-graphed step of the same model shape built from the
+        kernels alone (the microbenchmark: no engine around it). The fp8 engine's tokens are
+        compared with the bf16 one's on the same prompts (reported, not judged: fp8 may flip
+        near-ties).
 """
 from __future__ import annotations
 
@@ -104,14 +107,21 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
     shapes = plan["decode_shapes"]
     steps = plan["decode_steps"]
     kv_tokens = max(b * (ctx + steps + 16) for b, ctx in shapes)
-    rows = []
-    for graphs in (True, False):
+    on_gpu = device.startswith("cuda")
+    variants = [("none", True), ("none", False)]
+    fp8 = "skipped: the engine is on the CPU" if not on_gpu else None
+    if on_gpu and torch.cuda.get_device_capability(device) < (8, 9):
+        fp8 = "skipped: fp8 needs compute capability 8.9+"
+    if fp8 is None:
+        variants.append(("fp8", True))
+    rows, tokens = [], {}
+    for quantization, graphs in variants:
         llm = LLM(str(model_dir), device=device, attention_backend=plan["attention_backend"], enforce_eager=not graphs,
                   max_num_seqs=max(b for b, _ in shapes), max_num_batched_tokens=plan["max_num_batched_tokens"],
-                  max_model_len=plan["max_model_len"], max_tokens_in_paged_kv_cache=kv_tokens)
+                  max_model_len=plan["max_model_len"], max_tokens_in_paged_kv_cache=kv_tokens,
+                  quantization=quantization)
         engine = llm.engine
-        weight_bytes = sum(p.numel() * p.element_size() for name, p in engine.runner.model.named_parameters()
-                           if "embed_tokens" not in name or cfg.tie_word_embeddings)
+        weight_bytes = _streamed_weight_bytes(engine.runner, cfg)
         rng = random.Random(9)
         for b, ctx in shapes:
             params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -125,12 +135,14 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
                 t0 = time.perf_counter()
                 engine.step()                                           # ends with the sampler's read back
                 times.append(time.perf_counter() - t0)
+            tokens[(quantization, graphs, b, ctx)] = [list(r.output_token_ids[:steps]) for r in reqs]
             for r in reqs:
                 engine.abort(r.request_id)
             kv_bytes = cfg.num_layers * 2 * b * (ctx + steps // 2) * cfg.num_kv_heads * cfg.head_dim * engine.runner.dtype.itemsize
             floor_ms = (weight_bytes + kv_bytes) / (copy_gbs * 1e9) * 1e3
             ms = statistics.median(times) * 1e3
-            rows.append(dict(batch=b, context=ctx, graphs=graphs, engine_ms=ms, floor_ms=floor_ms,
+            rows.append(dict(batch=b, context=ctx, graphs=graphs, weights=quantization, weight_gb=weight_bytes / 1e9,
+                             engine_ms=ms, floor_ms=floor_ms,
                              pct_of_floor=100 * floor_ms / ms, tokens_per_s=b / ms * 1e3,
                              captured=bool(engine.runner.graphs and engine.runner.graphs.graphs)))
         del llm, engine
@@ -139,9 +151,21 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
     for row in rows:
         m = micro.get((row["batch"], row["context"]))
         row["microbench_ms"] = m
-    on_gpu = device.startswith("cuda")
     ok = all(r["captured"] == (r["graphs"] and on_gpu) for r in rows)
-    return dict(ok=ok, copy_bandwidth_gbs=copy_gbs, weight_gb=weight_bytes / 1e9, steps=steps, rows=rows)
+    if fp8 is None:
+        same = [a == b for (q, g, *shape), outs in tokens.items() if q == "fp8"
+                for a, b in zip(outs, tokens[("none", True, *shape)])]
+        fp8 = f"{sum(same)}/{len(same)} requests with the bf16 engine's {steps} tokens"
+    return dict(ok=ok, copy_bandwidth_gbs=copy_gbs, weight_gb=rows[0]["weight_gb"], steps=steps, rows=rows, fp8=fp8)
+
+
+def _streamed_weight_bytes(runner, cfg) -> int:
+    """The weights a decode step reads: all that the runner holds (fp8 or not) but the embedding
+    table, of which a step reads only its tokens' rows (unless the lm_head is the same table)."""
+    embed = runner.model.embed_tokens
+    table = getattr(embed, "weight", None)
+    skip = 0 if cfg.tie_word_embeddings or table is None else table.numel() * table.element_size()
+    return runner.weights.weight_bytes - skip
 
 
 def _microbench(cfg, shapes: list[tuple[int, int]], copy_gbs: float) -> dict:

@@ -47,6 +47,7 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     assert {(r["batch"], r["context"], r["graphs"]) for r in decode} == {
         (b, c, g) for b, c in gpu_check.DRY["decode_shapes"] for g in (True, False)}
     assert all(r["engine_ms"] > 0 and r["microbench_ms"] > 0 and r["floor_ms"] > 0 for r in decode)
+    assert {r["weights"] for r in decode} == {"none"} and parts["decode"]["fp8"] == "skipped: the engine is on the CPU"
     served = parts["served"]
     assert served["kv"]["ok"] and served["requests"]["ok"] and served["throughput"]["ok"]
     for part in ("| kernels |", "Greedy vs transformers", "Engine decode step", "Served / in-process"):
