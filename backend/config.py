@@ -7,8 +7,11 @@ fields; `validate` is the single place a bad value is refused, with the key and 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from backend.spec.config import SpeculativeConfig, parse_speculative_config
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
 BATCHING_MODES = ("inflight", "dynamic", "static", "none")
@@ -58,6 +61,9 @@ class EngineConfig:
     # Streaming (the server): a response carries at least this many new tokens (the first token and
     # the last response go out at once), as vLLM's --stream-interval. 1: a response per step.
     stream_interval: int = 1
+    # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
+    # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
+    speculative_config: str = ""
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -73,6 +79,8 @@ class EngineConfig:
         return cls(**values)
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, Mapping):
+            self.speculative_config = json.dumps(dict(self.speculative_config))
         if self.executor_static_batch_size not in (-1, 0) and self.executor_static_batch_size > 0:
             self.batching_mode = "static"
         self.validate()
@@ -104,6 +112,14 @@ class EngineConfig:
         if self.dynamic_padding_threshold < 1.0:
             raise ValueError("dynamic_padding_threshold must be >= 1.0; "
                              f"got {self.dynamic_padding_threshold}")
+        if self.speculative is not None and self.batching_mode in ("static", "dynamic"):
+            raise ValueError(f"speculative_config needs batching_mode inflight or none; got '{self.batching_mode}' "
+                             "(padded batches run every member to the longest: nothing to speculate on)")
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        """speculative_config, parsed and checked (ValueError naming the key)."""
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def static_batch_size(self) -> int:

@@ -129,6 +129,8 @@ class StepInputs:
     prefill_max_q_len: int
     sampling: list                    # the Requests that sample, in sample_index order
     pure_decode: bool                 # no prefill rows: a decode step (graphable)
+    sampled_seqs: list                # their ScheduledSeqs (a verify row has 1 + drafts rows in sample_index)
+    has_drafts: bool                  # some row verifies drafts (backend/spec/rejection.py samples the step)
 
 
 def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
@@ -144,6 +146,7 @@ def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
     bs = tables.block_size
     sample_index: list[int] = []
     sampling = []
+    sampled_seqs = []
     end = empty_rows
     for s in seqs:  # plain ints: most rows are one decode token, where numpy costs more
         start, n = s.start, s.num_new_tokens
@@ -154,11 +157,14 @@ def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
             slots += [-1] * n
             continue
         table = s.block_table
-        ids += s.request.token_ids(start, start + n)
+        drafts = s.draft_token_ids  # a verify row: its last token, then its drafts
+        ids += s.request.token_ids(start, start + n - len(drafts))
+        ids += drafts
         slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
         if s.samples:
-            sample_index.append(end - 1)
+            sample_index += range(end - 1 - len(drafts), end)  # a verify row keeps every position's logits
             sampling.append(s.request)
+            sampled_seqs.append(s)
     nd = len(decodes)
     d_lens = [0] * empty_rows + [s.start + 1 for s in decodes]
     q_lens = [s.num_new_tokens for s in prefills]
@@ -178,7 +184,8 @@ def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
         decode_width=max([1] + [blocks(n) for n in d_lens]),
         prefill_width=max([1] + [blocks(n) for n in p_lens]),
         decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0),
-        sampling=sampling, pure_decode=not prefills)
+        sampling=sampling, pure_decode=not prefills, sampled_seqs=sampled_seqs,
+        has_drafts=any(s.draft_token_ids for s in sampled_seqs))
 
 
 def _to_device(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:
