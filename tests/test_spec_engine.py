@@ -132,3 +132,15 @@ def test_a_draft_equal_to_the_target_gives_k_plus_one_tokens_a_step(default_mode
         per_step += [len(o.new_token_ids) for o in llm.engine.step()]
     assert per_step == [1] + [4] * 10
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_seeded_request_draws_from_its_own_stream(engines, proposer):
+    """At temperature > 0 a request's tokens come from its own seeded stream: the same alone or
+    among others, while the budget lets every row have its drafts."""
+    ps = prompts(5, seed=6)
+    seeded = SamplingParams(max_tokens=25, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = run(engines[proposer], ps[:1], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True) for m in (7, 30, 12, 20)]
+    batched = run(engines[proposer], ps, [seeded] + others)[0].token_ids
+    assert alone == batched
