@@ -127,3 +127,19 @@ def _only_for(data: Mapping[str, Any], method: str, foreign: tuple[str, ...], al
     for key in foreign:
         if data.get(key) is not None and not (key == "model" and data[key] in (allow_model, f"[{allow_model}]")):
             raise ValueError(f"speculative_config.{key} does not apply to method {method}")
+
+
+def resolve_draft_path(value: str, root) -> str:
+    """speculative_config with a relative draft `model` made absolute from `root` (the repository
+    root for config.pbtxt, as model_path; the working directory for the command line). A value
+    that is not a JSON object is returned as it is: EngineConfig refuses it with the reason."""
+    import os
+
+    try:
+        data = json.loads(value)
+    except (TypeError, json.JSONDecodeError):
+        return value
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, str) or not model.strip() or model in ("ngram", "[ngram]") or os.path.isabs(model):
+        return value
+    return json.dumps({**data, "model": os.path.abspath(os.path.join(str(root), model))})
