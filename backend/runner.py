@@ -186,7 +186,7 @@ class ModelRunner:
         else:
             tokens = out.num_batched_tokens
             empty = self.padded_rows(tokens) - tokens
-        step = build_step(out, self.tables, empty)
+        step = build_step(out, self.tables, empty, verify_as_decode=self.ops.name == "cpu")
         if size is not None:
             hidden = self.graphs.run(step, self.tables.table)
         else:

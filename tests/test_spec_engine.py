@@ -144,3 +144,19 @@ def test_a_seeded_request_draws_from_its_own_stream(engines, proposer):
     others = [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True) for m in (7, 30, 12, 20)]
     batched = run(engines[proposer], ps, [seeded] + others)[0].token_ids
     assert alone == batched
+
+
+@pytest.mark.parametrize("backend, n, max_tokens", [("torch", 8, 16), ("triton", 1, 9)])
+def test_verify_rows_as_prefill_chunks(default_model_dir, backend, n, max_tokens):
+    """Off the CPU fast path (the GPU's Triton kernels, here under the interpreter, and the torch
+    references) a verify row is a multi-token chunk read by prefill attention: same tokens as the
+    references without speculation."""
+    path = str(default_model_dir)
+    ps = prompts(n, seed=8)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ref = run(LLM(path, **COMMON, attention_backend="torch"), ps, params)
+    llm = LLM(path, speculative_config={"model": path, "num_speculative_tokens": 3}, attention_backend=backend,
+              **COMMON)
+    out = run(llm, ps, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert llm.stats()["spec_decode_num_accepted_tokens"] == llm.stats()["spec_decode_num_draft_tokens"] > 0

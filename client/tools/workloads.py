@@ -14,8 +14,8 @@
   no-evict admission a large request that does not fit blocks every small one behind it.
 - `extractive`: answers that quote long spans of their prompt (chat, code editing, RAG and
   summarization copy from the context; what speculative decoding's n-gram proposer finds): each
-  prompt asks to copy a passage of the repository's corpus (`EXTRACTIVE["passage"]` tokens) word
-  for word, through the checkpoint's chat template when it has one, and `max_tokens` is the
+  prompt asks to repeat a passage of the repository's corpus (`EXTRACTIVE["passage"]` tokens)
+  verbatim, through the checkpoint's chat template when it has one, and `max_tokens` is the
   passage's length plus a few. It needs a tokenizer for exact lengths (token ids by default, the
   text with `prompt_format="text"`); without one, text measured in words.
 - `FILE.jsonl`: one request per line, `{"prompt": "..."}` or `{"input_ids": [...]}` plus
@@ -44,9 +44,10 @@ DEFAULT_VOCAB_SIZE = 2000  # the default model's
 MIXED = dict(prompt_mean=4.5, prompt_sigma=0.8, prompt_min=8, prompt_max=1024,
              output_mean=4.2, output_sigma=0.7, output_min=8, output_max=512)
 HOL = dict(every=8, large_prompt=64, large_output=600, small_prompt=(16, 64), small_output=(8, 48))
-EXTRACTIVE = dict(passage=(120, 360), extra_output=8,
-                  instructions=("Copy the following text exactly, word for word:", "Repeat this passage verbatim:",
-                                "Quote the text below exactly as it is written:"))
+# The instruction is the one SmolLM2-135M-Instruct follows best (checked on 6 passages: 5 answers
+# quote their passage for 85-96% of their 4-grams; "copy ... word for word" and "rewrite ... exactly"
+# did so for 2 or 3 of 6).
+EXTRACTIVE = dict(passage=(120, 360), extra_output=8, instruction="Repeat this passage verbatim:")
 WORKLOADS = ("fixed", "mixed", "hol", "extractive")
 
 
@@ -135,7 +136,7 @@ def _extractive(rng: np.random.Generator, n: int, arrivals: list[float], prompt_
     items = []
     for i, t in enumerate(arrivals):
         passage, passage_len = _text_prompt(rng, words, int(rng.integers(*EXTRACTIVE["passage"])), tokenizer)
-        ask = f"{EXTRACTIVE['instructions'][int(rng.integers(len(EXTRACTIVE['instructions'])))]}\n\n{passage}"
+        ask = f"{EXTRACTIVE['instruction']}\n\n{passage}"
         max_tokens = passage_len + EXTRACTIVE["extra_output"]
         if max_output_len:
             max_tokens = min(max_tokens, max_output_len)
