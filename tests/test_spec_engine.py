@@ -160,3 +160,46 @@ def test_verify_rows_as_prefill_chunks(default_model_dir, backend, n, max_tokens
     out = run(llm, ps, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     assert llm.stats()["spec_decode_num_accepted_tokens"] == llm.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_batching_mode_none_speculates_too(default_model_dir):
+    path = str(default_model_dir)
+    ps = prompts(4, seed=9)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    ref = run(LLM(path, batching_mode="none", **COMMON), ps, params)
+    llm = LLM(path, batching_mode="none", speculative_config={"model": path, "num_speculative_tokens": 2}, **COMMON)
+    assert [o.token_ids for o in run(llm, ps, params)] == [o.token_ids for o in ref]
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_both_sizes(default_model_dir, tmp_path):
+    from backend.make_model import make_model
+
+    other = make_model(tmp_path / "wide", vocab_size=2048)
+    with pytest.raises(ValueError, match="the draft's vocabulary has 2048 tokens, the target's 2000"):
+        LLM(str(default_model_dir), speculative_config={"model": str(other), "num_speculative_tokens": 2}, **COMMON)
+    with pytest.raises(ValueError, match=r"speculative_config.max_model_len \(9000\) exceeds what the draft supports \(4096\)"):
+        LLM(str(default_model_dir), speculative_config={"model": str(default_model_dir), "num_speculative_tokens": 2,
+                                                        "max_model_len": 9000}, **COMMON)
+
+
+def test_constrained_rows_do_not_speculate_and_stay_valid(engines):
+    """Structured outputs: a constrained request gets no drafts (its grammar would have to follow
+    and roll back each one); unconstrained ones beside it still speculate."""
+    import re
+
+    regex = r"(ab|cd){2,6}x"
+    ps = prompts(3, seed=10)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, structured_outputs={"regex": regex}),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=3, structured_outputs={"regex": regex}),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
+    ref = run(engines["plain"], ps, params)
+    llm = engines["draft"]
+    before = llm.stats()["spec_decode_num_draft_tokens"]
+    out = run(llm, ps, params)
+    assert all(re.fullmatch(regex, o.text) for o in out[:2])
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert llm.stats()["spec_decode_num_draft_tokens"] - before <= 3 * 29  # the free row's drafts only
+    alone = llm.stats()["spec_decode_num_draft_tokens"]
+    run(llm, ps[:2], params[:2])
+    assert llm.stats()["spec_decode_num_draft_tokens"] == alone
