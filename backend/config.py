@@ -17,6 +17,8 @@ POLICIES = ("guaranteed_no_evict", "max_utilization")
 BATCHING_MODES = ("inflight", "dynamic", "static", "none")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")  # docs/quantization.md
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -61,6 +63,12 @@ class EngineConfig:
     # Streaming (the server): a response carries at least this many new tokens (the first token and
     # the last response go out at once), as vLLM's --stream-interval. 1: a response per step.
     stream_interval: int = 1
+    # Quantized weights and KV cache (docs/quantization.md). quantization: auto = the checkpoint's
+    # (gguf for a packed `inflight import-gguf` folder, else none); none = float weights (a packed
+    # folder is dequantized at load); gguf = packed weights as they are; int8 = float weights
+    # quantized at load (int8, a scale per 32 values); fp8 = e4m3 weights (CUDA only).
+    quantization: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: dtype's | float32 | bfloat16 | fp8 (e4m3)
     # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
     # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
     speculative_config: str = ""
@@ -90,6 +98,8 @@ class EngineConfig:
         _choice("batch_scheduler_policy", self.batch_scheduler_policy, POLICIES)
         _choice("batching_mode", self.batching_mode, BATCHING_MODES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("quantization", self.quantization, QUANTIZATIONS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
         _at_least("kv_block_size", self.kv_block_size, 1)

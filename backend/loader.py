@@ -37,6 +37,8 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: Optional[int] = None
+    # packed GGUF weights (docs/quantization.md): HF module name -> GGUF type; None: float weights
+    quantized_modules: Optional[dict[str, str]] = None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -78,6 +80,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
         rope_scaling = None
     return ModelConfig(
+        quantized_modules=_quantized_modules(cfg, model_dir),
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -99,6 +102,20 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         eos_token_ids=eos,
         bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
     )
+
+
+PACKED_LAYOUTS = ("inflight-gguf-packed/1",)  # docs/quantization.md
+
+
+def _quantized_modules(cfg: dict[str, Any], model_dir: Path) -> Optional[dict[str, str]]:
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    method, layout = quant.get("quant_method"), quant.get("layout")
+    if method != "gguf" or layout not in PACKED_LAYOUTS:
+        raise ValueError(f"'{model_dir}': quantization_config {method!r} / layout {layout!r} is not one "
+                         f"inflight reads (gguf, {', '.join(PACKED_LAYOUTS)}: `inflight import-gguf` writes it)")
+    return dict(quant.get("modules") or {})
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

@@ -22,10 +22,10 @@ from backend.cpu.memory import keep_freed_memory
 from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
-from backend.loader import ModelConfig, iter_weights
+from backend.loader import ModelConfig
 from backend.models.llama import LlamaForCausalLM
-from backend.models.packed_linear import can_pack, pack_linears, padded_rows
 from backend.models.rope import rope_cos_sin
+from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.sampler import sample
 from backend.sched.step import Sampled, SchedulerOutput
 from backend.spec.rejection import verify
@@ -66,7 +66,7 @@ class ModelRunner:
                 log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads))
             keep_freed_memory()  # no page faults on every step's fresh activations (cpu/memory.py)
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
-        self.ops = get_ops(config.attention_backend, self.device, self.dtype)
+        self.ops = get_ops(config.attention_backend, self.device, compute_dtype(self.dtype, self.device))
         self.block_size = config.kv_block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None
@@ -85,21 +85,17 @@ class ModelRunner:
 
     # -- weights (the one place they are loaded) -------------------------------------------------
     def _load_model(self) -> LlamaForCausalLM:
-        with torch.device("meta"):  # no host copy, no random init: every weight is loaded below
-            model = LlamaForCausalLM(self.model_cfg).to(self.dtype)
-        model = model.to_empty(device=self.env.tensor_device)
-        model.load_weights(iter_weights(self.config.model_path))
-        # Rows a step is padded to: on the CPU fast path, oneDNN GEMMs on reordered weights, each
-        # row count a bucket (models/packed_linear.py); elsewhere none.
-        self.padded_rows = lambda rows: rows
-        if self.ops.name == "cpu" and can_pack(self.device, self.dtype):
-            pack_linears(model)
-            self.padded_rows = padded_rows
-        return model.eval()
+        """Float, packed-quantized or int8 weights, the rows a step is padded to (oneDNN's buckets
+        on the CPU fast path) and the KV cache's dtype: backend/models/weights.py."""
+        self.weights = load_model(self.config, self.model_cfg, self.device, self.dtype, self.ops.name,
+                                  tensor_device=self.env.tensor_device)
+        self.padded_rows = self.weights.padded_rows
+        self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype, self.device, self.weights.quantization)
+        return self.weights.model
 
     # -- KV cache --------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        return self.block_size * kv_bytes_per_token(self.model_cfg, self.dtype)
+        return self.block_size * kv_bytes_per_token(self.model_cfg, self.kv_dtype)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -114,8 +110,8 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.model_cfg
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.env.tensor_device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.env.tensor_device)) for _ in range(c.num_layers)]
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device),
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device)) for _ in range(c.num_layers)]
 
     def _warm_up(self) -> None:
         """backend/warmup.py's steps through run(), on a throwaway cache."""

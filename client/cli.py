@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", add_help=False, help="benchmark a running server (see `inflight bench --help`)")
 
-    # -- import-gguf (backend/gguf_import.py parses its own arguments) --
+    # -- import-gguf (backend/gguf/importer.py parses its own arguments) --
     sub.add_parser("import-gguf", add_help=False,
                    help="convert a GGUF file into a checkpoint folder (see `inflight import-gguf --help`)")
 
@@ -264,7 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
     if argv and argv[0] == "import-gguf":  # FILE --out DIR [--dtype] [--force]
-        from backend.gguf_import import main as import_gguf_main
+        from backend.gguf.importer import main as import_gguf_main
         return import_gguf_main(argv[1:])
     if argv and argv[0] == "gpu-check":  # [--dry-run] [--out DIR]
         from client.tools.gpu_check import main as gpu_check_main

@@ -76,9 +76,9 @@ def num_sms(device: torch.device) -> int:
 
 def check_paged_attention(name: str, q: torch.Tensor, q_layout: str, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float) -> None:
-    """The checks decode and prefill attention share: q against the paged cache (dtype, head dim,
-    GQA ratio), index tensors, and the scale."""
+                          scale: float, cache_dtype_may_differ: bool = False) -> None:
+    """The checks decode and prefill attention share: q against the paged cache (dtype unless
+    ``cache_dtype_may_differ``, head dim, GQA ratio), index tensors, and the scale."""
     check_ndim(name, "q", q, 3, q_layout)
     check_cache(name, k_cache, v_cache)
     check_ndim(name, "block_tables", block_tables, 2, "[num_seqs, max_blocks]")
@@ -87,7 +87,7 @@ def check_paged_attention(name: str, q: torch.Tensor, q_layout: str, k_cache: to
     check_dtype(name, "seq_lens", seq_lens, INDEX_DTYPES)
     h, d = q.shape[1], q.shape[2]
     g, cd = k_cache.shape[2], k_cache.shape[3]
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and not cache_dtype_may_differ:
         raise ValueError(f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")
     if cd != d:
         raise ValueError(f"{name}: q head_dim {d} != cache head_dim {cd}")

@@ -43,6 +43,7 @@ from kernels.activation import plan_silu_mul  # noqa: E402
 from kernels.launch import Launch  # noqa: E402
 from kernels.norm import plan_rms_norm  # noqa: E402
 from kernels.prefill_attention import plan_prefill_attention  # noqa: E402
+from kernels.quant_dispatch import aot_launches as quant_launches  # noqa: E402
 from kernels.rope import plan_rotary_embedding  # noqa: E402
 from kernels.store_kv import plan_store_kv  # noqa: E402
 
@@ -54,6 +55,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     intermediate: int
+    qkv_bias: bool = False
 
 
 # The config.json fields of the public checkpoints on the Hugging Face Hub (hidden_size,
@@ -62,7 +64,7 @@ class ModelShape:
 MODELS = {
     "Llama-3.1-8B": ModelShape(4096, 32, 8, 128, 14336),    # meta-llama/Llama-3.1-8B
     "Llama-3.2-1B": ModelShape(2048, 32, 8, 64, 8192),      # meta-llama/Llama-3.2-1B
-    "Qwen2-7B": ModelShape(3584, 28, 4, 128, 18944),        # Qwen/Qwen2-7B
+    "Qwen2-7B": ModelShape(3584, 28, 4, 128, 18944, True),  # Qwen/Qwen2-7B
     "Mistral-7B": ModelShape(4096, 32, 8, 128, 14336),      # mistralai/Mistral-7B-v0.1
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -87,6 +89,11 @@ def model_launches(shape: ModelShape, dtype: torch.dtype, block_size: int = DEFA
     launches: list[Launch] = []
     for tokens, seqs, width in STEP_SHAPES:
         launches += _step_launches(shape, dtype, block_size, tokens, seqs, width)
+    # the quantized GEMMs of the four projections (their variants do not depend on the step shape)
+    h, g, d = shape.heads, shape.kv_heads, shape.head_dim
+    launches += quant_launches({"qkv": ((h + 2 * g) * d, shape.hidden, shape.qkv_bias), "o": (shape.hidden, h * d, False),
+                                "gate_up": (2 * shape.intermediate, shape.hidden, False),
+                                "down": (shape.hidden, shape.intermediate, False)}, dtype)
     return launches
 
 
@@ -174,6 +181,8 @@ def collect(models: dict[str, ModelShape], dtypes: list[str], targets: list[str]
             for launch in model_launches(shape, DTYPES[dtype_name], block_size):
                 for target in targets:
                     arch = TARGETS[target][0]
+                    if arch < launch.min_arch:
+                        continue
                     signature, constexprs, attrs, options = specialize(launch, arch)
                     key = (launch.name, repr(sorted(signature.items())), repr(sorted(constexprs.items())),
                            repr(sorted(attrs.items())), repr(sorted(options.items())), target)

@@ -31,8 +31,18 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-Wall", "-Werror"]
+BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-Wall", "-Werror"]
+COMPILE_FLAGS = BASE_FLAGS[:1] + ["-march=native"] + BASE_FLAGS[1:]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+# Builds for a named instruction set instead of -march=native, for kernels that are picked at run
+# time by what the CPU really runs (kernels/cpu_quant.py): a VM may list flags (AMX, say) whose
+# instructions it kills the process for, so no build may assume more than its own set.
+ISA_FLAGS = {
+    "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
+                    "-mfma", "-DQUANT_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],  # the portable C code, vectorized for AVX2 CPUs
+    "portable": [],  # the compiler's baseline for the machine (x86-64: SSE2)
+}
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -81,8 +91,9 @@ def _run(cmd: list[str]) -> None:
         raise CpuKernelUnavailable(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}")
 
 
-def build(name: str) -> Path:
-    """Compile kernels/csrc/<name>.c into the cache (if not there yet); the library's path."""
+def build(name: str, isa: Optional[str] = None) -> Path:
+    """Compile kernels/csrc/<name>.c into the cache (if not there yet); the library's path. With
+    ``isa`` (a key of ISA_FLAGS) it is built for that instruction set, not -march=native."""
     cc = _compiler()
     if cc is None:
         raise CpuKernelUnavailable(f"no C compiler: CC={os.environ.get('CC')!r} is not runnable"
@@ -91,32 +102,34 @@ def build(name: str) -> Path:
         source = (CSRC / f"{name}.c").read_bytes()
     except OSError as e:  # an install that left the C sources out
         raise CpuKernelUnavailable(f"no source for CPU kernel '{name}': {e}") from e
-    key = hashlib.sha256(b"\0".join([source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+    flags = COMPILE_FLAGS if isa is None else BASE_FLAGS + ISA_FLAGS[isa]
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags + LINK_FLAGS).encode(),
                                      _compiler_version(cc).encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+    stem = name if isa is None else f"{name}-{isa}"
+    target = cache_dir() / f"{stem}-{key}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders never clash
         obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
-        _run([cc, *COMPILE_FLAGS, "-c", str(CSRC / f"{name}.c"), "-o", str(obj)])
+        _run([cc, *flags, "-c", str(CSRC / f"{name}.c"), "-o", str(obj)])
         _run([cc, str(obj), "-o", str(lib), *LINK_FLAGS])
         os.replace(lib, target)  # atomic: a reader sees no library or a whole one
-    log.info("built CPU kernel %s -> %s", name, target)
+    log.info("built CPU kernel %s -> %s", stem, target)
     return target
 
 
 @functools.lru_cache(maxsize=None)
-def function(library: str, name: str, argtypes: tuple) -> ctypes._CFuncPtr:
+def function(library: str, name: str, argtypes: tuple, isa: Optional[str] = None) -> ctypes._CFuncPtr:
     """One C function of a kernel library, bound once with its argument types (the wrappers call
     it every layer of every step: binding it per call cost more than a small kernel)."""
-    fn = getattr(load(library), name)
+    fn = getattr(load(library, isa), name)
     fn.restype, fn.argtypes = None, list(argtypes)
     return fn
 
 
 @functools.lru_cache(maxsize=None)
-def load(name: str) -> ctypes.CDLL:
+def load(name: str, isa: Optional[str] = None) -> ctypes.CDLL:
     """The compiled library (built on first use). torch is imported first, so that libgomp.so.1
     resolves to torch's copy."""
     import torch  # noqa: F401  (see above)
-    return ctypes.CDLL(str(build(name)))
+    return ctypes.CDLL(str(build(name, isa)))

@@ -6,7 +6,8 @@ batched matmul on it: at batch 64 with 250-token contexts that copy is ~25 MB pe
 attention took a third of the step (docs/performance.md). This kernel reads each K/V row once,
 where it lies, and computes only each sequence's own tokens.
 
-float32 caches only (the CPU engine's dtype); the dispatcher keeps the reference for the others.
+float32 queries (the CPU engine's activations) over float32 or bfloat16 caches
+(kv_cache_dtype=bfloat16: each element widened as it is read).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from kernels import _common, cpu_build
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURE = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float)
 NAME = "decode_attention"
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def check_args(q, k_cache, v_cache, block_tables, seq_lens, scale) -> None:
@@ -28,13 +31,14 @@ def check_args(q, k_cache, v_cache, block_tables, seq_lens, scale) -> None:
     `_common.check_paged_attention`; the rest are this kernel's own: float32, CPU, contiguous,
     int32 indices, and the bounds, read once per step."""
     _common.check_paged_attention(NAME, q, "[num_seqs, num_heads, head_dim]", k_cache, v_cache,
-                                  block_tables, seq_lens, scale)
+                                  block_tables, seq_lens, scale, cache_dtype_may_differ=True)
     s = q.shape[0]
     nb, bs = k_cache.shape[:2]
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"{NAME}: {name} must be a contiguous float32 CPU tensor; "
-                             f"got {t.dtype} on {t.device}")
+    for name, t, dtypes in (("q", q, (torch.float32,)), ("k_cache", k_cache, CACHE_DTYPES),
+                            ("v_cache", v_cache, CACHE_DTYPES)):
+        if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{NAME}: {name} must be a contiguous CPU tensor of "
+                             f"{' or '.join(str(d) for d in dtypes)}; got {t.dtype} on {t.device}")
     if block_tables.dtype != torch.int32 or block_tables.shape[0] != s:
         raise ValueError(f"{NAME}: block_tables must be int32 [{s}, MB]; got "
                          f"{block_tables.dtype} {tuple(block_tables.shape)}")
@@ -57,7 +61,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = _common.alloc(q.shape, q.dtype, q.device)  # through the module: tests poison it
     s, h, d = q.shape
     _, bs, g, _ = k_cache.shape
-    kernel = cpu_build.function(NAME, "decode_attention_f32", _SIGNATURE)
+    kernel = cpu_build.function(NAME, f"decode_attention_{_SUFFIX[k_cache.dtype]}", _SIGNATURE)
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
            out.data_ptr(), s, h, g, d, bs, block_tables.shape[1], float(scale))
     return out

@@ -25,6 +25,7 @@ _SIGNATURES = {
     "silu_mul_f32": (_P, _P, _I, _I),
     "rotary_f32": (_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I),
     "store_kv_f32": (_P, _I, _P, _I, _P, _P, _P, _I, _I),
+    "store_kv_bf16": (_P, _I, _P, _I, _P, _P, _P, _I, _I),
 }
 
 
@@ -104,8 +105,12 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write key/value [T, G, D] into the paged cache [NB, BS, G, D] at slot_mapping [T] int64
-    (-1: not stored), in place."""
-    _check_f32("store_kv", key, value, k_cache, v_cache)
+    (-1: not stored), in place. The cache is float32 or bfloat16 (rounded to nearest even)."""
+    _check_f32("store_kv", key, value)
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype \
+            or k_cache.device.type != "cpu":
+        raise ValueError(f"store_kv: the caches must be float32 or bfloat16 CPU tensors of one dtype; "
+                         f"got {k_cache.dtype}, {v_cache.dtype} on {k_cache.device}")
     nb, bs, g, d = k_cache.shape
     t = key.shape[0]
     if tuple(key.shape) != (t, g, d) or value.shape != key.shape or v_cache.shape != k_cache.shape \
@@ -117,6 +122,6 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
                          f"{tuple(slot_mapping.shape)}")
     _common.bounds_checked.once("slots", slot_mapping, -1, nb * bs, "store_kv: slots")
     slot_mapping = slot_mapping.contiguous()
-    _fn("store_kv_f32")(key.data_ptr(), _rows("store_kv", key, "key"), value.data_ptr(),
+    _fn("store_kv_f32" if k_cache.dtype == torch.float32 else "store_kv_bf16")(key.data_ptr(), _rows("store_kv", key, "key"), value.data_ptr(),
                         _rows("store_kv", value, "value"), k_cache.data_ptr(), v_cache.data_ptr(),
                         slot_mapping.data_ptr(), t, g * d)

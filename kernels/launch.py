@@ -23,6 +23,7 @@ class Launch:
     constexprs: Mapping[str, Any] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: Optional[int] = None  # None: Triton's default for the target
+    min_arch: int = 0                 # the compute capability it needs (FP8: 89); kernels.aot skips older targets
 
     @property
     def name(self) -> str:

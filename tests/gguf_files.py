@@ -15,8 +15,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 SHAPE = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, head_dim=16)
+# The K-quants need rows of whole 256-value super-blocks.
+K_SHAPE = dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, head_dim=64)
 # Every type the importer reads; tensors take them in turn so each appears more than once.
 ALL_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
@@ -26,8 +29,8 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_weights(vocab: int, seed: int, qkv_bias: bool, tied: bool) -> dict[str, np.ndarray]:
-    s, rng = SHAPE, np.random.default_rng(seed)
+def hf_weights(vocab: int, seed: int, qkv_bias: bool, tied: bool, s: dict = SHAPE) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
     w = {"model.embed_tokens.weight": rng.standard_normal((vocab, s["hidden"])),
          "model.norm.weight": 1 + 0.1 * rng.standard_normal(s["hidden"])}
@@ -77,26 +80,32 @@ def tokenizer_metadata(tokenizer_json: Path) -> tuple[list[str], list[str], list
 def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int = 0,
                types: Sequence[str] = ALL_TYPES, name: Optional[str] = None, tied: bool = True,
                pre: str = "smollm", tensor_type_override: Optional[tuple[str, int]] = None,
-               extra_tensors: Optional[dict] = None) -> dict:
+               extra_tensors: Optional[dict] = None, shape: Optional[dict] = None,
+               metadata: Optional[dict] = None, skip_tensors: Sequence[str] = ()) -> dict:
     """Write a random ``arch`` model; return its HF-named float32 weights (before quantization).
 
     ``tensor_type_override`` = (gguf tensor name, raw ggml type id) writes that tensor's bytes
-    labelled with a type the importer may not read (zeros of the right size)."""
+    labelled with a type the importer may not read (zeros of the right size). ``shape`` replaces
+    SHAPE (K_SHAPE for the K-quants); ``metadata`` replaces the values of the architecture keys it
+    names (``{"head_count": 0}``: hostile files); ``skip_tensors`` leaves GGUF tensors out."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
-    s = SHAPE
+    s = shape or SHAPE
     tokens, merges, token_types = tokenizer_metadata(tokenizer_json)
-    weights = hf_weights(len(tokens), seed, qkv_bias=(arch == "qwen2"), tied=tied)
+    weights = hf_weights(len(tokens), seed, qkv_bias=(arch == "qwen2"), tied=tied, s=s)
+    keys = {"block_count": s["layers"], "context_length": 256, "embedding_length": s["hidden"],
+            "feed_forward_length": s["ffn"], "head_count": s["heads"], "head_count_kv": s["kv_heads"],
+            **(metadata or {})}
     writer = gguf.GGUFWriter(str(path), arch)
     if name:
         writer.add_name(name)
-    writer.add_block_count(s["layers"])
-    writer.add_context_length(256)
-    writer.add_embedding_length(s["hidden"])
-    writer.add_feed_forward_length(s["ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_block_count(keys["block_count"])
+    writer.add_context_length(keys["context_length"])
+    writer.add_embedding_length(keys["embedding_length"])
+    writer.add_feed_forward_length(keys["feed_forward_length"])
+    writer.add_head_count(keys["head_count"])
+    writer.add_head_count_kv(keys["head_count_kv"])
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     if arch != "qwen2":
@@ -121,6 +130,8 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
             qtype = T[types[matrices % len(types)]]
             matrices += 1
         name_ = gguf_name(hf)
+        if name_ in skip_tensors:
+            continue
         if tensor_type_override and tensor_type_override[0] == name_:
             raw_type = T(tensor_type_override[1])
             block, size = gguf.GGML_QUANT_SIZES[raw_type]
@@ -129,7 +140,7 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
         elif qtype == T.F32:
             writer.add_tensor(name_, data)
         else:
-            writer.add_tensor(name_, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            writer.add_tensor(name_, quantize(data, qtype.name), raw_dtype=qtype)
     for name_, data in (extra_tensors or {}).items():
         writer.add_tensor(name_, data)
     writer.write_header_to_file()
@@ -140,7 +151,7 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
 
 
 def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
-    """A one-tensor Llama file whose tokenizer is SentencePiece-style (``tokenizer.ggml.model`` =
+    """A one-layer float32 Llama file whose tokenizer is SentencePiece-style (``tokenizer.ggml.model`` =
     llama, as Llama 2 and Mistral files have): "▁" for spaces, <0xNN> byte tokens, merges implied by
     the scores. The pieces are the ASCII ones of the default model's vocabulary, respelled."""
     import gguf
@@ -152,7 +163,7 @@ def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
     vocab = ["<unk>", "<s>", "</s>"] + byte_tokens + [p for p in pieces if p not in byte_tokens]
     types = [2, 3, 3] + [6] * 256 + [1] * (len(vocab) - 259)  # unknown, control, byte, normal
     scores = [0.0] * 259 + [-float(i) for i in range(len(vocab) - 259)]
-    s = SHAPE
+    s = dict(SHAPE, layers=1)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(64)
@@ -168,8 +179,8 @@ def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
-    rng = np.random.default_rng(0)
-    writer.add_tensor("token_embd.weight", rng.standard_normal((len(vocab), s["hidden"])).astype(np.float32))
+    for hf, w in hf_weights(len(vocab), 0, qkv_bias=False, tied=True, s=s).items():
+        writer.add_tensor(gguf_name(hf), w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -190,3 +201,87 @@ def llama_cpp_rope_factors(head_dim: int, theta: float, factor: float, low_freq_
             smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
             factors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(factors, dtype=np.float32)
+
+
+# -- quantizers: gguf-py writes Q8_0..Q5_1 but not the K-quants --------------------------------------
+def quantize(data: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 [rows, K] -> ggml blocks [rows, bytes] of ``qtype`` (gguf-py's own quantizer, or a
+    plain one of ours for the K-quants: any valid encoding serves, gguf dequantizes it)."""
+    import gguf
+    if qtype in K_QUANTIZERS:
+        return K_QUANTIZERS[qtype](np.asarray(data, np.float32))
+    return gguf.quants.quantize(np.asarray(data, np.float32), gguf.GGMLQuantizationType[qtype])
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)[..., None].view(np.uint8)
+
+
+def _safe_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.where(b != 0, a / np.where(b != 0, b, 1), 0.0)
+
+
+def _k_scales_mins(x: np.ndarray, top: int):
+    """Per super-block [rows, nb, 8, 32] -> fp16 d and dmin, 6-bit sub-scales and mins, codes."""
+    lo = np.minimum(x.min(axis=-1), 0.0)  # as llama.cpp: the min is never positive
+    scale = (x.max(axis=-1) - lo) / top
+    d = (scale.max(axis=-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = ((-lo).max(axis=-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(_safe_div(scale, d[..., None])), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(_safe_div(-lo, dmin[..., None])), 0, 63).astype(np.uint8)
+    step = (d[..., None] * sc)[..., None]
+    q = np.clip(np.rint(_safe_div(x + (dmin[..., None] * m)[..., None], step)), 0, top).astype(np.uint8)
+    packed = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                             (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
+    return d, dmin, packed, q
+
+
+def _q4_k_or_q5_k(x: np.ndarray, five: bool) -> np.ndarray:
+    rows, k = x.shape
+    nb = k // 256
+    d, dmin, scales, q = _k_scales_mins(x.reshape(rows, nb, 8, 32), 31 if five else 15)
+    q = q.reshape(rows, nb, 4, 2, 32)  # chunk j of 64: values 64j + l and 64j + 32 + l share byte 32j + l
+    qs = ((q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)).reshape(rows, nb, 128)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), scales]
+    if five:  # qh[l] bit g: bit 4 of value l of group g
+        bits = (q.reshape(rows, nb, 8, 32) >> 4) & 1
+        parts.append((bits << np.arange(8, dtype=np.uint8)[None, None, :, None]).sum(axis=2, dtype=np.uint8))
+    parts.append(qs)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _q6_k(x: np.ndarray) -> np.ndarray:
+    rows, k = x.shape
+    nb = k // 256
+    g = x.reshape(rows, nb, 16, 16)
+    scale = np.abs(g).max(axis=-1) / 31
+    d = (scale.max(axis=-1) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(_safe_div(scale, d[..., None])), -128, 127).astype(np.int8)
+    step = (d[..., None] * sc)[..., None]
+    q = (np.clip(np.rint(_safe_div(g, step)), -32, 31) + 32).astype(np.uint8).reshape(rows, nb, 2, 4, 32)
+    ql = np.concatenate([(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4),
+                         (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)], axis=-1)  # [rows, nb, 2, 64]
+    qh = ((q >> 4) << np.array([0, 2, 4, 6], np.uint8)[None, None, None, :, None]).sum(axis=3, dtype=np.uint8)
+    return np.concatenate([ql.reshape(rows, nb, 128), qh.reshape(rows, nb, 64),
+                           sc.view(np.uint8), _f16_bytes(d)], axis=-1).reshape(rows, -1)
+
+
+K_QUANTIZERS = {"Q4_K": lambda x: _q4_k_or_q5_k(x, False), "Q5_K": lambda x: _q4_k_or_q5_k(x, True),
+                "Q6_K": _q6_k}
+
+
+# -- hostile files: a good file with its header patched ----------------------------------------------
+def patch_bytes(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def tensor_info_offsets(path: Path, tensor: str) -> dict[str, int]:
+    """Byte offsets of a tensor description's fields: n_dims, dims (the first), type, offset."""
+    import gguf
+    info = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == tensor).field
+    pos = info.offset + 8 + len(tensor.encode())
+    n_dims = len(info.parts[3])
+    return {"n_dims": pos, "dims": pos + 4, "type": pos + 4 + 8 * n_dims, "offset": pos + 8 + 8 * n_dims}

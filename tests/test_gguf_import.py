@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.gguf_dequant import supported_types
-from backend.gguf_import import GGUFImportError, import_gguf
+from backend.gguf.packed import supported_types
+from backend.gguf.importer import GGUFImportError, import_gguf
 from backend.loader import load_model_config
 from backend.make_model import make_model
 from backend.text.tokenizer import Tokenizer
-from gguf_files import (ALL_TYPES, CHAT_TEMPLATE, SHAPE, llama_cpp_rope_factors, write_gguf,
-                        write_sentencepiece_gguf)
+from gguf_files import (ALL_TYPES, CHAT_TEMPLATE, K_SHAPE, K_TYPES, SHAPE, llama_cpp_rope_factors,
+                        write_gguf, write_sentencepiece_gguf)
 from smollm2 import smollm2_dir, smollm2_gguf
 
 TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines  ", "Ünïcödé → 日本語のテキスト 🎉",
@@ -60,7 +60,7 @@ def assert_same_tensors(ours: dict, hf_model, tied: bool):
 def test_random_gguf_matches_transformers(tmp_path, tiny_tokenizer_json, arch, name, tied, pre):
     path = tmp_path / "model.gguf"
     original = write_gguf(path, tiny_tokenizer_json, arch=arch, seed=3, name=name, tied=tied, pre=pre)
-    out = import_gguf(path, tmp_path / "out", log=lambda *_: None)
+    out = import_gguf(path, tmp_path / "out", dequantize=True, log=lambda *_: None)
     ours = load_file(str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     if name:  # transformers 5.24 cannot load Mistral GGUFs (gguf-py has no "mistral" arch), so
@@ -88,13 +88,13 @@ def test_random_gguf_matches_transformers(tmp_path, tiny_tokenizer_json, arch, n
 
 
 def test_large_models_are_written_in_shards_with_an_index(tmp_path, tiny_tokenizer_json, monkeypatch):
-    import backend.gguf_import as gi
+    import backend.gguf.importer as gi
     from backend.loader import iter_weights
     path = tmp_path / "model.gguf"
     write_gguf(path, tiny_tokenizer_json, types=("Q8_0",))
-    whole = load_file(str(import_gguf(path, tmp_path / "whole", log=lambda *_: None) / "model.safetensors"))
+    whole = load_file(str(import_gguf(path, tmp_path / "whole", dequantize=True, log=lambda *_: None) / "model.safetensors"))
     monkeypatch.setattr(gi, "SHARD_BYTES", 200_000)  # the embedding alone is 2000 x 64 x 4 bytes
-    out = import_gguf(path, tmp_path / "sharded", log=lambda *_: None)
+    out = import_gguf(path, tmp_path / "sharded", dequantize=True, log=lambda *_: None)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
@@ -102,12 +102,23 @@ def test_large_models_are_written_in_shards_with_an_index(tmp_path, tiny_tokeniz
     assert set(loaded) == set(whole) and all(torch.equal(loaded[k], whole[k]) for k in whole)
 
 
+def test_k_quant_gguf_matches_transformers(tmp_path, tiny_tokenizer_json):
+    path = tmp_path / "k.gguf"
+    original = write_gguf(path, tiny_tokenizer_json, types=K_TYPES + ("Q8_0",), shape=K_SHAPE, tied=False)
+    out = import_gguf(path, tmp_path / "out", dequantize=True, log=lambda *_: None)
+    ours = load_file(str(out / "model.safetensors"))
+    assert_same_tensors(ours, hf_from_gguf(path), tied=False)
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    assert np.corrcoef(ours[q0].numpy().ravel(), original[q0].ravel())[0, 1] > 0.98
+
+
 def test_random_gguf_covers_every_supported_type(tmp_path, tiny_tokenizer_json):
     import gguf
-    path = tmp_path / "model.gguf"
-    write_gguf(path, tiny_tokenizer_json)
-    written = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
-    assert written == set(ALL_TYPES) == set(supported_types())
+    written = set()
+    for name, kwargs in (("small", {}), ("k", {"types": K_TYPES, "shape": K_SHAPE})):
+        write_gguf(tmp_path / f"{name}.gguf", tiny_tokenizer_json, **kwargs)
+        written |= {t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / f"{name}.gguf")).tensors}
+    assert written == set(ALL_TYPES + K_TYPES) == set(supported_types())
 
 
 @pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2"])

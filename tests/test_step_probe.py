@@ -78,8 +78,26 @@ def test_inflights_peer_runner_sizes_its_cache_as_vllm_and_generates_every_token
                                       "--out", str(tmp_path / "r.json"), "--warmup", "1"])
     assert run_inflight.main() == 0
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["engine"] == "inflight" and result["output_tokens"] == 14
+    assert result["engine"] == "inflight (none, float32)" and result["output_tokens"] == 14
+    assert result["peak_rss_mb"] > 100  # this process's, torch and the model in it
     runner = LLM(str(llama_dir), cpu_kv_cache_tokens=made[0]["cpu_kv_cache_tokens"]).engine.runner
     cache_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
     assert runner.num_blocks == made[0]["cpu_kv_cache_tokens"] // runner.block_size
     assert cache_bytes <= 0.001 * 2**30 < cache_bytes + runner._bytes_per_block()
+
+
+def test_the_floor_counts_the_weights_as_held(llama_dir, tmp_path):
+    """Float weights: 4 bytes each; packed GGUF weights: what the kernel holds (Q4_0: 18 bytes per
+    32 weights, tiles of 16 rows padded), so GB/s is of the bytes really read."""
+    from backend import LLM
+    from backend.gguf.importer import import_gguf
+    from backend.make_model import make_model
+    from gguf_files import write_gguf
+    floats = LLM(str(llama_dir)).engine.runner.model
+    nbytes, count = step_probe.step_weights(floats)
+    assert nbytes == 4 * count
+    write_gguf(tmp_path / "q.gguf", make_model(tmp_path / "tok") / "tokenizer.json", types=("Q4_0",))
+    packed = LLM(str(import_gguf(tmp_path / "q.gguf", tmp_path / "q", log=lambda *_: None))).engine.runner.model
+    nbytes, count = step_probe.step_weights(packed)
+    assert count * 18 / 32 <= nbytes <= count * 18 / 32 * 1.2
+    assert step_probe.gemm_peak_gop_s(packed, rows=8, calls=2) > 0

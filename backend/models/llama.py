@@ -79,11 +79,16 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # The activations' dtype when it is not the weights' (CPU: float32 beside bf16 or packed
+        # weights, backend/models/weights.py); None: the embedding's.
+        self.compute_dtype: torch.dtype | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
+        if self.compute_dtype is not None and x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, ctx, rope)
@@ -122,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
             target, shard = self._FUSED[fused]
             name = name.replace(fused, target)
             self._copy(params, name, tensor, shard, loaded)
-        if self.cfg.tie_word_embeddings or "lm_head.weight" not in loaded:
+        # (a quantized lm_head, tied or not, is set up before loading: backend/models/weights.py)
+        if "lm_head.weight" in params and (self.cfg.tie_word_embeddings or "lm_head.weight" not in loaded):
             self.lm_head.weight = self.embed_tokens.weight
             loaded.add("lm_head.weight")
         for name in list(loaded):  # a fused weight counts once all of its shards arrived

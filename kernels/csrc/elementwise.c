@@ -79,15 +79,44 @@ void rotary_f32(const float *q, int64_t q_row_stride, const float *k, int64_t k_
     rope_one(k, k_row_stride, k_out, positions, cos_cache, sin_cache, T, G, D);
 }
 
+/* float32 -> bfloat16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
 /* Copy key/value rows [T, G*D] (rows key_row_stride / value_row_stride floats apart) into the
-   cache at slot_mapping[t] (block * BS + offset, rows of G*D floats); slot -1: not stored. */
-void store_kv_f32(const float *key, int64_t key_row_stride, const float *value,
-                  int64_t value_row_stride, float *k_cache, float *v_cache,
-                  const int64_t *slot_mapping, int64_t T, int64_t row) {
+   cache at slot_mapping[t] (block * BS + offset, rows of G*D elements); slot -1: not stored. The
+   cache holds float32, or bfloat16 (kv_cache_dtype=bfloat16: rounded as it is stored). */
+static void store_kv(const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
+                     void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row, int bf16) {
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        memcpy(k_cache + slot * row, key + t * key_row_stride, sizeof(float) * row);
-        memcpy(v_cache + slot * row, value + t * value_row_stride, sizeof(float) * row);
+        const float *k = key + t * key_row_stride, *v = value + t * value_row_stride;
+        if (!bf16) {
+            memcpy((float *)k_cache + slot * row, k, sizeof(float) * row);
+            memcpy((float *)v_cache + slot * row, v, sizeof(float) * row);
+            continue;
+        }
+        uint16_t *kc = (uint16_t *)k_cache + slot * row, *vc = (uint16_t *)v_cache + slot * row;
+#pragma omp simd
+        for (int64_t i = 0; i < row; i++) {
+            kc[i] = f32_to_bf16(k[i]);
+            vc[i] = f32_to_bf16(v[i]);
+        }
     }
+}
+
+void store_kv_f32(const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
+                  float *k_cache, float *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row) {
+    store_kv(key, key_row_stride, value, value_row_stride, k_cache, v_cache, slot_mapping, T, row, 0);
+}
+
+void store_kv_bf16(const float *key, int64_t key_row_stride, const float *value, int64_t value_row_stride,
+                   uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping, int64_t T, int64_t row) {
+    store_kv(key, key_row_stride, value, value_row_stride, k_cache, v_cache, slot_mapping, T, row, 1);
 }

@@ -18,7 +18,8 @@ from kernels import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"store_kv_kernel", "decode_attention_kernel", "decode_merge_kernel", "prefill_attention_kernel",
-           "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"}
+           "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel",
+           "gguf_gemm_kernel", "w8_gemm_kernel", "awq_gemm_kernel", "split_k_reduce_kernel"}  # kernels/quant_*.py
 
 
 def run_aot(tmp_path, *args: str, patch: str = "", timeout: float = 600) -> tuple[int, dict, str]:
@@ -30,7 +31,7 @@ def run_aot(tmp_path, *args: str, patch: str = "", timeout: float = 600) -> tupl
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
-    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    output = proc.stdout[-16000:] + proc.stderr[-4000:]   # the table grew with kernels/quant_*.py
     assert out.exists(), output
     return proc.returncode, json.loads(out.read_text()), output
 
@@ -135,4 +136,8 @@ def test_each_kernel_compiles_to_a_few_variants_whatever_the_step():
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts == {"decode_attention_kernel": 2, "decode_merge_kernel": 1, "prefill_attention_kernel": 1,
-                      "store_kv_kernel": 1, "rms_norm_kernel": 2, "rotary_kernel": 1, "silu_mul_kernel": 1}, counts
+                      "store_kv_kernel": 1, "rms_norm_kernel": 2, "rotary_kernel": 1, "silu_mul_kernel": 1,
+                      # the quantized GEMMs: 3 variants (decode 16, decode 64, prefill) per qtype, and the
+                      # prefill with bias; a qtype is a constexpr (7 GGUF, 3 8-bit, AWQ)
+                      "gguf_gemm_kernel": 21, "w8_gemm_kernel": 9, "awq_gemm_kernel": 3,
+                      "split_k_reduce_kernel": 1}, counts

@@ -89,9 +89,9 @@ def _args(**over):
 
 
 @pytest.mark.parametrize("over,message", [
-    (dict(q=torch.zeros(2, 4, 8, dtype=torch.float16)), "q dtype torch.float16 != cache dtype torch.float32"),
+    (dict(q=torch.zeros(2, 4, 8, dtype=torch.float16)), "q must be a contiguous CPU tensor of torch.float32"),
     (dict(q=torch.zeros(2, 4, 8, dtype=torch.float16), k_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float16),
-          v_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float16)), "q must be a contiguous float32"),
+          v_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float16)), "q must be a contiguous CPU tensor of torch.float32"),
     (dict(q=torch.zeros(2, 3, 8)), "num_heads 3 must be a multiple of num_kv_heads 2"),
     (dict(q=torch.zeros(2, 4, 16)), "q head_dim 16 != cache head_dim 8"),
     (dict(seq_lens=torch.tensor([20, 3])), "seq_lens must be int32"),

@@ -46,3 +46,4 @@ def test_dry_run_on_cpu(tmp_path):
     assert len(res["decode_attention"]) == 2 and res["decode_tuning"]
     assert [(r["batch"], r["context"]) for r in res["engine_decode_step"]] == [(1, 20), (2, 20)]
     assert res["copy_bandwidth_gbs"] > 0
+    assert res["quant_checks"] and all(c["ok"] for c in res["quant_checks"]) and res["quant_linear"]  # kernels/quant_bench.py

@@ -1,9 +1,13 @@
-"""python -m client.tools.peers: run the peer comparison (see __init__) and print tok/s and ratios."""
+"""python -m client.tools.peers: run the peer comparison (see __init__) and print tok/s, peak RSS and
+ratios. Engines run one after another on the same workload; with --repeats R they run R times in
+alternating order (A B C, C B A, ...), and the ratios are taken within each round, so a machine
+whose load drifts skews every engine of a round alike."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -13,10 +17,14 @@ from client.tools.workloads import make_workload
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-# engine -> (venv under --peers-dir, or None for this interpreter; the runner)
-ENGINES = {"inflight": (None, "client.tools.peers.run_inflight"),
-           "vllm": ("vllm", HERE / "run_vllm.py"),
-           "transformers": ("transformers", HERE / "run_transformers.py")}
+# engine -> (venv under --peers-dir, or None for this interpreter; the runner; which model it reads:
+# "model" the --model-path folder, "float" --float-model-path (float weights), "gguf" --gguf)
+ENGINES = {"inflight": (None, "client.tools.peers.run_inflight", "model"),
+           "inflight-float32": (None, "client.tools.peers.run_inflight", "float"),
+           "inflight-bf16": (None, "client.tools.peers.run_inflight", "float"),
+           "llamacpp": (None, "client.tools.peers.run_llamacpp", "gguf"),
+           "vllm": ("vllm", HERE / "run_vllm.py", "float"),
+           "transformers": ("transformers", HERE / "run_transformers.py", "float")}
 
 
 def _ints(text: str) -> list[int]:
@@ -27,41 +35,79 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m client.tools.peers", description=__doc__)
     p.add_argument("--peers-dir", type=Path, default=Path.home() / ".cache" / "inflight-peers")
     p.add_argument("--model-path", action="append", required=True, help="repeat for several models")
+    p.add_argument("--float-model-path", help="the same model with float weights, for the engines that "
+                   "cannot read packed ones (vllm, transformers, inflight-float32, inflight-bf16); "
+                   "default: --model-path")
+    p.add_argument("--gguf", type=Path, help="the GGUF file --model-path was imported from (llamacpp)")
+    p.add_argument("--llama-server", type=Path, help="default: PEERS_DIR/llama.cpp-build/bin/llama-server")
     p.add_argument("--num-requests", type=_ints, default=[32, 128], help="comma list: one run per count")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="requests in flight at once: 0 all at once (default), 1 one at a time in turn "
+                        "(max_num_seqs 1, one llama.cpp slot)")
     p.add_argument("--engines", default="inflight,vllm,transformers")
+    p.add_argument("--repeats", type=int, default=1, help="rounds, in alternating engine order")
     p.add_argument("--workload", default="mixed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inflight-threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="OMP_NUM_THREADS for inflight's runner (default: one per core, pinned, as vLLM-CPU "
-                        "binds one OpenMP thread per core; the peers keep their own defaults)")
+                   help="OMP_NUM_THREADS for inflight's runner and llama.cpp's -t (default: one per core, "
+                        "pinned, as vLLM-CPU binds one OpenMP thread per core; the other peers keep theirs)")
     p.add_argument("--output-json", type=Path)
     return p
 
 
-def _command(engine: str, peers_dir: Path) -> list[str]:
-    venv, runner = ENGINES[engine]
+def _command(engine: str, args) -> list[str]:
+    venv, runner, _ = ENGINES[engine]
     if venv is None:
         return [sys.executable, "-m", str(runner)]
-    python = peers_dir / venv / "bin" / "python"
+    python = args.peers_dir / venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"bench-peers: {python} is missing; build the peer venvs first (make bench-peers does)")
     return [str(python), str(runner)]
 
 
-def run_engine(engine: str, peers_dir: Path, model_path: str, workload: Path, tmp: Path,
-               inflight_threads=None) -> dict:
+def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) -> dict:
     out = tmp / f"{engine}.json"
+    role = ENGINES[engine][2]
+    path = {"model": model_path, "float": args.float_model_path or model_path, "gguf": args.gguf}[role]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                TOKENIZERS_PARALLELISM="false")
-    if engine == "inflight" and inflight_threads:
-        env["OMP_NUM_THREADS"] = str(inflight_threads)
-    cmd = _command(engine, peers_dir) + ["--model-path", str(Path(model_path).resolve()),
-                                          "--workload", str(workload), "--out", str(out)]
+    if engine.startswith("inflight") and args.inflight_threads:
+        env["OMP_NUM_THREADS"] = str(args.inflight_threads)
+    if engine == "llamacpp":
+        server = args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server"
+        if not args.gguf or not Path(server).exists():
+            return {"engine": engine, "error": f"needs --gguf and {server} (make peers-llamacpp builds it)"}
+        env.update(LLAMACPP_GGUF=str(Path(args.gguf).resolve()), LLAMACPP_SERVER=str(server),
+                   LLAMACPP_THREADS=str(args.inflight_threads or ""))
+    cmd = _command(engine, args) + ["--model-path", str(Path(path).resolve()), "--workload", str(workload),
+                                    "--out", str(out), "--concurrency", str(args.concurrency)]
+    if engine == "inflight-float32":
+        cmd += ["--dtype", "float32"]
+    elif engine == "inflight-bf16":
+        cmd += ["--dtype", "bfloat16"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
         return {"engine": engine, "error": f"exit {proc.returncode}:\n{tail}"}
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "engine": engine, "name": json.loads(out.read_text())["engine"]}
+
+
+def _summary(rounds: list[dict[str, dict]], engines: list[str]) -> list[dict]:
+    """Per engine: median tok/s, peak RSS, and the first engine's tok/s over its own within each
+    round (the ratios the targets are stated in)."""
+    base, rows = engines[0], []
+    for e in engines:
+        ok = [r[e] for r in rounds if "error" not in r[e]]
+        if not ok:
+            rows.append({"engine": e, "error": rounds[-1][e]["error"]})
+            continue
+        ratios = [r[base]["output_tok_s"] / r[e]["output_tok_s"] for r in rounds
+                  if "error" not in r[base] and "error" not in r[e]]
+        rows.append({"engine": e, "name": ok[0].get("name", e),
+                     "output_tok_s": statistics.median(x["output_tok_s"] for x in ok),
+                     "peak_rss_mb": max(x.get("peak_rss_mb") or 0 for x in ok),
+                     "ratio_of_first": ratios, "runs": ok})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -77,22 +123,25 @@ def main(argv=None) -> int:
         vocab = load_model_config(model_path).vocab_size
         for n in args.num_requests:
             items = make_workload(args.workload, n, seed=args.seed, vocab_size=vocab)
+            rounds = []
             with tempfile.TemporaryDirectory(prefix="inflight-peers-") as tmp:
                 workload = Path(tmp) / "workload.json"
                 workload.write_text(json.dumps([{"input_ids": w.prompt, "max_tokens": w.max_tokens} for w in items]))
-                rows = [run_engine(e, args.peers_dir, model_path, workload, Path(tmp), args.inflight_threads)
-                        for e in engines]
-            case = {"model_path": model_path, "num_requests": n, "results": rows}
-            base = next((r for r in rows if r["engine"] == "inflight" and "error" not in r), None)
-            print(f"\n{model_path}, {n} {args.workload} requests "
+                for rnd in range(args.repeats):
+                    order = engines if rnd % 2 == 0 else engines[::-1]
+                    rounds.append({e: run_engine(e, args, model_path, workload, Path(tmp)) for e in order})
+            rows = _summary(rounds, engines)
+            report.append({"model_path": model_path, "num_requests": n, "concurrency": args.concurrency,
+                           "results": rows})
+            print(f"\n{model_path}, {n} {args.workload} requests, concurrency {args.concurrency or 'all'} "
                   f"({sum(len(w.prompt) for w in items)} prompt, {sum(w.max_tokens for w in items)} output tokens)")
             for r in rows:
                 if "error" in r:
-                    print(f"  {r['engine']:<16} failed: {r['error']}")
+                    print(f"  {r['engine']:<18} failed: {r['error']}")
                     continue
-                ratio = f"inflight = {base['output_tok_s'] / r['output_tok_s']:.2f}x" if base else ""
-                print(f"  {r['engine']:<16} {r['output_tok_s']:>9.1f} output tok/s  {r['elapsed_s']:>7.1f} s  {ratio}")
-            report.append(case)
+                ratio = ", ".join(f"{x:.2f}x" for x in r["ratio_of_first"])
+                print(f"  {r['name']:<40} {r['output_tok_s']:>8.1f} output tok/s  peak RSS "
+                      f"{r['peak_rss_mb']:>7.0f} MB  {engines[0]} / it: {ratio}")
     if args.output_json:
         args.output_json.write_text(json.dumps(report, indent=2))
     failed = any("error" in r for case in report for r in case["results"])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 from pathlib import Path
+from typing import Optional
 
 
 def parse_runner_args(argv) -> argparse.Namespace:
@@ -13,6 +15,9 @@ def parse_runner_args(argv) -> argparse.Namespace:
     p.add_argument("--workload", type=Path, required=True, help="JSON: [{'input_ids': [...], 'max_tokens': n}]")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--warmup", type=int, default=4, help="untimed requests (4 output tokens each) first")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="requests in flight at once: 0 all at once, 1 one at a time in turn")
+    p.add_argument("--dtype", default="auto", help="inflight only: its dtype parameter")
     return p.parse_args(argv)
 
 
@@ -21,7 +26,12 @@ def load_workload(path: Path) -> list[tuple[list[int], int]]:
 
 
 def write_result(path: Path, engine: str, elapsed_s: float, output_lens: list[int],
-                 items: list[tuple[list[int], int]]) -> None:
+                 items: list[tuple[list[int], int]], peak_rss_mb: Optional[float] = None) -> None:
+    """The run's figures; ``peak_rss_mb`` defaults to the peak resident memory of this process or of
+    the largest child it has reaped (vLLM's engine core runs in one), whichever is larger."""
+    if peak_rss_mb is None:
+        peak_rss_mb = max(resource.getrusage(who).ru_maxrss for who in
+                          (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024  # KiB on Linux
     expected = [n for _, n in items]
     if output_lens != expected:  # ignore_eos: a peer that stops early would look faster
         wrong = sum(a != b for a, b in zip(output_lens, expected))
@@ -31,4 +41,4 @@ def write_result(path: Path, engine: str, elapsed_s: float, output_lens: list[in
     Path(path).write_text(json.dumps({
         "engine": engine, "elapsed_s": elapsed_s, "requests": len(items), "prompt_tokens": prompt_tokens,
         "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed_s,
-        "total_tok_s": (out_tokens + prompt_tokens) / elapsed_s}))
+        "total_tok_s": (out_tokens + prompt_tokens) / elapsed_s, "peak_rss_mb": peak_rss_mb}))

@@ -17,21 +17,24 @@ def main() -> int:
     import torch
     from backend import LLM, SamplingParams
     from backend.loader import load_model_config
-    from backend.runner import kv_bytes_per_token
+    from backend.kv_sizing import kv_bytes_per_token
     items = load_workload(args.workload)
     longest = max(len(p) for p, _ in items)
     cfg = load_model_config(args.model_path)
     token_bytes = kv_bytes_per_token(cfg, torch.float32)
     kv_tokens = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30) // token_bytes
     max_model_len = min(max(longest + 600, 2048), cfg.max_position_embeddings)
-    llm = LLM(args.model_path, dtype="float32", max_model_len=max_model_len, max_num_seqs=256,
+    llm = LLM(args.model_path, dtype=args.dtype, max_model_len=max_model_len,
+              max_num_seqs=1 if args.concurrency == 1 else args.concurrency or 256,
               max_num_batched_tokens=4096, cpu_kv_cache_tokens=kv_tokens)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     llm.generate([p for p, _ in items[:args.warmup]], [greedy(4)] * min(args.warmup, len(items)))
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in items], [greedy(n) for _, n in items])
     elapsed = time.perf_counter() - t0
-    write_result(args.out, "inflight", elapsed, [len(o.token_ids) for o in outs], items)
+    weights = llm.engine.runner.weights
+    name = f"inflight ({weights.quantization}, {str(llm.engine.runner.dtype).removeprefix('torch.')})"
+    write_result(args.out, name, elapsed, [len(o.token_ids) for o in outs], items)
     return 0
 
 

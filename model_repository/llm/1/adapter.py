@@ -1,6 +1,6 @@
 """The logic between Triton and the engine, kept out of model.py and free of Triton imports.
 
-- `engine_config`: config.pbtxt `parameters` + the instance's device -> `EngineConfig`.
+- `engine_config` (instance_config.py): config.pbtxt `parameters` + the instance's device -> `EngineConfig`.
 - `parse_request` (triton_inputs.py beside this file): a request's input tensors -> prompt,
   `SamplingParams` and flags, or a `ValueError` that says what is wrong and what is allowed.
 - `Frontend`: hands requests to the engine and carries its outputs back. The engine calls back on
@@ -35,15 +35,15 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from backend.config import EngineConfig
 from backend.outputs import merge_outputs
 from fault_injection import FAULT_ENV, FaultInjector
+from instance_config import engine_config
+from live_request import Live, NullMetrics, Respond, _Entry
 from triton_inputs import DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, error_for, parse_request
 from triton_outputs import MetricsWriter, output_tensors
 
@@ -57,89 +57,6 @@ log = logging.getLogger("inflight.triton")
 # merged into the newest of them (docs/triton.md): memory stays bounded per live request while a
 # responder that is only briefly behind still sends one response per engine step.
 MAX_STREAM_BACKLOG = 8
-
-
-# -- configuration ---------------------------------------------------------------------------------
-
-def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int | str,
-                  repo_root: Path) -> EngineConfig:
-    """config.pbtxt parameters -> EngineConfig, in one place (EngineConfig.from_params validates).
-
-    `device: auto` follows the instance: a GPU instance -> cuda:<device_id>, anything else -> cpu;
-    `device: cuda` in a GPU instance is its GPU too. Triton's Python backend passes the kind as
-    TRITONSERVER_InstanceGroupKindString writes it ("GPU", "CPU", "MODEL"); config.pbtxt's
-    "KIND_GPU" is accepted as well. A relative `model_path` (and a relative draft `model` in
-    `speculative_config`) is taken from the repository root.
-    """
-    overrides: dict[str, Any] = {}
-    device = str(params.get("device", "auto")).strip()
-    on_gpu = instance_kind in ("GPU", "KIND_GPU")
-    if device in ("", "auto") or (device == "cuda" and on_gpu):
-        overrides["device"] = f"cuda:{int(device_id)}" if on_gpu else "cpu"
-    model_path = str(params.get("model_path", "")).strip()
-    if model_path and not Path(model_path).is_absolute():
-        overrides["model_path"] = str((Path(repo_root) / model_path).resolve())
-    if str(params.get("speculative_config", "")).strip():  # its draft `model` is found like model_path
-        from backend.spec.config import resolve_draft_path
-        overrides["speculative_config"] = resolve_draft_path(str(params["speculative_config"]), repo_root)
-    config = EngineConfig.from_params(params, **overrides)
-    if not config.model_path:
-        raise ValueError("parameter 'model_path' is required: a Hugging Face checkpoint folder")
-    if not Path(config.model_path).is_dir():
-        raise ValueError(f"parameter 'model_path': no checkpoint folder at {config.model_path} "
-                         "(make one with `inflight make-model`, or point it at a HF checkpoint)")
-    return config
-
-
-# -- the responses -----------------------------------------------------------------------------------
-
-@dataclass
-class Live:
-    """One request in flight: what the responder needs to answer it."""
-    key: str  # the engine's request id (unique)
-    client_id: str  # Triton's request id, as the client set it ('' if none)
-    sender: Any
-    stream: bool
-    exclude_input: bool
-    prompt_text: Optional[str]  # the text prompt, echoed in a non-streaming answer
-    arrival: float
-    n: int = 1  # completions; the engine sends one output per completion, each with its index
-    returns: frozenset = frozenset()  # the return_* flags the request set: the outputs it gets
-    last_token_time: Optional[float] = None
-    last_cancel_check: float = 0.0
-    cancelled: bool = False
-    done: bool = False
-    # Its newest outputs still waiting for the responder, which later ones may be merged into, and
-    # outputs held back by completion index (non-streaming: until every completion ends;
-    # stream_interval > 1: until they carry enough tokens). Guarded by Frontend._pending_lock.
-    waiting: Optional["_Entry"] = None
-    backlog: int = 0  # its entries queued for the responder and not yet taken
-    held: dict = field(default_factory=dict)
-    unfinished: int = 1  # completions whose last output has not arrived yet
-    answered: bool = False  # an output with tokens has been queued
-    # Responder thread only: per completion, its newest output and the tokens handled so far.
-    latest: dict = field(default_factory=dict)
-    tokens_seen: dict = field(default_factory=dict)
-
-
-class _Entry:
-    """Queued engine outputs by completion index (each possibly several merged): when the first and
-    the last merged output arrived, and whether the responder has taken it."""
-    __slots__ = ("live", "outs", "t_first", "t_last", "taken")
-
-    def __init__(self, live: Live, outs: dict, t: float):
-        self.live, self.outs, self.t_first, self.t_last, self.taken = live, outs, t, t, False
-
-
-Respond = Callable[[Any, Optional[dict], Optional[str], bool], None]
-
-
-class NullMetrics:
-    def observe(self, kind: str, seconds: float) -> None:
-        pass
-
-    def update(self, stats: Mapping[str, float]) -> None:
-        pass
 
 
 class Frontend:

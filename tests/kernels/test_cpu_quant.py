@@ -1,0 +1,132 @@
+"""The quantized GEMM on the CPU (kernels/csrc/quant_gemm.c) against its torch reference
+(kernels/quant_reference.py `qmatmul`: activations quantized per group of 32, exact integer dot
+products, then scaled), for every packed type, in both builds (AVX512-VNNI where this CPU runs it,
+and the portable C one); and the choice of build, which must fall back, saying why, when the CPU
+lacks the instructions or a probe of them dies."""
+import logging
+import subprocess
+
+import pytest
+import torch
+
+from backend.gguf.packed import BLOCK_SIZES, PACKED_TYPES, TYPE_IDS, pack
+from kernels import cpu_build, cpu_quant
+from kernels.quant_reference import dequantize, qmatmul
+from test_quant_layout import random_blocks
+
+TYPES = sorted(PACKED_TYPES.values())
+
+
+def packed(qtype: str, n: int, blocks: int, seed: int) -> dict[str, torch.Tensor]:
+    raw = random_blocks(qtype, n, blocks, seed)
+    k = blocks * BLOCK_SIZES[TYPE_IDS[qtype]][0]
+    return {a: torch.from_numpy(v) for a, v in pack(raw, TYPE_IDS[qtype], (n, k)).items()}
+
+
+def builds() -> list[str]:
+    """Every build this CPU runs (the portable one runs anywhere)."""
+    flags = set(cpu_build._cpu_flags().split())
+    runs = [isa for isa, needed in (("avx512_vnni", cpu_quant.VNNI_FLAGS), ("avx2", cpu_quant.AVX2_FLAGS))
+            if set(needed) <= flags]
+    return runs + ["portable"]
+
+
+@pytest.fixture(params=builds())
+def isa(request, monkeypatch):
+    monkeypatch.setattr(cpu_quant, "chosen_isa", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_matmul_matches_the_reference(isa, qtype):
+    per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
+    n, blocks = 37, (2 if per_block == 256 else 5)  # 37 rows: a partial tile of 16
+    parts = packed(qtype, n, blocks, seed=len(qtype))
+    weight = cpu_quant.CpuQuantWeight(qtype, parts)
+    assert weight.isa == isa
+    gen = torch.Generator().manual_seed(7)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 3, 4, 9, 300):  # 300: past one block of 256 activation rows
+        x = torch.randn(m, blocks * per_block, generator=gen)
+        x[0, :5] = 40.0  # an outlier: one group's scale, not the row's
+        got = weight.matmul(x, bias)
+        expected = qmatmul(x, qtype, parts, bias)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+        # and close to the float product (the activations' rounding only)
+        full = x @ dequantize(qtype, parts).T + bias
+        assert float((got - full).abs().max()) < 0.02 * float(full.abs().max())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_are_the_dequantized_rows(isa, qtype):
+    parts = packed(qtype, 21, 1 if BLOCK_SIZES[TYPE_IDS[qtype]][0] == 256 else 3, seed=3)
+    ids = torch.tensor([20, 0, 7, 7, 16])
+    got = cpu_quant.CpuQuantWeight(qtype, parts).rows(ids)
+    assert torch.equal(got, dequantize(qtype, {k: v[ids] for k, v in parts.items()}))
+
+
+def test_weights_stay_packed():
+    parts = packed("Q4_1", 64, 8, seed=1)
+    weight = cpu_quant.CpuQuantWeight("Q4_1", parts)
+    assert weight.nbytes == sum(t.numel() * t.element_size() for t in parts.values())  # re-laid, not dequantized
+    assert {t.dtype for t in weight.tiles.values()} == {torch.uint8, torch.float16}
+
+
+def test_bad_arguments_are_refused():
+    weight = cpu_quant.CpuQuantWeight("Q8_0", packed("Q8_0", 16, 2, seed=2))
+    with pytest.raises(ValueError, match=r"x must be a float32 CPU tensor \[M, 64\]"):
+        weight.matmul(torch.zeros(2, 32))
+    with pytest.raises(ValueError, match="x must be a float32"):
+        weight.matmul(torch.zeros(2, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"bias must be float32 \[16\]"):
+        weight.matmul(torch.zeros(2, 64), torch.zeros(15))
+    with pytest.raises(ValueError, match=r"row ids must be in \[0, 16\); got 0..16"):
+        weight.rows(torch.tensor([0, 16]))
+    with pytest.raises(ValueError, match="a Q4_1 matrix needs mins"):
+        cpu_quant.CpuQuantWeight("Q4_1", {k: v for k, v in packed("Q4_1", 16, 1, 0).items() if k != "mins"})
+    with pytest.raises(ValueError, match="no CPU kernel for 'Q2_K'"):
+        cpu_quant.CpuQuantWeight("Q2_K", {})
+
+
+# -- which build runs -------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_choice():
+    cpu_quant.chosen_isa.cache_clear()
+    yield
+    cpu_quant.chosen_isa.cache_clear()
+
+
+@pytest.mark.parametrize("flags,expected", [("fpu sse2 avx2 fma f16c", "avx2"), ("fpu sse2", "portable")])
+def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, caplog, flags, expected):
+    if expected == "avx2" and "avx2" not in builds():
+        pytest.skip("this CPU cannot run the AVX2 build's probe")
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + flags)
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_quant"):
+        assert cpu_quant.chosen_isa() == expected
+        assert cpu_quant.chosen_isa() == expected
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and f"falling back to the {expected} C kernel" in lines[0]
+    assert "avx512_vnni: the CPU does not list avx512f, avx512bw" in lines[0]
+
+
+def test_a_probe_that_dies_falls_back(fresh_choice, monkeypatch, caplog, tmp_path):
+    # A library whose probe executes an illegal instruction (ud2): what a VM that lists an ISA it
+    # does not allow does to the real build. The child dies of SIGILL; the engine does not.
+    src = tmp_path / "trap.c"
+    src.write_text("float probe(void) { __builtin_trap(); return 0.0f; }\n")
+    lib = tmp_path / "trap.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    ok, why = cpu_quant.probe_library(lib)
+    assert not ok and "its probe died (exit status -4" in why
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + " ".join(cpu_quant.VNNI_FLAGS))
+    monkeypatch.setattr(cpu_quant, "_probe_runs", lambda isa: cpu_quant.probe_library(lib))
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_quant"):
+        assert cpu_quant.chosen_isa() == "portable"
+    assert "its probe died" in caplog.text
+
+
+def test_the_real_probe_passes_where_the_cpu_lists_vnni():
+    flags = set(cpu_build._cpu_flags().split())
+    if not set(cpu_quant.VNNI_FLAGS) <= flags:
+        pytest.skip("this CPU does not list AVX512-VNNI")
+    assert cpu_quant._probe_runs("avx512_vnni") == (True, "")

@@ -1,0 +1,65 @@
+"""The llama.cpp peer runner (client/tools/peers/run_llamacpp.py) against a stand-in llama-server
+(the real one is built outside the repository by `make peers-llamacpp`): requests go out as token
+ids with greedy sampling and ignore_eos, all at once or one at a time in the workload's order."""
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from client.tools.peers import run_llamacpp
+
+
+class FakeServer(BaseHTTPRequestHandler):
+    log: list = []
+    active = 0
+    most_active = 0
+    lock = threading.Lock()
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with FakeServer.lock:
+            FakeServer.active += 1
+            FakeServer.most_active = max(FakeServer.most_active, FakeServer.active)
+            FakeServer.log.append(body)
+        time.sleep(0.05)
+        with FakeServer.lock:
+            FakeServer.active -= 1
+        data = json.dumps({"tokens_predicted": body["n_predict"]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def serve():
+    FakeServer.log, FakeServer.active, FakeServer.most_active = [], 0, 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_requests_are_token_ids_greedy_ignore_eos_and_concurrent():
+    server = serve()
+    items = [([1, 2, 3], 5), ([4], 2), ([5, 6], 7), ([7, 8, 9, 10], 1)]
+    try:
+        assert run_llamacpp.run(server.server_port, items, 0) == [5, 2, 7, 1]
+    finally:
+        server.shutdown()
+    assert sorted((b["prompt"], b["n_predict"]) for b in FakeServer.log) == sorted(items)
+    assert all(b["temperature"] == 0 and b["top_k"] == 1 and b["ignore_eos"] and not b["cache_prompt"]
+               for b in FakeServer.log)
+    assert FakeServer.most_active > 1
+
+
+def test_concurrency_one_sends_them_in_turn_in_order():
+    server = serve()
+    items = [([i], i + 1) for i in range(5)]
+    try:
+        run_llamacpp.run(server.server_port, items, 1)
+    finally:
+        server.shutdown()
+    assert [b["prompt"] for b in FakeServer.log] == [[i] for i in range(5)]
+    assert FakeServer.most_active == 1
