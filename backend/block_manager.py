@@ -117,6 +117,25 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 self._free[block] = None
 
+    def trim(self, seq_id: str, num_tokens: int) -> int:
+        """Give back seq_id's blocks past the first num_tokens tokens (rejected draft tokens' slots);
+        returns how many. The table becomes a new list: a block table's list otherwise only grows
+        by appending, which is what the runner's device copy counts on (step_inputs.BlockTables)."""
+        table = self._tables.get(seq_id)
+        keep = self.blocks_for(num_tokens)
+        if table is None or len(table) <= keep:
+            return 0
+        dropped = table[keep:]
+        self._tables[seq_id] = table[:keep]
+        if self._hashed.get(seq_id, (0,))[0] > keep:  # never for verified tokens: only they are registered
+            del self._hashed[seq_id]
+        self.num_held -= len(dropped)
+        for block in reversed(dropped):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+        return len(dropped)
+
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int:
         """Share parent's full blocks among its first num_tokens tokens with child, which holds no
         blocks yet (the completions of one prompt). Full blocks are never written again, so sharing

@@ -7,10 +7,12 @@ fields; `validate` is the single place a bad value is refused, with the key and 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from backend.lora.sources import parse_lora_modules
+from backend.spec.config import SpeculativeConfig, parse_speculative_config
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
 BATCHING_MODES = ("inflight", "dynamic", "static", "none")
@@ -75,6 +77,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: str = "{}"
+    # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
+    # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
+    speculative_config: str = ""
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -90,6 +95,8 @@ class EngineConfig:
         return cls(**values)
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, Mapping):
+            self.speculative_config = json.dumps(dict(self.speculative_config))
         if self.executor_static_batch_size not in (-1, 0) and self.executor_static_batch_size > 0:
             self.batching_mode = "static"
         self.validate()
@@ -127,6 +134,14 @@ class EngineConfig:
         if self.dynamic_padding_threshold < 1.0:
             raise ValueError("dynamic_padding_threshold must be >= 1.0; "
                              f"got {self.dynamic_padding_threshold}")
+        if self.speculative is not None and self.batching_mode in ("static", "dynamic"):
+            raise ValueError(f"speculative_config needs batching_mode inflight or none; got '{self.batching_mode}' "
+                             "(padded batches run every member to the longest: nothing to speculate on)")
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        """speculative_config, parsed and checked (ValueError naming the key)."""
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def static_batch_size(self) -> int:

@@ -25,6 +25,7 @@ from backend.outputs import RequestOutput
 from backend.request import Request, RequestStatus, SamplingParams
 from backend.runner import ModelRunner
 from backend.sched.factory import make_scheduler
+from backend.spec.speculator import Speculator
 from backend.structured.compiler import ConstraintCompiler
 from backend.text.tokenizer import Tokenizer
 
@@ -45,6 +46,9 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size,
                                    enable_prefix_caching=config.enable_kv_cache_reuse)
         self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
+        # speculative decoding (backend/spec/): None when speculative_config is empty
+        self.speculator = Speculator.create(config, self.scheduler, self.vocab_size, self.max_model_len,
+                                            self.runner.num_blocks * config.kv_block_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self.loras = EngineLoRAs(self.runner.lora, self.scheduler)  # adapters by name (docs/lora.md)
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
@@ -187,21 +191,28 @@ class LLMEngine:
         self.idle = batch.is_empty
         if batch.is_empty:
             return self._deliver([])
+        if self.speculator is not None:  # decode rows may become verify rows: drafts from the spare budget
+            self.speculator.propose(batch)
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its own requests, not the engine
             log.exception("model step failed")
             return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}")
         self.scheduler.postprocess(batch, sampled, time.monotonic())
-        self.generation_tokens_total += len(sampled)
         outputs, stopped = self.outputs.step_outputs([s.request for s in batch.seqs], sampled)
+        self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
         for req in stopped:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        if self.speculator is not None:
+            self.speculator.after_step(batch, sampled)
         return self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """What to hand out: the step's outputs with where followed requests stand, held back
-        while a padded batch runs."""
+        while a padded batch runs. Every way out of the engine passes here: the draft model's state
+        of the requests that ended (stopped, aborted, failed) is dropped here too."""
+        if self.speculator is not None:
+            self.speculator.release_finished()
         return self.scheduler.deliver(self.queue.report(outputs))
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
@@ -240,7 +251,10 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.speculator is not None:
+            self.speculator.check_integrity()

@@ -13,11 +13,11 @@ from backend.text.tokenizer import Tokenizer
 
 
 class _State:
-    """One sequence's text state."""
-    __slots__ = ("detok", "stops")
+    """One sequence's text state; `seen`: its output tokens handled so far."""
+    __slots__ = ("detok", "stops", "seen")
 
     def __init__(self, detok: Optional[IncrementalDetokenizer], stops: StopStringMatcher):
-        self.detok, self.stops = detok, stops
+        self.detok, self.stops, self.seen = detok, stops, 0
 
 
 class OutputProcessor:
@@ -38,7 +38,11 @@ class OutputProcessor:
         for req in requests:
             s = sampled.get(req.seq_id)
             if s is not None:
-                output, stop = self._output(req, [s.token], [self._logprobs(s)] if s.logprob is not None else None)
+                # a verify row's tokens (its accepted drafts, then the last), as many as the
+                # scheduler recorded: an EOS or a length limit may have ended it before the last
+                tokens = s.tokens[:len(req.output_token_ids) - self._states[req.seq_id].seen]
+                output, stop = self._output(req, [t.token for t in tokens],
+                                            [self._logprobs(t) for t in tokens] if s.logprob is not None else None)
                 results.append(output)
                 if stop:
                     stopped.append(req)
@@ -57,16 +61,20 @@ class OutputProcessor:
         """Detokenize new tokens, apply stop strings, and package what the caller sees; True when a
         stop string ended the request here."""
         state = self._states[req.seq_id]
+        if len(new_ids) > 1 and state.detok is not None and state.stops.stops:
+            stop, new_ids, new_logprobs = self._stop_within(req, state, new_ids, new_logprobs)
+        else:
+            delta = ""
+            if state.detok is not None:
+                # vLLM v1: the EOS or stop token that ended a request is in its token ids, not its text
+                text_ids = new_ids[:-1] if new_ids and req.stop_token_id is not None else new_ids
+                delta = state.detok.add(text_ids) if text_ids else ""
+                if req.status.finished:
+                    delta += state.detok.flush()
+            # vLLM checks stop strings only once more than min_tokens tokens were generated
+            stop = state.stops.feed(delta, check=len(req.output_token_ids) > req.params.min_tokens)
+        state.seen = len(req.output_token_ids)
         status = req.status
-        delta = ""
-        if state.detok is not None:
-            # vLLM v1: the EOS or stop token that ended a request is in its token ids, not its text
-            text_ids = new_ids[:-1] if new_ids and req.stop_token_id is not None else new_ids
-            delta = state.detok.add(text_ids) if text_ids else ""
-            if status.finished:
-                delta += state.detok.flush()
-        # vLLM checks stop strings only once more than min_tokens tokens were generated
-        stop = state.stops.feed(delta, check=len(req.output_token_ids) > req.params.min_tokens)
         if stop and (not status.finished or status is RequestStatus.FINISHED_LENGTH):
             status = RequestStatus.FINISHED_STOPPED  # also when it completed on the last allowed token
         else:
@@ -86,6 +94,24 @@ class OutputProcessor:
                              index=req.index, new_logprobs=new_logprobs,
                              logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
                              queue_seconds=queued), stop
+
+    def _stop_within(self, req: Request, state: _State, new_ids: list[int],
+                     new_logprobs: Optional[list[TokenLogprobs]]) -> tuple[bool, list[int], Optional[list]]:
+        """Several tokens of one step (a verify row's): each is detokenized and checked for stop
+        strings as if it came alone, and a stop string that completes before the last ends the
+        output there: the tokens after it are dropped from the request (which the engine then
+        finishes), so speculation never returns more than one-by-one decoding would."""
+        before = len(req.output_token_ids) - len(new_ids)
+        text_ids = new_ids[:-1] if req.stop_token_id is not None else new_ids
+        for i, token in enumerate(text_ids):
+            if state.stops.feed(state.detok.add([token]), check=before + i + 1 > req.params.min_tokens):
+                if i + 1 < len(new_ids):
+                    del req.output_token_ids[before + i + 1:]
+                    req.stop_token_id = None  # the EOS after it (if any) is dropped with the rest
+                return True, new_ids[:i + 1], new_logprobs[:i + 1] if new_logprobs else new_logprobs
+        if req.status.finished:
+            state.stops.feed(state.detok.flush(), check=len(req.output_token_ids) > req.params.min_tokens)
+        return state.stops.stopped, new_ids, new_logprobs
 
     # -- requests that end outside a step --------------------------------------------------------
     def ended(self, req: Request) -> RequestOutput:

@@ -29,6 +29,7 @@ from backend.models.rope import rope_cos_sin
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.sampler import sample
 from backend.sched.step import Sampled, SchedulerOutput
+from backend.spec.rejection import verify
 from backend.step_inputs import BlockTables, StepInputs, build_step
 from backend.warmup import prefill_tokens, warm_up_steps
 from kernels.dispatch import get_ops
@@ -167,19 +168,28 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[str, Sampled]:
         """Run one step (a SchedulerOutput); returns what every sequence that reached its end
-        sampled, by seq_id."""
+        sampled, by seq_id (a verify row's drafts checked by backend/spec/rejection.py)."""
+        logits, step = self.forward(out)
+        if logits is None:
+            return {}
+        if step.has_drafts:
+            return verify(logits, step.sampled_seqs)
+        return {r.seq_id: s for r, s in zip(step.sampling, sample(logits, step.sampling))}
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> tuple[Optional[torch.Tensor], StepInputs]:
+        """The model run of a step: the logits of the positions that sample (None if none does)."""
         size = self._graph_size(out)
         if size is not None:
             empty = size - len(out.decodes) - len(out.padding)
         else:
             tokens = out.num_batched_tokens
             empty = self.padded_rows(tokens) - tokens
-        step = build_step(out, self.tables, empty)
+        step = build_step(out, self.tables, empty, verify_as_decode=self.ops.name == "cpu")
         if size is not None:
             hidden = self.graphs.run(step, self.tables.table)
         else:
             hidden = self.model(step.ids, step.positions, self._step_context(step), self.rope)
         if not step.sampling:
-            return {}
-        logits = self.model.logits(hidden[step.sample_index])
-        return {r.seq_id: s for r, s in zip(step.sampling, sample(logits, step.sampling))}
+            return None, step
+        return self.model.logits(hidden[step.sample_index]), step

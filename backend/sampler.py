@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +34,45 @@ _prompt_tokens: "weakref.WeakKeyDictionary[Request, np.ndarray]" = weakref.WeakK
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[Sampled]:
     """logits [N, V] float32, one row per request (modified in place); returns N results."""
+    prep = prepare(logits, requests)
+    tokens = logits.argmax(dim=-1)
+    if prep.plan.random_rows:
+        rows = prep.random_rows
+        probs = filtered_probs(logits[rows], prep.settings[rows], prep.plan)
+        tokens[rows] = inverse_transform(probs, prep.settings[rows, _U])
+    return prep.read_back(tokens)[0]
+
+
+@dataclass
+class Prepared:
+    """A step's logits after everything but the draw: the plan, its settings and index on the
+    device, and the raw logprobs of the rows that asked (before the grammar, penalties and bans,
+    which are applied to the logits in place)."""
+    plan: "_Plan"
+    settings: torch.Tensor
+    index: torch.Tensor
+    raw: Optional[torch.Tensor]
+
+    @property
+    def random_rows(self) -> torch.Tensor:
+        return self.index[self.plan.random_slice]
+
+    def read_back(self, tokens: torch.Tensor, extra: Sequence[torch.Tensor] = ()) -> tuple[list[Sampled], np.ndarray]:
+        """The step's one read back: every row's token, the logprobs asked for, and `extra` (flat
+        tensors, returned as one float64 array after the Sampled results)."""
+        plan = self.plan
+        parts = [tokens.double()]
+        if self.raw is not None:
+            parts += _logprobs(self.raw, tokens[self.index[plan.logprob_slice]], plan.max_top)
+        parts += [e.double().flatten() for e in extra]
+        host = torch.cat(parts).cpu().numpy()
+        tail = sum(e.numel() for e in extra)
+        return plan.unpack(host[:len(host) - tail]), host[len(host) - tail:]
+
+
+def prepare(logits: torch.Tensor, requests: Sequence) -> Prepared:
+    """Raw logprobs, then grammar masks, penalties and bans on logits [N, V] in place, one row per
+    request (or per position of a speculating row: backend/spec/rejection.py)."""
     n, vocab = logits.shape
     plan = _Plan.build(requests, vocab)
     dev = logits.device
@@ -48,15 +87,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[Sampled]:
     if plan.ban_count:
         banned = index[plan.ban_slice].view(2, -1)
         logits[banned[0], banned[1]] = float("-inf")
-    tokens = logits.argmax(dim=-1)
-    if plan.random_rows:
-        rows = index[plan.random_slice]
-        tokens[rows] = _draw(logits[rows], settings[rows], plan.max_top_k, plan.any_top_p, vocab)
-    parts = [tokens.double()]
-    if raw is not None:
-        parts += _logprobs(raw, tokens[index[plan.logprob_slice]], plan.max_top)
-    host = torch.cat(parts).cpu().numpy()       # the step's one read back
-    return plan.unpack(host)
+    return Prepared(plan, settings, index, raw)
 
 
 @dataclass
@@ -143,7 +174,9 @@ class _Plan:
 
 
 def _unique_prompt(req: Request) -> np.ndarray:
-    """The prompt's distinct tokens, worked out once per request (the prompt never changes)."""
+    """The prompt's distinct tokens, worked out once per request (the prompt never changes; a
+    position of a speculating row, backend/spec/rejection.py, shares its request's)."""
+    req = getattr(req, "request", req)
     toks = _prompt_tokens.get(req)
     if toks is None:
         toks = _prompt_tokens[req] = np.unique(np.asarray(req.prompt_token_ids, dtype=np.int64))
@@ -196,26 +229,33 @@ def _banned(req: Request, vocab: int) -> list[int]:
     return [t for t in banned if 0 <= t < vocab]
 
 
-def _draw(logits: torch.Tensor, settings: torch.Tensor, max_top_k: int, any_top_p: bool, vocab: int) -> torch.Tensor:
-    """One token per row by inverse transform of the row's uniform number, after temperature,
-    top-k (ties with the k-th kept) and top-p (the smallest prefix reaching it, the first always)."""
+def filtered_probs(logits: torch.Tensor, settings: torch.Tensor, plan: "_Plan") -> torch.Tensor:
+    """The distribution a random row draws from: softmax after temperature, top-k (ties with the
+    k-th kept) and top-p (the smallest prefix reaching it, the first always); rows sum to 1 but
+    for rounding. `settings` are the rows' own."""
+    vocab = logits.shape[-1]
     x = logits.float() / settings[:, _TEMP, None].float()
-    if max_top_k < vocab:  # keep the k largest (ties with the k-th included)
-        kth = x.topk(max_top_k, dim=-1).values.gather(1, settings[:, _TOP_K, None].long() - 1)
+    if plan.max_top_k < vocab:  # keep the k largest (ties with the k-th included)
+        kth = x.topk(plan.max_top_k, dim=-1).values.gather(1, settings[:, _TOP_K, None].long() - 1)
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if any_top_p:
+    if plan.any_top_p:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # float64 thresholds: a top_p of 1e-300 is 0 in float32, which would drop every token
         before = sorted_probs.double().cumsum(-1) - sorted_probs.double()
         outside = before >= settings[:, _TOP_P, None]
         outside[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(outside, 0.0))
+    return probs
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of (unnormalized) probs [R, V], by inverse transform of u [R] in [0, 1):
+    the first token whose cumulative mass exceeds u x total, never one of zero probability."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    # The first token whose cumulative mass exceeds u x total: never one of zero probability.
-    target = torch.minimum(settings[:, _U, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+    target = torch.minimum(u[:, None].double() * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:

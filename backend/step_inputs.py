@@ -130,15 +130,22 @@ class StepInputs:
     prefill_max_q_len: int
     sampling: list                    # the Requests that sample, in sample_index order
     pure_decode: bool                 # no prefill rows: a decode step (graphable)
+    sampled_seqs: list                # their ScheduledSeqs (a verify row has 1 + drafts rows in sample_index)
+    has_drafts: bool                  # some row verifies drafts (backend/spec/rejection.py samples the step)
     adapter_runs: list = field(default_factory=list)  # (first row, end row, LoRA adapter): lora/segments.py
 
 
-def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
+def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool = False) -> StepInputs:
     """SchedulerOutput -> StepInputs: the host work of a step, then two host-to-device copies (the
-    int64 and the int32 arrays) and the block-table writes."""
-    # each part grouped by LoRA adapter, so an adapter's rows are row ranges in every layer
-    decodes = order_by_adapter(out.decodes + [s for s in out.padding if s.num_new_tokens == 1])
-    prefills = order_by_adapter(out.prefills + [s for s in out.padding if s.num_new_tokens > 1])
+    int64 and the int32 arrays) and the block-table writes. Each part is grouped by LoRA adapter,
+    so an adapter's rows are row ranges in every layer. `verify_as_decode`: a verify row's
+    1 + k queries attend as 1 + k decode rows of one sequence (lengths start + 1 .. start + 1 + k:
+    causal, its K/V stored first like every row's) rather than as a prefill chunk; the CPU's
+    decode kernel reads the cache where it lies, where prefill attention copies the context."""
+    verify = [s for s in out.prefills if s.draft_token_ids] if verify_as_decode else []
+    decodes = order_by_adapter(out.decodes + [s for s in out.padding if s.num_new_tokens == 1] + verify)
+    prefills = order_by_adapter([s for s in out.prefills if not (verify and s.draft_token_ids)]
+                                + [s for s in out.padding if s.num_new_tokens > 1])
     seqs = decodes + prefills
     rows, ur, uc, uv = tables.assign(seqs)
     ids: list[int] = [PAD_TOKEN_ID] * empty_rows
@@ -147,6 +154,7 @@ def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
     bs = tables.block_size
     sample_index: list[int] = []
     sampling = []
+    sampled_seqs = []
     end = empty_rows
     for s in seqs:  # plain ints: most rows are one decode token, where numpy costs more
         start, n = s.start, s.num_new_tokens
@@ -157,18 +165,22 @@ def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
             slots += [-1] * n
             continue
         table = s.block_table
-        ids += s.request.token_ids(start, start + n)
+        drafts = s.draft_token_ids  # a verify row: its last token, then its drafts
+        ids += s.request.token_ids(start, start + n - len(drafts))
+        ids += drafts
         slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
         if s.samples:
-            sample_index.append(end - 1)
+            sample_index += range(end - 1 - len(drafts), end)  # a verify row keeps every position's logits
             sampling.append(s.request)
+            sampled_seqs.append(s)
     nd = len(decodes)
-    d_lens = [0] * empty_rows + [s.start + 1 for s in decodes]
+    d_lens = [0] * empty_rows + [s.start + 1 + i for s in decodes for i in range(s.num_new_tokens)]
+    d_rows = [0] * empty_rows + [row for row, s in zip(rows, decodes) for _ in range(s.num_new_tokens)]
     q_lens = [s.num_new_tokens for s in prefills]
     p_lens = [s.start + s.num_new_tokens for s in prefills]
     cu = np.zeros(len(prefills) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
-    lp = _to_device([ids, positions, slots, [0] * empty_rows + rows[:nd], rows[nd:], sample_index, ur, uc],
+    lp = _to_device([ids, positions, slots, d_rows, rows[nd:], sample_index, ur, uc],
                     np.int64, tables.device)
     ip = _to_device([d_lens, cu, p_lens, uv], np.int32, tables.device)
     if uv:
@@ -177,11 +189,12 @@ def build_step(out, tables: BlockTables, empty_rows: int) -> StepInputs:
     return StepInputs(
         ids=lp[0], positions=lp[1], slot_mapping=lp[2], decode_rows=lp[3], decode_seq_lens=ip[0],
         prefill_rows=lp[4], prefill_cu_seqlens_q=ip[1], prefill_seq_lens=ip[2], sample_index=lp[5],
-        num_decode_rows=empty_rows + nd,
+        num_decode_rows=len(d_lens),
         decode_width=max([1] + [blocks(n) for n in d_lens]),
         prefill_width=max([1] + [blocks(n) for n in p_lens]),
         decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0),
-        sampling=sampling, pure_decode=not prefills, adapter_runs=adapter_runs(empty_rows, seqs))
+        sampling=sampling, pure_decode=not prefills, sampled_seqs=sampled_seqs,
+        has_drafts=any(s.draft_token_ids for s in sampled_seqs), adapter_runs=adapter_runs(empty_rows, seqs))
 
 
 def _to_device(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:

@@ -42,6 +42,15 @@ def _serve(args: argparse.Namespace) -> int:
     from client.tools.server import MODEL_NAME, ServerError, TritonServer
     from templates.render import DEFAULT_OUTPUT, read_parameters, write_config
 
+    params = dict(args.param)
+    if args.speculative_config is not None:  # checked now: a bad value is refused before Triton starts
+        from backend.spec.config import parse_speculative_config, resolve_draft_path
+        try:
+            parse_speculative_config(args.speculative_config)
+        except ValueError as exc:
+            print(f"inflight serve: --speculative-config: {exc}", file=sys.stderr)
+            return 2
+        params["speculative_config"] = resolve_draft_path(args.speculative_config, Path.cwd())
     repository = Path(args.model_repository)
     config = repository / MODEL_NAME / "config.pbtxt"
     if not config.exists():
@@ -50,7 +59,6 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         write_config(config)
         print(f"inflight serve: rendered {config} (edit it to tune the engine)")
-    params = dict(args.param)
     if args.lora_modules:  # vLLM's flag: the adapters, and LoRA on (docs/lora.md)
         params.update(lora_params(args.lora_modules, params))
     model_path = args.model_path or params.get("model_path") or read_parameters(config.read_text()).get("model_path", "")
@@ -221,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the model to load (default 600)")
     p.add_argument("--openai-port", type=int, default=9000,
                    help="port of the OpenAI-compatible API started beside tritonserver (default 9000; 0: none)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                        "or '{\"model\": \"DRAFT_DIR\", \"num_speculative_tokens\": 3}' (the speculative_config parameter)")
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="the tool-call format of the OpenAI server's chat (vLLM's name; default hermes: "
                         "<tool_call> JSON)")

@@ -15,6 +15,7 @@ from backend.config import EngineConfig
 from backend.sched.step import Sampled
 from backend.request import Request, RequestStatus, SamplingParams
 from backend.sched.scheduler import Scheduler
+from spec_driver import speculative_step
 
 EOS = 0
 
@@ -136,10 +137,11 @@ SHAPES = {"one-token prompts": dict(prompt=(1, 1), max_tokens=(1, 24), blocks=(4
                                              block_sizes=(1, 4, 16), budget=(9, 20), max_seqs=(1, 8), arrive=0.6)}
 
 
-def seeded_run(seed: int, shape: dict, priorities: bool = False) -> tuple[list, list]:
+def seeded_run(seed: int, shape: dict, priorities: bool = False, speculate: int = 0) -> tuple[list, list]:
     """One random run. Returns (late, broken): the heads that started after the reservation they
     were promised (reset when a more urgent request arrived while they waited), and those that
-    started after the first reservation they were ever given."""
+    started after the first reservation they were ever given. speculate k > 0: decode rows get up
+    to k random drafts a step from the budget left (tests/spec_driver.py)."""
     rng = random.Random(seed)
     max_seqs = rng.randint(*shape["max_seqs"])
     sched = make(rng.randint(*shape["blocks"]), rng.choice(shape["block_sizes"]),
@@ -164,7 +166,8 @@ def seeded_run(seed: int, shape: dict, priorities: bool = False) -> tuple[list, 
                     promised.pop(w.seq_id, None)
             sched.add(new)
         waiting = {r.seq_id for r in sched.waiting}
-        out = step(sched, check=False)  # the property test checks integrity at every step
+        out = (speculative_step(sched, rng, speculate, EOS, token_range=(7, 8)) if speculate
+               else step(sched, check=False))  # the property test checks integrity at every step
         for s in out.seqs:
             sid = s.request.seq_id
             if sid in waiting and sched.steps > promised.get(sid, sched.steps):
@@ -179,6 +182,15 @@ def seeded_run(seed: int, shape: dict, priorities: bool = False) -> tuple[list, 
     sched.check_integrity()
     assert sched.num_preemptions == 0 and sched.blocks.num_used_blocks == 0
     return late, broken
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_speculation_keeps_every_reservation(shape):
+    """Drafts take only the budget and blocks the formed batch left: with them on, no head starts
+    past its reservation either (and nothing is preempted, no block leaks)."""
+    runs = [seeded_run(seed, SHAPES[shape], speculate=1 + seed % 5) for seed in range(150)]
+    late = [(seed, late) for seed, (late, _) in enumerate(runs) if late]
+    assert not late, f"heads started past their reservation: {late[:3]}"
 
 
 @pytest.mark.parametrize("shape", SHAPES)

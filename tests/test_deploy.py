@@ -132,7 +132,10 @@ def metric_names(expr: str) -> set[str]:
 SHOWN = {"inflight_num_requests_running", "inflight_num_requests_waiting", "inflight_kv_blocks",
          "inflight_kv_cache_usage_ratio", "inflight_time_to_first_token_seconds_bucket",
          "inflight_inter_token_latency_seconds_bucket", "inflight_e2e_request_latency_seconds_bucket",
-         "inflight_num_preemptions_total", "inflight_generation_tokens_total", "inflight_lora_requests"}
+         "inflight_num_preemptions_total", "inflight_generation_tokens_total", "inflight_lora_requests",
+         # issue 25: speculative decoding
+         "inflight_spec_decode_num_draft_tokens_total", "inflight_spec_decode_num_accepted_tokens_total",
+         "inflight_spec_decode_acceptance_length_bucket"}
 
 
 def test_dashboard_shows_the_issue_metrics():

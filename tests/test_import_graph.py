@@ -108,9 +108,12 @@ def test_scheduling_imports_nothing_above_it():
         assert not above, f"{m} imports {above}"
     users = {m for m, targets in edges.items() if m not in sched and targets & sched}
     # who uses scheduling: the engine (the factory, and the queue reports it makes from the
-    # scheduler's state), the runner, its warm-up and the sampler (the step contract)
+    # scheduler's state), the runner, its warm-up and the sampler (the step contract), and
+    # speculative decoding (the step contract only)
     assert users <= {"backend.engine", "backend.queue_report", "backend.runner", "backend.sampler",
-                     "backend.warmup"}, users
+                     "backend.warmup", "backend.spec.rejection", "backend.spec.draft", "backend.spec.speculator"}, users
+    for m in ("backend.spec.rejection", "backend.spec.draft", "backend.spec.speculator"):
+        assert {t for t in edges[m] if t.startswith("backend.sched")} <= {"backend.sched.step"}, m
 
 
 def test_the_graph_sees_every_kind_of_import():

@@ -29,9 +29,18 @@ def test_engine_seams_import_neither_torch_nor_triton():
 
     modules = ["backend.config", "backend.request", "backend.sched.factory", "backend.block_manager",
                "backend.sched.step", "backend.errors", "backend.parent_watch", "backend.kv_sizing",
-               "backend.warmup", "backend"]
+               "backend.warmup", "backend", "backend.spec.config", "backend.sched.speculation"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
             "heavy = sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules)\n"
             "print(','.join(heavy))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"importing {modules} loaded {out.stdout.strip()}"
+
+
+def test_the_ngram_proposer_loads_no_torch():
+    """Prompt lookup is plain token matching (numpy): it must not pull torch in."""
+    import subprocess
+
+    code = "import sys, backend.spec.ngram\nprint('torch' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -14,12 +14,14 @@ from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.request import Request, SamplingParams
 from backend.sched.scheduler import Scheduler
+from spec_driver import speculative_step
 
 EOS = 0
 
 
 def drive(policy: str, chunked: bool, seed: int, num_blocks: int, block_size: int, budget: int,
-          max_seqs: int, n_requests: int, abort_rate: float, reuse: bool = False):
+          max_seqs: int, n_requests: int, abort_rate: float, reuse: bool = False, speculate: int = 0):
+    """speculate k > 0: the decode rows get up to k random drafts a step (spec_driver.py)."""
     rng = random.Random(seed)
     cfg = EngineConfig(model_path="unused", batch_scheduler_policy=policy, enable_chunked_context=chunked,
                        max_num_batched_tokens=budget, max_num_seqs=max_seqs, kv_block_size=block_size)
@@ -48,6 +50,13 @@ def drive(policy: str, chunked: bool, seed: int, num_blocks: int, block_size: in
             victim = rng.choice(added)
             if sched.abort(victim.request_id):
                 finished.add(victim.request_id)
+        if speculate:
+            out = speculative_step(sched, rng, speculate, EOS, eos_rate=0.03, now=float(step))
+            finished.update(s.request.request_id for s in out.seqs if s.request.status.finished)
+            sched.check_integrity()
+            if not pending and not sched.has_work:
+                break
+            continue
         out = sched.schedule(now=float(step))
         assert out.num_batched_tokens <= budget
         seen = [s.request.request_id for s in out.seqs]
@@ -76,6 +85,22 @@ def test_no_evict_never_preempts(seed, chunked, num_blocks, block_size, budget, 
     sched = drive("guaranteed_no_evict", chunked, seed, num_blocks, block_size, budget, max_seqs,
                   n_requests, abort_rate, reuse)
     assert sched.num_preemptions == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32), chunked=st.booleans(), num_blocks=st.integers(6, 40),
+       block_size=st.sampled_from([1, 4, 16]), budget=st.integers(8, 200), max_seqs=st.integers(1, 12),
+       n_requests=st.integers(1, 25), abort_rate=st.sampled_from([0.0, 0.05, 0.2]), reuse=st.booleans(),
+       policy=st.sampled_from(["guaranteed_no_evict", "max_utilization"]), k=st.integers(1, 6))
+def test_speculation_keeps_every_invariant(seed, chunked, num_blocks, block_size, budget, max_seqs, n_requests,
+                                           abort_rate, reuse, policy, k):
+    """With drafts on: the budget, the blocks of every position written, max_tokens, rejected
+    drafts' blocks given back, no preemption under no-evict (and none caused by a draft under
+    max_utilization), no leak at the end."""
+    sched = drive(policy, chunked, seed, num_blocks, block_size, budget, max_seqs, n_requests, abort_rate, reuse,
+                  speculate=k)
+    if policy == "guaranteed_no_evict":
+        assert sched.num_preemptions == 0
 
 
 @settings(max_examples=40, deadline=None)

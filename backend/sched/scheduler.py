@@ -27,7 +27,8 @@ from backend.sched.admission import Admission, chunk
 from backend.sched.batching import BatchingGate, make_gate
 from backend.sched.policies import make_policy
 from backend.sched.pool import RequestPool
-from backend.sched.step import SchedulerOutput
+from backend.sched.speculation import attach_drafts, draft_room
+from backend.sched.step import ScheduledSeq, SchedulerOutput
 
 
 class Scheduler:
@@ -123,6 +124,7 @@ class Scheduler:
         budget += held
         if not out.preempted:
             budget = self.admission.admit(out, budget, now)
+        out.spare_tokens = budget
         self._use_leftover_budget(out, budget)
         for s in out.seqs + out.padding:
             s.block_table = self.blocks.block_table(s.request.seq_id)
@@ -148,31 +150,44 @@ class Scheduler:
         self.blocks.grow(req.seq_id, num_tokens)
         return True, refund, earlier
 
+    # -- speculative decoding (speculation.py): drafts get what the formed batch left ----------
+    def draft_room(self, out: SchedulerOutput, rows: list[ScheduledSeq], k: int) -> dict[str, int]:
+        return draft_room(out, self.blocks, rows, k, self.max_model_len)
+
+    def attach_drafts(self, out: SchedulerOutput, room: Mapping[str, int], drafts: Mapping[str, tuple]) -> int:
+        return attach_drafts(out, self.blocks, room, drafts)
+
     # -- after the model ran ------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, sampled: Mapping[str, object], now: float) -> list[Request]:
-        """Record computed tokens and sampled ones (`sampled`: seq_id -> an object with .token);
-        return the requests that finished this step."""
+        """Record computed tokens and sampled ones (`sampled`: seq_id -> a step.Sampled); return the
+        requests that finished this step. A verify row's tokens are taken one by one, each checked
+        as if sampled alone: the first that ends the request ends it there."""
         finished = []
         for seq in out.seqs:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens = seq.start + seq.num_new_tokens
-            if self.blocks.enable_prefix_caching:
-                self.blocks.register_computed(req.seq_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
+            req.num_computed_tokens = seq.start + seq.num_new_tokens - len(seq.draft_token_ids)
             result = sampled.get(req.seq_id)
-            if result is None:
-                continue
-            req.output_token_ids.append(result.token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            # structured outputs: the grammar takes every token, and may end the request (a stop
-            # or EOS token is still recorded as such by _stop_status, so its text is left out)
-            ended = req.grammar.advance(req, result.token) if req.grammar is not None else None
-            status = self._stop_status(req, result.token) or ended
+            status = None
+            for i, token in enumerate(s.token for s in (result.tokens if result is not None else ())):
+                req.num_computed_tokens += i > 0  # the token before it was an accepted draft: its KV is stored
+                req.output_token_ids.append(token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                # structured outputs: the grammar takes every token, and may end the request (a stop
+                # or EOS token is still recorded as such by _stop_status, so its text is left out)
+                ended = req.grammar.advance(req, token) if req.grammar is not None else None
+                status = self._stop_status(req, token) or ended
+                if status is not None:
+                    break
+            if self.blocks.enable_prefix_caching:  # only verified tokens: num_computed_tokens
+                self.blocks.register_computed(req.seq_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
             if status is not None:
                 self.finish(req, status)
                 finished.append(req)
+            elif seq.draft_token_ids:  # rejected drafts' slots: their blocks go back
+                self.blocks.trim(req.seq_id, req.num_computed_tokens)
         self.gate.after_step(self.pool.running)
         return finished
 

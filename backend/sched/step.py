@@ -19,11 +19,15 @@ class ScheduledSeq:
     num_new_tokens: int
     padding: bool = False  # a padding row: computed for its cost only, never stored nor sampled
     block_table: list[int] = field(default_factory=list)  # the sequence's blocks, for the runner
+    # Speculative decoding: a verify row computes its last token and these drafts after it
+    # (num_new_tokens = 1 + len(drafts)); logits are kept at each of those positions.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Optional[object] = None  # the draft's q per draft ([k, V] on the device); None: point masses
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
-        return not self.padding and self.start + self.num_new_tokens == self.request.num_tokens
+        return not self.padding and self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -36,6 +40,7 @@ class SchedulerOutput:
     # Padded batches only: rows computed for their cost, attending to their member's cached context
     # from `start` on; never stored (slot -1), never sampled.
     padding: list[ScheduledSeq] = field(default_factory=list)
+    spare_tokens: int = 0  # the token budget left after forming the batch: drafts may use it
 
     @property
     def seqs(self) -> list[ScheduledSeq]:
@@ -66,8 +71,16 @@ class SchedulerOutput:
 
 @dataclass
 class Sampled:
-    """One row's result: the token and, when the request asked for logprobs, the raw numbers."""
+    """One row's result: the token and, when the request asked for logprobs, the raw numbers.
+    A verify row's result is its last token, after the drafts it accepted (`accepted`)."""
     token: int
     logprob: Optional[float] = None
     rank: Optional[int] = None  # 1 = the most likely token
     top: Optional[list[tuple[int, float]]] = None  # the top k (token, logprob), best first
+    accepted: list["Sampled"] = field(default_factory=list)  # accepted drafts, in order, before `token`
+    num_drafts: int = 0  # drafts the row verified
+
+    @property
+    def tokens(self) -> list["Sampled"]:
+        """Every token the row produced, in order: the accepted drafts, then the last."""
+        return [*self.accepted, self] if self.accepted else [self]

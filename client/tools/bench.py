@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--mode", type=_modes, default=["inflight"],
                       help="in-process: comma list of inflight,static,dynamic,none (one engine each); "
                            "a server reports its own mode")
-    what.add_argument("--workload", default="mixed", help="fixed | mixed | hol | FILE.jsonl (default mixed)")
+    what.add_argument("--workload", default="mixed", help="fixed | mixed | hol | extractive | FILE.jsonl (default mixed)")
     what.add_argument("--num-requests", type=int, default=128)
     what.add_argument("--concurrency", type=_ints, default=[16], help="requests in flight; a comma list sweeps")
     what.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: all at once)")
@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--max-output-len", type=int, default=None, help="cap every output length")
     what.add_argument("--param", type=_param, action="append", default=[], metavar="KEY=VALUE",
                       help="engine parameter (config.pbtxt key) for in-process engines and a started server")
+    what.add_argument("--speculative-config", metavar="JSON",
+                      help="with --in-process: the engine with this speculative_config against the same "
+                           "engine without, turn and turn about, with their ratios (client/tools/bench_spec.py)")
     what.add_argument("--warmup", type=int, default=4,
                       help="untimed requests before each target's first run: the workload's longest "
                            "prompts, 4 output tokens each")
@@ -131,6 +134,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if (args.in_process or args.compare_server or args.offline) and not args.model_path:
         print("inflight bench: --in-process, --offline and --compare-server need --model-path DIR", file=sys.stderr)
         return 2
+    if args.speculative_config and not args.in_process:
+        print("inflight bench: --speculative-config needs --in-process", file=sys.stderr)
+        return 2
     if args.model_path and not Path(args.model_path).is_dir():
         print(f"inflight bench: --model-path {args.model_path} is not a folder", file=sys.stderr)
         return 2
@@ -141,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.model_path:
         from backend.loader import load_model_config
         vocab = load_model_config(args.model_path).vocab_size
-        if args.prompt_format == "text":
+        if args.prompt_format == "text" or args.workload == "extractive":
             from backend.text.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_dir(args.model_path)
     try:
@@ -195,6 +201,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             measure(t, [c])
             finally:
                 local.close()
+        elif args.speculative_config:  # speculative decoding against none, in-process
+            from client.tools.bench_spec import compare
+            compare(args.model_path, params, args.speculative_config, args.concurrency, args.repeats, measure)
         elif args.in_process or args.offline:
             kind = OfflineTarget if args.offline else InProcessTarget
             # Modes take turns at each concurrency, in alternating order per repeat (A B C,
@@ -227,6 +236,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print_table(results)
     rs = ratios(results)
+    if args.speculative_config:
+        from client.tools.bench_spec import print_acceptance, spec_ratios
+        print_acceptance(results)
+        rs += spec_ratios(results)
     if rs:
         print()
         for r in rs:
@@ -240,7 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = {"date": started.isoformat(timespec="seconds"), "machine": machine(),
             "command": "inflight bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "workload": args.workload, "seed": args.seed, "rate": args.rate,
-            "workload_summary": summary(items), "params": params}
+            "workload_summary": summary(items), "params": params,
+            **({"speculative_config": args.speculative_config} if args.speculative_config else {})}
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps({"meta": meta, "results": results, "ratios": rs}, indent=2))

@@ -15,7 +15,8 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
     `device: auto` follows the instance: a GPU instance -> cuda:<device_id>, anything else -> cpu;
     `device: cuda` in a GPU instance is its GPU too. Triton's Python backend passes the kind as
     TRITONSERVER_InstanceGroupKindString writes it ("GPU", "CPU", "MODEL"); config.pbtxt's
-    "KIND_GPU" is accepted as well. A relative `model_path` is taken from the repository root.
+    "KIND_GPU" is accepted as well. A relative `model_path` (and a relative draft `model` in
+    `speculative_config`) is taken from the repository root.
     """
     overrides: dict[str, Any] = {}
     device = str(params.get("device", "auto")).strip()
@@ -25,6 +26,9 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
     model_path = str(params.get("model_path", "")).strip()
     if model_path and not Path(model_path).is_absolute():
         overrides["model_path"] = str((Path(repo_root) / model_path).resolve())
+    if str(params.get("speculative_config", "")).strip():  # its draft `model` is found like model_path
+        from backend.spec.config import resolve_draft_path
+        overrides["speculative_config"] = resolve_draft_path(str(params["speculative_config"]), repo_root)
     config = EngineConfig.from_params(params, **overrides)
     if not config.model_path:
         raise ValueError("parameter 'model_path' is required: a Hugging Face checkpoint folder")

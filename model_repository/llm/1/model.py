@@ -28,6 +28,8 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0]
 ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 QUEUE_BUCKETS = [0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+# Tokens a speculating sequence gets from one verify step: its accepted drafts + 1 (vLLM's acceptance length)
+ACCEPTANCE_BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 33]
 E2E_BUCKETS = [0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0]
 
 
@@ -38,7 +40,9 @@ class Metrics:
     COUNTERS = {"num_preemptions": "inflight_num_preemptions_total",
                 "prompt_tokens_total": "inflight_prompt_tokens_total",
                 "generation_tokens_total": "inflight_generation_tokens_total",
-                "num_backfilled": "inflight_num_backfilled_total"}
+                "num_backfilled": "inflight_num_backfilled_total",
+                "spec_decode_num_draft_tokens": "inflight_spec_decode_num_draft_tokens_total",
+                "spec_decode_num_accepted_tokens": "inflight_spec_decode_num_accepted_tokens_total"}
 
     @staticmethod
     def instance_labels(args, device):
@@ -70,7 +74,9 @@ class Metrics:
         docs = {"num_preemptions": "Requests preempted (max_utilization)",
                 "prompt_tokens_total": "Prompt tokens admitted",
                 "generation_tokens_total": "Tokens generated",
-                "num_backfilled": "Requests started ahead of a waiting request that did not fit (enable_backfill)"}
+                "num_backfilled": "Requests started ahead of a waiting request that did not fit (enable_backfill)",
+                "spec_decode_num_draft_tokens": "Draft tokens verified (speculative_config)",
+                "spec_decode_num_accepted_tokens": "Draft tokens accepted (speculative_config)"}
         # per LoRA adapter and state (running, waiting): a series for every adapter loaded, made on first sight
         self.lora_family = family("inflight_lora_requests", "Requests per LoRA adapter, running or waiting", fam.GAUGE)
         self.lora = {}
@@ -87,7 +93,11 @@ class Metrics:
                           fam.HISTOGRAM).Metric(labels=labels, buckets=E2E_BUCKETS),
             "queue": family("inflight_request_queue_time_seconds", "Time waiting for admission, arrival to first scheduled",
                             fam.HISTOGRAM).Metric(labels=labels, buckets=QUEUE_BUCKETS),
+            "acceptance": family("inflight_spec_decode_acceptance_length",
+                                 "Tokens a sequence got from one verify step: accepted drafts + 1 (speculative_config)",
+                                 fam.HISTOGRAM).Metric(labels=labels, buckets=ACCEPTANCE_BUCKETS),
         }
+        self._lengths = []  # verify steps counted so far, by tokens they gave (the engine's tally)
         self._last = {}
 
     def observe(self, kind, seconds):
@@ -112,6 +122,11 @@ class Metrics:
             if delta > 0:
                 metric.increment(delta)
                 self._counted[key] += delta
+        lengths = stats.get("spec_decode_acceptance_lengths") or []
+        for i, n in enumerate(lengths):  # the engine keeps a tally per length: observe what is new
+            for _ in range(n - (self._lengths[i] if i < len(self._lengths) else 0)):
+                self.hist["acceptance"].observe(i + 1)
+        self._lengths = list(lengths)
 
     def _set(self, key, metric, value):
         if self._last.get(key) != value:  # each set is an IPC to the server: only on change
