@@ -66,6 +66,11 @@ class EngineConfig:
     # quantized at load (int8, a scale per 32 values); fp8 = e4m3 weights (CUDA only).
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: dtype's | float32 | bfloat16 | fp8 (e4m3)
+    # Ranks one engine runs on (tensor parallelism, docs/parallelism.md): each holds 1/N of every
+    # layer's heads and MLP columns, of the vocabulary and of the KV cache; rank 0 schedules and
+    # samples, ranks 1..N-1 are processes it starts (NCCL on GPU: devices cuda:i*N .. cuda:i*N+N-1
+    # for instance i; gloo on CPU).
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -108,6 +113,7 @@ class EngineConfig:
         _at_least("max_queue_size", self.max_queue_size, 0)
         _at_least("max_queue_delay_microseconds", self.max_queue_delay_microseconds, 0)
         _at_least("stream_interval", self.stream_interval, 1)
+        _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")

@@ -233,3 +233,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """Release what outlives the object: the other tensor-parallel ranks' processes."""
+        self.runner.close()
