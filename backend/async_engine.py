@@ -77,6 +77,12 @@ class AsyncEngine:
                 self._lock.notify()
             return known
 
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine stopped serving (a fault it could not recover from, a lost tensor-parallel
+        rank); None while it serves."""
+        return self._broken
+
     def stats(self) -> dict[str, Union[int, float]]:
         """The engine's figures as of the end of its last step (never half-way through one)."""
         return self._stats

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
-from templates.render import parse_param
+from templates.render import parse_param, positive_int, tensor_parallel_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +51,12 @@ def _serve(args: argparse.Namespace) -> int:
         write_config(config)
         print(f"inflight serve: rendered {config} (edit it to tune the engine)")
     params = dict(args.param)
+    if args.tp is not None:
+        params["tensor_parallel_size"] = str(args.tp)
+        problem = tensor_parallel_problem(config.read_text(), args.tp)
+        if problem:
+            print(f"inflight serve: {problem}", file=sys.stderr)
+            return 2
     model_path = args.model_path or params.get("model_path") or read_parameters(config.read_text()).get("model_path", "")
     resolved = Path(model_path) if Path(model_path).is_absolute() else REPO_ROOT / model_path
     if args.model_path is None and not resolved.is_dir():
@@ -201,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", help="serve this Hugging Face checkpoint folder")
     p.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
                    help="override a config.pbtxt parameter for this run (repeatable)")
+    p.add_argument("--tp", type=positive_int, metavar="N",
+                   help="tensor_parallel_size: run each engine on N ranks (docs/parallelism.md)")
     p.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=600.0,

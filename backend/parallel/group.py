@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from backend.device import DeviceEnv
 from backend.errors import RankLostError
 from backend.parallel.launcher import LocalWorkers
 from backend.parallel.plan import ShardPlan
@@ -49,7 +50,8 @@ class TensorParallelGroup:
                  workers: Optional[LocalWorkers] = None):
         self.rank, self.size, self.device, self.store, self.plan = rank, size, device, store, plan
         self.workers = workers
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        # NCCL where the tensors are on a GPU; gloo on the CPU (and in the CPU rehearsal of a GPU)
+        self.backend = "nccl" if DeviceEnv.for_device(device).tensor_device.type == "cuda" else "gloo"
         self.seconds: dict[str, float] = defaultdict(float)  # time in collectives, by kind (host clock)
         self.calls: dict[str, int] = defaultdict(int)
         self.failure: Optional[str] = None

@@ -78,6 +78,8 @@ class LocalWorkers:
             how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
         else:
             how = f"exited with status {code}"
+        if code is None or code < 0:  # killed: what it printed before says nothing about why
+            return f"rank {rank} (pid {proc.pid}) {how}"
         time.sleep(0.05)  # let the forwarding thread take the last lines
         tail = [line for line in self.tails[rank] if line.strip()][-6:]
         return f"rank {rank} (pid {proc.pid}) {how}" + ("; its last output:\n  " + "\n  ".join(tail) if tail else "")

@@ -31,4 +31,7 @@ if [ "$openai_port" != 0 ]; then
   python3 -m openai_server --grpc-url 127.0.0.1:8001 --host 0.0.0.0 --port "$openai_port" \
     --model-path "$model_path" --tool-call-parser "${INFLIGHT_TOOL_CALL_PARSER:-hermes}" &
 fi
-exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config "$@"
+# explicit + --load-model=*: every model loads at start, and a model whose engine stopped serving
+# (a lost tensor-parallel rank) unloads itself, so that its ready endpoint says so.
+exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config \
+  --model-control-mode=explicit --load-model='*' "$@"
