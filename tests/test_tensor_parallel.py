@@ -329,3 +329,15 @@ def test_ranks_started_elsewhere_join_through_the_environment(default_model_dir,
         worker.kill()
     expected = LLM(str(default_model_dir), max_model_len=256).generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_gpu_check_runs_tp2_only_with_two_gpus_and_says_when_it_skipped(monkeypatch):
+    from client.tools import gpu_check, gpu_check_tp
+
+    FakeCuda(gpus=[FakeGpu(GIB, GIB // 2)]).install(monkeypatch)
+    part = gpu_check_tp.tensor_parallel(gpu_check.FULL, ROOT / "unused")
+    assert part == {"ok": True, "skipped": "the TP=2 run (NCCL) needs two GPUs; this machine has 1"}
+    res = dict(date="d", device="one GPU", dry_run=False, environment={}, ok=True, wall_s=1.0, problems=[],
+               parts={"tp": dict(part, seconds=0.0, budget=120)})
+    assert "| tp | skipped: the TP=2 run (NCCL) needs two GPUs; this machine has 1 | 0 | 120 |" in gpu_check.markdown(res)
+    assert gpu_check.verdict(res["parts"], dry_run=False) == (True, [])
