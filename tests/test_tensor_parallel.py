@@ -341,3 +341,11 @@ def test_gpu_check_runs_tp2_only_with_two_gpus_and_says_when_it_skipped(monkeypa
                parts={"tp": dict(part, seconds=0.0, budget=120)})
     assert "| tp | skipped: the TP=2 run (NCCL) needs two GPUs; this machine has 1 | 0 | 120 |" in gpu_check.markdown(res)
     assert gpu_check.verdict(res["parts"], dry_run=False) == (True, [])
+
+
+def test_the_split_is_planned_without_torch():
+    """plan.py checks a config before any heavy library loads (and stays testable alone)."""
+    code = ("import sys, backend.parallel.plan\n"
+            "print(','.join(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == ""
