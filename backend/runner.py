@@ -63,7 +63,8 @@ class ModelRunner:
         try:
             self._start(config, self.tp.plan.local_config(model_cfg) if self.tp else model_cfg, max_model_len)
         except BaseException:
-            self.close()
+            if self.tp:  # the other ranks may be anywhere in their own start: end them
+                self.tp.close(graceful=False)
             raise
 
     def _start(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
@@ -217,5 +218,5 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank)."""
-        if getattr(self, "tp", None) is not None:
+        if self.tp is not None:
             self.tp.close()

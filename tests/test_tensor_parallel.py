@@ -349,3 +349,18 @@ def test_the_split_is_planned_without_torch():
             "print(','.join(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == ""
+
+
+def test_rank_0_failing_at_load_leaves_no_worker_and_a_new_group_can_form(default_model_dir, monkeypatch):
+    import backend.runner as runner_module
+
+    def broken(*args, **kwargs):
+        raise MemoryError("rank 0 ran out of memory loading its shard")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "load_model", broken)
+        with pytest.raises(MemoryError, match="rank 0 ran out of memory"):
+            LLM(str(default_model_dir), tensor_parallel_size=2)
+    assert not workers_of_this_process()
+    with LLM(str(default_model_dir), max_model_len=128, tensor_parallel_size=2) as llm:   # the process is clean
+        assert len(llm.generate([[5, 6, 7]], greedy(3))[0].token_ids) == 3

@@ -189,18 +189,19 @@ class TensorParallelGroup:
             time.sleep(0.2)
 
     # -- the end -----------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Rank 0: tell the workers to stop and end them; every rank: leave the process group."""
+    def close(self, graceful: bool = True) -> None:
+        """Rank 0: tell the workers to stop (graceful: they wait for the next step; not while they
+        may still be starting) and end them; every rank: leave the process group."""
         if self._closed:
             return
-        if self.rank == 0 and self.failure is None:
+        if self.rank == 0 and self.failure is None and graceful:
             try:
                 self._send(StepMessage(STOP))
             except Exception:
                 log.warning("could not send STOP to the tensor-parallel ranks; ending them")
         self._closed = True
         if self.workers is not None:
-            self.workers.stop()
+            self.workers.stop(10.0 if graceful else 0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -25,6 +25,7 @@ from typing import Mapping, Optional
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TAIL_LINES = 20
+WORKER_MODULE = "backend.parallel.worker"  # what a worker runs (the GPU rehearsal wraps it in a fake CUDA)
 
 
 def python_executable() -> str:
@@ -49,7 +50,7 @@ class LocalWorkers:
         env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         for rank, device in ranks.items():
-            cmd = [python_executable(), "-m", "backend.parallel.worker", "--rank", str(rank), "--device", device]
+            cmd = [python_executable(), "-m", WORKER_MODULE, "--rank", str(rank), "--device", device]
             proc = subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.procs[rank] = proc

@@ -4,8 +4,9 @@ thread each (gloo), and the share of the step rank 0 spends in collectives.
     python -m client.tools.tp_bench [--model tiny|mid|PATH] [--batches 1,16] [--steps 40] [--rounds 3]
 
 Each measurement is its own process (OMP_NUM_THREADS: 2 for one rank, 1 for each of two ranks,
-which the worker inherits); the rounds alternate TP=1 and TP=2 so both see the same load on a
-shared machine, and the table gives medians over rounds and their ratio. `tiny` is the tests'
+which the worker inherits; and, for reference, one rank of 1 thread); the rounds alternate the
+three so all see the same load on a shared machine, and the table gives medians over rounds and
+the ratios. `tiny` is the tests'
 random model (4 layers, hidden 256), `mid` a random Llama-shaped one (8 layers, hidden 1024,
 16 heads, 8 KV heads, MLP 2816). The collectives' time is rank 0's host clock around each (gloo is
 synchronous): all-reduces (two a layer and the embedding's), the logits' all-gather and the step
@@ -26,6 +27,7 @@ from pathlib import Path
 SHAPES = {"tiny": {}, "mid": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                   num_attention_heads=16, num_key_value_heads=8)}
 PROMPT_TOKENS = 100
+CONFIGS = ((1, 2), (2, 1), (1, 1))   # (ranks, threads per rank): the issue's pair, then one rank of one thread
 
 
 def measure(model: str, tp: int, batch: int, steps: int) -> dict:
@@ -57,8 +59,8 @@ def measure(model: str, tp: int, batch: int, steps: int) -> dict:
         llm.close()
 
 
-def run(model: str, tp: int, batch: int, steps: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(2 // tp))   # 2 threads on one rank, 1 on each of two
+def run(model: str, tp: int, threads: int, batch: int, steps: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))   # per rank; a worker inherits it
     cmd = [sys.executable, "-m", "client.tools.tp_bench", "--one", str(tp), "--model", model,
            "--batches", str(batch), "--steps", str(steps)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
@@ -85,21 +87,21 @@ def main(argv=None) -> int:
         if model in SHAPES:
             from backend.make_model import make_model
             model = str(make_model(Path(tmp) / model, seed=1, **SHAPES[model]))
-        rows = {(tp, b): [] for b in batches for tp in (1, 2)}
+        rows = {(tp, t, b): [] for b in batches for tp, t in CONFIGS}
         for _ in range(args.rounds):
             for b in batches:
-                for tp in (1, 2):
-                    rows[(tp, b)].append(run(model, tp, b, args.steps))
+                for tp, t in CONFIGS:
+                    rows[(tp, t, b)].append(run(model, tp, t, b, args.steps))
     print(f"model {args.model}, {args.steps} decode steps after a {PROMPT_TOKENS}-token prompt each, "
           f"{args.rounds} rounds alternating, medians; {time.strftime('%Y-%m-%d %H:%M')}")
-    print("| batch | TP=1, 2 threads: step ms | TP=2, 2 x 1 thread: step ms | TP=2 / TP=1 | all-reduce share (TP=2) | all collectives share |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| batch | TP=1, 2 threads: step ms | TP=2, 2 x 1 thread: step ms | TP=2 / TP=1 (2 threads) | "
+          "all-reduce share (TP=2) | all collectives share | TP=1, 1 thread: step ms | TP=2 / TP=1 (1 thread) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for b in batches:
-        one = statistics.median(r["step_ms"] for r in rows[(1, b)])
-        two = statistics.median(r["step_ms"] for r in rows[(2, b)])
-        ar = statistics.median(r["all_reduce_share"] for r in rows[(2, b)])
-        coll = statistics.median(r["collective_share"] for r in rows[(2, b)])
-        print(f"| {b} | {one:.2f} | {two:.2f} | {two / one:.2f}x | {ar:.0%} | {coll:.0%} |")
+        med = lambda key, tp, t: statistics.median(r[key] for r in rows[(tp, t, b)])  # noqa: E731
+        one, two, single = med("step_ms", 1, 2), med("step_ms", 2, 1), med("step_ms", 1, 1)
+        print(f"| {b} | {one:.2f} | {two:.2f} | {two / one:.2f}x | {med('all_reduce_share', 2, 1):.0%} | "
+              f"{med('collective_share', 2, 1):.0%} | {single:.2f} | {two / single:.2f}x |")
     return 0
 
 
