@@ -1,4 +1,4 @@
-"""The quantized GEMMs' part of the GPU check (`inflight gpu-check`, through `python -m kernels.bench`):
+"""The quantized GEMMs' part of the GPU check (`inflight gpu-check`, through `python -m client.tools.kernel_bench`):
 
 - `checks`: every quantized format through `quant_linear` against `linear_reference` on the GPU,
   in bfloat16 (which the CPU interpreter cannot check) for every qtype, float16 for a few, and FP8
@@ -84,7 +84,7 @@ def random_parts(qtype: str, n: int, k: int, device: str, gen: torch.Generator) 
 
 def checks(device: str, dry: bool = False) -> list[dict]:
     """Each qtype x dtype x batch through quant_linear against the reference; rows shaped like
-    kernels.bench's checks (kernel, dtype, detail, max_abs_err, ok) plus the error / bound ratio."""
+    client.tools.kernel_bench's checks (kernel, dtype, detail, max_abs_err, ok) plus the error / bound ratio."""
     p = DRY if dry else FULL
     n, k = p["check_shape"]
     gen = torch.Generator(device=device).manual_seed(23)

@@ -1,6 +1,6 @@
 """kernels/quant_bench.py, the quantized GEMMs' part of `inflight gpu-check`, rehearsed on the CPU
 (interpreter, tiny shapes): its checks pass on the kernels and catch results off by 1% of their
-scale; a failed one fails `python -m kernels.bench`; its benchmark rows carry the bandwidth floor."""
+scale; a failed one fails `python -m client.tools.kernel_bench`; its benchmark rows carry the bandwidth floor."""
 import json
 
 import pytest
@@ -49,8 +49,8 @@ def test_bench_rows_and_table():
 
 
 def test_a_failed_quantized_check_fails_the_kernel_benchmark(monkeypatch, tmp_path):
-    """kernels.bench (what gpu-check runs) counts the quantized checks among its failures."""
-    from kernels import bench
+    """client.tools.kernel_bench (what gpu-check runs) counts the quantized checks among its failures."""
+    from client.tools import kernel_bench as bench
     bad = dict(kernel="quant_linear", dtype="float16", detail="Q4_0 M=5", max_abs_err=1.0, bound_ratio=9.0, ok=False)
     monkeypatch.setattr(quant_bench, "checks", lambda device, dry=False: [bad])
     monkeypatch.setattr(quant_bench, "bench", lambda *args, **kwargs: [])
