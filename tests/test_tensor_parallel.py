@@ -1,56 +1,25 @@
-"""Tensor parallelism (issue 26) on this CPU with gloo: the split and its refusals, the one-message
-step, greedy equality with one rank (the tiny model at TP=2, SmolLM2 at TP=3: its 9 attention
-heads and 3 KV heads do not divide by 2, which is refused, naming them), and the faults (a rank
-killed, a rank that cannot start, a port taken). The served path and Triton's view of a lost rank
-are tests/e2e/test_tensor_parallel.py. Every TP engine here starts real worker processes."""
+"""Tensor parallelism (issue 26): the split and its refusals (heads that do not divide, naming both
+numbers; more ranks than GPUs; `--tp 0`), the one-message step, the placement of KIND_MODEL groups
+and gpu-check's TP part. The engines that run (greedy equality with one rank, the faults) are
+tests/test_tensor_parallel_engine.py; the served path and Triton's view of a lost rank are
+tests/e2e/test_tensor_parallel.py."""
 import dataclasses
-import os
-import random
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
-from backend import LLM, SamplingParams
+from backend import LLM
 from backend.config import EngineConfig
 from backend.loader import load_model_config
 from backend.parallel.plan import ShardPlan
 from fake_cuda import FakeCuda, FakeGpu, GIB
+from tp_helpers import greedy, tp_workers
 
 ROOT = Path(__file__).resolve().parents[1]
-NATURAL_PROMPTS = [
-    "The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is",
-    "def fibonacci(n):\n    ", "Once upon a time, there was a", "The chemical symbol for gold is",
-    "To make a cup of tea, first", "The opposite of hot is", "In 1969, Neil Armstrong",
-    "Photosynthesis is the process by which", "The three primary colors are", "A triangle has three",
-    "The quick brown fox", "Machine learning is a field of", "The Pacific Ocean is the", "Shakespeare wrote the play"]
-
-
-def random_prompts(n: int = 16, seed: int = 0, vocab: int = 2000) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 45))] for _ in range(n)]
-
-
-def greedy(max_tokens: int, logprobs=None) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
-
-
-def workers_of_this_process() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "backend.parallel.worker" in " ".join(p.cmdline())]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the split, without any process ----------------------------------------------------------------
@@ -61,6 +30,17 @@ def test_smollm2_heads_do_not_divide_by_2_and_the_error_names_both_numbers():
                                          r".*num_key_value_heads 3"):
         ShardPlan.check(cfg, 2)
     assert ShardPlan.check(cfg, 3).local_config(cfg).num_kv_heads == 1
+
+
+def test_the_engine_refuses_smollm2_at_tp2_before_any_rank_starts():
+    """The refusal comes from rank 0's own check (a ValueError), not from a worker that started,
+    loaded and then failed (a RuntimeError naming that rank)."""
+    from smollm2 import smollm2_dir
+
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size 2 does not divide the model's num_attention_heads 9"
+                                         r".*num_key_value_heads 3"):
+        LLM(str(smollm2_dir()), tensor_parallel_size=2)
+    assert not tp_workers()
 
 
 def test_a_k_split_that_would_cut_a_quantization_group_is_refused_with_the_numbers(default_model_dir):
@@ -161,6 +141,14 @@ def test_more_ranks_than_gpus_is_refused_at_load_naming_the_devices(monkeypatch)
         local_devices(torch.device("cuda", 2), 3)
 
 
+def test_an_engine_with_more_ranks_than_gpus_is_refused_before_any_rank_starts(monkeypatch, default_model_dir):
+    FakeCuda(gpus=[FakeGpu(GIB, GIB // 2)]).install(monkeypatch)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2: this engine's ranks need cuda:0 to cuda:1; this "
+                                         r"machine has 1 CUDA device\(s\) \(cuda:0 to cuda:0\)"):
+        LLM(str(default_model_dir), device="cuda:0", tensor_parallel_size=2)
+    assert not tp_workers()
+
+
 def test_kind_model_instances_take_disjoint_device_groups(monkeypatch, tmp_path, default_model_dir):
     """instance_group [{count: 2 kind: KIND_MODEL}] with tensor_parallel_size 2 on 4 GPUs: llm_0_0
     on cuda:0 (+ cuda:1), llm_0_1 on cuda:2 (+ cuda:3); without GPUs both on the CPU."""
@@ -182,155 +170,6 @@ def test_kind_model_instances_take_disjoint_device_groups(monkeypatch, tmp_path,
     assert tensor_parallel_problem(render(gpus=[0, 2]), 2) == ""
 
 
-# -- greedy equality through the engine (gloo) -------------------------------------------------------
-
-def test_tp2_matches_one_rank_token_for_token_on_the_tiny_model(default_model_dir):
-    prompts, params = random_prompts(), greedy(12)
-    one = LLM(str(default_model_dir), max_model_len=256)
-    expected = one.generate(prompts, params)
-    with LLM(str(default_model_dir), max_model_len=256, tensor_parallel_size=2) as two:
-        got = two.generate(prompts, params)
-        runner = two.engine.runner
-        assert runner.model_cfg.num_kv_heads == 1 and runner.kv_caches[0][0].shape[2] == 1   # half the KV heads
-        assert two.stats()["kv_blocks_total"] == one.stats()["kv_blocks_total"]
-        assert runner.weights.weight_bytes < 0.6 * one.engine.runner.weights.weight_bytes
-        calls = runner.tp.stats()["calls"]
-        steps = calls["step_message"]
-        layers = runner.model_cfg.num_layers
-        assert calls["all_reduce"] == steps * (2 * layers + 1)   # o_proj, down_proj per layer + the embedding
-        assert calls["all_gather"] == steps                       # the logits, once a step
-        workers = workers_of_this_process()
-        assert len(workers) == 1
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    psutil.wait_procs(workers, timeout=10)
-    assert not workers_of_this_process()
-
-
-def _smollm2_pair(model_dir, **overrides):
-    params = greedy(8, logprobs=2)
-    one = LLM(str(model_dir), max_model_len=256, cpu_kv_cache_tokens=4096, **overrides).generate(NATURAL_PROMPTS, params)
-    with LLM(str(model_dir), max_model_len=256, cpu_kv_cache_tokens=4096, tensor_parallel_size=3, **overrides) as llm:
-        three = llm.generate(NATURAL_PROMPTS, params)
-    return one, three
-
-
-def test_tp3_matches_one_rank_token_for_token_on_smollm2_float():
-    from smollm2 import smollm2_dir
-
-    one, three = _smollm2_pair(smollm2_dir())
-    assert [o.token_ids for o in three] == [o.token_ids for o in one]
-
-
-def test_tp3_on_packed_smollm2_differs_from_one_rank_only_at_near_ties():
-    """Packed weights quantize each layer's activations to int8 per group of 32 (as llama.cpp); the
-    all-reduce's summation order moves a value by ~1e-6, which now and then moves it across a
-    rounding boundary of that quantization: the logits then differ by up to ~0.1 (one rank with a
-    1e-6 relative perturbation of every projection's output shows the same, docs/parallelism.md).
-    So a greedy choice may flip where the top two are that close; anywhere else the tokens match."""
-    from smollm2 import smollm2_packed_dir
-
-    one, three = _smollm2_pair(smollm2_packed_dir())
-    same = 0
-    for a, b in zip(one, three):
-        if a.token_ids == b.token_ids:
-            same += 1
-            continue
-        i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
-        top_two = a.logprobs[i]                       # one rank's two most likely tokens there
-        gap = abs(np.subtract(*[lp.logprob for lp in top_two.values()]))
-        assert b.token_ids[i] in top_two and gap < 0.1, \
-            f"{a.text!r} vs {b.text!r}: diverged at token {i}, where one rank's top two are {gap:.3f} apart"
-    assert same >= 12, f"only {same} of 16 prompts agree"
-
-
-# -- faults ----------------------------------------------------------------------------------------
-
-def test_a_killed_worker_fails_the_running_requests_and_the_engine_refuses_new_ones(default_model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.errors import EngineDeadError
-
-    engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_model_len=512, tensor_parallel_size=2))
-    finals, done, first = {}, threading.Event(), threading.Event()
-
-    def sink(out):
-        if out.new_token_ids:
-            first.set()
-        if out.finished:
-            finals[out.request_id] = out
-            if len(finals) == 3:
-                done.set()
-
-    try:
-        for i in range(3):
-            engine.add_request(f"r{i}", [5, 6, 7, i + 8], greedy(400), sink)
-        assert first.wait(60)
-        worker = engine.engine.runner.tp.workers.procs[1]
-        os.kill(worker.pid, signal.SIGKILL)
-        assert done.wait(30)
-        for out in finals.values():
-            assert out.finish_reason == "error"
-            assert f"tensor-parallel rank 1 (pid {worker.pid}) was killed by signal 9 (SIGKILL)" in out.error
-            assert len(out.token_ids) < 400
-        assert engine.failure and "rank 1" in engine.failure
-        with pytest.raises(EngineDeadError, match="rank 1"):
-            engine.add_request("late", [5, 6], greedy(4), sink)
-    finally:
-        engine.shutdown()
-    assert worker.poll() == -9 and not workers_of_this_process()
-
-
-def test_a_taken_rendezvous_port_is_an_error_at_load_naming_rank_0(default_model_dir, monkeypatch):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        monkeypatch.setenv("MASTER_PORT", str(port))
-        with pytest.raises(RuntimeError, match=rf"tensor-parallel rank 0 cannot open the rendezvous on 127.0.0.1:{port} "
-                                               r"\(MASTER_ADDR/MASTER_PORT\)"):
-            LLM(str(default_model_dir), tensor_parallel_size=2)
-    assert not workers_of_this_process()
-
-
-def _start_worker(rank: int, port: int, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return subprocess.Popen([sys.executable, "-m", "backend.parallel.worker", "--rank", str(rank), *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def test_a_rank_that_cannot_start_is_an_error_at_load_naming_it(default_model_dir, monkeypatch):
-    """Rank 1 started on its own (as on another machine), on a device this machine lacks."""
-    port = free_port()
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.setenv("INFLIGHT_TP_LOCAL_RANKS", "1")
-    worker = _start_worker(1, port, "--device", "cuda:0")
-    try:
-        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 could not start: device 'cuda:0' requested "
-                                               r"but CUDA is not available"):
-            LLM(str(default_model_dir), tensor_parallel_size=2)
-        assert worker.wait(30) == 1
-    finally:
-        worker.kill()
-
-
-def test_ranks_started_elsewhere_join_through_the_environment(default_model_dir, monkeypatch):
-    """The multi-machine path on one machine: rank 0 starts no process; rank 1 is started by hand
-    with MASTER_ADDR/MASTER_PORT (as the Kubernetes worker pod does) and the tokens are the same."""
-    port = free_port()
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.setenv("INFLIGHT_TP_LOCAL_RANKS", "1")
-    worker = _start_worker(1, port)
-    prompts, params = random_prompts(4, seed=1), greedy(6)
-    try:
-        with LLM(str(default_model_dir), max_model_len=256, tensor_parallel_size=2) as two:
-            assert [p.pid for p in workers_of_this_process()] == [worker.pid]    # rank 0 started none
-            got = two.generate(prompts, params)
-        assert worker.wait(30) == 0       # told to stop, it ends cleanly
-    finally:
-        worker.kill()
-    expected = LLM(str(default_model_dir), max_model_len=256).generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-
-
 def test_gpu_check_runs_tp2_only_with_two_gpus_and_says_when_it_skipped(monkeypatch):
     from client.tools import gpu_check, gpu_check_tp
 
@@ -349,18 +188,3 @@ def test_the_split_is_planned_without_torch():
             "print(','.join(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == ""
-
-
-def test_rank_0_failing_at_load_leaves_no_worker_and_a_new_group_can_form(default_model_dir, monkeypatch):
-    import backend.runner as runner_module
-
-    def broken(*args, **kwargs):
-        raise MemoryError("rank 0 ran out of memory loading its shard")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(runner_module, "load_model", broken)
-        with pytest.raises(MemoryError, match="rank 0 ran out of memory"):
-            LLM(str(default_model_dir), tensor_parallel_size=2)
-    assert not workers_of_this_process()
-    with LLM(str(default_model_dir), max_model_len=128, tensor_parallel_size=2) as llm:   # the process is clean
-        assert len(llm.generate([[5, 6, 7]], greedy(3))[0].token_ids) == 3

@@ -10,6 +10,7 @@ own process; here they run one after the other."""
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,10 @@ def test_two_kind_model_instances_with_tp2_take_disjoint_pairs_of_gpus(four_gpus
             assert runner.device == torch.device("cuda", first) and cuda.current == first
             assert cuda.devices_used("set_device", "mem_get_info") == {first}     # rank 0 asked only its GPU
             assert runner.tp.backend == "gloo" and runner.tp.size == 2             # tensors on the CPU: gloo
+            # rank 1 logs its cache once allocated, which may be after rank 0 has gone on
+            deadline = time.monotonic() + 60
+            while "KV cache: " not in "\n".join(runner.tp.workers.tails[1]) and time.monotonic() < deadline:
+                time.sleep(0.05)
             worker_log = "\n".join(runner.tp.workers.tails[1])
             assert f"on cuda:{second};" in worker_log, worker_log                  # rank 1 on the next GPU
             # the group's cache: what the rank with the less free memory (rank 1, 512 MiB) holds

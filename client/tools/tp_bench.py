@@ -1,14 +1,16 @@
 """Tensor parallelism on the CPU: the decode step of one rank with 2 threads against two ranks of 1
 thread each (gloo), and the share of the step rank 0 spends in collectives.
 
-    python -m client.tools.tp_bench [--model tiny|mid|PATH] [--batches 1,16] [--steps 40] [--rounds 3]
+    python -m client.tools.tp_bench [--model tiny|mid|smollm2-shape|PATH] [--tp 2] [--batches 1,16]
+                                    [--steps 40] [--rounds 3]
 
-Each measurement is its own process (OMP_NUM_THREADS: 2 for one rank, 1 for each of two ranks,
-which the worker inherits; and, for reference, one rank of 1 thread); the rounds alternate the
-three so all see the same load on a shared machine, and the table gives medians over rounds and
-the ratios. `tiny` is the tests'
-random model (4 layers, hidden 256), `mid` a random Llama-shaped one (8 layers, hidden 1024,
-16 heads, 8 KV heads, MLP 2816). The collectives' time is rank 0's host clock around each (gloo is
+Each measurement is its own process (OMP_NUM_THREADS: 2 for one rank, 1 for each of the --tp
+ranks, which the workers inherit; and, for reference, one rank of 1 thread); the rounds alternate
+the three so all see the same load on a shared machine, and the table gives medians over rounds
+and the ratios. `tiny` is the tests' random model (4 layers, hidden 256), `mid` a random
+Llama-shaped one (8 layers, hidden 1024, 16 heads, 8 KV heads, MLP 2816), `smollm2-shape` a
+random one of SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536, 49152 tokens) with 8 heads
+of 72 and 2 KV heads instead of 9 and 3, so that it splits in 2 (SmolLM2 itself splits in 3). The collectives' time is rank 0's host clock around each (gloo is
 synchronous): all-reduces (two a layer and the embedding's), the logits' all-gather and the step
 message; it includes waiting for the slower rank.
 """
@@ -25,9 +27,14 @@ import time
 from pathlib import Path
 
 SHAPES = {"tiny": {}, "mid": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                                  num_attention_heads=16, num_key_value_heads=8)}
+                                  num_attention_heads=16, num_key_value_heads=8),
+          "smollm2-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+                                num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)}
 PROMPT_TOKENS = 100
-CONFIGS = ((1, 2), (2, 1), (1, 1))   # (ranks, threads per rank): the issue's pair, then one rank of one thread
+
+def configs(tp: int) -> tuple[tuple[int, int], ...]:
+    """(ranks, threads per rank): the issue's pair, then one rank of one thread."""
+    return (1, 2), (tp, 1), (1, 1)
 
 
 def measure(model: str, tp: int, batch: int, steps: int) -> dict:
@@ -73,6 +80,7 @@ def run(model: str, tp: int, threads: int, batch: int, steps: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m client.tools.tp_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mid", help="tiny, mid, or a checkpoint folder (default mid)")
+    parser.add_argument("--tp", type=int, default=2, help="ranks of the parallel run, 1 thread each (default 2)")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
@@ -87,21 +95,22 @@ def main(argv=None) -> int:
         if model in SHAPES:
             from backend.make_model import make_model
             model = str(make_model(Path(tmp) / model, seed=1, **SHAPES[model]))
-        rows = {(tp, t, b): [] for b in batches for tp, t in CONFIGS}
+        rows = {(tp, t, b): [] for b in batches for tp, t in configs(args.tp)}
         for _ in range(args.rounds):
             for b in batches:
-                for tp, t in CONFIGS:
+                for tp, t in configs(args.tp):
                     rows[(tp, t, b)].append(run(model, tp, t, b, args.steps))
     print(f"model {args.model}, {args.steps} decode steps after a {PROMPT_TOKENS}-token prompt each, "
           f"{args.rounds} rounds alternating, medians; {time.strftime('%Y-%m-%d %H:%M')}")
-    print("| batch | TP=1, 2 threads: step ms | TP=2, 2 x 1 thread: step ms | TP=2 / TP=1 (2 threads) | "
-          "all-reduce share (TP=2) | all collectives share | TP=1, 1 thread: step ms | TP=2 / TP=1 (1 thread) |")
+    n = args.tp
+    print(f"| batch | TP=1, 2 threads: step ms | TP={n}, {n} x 1 thread: step ms | TP={n} / TP=1 (2 threads) | "
+          f"all-reduce share (TP={n}) | all collectives share | TP=1, 1 thread: step ms | TP={n} / TP=1 (1 thread) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for b in batches:
         med = lambda key, tp, t: statistics.median(r[key] for r in rows[(tp, t, b)])  # noqa: E731
-        one, two, single = med("step_ms", 1, 2), med("step_ms", 2, 1), med("step_ms", 1, 1)
-        print(f"| {b} | {one:.2f} | {two:.2f} | {two / one:.2f}x | {med('all_reduce_share', 2, 1):.0%} | "
-              f"{med('collective_share', 2, 1):.0%} | {single:.2f} | {two / single:.2f}x |")
+        one, two, single = med("step_ms", 1, 2), med("step_ms", n, 1), med("step_ms", 1, 1)
+        print(f"| {b} | {one:.2f} | {two:.2f} | {two / one:.2f}x | {med('all_reduce_share', n, 1):.0%} | "
+              f"{med('collective_share', n, 1):.0%} | {single:.2f} | {two / single:.2f}x |")
     return 0
 
 

@@ -6,7 +6,6 @@
   reports the model not ready (it unloads itself), the liveness check fails, the server stays up,
   and nothing is left once the server stops."""
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from backend import SamplingParams
 from client.grpc_client import GrpcClient
 from client.protocol import GenerationError
 from client.tools.server import TritonServer, free_port
+from tp_helpers import random_prompts, tp_workers
 
 from .conftest import MAX_MODEL_LEN, inflight_serve, requires_tritonserver, stop_serve, wait_until
 
@@ -33,15 +33,6 @@ def healthcheck(server) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 2000) for _ in range(rng.randrange(3, 45))] for _ in range(n)]
-
-
-def workers(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children(recursive=True) if "backend.parallel.worker" in " ".join(p.cmdline())]
-
-
 def test_inflight_serve_tp2_is_token_exact_and_a_stop_in_flight_loses_no_response(model_repository, model_path, llm):
     grpc = free_port()
     proc, lines = inflight_serve(["--model-repository", str(model_repository), "--model-path", str(model_path),
@@ -50,8 +41,8 @@ def test_inflight_serve_tp2_is_token_exact_and_a_stop_in_flight_loses_no_respons
                                   "--param", f"max_model_len={MAX_MODEL_LEN}"])
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(workers(proc.pid)) == 1, [" ".join(c.cmdline()) for c in children]
-        batch = prompts(16, seed=3)
+        assert len(tp_workers(proc.pid)) == 1, [" ".join(c.cmdline()) for c in children]
+        batch = random_prompts(16, seed=3)
         expected = llm.generate(batch, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         got: dict[int, list[int]] = {}
 
@@ -101,7 +92,7 @@ def test_a_killed_rank_fails_what_runs_and_the_model_reports_not_ready(model_rep
                           params={"max_model_len": str(MAX_MODEL_LEN), "tensor_parallel_size": "2"})
     with server:
         everything = psutil.Process(server.process.pid).children(recursive=True)
-        (worker,) = workers(server.process.pid)
+        (worker,) = tp_workers(server.process.pid)
         assert healthcheck(server).returncode == 0                     # live: a 1-token generate goes through
         errors, first = {}, threading.Barrier(3)
 
@@ -133,3 +124,19 @@ def test_a_killed_rank_fails_what_runs_and_the_model_reports_not_ready(model_rep
         assert "unloaded: it reports not ready" in server.log_text()
     gone, alive = psutil.wait_procs(everything, timeout=10)
     assert not alive, f"left behind: {[' '.join(p.cmdline()) for p in alive]}"
+
+
+def test_inflight_serve_tp2_on_smollm2_fails_the_load_naming_both_head_counts(model_repository):
+    """SmolLM2's 9 attention heads and 3 KV heads do not split in 2: the load fails with rank 0's
+    own check (no worker started), which Triton's model table and `inflight serve` show."""
+    from smollm2 import smollm2_dir
+
+    proc = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--model-repository", str(model_repository),
+                           "--model-path", str(smollm2_dir()), "--tp", "2", "--host", "127.0.0.1", "--openai-port", "0",
+                           "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+                           "--metrics-port", str(free_port())], capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert ("UNAVAILABLE: Internal: ValueError: tensor_parallel_size 2 does not divide the model's "
+            "num_attention_heads 9" in output and "num_key_value_heads 3" in output), output[-3000:]
+    assert "tensor-parallel rank 1" not in output and "inflight tp rank" not in output   # refused before any rank
