@@ -39,6 +39,8 @@ from backend.parallel.step_message import HEADER_LEN, STEP, STOP, StepMessage, d
 
 log = logging.getLogger(__name__)
 FAILED_KEY = "inflight/failed/"  # + rank: why a rank that had joined could not go on
+LEFT_KEY = "inflight/left/"  # + rank: the rank has left the process group after STOP
+LEAVE_TIMEOUT = 10.0  # seconds rank 0 waits for the ranks on other machines to leave
 # Waiting for the next step is not a fault: an idle server's workers wait in a broadcast for hours.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
@@ -201,9 +203,26 @@ class TensorParallelGroup:
                 log.warning("could not send STOP to the tensor-parallel ranks; ending them")
         self._closed = True
         if self.workers is not None:
-            self.workers.stop(10.0 if graceful else 0.0)
+            self.workers.stop(LEAVE_TIMEOUT if graceful else 0.0)
+        if self.rank == 0 and self.failure is None and graceful:
+            self._wait_remote_ranks_left()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.rank != 0:
+            try:
+                self.store.set(f"{LEFT_KEY}{self.rank}", "")
+            except Exception:  # rank 0 already gone: nobody waits
+                pass
+
+    def _wait_remote_ranks_left(self) -> None:
+        """Rank 0 holds the store every rank's group runs on: closing it while a rank started elsewhere
+        still tears its group down makes that rank abort (SIGABRT). The local ranks have exited."""
+        remote = [r for r in range(1, self.size) if self.workers is None or r not in self.workers.procs]
+        deadline = time.monotonic() + LEAVE_TIMEOUT
+        while remote and time.monotonic() < deadline:
+            remote = [r for r in remote if not self.store.check([f"{LEFT_KEY}{r}"])]
+            if remote:
+                time.sleep(0.02)
 
     def stats(self) -> dict:
         return {"seconds": dict(self.seconds), "calls": dict(self.calls)}
