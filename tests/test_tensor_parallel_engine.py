@@ -17,16 +17,9 @@ import pytest
 from backend import LLM
 from backend.config import EngineConfig
 from client.tools.server import free_port
-from tp_helpers import greedy, random_prompts, tp_workers
+from tp_helpers import NATURAL_PROMPTS, greedy, random_prompts, tp_workers
 
 from test_tensor_parallel import ROOT
-
-NATURAL_PROMPTS = [
-    "The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is",
-    "def fibonacci(n):\n    ", "Once upon a time, there was a", "The chemical symbol for gold is",
-    "To make a cup of tea, first", "The opposite of hot is", "In 1969, Neil Armstrong",
-    "Photosynthesis is the process by which", "The three primary colors are", "A triangle has three",
-    "The quick brown fox", "Machine learning is a field of", "The Pacific Ocean is the", "Shakespeare wrote the play"]
 
 
 # -- greedy equality through the engine (gloo) -------------------------------------------------------

@@ -10,6 +10,14 @@ import psutil
 
 from backend import SamplingParams
 
+# SmolLM2's greedy comparisons: text it continues sensibly, so that its top tokens are far apart
+NATURAL_PROMPTS = [
+    "The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is",
+    "def fibonacci(n):\n    ", "Once upon a time, there was a", "The chemical symbol for gold is",
+    "To make a cup of tea, first", "The opposite of hot is", "In 1969, Neil Armstrong",
+    "Photosynthesis is the process by which", "The three primary colors are", "A triangle has three",
+    "The quick brown fox", "Machine learning is a field of", "The Pacific Ocean is the", "Shakespeare wrote the play"]
+
 
 def random_prompts(n: int = 16, seed: int = 0, vocab: int = 2000) -> list[list[int]]:
     """`n` prompts of 3 to 44 token ids (lengths that are not block multiples)."""

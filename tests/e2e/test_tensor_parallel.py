@@ -1,7 +1,8 @@
 """Tensor parallelism served by the real tritonserver (issue 26), gloo on this CPU:
-- `inflight serve --tp 2` answers token for token as the one-rank engine in-process, and a Ctrl-C
-  with requests in flight ends each of them with `abort` and leaves no process behind (workers
-  included);
+- `inflight serve --tp 2` (the tiny model) and `--tp 3` (SmolLM2, whose heads do not split in 2:
+  `--tp 2` fails its load naming both head counts) answer token for token as the one-rank engine
+  in-process; a Ctrl-C with requests in flight ends each of them with `abort` and leaves no
+  process behind (workers included);
 - a worker killed with SIGKILL fails the running requests with an error naming the rank, Triton
   reports the model not ready (it unloads itself), the liveness check fails, the server stays up,
   and nothing is left once the server stops."""
@@ -15,11 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from backend import SamplingParams
 from client.grpc_client import GrpcClient
 from client.protocol import GenerationError
 from client.tools.server import TritonServer, free_port
-from tp_helpers import random_prompts, tp_workers
+from tp_helpers import NATURAL_PROMPTS, greedy, random_prompts, tp_workers
 
 from .conftest import MAX_MODEL_LEN, inflight_serve, requires_tritonserver, stop_serve, wait_until
 
@@ -43,7 +43,7 @@ def test_inflight_serve_tp2_is_token_exact_and_a_stop_in_flight_loses_no_respons
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(tp_workers(proc.pid)) == 1, [" ".join(c.cmdline()) for c in children]
         batch = random_prompts(16, seed=3)
-        expected = llm.generate(batch, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        expected = llm.generate(batch, greedy(12))
         got: dict[int, list[int]] = {}
 
         def ask(i):
@@ -83,6 +83,40 @@ def test_inflight_serve_tp2_is_token_exact_and_a_stop_in_flight_loses_no_respons
         assert proc.wait(60) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"left behind: {[' '.join(p.cmdline()) for p in alive]}"
+    finally:
+        stop_serve(proc)
+
+
+def test_inflight_serve_tp3_on_smollm2_is_token_exact(model_repository):
+    """SmolLM2 (float import) splits in 3 (9 heads, 3 KV heads): served at TP=3 it answers the
+    natural prompts token for token as one rank in-process."""
+    from backend import LLM
+    from smollm2 import smollm2_dir
+
+    one = LLM(str(smollm2_dir()), max_model_len=256, cpu_kv_cache_tokens=4096)
+    batch = [one.tokenizer.encode(text) for text in NATURAL_PROMPTS]
+    expected = [o.token_ids for o in one.generate(batch, greedy(8))]
+    del one
+    grpc = free_port()
+    proc, _ = inflight_serve(["--model-repository", str(model_repository), "--model-path", str(smollm2_dir()),
+                              "--host", "127.0.0.1", "--http-port", str(free_port()), "--grpc-port", str(grpc),
+                              "--metrics-port", str(free_port()), "--openai-port", "0", "--tp", "3",
+                              "--param", "max_model_len=256", "--param", "cpu_kv_cache_tokens=4096"], timeout=300)
+    try:
+        assert len(tp_workers(proc.pid)) == 2
+        got: dict[int, list[int]] = {}
+
+        def ask(i):
+            with GrpcClient(f"127.0.0.1:{grpc}") as client:
+                got[i] = client.generate(batch[i], max_tokens=8, temperature=0.0, ignore_eos=True,
+                                         exclude_input_in_output=True).token_ids
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(batch))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert [got.get(i) for i in range(len(batch))] == expected
     finally:
         stop_serve(proc)
 
