@@ -184,3 +184,14 @@ def test_rank_0_failing_at_load_leaves_no_worker_and_a_new_group_can_form(defaul
     assert not tp_workers()
     with LLM(str(default_model_dir), max_model_len=128, tensor_parallel_size=2) as llm:   # the process is clean
         assert len(llm.generate([[5, 6, 7]], greedy(3))[0].token_ids) == 3
+
+
+def test_tp_bench_measures_the_pair_and_the_share_of_the_collectives(capsys):
+    """client/tools/tp_bench.py, the command behind docs/performance.md's table, on the tiny model."""
+    from client.tools import tp_bench
+
+    assert tp_bench.main(["--model", "tiny", "--tp", "2", "--batches", "1", "--steps", "3", "--rounds", "1"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1].strip("| ").split(" | ")
+    assert row[0] == "1" and all(float(row[i]) > 0 for i in (1, 2, 6)), row
+    all_reduce, collectives = (float(row[i].rstrip("%")) for i in (4, 5))
+    assert 0 < all_reduce <= collectives < 100, row
