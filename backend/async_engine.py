@@ -32,6 +32,7 @@ class AsyncEngine:
         self._open: dict[str, int] = {}
         self._stopped = False
         self._broken: Optional[str] = None  # why the loop stopped after a fault it could not recover from
+        self._lost: Optional[str] = None  # a tensor-parallel rank died (reported from its watch thread)
         # The engine is built on its own thread, the one that runs every step: torch keeps an OpenMP
         # thread pool per calling thread, and a model loaded on one thread and stepped on another
         # leaves two pools contending for the cores (each step took about 2x as long on 2 cores).
@@ -79,6 +80,12 @@ class AsyncEngine:
                 self._lock.notify()
             return known
 
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine stopped serving (a fault it could not recover from, a lost tensor-parallel
+        rank); None while it serves."""
+        return self._broken
+
     def stats(self) -> dict[str, Union[int, float]]:
         """The engine's figures as of the end of its last step (never half-way through one)."""
         return self._stats
@@ -99,17 +106,33 @@ class AsyncEngine:
             return
         finally:
             ready.set()
-        self._loop()
+        tp = getattr(self.engine.runner, "tp", None)
+        if tp is not None:
+            tp.on_failure(self._rank_lost)
+        try:
+            self._loop()
+        finally:
+            self.engine.close()
+
+    def _rank_lost(self, reason: str) -> None:
+        with self._lock:
+            self._lost = reason
+            self._lock.notify()
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopped and not self._new and not self._aborts and not self.engine.has_work():
+                while (not self._stopped and not self._new and not self._aborts and not self.engine.has_work()
+                       and self._lost is None):
                     self._lock.wait()
                 if self._stopped:
                     break
+                lost = self._lost
                 new, self._new = list(self._new), deque()
                 aborts, self._aborts = list(self._aborts), deque()
+            if lost is not None:  # no step can run any more: answer everyone, refuse new requests
+                self._die(lost)
+                return
             try:
                 outputs = self._iterate(new, aborts)
             except Exception as exc:  # the state is unsound: answer everyone, refuse new requests

@@ -80,6 +80,11 @@ class EngineConfig:
     # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
     # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
     speculative_config: str = ""
+    # Ranks one engine runs on (tensor parallelism, docs/parallelism.md): each holds 1/N of every
+    # layer's heads and MLP columns, of the vocabulary and of the KV cache; rank 0 schedules and
+    # samples, ranks 1..N-1 are processes it starts (NCCL on GPU: devices cuda:i*N .. cuda:i*N+N-1
+    # for instance i; gloo on CPU).
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -128,6 +133,11 @@ class EngineConfig:
         _at_least("max_lora_rank", self.max_lora_rank, 1)
         if parse_lora_modules(self.lora_modules) and not self.enable_lora:  # its syntax too, before anything loads
             raise ValueError("lora_modules needs enable_lora=true")
+        _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.enable_lora:  # adapters are not sharded across ranks yet
+            raise ValueError(f"enable_lora is not supported with tensor_parallel_size > 1 (got "
+                             f"{self.tensor_parallel_size}): LoRA adapters are not sharded across ranks; "
+                             "serve adapters with tensor_parallel_size 1")
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")

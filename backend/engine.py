@@ -258,3 +258,7 @@ class LLMEngine:
         self.scheduler.check_integrity()
         if self.speculator is not None:
             self.speculator.check_integrity()
+
+    def close(self) -> None:
+        """Release what outlives the object: the other tensor-parallel ranks' processes."""
+        self.runner.close()

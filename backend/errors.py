@@ -21,3 +21,7 @@ class EngineDeadError(EngineError):
 
 class NoFreeBlocksError(EngineError):
     """The KV cache has no free block for a growth the scheduler asked for (a scheduler bug)."""
+
+
+class RankLostError(EngineDeadError):
+    """A tensor-parallel rank died or its collective failed: the engine cannot compute any step."""

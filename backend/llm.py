@@ -83,6 +83,16 @@ class LLM:
     def check_integrity(self) -> None:
         self.engine.check_integrity()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (with one rank there is nothing to stop)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _progress(total: int):
     from tqdm import tqdm

@@ -5,6 +5,11 @@ It loads the weights, owns the paged KV cache tensors, turns a SchedulerOutput i
 backend/cuda_graphs.py) and samples. On CUDA it binds its device to the engine thread, and while
 it holds the GPU's lock (backend/kv_sizing.py) it loads the weights, runs the warm-up, sizes and
 allocates the KV cache and captures the graphs.
+
+With tensor_parallel_size N (backend/parallel/) the runner of rank 0 starts the group: it holds its
+shard of every layer and of the KV cache, sends each step's inputs to the other ranks as one
+message (`run`), and samples from the gathered logits; the runner of every other rank loads its
+own shard the same way and computes the steps rank 0 sends (`follow`).
 """
 from __future__ import annotations
 
@@ -27,10 +32,11 @@ from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
 from backend.models.rope import rope_cos_sin
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
+from backend.parallel.rendezvous import start_group
 from backend.sampler import sample
 from backend.sched.step import Sampled, SchedulerOutput
 from backend.spec.rejection import verify
-from backend.step_inputs import BlockTables, StepInputs, build_step
+from backend.step_inputs import BlockTables, StepInputs, build_step, place_step
 from backend.warmup import prefill_tokens, warm_up_steps
 from kernels.dispatch import get_ops
 
@@ -38,7 +44,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelRunner", "kv_bytes_per_token", "cpu_threads"]
 
 
-def cpu_threads() -> int:
+def cpu_threads(ranks: int = 1) -> int:
     """The engine's torch threads on CPU: OMP_NUM_THREADS when set, else every core this process
     may run on but one. OpenMP threads wait for each other at every op; when a core is also busy
     with something else (tritonserver, the client, another process) the op stalls until the
@@ -46,14 +52,24 @@ def cpu_threads() -> int:
     threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109).
     More than one thread are pinned one per core (backend/cpu/affinity.py), as vLLM-CPU binds its
     own; INFLIGHT_CPU_PIN=0 leaves them to the kernel's scheduler. The cores are counted as they
-    were before any pinning: a second engine built on a pinned thread gets the same count."""
+    were before any pinning: a second engine built on a pinned thread gets the same count.
+    `ranks`: tensor-parallel ranks on this machine, which share the cores."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    return max(1, len(allowed_cores()) - 1)
+    return max(1, (len(allowed_cores()) - 1) // ranks)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int, tp=None):
+        self.tp = tp if tp is not None else start_group(config, model_cfg, max_model_len)  # None: one rank
+        try:
+            self._start(config, self.tp.plan.local_config(model_cfg) if self.tp else model_cfg, max_model_len)
+        except BaseException:
+            if self.tp:  # the other ranks may be anywhere in their own start: end them
+                self.tp.close(graceful=False)
+            raise
+
+    def _start(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
         self.config = config
         self.model_cfg = model_cfg
         self.max_model_len = max_model_len
@@ -61,10 +77,11 @@ class ModelRunner:
         self.device = self.env.device   # what the engine runs on and reports (cuda:1)
         self.env.bind()
         if not self.env.is_cuda:  # set on the thread that builds the engine, which is the one that steps it
-            threads = cpu_threads()
+            threads = cpu_threads(self.tp.size if self.tp else 1)
             torch.set_num_threads(threads)
-            if 1 < threads <= len(allowed_cores()) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
-                log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads))
+            cores = allowed_cores()[(self.tp.rank if self.tp else 0) * threads:][:threads]  # each rank its own
+            if 1 < threads == len(cores) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
+                log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads, cores))
             keep_freed_memory()  # no page faults on every step's fresh activations (cpu/memory.py)
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
         self.ops = get_ops(config.attention_backend, self.device, compute_dtype(self.dtype, self.device))
@@ -79,6 +96,8 @@ class ModelRunner:
             self.tables = BlockTables(config.max_num_seqs, -(-max_model_len // self.block_size), self.block_size,
                                       self.env.tensor_device)
             self.num_blocks = self._num_kv_blocks()
+            if self.tp:  # the scheduler sees one engine: the group holds what its smallest rank holds
+                self.num_blocks = self.tp.smallest(self.num_blocks)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,
@@ -90,7 +109,7 @@ class ModelRunner:
         """Float, packed-quantized or int8 weights, the rows a step is padded to (oneDNN's buckets
         on the CPU fast path) and the KV cache's dtype: backend/models/weights.py."""
         self.weights = load_model(self.config, self.model_cfg, self.device, self.dtype, self.ops.name,
-                                  tensor_device=self.env.tensor_device)
+                                  tensor_device=self.env.tensor_device, tp=self.tp)
         self.padded_rows = self.weights.padded_rows
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype, self.device, self.weights.quantization)
         return self.weights.model
@@ -168,9 +187,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[str, Sampled]:
         """Run one step (a SchedulerOutput); returns what every sequence that reached its end
-        sampled, by seq_id (a verify row's drafts checked by backend/spec/rejection.py)."""
+        sampled, by seq_id (a verify row's drafts checked by backend/spec/rejection.py). On a
+        tensor-parallel rank other than 0 (the warm-up's steps) it computes the step rank 0 sends
+        instead."""
+        if self.tp and self.tp.rank:
+            self.follow()
+            return {}
         logits, step = self.forward(out)
-        if logits is None:
+        if logits is None or not step.sampling:
             return {}
         if step.has_drafts:
             return verify(logits, step.sampled_seqs)
@@ -185,11 +209,30 @@ class ModelRunner:
         else:
             tokens = out.num_batched_tokens
             empty = self.padded_rows(tokens) - tokens
-        step = build_step(out, self.tables, empty, verify_as_decode=self.ops.name == "cpu")
-        if size is not None:
+        send = self.tp and (lambda host: self.tp.send_step(host, size or 0))  # noqa: E731
+        step = build_step(out, self.tables, empty, verify_as_decode=self.ops.name == "cpu", send=send)
+        return self._compute(step, size), step
+
+    @torch.inference_mode()
+    def follow(self) -> bool:
+        """A rank other than 0: compute the next step rank 0 sends; False when it says stop."""
+        message = self.tp.receive_step()
+        if message.host is None:
+            return False
+        self._compute(place_step(message.host, self.tables), message.graph_size or None)
+        return True
+
+    def _compute(self, step: StepInputs, graph_size: Optional[int]) -> Optional[torch.Tensor]:
+        """The step's model run on this rank: the logits of the rows that sample, None if none does."""
+        if graph_size is not None:
             hidden = self.graphs.run(step, self.tables.table)
         else:
             hidden = self.model(step.ids, step.positions, self._step_context(step), self.rope)
-        if not step.sampling:
-            return None, step
-        return self.model.logits(hidden[step.sample_index]), step
+        if not step.sample_index.shape[0]:
+            return None
+        return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank)."""
+        if self.tp is not None:
+            self.tp.close()

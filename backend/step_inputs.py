@@ -101,6 +101,11 @@ class BlockTables:
             rows[i] = self._row_of[seq_id] = free.pop()
             self._held[rows[i]] = None
 
+    def grow_to(self, rows: int) -> None:
+        """At least `rows` rows (a tensor-parallel rank follows the growth of rank 0's table)."""
+        while self.table.shape[0] < rows:
+            self._grow()
+
     def _grow(self) -> list[int]:
         old = self.table.shape[0]
         table = torch.zeros((2 * old, self.width), dtype=torch.int32, device=self.device)
@@ -128,20 +133,41 @@ class StepInputs:
     prefill_width: int
     decode_max_seq_len: int
     prefill_max_q_len: int
-    sampling: list                    # the Requests that sample, in sample_index order
     pure_decode: bool                 # no prefill rows: a decode step (graphable)
-    sampled_seqs: list                # their ScheduledSeqs (a verify row has 1 + drafts rows in sample_index)
-    has_drafts: bool                  # some row verifies drafts (backend/spec/rejection.py samples the step)
+    # Rank 0's alone (tensor parallelism's other ranks compute the step, rank 0 samples it):
+    sampling: list = field(default_factory=list)      # the Requests that sample, in sample_index order
+    sampled_seqs: list = field(default_factory=list)  # their ScheduledSeqs (a verify row has 1 + drafts rows in sample_index)
+    has_drafts: bool = False          # some row verifies drafts (backend/spec/rejection.py samples the step)
     adapter_runs: list = field(default_factory=list)  # (first row, end row, LoRA adapter): lora/segments.py
 
 
-def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool = False) -> StepInputs:
+@dataclass
+class HostStep:
+    """A step's integers packed on the host (one int64 and one int32 array, parts 16-byte aligned)
+    with the facts the launches need: what build_step places on the device, and what tensor
+    parallelism's rank 0 sends every other rank (backend/parallel/step_message.py)."""
+    int64: np.ndarray
+    int64_sizes: list[int]   # ids, positions, slots, decode rows, prefill rows, sample index, table writes (row, col)
+    int32: np.ndarray
+    int32_sizes: list[int]   # decode lengths, prefill cu_seqlens, prefill lengths, table writes (value)
+    num_decode_rows: int
+    decode_width: int
+    prefill_width: int
+    decode_max_seq_len: int
+    prefill_max_q_len: int
+    pure_decode: bool
+    table_rows: int          # the BlockTables rows its row numbers assume
+
+
+def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool = False, send=None) -> StepInputs:
     """SchedulerOutput -> StepInputs: the host work of a step, then two host-to-device copies (the
     int64 and the int32 arrays) and the block-table writes. Each part is grouped by LoRA adapter,
     so an adapter's rows are row ranges in every layer. `verify_as_decode`: a verify row's
     1 + k queries attend as 1 + k decode rows of one sequence (lengths start + 1 .. start + 1 + k:
     causal, its K/V stored first like every row's) rather than as a prefill chunk; the CPU's
-    decode kernel reads the cache where it lies, where prefill attention copies the context."""
+    decode kernel reads the cache where it lies, where prefill attention copies the context.
+    `send(host_step)`, when given, gets the packed step before it is placed (tensor parallelism:
+    rank 0 sends it to the other ranks)."""
     verify = [s for s in out.prefills if s.draft_token_ids] if verify_as_decode else []
     decodes = order_by_adapter(out.decodes + [s for s in out.padding if s.num_new_tokens == 1] + verify)
     prefills = order_by_adapter([s for s in out.prefills if not (verify and s.draft_token_ids)]
@@ -180,31 +206,56 @@ def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool
     p_lens = [s.start + s.num_new_tokens for s in prefills]
     cu = np.zeros(len(prefills) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
-    lp = _to_device([ids, positions, slots, d_rows, rows[nd:], sample_index, ur, uc],
-                    np.int64, tables.device)
-    ip = _to_device([d_lens, cu, p_lens, uv], np.int32, tables.device)
-    if uv:
-        tables.table[lp[6], lp[7]] = ip[3]
     blocks = lambda n_tokens: min(-(-n_tokens // bs), tables.width)  # noqa: E731
+    int64, int64_sizes = _pack([ids, positions, slots, d_rows, rows[nd:], sample_index, ur, uc], np.int64)
+    int32, int32_sizes = _pack([d_lens, cu, p_lens, uv], np.int32)
+    host = HostStep(int64, int64_sizes, int32, int32_sizes, num_decode_rows=len(d_lens),
+                    decode_width=max([1] + [blocks(n) for n in d_lens]),
+                    prefill_width=max([1] + [blocks(n) for n in p_lens]),
+                    decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0),
+                    pure_decode=not prefills, table_rows=tables.table.shape[0])
+    if send is not None:
+        send(host)
+    step = place_step(host, tables)
+    step.sampling, step.sampled_seqs = sampling, sampled_seqs
+    step.has_drafts = any(s.draft_token_ids for s in sampled_seqs)
+    step.adapter_runs = adapter_runs(empty_rows, seqs)
+    return step
+
+
+def place_step(host: HostStep, tables: BlockTables) -> StepInputs:
+    """A packed step on the device (two copies), its block-table writes made."""
+    tables.grow_to(host.table_rows)
+    lp = _place(host.int64, host.int64_sizes, tables.device)
+    ip = _place(host.int32, host.int32_sizes, tables.device)
+    if ip[3].shape[0]:
+        tables.table[lp[6], lp[7]] = ip[3]
     return StepInputs(
         ids=lp[0], positions=lp[1], slot_mapping=lp[2], decode_rows=lp[3], decode_seq_lens=ip[0],
         prefill_rows=lp[4], prefill_cu_seqlens_q=ip[1], prefill_seq_lens=ip[2], sample_index=lp[5],
-        num_decode_rows=len(d_lens),
-        decode_width=max([1] + [blocks(n) for n in d_lens]),
-        prefill_width=max([1] + [blocks(n) for n in p_lens]),
-        decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0),
-        sampling=sampling, pure_decode=not prefills, sampled_seqs=sampled_seqs,
-        has_drafts=any(s.draft_token_ids for s in sampled_seqs), adapter_runs=adapter_runs(empty_rows, seqs))
+        num_decode_rows=host.num_decode_rows, decode_width=host.decode_width, prefill_width=host.prefill_width,
+        decode_max_seq_len=host.decode_max_seq_len, prefill_max_q_len=host.prefill_max_q_len,
+        pure_decode=host.pure_decode)
 
 
-def _to_device(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:
-    """The parts as one array and one copy; each part starts 16-byte aligned (where it starts
-    decides which compiled variant of a kernel runs: Triton specializes on pointer alignment)."""
+def _pack(parts: list, dtype) -> tuple[np.ndarray, list[int]]:
+    """The parts as one array, each starting 16-byte aligned (where it starts decides which compiled
+    variant of a kernel runs: Triton specializes on pointer alignment), and their sizes."""
     align = 16 // np.dtype(dtype).itemsize
     sizes = [len(p) for p in parts]
     starts = np.cumsum([0] + [-(-n // align) * align for n in sizes])
     host = np.zeros(int(starts[-1]), dtype=dtype)
     for start, part in zip(starts, parts):
         host[start:start + len(part)] = part
+    return host, sizes
+
+
+def _place(host: np.ndarray, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+    """A packed array on the device in one copy, cut back into its parts."""
+    align = 16 // host.dtype.itemsize
     tensor = to_device(host, device)
-    return [tensor[int(a):int(a) + n] for a, n in zip(starts, sizes)]
+    parts, start = [], 0
+    for n in sizes:
+        parts.append(tensor[start:start + n])
+        start += -(-n // align) * align
+    return parts

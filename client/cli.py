@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
-from templates.render import parse_param
+from templates.render import parse_param, positive_int, tensor_parallel_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +59,12 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         write_config(config)
         print(f"inflight serve: rendered {config} (edit it to tune the engine)")
+    if args.tp is not None:
+        params["tensor_parallel_size"] = str(args.tp)
+        problem = tensor_parallel_problem(config.read_text(), args.tp)
+        if problem:
+            print(f"inflight serve: {problem}", file=sys.stderr)
+            return 2
     if args.lora_modules:  # vLLM's flag: the adapters, and LoRA on (docs/lora.md)
         params.update(lora_params(args.lora_modules, params))
     model_path = args.model_path or params.get("model_path") or read_parameters(config.read_text()).get("model_path", "")
@@ -223,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", help="serve this Hugging Face checkpoint folder")
     p.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
                    help="override a config.pbtxt parameter for this run (repeatable)")
+    p.add_argument("--tp", type=positive_int, metavar="N",
+                   help="tensor_parallel_size: run each engine on N ranks (docs/parallelism.md)")
     p.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=600.0,

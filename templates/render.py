@@ -47,9 +47,18 @@ def detect_gpus() -> list[int]:
         return []
 
 
-def instance_group(gpus: Sequence[int], count: int = 1) -> str:
+def instance_group(gpus: Sequence[int], count: int = 1, tp: int = 1) -> str:
+    """KIND_GPU on the GPUs (count engines each), KIND_CPU where none. With tensor parallelism
+    over N > 1 GPUs: one KIND_MODEL instance per N GPUs, instance i on cuda:i*N .. cuda:i*N+N-1
+    (docs/parallelism.md)."""
     if count < 1:
         raise ValueError(f"instance count must be >= 1; got {count}")
+    if tp > 1 and gpus:
+        if count != 1:
+            raise ValueError("--count with --tp: each group of tensor-parallel GPUs runs one engine")
+        if len(gpus) < tp:
+            raise ValueError(f"--tp {tp} needs {tp} GPUs; found {len(gpus)}")
+        return f"instance_group [ {{ count: {len(gpus) // tp} kind: KIND_MODEL }} ]"
     if gpus:
         listed = ", ".join(str(g) for g in gpus)
         return f"instance_group [ {{ count: {count} kind: KIND_GPU gpus: [ {listed} ] }} ]"
@@ -78,6 +87,26 @@ def apply_overrides(text: str, overrides: Mapping[str, str]) -> str:
     return text
 
 
+def tensor_parallel_problem(text: str, tp: int) -> str:
+    """Why a config.pbtxt cannot run engines of `tp` GPUs each ('' when it can): KIND_GPU puts an
+    engine on every GPU it lists (count of them each), and an engine takes its GPU and the tp - 1
+    after it, so listed GPUs closer than tp, or several engines on one, would share devices."""
+    if tp <= 1:
+        return ""
+    from tritonclient.grpc import model_config_pb2
+
+    for group in parse_config(text).instance_group:
+        gpus = sorted(group.gpus)
+        if group.kind != model_config_pb2.ModelInstanceGroup.KIND_GPU:
+            continue
+        if not gpus or group.count > 1 or any(b - a < tp for a, b in zip(gpus, gpus[1:])):
+            return (f"config.pbtxt runs KIND_GPU engines on GPUs {gpus or 'all'} (count {group.count}); with "
+                    f"tensor_parallel_size {tp} each engine takes {tp} consecutive GPUs, so they would share "
+                    f"devices. Render it with `inflight config --tp {tp} --force` (one KIND_MODEL instance per "
+                    f"{tp} GPUs) or list GPUs {tp} apart")
+    return ""
+
+
 def read_parameters(text: str) -> dict[str, str]:
     """The `parameters` map of a config.pbtxt text, parsed with Triton's own ModelConfig proto."""
     return {k: v.string_value for k, v in parse_config(text).parameters.items()}
@@ -95,15 +124,18 @@ def _digest(body: str) -> str:
 
 
 def render(gpus: Optional[Sequence[int]] = None, count: int = 1,
-           overrides: Optional[Mapping[str, str]] = None, template: Path = TEMPLATE) -> str:
+           overrides: Optional[Mapping[str, str]] = None, template: Path = TEMPLATE, tp: int = 1) -> str:
     """The rendered config text: the template with its instance group and any overrides filled in."""
     if gpus is None:
         gpus = detect_gpus()
     body = (template.read_text()
             .replace("{{inputs}}", tensors.pbtxt(tensors.INPUTS, optional=True))
             .replace("{{outputs}}", tensors.pbtxt(tensors.OUTPUTS, optional=False))
-            .replace("{{instance_group}}", instance_group(gpus, count)))
-    body = apply_overrides(body, overrides or {})
+            .replace("{{instance_group}}", instance_group(gpus, count, tp)))
+    overrides = dict(overrides or {})
+    if tp > 1:
+        overrides["tensor_parallel_size"] = str(tp)
+    body = apply_overrides(body, overrides)
     return f"{HEADER}{_digest(body)}\n{body}"
 
 
@@ -142,10 +174,10 @@ def is_hand_edited(text: str) -> bool:
 
 def write_config(output: Path = DEFAULT_OUTPUT, *, force: bool = False,
                  gpus: Optional[Sequence[int]] = None, count: int = 1,
-                 overrides: Optional[Mapping[str, str]] = None) -> str:
+                 overrides: Optional[Mapping[str, str]] = None, tp: int = 1) -> str:
     """Render into `output`. Returns 'written', 'unchanged' or 'kept' (hand edits, no --force)."""
     output = Path(output)
-    text = render(gpus, count, overrides)
+    text = render(gpus, count, overrides, tp=tp)
     if output.exists():
         old = output.read_text()
         if old == text:
@@ -166,6 +198,17 @@ def parse_param(item: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (--tp 0 is refused with the option's name by argparse)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (tensor_parallel_size), got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
                         help="where to write (default: model_repository/llm/config.pbtxt)")
@@ -175,6 +218,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--gpus", help="comma-separated GPU indices for KIND_GPU (default: all found)")
     where.add_argument("--cpu", action="store_true", help="KIND_CPU even where GPUs exist")
     parser.add_argument("--count", type=int, default=1, help="engine instances per device (default 1)")
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                        help="tensor_parallel_size: each engine on N devices; on GPUs one KIND_MODEL "
+                             "instance per N of them (default 1)")
     parser.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
                         help="set a parameter in the rendered file (repeatable)")
 
@@ -186,8 +232,12 @@ def run(args: argparse.Namespace) -> int:
         gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     else:
         gpus = None
-    status = write_config(args.output, force=args.force, gpus=gpus, count=args.count,
-                          overrides=dict(args.param))
+    try:
+        status = write_config(args.output, force=args.force, gpus=gpus, count=args.count,
+                              overrides=dict(args.param), tp=args.tp)
+    except ValueError as exc:
+        print(f"inflight config: {exc}", file=sys.stderr)
+        return 2
     if status == "kept":
         print(f"{args.output} has hand edits: kept as it is (use --force to render it anew)")
     else:

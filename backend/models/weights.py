@@ -205,10 +205,13 @@ def _weight_bytes(model: nn.Module) -> int:
 
 
 def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype, ops_name: str, tensor_device: Optional[torch.device] = None) -> LoadedModel:
+               dtype: torch.dtype, ops_name: str, tensor_device: Optional[torch.device] = None,
+               tp=None) -> LoadedModel:
     """Build the model for ``device`` with weights of ``dtype`` (float ones), quantized or not as
     ``config.quantization`` says, from ``config.model_path``. The tensors live on ``tensor_device``
-    (default ``device``): the GPU rehearsal keeps them on the CPU while every choice is the GPU's."""
+    (default ``device``): the GPU rehearsal keeps them on the CPU while every choice is the GPU's.
+    ``tp``: a tensor-parallel group; ``model_cfg`` is then its rank's shard (backend/parallel/), the
+    weights are cut as they are read and the model's seams get their collectives."""
     quantization = resolve_quantization(config.quantization, model_cfg, device)
     modules = model_cfg.quantized_modules or {}
     place = tensor_device or device
@@ -216,6 +219,8 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
         model = LlamaForCausalLM(model_cfg).to(dtype)
     model = model.to_empty(device=place)
     weights = iter_weights(config.model_path)
+    if tp is not None:
+        weights = tp.plan.shard_weights(weights)
     if quantization == "gguf":
         model.load_weights(_install_packed(model, weights, modules, place))
     elif modules:  # none on a packed checkpoint: dequantized here
@@ -238,6 +243,9 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
         pack_linears(model)  # the float linears left: oneDNN GEMMs on reordered weights
         if quantization == "none":
             rows = padded_rows  # each step padded once to oneDNN's row buckets
+    if tp is not None:
+        from backend.parallel.layers import parallelize
+        parallelize(model, tp.plan, tp)
     weight_bytes = _weight_bytes(model)
     float32_bytes = _float32_bytes(model_cfg)
     kind = {"gguf": f"gguf ({describe(modules)})", "int8": "int8 (Q8_0: int8, a float16 scale per 32)",

@@ -67,10 +67,12 @@ class DraftProposer:
         self.max_len = min(max_model_len, spec.max_model_len or cfg.max_position_embeddings)
         tokens = spec.draft_kv_cache_tokens or target_kv_tokens
         # the draft's own checkpoint: its weights as they come (quantization auto), no LoRA adapters
-        # (they fit the target; a draft only proposes, the target's verification keeps outputs exact)
+        # (they fit the target; a draft only proposes, the target's verification keeps outputs exact),
+        # on rank 0's device alone under tensor parallelism (a small model: no group of its own)
         draft_config = dataclasses.replace(config, model_path=spec.model, speculative_config="", max_model_len=0,
                                            enable_kv_cache_reuse=False, max_tokens_in_paged_kv_cache=tokens,
-                                           quantization="auto", enable_lora=False, lora_modules="{}")
+                                           quantization="auto", enable_lora=False, lora_modules="{}",
+                                           tensor_parallel_size=1)
         self.runner = ModelRunner(draft_config, cfg, self.max_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size)
         self.budget = config.max_num_batched_tokens

@@ -17,6 +17,10 @@ Parts, each in its own process (budget in seconds):
   served (150)   tritonserver with two engines on GPU 0 (count: 2): every instance's `device` metric
                  label must name a GPU, the second engine sized from what the first left; then
                  served vs in-process throughput (client/tools/gpu_check_served.py).
+  tp (120)       with two GPUs: the engine at tensor_parallel_size 2 (NCCL, cuda:0 + cuda:1) against
+                 one rank on cuda:0, greedy on 16 prompts (equal, or a first difference at a near-tie),
+                 and the decode step of each (client/tools/gpu_check_tp.py); with fewer GPUs it is
+                 skipped and the report says so.
 
 It writes DIR/gpu_check.md: the tables (to paste into docs/performance.md) and every result as
 JSON. Exit 1 if a check failed. `--dry-run` rehearses every part on the CPU with tiny shapes
@@ -51,7 +55,7 @@ FULL = dict(
     decode_shapes=[(1, 16384), (64, 4096), (256, 1024)], decode_steps=20,
     server_params={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
     throughput=["--num-requests", "256", "--concurrency", "64", "--max-output-len", "128"],
-    budgets=dict(kernels=150, greedy=150, decode=150, served=150),
+    budgets=dict(kernels=150, greedy=150, decode=150, served=150, tp=120),
 )
 DRY = dict(
     model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -62,9 +66,9 @@ DRY = dict(
     decode_shapes=[(1, 40), (3, 20)], decode_steps=3,
     server_params={"max_num_seqs": 8, "cpu_kv_cache_tokens": 2048},
     throughput=["--num-requests", "6", "--concurrency", "3", "--max-output-len", "8", "--warmup", "0"],
-    budgets=dict(kernels=600, greedy=600, decode=600, served=600),
+    budgets=dict(kernels=600, greedy=600, decode=600, served=600, tp=600),
 )
-PARTS = ("kernels", "greedy", "decode", "served")
+PARTS = ("kernels", "greedy", "decode", "served", "tp")
 # What must fail in the dry run: the instances serve from the CPU, and the device check says so.
 EXPECTED_ON_CPU = {("served", "devices")}
 
@@ -114,6 +118,9 @@ def run_part(name: str, dry_run: bool, work: Path) -> dict:
         from client.tools.gpu_check_served import served
         res = served(plan, model_dir, on_gpu=not dry_run)
         res["ok"] = all(check["ok"] for check in res.values() if isinstance(check, dict))
+    elif name == "tp":
+        from client.tools.gpu_check_tp import tensor_parallel
+        res = tensor_parallel(plan, model_dir)
     else:
         raise ValueError(f"unknown part {name}")
     (work / f"{name}.json").write_text(json.dumps(res, default=str))
@@ -147,6 +154,8 @@ def markdown(res: dict) -> str:
     for name in PARTS:
         p = parts.get(name, {})
         result = "ok" if p.get("ok") else "FAIL"
+        if p.get("skipped"):
+            result = f"skipped: {p['skipped']}"
         if res["dry_run"] and not p.get("ok") and not any(x.startswith(name) for x in res["problems"]):
             result = "ok (its device check failed, as it must on a CPU)"
         lines.append(f"| {name} | {result} | {p.get('seconds', 0):.0f} | {p.get('budget', 0)} |")
@@ -184,6 +193,14 @@ def markdown(res: dict) -> str:
                       f"({'ok' if s['devices']['ok'] else 'NOT ALL ON A GPU'}); KV blocks {s['kv'].get('blocks')}"]
         for r in s.get("throughput", {}).get("ratios", []):
             lines.append(f"Served / in-process ({r['kind']}, concurrency {r['concurrency']}): {r['ratio']:.2f}x")
+    t = parts.get("tp", {})
+    if t.get("tp2"):
+        flips = len(t["near_tie_flips"])
+        lines += ["", f"Tensor parallelism, {t['gpus']} GPUs: TP=2 (NCCL) vs one rank, greedy on {t['prompts']} prompts: "
+                      f"{t['same']} identical, {flips} first differ at a near-tie (<= {t['near_tie']}), "
+                      f"{len(t['not_near_tie'])} elsewhere.", "",
+                  "| ranks | decode step ms (16 rows) | CUDA graphs | load s |", "| ---: | ---: | --- | ---: |"]
+        lines += [f"| {n} | {t[k]['step_ms']:.2f} | {t[k]['graphs']} | {t[k]['load_s']} |" for n, k in ((1, "tp1"), (2, "tp2"))]
     return "\n".join(lines) + "\n"
 
 

@@ -239,6 +239,9 @@ class TritonServer:
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
             "--strict-readiness=true", "--exit-on-error=true", "--disable-auto-complete-config",
+            # Every model loads at start as in the default mode, and a model whose engine stopped
+            # serving can unload itself so that Triton reports it not ready (model.py).
+            "--model-control-mode=explicit", "--load-model=*",
             f"--exit-timeout-secs={self.exit_timeout}",
             f"--log-verbose={self.log_verbose}",
             *self.extra_args,

@@ -14,7 +14,10 @@ if [ ! -f model_repository/llm/1/model.py ]; then
   exit 2
 fi
 # Renders config.pbtxt if missing (KIND_GPU on the GPUs seen); keeps a hand-edited one.
-inflight config --output model_repository/llm/config.pbtxt
+# INFLIGHT_CONFIG_ARGS: more `inflight config` arguments (deploy/kubernetes/tensor-parallel sets the
+# group's size and checkpoint with `--param KEY=VALUE`).
+# shellcheck disable=SC2086  # word splitting of INFLIGHT_CONFIG_ARGS is the point
+inflight config --output model_repository/llm/config.pbtxt ${INFLIGHT_CONFIG_ARGS:-}
 model_path=$(python3 -c "from templates.render import read_parameters as r; print(r(open('model_repository/llm/config.pbtxt').read()).get('model_path', ''))")
 case "$model_path" in /*) ;; *) model_path="$PWD/$model_path" ;; esac
 if [ ! -f "$model_path/config.json" ]; then
@@ -31,4 +34,7 @@ if [ "$openai_port" != 0 ]; then
   python3 -m openai_server --grpc-url 127.0.0.1:8001 --host 0.0.0.0 --port "$openai_port" \
     --model-path "$model_path" --tool-call-parser "${INFLIGHT_TOOL_CALL_PARSER:-hermes}" &
 fi
-exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config "$@"
+# explicit + --load-model=*: every model loads at start, and a model whose engine stopped serving
+# (a lost tensor-parallel rank) unloads itself, so that its ready endpoint says so.
+exec tritonserver --model-repository="$PWD/model_repository" --disable-auto-complete-config \
+  --model-control-mode=explicit --load-model='*' "$@"

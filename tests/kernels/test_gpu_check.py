@@ -121,3 +121,11 @@ def test_the_real_run_refuses_without_a_gpu(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "client.tools.gpu_check", "--out", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr
+
+
+def test_the_dry_run_skips_the_tensor_parallel_run_and_says_so(dry_run):
+    """Two GPUs are needed for the TP=2 (NCCL) part; the CPU has none: skipped, and the report says so."""
+    _, report = dry_run
+    tp = results(report)["parts"]["tp"]
+    assert tp["ok"] and tp["skipped"] == "the TP=2 run (NCCL) needs two GPUs; this machine has 0"
+    assert "| tp | skipped: the TP=2 run (NCCL) needs two GPUs; this machine has 0 |" in report

@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class Frontend:
     def __init__(self, engine: Any, respond: Respond, metrics: Any = None,
                  poll_interval: float = 0.05, stats_interval: float = 0.1, cancel_interval: float = 0.2,
                  stop_file: Optional[Path] = None, max_backlog: int = MAX_STREAM_BACKLOG,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, on_engine_failure: Optional[Callable[[str], None]] = None):
         self.engine = engine
         # `inflight serve` creates this file just before it stops Triton: Triton unloads a decoupled
         # model only once all its requests are answered, so every running request is aborted then.
@@ -88,6 +88,10 @@ class Frontend:
         self.max_queued = 0  # the deepest the queue has been
         self.num_coalesced = 0  # engine outputs merged into an earlier one that was still waiting
         self._closing = False
+        # Called once, from the responder thread, when the engine stops serving (model.py marks the
+        # model not ready); new requests are refused with UNAVAILABLE either way.
+        self.on_engine_failure = on_engine_failure
+        self._failure_reported = False
         self.metrics_writer = MetricsWriter(self.metrics, stats_interval, self.engine.stats)
         self._thread = threading.Thread(target=self._run, name="inflight-responder", daemon=True)
         self._thread.start()
@@ -225,6 +229,16 @@ class Frontend:
                 self._poll_cancelled()
                 if self.stop_file is not None and not self._closing and self.stop_file.exists():
                     self.abort_all()
+                self._check_engine()
+
+    def _check_engine(self) -> None:
+        failure = getattr(self.engine, "failure", None)
+        if failure and not self._failure_reported and self.on_engine_failure is not None:
+            self._failure_reported = True
+            try:
+                self.on_engine_failure(failure)
+            except Exception:
+                log.exception("reporting the engine's failure failed")
 
     def _handle(self, live: Live, outs: dict, t_first: float, t: float) -> None:
         if live.done:

@@ -2,6 +2,7 @@
 Free of Triton imports (unit-tested without a server); adapter.py re-exports `engine_config`."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -9,7 +10,7 @@ from backend.config import EngineConfig
 
 
 def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int | str,
-                  repo_root: Path) -> EngineConfig:
+                  repo_root: Path, instance_name: str = "") -> EngineConfig:
     """config.pbtxt parameters -> EngineConfig, in one place (EngineConfig.from_params validates).
 
     `device: auto` follows the instance: a GPU instance -> cuda:<device_id>, anything else -> cpu;
@@ -17,6 +18,12 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
     TRITONSERVER_InstanceGroupKindString writes it ("GPU", "CPU", "MODEL"); config.pbtxt's
     "KIND_GPU" is accepted as well. A relative `model_path` (and a relative draft `model` in
     `speculative_config`) is taken from the repository root.
+
+    Tensor parallelism (docs/parallelism.md): an engine of tensor_parallel_size N uses the
+    instance's device and the N - 1 after it. A KIND_MODEL instance (which places itself, as the
+    vLLM backend's multi-GPU instances do) where GPUs exist starts at cuda:i*N, i its index in the
+    group (`llm_0_<i>`), so `count: K` gives K groups on disjoint devices; a KIND_GPU instance
+    starts at its own GPU (list every N-th: `gpus: [0, 2]`).
     """
     overrides: dict[str, Any] = {}
     device = str(params.get("device", "auto")).strip()
@@ -30,9 +37,18 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
         from backend.spec.config import resolve_draft_path
         overrides["speculative_config"] = resolve_draft_path(str(params["speculative_config"]), repo_root)
     config = EngineConfig.from_params(params, **overrides)
+    if instance_kind in ("MODEL", "KIND_MODEL") and device in ("", "auto") and _gpu_count():
+        index = int(instance_name.rsplit("_", 1)[-1]) if instance_name.rsplit("_", 1)[-1].isdigit() else 0
+        config = dataclasses.replace(config, device=f"cuda:{index * config.tensor_parallel_size}")
     if not config.model_path:
         raise ValueError("parameter 'model_path' is required: a Hugging Face checkpoint folder")
     if not Path(config.model_path).is_dir():
         raise ValueError(f"parameter 'model_path': no checkpoint folder at {config.model_path} "
                          "(make one with `inflight make-model`, or point it at a HF checkpoint)")
     return config
+
+
+def _gpu_count() -> int:
+    """CUDA devices this process sees (torch loads here, only for KIND_MODEL instances)."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

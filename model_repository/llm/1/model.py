@@ -8,6 +8,7 @@ The logic lives in adapter.py beside this file (no Triton imports there, so it i
 """
 import json
 import sys
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -164,7 +165,8 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         try:
             engine_config = adapter.engine_config(params, args["model_instance_kind"],
-                                                  args["model_instance_device_id"], REPO_ROOT)
+                                                  args["model_instance_device_id"], REPO_ROOT,
+                                                  args.get("model_instance_name", ""))
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"config.pbtxt: {exc}") from None
 
@@ -177,13 +179,33 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"inflight: FAULT INJECTION IS ARMED ({adapter.FAULT_ENV}=1): model steps "
                                      f"fail on demand through {self.faults.path}. For tests only.")
         self.metrics = Metrics(Metrics.instance_labels(args, self.engine.device))  # as resolved: cuda:1
+        self.model_name = args["model_name"]
         self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
                                          stop_file=Path(args["model_repository"]) / STOP_FILE,
-                                         stream_interval=engine_config.stream_interval)
+                                         stream_interval=engine_config.stream_interval,
+                                         on_engine_failure=self.take_out_of_service)
         pb_utils.Logger.log_info(
             f"inflight: {args['model_instance_name']} on {self.engine.device}, model {engine_config.model_path}, "
             f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
             f"KV blocks {self.engine.stats()['kv_blocks_total']}, weights: {self.engine.engine.runner.weights.summary}")
+
+    def take_out_of_service(self, reason):
+        """The engine stopped serving (a lost tensor-parallel rank, an unrecoverable fault): unload
+        this model so Triton reports it not ready, as the vLLM backend does with an unhealthy
+        engine. That needs --model-control-mode=explicit (`inflight serve` runs Triton so); in
+        other modes the model stays loaded and refuses every request with UNAVAILABLE, which the
+        liveness check (deploy/docker/healthcheck.py) reports."""
+        pb_utils.Logger.log_error(f"inflight: the engine stopped serving: {reason}")
+
+        def unload():
+            try:
+                pb_utils.unload_model(self.model_name)
+                pb_utils.Logger.log_error(f"inflight: model '{self.model_name}' unloaded: it reports not ready")
+            except Exception as exc:
+                pb_utils.Logger.log_error(f"inflight: model '{self.model_name}' cannot unload itself ({exc}); it "
+                                          "refuses every request with UNAVAILABLE until the server restarts")
+
+        threading.Thread(target=unload, name="inflight-unload", daemon=True).start()
 
     def execute(self, requests):
         for request in requests:

@@ -1,0 +1,59 @@
+"""The model's tensor-parallel seams, as wrappers around whatever layer the loader built (float,
+oneDNN-packed or packed-quantized): the layers themselves compute their shard as usual.
+
+- `RowParallel` (o_proj, down_proj): the shard's partial output, then one all-reduce;
+- `VocabParallelEmbedding`: each rank looks up the tokens of its vocabulary rows, zeros the others,
+  and one all-reduce gives every rank every token's embedding;
+- `VocabParallelHead`: each rank's logits over its vocabulary rows, gathered side by side (all-gather)
+  and cut to the vocabulary; only rank 0 samples from them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.parallel.plan import ShardPlan
+
+
+class RowParallel(nn.Module):
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.inner(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, inner: nn.Module, plan: ShardPlan, group):
+        super().__init__()
+        self.inner = inner
+        self.start, self.rows = plan.vocab_start, plan.vocab_end - plan.vocab_start
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        out = self.inner(torch.where(mine, local, 0))
+        return self.group.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
+
+
+class VocabParallelHead(nn.Module):
+    def __init__(self, inner: nn.Module, plan: ShardPlan, group):
+        super().__init__()
+        self.inner = inner
+        self.vocab_size = plan.vocab_size
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather_last(self.inner(hidden))[..., :self.vocab_size]
+
+
+def parallelize(model: nn.Module, plan: ShardPlan, group) -> None:
+    """Wrap the loaded shard's row-parallel projections, embedding and LM head, in place."""
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan, group)
+    model.lm_head = VocabParallelHead(model.lm_head, plan, group)

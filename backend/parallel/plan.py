@@ -1,0 +1,127 @@
+"""How a Llama-family model splits over tensor-parallel ranks (Megatron-style), checked once.
+
+Each rank holds:
+- column-parallel q/k/v and gate/up: rows [r*n/N, (r+1)*n/N) of each of q, k, v (whole heads: rank r
+  computes attention for its own query heads and the KV heads they read) and of gate, up;
+- row-parallel o_proj and down_proj: columns [r*K/N, (r+1)*K/N), the inputs its own heads and its
+  own slice of the MLP produce; the partial outputs are summed by one all-reduce each
+  (backend/parallel/layers.py); a bias is added once, by rank 0;
+- vocabulary-parallel embedding and LM head: rows [r*S, (r+1)*S) of the vocabulary, S = ceil(V/N),
+  the last rank's rows past V zero;
+- everything else (norms) whole.
+
+Packed quantized matrices (docs/quantization.md) split the same way: every array of a matrix has
+its N rows, so a row split cuts each array's rows; a column split cuts each array's columns in the
+same proportion, which is exact only when K/N is whole groups (32 values; 256 for the K-quants'
+super-blocks); `ShardPlan.check` refuses the others, naming the numbers.
+
+No torch here: tensors are sliced through their own methods (`narrow`, `new_zeros`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Optional
+
+# Values per quantization group along K (docs/quantization.md): the K-quants scale by super-blocks.
+GROUP_VALUES = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+DEFAULT_GROUP_VALUES = 32
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    size: int
+    vocab_size: int  # the full vocabulary
+
+    @property
+    def vocab_shard(self) -> int:
+        """Vocabulary rows per rank (the last rank's rows past vocab_size are zero)."""
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_shard
+
+    @property
+    def vocab_end(self) -> int:
+        return min(self.vocab_size, self.vocab_start + self.vocab_shard)
+
+    @classmethod
+    def check(cls, cfg: Any, size: int, rank: int = 0, quantized: Optional[Mapping[str, str]] = None,
+              int8: bool = False) -> "ShardPlan":
+        """The plan of `rank`, or a ValueError naming what does not divide. `cfg` is the model's
+        ModelConfig; `quantized` maps HF module names to their packed GGUF type; `int8`: float
+        weights quantized at load in groups of 32 (quantization=int8)."""
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"tensor_parallel_size must be >= 1 with 0 <= rank < it; got {size}, rank {rank}")
+        for field, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                             ("intermediate_size", cfg.intermediate_size)):
+            if value % size:
+                raise ValueError(
+                    f"tensor_parallel_size {size} does not divide the model's {field} {value}: each rank holds "
+                    f"an equal share of whole heads and MLP columns (num_attention_heads {cfg.num_heads}, "
+                    f"num_key_value_heads {cfg.num_kv_heads}, intermediate_size {cfg.intermediate_size}); use "
+                    "a tensor_parallel_size that divides all three")
+        inputs = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
+        for name, qtype in (quantized or {}).items():
+            kind = name.rsplit(".", 1)[-1]
+            if kind in inputs:
+                _check_groups(name, qtype, inputs[kind], size)
+        if int8 and size > 1:
+            for kind, k in inputs.items():
+                if k % DEFAULT_GROUP_VALUES == 0:  # quantized at load (else kept float, at any size)
+                    _check_groups(kind, "Q8_0 (quantization=int8)", k, size, DEFAULT_GROUP_VALUES)
+        return cls(rank, size, cfg.vocab_size)
+
+    def local_config(self, cfg: Any) -> Any:
+        """The ModelConfig of this rank's shard: its heads, MLP columns and vocabulary rows."""
+        return dataclasses.replace(cfg, num_heads=cfg.num_heads // self.size,
+                                   num_kv_heads=cfg.num_kv_heads // self.size,
+                                   intermediate_size=cfg.intermediate_size // self.size,
+                                   vocab_size=self.vocab_shard)
+
+    # -- the weights -------------------------------------------------------------------------------
+    def shard_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """(HF name, tensor) -> (HF name, this rank's part of it), for float and packed tensors."""
+        for name, tensor in weights:
+            yield name, self.shard(name, tensor)
+
+    def shard(self, name: str, tensor: Any) -> Any:
+        module, _, array = name.rpartition(".")
+        kind = module.rsplit(".", 1)[-1]
+        if kind in COLUMN_PARALLEL:
+            return self._part(tensor, 0)
+        if kind in ROW_PARALLEL:
+            if array == "bias":  # the all-reduce sums every rank's output: the bias is added once
+                return tensor if self.rank == 0 else tensor.new_zeros(tensor.shape)
+            return self._part(tensor, 1)
+        if kind in VOCAB_PARALLEL:
+            part = tensor.narrow(0, self.vocab_start, self.vocab_end - self.vocab_start)
+            if part.shape[0] < self.vocab_shard:  # the last rank: rows past the vocabulary are zero
+                padded = tensor.new_zeros((self.vocab_shard,) + tuple(tensor.shape[1:]))
+                padded[: part.shape[0]] = part
+                return padded
+            return part.contiguous()
+        return tensor
+
+    def _part(self, tensor: Any, dim: int) -> Any:
+        length = tensor.shape[dim] // self.size
+        if length * self.size != tensor.shape[dim]:
+            raise ValueError(f"a weight of shape {tuple(tensor.shape)} does not split in {self.size} along "
+                             f"dimension {dim}")
+        return tensor.narrow(dim, self.rank * length, length).contiguous()
+
+
+def _check_groups(name: str, qtype: str, k: int, size: int, group: Optional[int] = None) -> None:
+    group = group or GROUP_VALUES.get(qtype, DEFAULT_GROUP_VALUES)
+    if (k // size) % group or k % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} would cut the quantization groups of {name} ({qtype}): its "
+            f"{k} inputs split in {size} are {k / size:g} per rank, not a multiple of the {group} values a "
+            f"group holds; use a tensor_parallel_size for which {k} / size is a multiple of {group}, or "
+            "float weights")
+
