@@ -8,15 +8,22 @@ thread compares the parent pid with the one at start: a process whose parent die
 
 Not `prctl(PR_SET_PDEATHSIG)`: that signal follows the parent *thread* that forked the process,
 and tritonserver forks stubs from worker threads that may end while the server lives on.
+
+A thread alone is not enough: it needs the GIL to notice, and a stub thread blocked in a pb_utils
+call (a metric's set, a response's send: an IPC round trip to the dead server) holds the GIL
+forever; the orphan lived on in about half of the kill -9 runs once the engine published more
+metrics. So a `/bin/sh` loop beside the process (its child, no GIL, no Python) does the same check
+from outside and sends SIGKILL; the thread stays the quick, logged exit when the GIL is free.
 No torch, no Triton here.
 """
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -33,4 +40,28 @@ def exit_with_parent(interval: float = 0.5, exit: Callable[[int], None] = os._ex
 
     thread = threading.Thread(target=watch, name="inflight-parent-watch", daemon=True)
     thread.start()
+    kill_when_orphaned(os.getpid(), parent, interval)
     return thread
+
+
+# $1 the watched pid, $2 its parent's. The parent is field 2 after the ")" that ends the command
+# name in /proc/PID/stat (a name may hold spaces). A zombie keeps its entry until it is reaped.
+WATCH_SCRIPT = """
+while [ -r /proc/$1/stat ]; do
+  stat=$(cat /proc/$1/stat 2>/dev/null) || exit 0
+  set -- "$1" "$2" ${stat##*) }
+  [ "$4" = "$2" ] || { kill -9 "$1" 2>/dev/null; exit 0; }
+  sleep "$WATCH_INTERVAL"
+done
+"""
+
+
+def kill_when_orphaned(pid: int, parent: int, interval: float = 0.5) -> Optional[subprocess.Popen]:
+    """Start the outside watcher of `pid` (a `/bin/sh` child): SIGKILL once its parent is no longer
+    `parent`; it ends by itself when `pid` does. None where there is no /bin/sh or /proc."""
+    if not (os.path.exists("/bin/sh") and os.path.exists(f"/proc/{pid}/stat")):
+        log.warning("no /bin/sh or /proc: only the in-process watch ends this process with its parent")
+        return None
+    return subprocess.Popen(["/bin/sh", "-c", WATCH_SCRIPT, "inflight-parent-watch", str(pid), str(parent)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={"PATH": "/usr/bin:/bin", "WATCH_INTERVAL": str(interval)}, close_fds=True)

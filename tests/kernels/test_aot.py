@@ -19,7 +19,8 @@ from kernels import reference
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"store_kv_kernel", "decode_attention_kernel", "decode_merge_kernel", "prefill_attention_kernel",
            "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel",
-           "gguf_gemm_kernel", "w8_gemm_kernel", "awq_gemm_kernel", "split_k_reduce_kernel"}  # kernels/quant_*.py
+           "gguf_gemm_kernel", "w8_gemm_kernel", "awq_gemm_kernel", "split_k_reduce_kernel",  # kernels/quant_*.py
+           "lora_shrink_kernel", "lora_expand_kernel"}  # kernels/lora_sgmv.py
 
 
 def run_aot(tmp_path, *args: str, patch: str = "", timeout: float = 600) -> tuple[int, dict, str]:
