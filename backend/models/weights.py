@@ -155,16 +155,11 @@ def _quantize_int8(model: LlamaForCausalLM) -> None:
     embedding reads the lm_head's table), but for those whose inputs are not whole groups of 32
     (none in published models), which stay float, said in one log line."""
     tied = model.lm_head.weight is model.embed_tokens.weight
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    kept = [n for n, m in targets if m.in_features % QK]
-    for name, linear in targets:
-        if name in kept:
-            continue
-        new = QuantLinear("Q8_0", quantize_q8_0(linear.weight.detach()), bias=linear.bias is not None)
-        if linear.bias is not None:
-            new.bias.data.copy_(linear.bias.detach().float())
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+    inputs = {n: m.in_features for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    kept = [n for n, k in inputs.items() if k % QK]
+    for name in inputs:  # by name, so each float matrix is freed once replaced
+        if name not in kept:
+            _swap_quantized(model, name, "Q8_0", quantize_q8_0)
     if tied and "lm_head" not in kept:
         model.embed_tokens = QuantEmbedding(model.lm_head)
     if kept:
@@ -181,14 +176,19 @@ def _quantize_fp8(model: LlamaForCausalLM) -> None:
 
     names = [n for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
     for name in names:  # by name, so each float matrix is freed once replaced (the peak: one more)
-        parent, _, child = name.rpartition(".")
-        owner = model.layers.get_submodule(parent)
-        linear = getattr(owner, child)
-        new = QuantLinear("FP8", quantize_fp8(linear.weight.detach()), bias=linear.bias is not None)
-        if linear.bias is not None:
-            new.bias.data.copy_(linear.bias.detach().float())
-        setattr(owner, child, new)
-        del linear
+        _swap_quantized(model.layers, name, "FP8", quantize_fp8)
+
+
+def _swap_quantized(root: nn.Module, name: str, qtype: str, quantize: Callable) -> None:
+    """Replace the nn.Linear ``name`` under ``root`` by a QuantLinear of ``quantize(weight)``, its
+    bias kept in float32."""
+    parent, _, child = name.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    linear = getattr(owner, child)
+    new = QuantLinear(qtype, quantize(linear.weight.detach()), bias=linear.bias is not None)
+    if linear.bias is not None:
+        new.bias.data.copy_(linear.bias.detach().float())
+    setattr(owner, child, new)
 
 
 def _weight_bytes(model: nn.Module) -> int:
