@@ -99,6 +99,13 @@ class EngineConfig:
         values.update(overrides)
         return cls(**values)
 
+    @classmethod
+    def typed_overrides(cls, params: Mapping[str, str]) -> dict[str, Any]:
+        """config.pbtxt strings (a tool's `--param KEY=VALUE`s) -> those keys' typed values, checked
+        as from_params checks them: keyword arguments for `LLM(model_path, **overrides)`."""
+        typed = cls.from_params(params)
+        return {key: getattr(typed, key) for key in params}
+
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, Mapping):
             self.speculative_config = json.dumps(dict(self.speculative_config))

@@ -39,6 +39,7 @@ from client.tools.bench_measure import METRIC_KEYS, MODES
 from client.tools.bench_report import _fmt, machine, plot, print_table, ratios, write_csv
 from client.tools.bench_targets import InProcessTarget, OfflineTarget, ServerTarget, start_local_server
 from client.tools.workloads import DEFAULT_VOCAB_SIZE, WorkItem, make_workload, summary
+from templates.render import parse_param
 
 __all__ = ["METRIC_KEYS", "MODES", "machine", "main", "ratios"]
 
@@ -60,13 +61,6 @@ def _modes(text: str) -> list[str]:
     if bad or not modes:
         raise argparse.ArgumentTypeError(f"modes must be among {', '.join(MODES)}; got {text!r}")
     return modes
-
-
-def _param(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
-    return key.strip(), value.strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--fixed-prompt-len", type=int, default=128)
     what.add_argument("--fixed-output-len", type=int, default=64)
     what.add_argument("--max-output-len", type=int, default=None, help="cap every output length")
-    what.add_argument("--param", type=_param, action="append", default=[], metavar="KEY=VALUE",
+    what.add_argument("--param", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
                       help="engine parameter (config.pbtxt key) for in-process engines and a started server")
     what.add_argument("--speculative-config", metavar="JSON",
                       help="with --in-process: the engine with this speculative_config against the same "

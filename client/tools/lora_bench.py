@@ -28,6 +28,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from templates.render import parse_param
+
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -111,15 +113,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loop-too", action="store_true", help="also time each count > 1 on the loop over segments")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="an engine parameter")
+    p.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
+                   help="an engine parameter")
     p.add_argument("--output-json", type=Path)
     args = p.parse_args(argv)
     counts = [int(c) for c in args.adapters.split(",")]
     if counts[0] != 0 or any(c < 0 for c in counts) or args.batch < max(counts):
         p.error("--adapters: counts >= 0, the first 0 (the base), none above --batch")
-    params = dict(kv.split("=", 1) for kv in args.param)
     from backend.config import EngineConfig
-    params = {k: v for k, v in vars(EngineConfig.from_params(params)).items() if k in params}
+    params = EngineConfig.typed_overrides(dict(args.param))
     report = run(args.model_path, args.batch, counts, args.rank, args.context, args.steps, args.rounds, args.seed, params,
                  args.loop_too)
     print(f"{report['model']}: batch {report['batch']}, rank {report['rank']}, context {report['context']}, "

@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from templates.render import parse_param
+
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "alice_chapters_1_2.txt"
 
 
@@ -74,15 +76,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model-path", required=True)
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
                    help="an engine parameter (config.pbtxt key), e.g. quantization=none")
     p.add_argument("--output-json", type=Path)
     args = p.parse_args(argv)
     from backend import LLM, EngineConfig
     from backend.text.tokenizer import Tokenizer
-    params = dict(kv.split("=", 1) for kv in args.param)
-    typed = EngineConfig.from_params(params)  # the strings typed and checked as config.pbtxt's
-    overrides = {k: getattr(typed, k) for k in params}
+    params = dict(args.param)
+    overrides = EngineConfig.typed_overrides(params)
     tokenizer = Tokenizer.from_dir(args.model_path)
     ids = tokenizer.encode(args.text.read_text(encoding="utf-8"))
     # the windows run on caches of their own: the engine's needs only a token

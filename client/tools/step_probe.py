@@ -224,8 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     from backend import EngineConfig
     raw = dict(kv.split("=", 1) for kv in args.param)
-    typed = EngineConfig.from_params(raw)  # typed and checked as config.pbtxt's strings are
-    params = {k: getattr(typed, k) for k in raw}
+    params = EngineConfig.typed_overrides(raw)
     report: dict = {"model_path": args.model_path, "params": raw, "torch_threads": torch.get_num_threads(),
                     "decode": [], "long_prompts": []}
     print(f"step probe: {args.model_path} {' '.join(args.param)}, context {args.context}")
