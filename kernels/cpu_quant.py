@@ -8,7 +8,7 @@ quantized embedding). Their oracles are kernels/quant_reference.py `qmatmul` and
 
 Which build runs (`chosen_isa`): the AVX512-VNNI one where /proc/cpuinfo lists avx512f, avx512bw
 and avx512_vnni AND a child process ran it and got the right answer (some hypervisors list
-instructions they then kill a process for: DESIGN.md, llama.cpp's AMX), else the portable C build,
+instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the portable C build,
 with one log line saying why. `INFLIGHT_CPU_ISA=portable` forces the portable one.
 """
 from __future__ import annotations
