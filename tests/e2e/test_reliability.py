@@ -258,7 +258,7 @@ def test_a_request_id_in_use_is_refused_until_that_request_ends(server, protocol
         worker.join(30)
     assert first["reason"] == "abort"
     # Once the first has ended, the id is free again.
-    assert http.generate("the third one", request_id=rid, max_tokens=3).finish_reason == "length"
+    assert http.generate("the third one", request_id=rid, max_tokens=3, ignore_eos=True).finish_reason == "length"
 
 
 # -- cancellation: every way a client ends a request frees its blocks within a step ------------------
@@ -442,7 +442,7 @@ def test_overload_is_refused_at_once_with_queue_full_and_memory_stays_bounded(sm
         for t in threads:
             t.join(30)
     assert seconds_until_blocks_free(srv) < 2.0
-    assert HttpClient(srv.http_url).generate("after the crowd", max_tokens=3).finish_reason == "length"
+    assert HttpClient(srv.http_url).generate("after the crowd", max_tokens=3, ignore_eos=True).finish_reason == "length"
 
 
 @requires_tritonserver
@@ -495,7 +495,7 @@ def test_a_failed_model_step_fails_only_its_requests_and_the_server_carries_on(s
                             "generate_stream")
     assert message.startswith("model step failed: InjectedFault(")
     assert srv.is_ready() and seconds_until_blocks_free(srv) < 2.0
-    assert HttpClient(srv.http_url).generate("fine again", max_tokens=4).finish_reason == "length"
+    assert HttpClient(srv.http_url).generate("fine again", max_tokens=4, ignore_eos=True).finish_reason == "length"
 
 
 SECRET_PROMPT = "zebra-quartz-secret-prompt-3141"
@@ -579,7 +579,7 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
     # The restart (what `inflight serve` does when run again).
     restarted = TritonServer(model_repository, params=params, model_path=str(model_path))
     with restarted:
-        assert HttpClient(restarted.http_url).generate("after the restart", max_tokens=3).finish_reason == "length"
+        assert HttpClient(restarted.http_url).generate("after the restart", max_tokens=3, ignore_eos=True).finish_reason == "length"
         # Canary: Triton 2.51's HTTP server crashes (SIGSEGV) on a POST body of about 4 MB or more sent
         # as application/x-www-form-urlencoded (what `curl -d` and urllib send unless told otherwise),
         # before any model sees it; the same body as application/json is fine (the 10 MB case of

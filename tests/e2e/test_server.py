@@ -144,7 +144,7 @@ def test_cancelling_a_stream_frees_its_kv_blocks(server):
     assert gauge(server, "inflight_num_requests_running") == 0
     assert time.monotonic() - started < 5
     with GrpcClient(server.grpc_url) as client:
-        assert client.generate("still serving", max_tokens=3).finish_reason == "length"
+        assert client.generate("still serving", max_tokens=3, ignore_eos=True).finish_reason == "length"
 
 
 def test_stop_by_request_id_over_http(server):
@@ -242,7 +242,7 @@ def test_bad_requests_over_http_and_the_server_stays_ready(server):
     with pytest.raises(GenerationError, match="max_tokens must be an integer >= 1"):
         http.generate("hi", max_tokens=-4)
     assert server.is_ready() and http.is_ready()
-    assert http.generate("fine", max_tokens=4).finish_reason == "length"
+    assert http.generate("fine", max_tokens=4, ignore_eos=True).finish_reason == "length"
 
 
 def test_a_bad_request_does_not_disturb_running_ones(server, llm):
