@@ -2,13 +2,13 @@
 random prompts, greedy parameters, and the worker processes a process started."""
 from __future__ import annotations
 
-import os
 import random
 from typing import Optional
 
 import psutil
 
 from backend import SamplingParams
+from backend.parallel.launcher import worker_processes
 
 # SmolLM2's greedy comparisons: text it continues sensibly, so that its top tokens are far apart
 NATURAL_PROMPTS = [
@@ -31,5 +31,4 @@ def greedy(max_tokens: int, logprobs=None) -> SamplingParams:
 
 def tp_workers(pid: Optional[int] = None) -> list[psutil.Process]:
     """The tensor-parallel worker processes below `pid` (default: this process)."""
-    return [p for p in psutil.Process(pid or os.getpid()).children(recursive=True)
-            if "backend.parallel.worker" in " ".join(p.cmdline())]
+    return worker_processes(pid)

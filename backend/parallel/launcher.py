@@ -108,3 +108,19 @@ def _kill(procs: Mapping[int, subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def worker_processes(pid: Optional[int] = None) -> list:
+    """The tensor-parallel workers running below process `pid` (default: this one), found by their
+    command line; a process that ends while the tree is read (a parent watcher's shell, a worker
+    being stopped) is skipped, not an error. For checks that none is left (gpu-check, the tests)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(pid or os.getpid()).children(recursive=True):
+        try:
+            if WORKER_MODULE in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:  # gone (or a zombie) since the listing
+            continue
+    return found

@@ -23,9 +23,8 @@ def tensor_parallel(plan: dict, model_dir: Path) -> dict:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < 2:
         return dict(ok=True, skipped=f"the TP=2 run (NCCL) needs two GPUs; this machine has {gpus}")
-    import psutil
-
     from backend import LLM, SamplingParams
+    from backend.parallel.launcher import worker_processes
 
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(20, 300))] for _ in range(PROMPTS)]
@@ -45,8 +44,7 @@ def tensor_parallel(plan: dict, model_dir: Path) -> dict:
             llm.close()
             del llm
             torch.cuda.empty_cache()
-    left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
-            if "backend.parallel.worker" in " ".join(p.cmdline())]
+    left = [" ".join(p.cmdline()) for p in worker_processes()]
     same, flips, bad = 0, [], []
     for a, b in zip(runs[1]["outs"], runs[2]["outs"]):
         if a.token_ids == b.token_ids:
