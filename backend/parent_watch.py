@@ -44,12 +44,17 @@ def exit_with_parent(interval: float = 0.5, exit: Callable[[int], None] = os._ex
     return thread
 
 
-# $1 the watched pid, $2 its parent's. The parent is field 2 after the ")" that ends the command
-# name in /proc/PID/stat (a name may hold spaces). A zombie keeps its entry until it is reaped.
+# $1 the watched pid, $2 its parent's. After the ")" that ends the command name in /proc/PID/stat
+# (a name may hold spaces) come the fields from 3 on, so field N lands in $N: $4 the parent, ${22}
+# the start time, which tells the watched process from a later one given the same pid. A zombie
+# keeps its entry until it is reaped.
 WATCH_SCRIPT = """
+start=
 while [ -r /proc/$1/stat ]; do
   stat=$(cat /proc/$1/stat 2>/dev/null) || exit 0
   set -- "$1" "$2" ${stat##*) }
+  [ -n "$start" ] || start=${22}
+  [ "${22}" = "$start" ] || exit 0
   [ "$4" = "$2" ] || { kill -9 "$1" 2>/dev/null; exit 0; }
   sleep "$WATCH_INTERVAL"
 done
