@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from client.tools import gpu_check
-from client.tools.gpu_check_served import device_check, kv_check, scrape
+from client.tools.gpu_check_served import device_check, kv_check, scrape, tokens_by_instance
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,6 +82,13 @@ def test_kv_check_wants_the_second_engine_sized_after_the_first():
     assert not kv_check(series, 2**30, 2**39)["ok"]                       # 990 GiB would not fit
     same = scrape(SERIES.format(a="cuda:0", b="cuda:0").replace(" 90\n", " 900\n"))
     assert not kv_check(same, 2**20, 2**40)["ok"] and kv_check(same, 2**20, 0)["ok"]   # equal: GPU only
+
+
+def test_generated_tokens_are_summed_per_instance():
+    page = ('inflight_generation_tokens_total{device="cpu",instance="llm_0_0",model="llm",version="1"} 40\n'
+            'inflight_generation_tokens_total{device="cpu",instance="llm_0_1",model="llm",version="1"} 24\n'
+            'inflight_prompt_tokens_total{device="cpu",instance="llm_0_1",model="llm",version="1"} 99\n')
+    assert tokens_by_instance(scrape(page)) == {"llm_0_0": 40.0, "llm_0_1": 24.0}
 
 
 def test_a_dry_run_whose_device_check_passed_is_refused():
