@@ -141,10 +141,6 @@ class EngineConfig:
         if parse_lora_modules(self.lora_modules) and not self.enable_lora:  # its syntax too, before anything loads
             raise ValueError("lora_modules needs enable_lora=true")
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.tensor_parallel_size > 1 and self.enable_lora:  # adapters are not sharded across ranks yet
-            raise ValueError(f"enable_lora is not supported with tensor_parallel_size > 1 (got "
-                             f"{self.tensor_parallel_size}): LoRA adapters are not sharded across ranks; "
-                             "serve adapters with tensor_parallel_size 1")
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")

@@ -63,6 +63,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int, tp=None):
         self.tp = tp if tp is not None else start_group(config, model_cfg, max_model_len)  # None: one rank
         try:
+            self.whole_model_cfg = model_cfg  # the rank's own is its shard's (self.model_cfg)
             self._start(config, self.tp.plan.local_config(model_cfg) if self.tp else model_cfg, max_model_len)
         except BaseException:
             if self.tp:  # the other ranks may be anywhere in their own start: end them
@@ -90,7 +91,8 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         with one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
-            self.lora = make_lora_manager(config, model_cfg, self.model, self.ops.name, self.env.tensor_device)
+            self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
+                                          self.env.tensor_device, tp=self.tp)
             cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta, model_cfg.rope_scaling)
             self.rope = (cos.to(self.env.tensor_device), sin.to(self.env.tensor_device))
             self.tables = BlockTables(config.max_num_seqs, -(-max_model_len // self.block_size), self.block_size,
@@ -177,7 +179,7 @@ class ModelRunner:
             prefill_block_tables=table[:, :step.prefill_width].index_select(0, step.prefill_rows),
             prefill_cu_seqlens_q=step.prefill_cu_seqlens_q, prefill_seq_lens=step.prefill_seq_lens,
             decode_max_seq_len=max_seq_len, prefill_max_q_len=step.prefill_max_q_len,
-            lora=self.lora.step(step.adapter_runs, step.ids.shape[0]) if self.lora is not None else None)
+            lora=self.lora.step(step.lora_runs, step.lora_writes, step.ids.shape[0]) if self.lora is not None else None)
 
     def _graph_size(self, out) -> Optional[int]:
         if self.graphs is None or out.prefills or any(s.num_new_tokens > 1 for s in out.padding):
@@ -210,7 +212,7 @@ class ModelRunner:
             tokens = out.num_batched_tokens
             empty = self.padded_rows(tokens) - tokens
         send = self.tp and (lambda host: self.tp.send_step(host, size or 0))  # noqa: E731
-        step = build_step(out, self.tables, empty, verify_as_decode=self.ops.name == "cpu", send=send)
+        step = build_step(out, self.tables, empty, verify_as_decode=self.ops.name == "cpu", send=send, lora=self.lora)
         return self._compute(step, size), step
 
     @torch.inference_mode()

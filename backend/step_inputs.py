@@ -138,7 +138,10 @@ class StepInputs:
     sampling: list = field(default_factory=list)      # the Requests that sample, in sample_index order
     sampled_seqs: list = field(default_factory=list)  # their ScheduledSeqs (a verify row has 1 + drafts rows in sample_index)
     has_drafts: bool = False          # some row verifies drafts (backend/spec/rejection.py samples the step)
-    adapter_runs: list = field(default_factory=list)  # (first row, end row, LoRA adapter): lora/segments.py
+    # LoRA (every rank): the adapter runs (first row, end row, slot) and the slot writes (slot, load
+    # id) rank 0 made for them (backend/lora/manager.py)
+    lora_runs: list = field(default_factory=list)
+    lora_writes: list = field(default_factory=list)
 
 
 @dataclass
@@ -147,7 +150,8 @@ class HostStep:
     with the facts the launches need: what build_step places on the device, and what tensor
     parallelism's rank 0 sends every other rank (backend/parallel/step_message.py)."""
     int64: np.ndarray
-    int64_sizes: list[int]   # ids, positions, slots, decode rows, prefill rows, sample index, table writes (row, col)
+    int64_sizes: list[int]   # ids, positions, slots, decode rows, prefill rows, sample index, table writes (row, col),
+    #                          LoRA runs (first row, end row, slot)..., LoRA slot writes (slot, load id)...
     int32: np.ndarray
     int32_sizes: list[int]   # decode lengths, prefill cu_seqlens, prefill lengths, table writes (value)
     num_decode_rows: int
@@ -159,7 +163,8 @@ class HostStep:
     table_rows: int          # the BlockTables rows its row numbers assume
 
 
-def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool = False, send=None) -> StepInputs:
+def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool = False, send=None,
+               lora=None) -> StepInputs:
     """SchedulerOutput -> StepInputs: the host work of a step, then two host-to-device copies (the
     int64 and the int32 arrays) and the block-table writes. Each part is grouped by LoRA adapter,
     so an adapter's rows are row ranges in every layer. `verify_as_decode`: a verify row's
@@ -167,7 +172,8 @@ def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool
     causal, its K/V stored first like every row's) rather than as a prefill chunk; the CPU's
     decode kernel reads the cache where it lies, where prefill attention copies the context.
     `send(host_step)`, when given, gets the packed step before it is placed (tensor parallelism:
-    rank 0 sends it to the other ranks)."""
+    rank 0 sends it to the other ranks). `lora`: the LoRAManager that gives the adapter runs their
+    slots (its `assign`), when LoRA is on."""
     verify = [s for s in out.prefills if s.draft_token_ids] if verify_as_decode else []
     decodes = order_by_adapter(out.decodes + [s for s in out.padding if s.num_new_tokens == 1] + verify)
     prefills = order_by_adapter([s for s in out.prefills if not (verify and s.draft_token_ids)]
@@ -207,7 +213,9 @@ def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool
     cu = np.zeros(len(prefills) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     blocks = lambda n_tokens: min(-(-n_tokens // bs), tables.width)  # noqa: E731
-    int64, int64_sizes = _pack([ids, positions, slots, d_rows, rows[nd:], sample_index, ur, uc], np.int64)
+    lora_runs, lora_writes = lora.assign(adapter_runs(empty_rows, seqs)) if lora is not None else ([], [])
+    int64, int64_sizes = _pack([ids, positions, slots, d_rows, rows[nd:], sample_index, ur, uc,
+                                [v for run in lora_runs for v in run], [v for w in lora_writes for v in w]], np.int64)
     int32, int32_sizes = _pack([d_lens, cu, p_lens, uv], np.int32)
     host = HostStep(int64, int64_sizes, int32, int32_sizes, num_decode_rows=len(d_lens),
                     decode_width=max([1] + [blocks(n) for n in d_lens]),
@@ -219,7 +227,6 @@ def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool
     step = place_step(host, tables)
     step.sampling, step.sampled_seqs = sampling, sampled_seqs
     step.has_drafts = any(s.draft_token_ids for s in sampled_seqs)
-    step.adapter_runs = adapter_runs(empty_rows, seqs)
     return step
 
 
@@ -230,12 +237,14 @@ def place_step(host: HostStep, tables: BlockTables) -> StepInputs:
     ip = _place(host.int32, host.int32_sizes, tables.device)
     if ip[3].shape[0]:
         tables.table[lp[6], lp[7]] = ip[3]
+    runs, writes = _host_parts(host.int64, host.int64_sizes)[8:10]
     return StepInputs(
         ids=lp[0], positions=lp[1], slot_mapping=lp[2], decode_rows=lp[3], decode_seq_lens=ip[0],
         prefill_rows=lp[4], prefill_cu_seqlens_q=ip[1], prefill_seq_lens=ip[2], sample_index=lp[5],
         num_decode_rows=host.num_decode_rows, decode_width=host.decode_width, prefill_width=host.prefill_width,
         decode_max_seq_len=host.decode_max_seq_len, prefill_max_q_len=host.prefill_max_q_len,
-        pure_decode=host.pure_decode)
+        pure_decode=host.pure_decode, lora_runs=[tuple(r) for r in runs.reshape(-1, 3).tolist()],
+        lora_writes=[tuple(w) for w in writes.reshape(-1, 2).tolist()])
 
 
 def _pack(parts: list, dtype) -> tuple[np.ndarray, list[int]]:
@@ -252,10 +261,14 @@ def _pack(parts: list, dtype) -> tuple[np.ndarray, list[int]]:
 
 def _place(host: np.ndarray, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
     """A packed array on the device in one copy, cut back into its parts."""
-    align = 16 // host.dtype.itemsize
-    tensor = to_device(host, device)
+    return _host_parts(to_device(host, device), sizes)
+
+
+def _host_parts(packed, sizes: list[int]) -> list:
+    """A packed array (numpy or torch) cut back into its parts (views)."""
+    align = 16 // packed.dtype.itemsize
     parts, start = [], 0
     for n in sizes:
-        parts.append(tensor[start:start + n])
+        parts.append(packed[start:start + n])
         start += -(-n // align) * align
     return parts

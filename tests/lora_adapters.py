@@ -89,10 +89,10 @@ def record_steps(llm):
     manager = llm.engine.runner.lora
     inner = manager.step
 
-    def step(runs, num_rows):
+    def step(runs, writes, num_rows):  # runs by slot: the slots' holders name the adapters
         rows = sum(e - s for s, e, _ in runs)
-        seen.append(({n for _, _, n in runs}, rows < num_rows))
-        return inner(runs, num_rows)
+        seen.append(({manager.bank.holder[slot] for _, _, slot in runs}, rows < num_rows))
+        return inner(runs, writes, num_rows)
 
     manager.step = step
     return seen

@@ -16,11 +16,11 @@ def test_each_figure_times_steps_of_its_adapter_count_and_path(default_model_dir
     inner_step, inner_plan = LoRAManager.step, cpu_sgmv.gather_plan
     planned: list = []
 
-    def step(self, runs, num_rows):
+    def step(self, runs, writes, num_rows):
         planned.clear()
-        lora = inner_step(self, runs, num_rows)
+        lora = inner_step(self, runs, writes, num_rows)
         kind = "batched" if any(p is not None for p in planned) else "loop"
-        seen[(len({name for _, _, name in runs}), kind if runs else "none")] += 1
+        seen[(len({slot for _, _, slot in runs}), kind if runs else "none")] += 1
         return lora
 
     def plan(runs, device):

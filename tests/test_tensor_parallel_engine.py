@@ -197,10 +197,10 @@ def test_tp_bench_measures_the_pair_and_the_share_of_the_collectives(capsys):
     assert 0 < all_reduce <= collectives < 100, row
 
 
-def test_tp2_speculates_with_the_same_tokens_and_refuses_lora(default_model_dir):
+def test_tp2_speculates_with_the_same_tokens(default_model_dir):
     """Speculation under TP: rank 0 proposes (n-gram) and verifies; the verify rows travel in the
-    step message like any row, so the workers compute the same forward pass. LoRA is refused by
-    name (adapters are not sharded)."""
+    step message like any row, so the workers compute the same forward pass (LoRA under TP:
+    tests/test_lora_tensor_parallel.py)."""
     prompts, params = [p + p for p in random_prompts(6, seed=3)], greedy(16)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     expected = LLM(str(default_model_dir), max_model_len=256).generate(prompts, params)
@@ -209,5 +209,3 @@ def test_tp2_speculates_with_the_same_tokens_and_refuses_lora(default_model_dir)
         assert two.stats()["spec_decode_num_draft_tokens"] > 0
         two.check_integrity()
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    with pytest.raises(ValueError, match=r"enable_lora is not supported with tensor_parallel_size > 1 \(got 2\)"):
-        LLM(str(default_model_dir), max_model_len=256, tensor_parallel_size=2, enable_lora=True)

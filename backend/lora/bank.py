@@ -46,22 +46,25 @@ class LoRABank:
     def slot_of(self, name: str) -> Optional[int]:
         return self.holder.index(name) if name in self.holder else None
 
-    def slots_for(self, names: Iterable[str], adapters) -> dict[str, int]:
-        """The slot of each adapter `names` lists, copying in those not resident; `adapters` maps a
-        name to its LoRAAdapter. Raises RuntimeError if they are more than the slots."""
+    def slots_for(self, names: Iterable[str], adapters) -> tuple[dict[str, int], list[tuple[int, str]]]:
+        """The slot of each adapter `names` lists, copying in those not resident, and the copies
+        made (slot, name); `adapters` maps a name to its LoRAAdapter. Raises RuntimeError if they
+        are more than the slots."""
         wanted = list(dict.fromkeys(names))
         if len(wanted) > self.num_slots:
             raise RuntimeError(f"a step needs {len(wanted)} LoRA adapters; max_loras is {self.num_slots}")
         self._clock += 1
         slots = {}
+        written = []
         for name in wanted:
             slot = self.slot_of(name)
             if slot is None:
                 slot = self._free_slot(set(wanted))
                 self.write(slot, adapters[name])
+                written.append((slot, name))
             self._used[slot] = self._clock
             slots[name] = slot
-        return slots
+        return slots, written
 
     def _free_slot(self, keep: set[str]) -> int:
         free = [s for s, h in enumerate(self.holder) if h is None]

@@ -6,6 +6,10 @@ Adapters are held on the host in float32 (their size is small next to the base m
 device holds only the resident ones (`LoRABank`). Loading and unloading may come from another
 thread than the engine's: a lock guards the name table, and an unloaded adapter's slot is only
 released by the engine thread at its next step, so a step never sees a slot change under it.
+
+Under tensor parallelism (backend/lora/tensor_parallel.py) rank 0's manager loads, checks and
+assigns slots as with one rank, holding its shard of each adapter; the other ranks' managers only
+follow: they write into the slots rank 0 names what its step message says.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from backend.lora.bank import LoRABank
 from backend.lora.peft_format import LoRAAdapter, load_adapter
 from backend.lora.sources import LoRALike, LoRARequest, adapter_sources, cache_salt, check_name
 from backend.lora.step import LoRAStep
+from backend.lora.tensor_parallel import AdapterDirectory, FollowedAdapters, shard_adapter
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +40,27 @@ class LoadedLoRA:
     salt: bytes
     rank: int
     modules: tuple[str, ...]
+    load_id: int = 0  # unique per load: how the other tensor-parallel ranks find it
 
 
 class LoRAManager:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, kernels: bool):
+                 device: torch.device, kernels: bool, tp=None):
         """`kernels`: run the Triton kernels (CUDA); their tiles want the rank padded to a power of
-        two of at least 16. `device`/`dtype`: the banks'."""
+        two of at least 16. `device`/`dtype`: the banks'. `model_cfg`: the whole model's (adapters
+        are checked against it); `tp`: this rank's tensor-parallel group (None: one rank)."""
         self.config = config
         self.model_cfg = model_cfg
         rank = config.max_lora_rank
         if kernels:
             rank = max(16, 1 << (rank - 1).bit_length())
-        self.bank = LoRABank(model_cfg, config.max_loras, rank, dtype, device)
+        self.plan = tp.plan if tp is not None else None
+        self.leader = tp is None or tp.rank == 0
+        self.directory = AdapterDirectory(tp.store) if tp is not None else None
+        self.followed = None if self.leader else FollowedAdapters(
+            self.directory, self.plan, model_cfg, config.max_lora_rank, keep=4 * config.max_loras)
+        self.bank = LoRABank(self.plan.local_config(model_cfg) if self.plan else model_cfg, config.max_loras, rank,
+                             dtype, device)
         if kernels:
             from kernels.lora_sgmv import lora_add
             self._lora_add, self._on_device = lora_add, True
@@ -60,6 +73,8 @@ class LoRAManager:
         self._loaded: dict[str, LoadedLoRA] = {}
         self._released: list[str] = []  # unloaded, their slots freed at the next step
         self._load_ids = itertools.count(1)
+        if not self.leader:
+            return
         for name, path in adapter_sources(config.model_path, config.lora_modules).items():
             self.load(name, path)
         log.info("LoRA: %d adapter(s) loaded (%s); %d slots of rank %d, %.1f MB on %s", len(self._loaded),
@@ -85,8 +100,13 @@ class LoRAManager:
                 raise ValueError(f"LoRA adapter '{name}' is already loaded from {known.path}; unload it first")
             return known
         adapter = load_adapter(name, str(path), self.model_cfg, self.config.max_lora_rank)
+        if self.plan is not None:
+            adapter = shard_adapter(adapter, self.plan)
         with self._lock:
-            info = LoadedLoRA(name, adapter.path, cache_salt(name, next(self._load_ids)), adapter.rank, adapter.modules)
+            load_id = next(self._load_ids)
+            info = LoadedLoRA(name, adapter.path, cache_salt(name, load_id), adapter.rank, adapter.modules, load_id)
+            if self.directory is not None:  # before any step can name it
+                self.directory.publish(load_id, name, adapter.path)
             self._adapters[name] = adapter
             self._loaded[name] = info
         log.info("LoRA adapter '%s' loaded from %s: rank %d, %s", name, adapter.path, adapter.rank,
@@ -116,28 +136,40 @@ class LoRAManager:
         return info
 
     # -- one step (the engine thread) ---------------------------------------------------------------
-    def step(self, runs: list[tuple[int, int, str]], num_rows: int) -> Optional[LoRAStep]:
-        """The step's LoRA object for its adapter runs (first row, end row, name); None when no row
-        has an adapter."""
+    def assign(self, runs: list[tuple[int, int, str]]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """Rank 0: the step's adapter runs (first row, end row, name) by slot, copying the adapters
+        not resident into slots, and those copies as (slot, load id) for the other ranks."""
         with self._lock:
             released, self._released = self._released, []
             adapters = dict(self._adapters)
+            load_ids = {name: info.load_id for name, info in self._loaded.items()}
         for name in released:
             self.bank.release(name)
         if not runs:
-            return None
+            return [], []
         missing = sorted({n for _, _, n in runs if n not in adapters})
         if missing:
             raise RuntimeError(f"LoRA adapter(s) {missing} were unloaded while requests still used them")
-        slots = self.bank.slots_for((n for _, _, n in runs), adapters)
-        return LoRAStep(self.bank, [(a, b, slots[n]) for a, b, n in runs], num_rows, self._lora_add, self._on_device)
+        slots, written = self.bank.slots_for((n for _, _, n in runs), adapters)
+        return [(a, b, slots[n]) for a, b, n in runs], [(slot, load_ids[name]) for slot, name in written]
+
+    def step(self, runs: list[tuple[int, int, int]], writes: list[tuple[int, int]], num_rows: int) -> Optional[LoRAStep]:
+        """The step's LoRA object for its adapter runs by slot (None when no row has an adapter); a
+        rank other than 0 first makes rank 0's slot writes (rank 0 made them in `assign`)."""
+        if not self.leader:
+            for slot, load_id in writes:
+                self.bank.write(slot, self.followed.get(load_id))
+        if not runs:
+            return None
+        return LoRAStep(self.bank, runs, num_rows, self._lora_add, self._on_device)
 
 
 def make_lora_manager(config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module, ops_name: str,
-                      device: torch.device) -> Optional[LoRAManager]:
+                      device: torch.device, tp=None) -> Optional[LoRAManager]:
     """The runner's adapters when enable_lora is on (None otherwise): banks in the activations'
-    dtype (the delta is added to a projection's output), the Triton kernels with the Triton ops."""
+    dtype (the delta is added to a projection's output), the Triton kernels with the Triton ops.
+    `model_cfg`: the whole model's, also under tensor parallelism (`tp`, the rank's group)."""
     if not config.enable_lora:
         return None
     dtype = model.compute_dtype or model.embed_tokens.weight.dtype
-    return LoRAManager(config, model_cfg, dtype, device, kernels=ops_name == "triton")
+    return LoRAManager(config, model_cfg, dtype, device, kernels=ops_name == "triton", tp=tp)

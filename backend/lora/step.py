@@ -84,7 +84,14 @@ class LoRAStep:
         return self.lora_add(out, x, self.bank.a[key], self.bank.b[key], self.bank.shard_bounds[projection], segments)
 
 
-def with_lora(lora: Optional[LoRAStep], layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """A fused projection's output `out` (of input `x`) with the step's adapter deltas added: the
-    one call the model makes per projection (backend/models/llama.py)."""
-    return out if lora is None else lora.add(out, x, layer, projection)
+def lora_project(lora: Optional[LoRAStep], layer: int, projection: str, module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` (a fused projection) with the step's adapter deltas added: the one call the model
+    makes per projection (backend/models/llama.py). A row-parallel module (tensor parallelism,
+    backend/parallel/layers.py) sums its ranks' partial outputs: the deltas are added to this rank's
+    share before that sum, each from the rank's slice of x and of A (backend/parallel/plan.py)."""
+    if lora is None:
+        return module(x)
+    reduce = getattr(module, "reduce", None)
+    if reduce is not None:
+        return reduce(lora.add(module.partial(x), x, layer, projection))
+    return lora.add(module(x), x, layer, projection)

@@ -13,7 +13,7 @@ from torch import nn
 
 from backend.attention import AttentionContext
 from backend.loader import ModelConfig
-from backend.lora.step import LoRAStep, with_lora
+from backend.lora.step import LoRAStep, lora_project
 from kernels.dispatch import KernelOps
 
 
@@ -30,13 +30,13 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = h.shape[0]
-        q, k, v = with_lora(ctx.lora, self.layer, "qkv_proj", h, self.qkv_proj(h)).split(self.split, dim=-1)
+        q, k, v = lora_project(ctx.lora, self.layer, "qkv_proj", self.qkv_proj, h).split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ctx.ops.rotary_embedding(q, k, positions, rope[0], rope[1])
         out = ctx.attend(self.layer, q, k, v.contiguous()).reshape(t, -1)
-        return with_lora(ctx.lora, self.layer, "o_proj", out, self.o_proj(out))
+        return lora_project(ctx.lora, self.layer, "o_proj", self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -46,8 +46,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, h: torch.Tensor, ops: KernelOps, lora: Optional[LoRAStep] = None, layer: int = 0) -> torch.Tensor:
-        act = ops.silu_mul(with_lora(lora, layer, "gate_up_proj", h, self.gate_up_proj(h)))
-        return with_lora(lora, layer, "down_proj", act, self.down_proj(act))
+        act = ops.silu_mul(lora_project(lora, layer, "gate_up_proj", self.gate_up_proj, h))
+        return lora_project(lora, layer, "down_proj", self.down_proj, act)
 
 
 class RMSNormWeight(nn.Module):

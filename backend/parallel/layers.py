@@ -1,7 +1,8 @@
 """The model's tensor-parallel seams, as wrappers around whatever layer the loader built (float,
 oneDNN-packed or packed-quantized): the layers themselves compute their shard as usual.
 
-- `RowParallel` (o_proj, down_proj): the shard's partial output, then one all-reduce;
+- `RowParallel` (o_proj, down_proj): the shard's partial output (plus its LoRA deltas), then one
+  all-reduce;
 - `VocabParallelEmbedding`: each rank looks up the tokens of its vocabulary rows, zeros the others,
   and one all-reduce gives every rank every token's embedding;
 - `VocabParallelHead`: each rank's logits over its vocabulary rows, gathered side by side (all-gather)
@@ -16,13 +17,22 @@ from backend.parallel.plan import ShardPlan
 
 
 class RowParallel(nn.Module):
+    """`partial(x)` is this rank's share of the output and `reduce` sums the shares: a LoRA delta
+    joins the share before the sum (backend/lora/step.py's lora_project), at no extra collective."""
+
     def __init__(self, inner: nn.Module, group):
         super().__init__()
         self.inner = inner
         self.group = group
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(partial)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.inner(x))
+        return self.reduce(self.partial(x))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -108,6 +108,18 @@ class ShardPlan:
             return part.contiguous()
         return tensor
 
+    def shard_lora(self, module: str, a: Any, b: Any) -> tuple[Any, Any]:
+        """This rank's part of a LoRA pair (A [r, in], B [out, r]) on HF module `module`
+        (backend/lora/tensor_parallel.py): a column-parallel module's B keeps the rank's output
+        rows (its delta lands on the rank's columns); a row-parallel module's A keeps the rank's
+        input columns, and the rank's delta x_r A_r^T B^T is a partial sum that joins the partial
+        output before its all-reduce (the ranks' parts sum to x A^T B^T)."""
+        if module in COLUMN_PARALLEL:
+            return a, self._part(b, 0)
+        if module in ROW_PARALLEL:
+            return self._part(a, 1), b
+        raise ValueError(f"LoRA on {module} is not split by tensor parallelism")
+
     def _part(self, tensor: Any, dim: int) -> Any:
         length = tensor.shape[dim] // self.size
         if length * self.size != tensor.shape[dim]:

@@ -1,7 +1,7 @@
 """Tensor parallelism served by the real tritonserver (issue 26), gloo on this CPU:
 - `inflight serve --tp 2` (the tiny model) and `--tp 3` (SmolLM2, whose heads do not split in 2:
   `--tp 2` fails its load naming both head counts) answer token for token as the one-rank engine
-  in-process; a Ctrl-C with requests in flight ends each of them with `abort` and leaves no
+  in-process, a LoRA adapter's requests (`--lora-modules`) too; a Ctrl-C with requests in flight ends each of them with `abort` and leaves no
   process behind (workers included);
 - a worker killed with SIGKILL fails the running requests with an error naming the rank, Triton
   reports the model not ready (it unloads itself), the liveness check fails, the server stays up,
@@ -22,6 +22,7 @@ from client.tools.server import TritonServer, free_port
 from tp_helpers import NATURAL_PROMPTS, greedy, random_prompts, tp_workers
 
 from .conftest import MAX_MODEL_LEN, inflight_serve, requires_tritonserver, stop_serve, wait_until
+from .raw_requests import array, grpc_stream
 
 pytestmark = requires_tritonserver
 HEALTHCHECK = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthcheck.py"
@@ -33,12 +34,17 @@ def healthcheck(server) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_inflight_serve_tp2_is_token_exact_and_a_stop_in_flight_loses_no_response(model_repository, model_path, llm):
+def test_inflight_serve_tp2_is_token_exact_and_a_stop_in_flight_loses_no_response(model_repository, model_path, llm,
+                                                                                   tmp_path):
+    from backend import LLM, SamplingParams
+    from lora_adapters import AdapterSpec, make_adapter
+
+    adapter = make_adapter(model_path, tmp_path / "tp-lora", seed=31, spec=AdapterSpec(r=8, alpha=16))
     grpc = free_port()
     proc, lines = inflight_serve(["--model-repository", str(model_repository), "--model-path", str(model_path),
                                   "--host", "127.0.0.1", "--http-port", str(free_port()), "--grpc-port", str(grpc),
                                   "--metrics-port", str(free_port()), "--openai-port", "0", "--tp", "2",
-                                  "--param", f"max_model_len={MAX_MODEL_LEN}"])
+                                  "--param", f"max_model_len={MAX_MODEL_LEN}", "--lora-modules", f"tp={adapter}"])
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(tp_workers(proc.pid)) == 1, [" ".join(c.cmdline()) for c in children]
@@ -57,6 +63,17 @@ def test_inflight_serve_tp2_is_token_exact_and_a_stop_in_flight_loses_no_respons
         for t in threads:
             t.join(120)
         assert [got.get(i) for i in range(len(batch))] == [o.token_ids for o in expected]
+
+        # the adapter's requests (lora_name, the vLLM backend's key) as the one-rank engine with it answers
+        one = LLM(str(model_path), max_model_len=MAX_MODEL_LEN, enable_lora=True, lora_modules=f"tp={adapter}")
+        texts = [f"adapter prompt {i} {'x' * i}" for i in range(3)]
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        for text, want_lora, want_base in zip(texts, one.generate(texts, params, lora_request="tp"),
+                                             one.generate(texts, params)):
+            inputs = {"text_input": array(text), "stream": array(False), "exclude_input_in_output": array(True)}
+            answer = grpc_stream(f"127.0.0.1:{grpc}", inputs, parameters={
+                "temperature": "0", "max_tokens": "10", "ignore_eos": "true", "lora_name": "tp"})
+            assert answer[0]["text_output"][0].decode() == want_lora.text != want_base.text
 
         ends, started = {}, threading.Barrier(5)
 
