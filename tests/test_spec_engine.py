@@ -203,3 +203,28 @@ def test_constrained_rows_do_not_speculate_and_stay_valid(engines):
     alone = llm.stats()["spec_decode_num_draft_tokens"]
     run(llm, ps[:2], params[:2])
     assert llm.stats()["spec_decode_num_draft_tokens"] == alone
+
+
+def test_a_proposal_that_raises_runs_the_step_without_drafts_and_is_counted(default_model_dir, caplog):
+    """Drafts are optional: a proposer error leaves the outputs those without speculation, and the
+    engine counts it (spec_decode_num_failed_proposals, exported as a metric) and logs it."""
+    path = str(default_model_dir)
+    ps, params = prompts(4, seed=7), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = run(LLM(path, **COMMON), ps, params)
+    llm = LLM(path, speculative_config=NGRAM, **COMMON)
+    proposer = llm.engine.speculator.proposer
+    inner, calls = proposer.propose, []
+
+    def flaky(rows):  # every other proposal raises
+        calls.append(len(rows))
+        if len(calls) % 2:
+            raise RuntimeError("proposer bug")
+        return inner(rows)
+
+    proposer.propose = flaky
+    out = run(llm, ps, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    stats = llm.stats()
+    assert stats["spec_decode_num_failed_proposals"] == (len(calls) + 1) // 2 > 0
+    assert stats["spec_decode_num_draft_tokens"] > 0   # the other steps still speculate
+    assert "speculative proposal failed" in caplog.text and "proposer bug" in caplog.text

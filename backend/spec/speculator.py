@@ -56,6 +56,9 @@ class Speculator:
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # of them, accepted
         self.acceptance_lengths = [0] * (self.k + 1)  # verify rows by tokens emitted (1 .. k + 1)
+        # proposals that raised: the step ran without drafts, so outputs stay right and only speed
+        # is lost; counted (and exported) so that a proposer broken for some requests shows
+        self.num_failed_proposals = 0
 
     @classmethod
     def create(cls, config, scheduler, vocab_size: int, max_model_len: int, target_kv_tokens: int) -> Optional["Speculator"]:
@@ -79,7 +82,9 @@ class Speculator:
             drafts = self.proposer.propose([(s.request, room[s.request.seq_id]) for s in rows
                                             if s.request.seq_id in room])
         except Exception:  # drafts are optional: the step runs without them
-            log.exception("speculative proposal failed; this step runs without drafts")
+            self.num_failed_proposals += 1
+            log.exception("speculative proposal failed (%d so far); this step runs without drafts",
+                          self.num_failed_proposals)
             self.proposer.reset()
             drafts = {}
         return self.scheduler.attach_drafts(out, room, drafts)
@@ -99,6 +104,7 @@ class Speculator:
     def stats(self) -> dict:
         return {"spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_failed_proposals": self.num_failed_proposals,
                 "spec_decode_acceptance_lengths": list(self.acceptance_lengths)}
 
     def check_integrity(self) -> None:

@@ -96,6 +96,7 @@ def test_streamed_responses_carry_the_accepted_tokens_and_the_metrics_count_them
         key = next(k for k in series if k.split("{")[0] == name)
         assert 'instance="' in key and 'device="cpu"' in key, key
     assert gauge(server, "inflight_spec_decode_acceptance_length_count") > 0
+    assert gauge(server, "inflight_spec_decode_num_failed_proposals_total") == 0   # exported, and nothing failed
     if proposer == "draft" or model == "smollm2":  # the random tiny model rarely follows an n-gram
         assert gauge(server, "inflight_spec_decode_num_accepted_tokens_total") > 0
 

@@ -43,7 +43,8 @@ class Metrics:
                 "generation_tokens_total": "inflight_generation_tokens_total",
                 "num_backfilled": "inflight_num_backfilled_total",
                 "spec_decode_num_draft_tokens": "inflight_spec_decode_num_draft_tokens_total",
-                "spec_decode_num_accepted_tokens": "inflight_spec_decode_num_accepted_tokens_total"}
+                "spec_decode_num_accepted_tokens": "inflight_spec_decode_num_accepted_tokens_total",
+                "spec_decode_num_failed_proposals": "inflight_spec_decode_num_failed_proposals_total"}
 
     @staticmethod
     def instance_labels(args, device):
@@ -77,7 +78,9 @@ class Metrics:
                 "generation_tokens_total": "Tokens generated",
                 "num_backfilled": "Requests started ahead of a waiting request that did not fit (enable_backfill)",
                 "spec_decode_num_draft_tokens": "Draft tokens verified (speculative_config)",
-                "spec_decode_num_accepted_tokens": "Draft tokens accepted (speculative_config)"}
+                "spec_decode_num_accepted_tokens": "Draft tokens accepted (speculative_config)",
+                "spec_decode_num_failed_proposals": "Steps whose draft proposal raised and ran without drafts "
+                                                    "(speculative_config; the log has the error)"}
         # per LoRA adapter and state (running, waiting): a series for every adapter loaded, made on first sight
         self.lora_family = family("inflight_lora_requests", "Requests per LoRA adapter, running or waiting", fam.GAUGE)
         self.lora = {}
