@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import OrderedDict
+from pathlib import Path
 
 from backend.loader import ModelConfig
 from backend.lora.peft_format import FUSED, LoRAAdapter, load_adapter
@@ -39,7 +40,8 @@ class AdapterDirectory:
         self.store = store
 
     def publish(self, load_id: int, name: str, path: str) -> None:
-        self.store.set(f"{STORE_KEY}{load_id}", json.dumps({"name": name, "path": path}))
+        """Absolute: a rank's working directory need not be rank 0's."""
+        self.store.set(f"{STORE_KEY}{load_id}", json.dumps({"name": name, "path": str(Path(path).resolve())}))
 
     def lookup(self, load_id: int) -> tuple[str, str]:
         entry = json.loads(self.store.get(f"{STORE_KEY}{load_id}"))  # set before the step that needs it
