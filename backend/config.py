@@ -19,7 +19,7 @@ BATCHING_MODES = ("inflight", "dynamic", "static", "none")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")  # docs/quantization.md
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -69,7 +69,7 @@ class EngineConfig:
     # folder is dequantized at load); gguf = packed weights as they are; int8 = float weights
     # quantized at load (int8, a scale per 32 values); fp8 = e4m3 weights (CUDA only).
     quantization: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto: dtype's | float32 | bfloat16 | fp8 (e4m3)
+    kv_cache_dtype: str = "auto"  # auto: dtype's | float32 | bfloat16 | fp8 = fp8_e4m3 (CUDA sm_89+)
     # Multi-LoRA (docs/lora.md), vLLM's names and defaults: PEFT adapters from the checkpoint
     # folder's multi_lora.json and `lora_modules` (JSON {name: folder} or NAME=PATH,...), at most
     # max_loras of them in one step (requests of others wait), ranks up to max_lora_rank.

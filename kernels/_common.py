@@ -14,6 +14,9 @@ from typing import Optional, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+# what the KV cache may hold: the float dtypes, or e4m3 (kv_cache_dtype=fp8, GPUs of sm_89+)
+KV_CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -58,7 +61,7 @@ def check_cache(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None
         raise ValueError(f"{name}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"{name}: v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
-    check_dtype(name, "k_cache", k_cache, FLOAT_DTYPES)
+    check_dtype(name, "k_cache", k_cache, KV_CACHE_DTYPES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +81,7 @@ def check_paged_attention(name: str, q: torch.Tensor, q_layout: str, k_cache: to
                           v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           scale: float, cache_dtype_may_differ: bool = False) -> None:
     """The checks decode and prefill attention share: q against the paged cache (dtype unless
-    ``cache_dtype_may_differ``, head dim, GQA ratio), index tensors, and the scale."""
+    ``cache_dtype_may_differ`` or an fp8 cache, head dim, GQA ratio), index tensors, and the scale."""
     check_ndim(name, "q", q, 3, q_layout)
     check_cache(name, k_cache, v_cache)
     check_ndim(name, "block_tables", block_tables, 2, "[num_seqs, max_blocks]")
@@ -87,8 +90,8 @@ def check_paged_attention(name: str, q: torch.Tensor, q_layout: str, k_cache: to
     check_dtype(name, "seq_lens", seq_lens, INDEX_DTYPES)
     h, d = q.shape[1], q.shape[2]
     g, cd = k_cache.shape[2], k_cache.shape[3]
-    if q.dtype != k_cache.dtype and not cache_dtype_may_differ:
-        raise ValueError(f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if q.dtype != k_cache.dtype and not cache_dtype_may_differ and k_cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"{name}: q dtype {q.dtype} != cache dtype {k_cache.dtype}")  # fp8: read in q's
     if cd != d:
         raise ValueError(f"{name}: q head_dim {d} != cache head_dim {cd}")
     if h % g != 0:

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from typing import Optional
 
@@ -128,13 +128,37 @@ def lora_launches(shape: ModelShape, dtype: torch.dtype) -> list[Launch]:
     return launches
 
 
+# kv_cache_dtype=fp8 (sm_89+): the launches that touch the cache, again with an e4m3 cache beside
+# bf16/fp16 activations; a column of their own in the table ("bf16+kv-fp8")
+KV_FP8 = "+kv-fp8"
+KV_FP8_ARCH = 89
+
+
+def kv_fp8_launches(shape: ModelShape, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> list[Launch]:
+    """The cache's store and the two attentions with an fp8 cache, at each of STEP_SHAPES."""
+    fp8 = torch.float8_e4m3fn
+    return [replace(launch, min_arch=KV_FP8_ARCH)
+            for tokens, seqs, width in STEP_SHAPES
+            for launch in _step_launches(shape, dtype, block_size, tokens, seqs, width, kv_dtype=fp8)
+            if any(isinstance(a, torch.Tensor) and a.dtype == fp8 for a in launch.args)]
+
+
+def dtype_variants(shape: ModelShape, dtype_name: str, block_size: int) -> list[tuple[str, list[Launch]]]:
+    """(column label, launches): the dtype's own, and for bf16/fp16 its fp8-cache launches."""
+    dtype = DTYPES[dtype_name]
+    variants = [(dtype_name, model_launches(shape, dtype, block_size))]
+    if dtype != torch.float32:
+        variants.append((dtype_name + KV_FP8, kv_fp8_launches(shape, dtype, block_size)))
+    return variants
+
+
 def _step_launches(shape: ModelShape, dtype: torch.dtype, block_size: int, tokens: int, seqs: int,
-                   table_width: int) -> list[Launch]:
+                   table_width: int, kv_dtype: Optional[torch.dtype] = None) -> list[Launch]:
     h, g, d = shape.heads, shape.kv_heads, shape.head_dim
     qkv = torch.zeros(tokens, (h + 2 * g) * d, dtype=dtype)
     q, k, v = qkv.split((h * d, g * d, g * d), dim=-1)
     q, k, v = q.view(tokens, h, d), k.view(tokens, g, d), v.reshape(tokens, g, d).contiguous()
-    k_cache = torch.zeros(4, block_size, g, d, dtype=dtype)   # the values are never read: any blocks do
+    k_cache = torch.zeros(4, block_size, g, d, dtype=kv_dtype or dtype)   # the values are never read: any blocks do
     v_cache = torch.zeros_like(k_cache)
     tables = torch.zeros(max(seqs, 2), table_width, dtype=torch.int32)
     seq_lens = torch.ones(max(seqs, 2), dtype=torch.int32)
@@ -208,8 +232,8 @@ def collect(models: dict[str, ModelShape], dtypes: list[str], targets: list[str]
     rows: dict = {}
     jobs: dict = {}
     for model, shape in models.items():
-        for dtype_name in dtypes:
-            for launch in model_launches(shape, DTYPES[dtype_name], block_size):
+        for dtype_name, launches in (v for name in dtypes for v in dtype_variants(shape, name, block_size)):
+            for launch in launches:
                 for target in targets:
                     arch = TARGETS[target][0]
                     if arch < launch.min_arch:

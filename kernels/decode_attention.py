@@ -97,7 +97,8 @@ def _decode_attention_kernel(
         blk = tl.load(table + (pos // BLOCK_SIZE) * stride_btb, mask=mask_n, other=0).to(tl.int64)
         row = (pos % BLOCK_SIZE).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + (blk * stride_kb + row * stride_ko)[:, None], mask=kv_mask, other=0.0)
+        # an fp8 cache (kv_cache_dtype=fp8) is read in q's dtype: the dots stay bf16/fp16 ones
+        k = tl.load(k_base + (blk * stride_kb + row * stride_ko)[:, None], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -107,7 +108,7 @@ def _decode_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (blk * stride_vb + row * stride_vo)[:, None], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + (blk * stride_vb + row * stride_vo)[:, None], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

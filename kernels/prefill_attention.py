@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634
 def _attend_tile(q, acc, m_i, l_i, k_ptrs, v_ptrs, kv_mask, scores_mask, scale_log2,
                  MASKED: tl.constexpr, IEEE: tl.constexpr):
     """One kv tile of the online softmax. k_ptrs/v_ptrs [BLOCK_N, BLOCK_D]."""
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # an fp8 cache is read in q's dtype
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -48,7 +48,7 @@ def _attend_tile(q, acc, m_i, l_i, k_ptrs, v_ptrs, kv_mask, scores_mask, scale_l
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:

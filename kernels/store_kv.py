@@ -2,7 +2,8 @@
 
 Cache layout [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size + offset;
 a slot of -1 means "do not store" (padding tokens). One program per token moves all of its kv heads
-(a [G, D] tile) for both K and V, converting to the cache dtype.
+(a [G, D] tile) for both K and V, converting to the cache dtype. An fp8 (e4m3) cache stores the
+values saturated to e4m3's range (+-448), with no scale: vLLM's default, its k/v scales of 1.0.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import triton.language as tl
 from kernels import _common as C
 from kernels.launch import Launch
 
+FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -22,7 +25,7 @@ def _store_kv_kernel(
     stride_kcb, stride_kco, stride_kch, stride_kcd,
     stride_vcb, stride_vco, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -37,12 +40,16 @@ def _store_kv_kernel(
 
     k = tl.load(key_ptr + tok64 * stride_kt + offs_g[:, None] * stride_kh + offs_d[None, :] * stride_kd,
                 mask=mask)
+    if SATURATE:  # fp8: out-of-range values become +-448, never NaN, whatever the conversion does
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kco
     tl.store(kc + offs_g[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
 
     v = tl.load(value_ptr + tok64 * stride_vt + offs_g[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask)
+    if SATURATE:
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
     vc = v_cache_ptr + blk * stride_vcb + off * stride_vco
     tl.store(vc + offs_g[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -86,6 +93,6 @@ def plan_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         (key, value, k_cache, v_cache, slot_mapping,
          *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride()),
         dict(NUM_KV_HEADS=g, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
-             BLOCK_G=C.next_pow2(g), BLOCK_D=C.next_pow2(d)),
+             BLOCK_G=C.next_pow2(g), BLOCK_D=C.next_pow2(d), SATURATE=k_cache.dtype in C.FP8_DTYPES),
         num_warps=4 if g * d >= 1024 else 1,
     )

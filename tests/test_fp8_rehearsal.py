@@ -56,3 +56,33 @@ def test_fp8_is_refused_without_an_fp8_gpu(monkeypatch, tmp_path, default_model_
         LLM(str(default_model_dir), quantization="fp8", **ON_GPU)
     with pytest.raises(ValueError, match="quantization=fp8 needs a CUDA GPU with fp8 support .* runs on cpu"):
         LLM(str(default_model_dir), quantization="fp8", device="cpu", cpu_kv_cache_tokens=512, max_model_len=256)
+
+
+def test_an_fp8_kv_cache_holds_e4m3_at_half_the_bytes_and_stays_close(monkeypatch, tmp_path, default_model_dir):
+    """kv_cache_dtype=fp8 on a (fake) H200: the cache tensors are e4m3, a block costs half of
+    bf16's (so the same memory holds twice the tokens), and the log-probabilities stay close to
+    the bf16 cache's. The Triton kernels that store and read it: tests/kernels/test_kernel_fp8_kv.py."""
+    from backend.kv_sizing import kv_bytes_per_token
+
+    FakeCuda(capability=(9, 0)).install(monkeypatch)
+    monkeypatch.setenv("INFLIGHT_LOCK_DIR", str(tmp_path))
+    fp8 = LLM(str(default_model_dir), kv_cache_dtype="fp8", **ON_GPU)
+    base = LLM(str(default_model_dir), kv_cache_dtype="bfloat16", **ON_GPU)
+    runner = fp8.engine.runner
+    assert runner.kv_dtype == torch.float8_e4m3fn and runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert 2 * kv_bytes_per_token(runner.model_cfg, runner.kv_dtype) == kv_bytes_per_token(runner.model_cfg, torch.bfloat16)
+    ids = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, runner.model_cfg.vocab_size, (61,), generator=ids).tolist()
+    gap = (window_logprobs(fp8, prompt) - window_logprobs(base, prompt)).abs()
+    assert 0 < float(gap.mean()) < 0.25, float(gap.mean())   # e4m3 keeps 3 mantissa bits of each K and V
+    out = fp8.generate([prompt[:13], prompt[20:37]], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [9, 9] and fp8.stats()["kv_blocks_used"] == 0
+
+
+def test_an_fp8_kv_cache_is_refused_without_an_fp8_gpu(monkeypatch, tmp_path, default_model_dir):
+    FakeCuda(capability=(8, 0)).install(monkeypatch)
+    monkeypatch.setenv("INFLIGHT_LOCK_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=fp8 needs compute capability 8.9 or newer .*cuda:0 has 8.0"):
+        LLM(str(default_model_dir), kv_cache_dtype="fp8", **ON_GPU)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=fp8_e4m3 needs a CUDA GPU with fp8 support .* runs on cpu"):
+        LLM(str(default_model_dir), kv_cache_dtype="fp8_e4m3", device="cpu", cpu_kv_cache_tokens=512, max_model_len=256)

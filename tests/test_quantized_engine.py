@@ -132,7 +132,7 @@ def test_what_cannot_be_done_is_refused_by_name(tmp_path, tiny_tokenizer_json, d
         LLM(str(folder), quantization="int8", **SMALL)
     with pytest.raises(ValueError, match="quantization=fp8 needs a CUDA GPU"):
         LLM(str(default_model_dir), quantization="fp8", **SMALL)
-    with pytest.raises(ValueError, match="kv_cache_dtype=fp8 is not supported yet"):
+    with pytest.raises(ValueError, match="kv_cache_dtype=fp8 needs a CUDA GPU with fp8 support"):
         LLM(str(default_model_dir), kv_cache_dtype="fp8", **SMALL)
     with pytest.raises(ValueError, match="quantization must be one of auto, none, gguf, int8, fp8; got 'int4'"):
         LLM(str(default_model_dir), quantization="int4")

@@ -54,9 +54,15 @@ def kv_cache_dtype(setting: str, dtype: torch.dtype, device: torch.device, quant
     its cache in 16 bits too (docs/quantization.md has the perplexity and the speed)."""
     if setting == "auto":
         return torch.bfloat16 if device.type == "cpu" and quantization != "none" else dtype
-    if setting == "fp8":
-        raise ValueError("kv_cache_dtype=fp8 is not supported yet: the attention kernels read float32, "
-                         "bfloat16 and float16 caches; use bfloat16 to halve the cache")
+    if setting in ("fp8", "fp8_e4m3"):
+        if device.type != "cuda":
+            raise ValueError(f"kv_cache_dtype={setting} needs a CUDA GPU with fp8 support (compute capability 8.9+, "
+                             f"Ada or Hopper); this engine runs on {device.type}, where bfloat16 halves the cache")
+        capability = tuple(torch.cuda.get_device_capability(device))
+        if capability < FP8_MIN_CAPABILITY:
+            raise ValueError(f"kv_cache_dtype={setting} needs compute capability 8.9 or newer (Ada, Hopper); {device} "
+                             f"has {capability[0]}.{capability[1]}: use bfloat16 or auto")
+        return torch.float8_e4m3fn  # e4m3, values saturated to +-448, no scale (kernels/store_kv.py)
     return KV_DTYPES[setting]
 
 

@@ -54,8 +54,8 @@ def build_paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, h
     nblocks = [(n + bs - 1) // bs for n in seq_lens]
     used = sum(nblocks)
     nb = used + spare_blocks + 1
-    k_cache = torch.randn(nb, bs, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(nb, bs, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(nb, bs, num_kv_heads, head_dim, generator=gen).to(dtype).float()  # fp8 takes no fills
+    v_cache = torch.randn(nb, bs, num_kv_heads, head_dim, generator=gen).to(dtype).float()
     perm = torch.randperm(nb, generator=gen)
     poison_block = int(perm[-1])
     owned = torch.zeros(nb, bs, dtype=torch.bool)
@@ -70,7 +70,7 @@ def build_paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, h
             owned[b, : min(bs, n - j * bs)] = True
     k_cache[~owned] = POISON
     v_cache[~owned] = POISON
-    return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
+    return k_cache.to(dtype).to(DEVICE), v_cache.to(dtype).to(DEVICE), tables.to(DEVICE)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: dict, what: str = "") -> None:

@@ -21,6 +21,7 @@ KERNELS = {"store_kv_kernel", "decode_attention_kernel", "decode_merge_kernel", 
            "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel",
            "gguf_gemm_kernel", "w8_gemm_kernel", "awq_gemm_kernel", "split_k_reduce_kernel",  # kernels/quant_*.py
            "lora_shrink_kernel", "lora_expand_kernel"}  # kernels/lora_sgmv.py
+CACHE_KERNELS = {"store_kv_kernel", "decode_attention_kernel", "prefill_attention_kernel"}
 
 
 def run_aot(tmp_path, *args: str, patch: str = "", timeout: float = 600) -> tuple[int, dict, str]:
@@ -37,13 +38,16 @@ def run_aot(tmp_path, *args: str, patch: str = "", timeout: float = 600) -> tupl
     return proc.returncode, json.loads(out.read_text()), output
 
 
-def test_every_kernel_compiles_for_sm80_and_sm90_in_bf16_and_fp16(tmp_path):
+def test_every_kernel_compiles_for_sm80_and_sm90_in_bf16_and_fp16_and_with_an_fp8_cache(tmp_path):
     rc, result, output = run_aot(tmp_path, "--jobs", "2")
     rows = result["rows"]
     assert rc == 0, output
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     combos = {(r["kernel"], r["dtype"], r["target"]) for r in rows}
-    assert combos == {(k, d, t) for k in KERNELS for d in ("bf16", "fp16") for t in ("sm_80", "sm_90")}
+    # an fp8 KV cache (kv_cache_dtype=fp8): the kernels that touch the cache, on sm_90 only (e4m3: sm_89+)
+    fp8_cache = {(k, d + "+kv-fp8", "sm_90") for k in CACHE_KERNELS for d in ("bf16", "fp16")}
+    assert combos == {(k, d, t) for k in KERNELS for d in ("bf16", "fp16") for t in ("sm_80", "sm_90")} | fp8_cache
+    assert {r["config"]["SATURATE"] for r in rows if r["kernel"] == "store_kv_kernel"} == {False, True}
     assert {m for r in rows for m in r["models"]} == {"Llama-3.1-8B", "Llama-3.2-1B", "Qwen2-7B", "Mistral-7B"}
     for r in rows:
         assert 0 <= r["shared_bytes"] <= result["targets"][r["target"]]["shared_limit_bytes"], r
@@ -119,7 +123,8 @@ from kernels import aot
 rows, _ = aot.collect({"Llama-3.1-8B": aot.MODELS["Llama-3.1-8B"]}, ["bf16"], ["sm_90"])
 counts = {}
 for r in rows:
-    counts[r["kernel"]] = counts.get(r["kernel"], 0) + 1
+    column = counts.setdefault(r["dtype"], {})
+    column[r["kernel"]] = column.get(r["kernel"], 0) + 1
 print(json.dumps(counts))
 """
 
@@ -135,7 +140,11 @@ def test_each_kernel_compiles_to_a_few_variants_whatever_the_step():
     proc = subprocess.run([sys.executable, "-c", VARIANTS], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    columns = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = columns["bf16"]
+    # an fp8 cache: the same variants again for the kernels that touch the cache, nothing more
+    assert columns["bf16+kv-fp8"] == {"decode_attention_kernel": 2, "prefill_attention_kernel": 1, "store_kv_kernel": 1}
+    assert set(columns) == {"bf16", "bf16+kv-fp8"}
     assert counts == {"decode_attention_kernel": 2, "decode_merge_kernel": 1, "prefill_attention_kernel": 1,
                       "store_kv_kernel": 1, "rms_norm_kernel": 2, "rotary_kernel": 1, "silu_mul_kernel": 1,
                       # the quantized GEMMs: 3 variants (decode 16, decode 64, prefill) per qtype, and the
