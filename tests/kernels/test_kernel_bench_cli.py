@@ -47,3 +47,19 @@ def test_dry_run_on_cpu(tmp_path):
     assert [(r["batch"], r["context"]) for r in res["engine_decode_step"]] == [(1, 20), (2, 20)]
     assert res["copy_bandwidth_gbs"] > 0
     assert res["quant_checks"] and all(c["ok"] for c in res["quant_checks"]) and res["quant_linear"]  # kernels/quant_bench.py
+
+
+def test_the_fp8_cache_checks_run_and_pass_their_attention_rows(monkeypatch):
+    """gpu-check's fp8 KV cache rows (GPUs of sm_89+ only) rehearsed here in float16 with the
+    interpreter: both attentions reading an e4m3 cache agree with the references. The store's
+    rounding row is only meaningful on the GPU (the interpreter's f32 -> e4m3 conversion is wrong at
+    powers of two: tests/kernels/test_kernel_fp8_kv.py), so here it is only seen to run."""
+    import torch
+
+    from kernels import reference, triton_ops
+
+    monkeypatch.setattr(bench, "P", bench.DRY)
+    rows = bench.fp8_cache_checks(triton_ops, reference, 16, dtype=torch.float16)
+    assert [r["kernel"] for r in rows] == ["decode_attention", "decode_attention", "prefill_attention", "store_kv"]
+    assert all(r["ok"] for r in rows if r["kernel"] != "store_kv"), rows
+    assert all(r["dtype"] == "float16, fp8 KV cache" for r in rows)
