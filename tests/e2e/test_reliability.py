@@ -528,8 +528,8 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
     """kill -9 of the Python stub, as Triton 2.51 handles it: the model still reads as ready, new
     requests fail at once with "Stub process 'llm_0_0' is not healthy.", a request in flight gets
     no answer at all (only the client's timeout ends it; in some runs gRPC cuts its stream with
-    "Stream removed"), and a restart restores service.
-    README.md ("When the Python stub crashes") tells users the same."""
+    "Stream removed"); in some runs tritonserver itself aborts (SIGABRT) instead. Either way a
+    restart restores service. README.md ("When the Python stub crashes") tells users the same."""
     from client.tools.server import TritonServer
 
     params = {"max_model_len": "512"}
@@ -561,22 +561,25 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
         assert isinstance(error, TimeoutError) or (isinstance(error, GenerationError)
                                                    and "Stream removed" in str(error)), in_flight
         unhealthy = r"Stub process 'llm_0_0' is not healthy\."
-        # Under load the first calls right after the kill may find gRPC's connection reset, or
-        # refused, while Triton notices the dead stub (a clean-clone run saw "Connection refused");
-        # a new connection then gets the stub's error. A server that died fails below.
+        # Under load the first calls right after the kill may find gRPC's connection reset while
+        # Triton notices the dead stub; a new connection then gets the stub's error. In some runs
+        # tritonserver itself aborts (SIGABRT) instead: two clean-clone runs of the whole suite saw
+        # it, runs of this test alone never did; the README says both.
         deadline = time.monotonic() + 30
-        while True:
+        while server.process.poll() is None:
             with GrpcClient(server.grpc_url, timeout=30) as client, pytest.raises(GenerationError) as err:
                 client.generate("after the crash", max_tokens=3)
             if re.search(unhealthy, str(err.value)) or time.monotonic() > deadline:
                 break
-            assert re.search(r"UNAVAILABLE|failed to connect", str(err.value)), (err.value, server.process.poll())
+            assert re.search(r"UNAVAILABLE|failed to connect", str(err.value)), err.value
             time.sleep(0.5)
-        assert re.search(unhealthy, str(err.value)), (err.value, "tritonserver exit:", server.process.poll())
-        with pytest.raises(GenerationError, match="HTTP 400: " + unhealthy):
-            HttpClient(server.http_url).generate("after the crash", max_tokens=3)
-        assert server.process.poll() is None  # tritonserver itself runs on...
-        assert server.is_ready()  # ...and 2.51 still reports the model ready: probe with a request
+        if server.process.poll() is not None:   # the server aborted: nothing answers, a restart is due
+            assert server.process.returncode == -signal.SIGABRT, (server.process.returncode, server.log_text()[-3000:])
+        else:   # the server runs on and refuses every request, over gRPC and HTTP
+            assert re.search(unhealthy, str(err.value)), err.value
+            with pytest.raises(GenerationError, match="HTTP 400: " + unhealthy):
+                HttpClient(server.http_url).generate("after the crash", max_tokens=3)
+            assert server.is_ready()  # ...and 2.51 still reports the model ready: probe with a request
     # The restart (what `inflight serve` does when run again).
     restarted = TritonServer(model_repository, params=params, model_path=str(model_path))
     with restarted:
