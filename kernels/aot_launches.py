@@ -19,6 +19,7 @@ from kernels.lora_sgmv import plan_lora_expand, plan_lora_shrink
 from kernels.norm import plan_rms_norm
 from kernels.prefill_attention import plan_prefill_attention
 from kernels.quant_dispatch import aot_launches as quant_launches
+from kernels.quant_w8_gemm import FP8_MIN_ARCH
 from kernels.rope import plan_rotary_embedding
 from kernels.store_kv import plan_store_kv
 
@@ -99,13 +100,12 @@ def lora_launches(shape: ModelShape, dtype: torch.dtype) -> list[Launch]:
 # kv_cache_dtype=fp8 (sm_89+): the launches that touch the cache, again with an e4m3 cache beside
 # bf16/fp16 activations; a column of their own in the table ("bf16+kv-fp8")
 KV_FP8 = "+kv-fp8"
-KV_FP8_ARCH = 89
 
 
 def kv_fp8_launches(shape: ModelShape, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> list[Launch]:
     """The cache's store and the two attentions with an fp8 cache, at each of STEP_SHAPES."""
     fp8 = torch.float8_e4m3fn
-    return [replace(launch, min_arch=KV_FP8_ARCH)
+    return [replace(launch, min_arch=FP8_MIN_ARCH)
             for tokens, seqs, width in STEP_SHAPES
             for launch in _step_launches(shape, dtype, block_size, tokens, seqs, width, kv_dtype=fp8)
             if any(isinstance(a, torch.Tensor) and a.dtype == fp8 for a in launch.args)]

@@ -13,8 +13,9 @@ import triton.language as tl
 
 from kernels import _common as C
 from kernels.launch import Launch
+from kernels.quant_formats import FP8_MAX as _FP8_MAX
 
-FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+FP8_MAX = tl.constexpr(_FP8_MAX)  # e4m3's largest finite value, as the kernel reads it
 
 
 @triton.jit

@@ -55,13 +55,8 @@ def kv_cache_dtype(setting: str, dtype: torch.dtype, device: torch.device, quant
     if setting == "auto":
         return torch.bfloat16 if device.type == "cpu" and quantization != "none" else dtype
     if setting in ("fp8", "fp8_e4m3"):
-        if device.type != "cuda":
-            raise ValueError(f"kv_cache_dtype={setting} needs a CUDA GPU with fp8 support (compute capability 8.9+, "
-                             f"Ada or Hopper); this engine runs on {device.type}, where bfloat16 halves the cache")
-        capability = tuple(torch.cuda.get_device_capability(device))
-        if capability < FP8_MIN_CAPABILITY:
-            raise ValueError(f"kv_cache_dtype={setting} needs compute capability 8.9 or newer (Ada, Hopper); {device} "
-                             f"has {capability[0]}.{capability[1]}: use bfloat16 or auto")
+        require_fp8_gpu(f"kv_cache_dtype={setting}", device, on_cpu=", where bfloat16 halves the cache",
+                        instead="bfloat16 or auto")
         return torch.float8_e4m3fn  # e4m3, values saturated to +-448, no scale (kernels/store_kv.py)
     return KV_DTYPES[setting]
 
@@ -77,15 +72,21 @@ def resolve_quantization(requested: str, model_cfg: ModelConfig, device: torch.d
         raise ValueError(f"quantization={requested} quantizes float weights; this checkpoint is already "
                          "quantized (gguf); use auto, gguf, or none to dequantize it")
     if requested == "fp8":
-        if device.type != "cuda":
-            raise ValueError("quantization=fp8 needs a CUDA GPU with fp8 support (compute capability 8.9+, "
-                             f"Ada or Hopper); this engine runs on {device.type} (int8 is the CPU's weight-only "
-                             "quantization)")
-        capability = tuple(torch.cuda.get_device_capability(device))
-        if capability < FP8_MIN_CAPABILITY:
-            raise ValueError(f"quantization=fp8 needs compute capability 8.9 or newer (Ada, Hopper); {device} "
-                             f"has {capability[0]}.{capability[1]}: use int8 or none")
+        require_fp8_gpu("quantization=fp8", device, on_cpu=" (int8 is the CPU's weight-only quantization)",
+                        instead="int8 or none")
     return requested
+
+
+def require_fp8_gpu(setting: str, device: torch.device, on_cpu: str, instead: str) -> None:
+    """ValueError naming `setting` unless `device` is a CUDA GPU with e4m3 in hardware; `on_cpu` ends
+    the CPU's message, `instead` names what an older GPU can use."""
+    if device.type != "cuda":
+        raise ValueError(f"{setting} needs a CUDA GPU with fp8 support (compute capability 8.9+, Ada or Hopper); "
+                         f"this engine runs on {device.type}{on_cpu}")
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability < FP8_MIN_CAPABILITY:
+        raise ValueError(f"{setting} needs compute capability 8.9 or newer (Ada, Hopper); {device} "
+                         f"has {capability[0]}.{capability[1]}: use {instead}")
 
 
 def _split_packed(weights, modules: dict[str, str]) -> Iterator[tuple[str, object]]:

@@ -99,6 +99,7 @@ def _free(device: str) -> None:
 def decode(plan: dict, model_dir: Path, device: str) -> dict:
     from backend import LLM, SamplingParams
     from backend.loader import load_model_config
+    from backend.models.weights import FP8_MIN_CAPABILITY
     from client.tools import kernel_bench as bench
 
     bench.P = dict(bench.FULL if device.startswith("cuda") else bench.DRY)
@@ -110,7 +111,7 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
     on_gpu = device.startswith("cuda")
     variants = [("none", True), ("none", False)]
     fp8 = "skipped: the engine is on the CPU" if not on_gpu else None
-    if on_gpu and torch.cuda.get_device_capability(device) < (8, 9):
+    if on_gpu and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         fp8 = "skipped: fp8 needs compute capability 8.9+"
     if fp8 is None:
         variants.append(("fp8", True))

@@ -197,6 +197,7 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> bool:
 def run_checks(ops, ref, block_size: int) -> list[dict]:
     """Every kernel against its reference on the GPU, in bf16/fp16/fp32."""
     from backend.models.rope import rope_cos_sin
+    from backend.models.weights import FP8_MIN_CAPABILITY
 
     results = []
     m = P["model"]
@@ -210,39 +211,8 @@ def run_checks(ops, ref, block_size: int) -> list[dict]:
 
     for dtype in (getattr(torch, name) for name in P["dtypes"]):
         gen = torch.Generator(device=_dev()).manual_seed(1234)
-        tol, tol_e = TOL[dtype], TOL_ELEMENTWISE[dtype]
-        # decode: context 1, non-multiples, many blocks; auto / single / forced splits
-        lens = P["check_lens"]
-        kc, vc, tables = paged_inputs(lens, block_size, g, d, dtype, gen)
-        q = torch.randn(len(lens), h, d, device=_dev(), generator=gen).to(dtype)
-        sl = torch.tensor(lens, dtype=torch.int32, device=_dev())
-        want = ref.decode_attention(q, kc, vc, tables, sl, d ** -0.5)
-        for ns in (None, 1, 7):
-            got = ops.decode_attention(q, kc, vc, tables, sl, d ** -0.5, num_splits=ns)
-            record("decode_attention", dtype, f"lens={lens} splits={ns or 'auto'}", max_err(got, want),
-                   close(got, want, tol))
-        # prefill: a fresh prompt, a chunk after context, one token after a long context
-        q_lens, ctx = P["check_prefill"]
-        seq = [a + b for a, b in zip(q_lens, ctx)]
-        kc, vc, tables = paged_inputs(seq, block_size, g, d, dtype, gen)
-        q = torch.randn(sum(q_lens), h, d, device=_dev(), generator=gen).to(dtype)
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=_dev())
-        sl = torch.tensor(seq, dtype=torch.int32, device=_dev())
-        got = ops.prefill_attention(q, kc, vc, tables, cu, sl, d ** -0.5)
-        want = ref.prefill_attention(q, kc, vc, tables, cu, sl, d ** -0.5)
-        record("prefill_attention", dtype, f"q_lens={q_lens} ctx={ctx}", max_err(got, want), close(got, want, tol))
-        # store_kv
-        t = P["check_tokens"]
-        key = torch.randn(t, g, d, device=_dev(), generator=gen).to(dtype)
-        val = torch.randn(t, g, d, device=_dev(), generator=gen).to(dtype)
-        nb = math.ceil(t / block_size) + 8
-        slots = torch.randperm(nb * block_size, device=_dev(), generator=gen)[:t]
-        slots[::5] = -1
-        caches = [torch.full((nb, block_size, g, d), float("nan"), dtype=dtype, device=_dev()) for _ in range(4)]
-        ops.store_kv(key, val, caches[0], caches[1], slots)
-        ref.store_kv(key, val, caches[2], caches[3], slots)
-        ok = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(caches[:2], caches[2:]))
-        record("store_kv", dtype, f"T={t}", 0.0 if ok else float("nan"), ok)
+        tol_e = TOL_ELEMENTWISE[dtype]
+        results += cache_checks(ops, ref, block_size, dtype, gen)
         # rms_norm (+ residual)
         x = torch.randn(33, m["hidden"], device=_dev(), generator=gen).to(dtype)
         r = torch.randn(33, m["hidden"], device=_dev(), generator=gen).to(dtype)
@@ -260,8 +230,59 @@ def run_checks(ops, ref, block_size: int) -> list[dict]:
         x = (4 * torch.randn(33, 2 * m["intermediate"], device=_dev(), generator=gen)).to(dtype)
         o1, o2 = ops.silu_mul(x), ref.silu_mul(x)
         record("silu_mul", dtype, f"T=33 I={m['intermediate']}", max_err(o1, o2), close(o1, o2, tol_e))
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= FP8_MIN_CAPABILITY:
         results += fp8_cache_checks(ops, ref, block_size)
+    return results
+
+
+def cache_checks(ops, ref, block_size: int, dtype: torch.dtype, gen: torch.Generator,
+                 cache_dtype: Optional[torch.dtype] = None) -> list[dict]:
+    """The kernels that touch the paged cache against their references, q and the activations in
+    `dtype`, the cache in `cache_dtype` (default: the same). Decode (context 1, non-multiples, many
+    blocks; auto / single / forced splits), prefill (a fresh prompt, a chunk after context, one
+    token after a long context) and store_kv; into an fp8 cache, keys past e4m3's +-448 too."""
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    cache_dtype = cache_dtype or dtype
+    label = str(dtype).replace("torch.", "") + (", fp8 KV cache" if fp8 else "")
+    m = P["model"]
+    h, g, d = m["heads"], m["kv_heads"], m["head_dim"]
+    tol, results = TOL[dtype], []
+
+    def record(kernel, detail, err, ok):
+        results.append(dict(kernel=kernel, dtype=label, detail=detail, max_abs_err=err, ok=ok))
+
+    def cache(seq_lens):
+        k_cache, v_cache, tables = paged_inputs(seq_lens, block_size, g, d, dtype, gen)
+        return k_cache.to(cache_dtype), v_cache.to(cache_dtype), tables
+
+    lens = P["check_lens"]
+    kc, vc, tables = cache(lens)
+    q = torch.randn(len(lens), h, d, device=_dev(), generator=gen).to(dtype)
+    sl = torch.tensor(lens, dtype=torch.int32, device=_dev())
+    want = ref.decode_attention(q, kc, vc, tables, sl, d ** -0.5)
+    for ns in ((None, 7) if fp8 else (None, 1, 7)):
+        got = ops.decode_attention(q, kc, vc, tables, sl, d ** -0.5, num_splits=ns)
+        record("decode_attention", f"lens={lens} splits={ns or 'auto'}", max_err(got, want), close(got, want, tol))
+    q_lens, ctx = P["check_prefill"]
+    seq = [a + b for a, b in zip(q_lens, ctx)]
+    kc, vc, tables = cache(seq)
+    q = torch.randn(sum(q_lens), h, d, device=_dev(), generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=_dev())
+    sl = torch.tensor(seq, dtype=torch.int32, device=_dev())
+    got = ops.prefill_attention(q, kc, vc, tables, cu, sl, d ** -0.5)
+    want = ref.prefill_attention(q, kc, vc, tables, cu, sl, d ** -0.5)
+    record("prefill_attention", f"q_lens={q_lens} ctx={ctx}", max_err(got, want), close(got, want, tol))
+    t = P["check_tokens"]
+    key = ((40 if fp8 else 1) * torch.randn(t, g, d, device=_dev(), generator=gen)).to(dtype)
+    val = torch.randn(t, g, d, device=_dev(), generator=gen).to(dtype)
+    nb = math.ceil(t / block_size) + 8
+    slots = torch.randperm(nb * block_size, device=_dev(), generator=gen)[:t]
+    slots[::5] = -1
+    caches = [torch.full((nb, block_size, g, d), float("nan"), device=_dev()).to(cache_dtype) for _ in range(4)]
+    ops.store_kv(key, val, caches[0], caches[1], slots)
+    ref.store_kv(key, val, caches[2], caches[3], slots)
+    ok = all(torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)) for a, b in zip(caches[:2], caches[2:]))
+    record("store_kv", f"T={t}" + (" (saturating)" if fp8 else ""), 0.0 if ok else float("nan"), ok)
     return results
 
 
@@ -269,44 +290,8 @@ def fp8_cache_checks(ops, ref, block_size: int, dtype: torch.dtype = torch.bfloa
     """kv_cache_dtype=fp8 (sm_89+): the store's e4m3 rounding against torch's, and both attentions
     reading an e4m3 cache in bf16 against the references reading the same cache. (Not in the CPU
     dry run: the interpreter's f32 -> e4m3 conversion is wrong at powers of two.)"""
-    fp8 = torch.float8_e4m3fn
-    m = P["model"]
-    h, g, d = m["heads"], m["kv_heads"], m["head_dim"]
     gen = torch.Generator(device=_dev()).manual_seed(4321)
-    label, results = f"{str(dtype).replace('torch.', '')}, fp8 KV cache", []
-
-    def record(kernel, detail, err, ok):
-        results.append(dict(kernel=kernel, dtype=label, detail=detail, max_abs_err=err, ok=ok))
-
-    lens = P["check_lens"]
-    kc, vc, tables = (t.to(fp8) if t.is_floating_point() else t for t in paged_inputs(lens, block_size, g, d, dtype, gen))
-    q = torch.randn(len(lens), h, d, device=_dev(), generator=gen).to(dtype)
-    sl = torch.tensor(lens, dtype=torch.int32, device=_dev())
-    want = ref.decode_attention(q, kc, vc, tables, sl, d ** -0.5)
-    for ns in (None, 7):
-        got = ops.decode_attention(q, kc, vc, tables, sl, d ** -0.5, num_splits=ns)
-        record("decode_attention", f"lens={lens} splits={ns or 'auto'}", max_err(got, want), close(got, want, TOL[dtype]))
-    q_lens, ctx = P["check_prefill"]
-    seq = [a + b for a, b in zip(q_lens, ctx)]
-    kc, vc, tables = (t.to(fp8) if t.is_floating_point() else t for t in paged_inputs(seq, block_size, g, d, dtype, gen))
-    q = torch.randn(sum(q_lens), h, d, device=_dev(), generator=gen).to(dtype)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=_dev())
-    sl = torch.tensor(seq, dtype=torch.int32, device=_dev())
-    got = ops.prefill_attention(q, kc, vc, tables, cu, sl, d ** -0.5)
-    want = ref.prefill_attention(q, kc, vc, tables, cu, sl, d ** -0.5)
-    record("prefill_attention", f"q_lens={q_lens} ctx={ctx}", max_err(got, want), close(got, want, TOL[dtype]))
-    t = P["check_tokens"]
-    key = (40 * torch.randn(t, g, d, device=_dev(), generator=gen)).to(dtype)   # some past e4m3's +-448
-    val = torch.randn(t, g, d, device=_dev(), generator=gen).to(dtype)
-    nb = math.ceil(t / block_size) + 8
-    slots = torch.randperm(nb * block_size, device=_dev(), generator=gen)[:t]
-    slots[::5] = -1
-    caches = [torch.full((nb, block_size, g, d), float("nan"), device=_dev()).to(fp8) for _ in range(4)]
-    ops.store_kv(key, val, caches[0], caches[1], slots)
-    ref.store_kv(key, val, caches[2], caches[3], slots)
-    ok = all(torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)) for a, b in zip(caches[:2], caches[2:]))
-    record("store_kv", f"T={t} (saturating)", 0.0 if ok else float("nan"), ok)
-    return results
+    return cache_checks(ops, ref, block_size, dtype, gen, cache_dtype=torch.float8_e4m3fn)
 
 
 # ------------------------------------------------------------------------------------- kernels

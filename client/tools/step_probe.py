@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from client.tools.workloads import FIRST_ID
+from templates.render import parse_param
 
 
 def _ints(text: str) -> list[int]:
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompts", type=_ints, default=[], help="prompt lengths for the first-token check")
     p.add_argument("--profile", type=int, default=0, metavar="B", help="print a torch profile of a batch-B step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
                    help="an engine parameter (config.pbtxt key), e.g. dtype=bfloat16 or kv_cache_dtype=bfloat16")
     p.add_argument("--output-json", type=Path)
     return p
@@ -223,11 +224,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("inflight bench --step-probe: --context and --steps must be >= 1", file=sys.stderr)
         return 2
     from backend import EngineConfig
-    raw = dict(kv.split("=", 1) for kv in args.param)
+    raw = dict(args.param)
     params = EngineConfig.typed_overrides(raw)
     report: dict = {"model_path": args.model_path, "params": raw, "torch_threads": torch.get_num_threads(),
                     "decode": [], "long_prompts": []}
-    print(f"step probe: {args.model_path} {' '.join(args.param)}, context {args.context}")
+    print(f"step probe: {args.model_path} {' '.join(f'{k}={v}' for k, v in raw.items())}, context {args.context}")
     print(f"{'batch':>5} {'engine ms':>10} {'matmul ms':>10} {'engine tok/s':>13} {'matmul tok/s':>13} "
           f"{'of floor':>9} {'weights MB':>11} {'GB/s':>6} {'GOP/s':>6} {'peak GOP/s':>11}")
     for batch in args.batch_sizes:
