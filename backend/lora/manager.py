@@ -102,11 +102,11 @@ class LoRAManager:
         adapter = load_adapter(name, str(path), self.model_cfg, self.config.max_lora_rank)
         if self.plan is not None:
             adapter = shard_adapter(adapter, self.plan)
+        load_id = next(self._load_ids)  # itertools.count: one id per call, whatever the thread
+        if self.directory is not None:  # before any step can name it, and outside the lock the step takes
+            self.directory.publish(load_id, name, adapter.path)
+        info = LoadedLoRA(name, adapter.path, cache_salt(name, load_id), adapter.rank, adapter.modules, load_id)
         with self._lock:
-            load_id = next(self._load_ids)
-            info = LoadedLoRA(name, adapter.path, cache_salt(name, load_id), adapter.rank, adapter.modules, load_id)
-            if self.directory is not None:  # before any step can name it
-                self.directory.publish(load_id, name, adapter.path)
             self._adapters[name] = adapter
             self._loaded[name] = info
         log.info("LoRA adapter '%s' loaded from %s: rank %d, %s", name, adapter.path, adapter.rank,
