@@ -16,6 +16,7 @@ from typing import Optional, Union
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
+from backend.kv_event_publisher import attach_publisher
 from backend.loader import load_model_config
 from backend.lora.engine_api import EngineLoRAs
 from backend.lora.sources import LoRALike
@@ -52,6 +53,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.loras = EngineLoRAs(self.runner.lora, self.scheduler)  # adapters by name (docs/lora.md)
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
+        # KV-cache events for a router (kv_events_config): None when off
+        self.kv_events = attach_publisher(config.kv_events, self.blocks, self.runner.device, self.loras.name_of_salt)
         self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids())  # structured outputs
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
@@ -213,6 +216,8 @@ class LLMEngine:
         of the requests that ended (stopped, aborted, failed) is dropped here too."""
         if self.speculator is not None:
             self.speculator.release_finished()
+        if self.kv_events is not None:  # the step's changes to the prefix cache, as one batch
+            self.kv_events.collector.end_step()
         return self.scheduler.deliver(self.queue.report(outputs))
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
@@ -260,5 +265,8 @@ class LLMEngine:
             self.speculator.check_integrity()
 
     def close(self) -> None:
-        """Release what outlives the object: the other tensor-parallel ranks' processes."""
+        """Release what outlives the object: the other tensor-parallel ranks' processes, the KV-event
+        publisher's thread and sockets."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.runner.close()
