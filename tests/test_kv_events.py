@@ -330,3 +330,17 @@ def test_events_off_load_neither_zmq_nor_msgpack():
             "print(sorted(m for m in ('zmq', 'msgpack', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_each_model_instance_publishes_on_its_own_ports(tmp_path):
+    """Instance i of a config with several (Triton's llm_0_<i>) is data-parallel rank i: its tcp
+    ports move up by i, as vLLM's ranks' do, and its batches carry i."""
+    from adapter_module import load_adapter
+    from backend.kv_event_publisher import rank_endpoint
+
+    raw = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5559"}'
+    params = {"model_path": str(tmp_path), "enable_kv_cache_reuse": "true", "kv_events_config": raw}
+    first, second = (load_adapter().engine_config(params, "CPU", "0", tmp_path, f"llm_0_{i}").kv_events for i in (0, 1))
+    assert (first.data_parallel_rank, second.data_parallel_rank) == (0, 1)
+    assert [rank_endpoint(e, 1) for e in (second.endpoint, second.replay_endpoint)] == ["tcp://*:5558", "tcp://*:5560"]
+    assert rank_endpoint("ipc:///tmp/kv", 2) == "ipc:///tmp/kv_dp2" and rank_endpoint("tcp://h:1", 0) == "tcp://h:1"

@@ -31,7 +31,9 @@ fi
 openai_port="${INFLIGHT_OPENAI_PORT:-9000}"
 if [ "$openai_port" != 0 ]; then
   # A thin translator to Triton's gRPC port; it waits for Triton and answers 503 until it is up.
-  python3 -m openai_server --grpc-url 127.0.0.1:8001 --host 0.0.0.0 --port "$openai_port" \
+  # Its /metrics re-serves Triton's with the inference gateway's metrics (docs/gateway.md).
+  python3 -m openai_server --grpc-url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \
+    --host 0.0.0.0 --port "$openai_port" \
     --model-path "$model_path" --tool-call-parser "${INFLIGHT_TOOL_CALL_PARSER:-hermes}" &
 fi
 # explicit + --load-model=*: every model loads at start, and a model whose engine stopped serving
