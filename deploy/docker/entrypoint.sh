@@ -16,8 +16,14 @@ fi
 # Renders config.pbtxt if missing (KIND_GPU on the GPUs seen); keeps a hand-edited one.
 # INFLIGHT_CONFIG_ARGS: more `inflight config` arguments (deploy/kubernetes/tensor-parallel sets the
 # group's size and checkpoint with `--param KEY=VALUE`).
+# INFLIGHT_KV_EVENTS_CONFIG: the kv_events_config parameter (JSON with vLLM's --kv-events-config
+# keys, KV-cache events for a prefix-aware router; docs/gateway.md), passed as one word.
+kv_events=()
+if [ -n "${INFLIGHT_KV_EVENTS_CONFIG:-}" ]; then
+  kv_events=(--param "kv_events_config=${INFLIGHT_KV_EVENTS_CONFIG}")
+fi
 # shellcheck disable=SC2086  # word splitting of INFLIGHT_CONFIG_ARGS is the point
-inflight config --output model_repository/llm/config.pbtxt ${INFLIGHT_CONFIG_ARGS:-}
+inflight config --output model_repository/llm/config.pbtxt ${INFLIGHT_CONFIG_ARGS:-} "${kv_events[@]}"
 model_path=$(python3 -c "from templates.render import read_parameters as r; print(r(open('model_repository/llm/config.pbtxt').read()).get('model_path', ''))")
 case "$model_path" in /*) ;; *) model_path="$PWD/$model_path" ;; esac
 if [ ! -f "$model_path/config.json" ]; then
