@@ -10,7 +10,7 @@ TRITON = '''# HELP inflight_num_requests_running Requests in the running batch
 inflight_num_requests_running{device="cpu",instance="llm_0_0",model="llm",version="1"} 2
 inflight_num_requests_running{device="cpu",instance="llm_0_1",model="llm",version="1"} 1
 inflight_num_requests_waiting{device="cpu",instance="llm_0_0",model="llm",version="1"} 3
-inflight_num_requests_waiting{device="cpu",instance="llm_0_1",model="llm",version="1"} 0
+inflight_num_requests_waiting{device="cpu",instance="llm_0_1",model="llm",version="1"} 1
 inflight_kv_blocks{device="cpu",instance="llm_0_0",model="llm",state="used",version="1"} 30
 inflight_kv_blocks{device="cpu",instance="llm_0_1",model="llm",state="used",version="1"} 10
 inflight_kv_blocks{device="cpu",instance="llm_0_0",model="llm",state="total",version="1"} 100
@@ -30,7 +30,7 @@ nv_inference_request_success{model="llm",version="1"} 12
 
 def test_two_instances_sum_into_one_pods_figures():
     pod = aggregate(parse_exposition(TRITON), "llm")
-    assert (pod.instances, pod.running, pod.waiting) == (2, 3, 3)            # the other model is left out
+    assert (pod.instances, pod.running, pod.waiting) == (2, 3, 4)            # the other model is left out
     assert (pod.blocks_used, pod.blocks_total) == (40, 400)
     assert pod.usage == 0.1                                                  # 40/400, not the mean of 0.3 and 1/30
     assert (pod.block_size, pod.blocks["num_gpu_blocks"]) == ("16", 400)
@@ -42,7 +42,7 @@ def test_rendered_under_our_names_and_vllms_and_read_back():
     text = render(aggregate(parse_exposition(TRITON), "llm"), "my-model")
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in parse_exposition(text)}
     for ours, vllms, value in (("inflight_num_requests_running", "vllm:num_requests_running", 3),
-                               ("inflight_num_requests_waiting", "vllm:num_requests_waiting", 3),
+                               ("inflight_num_requests_waiting", "vllm:num_requests_waiting", 4),
                                ("inflight_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", 0.1)):
         assert got[(ours, (("model_name", "my-model"),))] == got[(vllms, (("model_name", "my-model"),))] == value
     lora = (("max_lora", "4"), ("model_name", "my-model"), ("running_lora_adapters", "sql,poet"),

@@ -119,24 +119,26 @@ def run(tmp_path_factory, monkeypatch_module):
                 return
         raise AssertionError("the subscriber never heard the publisher")
 
-    early = Subscriber(context, pub_port)
-    join(early)
-    a = [rng.randrange(3, 512) for _ in range(45)]
-    generate(a, 7)
-    generate(a[:20] + [rng.randrange(3, 512) for _ in range(30)], 5)
-    before_late = len(batches)
-    late = Subscriber(context, pub_port)
-    join(late)
-    generate([rng.randrange(3, 512) for _ in range(70)], 4)  # 10 blocks of 12: evicts cached ones
-    last = len(batches) - 1
-    early.drain(until=last)
-    late.drain(until=last)
-    result = dict(llm=llm, early=early.got, late=late.got, before_late=before_late, last=last,
-                  replayed=replay(context, replay_port, 0), replayed_late=replay(context, replay_port, before_late),
-                  sequences=sequences, prompt_a=a)
-    yield result
-    llm.engine.close()
-    context.destroy(linger=0)  # term() would wait for the sockets the tests left open
+    try:
+        early = Subscriber(context, pub_port)
+        join(early)
+        a = [rng.randrange(3, 512) for _ in range(45)]
+        generate(a, 7)
+        generate(a[:20] + [rng.randrange(3, 512) for _ in range(30)], 5)
+        before_late = len(batches)
+        late = Subscriber(context, pub_port)
+        join(late)
+        generate([rng.randrange(3, 512) for _ in range(70)], 4)  # 10 blocks of 12: evicts cached ones
+        last = len(batches) - 1
+        early.drain(until=last)
+        late.drain(until=last)
+        result = dict(llm=llm, early=early.got, late=late.got, before_late=before_late, last=last,
+                      replayed=replay(context, replay_port, 0), replayed_late=replay(context, replay_port, before_late),
+                      sequences=sequences, prompt_a=a)
+        yield result
+    finally:  # also when the set-up fails: no thread or socket outlives the module
+        llm.engine.close()
+        context.destroy(linger=0)  # term() would wait for the sockets left open
 
 
 @pytest.fixture(scope="module")
