@@ -14,7 +14,6 @@ slot each (max_num_seqs 1) and LoRA on (two adapters, max_loras 1):
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 
@@ -40,17 +39,11 @@ ADAPTERS = [None, "sql", None, "poet", None]   # five requests for two slots
 def gateway(tmp_path_factory, model_path):
     """tritonserver (two instances, fault injection armed) and the OpenAI server beside it."""
     from client.tools.server import TritonServer
-    from lora_adapters import AdapterSpec, make_adapter
+    from lora_adapters import AdapterSpec, checkpoint_with_adapters
     from templates.render import write_config
 
     root = tmp_path_factory.mktemp("gateway")
-    folder = root / "ckpt"
-    folder.mkdir()
-    for f in model_path.iterdir():
-        (folder / f.name).symlink_to(f)
-    adapters = {name: str(make_adapter(model_path, root / name, seed=i + 5, spec=AdapterSpec(r=4, alpha=8)))
-                for i, name in enumerate(("sql", "poet"))}
-    (folder / "multi_lora.json").write_text(json.dumps(adapters))
+    folder, _ = checkpoint_with_adapters(model_path, root, ("sql", "poet"), seed=5, spec=AdapterSpec(r=4, alpha=8))
     repo = root / "repo"
     write_config(repo / "llm" / "config.pbtxt", gpus=[], count=2)
     (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
