@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")  # docs/quantization.md
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+MAX_COMPILE_TIMEOUT_S = 600.0
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -85,6 +86,10 @@ class EngineConfig:
     # samples, ranks 1..N-1 are processes it starts (NCCL on GPU: devices cuda:i*N .. cuda:i*N+N-1
     # for instance i; gloo on CPU).
     tensor_parallel_size: int = 1
+    # Structured outputs (backend/structured/): the longest a constraint new to the engine may compile
+    # (in a worker process, off the request path) before it is refused with a 400 and its worker is
+    # killed; also the longest it may wait for a free worker before it is refused as busy.
+    structured_outputs_compile_timeout_s: float = 5.0
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -141,6 +146,9 @@ class EngineConfig:
         if parse_lora_modules(self.lora_modules) and not self.enable_lora:  # its syntax too, before anything loads
             raise ValueError("lora_modules needs enable_lora=true")
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if not 0.0 < self.structured_outputs_compile_timeout_s <= MAX_COMPILE_TIMEOUT_S:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be in (0, {MAX_COMPILE_TIMEOUT_S:g}] seconds; "
+                             f"got {self.structured_outputs_compile_timeout_s}")
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")

@@ -27,6 +27,7 @@ from backend.runner import ModelRunner
 from backend.sched.factory import make_scheduler
 from backend.spec.speculator import Speculator
 from backend.structured.compiler import ConstraintCompiler
+from backend.structured.waitlist import GrammarWaitlist
 from backend.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.loras = EngineLoRAs(self.runner.lora, self.scheduler)  # adapters by name (docs/lora.md)
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
-        self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids())  # structured outputs
+        # structured outputs: constraints compile in worker processes; their requests wait meanwhile
+        self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids(),
+                                           timeout=config.structured_outputs_compile_timeout_s)
+        self.waitlist = GrammarWaitlist()
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
         self.prompt_tokens_total = 0
@@ -98,11 +102,25 @@ class LLMEngine:
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
                           seed=self._seeds.getrandbits(63), priority=priority)
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
-        request.grammar = self.grammars.new_state(params)  # compiled (or cached) now, before any KV block
+        if params.structured_outputs is not None:
+            self._start_grammar(request)
         request.reports_queue = queue_info
         if lora is not None:
             request.lora_name, request.cache_salt = lora.name, lora.salt
         return request
+
+    def _start_grammar(self, request: Request) -> None:
+        """Submit the request's constraint; a cached one is attached now, and a cached refusal is
+        raised now (a ValueError naming the field). Otherwise it compiles off this thread and the
+        request waits in the waitlist from `add` on."""
+        future = self.grammars.submit(request.params.structured_outputs)
+        if not future.done():
+            request.pending_grammar = future
+            return
+        refused = future.exception()
+        if refused is not None:  # a copy: raising the cached exception again would grow its traceback
+            raise type(refused)(*refused.args) from None
+        request.grammar = self.grammars.new_state(future.result(), request.params)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         eos = self.model_config.eos_token_ids
@@ -150,13 +168,17 @@ class LLMEngine:
 
     def check_queue(self, pending: int = 0) -> None:
         limit = self.config.max_queue_size
-        if limit and len(self.scheduler.waiting) + pending >= limit:
+        if limit and len(self.scheduler.waiting) + len(self.waitlist) + pending >= limit:
             raise QueueFullError(f"queue full: {limit} requests are waiting (max_queue_size); retry later")
 
     def add(self, request: Request) -> None:
         """Queue a made request and, when it asks for n > 1, its n - 1 sibling completions (the
         scheduler checks each as it queues it; all share the prompt and params, so the first
-        refusal comes before any is queued)."""
+        refusal comes before any is queued). A request whose constraint compiles waits in the
+        waitlist instead, and is queued by the step that finds its grammar ready."""
+        if request.pending_grammar is not None:
+            self.waitlist.add(request, request.pending_grammar)
+            return
         family = [request] + [Request(request.request_id, request.prompt_token_ids, request.params,
                                       request.eos_token_ids, request.arrival_time, seed=self._seeds.getrandbits(63),
                                       priority=request.priority, index=i) for i in range(1, request.params.n)]
@@ -180,26 +202,63 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort every completion of the request; their final outputs (none if it is unknown)."""
+        compiling = self.waitlist.remove(request_id)
+        if compiling is not None:
+            return self._deliver([self._end(compiling, RequestStatus.FINISHED_ABORTED)])
         return self._deliver([self.outputs.ended(r) for r in self.scheduler.abort(request_id)])
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Anything unfinished, compiling constraints included (the offline loop runs until none)."""
+        return self.scheduler.has_work or len(self.waitlist) > 0
+
+    def has_runnable_work(self) -> bool:
+        """Something a step can do now: a request to schedule, or a compile that has ended."""
+        return self.scheduler.has_work or self.waitlist.has_ready()
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds, compiling ones included."""
+        ids = [r.request_id for r in self.waitlist] + [r.request_id for r in self.scheduler.iter_requests()]
+        return list(dict.fromkeys(ids))
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is ready; end those whose constraint was refused."""
+        ended = []
+        for request, future in self.waitlist.take_ready():
+            request.pending_grammar = None
+            try:
+                request.grammar = self.grammars.new_state(future.result(), request.params)
+            except Exception as exc:  # the refusal names the field; a busy compiler says retry later
+                request.error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                request.error_kind = ("invalid" if isinstance(exc, ValueError) else
+                                      "unavailable" if isinstance(exc, QueueFullError) else None)
+                ended.append(self._end(request, RequestStatus.FINISHED_ERROR))
+                continue
+            request.status = RequestStatus.WAITING
+            self.add(request)
+        return ended
+
+    def _end(self, request: Request, status: RequestStatus) -> RequestOutput:
+        """The final output of a request that never reached the scheduler."""
+        request.status, request.finished_time = status, time.monotonic()
+        return self.outputs.closing(request)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        refused = self._admit_compiled() if len(self.waitlist) else []
         batch = self.scheduler.schedule(time.monotonic())
         self.idle = batch.is_empty
         if batch.is_empty:
-            return self._deliver([])
+            return self._deliver(refused)
         if self.speculator is not None:  # decode rows may become verify rows: drafts from the spare budget
             self.speculator.propose(batch)
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its own requests, not the engine
             log.exception("model step failed")
-            return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}")
+            return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}", refused)
         self.scheduler.postprocess(batch, sampled, time.monotonic())
         outputs, stopped = self.outputs.step_outputs([s.request for s in batch.seqs], sampled)
+        outputs = refused + outputs
         self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
         for req in stopped:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
@@ -215,12 +274,12 @@ class LLMEngine:
             self.speculator.release_finished()
         return self.scheduler.deliver(self.queue.report(outputs))
 
-    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+    def _fail(self, requests: list[Request], message: str, earlier: list[RequestOutput] = ()) -> list[RequestOutput]:
         for req in requests:
             if not req.status.finished:
                 req.error = message
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return self._deliver([self.outputs.ended(req) for req in requests])
+        return self._deliver(list(earlier) + [self.outputs.ended(req) for req in requests])
 
     def fail_running(self, message: str) -> list[RequestOutput]:
         """After an unexpected exception in a step outside the model run (in scheduling or
@@ -239,7 +298,8 @@ class LLMEngine:
         return {
             # members of a padded batch that finished still hold their slot until the batch ends
             "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_requests_waiting": len(self.scheduler.waiting) + len(self.waitlist),
+            "num_requests_compiling": len(self.waitlist),  # of the waiting: their constraint compiles
             "kv_blocks_total": b.num_blocks,
             "kv_blocks_used": b.num_used_blocks,
             "kv_blocks_free": b.num_free_blocks,
@@ -256,6 +316,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        for r in self.waitlist:
+            assert self.blocks.num_blocks_of(r.seq_id) == 0, f"{r.seq_id} holds blocks while its grammar compiles"
         if self.speculator is not None:
             self.speculator.check_integrity()
 

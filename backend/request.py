@@ -177,6 +177,7 @@ def seq_id_of(request_id: str, index: int) -> str:
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its constraint compiles; not in the scheduler yet
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
@@ -186,7 +187,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.WAITING_FOR_GRAMMAR)
 
 
 class Request:
@@ -217,6 +218,9 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.num_preemptions = 0
         self.error: Optional[str] = None
+        # Set when the request itself is refused after arrival (its constraint does not compile):
+        # "invalid" (the client must change it: a 400) or "unavailable" (retry later); None otherwise.
+        self.error_kind: Optional[str] = None
         self.stop_token_id: Optional[int] = None  # the EOS or stop token that ended it (never in its text)
         # (tokens hashed, their full blocks' prefix-cache keys): kept while it waits (admission.py)
         self.prefix_hashes: Optional[tuple[int, list[bytes]]] = None
@@ -229,6 +233,7 @@ class Request:
         self.logprobs: Optional[list[dict]] = [] if params.logprobs is not None else None
         self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
         self.grammar = None  # structured outputs: its GrammarState (backend/structured/matcher.py), set by the engine
+        self.pending_grammar = None  # the Future of its constraint's compile until the engine attaches it
         # LoRA (docs/lora.md), set by the engine: the adapter it runs with (None: the base model) and
         # the root of its prefix-cache keys (the adapter's; b"" for the base model)
         self.lora_name: Optional[str] = None
