@@ -16,6 +16,7 @@ from typing import Optional, Union
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
+from backend.input_guard import INT32_MAX, INT32_MIN
 from backend.loader import load_model_config
 from backend.lora.engine_api import EngineLoRAs
 from backend.lora.sources import LoRALike
@@ -96,6 +97,11 @@ class LLMEngine:
         whenever its place or reservation changes (queue_report.py). `lora_request`: its LoRA
         adapter, a name or a LoRARequest (docs/lora.md)."""
         params.validate()
+        if isinstance(priority, bool) or not isinstance(priority, int) or not INT32_MIN <= priority <= INT32_MAX:
+            raise ValueError(f"priority must be an integer in [{INT32_MIN}, {INT32_MAX}]; got {priority!r}")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:  # -1 or 10**12 would stop nothing (and 2**64 fits no tensor)
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         lora = self.loras.resolve(lora_request)
         ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.n)

@@ -99,9 +99,14 @@ class SamplingParams:
                 raise ValueError(f"unknown sampling parameter '{key}'; allowed: {', '.join(KEYS)}")
             try:
                 kwargs[name] = kind(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"sampling parameter '{key}': bad value {value!r}") from None
+            except (TypeError, ValueError, OverflowError):  # OverflowError: float(10**400)
+                raise ValueError(f"sampling parameter '{key}': bad value {_shown(value)}") from None
         return cls(**kwargs)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _to_int(value: Any) -> int:

@@ -175,7 +175,7 @@ def _set(name: str, value: Any) -> bool:
 def _parse_json(where: str, text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise ValueError(f"{where} is not valid JSON: {exc}") from None
     except RecursionError:  # json's scanner recurses once per nesting level
         raise ValueError(f"{where} is nested too deeply to be a constraint") from None
