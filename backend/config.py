@@ -78,6 +78,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: str = "{}"
+    # An adapter of multi_lora.json / lora_modules that fails its checks at start stops the model's
+    # start (false, as vLLM); true: the model starts with the others and logs one line per bad one.
+    skip_invalid_lora_adapters: bool = False
     # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
     # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
     speculative_config: str = ""
