@@ -142,6 +142,6 @@ class ConstraintCompiler:
         return GrammarState(compiled, self.stop_token_ids)
 
     def warm_up(self) -> Future:
-        """Start a worker and build the tokenizer info now, in the background (the server does at
-        start): the first constrained request then waits for nothing but its own compile."""
+        """Start a worker and build the tokenizer info now, in the background (else the first
+        constrained request waits for them, outside its timeout): for callers that time compiles."""
         return self.submit(StructuredOutputs(regex="[a-z]"))

@@ -179,7 +179,6 @@ class TritonPythonModel:
             self.engine = AsyncEngine(engine_config)
         except ValueError as exc:  # a size, adapter or checkpoint that does not fit: the reason, no traceback
             raise pb_utils.TritonModelException(f"inflight: {exc}") from None
-        self.engine.engine.grammars.warm_up()  # a grammar worker starts now, in the background
         self.faults = adapter.FaultInjector.from_env(Path(args["model_repository"]))
         if self.faults is not None:  # tests only: see adapter.FaultInjector
             self.faults.install(self.engine)
