@@ -21,6 +21,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")  # docs/quantization.md
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
 MAX_COMPILE_TIMEOUT_S = 600.0
+MAX_KV_BLOCK_SIZE = 1024  # tokens per block; vLLM's largest is 256 (a block is the unit of prefix reuse)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -130,7 +131,8 @@ class EngineConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
-        _at_least("kv_block_size", self.kv_block_size, 1)
+        if not 1 <= self.kv_block_size <= MAX_KV_BLOCK_SIZE:  # sizes against memory: backend/memory_checks.py
+            raise ValueError(f"kv_block_size must be in [1, {MAX_KV_BLOCK_SIZE}] tokens; got {self.kv_block_size}")
         _at_least("max_tokens_in_paged_kv_cache", self.max_tokens_in_paged_kv_cache, 0)
         _at_least("cpu_kv_cache_tokens", self.cpu_kv_cache_tokens, 1)
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction < 1.0:
