@@ -17,6 +17,8 @@ from backend.lora.peft_format import load_adapter
 from backend.make_model import make_model
 from lora_adapters import AdapterSpec, make_adapter
 
+pytestmark = pytest.mark.slow  # PEFT writes the adapters: seconds of set-up
+
 WEIGHTS = "adapter_model.safetensors"
 A_KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B_KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"

@@ -17,6 +17,8 @@ from backend.async_engine import AsyncEngine
 from backend.request import RequestStatus
 from backend.structured.compile_pool import CompileJob, GrammarCompilerBusy, shared_pool
 
+pytestmark = pytest.mark.slow  # a grammar worker process starts (and is killed): seconds
+
 # 800 optional properties: xgrammar's grammar for them grows quadratically; seconds to compile here
 SLOW = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(800)}}
 TIMEOUT_S = 0.5
