@@ -56,9 +56,9 @@ def check_schema(schema: Any, where: str, enforced: bool = True, allow_unenforce
             continue
         _check_values(node, where, pointer)
         _check_satisfiable(node, where, pointer)
+        _check_ref(node, schema, where, pointer)
         if enforced:
             skipped += [f"{key} at {pointer or '/'}" for key in _unenforced(node)]
-            _check_ref(node, schema, where, pointer)
     if schema is False:
         raise ValueError(f"{where}: the schema is false: no output can satisfy it")
     if skipped and not allow_unenforced:
