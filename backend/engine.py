@@ -108,25 +108,12 @@ class LLMEngine:
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
                           seed=self._seeds.getrandbits(63), priority=priority)
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
-        if params.structured_outputs is not None:
-            self._start_grammar(request)
+        if params.structured_outputs is not None:  # cached: attached now; new: compiles while it waits
+            self.grammars.attach(request)
         request.reports_queue = queue_info
         if lora is not None:
             request.lora_name, request.cache_salt = lora.name, lora.salt
         return request
-
-    def _start_grammar(self, request: Request) -> None:
-        """Submit the request's constraint; a cached one is attached now, and a cached refusal is
-        raised now (a ValueError naming the field). Otherwise it compiles off this thread and the
-        request waits in the waitlist from `add` on."""
-        future = self.grammars.submit(request.params.structured_outputs)
-        if not future.done():
-            request.pending_grammar = future
-            return
-        refused = future.exception()
-        if refused is not None:  # a copy: raising the cached exception again would grow its traceback
-            raise type(refused)(*refused.args) from None
-        request.grammar = self.grammars.new_state(future.result(), request.params)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         eos = self.model_config.eos_token_ids
@@ -228,20 +215,10 @@ class LLMEngine:
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar is ready; end those whose constraint was refused."""
-        ended = []
-        for request, future in self.waitlist.take_ready():
-            request.pending_grammar = None
-            try:
-                request.grammar = self.grammars.new_state(future.result(), request.params)
-            except Exception as exc:  # the refusal names the field; a busy compiler says retry later
-                request.error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-                request.error_kind = ("invalid" if isinstance(exc, ValueError) else
-                                      "unavailable" if isinstance(exc, QueueFullError) else None)
-                ended.append(self._end(request, RequestStatus.FINISHED_ERROR))
-                continue
-            request.status = RequestStatus.WAITING
+        ready, refused = self.waitlist.take_compiled(self.grammars)
+        for request in ready:
             self.add(request)
-        return ended
+        return [self._end(request, RequestStatus.FINISHED_ERROR) for request in refused]
 
     def _end(self, request: Request, status: RequestStatus) -> RequestOutput:
         """The final output of a request that never reached the scheduler."""

@@ -26,7 +26,7 @@ from backend.structured.compile_pool import CompileFailed, CompileJob, CompilePo
 from backend.structured.spec import FIELD, CompiledConstraint, StructuredOutputs
 
 if TYPE_CHECKING:
-    from backend.request import SamplingParams
+    from backend.request import Request, SamplingParams
     from backend.structured.matcher import GrammarState
     from backend.text.tokenizer import Tokenizer
 
@@ -131,6 +131,19 @@ class ConstraintCompiler:
                                 "cannot satisfy it)")
         grammar = xgr.CompiledGrammar.deserialize_json(payload.decode("utf-8"), self.tokenizer.info())
         return CompiledConstraint(grammar, kind, self.vocab_size, only_empty=completed and not allowed)
+
+    def attach(self, request: "Request") -> None:
+        """Submit the request's constraint: a cached one is attached now (request.grammar), a cached
+        refusal raised now (a ValueError naming the field); a new one is left compiling
+        (request.pending_grammar), for the engine's waitlist."""
+        future = self.submit(request.params.structured_outputs)
+        if not future.done():
+            request.pending_grammar = future
+            return
+        refused = future.exception()
+        if refused is not None:  # a copy: raising the cached exception again would grow its traceback
+            raise type(refused)(*refused.args) from None
+        request.grammar = self.new_state(future.result(), request.params)
 
     def new_state(self, compiled: CompiledConstraint, params: "SamplingParams") -> "GrammarState":
         """The matcher state of a request's first completion; ValueError for a constraint that

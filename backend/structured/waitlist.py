@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Iterator, Optional
 
+from backend.errors import QueueFullError
 from backend.request import Request, RequestStatus
 
 
@@ -40,6 +41,24 @@ class GrammarWaitlist:
         for request, _ in ready:
             del self._waiting[request.request_id]
         return ready
+
+    def take_compiled(self, grammars) -> tuple[list[Request], list[Request]]:
+        """(the requests whose grammar is ready, now attached and WAITING; those refused, with
+        their error and error_kind set), taken out of the list. `grammars`: the ConstraintCompiler."""
+        ready, refused = [], []
+        for request, future in self.take_ready():
+            request.pending_grammar = None
+            try:
+                request.grammar = grammars.new_state(future.result(), request.params)
+            except Exception as exc:  # the refusal names the field; a busy compiler says retry later
+                request.error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                request.error_kind = ("invalid" if isinstance(exc, ValueError) else
+                                      "unavailable" if isinstance(exc, QueueFullError) else None)
+                refused.append(request)
+                continue
+            request.status = RequestStatus.WAITING
+            ready.append(request)
+        return ready, refused
 
     def has_ready(self) -> bool:
         return any(f.done() for _, f in self._waiting.values())
