@@ -16,7 +16,7 @@ from typing import Optional, Union
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
-from backend.input_guard import INT32_MAX, INT32_MIN
+from backend.input_guard import INT32_MAX, INT32_MIN, check_text
 from backend.loader import load_model_config
 from backend.lora.engine_api import EngineLoRAs
 from backend.lora.sources import LoRALike
@@ -123,6 +123,7 @@ class LLMEngine:
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")  # a lone surrogate: no text the tokenizer can take
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: send input_ids instead of text")
             if len(prompt) * 4 > self.max_input_bytes and len(prompt.encode("utf-8")) > self.max_input_bytes:

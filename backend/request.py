@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from backend.input_guard import lone_surrogate
 from backend.structured.spec import LEGACY_KEYS, OBJECT_KEYS, StructuredOutputs, fold_legacy_keys
 
 MAX_STOP_STRINGS = 64
@@ -174,6 +175,8 @@ def _strings(name: str, values: list[str], most: int, what: str) -> None:
     for s in values:
         if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
             raise ValueError(f"{name}: each entry must be a string of 1..{MAX_STOP_STRING_CHARS} characters")
+        if lone_surrogate(s, name) is not None:  # "\ud800" would never match any text (and breaks encoders)
+            raise ValueError(f"{name}: each entry must be valid Unicode text; {s!a} holds a lone surrogate")
 
 
 def seq_id_of(request_id: str, index: int) -> str:
