@@ -81,3 +81,46 @@ def test_servers_listen_on_this_machine_unless_told_otherwise():
     assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
     assert build_parser().parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
     assert openai_parser().parse_args([]).host == "127.0.0.1"
+
+
+class _RefusingEngine:
+    """Refuses every request after arrival, as the engine does a constraint that does not compile."""
+    vocab_size, max_model_len, tokenizer = 100, 64, None
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def add_request(self, rid, prompt, params, on_output, priority=0, **kw):
+        from backend.outputs import RequestOutput
+        on_output(RequestOutput(rid, [], [], [], "", "", True, "error", "structured_outputs.regex: cannot be compiled",
+                                error_kind=self.kind))
+
+    def abort(self, rid):
+        return False
+
+    def stats(self):
+        return {}
+
+    def shutdown(self):
+        pass
+
+
+class _Sender:
+    def is_cancelled(self):
+        return False
+
+
+@pytest.mark.parametrize("kind, code", [("invalid", "INVALID_ARG"), ("unavailable", "UNAVAILABLE"), (None, "INTERNAL")])
+def test_a_refusal_after_arrival_keeps_its_code(kind, code):
+    import threading
+
+    adapter = load_adapter()
+    got, done = [], threading.Event()
+    frontend = adapter.Frontend(_RefusingEngine(kind), lambda s, t, e, f: (got.append(e), done.set()),
+                                poll_interval=0.01)
+    try:
+        frontend.submit("r", {"text_input": S("hi")}, _Sender())
+        assert done.wait(10)
+        assert got[-1].code == code and got[-1] == "structured_outputs.regex: cannot be compiled"
+    finally:
+        frontend.close(timeout=1)
