@@ -15,7 +15,9 @@ import pytest
 from backend import LLM, EngineConfig, SamplingParams
 from backend.async_engine import AsyncEngine
 from backend.request import RequestStatus
-from backend.structured.compile_pool import CompileJob, GrammarCompilerBusy, shared_pool
+from backend.structured.compile_pool import CompileFailed, CompileJob, CompilePool, GrammarCompilerBusy, shared_pool
+from backend.structured.compiler import ConstraintCompiler
+from backend.structured.spec import StructuredOutputs
 
 pytestmark = pytest.mark.slow  # a grammar worker process starts (and is killed): seconds
 
@@ -124,15 +126,6 @@ def test_a_compiling_request_waits_outside_the_queue_and_its_abort_leaks_nothing
     assert eng.stats()["kv_blocks_used"] == 0 and not eng.waitlist
 
 
-def test_a_constraint_no_worker_takes_within_the_timeout_is_refused_as_busy(engine):
-    """The queue's clock: a job that waited past the timeout is never compiled (a 429/503, retry)."""
-    grammars = engine.engine.grammars
-    job = CompileJob("structured_outputs.regex", "regex", "a+", True, grammars.tokenizer, TIMEOUT_S,
-                     lambda *_: None, submitted=time.monotonic() - 10 * TIMEOUT_S, future=Future())
-    with pytest.raises(GrammarCompilerBusy, match=r"^structured_outputs.regex: compile queue full: waited"):
-        shared_pool().submit(job).result(60)
-
-
 def _idle(engine, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -141,3 +134,42 @@ def _idle(engine, timeout=30.0):
             return
         time.sleep(0.01)
     raise AssertionError(f"not idle: {engine.stats()}")
+
+
+
+@pytest.fixture(scope="module")
+def own_pool(engine):
+    """A compiler on a pool of its own with one worker, up: which worker takes a job is known."""
+    pool = CompilePool(max_workers=1)
+    compiler = ConstraintCompiler(engine.engine.tokenizer, engine.engine.vocab_size, [2], timeout=30.0, pool=pool)
+    compiler.compile(StructuredOutputs(**fresh_regex()), timeout=300)
+    yield compiler, pool
+    pool.close()
+
+
+def test_a_constraint_no_worker_takes_within_the_timeout_is_refused_as_busy(own_pool):
+    """The queue's clock (it runs only while a worker is up): a job that waited past the timeout is
+    never compiled; a 429/503, retry later."""
+    compiler, pool = own_pool
+    time.sleep(1.2)  # the worker has been up for more than the wait below
+    job = CompileJob("structured_outputs.regex", "regex", "a+", True, compiler.tokenizer, TIMEOUT_S,
+                     lambda *_: None, submitted=time.monotonic() - 2 * TIMEOUT_S, future=Future())
+    with pytest.raises(GrammarCompilerBusy, match=r"^structured_outputs.regex: compile queue full: waited 1.\d s"):
+        pool.submit(job).result(60)
+
+
+def test_a_worker_that_dies_fails_its_compile_alone_and_is_replaced(own_pool):
+    """A worker killed mid-compile (the OOM killer, a crash in xgrammar): that constraint is refused
+    naming the crash; the next one gets a new worker."""
+    import os
+    import signal
+
+    compiler, pool = own_pool
+    future = compiler.submit(StructuredOutputs(json=SLOW))
+    time.sleep(0.3)
+    (worker,) = pool._workers
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    with pytest.raises(CompileFailed, match=r"^structured_outputs.json: the grammar compiler crashed on it \(killed "
+                                            r"by signal 9\)"):
+        future.result(60)
+    assert compiler.compile(StructuredOutputs(**fresh_regex()), timeout=300).kind == "regex"

@@ -111,7 +111,10 @@ class _Worker:
                                      cwd=str(REPO_ROOT))
         self.fd = self.proc.stdout.fileno()
         self.tokenizers: set[str] = set()
-        head = self.receive(START_TIMEOUT_S)
+        try:
+            head = self.receive(START_TIMEOUT_S)
+        except TimeoutError:
+            head = None
         if head is None or not head[0].get("ready"):
             self.kill()
             raise RuntimeError(f"the grammar compiler process did not start ({self.exit_text()})")
@@ -120,11 +123,18 @@ class _Worker:
         write_frame(self.proc.stdin, head, payload)
 
     def receive(self, timeout: float) -> Optional[tuple[dict, bytes]]:
-        """The next frame, or None when none came within `timeout` s or the process ended."""
+        """The next frame; None when the process ended (its pipe closed); TimeoutError when nothing
+        came within `timeout` s."""
         ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
         if not ready:
-            return None
-        return read_frame(_FdReader(self.fd))
+            raise TimeoutError
+        frame = read_frame(_FdReader(self.fd))
+        if frame is None:
+            try:
+                self.proc.wait(5)  # its pipe closed first: let it be reaped, for exit_text
+            except subprocess.TimeoutExpired:
+                pass
+        return frame
 
     def exit_text(self) -> str:
         code = self.proc.poll()
@@ -205,6 +215,9 @@ class CompilePool:
             if not job.future.set_running_or_notify_cancel():
                 continue  # its request was aborted while it waited
             try:
+                if worker is not None and worker.proc.poll() is not None:  # died while idle (OOM killer)
+                    self._drop(worker)
+                    worker = None
                 if worker is None:
                     worker = _Worker()
                     ready_at = time.monotonic()
@@ -220,29 +233,39 @@ class CompilePool:
             except BaseException as exc:
                 job.future.set_exception(exc)
             if worker is not None and worker.proc.poll() is not None:  # killed or crashed: a new one next time
-                worker.kill()
-                with self._cv:
-                    self._workers.remove(worker)
+                self._drop(worker)
                 worker = None
+
+    def _drop(self, worker: _Worker) -> None:
+        worker.kill()
+        with self._cv:
+            if worker in self._workers:
+                self._workers.remove(worker)
 
     def _compile(self, worker: _Worker, job: CompileJob) -> Any:
         tok = job.tokenizer
         if tok.key not in worker.tokenizers:  # set up before the compile's clock starts
             worker.send({"op": "tokenizer", "key": tok.key}, tok.json())
-            if worker.receive(START_TIMEOUT_S) is None:
+            try:
+                loaded = worker.receive(START_TIMEOUT_S)
+            except TimeoutError:
+                loaded = None
+            if loaded is None:
+                worker.kill()
                 raise RuntimeError(f"the grammar compiler process failed to load the tokenizer ({worker.exit_text()})")
             worker.tokenizers.add(tok.key)
         worker.send({"op": "compile", "key": tok.key, "kind": job.kind, "source": job.source,
                      "any_whitespace": job.any_whitespace, "vocab_size": tok.vocab_size,
                      "stop_token_ids": list(tok.stop_token_ids)})
-        frame = worker.receive(job.timeout)
+        try:
+            frame = worker.receive(job.timeout)
+        except TimeoutError:  # still compiling: abandon it
+            worker.kill()
+            self.num_killed += 1
+            raise CompileFailed(f"{job.where}: not compiled within {job.timeout:g} s "
+                                "(structured_outputs_compile_timeout_s): simplify it (less nesting, fewer "
+                                "optional properties or alternatives) or raise the limit") from None
         if frame is None:
-            if worker.proc.poll() is None:  # still compiling: abandon it
-                worker.kill()
-                self.num_killed += 1
-                raise CompileFailed(f"{job.where}: not compiled within {job.timeout:g} s "
-                                    "(structured_outputs_compile_timeout_s): simplify it (less nesting, fewer "
-                                    "optional properties or alternatives) or raise the limit")
             raise CompileFailed(f"{job.where}: the grammar compiler crashed on it ({worker.exit_text()})")
         head, payload = frame
         if not head["ok"]:
