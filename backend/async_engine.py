@@ -217,7 +217,8 @@ class AsyncEngine:
         for request, _ in new:
             self.engine.add(request)
         outputs = []
-        for request_id in self.engine.request_ids():
+        held = [r.request_id for r in self.engine.waitlist] + [r.request_id for r in self.engine.scheduler.iter_requests()]
+        for request_id in dict.fromkeys(held):  # compiling ones included
             outputs += self.engine.abort(request_id)
         self._stats = self.engine.stats()
         self._deliver(outputs)

@@ -16,7 +16,7 @@ from typing import Optional, Union
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
-from backend.input_guard import INT32_MAX, INT32_MIN, check_text
+from backend.input_guard import check_text, int32
 from backend.loader import load_model_config
 from backend.lora.engine_api import EngineLoRAs
 from backend.lora.sources import LoRALike
@@ -54,10 +54,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.loras = EngineLoRAs(self.runner.lora, self.scheduler)  # adapters by name (docs/lora.md)
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
-        # structured outputs: constraints compile in worker processes; their requests wait meanwhile
         self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids(),
                                            timeout=config.structured_outputs_compile_timeout_s)
-        self.waitlist = GrammarWaitlist()
+        self.waitlist = GrammarWaitlist()  # requests whose constraint compiles (off the request path)
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
         self.prompt_tokens_total = 0
@@ -97,11 +96,8 @@ class LLMEngine:
         whenever its place or reservation changes (queue_report.py). `lora_request`: its LoRA
         adapter, a name or a LoRARequest (docs/lora.md)."""
         params.validate()
-        if isinstance(priority, bool) or not isinstance(priority, int) or not INT32_MIN <= priority <= INT32_MAX:
-            raise ValueError(f"priority must be an integer in [{INT32_MIN}, {INT32_MAX}]; got {priority!r}")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:  # -1 or 10**12 would stop nothing (and 2**64 fits no tensor)
-            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        params.check_token_ids(self.vocab_size)
+        priority = int32(priority, "priority")
         lora = self.loras.resolve(lora_request)
         ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
@@ -201,18 +197,12 @@ class LLMEngine:
             return self._deliver([self._end(compiling, RequestStatus.FINISHED_ABORTED)])
         return self._deliver([self.outputs.ended(r) for r in self.scheduler.abort(request_id)])
 
-    def has_work(self) -> bool:
-        """Anything unfinished, compiling constraints included (the offline loop runs until none)."""
+    def has_work(self) -> bool:  # anything unfinished, compiling constraints included
         return self.scheduler.has_work or len(self.waitlist) > 0
 
     def has_runnable_work(self) -> bool:
         """Something a step can do now: a request to schedule, or a compile that has ended."""
         return self.scheduler.has_work or self.waitlist.has_ready()
-
-    def request_ids(self) -> list[str]:
-        """Every request the engine holds, compiling ones included."""
-        ids = [r.request_id for r in self.waitlist] + [r.request_id for r in self.scheduler.iter_requests()]
-        return list(dict.fromkeys(ids))
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar is ready; end those whose constraint was refused."""
@@ -221,8 +211,7 @@ class LLMEngine:
             self.add(request)
         return [self._end(request, RequestStatus.FINISHED_ERROR) for request in refused]
 
-    def _end(self, request: Request, status: RequestStatus) -> RequestOutput:
-        """The final output of a request that never reached the scheduler."""
+    def _end(self, request: Request, status: RequestStatus) -> RequestOutput:  # one that never reached the scheduler
         request.status, request.finished_time = status, time.monotonic()
         return self.outputs.closing(request)
 

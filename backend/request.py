@@ -79,6 +79,12 @@ class SamplingParams:
             raise ValueError("structured_outputs must be a StructuredOutputs (a dict of its fields is converted "
                              f"when SamplingParams is made); got {type(self.structured_outputs).__name__}")
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """stop_token_ids against the model's vocabulary: -1 or 10**12 would stop nothing."""
+        bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
