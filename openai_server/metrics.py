@@ -40,6 +40,7 @@ from fastapi.responses import PlainTextResponse
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_ESCAPED = re.compile(r'\\[\\"n]')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
@@ -61,7 +62,7 @@ def parse_exposition(text: str) -> list[Sample]:
         m = _LINE.match(line.strip())
         if m is None or line.startswith("#"):
             continue
-        labels = {k: re.sub(r'\\[\\"n]', lambda e: _UNESCAPE[e.group(0)], v) for k, v in _LABEL.findall(m.group(2) or "")}
+        labels = {k: _ESCAPED.sub(lambda e: _UNESCAPE[e.group(0)], v) for k, v in _LABEL.findall(m.group(2) or "")}
         try:
             out.append(Sample(m.group(1), labels, float(m.group(3))))
         except ValueError:
