@@ -1,4 +1,4 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health.
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
 Each call becomes one Triton request per choice (prompts x n), sent on the shared gRPC channel and
 read as they stream back; their pieces are merged into one SSE stream (`stream: true`) or one body.
@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from backend.input_guard import lone_surrogate
+from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.responses import ChoiceState, Reply, sse
 from openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
                                             triton_tensors)
@@ -78,8 +79,9 @@ def _error(exc: APIError) -> JSONResponse:
 
 
 def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm",
-               tool_call_parser: str = "hermes") -> FastAPI:
+               tool_call_parser: str = "hermes", metrics_url: Optional[str] = None) -> FastAPI:
     triton = TritonBackend(grpc_url)
+    gateway = GatewayMetrics(metrics_url or default_metrics_url(grpc_url), triton.model, served_model_name)
     render = ChatRenderer(model_path)
 
     @contextlib.asynccontextmanager
@@ -106,6 +108,10 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
     async def health() -> JSONResponse:
         ok = await triton.ready()
         return JSONResponse({"status": "ok" if ok else "triton model not ready"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")  # the inference gateway's model-server protocol (openai_server/metrics.py)
+    async def metrics():
+        return await gateway.response()
 
     def _card(name: str, adapters: dict[str, str]) -> dict[str, Any]:
         """A model of /v1/models: the base, or a LoRA adapter and its parent (vLLM's card, with names
