@@ -185,7 +185,17 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         tasks = [asyncio.create_task(_run(i * gen.n, t, gen.logprobs, queue)) for i, t in enumerate(tensors)]
         try:
             if gen.stream:
-                first = await queue.get()  # a refusal before any token is answered with its status
+                # The headers wait for the first piece, so that a refusal before any token is
+                # answered with its status; a client that leaves meanwhile (its request still
+                # queued) cancels it, as one that leaves mid-stream does.
+                watcher = asyncio.create_task(_watch_disconnect(request))
+                try:
+                    first = await _next_or_gone(queue, watcher)
+                finally:
+                    watcher.cancel()
+                if first is None:
+                    _cancel(tasks)
+                    return JSONResponse({}, status_code=499)
                 if isinstance(first[1], APIError):
                     raise first[1]
                 return StreamingResponse(_sse(gen, reply, tasks, queue, first),
@@ -215,13 +225,11 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         try:
             remaining = gen.num_choices
             while remaining:
-                getter = asyncio.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:  # the client left: stop generating for it
-                    getter.cancel()
+                got = await _next_or_gone(queue, watcher)
+                if got is None:  # the client left: stop generating for it
                     _cancel(tasks)
                     return JSONResponse({}, status_code=499)
-                index, item = getter.result()
+                index, item = got
                 if isinstance(item, APIError):
                     raise item
                 remaining -= states[index].add(item)
@@ -281,6 +289,16 @@ def _cancel(tasks) -> None:
     for task in tasks:
         if not task.done():
             task.cancel()
+
+
+async def _next_or_gone(queue: asyncio.Queue, watcher: asyncio.Task):
+    """The queue's next item, or None once `watcher` (_watch_disconnect) saw the client leave."""
+    getter = asyncio.create_task(queue.get())
+    done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if getter in done:
+        return getter.result()
+    getter.cancel()
+    return None
 
 
 async def _watch_disconnect(request: Request, interval: float = 0.2) -> None:
