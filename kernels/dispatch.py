@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import moe_reference, reference
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,9 @@ class KernelOps:
     rms_norm: Callable
     rotary_embedding: Callable
     silu_mul: Callable
+    # experts of a mixture-of-experts layer (kernels/moe_reference.py's signature); on CPU they may
+    # be per-expert linear layers (oneDNN-packed, packed-quantized) instead of stacked tensors
+    fused_moe: Callable = moe_reference.fused_moe
 
 
 TORCH_OPS = KernelOps("torch", reference.store_kv, reference.decode_attention,
@@ -39,7 +42,7 @@ TORCH_OPS = KernelOps("torch", reference.store_kv, reference.decode_attention,
 def triton_ops() -> KernelOps:
     from kernels import triton_ops as t  # imported lazily: triton is heavy and GPU-oriented
     return KernelOps("triton", t.store_kv, t.decode_attention, t.prefill_attention, t.rms_norm,
-                     t.rotary_embedding, t.silu_mul)
+                     t.rotary_embedding, t.silu_mul, t.fused_moe)
 
 
 def cpu_ops(dtype: torch.dtype) -> KernelOps:
