@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # backend/models/moe.py
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -39,6 +40,19 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     # packed GGUF weights (docs/quantization.md): HF module name -> GGUF type; None: float weights
     quantized_modules: Optional[dict[str, str]] = None
+    # mixture of experts (backend/models/moe.py); num_experts 0: every layer's MLP is dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # an expert's intermediate size (Mixtral: intermediate_size)
+    norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every n-th layer has experts ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... but these, which keep a dense MLP
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (transformers' rule for Qwen3-MoE; every
+        layer of Mixtral)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -58,9 +72,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"model_path '{model_dir}' has no config.json (expected a Hugging Face checkpoint directory)")
     cfg = _read_json(model_dir / "config.json")
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    known = SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES
+    arch = next((a for a in archs if a in known), None)
     if arch is None:
-        raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(known)}")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -101,7 +116,29 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         sliding_window=sliding,
         eos_token_ids=eos,
         bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+        **_moe_fields(arch, cfg),
     )
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (none for a dense architecture), checked."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    mixtral = arch == "MixtralForCausalLM"
+    experts = cfg.get("num_local_experts") if mixtral else (cfg.get("num_experts") or cfg.get("num_local_experts"))
+    fields = dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok"),
+                  moe_intermediate_size=cfg.get("intermediate_size" if mixtral else "moe_intermediate_size"),
+                  norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+                  decoder_sparse_step=1 if mixtral else cfg.get("decoder_sparse_step", 1),
+                  mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()))
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arch} config.json: {key} must be an integer >= 1; got {value!r}")
+    if fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise ValueError(f"{arch} config.json: num_experts_per_tok {fields['num_experts_per_tok']} exceeds the "
+                         f"{fields['num_experts']} experts")
+    return fields
 
 
 PACKED_LAYOUTS = ("inflight-gguf-packed/1",)  # docs/quantization.md

@@ -25,15 +25,26 @@ SHAPES = {
     # Qwen2: q/k/v biases and tied embeddings.
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
 }
+# Mixtures of experts (tests/test_moe_engine.py): 8 experts, top-2. Qwen3-MoE with 3 layers, the
+# middle one dense (mlp_only_layers), and routing weights not renormalized (its default).
+MOE_SHAPES = {
+    "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_local_experts=8,
+                    num_experts_per_tok=2),
+    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1],
+                      norm_topk_prob=False),
+}
 
 
 def make_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     import transformers as tf
-    config_cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[arch]
+    config_cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
+                  "mixtral": tf.MixtralConfig, "qwen3_moe": tf.Qwen3MoeConfig}[arch]
     model_cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
-                 "qwen2": tf.Qwen2ForCausalLM}[arch]
+                 "qwen2": tf.Qwen2ForCausalLM, "mixtral": tf.MixtralForCausalLM,
+                 "qwen3_moe": tf.Qwen3MoeForCausalLM}[arch]
     torch.manual_seed(seed)
-    config = config_cls(**COMMON, **SHAPES[arch])
+    config = config_cls(**{**COMMON, **SHAPES.get(arch, {}), **MOE_SHAPES.get(arch, {})})
     model = model_cls(config).eval()
     if arch == "qwen2":  # biases start at zero; make them matter
         with torch.no_grad():

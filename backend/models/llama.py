@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) over a flat batch with no padding.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2; Mixtral and Qwen3-MoE) over a flat batch
+with no padding.
 
-Differences between the three are configuration, not code: Qwen2 has q/k/v biases and often tied
+Differences between them are configuration, not code: Qwen2 has q/k/v biases and often tied
 embeddings; Llama 3 adds llama3 rope scaling; Mistral may set a sliding window (the engine caps
-max_model_len at it). q/k/v and gate/up projections are fused into one matmul each.
+max_model_len at it); Mixtral and Qwen3-MoE replace (some) layers' MLP by a mixture of experts
+(`make_mlp`, backend/models/moe.py). q/k/v and gate/up projections are fused into one matmul each.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from torch import nn
 from backend.attention import AttentionContext
 from backend.loader import ModelConfig
 from backend.lora.step import LoRAStep, lora_project
+from backend.models.moe import ExpertLoader, SparseMoeBlock, checkpoint_name
 from kernels.dispatch import KernelOps
 
 
@@ -50,6 +53,11 @@ class MLP(nn.Module):
         return lora_project(lora, layer, "down_proj", self.down_proj, act)
 
 
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The layer's MLP: dense, or a mixture of experts (Mixtral, Qwen3-MoE: backend/models/moe.py)."""
+    return SparseMoeBlock(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
+
+
 class RMSNormWeight(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -61,7 +69,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg, layer)
         self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -119,10 +127,13 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up; fail on missing or unknown names."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        experts = ExpertLoader(params)  # per-expert tensors into the stacked [E, ...] parameters
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue
-            name = hf_name.removeprefix("model.")
+            name = checkpoint_name(hf_name.removeprefix("model."))
+            if experts.take(name, tensor):
+                continue
             parts = name.split(".")
             fused = next((p for p in parts if p in self._FUSED), None)
             if fused is None:
@@ -135,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
         if "lm_head.weight" in params and (self.cfg.tie_word_embeddings or "lm_head.weight" not in loaded):
             self.lm_head.weight = self.embed_tokens.weight
             loaded.add("lm_head.weight")
+        loaded |= experts.complete()
         for name in list(loaded):  # a fused weight counts once all of its shards arrived
             if "#" in name:
                 base = name.split("#")[0]

@@ -19,6 +19,7 @@ from torch import nn
 from backend.config import EngineConfig
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
+from backend.models.moe import pack_experts
 from backend.models.packed_linear import PackedLinear, can_pack, pack_linears, padded_rows
 from backend.models.quant_linear import (ConcatLinear, QuantEmbedding, QuantLinear, concat_parts,
                                          describe, fused_module_name, quantize_q8_0)
@@ -248,6 +249,7 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
     rows: Callable[[int], int] = lambda n: n  # noqa: E731
     if ops_name == "cpu" and can_pack(device, dtype):
         pack_linears(model)  # the float linears left: oneDNN GEMMs on reordered weights
+        pack_experts(model)  # and float experts: one oneDNN GEMM per active expert
         if quantization == "none":
             rows = padded_rows  # each step padded once to oneDNN's row buckets
     if tp is not None:
