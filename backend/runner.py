@@ -30,6 +30,7 @@ from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
+from backend.models.moe import reads_counts_on_host
 from backend.models.rope import rope_cos_sin
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group
@@ -155,6 +156,10 @@ class ModelRunner:
         with kernels other than Triton's (the references size their work from the lengths)."""
         if self.config.enforce_eager or self.ops.name != "triton" or self.lora is not None:
             return None  # (LoRA steps run eagerly: docs/lora.md)
+        if reads_counts_on_host(self.model):
+            log.info("CUDA graphs off: the experts run one GEMM per active expert (packed or int8 experts), "
+                     "which reads their token counts on the host")
+            return None
         empty_i32 = torch.zeros(1, dtype=torch.int32, device=self.env.tensor_device)
         make_context = functools.partial(
             self._context, kv_caches=self.kv_caches, prefill_block_tables=self.tables.table[:0],

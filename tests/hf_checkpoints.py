@@ -36,7 +36,7 @@ MOE_SHAPES = {
 }
 
 
-def make_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
+def make_checkpoint(arch: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
     import transformers as tf
     config_cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
                   "mixtral": tf.MixtralConfig, "qwen3_moe": tf.Qwen3MoeConfig}[arch]
@@ -44,7 +44,7 @@ def make_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
                  "qwen2": tf.Qwen2ForCausalLM, "mixtral": tf.MixtralForCausalLM,
                  "qwen3_moe": tf.Qwen3MoeForCausalLM}[arch]
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **SHAPES.get(arch, {}), **MOE_SHAPES.get(arch, {})})
+    config = config_cls(**{**COMMON, **SHAPES.get(arch, {}), **MOE_SHAPES.get(arch, {}), **overrides})
     model = model_cls(config).eval()
     if arch == "qwen2":  # biases start at zero; make them matter
         with torch.no_grad():

@@ -8,15 +8,23 @@
 - llama.cpp's converter permutes the rows of q_proj and k_proj of Llama-architecture models (its
   rope rotates interleaved pairs, HF's the two halves of each head): ``unpermute_rows`` inverts it.
 - ``rope_freqs.weight`` (Llama 3.1+: per-frequency rope divisors) -> ``rope_scaling`` llama3.
+- Mixtures of experts: a ``llama`` file with ``llama.expert_count`` is Mixtral, ``qwen3moe`` is
+  Qwen3-MoE. llama.cpp stacks each layer's experts: ``ffn_gate_exps`` / ``ffn_up_exps`` /
+  ``ffn_down_exps`` [E, N, K] and the router ``ffn_gate_inp`` [E, H]. They keep HF's module names
+  without the expert index (``block_sparse_moe.experts.w1`` for Mixtral, ``mlp.experts.gate_proj``
+  for Qwen3-MoE); the importer writes packed ones stacked and float ones per expert
+  (``experts.{e}.w1.weight``: a plain HF checkpoint). A Qwen3-MoE layer without ``ffn_gate_inp``
+  is dense (``mlp_only_layers``); llama.cpp always renormalizes qwen3moe's top-k weights unless
+  ``qwen3moe.expert_weights_norm`` says otherwise, so ``norm_topk_prob`` follows that key.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3moe")
 
 # GGUF tensor name (after blk.N.) -> HF name (after model.layers.N.)
 _LAYER_TENSORS = {
@@ -27,6 +35,11 @@ _LAYER_TENSORS = {
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
+# mixture-of-experts layers: the router and the stacked experts' gate, up, down
+MOE_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe", ("gate", "experts.w1", "experts.w3", "experts.w2")),
+              "Qwen3MoeForCausalLM": ("mlp", ("gate", "experts.gate_proj", "experts.up_proj", "experts.down_proj"))}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # Qwen3-MoE
 # Llama 3.1+ files store their rope scaling as per-frequency factors; HF configs as parameters.
 ROPE_FREQS = "rope_freqs.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -51,6 +64,10 @@ def hf_architecture(meta: dict[str, Any]) -> tuple[str, str]:
     name = str(meta.get("general.name") or "").lower()
     if arch == "qwen2":
         return arch, "Qwen2ForCausalLM"
+    if arch == "qwen3moe":
+        return arch, "Qwen3MoeForCausalLM"
+    if arch == "llama" and meta.get("llama.expert_count"):
+        return arch, "MixtralForCausalLM"
     if arch == "mistral" or "mistral" in name:
         return arch, "MistralForCausalLM"
     return arch, "LlamaForCausalLM"
@@ -81,8 +98,8 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
              or (embedding[0] if embedding else None))
     config: dict[str, Any] = {
         "architectures": [architecture],
-        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                       "Qwen2ForCausalLM": "qwen2"}[architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                       "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}[architecture],
         "hidden_size": hidden,
         "intermediate_size": integer("feed_forward_length"),
         "num_hidden_layers": integer("block_count"),
@@ -98,9 +115,9 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
         "hidden_act": "silu",
         "torch_dtype": out_dtype,
     }
-    if architecture == "Qwen2ForCausalLM":
+    if architecture in ("Qwen2ForCausalLM", "Qwen3MoeForCausalLM"):
         config["use_sliding_window"] = False
-    elif architecture == "MistralForCausalLM":
+    elif architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         config["sliding_window"] = None  # the file states none; HF's class default would add one
     else:
         config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_shapes)
@@ -110,6 +127,9 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
     elif scaling not in (None, "none"):
         raise GGUFImportError(f"{arch}.rope.scaling.type {scaling!r} is not supported; supported: "
                               "none, linear (and Llama 3 scaling stored as rope_freqs)")
+    if architecture in _MOE_NAMES:
+        config.update(_moe_config(architecture, integer, meta.get(f"{arch}.expert_weights_norm"), tensor_shapes,
+                                  config["num_hidden_layers"]))
     for name, key_ in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("pad_token_id", "padding_token_id")):
         if meta.get(f"tokenizer.ggml.{key_}") is not None:
@@ -117,8 +137,32 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
     return config
 
 
-def hf_tensor_name(name: str) -> str:
-    """HF parameter name of a GGUF tensor name; refuses names it does not know."""
+def _moe_config(architecture: str, integer, weights_norm, tensor_shapes, layers: int) -> dict[str, Any]:
+    """config.json's expert keys for a Mixtral or Qwen3-MoE file."""
+    experts, used = integer("expert_count"), integer("expert_used_count")
+    if architecture == "MixtralForCausalLM":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
+    return {"num_experts": experts, "num_experts_per_tok": used, "decoder_sparse_step": 1, "mlp_only_layers": dense,
+            "moe_intermediate_size": integer("expert_feed_forward_length"),
+            "norm_topk_prob": True if weights_norm is None else bool(weights_norm), "attention_bias": False}
+
+
+def moe_layer_shapes(config: Mapping[str, Any], layer: int) -> Optional[dict[str, tuple[int, ...]]]:
+    """The GGUF tensors of `layer`'s MLP (with their numpy shapes) when it has experts, else None."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts or layer in config.get("mlp_only_layers", ()):
+        return None
+    hidden = config["hidden_size"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    b = f"blk.{layer}."
+    return {b + "ffn_gate_inp.weight": (experts, hidden), b + "ffn_gate_exps.weight": (experts, inter, hidden),
+            b + "ffn_up_exps.weight": (experts, inter, hidden), b + "ffn_down_exps.weight": (experts, hidden, inter)}
+
+
+def hf_tensor_name(name: str, architecture: str = "") -> str:
+    """HF parameter name of a GGUF tensor name (for `architecture`'s names of experts); refuses
+    names it does not know. Stacked experts are named without the expert index."""
     base, _, suffix = name.rpartition(".")
     if base in _GLOBAL_TENSORS and suffix == "weight":
         return f"{_GLOBAL_TENSORS[base]}.weight"
@@ -126,6 +170,13 @@ def hf_tensor_name(name: str) -> str:
     if match and match.group(2) in _LAYER_TENSORS:
         layer, part, suffix = match.groups()
         return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{suffix}"
+    if match and architecture in _MOE_NAMES and match.group(3) == "weight":
+        layer, part, _ = match.groups()
+        block, names = _MOE_NAMES[architecture]
+        if part in MOE_TENSORS:
+            return f"model.layers.{layer}.{block}.{names[MOE_TENSORS.index(part)]}.weight"
+        if part in _QK_NORMS and architecture == "Qwen3MoeForCausalLM":
+            return f"model.layers.{layer}.{_QK_NORMS[part]}.weight"
     raise GGUFImportError(f"GGUF tensor {name!r} has no counterpart in the supported architectures")
 
 

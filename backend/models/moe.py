@@ -88,6 +88,12 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
+def reads_counts_on_host(model: nn.Module) -> bool:
+    """Whether the model's experts run grouped per expert, reading each expert's token count on
+    the host (per-expert layers: packed or int8 experts), which a CUDA graph cannot capture."""
+    return any(b.experts.gate_up is not None for b in moe_blocks(model))
+
+
 class ExpertLoader:
     """Copies a checkpoint's per-expert weights into the stacked parameters and says when each
     stacked parameter has all of them (every expert's gate and up, or down)."""
@@ -143,3 +149,53 @@ def pack_experts(model: nn.Module, make_linear: Callable[[torch.Tensor], nn.Modu
         ex.per_expert_layers([make_linear(ex.w13[e].detach()) for e in range(ex.num_experts)],
                              [make_linear(ex.w2[e].detach()) for e in range(ex.num_experts)])
     return len(blocks)
+
+
+def _stacked_parts(name: str) -> Optional[tuple[str, int]]:
+    """A stacked packed expert module (``model.layers.N.mlp.experts.gate_proj``, Mixtral's
+    ``block_sparse_moe.experts.w1``) -> (its layer, 0 gate / 1 up / 2 down); None for others."""
+    match = STACKED.match(name)
+    if match is None:
+        return None
+    stacked, shard = EXPERT_PARTS[match["part"]]
+    return match["layer"], 2 if shard is None else shard
+
+
+def is_stacked_expert(name: str) -> bool:
+    return _stacked_parts(name) is not None
+
+
+def unstacked(name: str, stacked: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A stacked expert module's float weight [E, N, K] as the per-expert tensors a checkpoint
+    names (``...experts.{e}.{part}.weight``), for the loader."""
+    base, _, part = name.rpartition(".")
+    return [(f"{base}.{e}.{part}.weight", stacked[e]) for e in range(stacked.shape[0])]
+
+
+def install_packed_experts(model: nn.Module, packed: dict[str, tuple[str, dict[str, torch.Tensor]]]) -> None:
+    """Packed GGUF experts, stacked [E, ...] as an import keeps them ({module: (qtype, arrays)}),
+    as one QuantLinear per expert: gate and up fused into one GEMM (two where their types differ,
+    as llama.cpp's mixes have it), down its own."""
+    from backend.models.quant_linear import ConcatLinear, QuantLinear, concat_parts
+
+    layers: dict[str, list] = {}
+    for name, item in packed.items():
+        layer, part = _stacked_parts(name)
+        layers.setdefault(layer, [None, None, None])[part] = item
+    for layer, (gate, up, down) in layers.items():
+        if gate is None or up is None or down is None:
+            raise ValueError(f"packed checkpoint: {layer}'s experts lack their gate, up or down projection")
+        experts = model.get_submodule(f"{layer}.mlp.experts")
+        count = gate[1]["qweight"].shape[0]
+
+        def one(item, e):
+            return item[0], {k: v[e] for k, v in item[1].items()}
+
+        def gate_up(e):
+            (gt, ga), (ut, ua) = one(gate, e), one(up, e)
+            if gt == ut:
+                return QuantLinear(gt, concat_parts([ga, ua]))
+            return ConcatLinear([QuantLinear(gt, ga), QuantLinear(ut, ua)])
+
+        experts.per_expert_layers([gate_up(e) for e in range(count)],
+                                  [QuantLinear(*one(down, e)) for e in range(count)])
