@@ -40,6 +40,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     # packed GGUF weights (docs/quantization.md): HF module name -> GGUF type; None: float weights
     quantized_modules: Optional[dict[str, str]] = None
+    qk_norm: bool = False  # RMSNorm of each head of q and k before RoPE (Qwen3, Gemma 3)
     # mixture of experts (backend/models/moe.py); num_experts 0: every layer's MLP is dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -130,7 +131,8 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                   moe_intermediate_size=cfg.get("intermediate_size" if mixtral else "moe_intermediate_size"),
                   norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
                   decoder_sparse_step=1 if mixtral else cfg.get("decoder_sparse_step", 1),
-                  mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()))
+                  mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()),
+                  qk_norm=not mixtral)   # Qwen3-MoE's attention is Qwen3's
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
         value = fields[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -31,7 +31,7 @@ MOE_SHAPES = {
     "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_local_experts=8,
                     num_experts_per_tok=2),
     "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
-                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1],
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1],
                       norm_topk_prob=False),
 }
 

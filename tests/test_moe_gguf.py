@@ -45,9 +45,11 @@ def test_a_float_gguf_imports_to_the_safetensors_checkpoint(checkpoint, tokenize
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
     config, original = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "out", checkpoint))
-    for key in ("architectures", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "norm_topk_prob", "mlp_only_layers", "intermediate_size", "head_dim"):
-        if key in original and original[key] is not None:
+    experts = [c.get("num_experts") or c.get("num_local_experts") for c in (config, original)]   # either name
+    assert experts[0] == experts[1] == 8
+    for key in ("architectures", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+                "intermediate_size", "head_dim"):
+        if original.get(key) is not None:
             assert config[key] == original[key], key
     _, want = generate(checkpoint)
     _, got = generate(tmp_path / "out")

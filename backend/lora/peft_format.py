@@ -132,6 +132,9 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_lora_rank: int) -> 
                 raise _refuse(name, f"module '{m['module']}' is not supported: LoRA is served on {', '.join(SHARD_OF)}")
             if layer >= cfg.num_layers:
                 raise _refuse(name, f"module '{m['module']}': the base model has {cfg.num_layers} layers")
+            if PARENT[hf] == "mlp" and cfg.is_moe_layer(layer):
+                raise _refuse(name, f"module '{m['module']}': layer {layer}'s MLP is a mixture of experts, which "
+                                    "LoRA does not reach (its attention projections it does)")
             found[(m["module"].removeprefix("model."), m["ab"])] = f.get_tensor(key)
     if not found:
         raise _refuse(name, f"{weights_path} holds no LoRA weights")

@@ -20,6 +20,13 @@ from backend.models.moe import ExpertLoader, SparseMoeBlock, checkpoint_name
 from kernels.dispatch import KernelOps
 
 
+class RMSNormWeight(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -29,6 +36,9 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # one weight of head_dim shared by every head: whole on every tensor-parallel rank
+        self.q_norm = RMSNormWeight(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNormWeight(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -37,9 +47,18 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = head_norm(ctx.ops, q, self.q_norm), head_norm(ctx.ops, k, self.k_norm)
         q, k = ctx.ops.rotary_embedding(q, k, positions, rope[0], rope[1])
         out = ctx.attend(self.layer, q, k, v.contiguous()).reshape(t, -1)
         return lora_project(ctx.lora, self.layer, "o_proj", self.o_proj, out)
+
+
+def head_norm(ops: KernelOps, x: torch.Tensor, norm: RMSNormWeight) -> torch.Tensor:
+    """RMSNorm of every head of x [T, heads, head_dim] (Qwen3's and Gemma 3's q/k norm): the
+    norm kernel over [T * heads, head_dim] rows."""
+    t, heads, dim = x.shape
+    return ops.rms_norm(x.reshape(t * heads, dim), norm.weight, norm.eps)[0].view(t, heads, dim)
 
 
 class MLP(nn.Module):
@@ -56,13 +75,6 @@ class MLP(nn.Module):
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     """The layer's MLP: dense, or a mixture of experts (Mixtral, Qwen3-MoE: backend/models/moe.py)."""
     return SparseMoeBlock(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
-
-
-class RMSNormWeight(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
 
 
 class DecoderLayer(nn.Module):
