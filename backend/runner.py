@@ -30,7 +30,7 @@ from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
-from backend.models.moe import reads_counts_on_host
+from backend.models.moe import ExpertLoad, reads_counts_on_host
 from backend.models.rope import rope_cos_sin
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group
@@ -103,6 +103,8 @@ class ModelRunner:
                 self.num_blocks = self.tp.smallest(self.num_blocks)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,
                  self.block_size, self.num_blocks * self._bytes_per_block() / 2**20, self.device, self.ops.name,
                  bool(self.graphs and self.graphs.graphs))
@@ -114,6 +116,9 @@ class ModelRunner:
         self.weights = load_model(self.config, self.model_cfg, self.device, self.dtype, self.ops.name,
                                   tensor_device=self.env.tensor_device, tp=self.tp)
         self.padded_rows = self.weights.padded_rows
+        # tokens per expert, counted on the device (MoE models; rows: a step's most, padded)
+        rows = max(self.padded_rows(self.config.max_num_batched_tokens), self.config.max_num_seqs)
+        self.expert_load = ExpertLoad.attach(self.weights.model, rows, self.env.tensor_device)
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype, self.device, self.weights.quantization)
         return self.weights.model
 
@@ -231,6 +236,8 @@ class ModelRunner:
 
     def _compute(self, step: StepInputs, graph_size: Optional[int]) -> Optional[torch.Tensor]:
         """The step's model run on this rank: the logits of the rows that sample, None if none does."""
+        if self.expert_load is not None:
+            self.expert_load.mark_rows(step.slot_mapping)
         if graph_size is not None:
             hidden = self.graphs.run(step, self.tables.table)
         else:
@@ -238,6 +245,10 @@ class ModelRunner:
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards
+
+    def moe_stats(self) -> dict:
+        """Tokens per expert and the last interval's load imbalance (MoE models; else nothing)."""
+        return self.expert_load.snapshot() if self.expert_load is not None else {}
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank)."""

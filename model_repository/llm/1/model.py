@@ -103,6 +103,8 @@ class Metrics:
         }
         self._lengths = []  # verify steps counted so far, by tokens they gave (the engine's tally)
         self._last = {}
+        self._family = family
+        self.moe = None  # (tokens per expert counters, imbalance gauge): made when a MoE model reports
 
     def observe(self, kind, seconds):
         self.hist[kind].observe(max(0.0, seconds))
@@ -126,11 +128,33 @@ class Metrics:
             if delta > 0:
                 metric.increment(delta)
                 self._counted[key] += delta
+        self._update_moe(stats)
         lengths = stats.get("spec_decode_acceptance_lengths") or []
         for i, n in enumerate(lengths):  # the engine keeps a tally per length: observe what is new
             for _ in range(n - (self._lengths[i] if i < len(self._lengths) else 0)):
                 self.hist["acceptance"].observe(i + 1)
         self._lengths = list(lengths)
+
+    def _update_moe(self, stats):
+        """Mixtures of experts: tokens routed to each expert (summed over the layers; a token counts
+        once per expert it picks) and the last interval's load imbalance (busiest expert / mean)."""
+        tokens = stats.get("moe_expert_tokens")
+        if not tokens:
+            return
+        if self.moe is None:
+            fam = pb_utils.MetricFamily
+            counter = self._family("inflight_moe_expert_tokens_total",
+                                   "Tokens routed to each expert, summed over the MoE layers", fam.COUNTER)
+            gauge = self._family("inflight_moe_load_imbalance", "Tokens of the busiest expert over the mean, "
+                                 "in the worst MoE layer, since the last report (1: even)", fam.GAUGE)
+            self.moe = ([counter.Metric(labels={**self.labels, "expert": str(e)}) for e in range(len(tokens))],
+                        gauge.Metric(labels=self.labels), [0] * len(tokens))
+        counters, gauge, counted = self.moe
+        for e, n in enumerate(tokens):
+            if n > counted[e]:
+                counters[e].increment(n - counted[e])
+                counted[e] = n
+        self._set("moe_imbalance", gauge, stats.get("moe_load_imbalance", 0.0))
 
     def _set(self, key, metric, value):
         if self._last.get(key) != value:  # each set is an IPC to the server: only on change
