@@ -1,7 +1,7 @@
 """CPU speed of the mixture-of-experts layer: the grouped path (one GEMM pair per expert that has
 tokens, on its tokens only) against every expert on every token, in one run.
 
-    python -m client.tools.moe_bench [--tokens 64] [--experts 8] [--top-k 2] [--json FILE]
+    python -m client.tools.moe_bench [--tokens 64,256] [--experts 8] [--top-k 2] [--json FILE]
 
 A random Mixtral-shaped MoE block (backend/models/moe.py: router, stacked experts) is built for each
 weight format the CPU engine runs experts in: float32 and bfloat16 (oneDNN-packed per expert, as
@@ -88,6 +88,23 @@ def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0
                 tokens_per_expert=counts, max_abs_difference=gap)
 
 
+def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
+    """What bounds the speed-up: one expert's float32 gate/up GEMM (oneDNN-packed, its weights hot
+    in cache after the first call) at the rows a grouped expert gets on average (tokens x top_k /
+    experts) against all the tokens' rows (the dense path's). The work differs by experts / top_k."""
+    from backend.models.moe import onednn_linear
+    rows = max(1, tokens * cfg.num_experts_per_tok // cfg.num_experts)
+    linear = onednn_linear(torch.randn(2 * cfg.moe_intermediate_size, cfg.hidden_size))
+    times = {}
+    with torch.inference_mode():
+        for n in (rows, tokens):
+            x = torch.randn(n, cfg.hidden_size)
+            linear(x)
+            times[n] = statistics.median(_time(lambda: linear(x)) for _ in range(repeats))
+    return dict(tokens=tokens, grouped_rows=rows, grouped_ms=round(times[rows] * 1e3, 3),
+                dense_ms=round(times[tokens] * 1e3, 3), ratio=round(times[tokens] / times[rows], 2))
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -110,7 +127,7 @@ def isa() -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m client.tools.moe_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=64, help="rows of the batch (default %(default)s)")
+    p.add_argument("--tokens", default="64", help="rows of the batch, comma-separated (default %(default)s)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--hidden", type=int, default=1024)
@@ -121,9 +138,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
+    try:
+        token_counts = [int(t) for t in args.tokens.split(",") if t]
+    except ValueError:
+        p.error(f"--tokens: comma-separated integers; got {args.tokens!r}")
+    if not token_counts or min(token_counts) < 1:
+        p.error(f"--tokens: integers >= 1; got {args.tokens!r}")
     if not formats or set(formats) - set(FORMATS):
         p.error(f"--formats: choose from {', '.join(FORMATS)}; got {args.formats!r}")
-    for name in ("tokens", "experts", "top_k", "hidden", "intermediate", "repeats"):
+    for name in ("experts", "top_k", "hidden", "intermediate", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.top_k > args.experts:
@@ -134,18 +157,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     cfg = moe_config(args.hidden, args.intermediate, args.experts, args.top_k)
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-                  cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(), tokens=args.tokens,
+                  cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(),
                   experts=args.experts, top_k=args.top_k, hidden=args.hidden, intermediate=args.intermediate,
                   repeats=args.repeats, clock=clock().__name__, rows=[])
     print(f"{result['cpu']} ({result['isa']}), {result['threads']} threads; {args.experts} experts, top-{args.top_k}, "
-          f"hidden {args.hidden}, intermediate {args.intermediate}, {args.tokens} tokens; time.{result['clock']}")
-    print("| weights | grouped (ms) | every expert (ms) | speed-up | max abs difference |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for fmt in formats:
-        row = measure(fmt, cfg, args.tokens, args.repeats)
-        result["rows"].append(row)
-        print(f"| {fmt} | {row['grouped_ms']} | {row['dense_ms']} | {row['speedup']}x | {row['max_abs_difference']:.2e} |")
-    print("tokens per expert:", result["rows"][0]["tokens_per_expert"])
+          f"hidden {args.hidden}, intermediate {args.intermediate}; time.{result['clock']}")
+    print("| tokens | weights | grouped (ms) | every expert (ms) | speed-up | max abs difference | tokens per expert |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    for tokens in token_counts:
+        for fmt in formats:
+            row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats))
+            result["rows"].append(row)
+            print(f"| {tokens} | {fmt} | {row['grouped_ms']} | {row['dense_ms']} | {row['speedup']}x | "
+                  f"{row['max_abs_difference']:.2e} | {' '.join(map(str, row['tokens_per_expert']))} |")
+    print("\none expert's gate/up GEMM, weights hot in cache (what bounds the grouped path's gain):")
+    for tokens in token_counts:
+        g = gemm_scaling(cfg, tokens, args.repeats)
+        result.setdefault("gemm_scaling", []).append(g)
+        print(f"  {g['grouped_rows']} rows {g['grouped_ms']} ms, {tokens} rows {g['dense_ms']} ms: {g['ratio']}x "
+              f"for {tokens // g['grouped_rows']}x the work")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
