@@ -73,6 +73,10 @@ def test_greedy_tokens_and_logprobs_match_transformers(oracle, backend, chunked)
         assert experts.gate_up is None and experts.w13.shape == (8, 2 * experts.intermediate, 64)
     if backend == "triton":        # decode steps ran through the graphs' static buffers
         assert runner.graphs is not None and runner.graphs.replays > 0
+    # every computed token (the prompt, each output fed back) went to top_k experts per MoE layer;
+    # the rows steps are padded with (oneDNN's buckets, graph sizes) did not count
+    computed = sum(len(p) + len(o.token_ids) - 1 for p, o in zip(prompts, outputs))
+    assert sum(llm.stats()["moe_expert_tokens"]) == computed * 2 * len(moe_layers)
     assert llm.stats()["kv_blocks_used"] == 0
     llm.check_integrity()
 

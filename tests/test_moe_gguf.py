@@ -57,8 +57,10 @@ def test_a_float_gguf_imports_to_the_safetensors_checkpoint(checkpoint, tokenize
     assert [o.cumulative_logprob for o in got] == [o.cumulative_logprob for o in want]
 
 
-def test_a_quantized_gguf_keeps_its_experts_packed(checkpoint, tokenizer_json, tmp_path):
-    write_moe_gguf(tmp_path / "moe.gguf", tokenizer_json, checkpoint, types=("Q8_0", "Q4_0", "Q5_1"))
+@pytest.mark.parametrize("types", [("Q8_0", "Q4_0", "Q5_1"),   # gate and up of different types: two GEMMs
+                                   ("Q4_1",)])                  # one type: gate and up fused into one
+def test_a_quantized_gguf_keeps_its_experts_packed(checkpoint, tokenizer_json, tmp_path, types):
+    write_moe_gguf(tmp_path / "moe.gguf", tokenizer_json, checkpoint, types=types)
     packed = importer.import_gguf(tmp_path / "moe.gguf", tmp_path / "packed", log=lambda *_: None)
     floats = importer.import_gguf(tmp_path / "moe.gguf", tmp_path / "floats", dequantize=True, log=lambda *_: None)
     modules = json.loads((packed / "config.json").read_text())["quantization_config"]["modules"]
@@ -73,6 +75,7 @@ def test_a_quantized_gguf_keeps_its_experts_packed(checkpoint, tokenizer_json, t
     experts = model.layers[layer].mlp.experts
     block = "block_sparse_moe" if "w1" in " ".join(stacked) else "mlp"
     gate, up, down = ("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
+    assert isinstance(experts.gate_up[0], QuantLinear) == (len(types) == 1)
     for e in range(experts.num_experts):
         assert isinstance(experts.down[e], QuantLinear)
         base = f"model.layers.{layer}.{block}.experts.{e}."
