@@ -30,7 +30,8 @@ from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
-from backend.models.moe import ExpertLoad, reads_counts_on_host
+from backend.models.expert_load import ExpertLoad
+from backend.models.moe import reads_counts_on_host
 from backend.models.rope import rope_cos_sin
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group

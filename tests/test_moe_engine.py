@@ -114,3 +114,27 @@ def test_lora_reaches_a_moe_models_attention_and_refuses_its_experts(tmp_path):
               str(moved / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=r"layer 0's MLP is a mixture of experts"):
         load_adapter("m", str(moved), cfg, 16)
+
+
+def test_int8_quantizes_each_expert_and_keeps_the_router_float(tmp_path):
+    """quantization=int8 on Mixtral: every expert one Q8_0 QuantLinear of exactly its float weights'
+    Q8_0 codes, the router a float GEMM (rounding it would move tokens between experts), the
+    log-probabilities close to float32's; fp8 is refused by name (its GPU kernel reads no experts)."""
+    from backend.models.packed_linear import PackedLinear
+    from backend.models.quant_linear import QuantLinear, quantize_q8_0
+    from kernels.quant_reference import dequantize
+    from test_quantized_engine import dequantized_rows, logprob_gap
+
+    path = make_checkpoint("mixtral", tmp_path / "m", seed=7)
+    int8 = LLM(str(path), quantization="int8", max_model_len=128)
+    floats = LLM(str(path), attention_backend="torch", max_model_len=128)
+    block, reference = int8.engine.runner.model.layers[1].mlp, floats.engine.runner.model.layers[1].mlp
+    assert isinstance(block.gate, PackedLinear)
+    for e in range(8):
+        assert isinstance(block.experts.gate_up[e], QuantLinear) and block.experts.gate_up[e].qtype == "Q8_0"
+        want = dequantize("Q8_0", quantize_q8_0(reference.experts.w13[e]))
+        assert torch.equal(dequantized_rows(block.experts.gate_up[e]), want)
+    mean, worst = logprob_gap(int8, floats, list(range(5, 45)))
+    assert mean < 0.5 and worst < 2.0, (mean, worst)
+    with pytest.raises(ValueError, match="quantization=fp8 does not cover mixture-of-experts layers"):
+        LLM(str(path), quantization="fp8")

@@ -85,7 +85,7 @@ class SparseMoeBlock(nn.Module):
             self.load.record(self.load_row, ids)
         return self.experts(h, weights, ids, ops)
 
-    load: Optional["ExpertLoad"] = None   # the engine's tally of tokens per expert (ExpertLoad.attach)
+    load = None   # the engine's tally of tokens per expert (backend/models/expert_load.py)
     load_row = 0
 
 
@@ -97,72 +97,6 @@ def reads_counts_on_host(model: nn.Module) -> bool:
     """Whether the model's experts run grouped per expert, reading each expert's token count on
     the host (per-expert layers: packed or int8 experts), which a CUDA graph cannot capture."""
     return any(b.experts.gate_up is not None for b in moe_blocks(model))
-
-
-class ExpertLoad:
-    """Tokens routed to each expert of each MoE layer, counted on the device (no host read, so
-    CUDA graphs capture it): `mark_rows` before a step says which rows are real (padding rows,
-    slot -1, are not counted), each block's `record` adds its routing. `snapshot` reads the counts
-    without waiting for the device (a copy started now, the last finished copy returned), and says
-    how balanced the experts were since the snapshot before: the busiest expert's tokens over the
-    mean, in the worst layer (1.0: even)."""
-
-    def __init__(self, blocks: list[SparseMoeBlock], rows: int, device: torch.device):
-        self.blocks = blocks
-        experts = blocks[0].experts.num_experts
-        self.counts = torch.zeros(len(blocks), experts, dtype=torch.int64, device=device)
-        self.valid = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.copies: list[tuple[torch.Tensor, Optional[object]]] = []
-        self.last = torch.zeros(len(blocks), experts, dtype=torch.int64)
-        self.imbalance = 0.0
-        for i, block in enumerate(blocks):
-            block.load, block.load_row = self, i
-
-    @classmethod
-    def attach(cls, model: nn.Module, rows: int, device: torch.device) -> Optional["ExpertLoad"]:
-        blocks = moe_blocks(model)
-        return cls(blocks, rows, device) if blocks else None
-
-    def mark_rows(self, slot_mapping: torch.Tensor) -> None:
-        # a step past the token budget (a padded static batch) is not counted: the buffer a
-        # captured graph reads must stay the same tensor, so it never grows
-        self.skip = slot_mapping.shape[0] > self.valid.shape[0]
-        if not self.skip:
-            self.valid[:slot_mapping.shape[0]].copy_(slot_mapping >= 0)
-
-    skip = False
-
-    def record(self, row: int, ids: torch.Tensor) -> None:
-        if self.skip:
-            return
-        t, k = ids.shape
-        self.counts[row].scatter_add_(0, ids.reshape(-1).long(), self.valid[:t, None].expand(t, k).reshape(-1))
-
-    def reset(self) -> None:
-        """Forget what the warm-up and the graph capture routed."""
-        self.counts.zero_()
-        self.last.zero_()
-        self.copies.clear()
-
-    def snapshot(self) -> dict:
-        """{"moe_expert_tokens": per expert, summed over layers, "moe_load_imbalance": ...}."""
-        if self.counts.is_cuda:   # the copy finishes while the engine runs on; take the last one done
-            host = torch.empty(self.counts.shape, dtype=torch.int64, pin_memory=True)
-            host.copy_(self.counts, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.copies.append((host, event))
-            done = [i for i, (_, e) in enumerate(self.copies) if e.query()]
-            current = self.copies[done[-1]][0].clone() if done else self.last
-            del self.copies[:done[-1] + 1 if done else 0]
-        else:
-            current = self.counts.clone()
-        delta = (current - self.last).float()
-        mean = delta.mean(dim=1)
-        if float(mean.max()) > 0:
-            self.imbalance = float((delta.max(dim=1).values / mean.clamp(min=1e-9))[mean > 0].max())
-        self.last = current
-        return {"moe_expert_tokens": current.sum(dim=0).tolist(), "moe_load_imbalance": self.imbalance}
 
 
 class ExpertLoader:
@@ -270,3 +204,21 @@ def install_packed_experts(model: nn.Module, packed: dict[str, tuple[str, dict[s
 
         experts.per_expert_layers([gate_up(e) for e in range(count)],
                                   [QuantLinear(*one(down, e)) for e in range(count)])
+
+
+def quantize_experts(model: nn.Module, quantize: Callable[[torch.Tensor], nn.Module]) -> bool:
+    """quantization=int8: every stacked expert one Q8_0 QuantLinear (`quantize(weight)`), when its
+    inputs are whole groups of 32; False when they are not (the experts stay float)."""
+    blocks = moe_blocks(model)
+    if blocks and (model.cfg.hidden_size % 32 or blocks[0].experts.intermediate % 32):
+        return False
+    pack_experts(model, quantize)
+    return True
+
+
+def dequantized_experts(name: str, qtype: str, arrays: dict[str, torch.Tensor], dtype: torch.dtype,
+                        dequantize: Callable) -> list[tuple[str, torch.Tensor]]:
+    """quantization=none on a packed checkpoint: a stacked packed expert module [E, N, ...] as each
+    expert's float weight, under the checkpoint's per-expert names."""
+    flat = {k: v.flatten(0, 1) for k, v in arrays.items()}   # [E * N, ...]: one matrix of E * N rows
+    return unstacked(name, dequantize(qtype, flat).to(dtype).unflatten(0, arrays["qweight"].shape[:2]))

@@ -19,8 +19,8 @@ from torch import nn
 from backend.config import EngineConfig
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
-from backend.models.moe import (SparseMoeBlock, checkpoint_name, install_packed_experts, is_stacked_expert,
-                                moe_blocks, pack_experts, unstacked)
+from backend.models.moe import (SparseMoeBlock, checkpoint_name, dequantized_experts, install_packed_experts,
+                                is_stacked_expert, pack_experts, quantize_experts)
 from backend.models.packed_linear import PackedLinear, can_pack, pack_linears, padded_rows
 from backend.models.quant_linear import (ConcatLinear, QuantEmbedding, QuantLinear, concat_parts,
                                          describe, fused_module_name, quantize_q8_0)
@@ -73,13 +73,13 @@ def resolve_quantization(requested: str, model_cfg: ModelConfig, device: torch.d
     if requested in ("int8", "fp8") and packed:
         raise ValueError(f"quantization={requested} quantizes float weights; this checkpoint is already "
                          "quantized (gguf); use auto, gguf, or none to dequantize it")
+    if requested == "fp8" and model_cfg.num_experts:
+        raise ValueError(f"quantization=fp8 does not cover mixture-of-experts layers (the fused-MoE kernel "
+                         f"reads bf16/fp16 experts; {model_cfg.architecture} has {model_cfg.num_experts} "
+                         "experts per layer): use none, or int8")
     if requested == "fp8":
         require_fp8_gpu("quantization=fp8", device, on_cpu=" (int8 is the CPU's weight-only quantization)",
                         instead="int8 or none")
-        if model_cfg.num_experts:
-            raise ValueError(f"quantization=fp8 does not cover mixture-of-experts layers (the fused-MoE kernel "
-                             f"reads bf16/fp16 experts; {model_cfg.architecture} has {model_cfg.num_experts} "
-                             "experts per layer): use none, or int8")
     return requested
 
 
@@ -121,9 +121,7 @@ def _dequantized(weights, modules: dict[str, str], dtype: torch.dtype):
         if not isinstance(item, tuple):
             yield name, item
         elif is_stacked_expert(name):
-            qtype, arrays = item
-            flat = {k: v.flatten(0, 1) for k, v in arrays.items()}   # [E * N, ...]: one matrix
-            yield from unstacked(name, dequantize(qtype, flat).to(dtype).unflatten(0, arrays["qweight"].shape[:2]))
+            yield from dequantized_experts(name, item[0], item[1], dtype, dequantize)
         else:
             yield f"{name}.weight", dequantize(item[0], item[1]).to(dtype)
 
@@ -183,10 +181,7 @@ def _quantize_int8(model: LlamaForCausalLM) -> None:
         model.embed_tokens = QuantEmbedding(model.lm_head)
     # experts too, one Q8_0 matrix each; routers stay float (a small [E, H] matrix whose rounding
     # would move tokens between experts, which llama.cpp's quantizer leaves float too)
-    experts = [b.experts for b in moe_blocks(model)]
-    if experts and not (model.cfg.hidden_size % QK or experts[0].intermediate % QK):
-        pack_experts(model, lambda w: QuantLinear("Q8_0", quantize_q8_0(w)))
-    elif experts:
+    if not quantize_experts(model, lambda w: QuantLinear("Q8_0", quantize_q8_0(w))):
         kept.append("experts")
     if kept:
         log.warning("quantization=int8: %d linear layer(s) kept float, their inputs not whole groups of "

@@ -127,3 +127,14 @@ def test_bad_shapes_and_dtypes_are_refused_by_name(change, message):
     case = change(dict(x=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids))
     with pytest.raises(ValueError, match=message):
         fm.fused_moe(**case)
+
+
+def test_the_kernel_keeps_the_references_signature_and_dispatch_picks_it():
+    import inspect
+
+    from kernels import dispatch
+    params = lambda f: [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]  # noqa: E731
+    assert params(fm.fused_moe) == params(ref.fused_moe)
+    assert dispatch.get_ops("triton", torch.device(DEVICE)).fused_moe is fm.fused_moe
+    assert dispatch.get_ops("torch", torch.device("cpu")).fused_moe is ref.fused_moe
+    assert dispatch.cpu_ops(torch.float32).fused_moe is ref.fused_moe   # the grouped path on the CPU
