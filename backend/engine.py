@@ -63,9 +63,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:  # beyond the window we would attend where HF does not
-            limit = min(limit, self.model_config.sliding_window)
+        limit = self.model_config.max_position_embeddings  # (sliding windows: the attention's, per layer)
         if self.config.max_model_len == 0:
             return limit
         if self.config.max_model_len > limit:

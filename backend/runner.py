@@ -33,7 +33,7 @@ from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
 from backend.models.expert_load import ExpertLoad
 from backend.models.moe import reads_counts_on_host
-from backend.models.rope import rope_cos_sin
+from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group
 from backend.sampler import sample
@@ -96,8 +96,7 @@ class ModelRunner:
             self.model = self._load_model()
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
                                           self.env.tensor_device, tp=self.tp)
-            cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta, model_cfg.rope_scaling)
-            self.rope = (cos.to(self.env.tensor_device), sin.to(self.env.tensor_device))
+            self.rope = rope_tables(model_cfg, max_model_len, self.env.tensor_device)
             width = -(-max_model_len // self.block_size)
             check_block_tables(config, width, self.env)  # sizes against memory: backend/memory_checks.py
             self.tables = BlockTables(config.max_num_seqs, width, self.block_size, self.env.tensor_device)
@@ -180,7 +179,8 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
     def _context(self, **fields) -> AttentionContext:
-        return AttentionContext(ops=self.ops, scale=self.model_cfg.head_dim ** -0.5, **fields)
+        cfg = self.model_cfg
+        return AttentionContext(ops=self.ops, scale=cfg.attention_scale, layer_windows=cfg.layer_windows, **fields)
 
     def _step_context(self, step: StepInputs) -> AttentionContext:
         table = self.tables.table

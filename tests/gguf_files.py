@@ -100,23 +100,12 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
     writer = gguf.GGUFWriter(str(path), arch)
     if name:
         writer.add_name(name)
-    writer.add_block_count(keys["block_count"])
-    writer.add_context_length(keys["context_length"])
-    writer.add_embedding_length(keys["embedding_length"])
-    writer.add_feed_forward_length(keys["feed_forward_length"])
-    writer.add_head_count(keys["head_count"])
-    writer.add_head_count_kv(keys["head_count_kv"])
-    writer.add_layer_norm_rms_eps(1e-5)
+    add_shape(writer, keys["block_count"], keys["context_length"], keys["embedding_length"],
+              keys["feed_forward_length"], keys["head_count"], keys["head_count_kv"], 1e-5)
     writer.add_rope_freq_base(10000.0)
     if arch != "qwen2":
         writer.add_rope_dimension_count(s["head_dim"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_bpe_tokenizer(writer, tokens, merges, token_types, pre)
     writer.add_chat_template(CHAT_TEMPLATE)
     matrices = 0
     for hf, w in weights.items():
@@ -143,11 +132,38 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
             writer.add_tensor(name_, quantize(data, qtype.name), raw_dtype=qtype)
     for name_, data in (extra_tensors or {}).items():
         writer.add_tensor(name_, data)
+    finish(writer)
+    return weights
+
+
+def add_shape(writer, layers: int, context: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+              eps: float) -> None:
+    """The architecture keys every file has."""
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(eps)
+
+
+def add_bpe_tokenizer(writer, tokens: list[str], merges: list[str], token_types: list[int], pre: str) -> None:
+    """A byte-level BPE tokenizer as ``tokenizer.ggml.*`` metadata (BOS 1, EOS 2)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def finish(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return weights
 
 
 def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
@@ -165,13 +181,7 @@ def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
     scores = [0.0] * 259 + [-float(i) for i in range(len(vocab) - 259)]
     s = dict(SHAPE, layers=1)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(s["hidden"])
-    writer.add_feed_forward_length(s["ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_layer_norm_rms_eps(1e-5)
+    add_shape(writer, 1, 64, s["hidden"], s["ffn"], s["heads"], s["kv_heads"], 1e-5)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(vocab)
     writer.add_token_types(types)
@@ -181,10 +191,7 @@ def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
     writer.add_unk_token_id(0)
     for hf, w in hf_weights(len(vocab), 0, qkv_bias=False, tied=True, s=s).items():
         writer.add_tensor(gguf_name(hf), w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def llama_cpp_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float = 1.0,
@@ -285,6 +292,67 @@ def tensor_info_offsets(path: Path, tensor: str) -> dict[str, int]:
     pos = info.offset + 8 + len(tensor.encode())
     n_dims = len(info.parts[3])
     return {"n_dims": pos, "dims": pos + 4, "type": pos + 4 + 8 * n_dims, "offset": pos + 8 + 8 * n_dims}
+
+
+# -- a transformers checkpoint as llama.cpp's convert_hf_to_gguf.py writes it (Qwen3, Gemma 3) -------
+_GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+_NORM_NAMES = {"qwen3": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"},
+               "gemma3": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                          "post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}}
+
+
+def write_gguf_from_hf(path: Path, hf_dir: Path, tokenizer_json: Path, types: Sequence[str] = ("F32",)) -> str:
+    """Convert a transformers checkpoint of Qwen3 or Gemma 3 into a GGUF file the way llama.cpp's
+    converter does: its metadata keys, its tensor names, q/k rows as they are (no permutation for
+    these architectures), every Gemma norm weight stored as 1 + w, the global layers' RoPE base and
+    linear scaling, no output.weight when tied. Matrices take `types` in turn. Returns the GGUF
+    architecture name."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from safetensors.numpy import load_file
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    arch = _GGUF_ARCH[config["architectures"][0]]
+    weights = load_file(str(Path(hf_dir) / "model.safetensors"))
+    tokens, merges, token_types = tokenizer_metadata(tokenizer_json)
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_shape(writer, config["num_hidden_layers"], config["max_position_embeddings"], config["hidden_size"],
+              config["intermediate_size"], config["num_attention_heads"], config["num_key_value_heads"],
+              config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    rope = config["rope_parameters"]
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (llama.cpp's freq_base)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    add_bpe_tokenizer(writer, tokens, merges, token_types, "smollm")
+    names = {**_GGUF_NAMES, **_NORM_NAMES[arch]}
+    matrices = 0
+    for hf, w in weights.items():
+        w = w.astype(np.float32)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            w = w + 1.0
+        base, suffix = hf.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            _, _, layer, part = base.split(".", 3)
+            name = f"blk.{layer}.{names[part]}.{suffix}"
+        else:
+            name = f"{names[base]}.{suffix}"
+        qtype = T.F32
+        if w.ndim == 2:
+            qtype = T[types[matrices % len(types)]]
+            matrices += 1
+        writer.add_tensor(name, w if qtype == T.F32 else quantize(w, qtype.name),
+                          raw_dtype=None if qtype == T.F32 else qtype)
+    finish(writer)
+    return arch
 
 
 # -- mixtures of experts: a transformers checkpoint written as llama.cpp's converter writes it ----------

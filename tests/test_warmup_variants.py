@@ -75,7 +75,7 @@ def test_serving_launches_only_what_the_warm_up_compiled(variants, mode):
     assert serving and serving <= warm, sorted(serving - warm)
     kernels = {json.loads(json.dumps(eval(k)))[0] for k in warm}   # noqa: S307 (our own repr)
     assert kernels == {"decode_attention_kernel", "decode_merge_kernel", "prefill_attention_kernel",
-                       "store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"}
+                       "store_kv_kernel", "rms_norm_kernel", "rotary_kernel", "gated_act_kernel"}
 
 
 def test_kernels_aot_checks_the_variants_the_warm_up_compiles(variants):

@@ -196,11 +196,12 @@ def check_config(config: Mapping[str, Any], arch: str, head_dim_given: bool) -> 
                               "(inflight's limit on a model's positions)")
 
 
-def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: Mapping[str, Any], arch: str = "llama") -> dict[str, tuple[int, ...]]:
     """Every tensor a model of this configuration has, by GGUF name, with its numpy shape."""
     hidden, vocab, ffn = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
+    head_dim = config["head_dim"]
+    q = config["num_attention_heads"] * head_dim
+    kv = config["num_key_value_heads"] * head_dim
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if not config["tie_word_embeddings"]:
         shapes["output.weight"] = (vocab, hidden)
@@ -212,8 +213,10 @@ def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         experts = moe_layer_shapes(config, i)
         shapes.update(experts or {b + "ffn_gate.weight": (ffn, hidden), b + "ffn_up.weight": (ffn, hidden),
                                   b + "ffn_down.weight": (hidden, ffn)})
-        if config.get("model_type") == "qwen3_moe":   # q/k norms: one weight of head_dim
-            shapes.update({b + "attn_q_norm.weight": (config["head_dim"],), b + "attn_k_norm.weight": (config["head_dim"],)})
+        if arch in ("qwen3", "gemma3", "qwen3moe"):  # one norm weight per head dimension, shared by the heads
+            shapes.update({b + "attn_q_norm.weight": (head_dim,), b + "attn_k_norm.weight": (head_dim,)})
+        if arch == "gemma3":  # the attention's and the MLP's output norms
+            shapes.update({b + "post_attention_norm.weight": (hidden,), b + "post_ffw_norm.weight": (hidden,)})
     return shapes
 
 
@@ -227,7 +230,7 @@ def check_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any
     if config["num_hidden_layers"] > len(layers):  # before listing what so many layers would hold
         raise GGUFImportError(f"{arch}.block_count is {config['num_hidden_layers']} but the file has "
                               f"tensors for {len(layers)} layer(s)")
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, arch)
     sizes = {"q": config["num_attention_heads"] * config["head_dim"],
              "kv": config["num_key_value_heads"] * config["head_dim"], "hidden": config["hidden_size"]}
     for name, shape in shapes.items():

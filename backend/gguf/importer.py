@@ -29,8 +29,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from backend.gguf.checks import check_config, check_shapes, scan
-from backend.gguf.mapping import (MOE_TENSORS, ROPE_FREQS, GGUFImportError, hf_architecture, hf_config,
-                                  hf_tensor_name, llama3_rope_scaling, read_metadata, unpermute_rows)
+from backend.gguf.mapping import (GEMMA_NORM_SHIFT, MOE_TENSORS, PERMUTED_ARCHITECTURES, ROPE_FREQS,
+                                  GGUFImportError, hf_architecture, hf_config, hf_tensor_name,
+                                  llama3_rope_scaling, read_metadata, unpermute_rows)
 from backend.gguf.packed import (FLOAT_TYPES, PACKED_TYPES, TYPE_NAMES, float_array, pack,
                                  supported_types, type_name)
 from backend.gguf.tokenizer import build_tokenizer, tokenizer_config
@@ -46,12 +47,11 @@ def _numpy_shape(tensor) -> tuple[int, ...]:
     return tuple(reversed([int(s) for s in tensor.shape]))  # GGUF lists dimensions innermost first
 
 
-def _tensor_arrays(tensor, config: dict[str, Any], permuted: bool,
+def _tensor_arrays(tensor, config: dict[str, Any], arch: str,
                    dequantize_to: Optional[str]) -> dict[str, Any]:
     """One GGUF tensor as the folder's tensors: ``P.weight`` (float), or ``P.qweight``... (packed);
     stacked experts [E, N, K] packed as one [E, ...] module, or float as E per-expert tensors."""
-    name = hf_tensor_name(tensor.name, config["architectures"][0])
-    ggml_type, shape = int(tensor.tensor_type), _numpy_shape(tensor)
+    name, ggml_type, shape = hf_tensor_name(tensor.name, arch), int(tensor.tensor_type), _numpy_shape(tensor)
     experts = len(shape) == 3 and tensor.name.rsplit(".", 2)[-2] in MOE_TENSORS
     try:
         if ggml_type not in PACKED_TYPES:
@@ -68,11 +68,14 @@ def _tensor_arrays(tensor, config: dict[str, Any], permuted: bool,
         return _expert_tensors(name, arrays, ggml_type, dequantize_to)
     heads = ("num_attention_heads" if ".q_proj." in name else
              "num_key_value_heads" if ".k_proj." in name else None)
-    if permuted and heads:
+    if arch in PERMUTED_ARCHITECTURES and heads:
         arrays = {k: unpermute_rows(v, config[heads]) for k, v in arrays.items()}
     prefix = name.rsplit(".", 1)[0]
     if ggml_type not in PACKED_TYPES:
-        return {name: _torch(arrays["weight"], ggml_type, dequantize_to)}
+        tensor_ = _torch(arrays["weight"], ggml_type, dequantize_to)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stored 1 + w (mapping.py)
+            tensor_ = (tensor_.float() - GEMMA_NORM_SHIFT).to(tensor_.dtype)
+        return {name: tensor_}
     if dequantize_to is None:
         return {f"{prefix}.{k}": _torch(v) for k, v in arrays.items()}
     from kernels.quant_reference import dequantize
@@ -133,7 +136,6 @@ def write_weights(reader, config: dict[str, Any], arch: str, folder: Path,
     """Every tensor into ``folder`` under HF names, one shard at a time; returns the quantized
     modules (HF name without ``.weight`` -> GGUF type) that stay packed."""
     weights = [t for t in reader.tensors if t.name != ROPE_FREQS]
-    permuted = arch in ("llama", "mistral")  # Qwen2 files keep HF's row order
     if dequantize_to is None:
         nbytes = lambda t: int(t.data.nbytes)  # noqa: E731  (packed: about the file's bytes)
     else:
@@ -145,7 +147,7 @@ def write_weights(reader, config: dict[str, Any], arch: str, folder: Path,
                 else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
         tensors: dict[str, Any] = {}
         for t in shard:
-            tensors.update(_tensor_arrays(t, config, permuted, dequantize_to))
+            tensors.update(_tensor_arrays(t, config, arch, dequantize_to))
         _save(tensors, folder / file)
         weight_map.update(dict.fromkeys(tensors, file))
     if len(shards) > 1:
@@ -153,7 +155,7 @@ def write_weights(reader, config: dict[str, Any], arch: str, folder: Path,
                     {"metadata": {"total_size": sum(nbytes(t) for t in weights)}, "weight_map": weight_map})
     if dequantize_to is not None:
         return {}
-    return {hf_tensor_name(t.name, config["architectures"][0]).rsplit(".", 1)[0]: PACKED_TYPES[int(t.tensor_type)]
+    return {hf_tensor_name(t.name, arch).rsplit(".", 1)[0]: PACKED_TYPES[int(t.tensor_type)]
             for t in weights if int(t.tensor_type) in PACKED_TYPES}
 
 
@@ -208,7 +210,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
                              int(tensor.tensor_type), "float32").numpy()
             config["rope_scaling"] = llama3_rope_scaling(factors.astype(np.float64), config)
         else:
-            hf_tensor_name(tensor.name, config["architectures"][0])  # refuse unknown tensors before writing anything
+            hf_tensor_name(tensor.name, arch)  # refuse unknown tensors before writing anything
 
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -245,7 +247,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="inflight import-gguf",
-        description="Convert a GGUF file (Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE) into a Hugging Face checkpoint folder, "
+        description="Convert a GGUF file (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE) into a "
+                    "Hugging Face checkpoint folder, "
                     "its quantized weights kept packed (docs/quantization.md).")
     parser.add_argument("file", help="the .gguf file")
     parser.add_argument("--out", required=True, help="the checkpoint folder to write")

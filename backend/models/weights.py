@@ -260,10 +260,12 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
     elif quantization == "fp8":
         _quantize_fp8(model)
     rows: Callable[[int], int] = lambda n: n  # noqa: E731
-    if ops_name == "cpu" and can_pack(device, dtype):
+    # bf16 weights beside float32 activations need the packed linears whatever the attention
+    # kernels (a plain nn.Linear refuses the mix; attention_backend=torch with dtype=bfloat16 failed)
+    if can_pack(device, dtype) and (ops_name == "cpu" or compute != dtype):
         pack_linears(model)  # the float linears left: oneDNN GEMMs on reordered weights
         pack_experts(model)  # and float experts: one oneDNN GEMM per active expert
-        if quantization == "none":
+        if quantization == "none" and ops_name == "cpu":
             rows = padded_rows  # each step padded once to oneDNN's row buckets
     if tp is not None:
         from backend.parallel.layers import parallelize
