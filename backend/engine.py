@@ -283,6 +283,7 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **self.runner.moe_stats(),  # tokens per expert, load imbalance (mixtures of experts)
         }
 
     def check_integrity(self) -> None:

@@ -31,6 +31,8 @@ from backend.memory_checks import check_block_tables, check_kv_cache
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
+from backend.models.expert_load import ExpertLoad
+from backend.models.moe import reads_counts_on_host
 from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group
@@ -105,6 +107,8 @@ class ModelRunner:
                 check_kv_cache(config, self.num_blocks, self._bytes_per_block(), self.env)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,
                  self.block_size, self.num_blocks * self._bytes_per_block() / 2**20, self.device, self.ops.name,
                  bool(self.graphs and self.graphs.graphs))
@@ -116,6 +120,9 @@ class ModelRunner:
         self.weights = load_model(self.config, self.model_cfg, self.device, self.dtype, self.ops.name,
                                   tensor_device=self.env.tensor_device, tp=self.tp)
         self.padded_rows = self.weights.padded_rows
+        # tokens per expert, counted on the device (MoE models; rows: a step's most, padded)
+        rows = max(self.padded_rows(self.config.max_num_batched_tokens), self.config.max_num_seqs)
+        self.expert_load = ExpertLoad.attach(self.weights.model, rows, self.env.tensor_device)
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype, self.device, self.weights.quantization)
         return self.weights.model
 
@@ -158,6 +165,10 @@ class ModelRunner:
         with kernels other than Triton's (the references size their work from the lengths)."""
         if self.config.enforce_eager or self.ops.name != "triton" or self.lora is not None:
             return None  # (LoRA steps run eagerly: docs/lora.md)
+        if reads_counts_on_host(self.model):
+            log.info("CUDA graphs off: the experts run one GEMM per active expert (packed or int8 experts), "
+                     "which reads their token counts on the host")
+            return None
         empty_i32 = torch.zeros(1, dtype=torch.int32, device=self.env.tensor_device)
         make_context = functools.partial(
             self._context, kv_caches=self.kv_caches, prefill_block_tables=self.tables.table[:0],
@@ -230,6 +241,8 @@ class ModelRunner:
 
     def _compute(self, step: StepInputs, graph_size: Optional[int]) -> Optional[torch.Tensor]:
         """The step's model run on this rank: the logits of the rows that sample, None if none does."""
+        if self.expert_load is not None:
+            self.expert_load.mark_rows(step.slot_mapping)
         if graph_size is not None:
             hidden = self.graphs.run(step, self.tables.table)
         else:
@@ -237,6 +250,10 @@ class ModelRunner:
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards
+
+    def moe_stats(self) -> dict:
+        """Tokens per expert and the last interval's load imbalance (MoE models; else nothing)."""
+        return self.expert_load.snapshot() if self.expert_load is not None else {}
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank)."""

@@ -180,6 +180,9 @@ def _read_tensors(name: str, folder: Path, cfg: ModelConfig) -> dict[tuple[str, 
                                                 f"{', '.join(SHARD_OF)}")
                 if layer >= cfg.num_layers:
                     raise _refuse(name, folder, f"module '{m['module']}': the base model has {cfg.num_layers} layers")
+                if PARENT[hf] == "mlp" and cfg.is_moe_layer(layer):
+                    raise _refuse(name, folder, f"module '{m['module']}': layer {layer}'s MLP is a mixture of "
+                                                "experts, which LoRA does not reach (its attention projections it does)")
                 found[(m["module"].removeprefix("model."), m["ab"])] = _checked(name, folder, key, f.get_tensor(key))
     except (OSError, SafetensorError) as exc:  # truncated, corrupt, not a safetensors file at all
         raise _refuse(name, folder, f"{WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None

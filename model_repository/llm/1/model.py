@@ -114,6 +114,8 @@ class Metrics:
                                        "changed", fam.GAUGE)
         self.cache_info = self.lora_info = None
         self.max_loras = 0  # 0: LoRA off, no lora_requests_info (as vLLM without a LoRA config)
+        self._family = family
+        self.moe = None  # (tokens per expert counters, imbalance gauge): made when a MoE model reports
 
     def describe(self, block_size, num_blocks, max_loras):
         """The engine's fixed figures: its cache's shape, and max_loras (0 without LoRA)."""
@@ -146,11 +148,33 @@ class Metrics:
             if delta > 0:
                 metric.increment(delta)
                 self._counted[key] += delta
+        self._update_moe(stats)
         lengths = stats.get("spec_decode_acceptance_lengths") or []
         for i, n in enumerate(lengths):  # the engine keeps a tally per length: observe what is new
             for _ in range(n - (self._lengths[i] if i < len(self._lengths) else 0)):
                 self.hist["acceptance"].observe(i + 1)
         self._lengths = list(lengths)
+
+    def _update_moe(self, stats):
+        """Mixtures of experts: tokens routed to each expert (summed over the layers; a token counts
+        once per expert it picks) and the last interval's load imbalance (busiest expert / mean)."""
+        tokens = stats.get("moe_expert_tokens")
+        if not tokens:
+            return
+        if self.moe is None:
+            fam = pb_utils.MetricFamily
+            counter = self._family("inflight_moe_expert_tokens_total",
+                                   "Tokens routed to each expert, summed over the MoE layers", fam.COUNTER)
+            gauge = self._family("inflight_moe_load_imbalance", "Tokens of the busiest expert over the mean, "
+                                 "in the worst MoE layer, since the last report (1: even)", fam.GAUGE)
+            self.moe = ([counter.Metric(labels={**self.labels, "expert": str(e)}) for e in range(len(tokens))],
+                        gauge.Metric(labels=self.labels), [0] * len(tokens))
+        counters, gauge, counted = self.moe
+        for e, n in enumerate(tokens):
+            if n > counted[e]:
+                counters[e].increment(n - counted[e])
+                counted[e] = n
+        self._set("moe_imbalance", gauge, stats.get("moe_load_imbalance", 0.0))
 
     def _lora_info(self, labels):
         """The series of these labels, stamped now when they change. Triton keeps every series made
