@@ -282,8 +282,7 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
-            **(self.speculator.stats() if self.speculator is not None else {}),
-            **self.runner.moe_stats(),  # tokens per expert, load imbalance (mixtures of experts)
+            **(self.speculator.stats() if self.speculator is not None else {}), **self.runner.moe_stats(),
         }
 
     def check_integrity(self) -> None:
