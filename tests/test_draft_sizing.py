@@ -20,7 +20,8 @@ FRACTION, BLOCK = 0.9, 16
 
 def _write_config(tmp_path, name, config_class, **dims):
     path = tmp_path / name
-    config_class(**dims).save_pretrained(path)   # transformers' own config.json for the shape
+    architecture = {"Qwen2Config": "Qwen2ForCausalLM", "LlamaConfig": "LlamaForCausalLM"}[config_class.__name__]
+    config_class(architectures=[architecture], **dims).save_pretrained(path)   # transformers' own config.json
     return load_model_config(path)
 
 

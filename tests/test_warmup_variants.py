@@ -34,6 +34,12 @@ FakeCuda().install(pytest.MonkeyPatch())
 from backend import LLM, SamplingParams
 from backend.make_model import make_model
 from lora_adapters import make_adapter
+from backend.models import quant_linear
+from kernels.quant_dispatch import quant_linear as gpu_quant_linear
+# the fake GPU's tensors stay on the CPU: packed weights go to the GPU GEMMs, as on CUDA tensors
+# (no C kernel for them, x.is_cuda true)
+quant_linear.cpu_kernel = lambda qtype, parts: None
+quant_linear.packed_matmul = lambda x, qtype, parts, bias=None: gpu_quant_linear(x, qtype, parts, bias)
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16)
@@ -68,11 +74,12 @@ for mode, config in CONFIGS.items():
             lora = ["a" if i % 2 else None for i in range(batch)] if mode == "lora" else None
             llm.generate(prompts, SamplingParams(max_tokens=rng.randint(2, 20), ignore_eos=True, temperature=0.0),
                          lora_request=lora)
-    result[mode] = dict(warm=sorted({key(l) for l in warm}), serving=sorted({key(l) for l in serving}))
+    result[mode] = dict(warm=sorted({key(l) for l in warm}), serving=sorted({key(l) for l in serving}),
+                        w8_block_m={when: sorted({l.constexprs["BLOCK_M"] for l in ls if l.name == "w8_gemm_kernel"})
+                                    for when, ls in (("warm", warm), ("serving", serving))})
 shape = aot.ModelShape(SHAPE["hidden_size"], SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"],
                        SHAPE["head_dim"], SHAPE["intermediate_size"])
 result["aot"] = sorted({key(l) for l in aot.model_launches(shape, torch.bfloat16, 16)})
-result["aot-int8"] = sorted({key(l) for _, ls in aot.dtype_variants(shape, "bf16", 16) for l in ls})
 print(json.dumps(result))
 """
 
@@ -90,7 +97,7 @@ def variants(tmp_path_factory):
 FLOAT_KERNELS = {"decode_attention_kernel", "decode_merge_kernel", "prefill_attention_kernel", "store_kv_kernel",
                  "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"}
 KERNELS = {"eager": FLOAT_KERNELS, "graphs": FLOAT_KERNELS,
-           "int8-eager": FLOAT_KERNELS | {"w8_gemm_kernel", "split_k_reduce_kernel"},
+           "int8-eager": FLOAT_KERNELS | {"w8_gemm_kernel"},   # K too small at this size to split
            "lora": FLOAT_KERNELS | {"lora_shrink_kernel", "lora_expand_kernel"}}
 
 
@@ -106,14 +113,17 @@ def test_serving_launches_only_what_the_warm_up_compiled(variants, mode):
 
 
 def test_the_64_row_quantized_tile_is_served_and_warmed(variants):
-    """enforce_eager, max_num_seqs 80: the w8 GEMM's three M tiles (16, 64, prefill) all serve."""
-    tiles = {dict(eval(k)[2]).get("BLOCK_M") for k in variants["int8-eager"]["serving"]   # noqa: S307
-             if eval(k)[0] == "w8_gemm_kernel"}                                           # noqa: S307
-    assert tiles == {16, 64}, tiles
+    """enforce_eager, max_num_seqs 80: decode batches of 1-16, 17-64 and > 64 rows take the w8
+    GEMM's 16-row tile, its 64-row decode tile and its prefill tile (64 rows, other N and K tiles)."""
+    tiles = variants["int8-eager"]["w8_block_m"]
+    assert tiles["serving"] == tiles["warm"] == [16, 64]
+    served = [eval(k)[2] for k in variants["int8-eager"]["serving"] if eval(k)[0] == "w8_gemm_kernel"]  # noqa: S307
+    assert len(served) == 3                                # 16-row decode, 64-row decode, prefill
 
 
 def test_kernels_aot_checks_the_variants_the_warm_up_compiles(variants):
     assert set(variants["eager"]["warm"]) <= set(variants["aot"]), sorted(set(variants["eager"]["warm"]) - set(variants["aot"]))
     assert set(variants["graphs"]["warm"]) <= set(variants["aot"])
-    for mode in ("int8-eager", "lora"):
-        assert set(variants[mode]["warm"]) <= set(variants["aot-int8"]), sorted(set(variants[mode]["warm"]) - set(variants["aot-int8"]))
+    # LoRA's SGMV kernels too (this model's projections are too narrow for kernels.aot's quantized
+    # GEMM shapes, whose K is a multiple of 256: those are checked by tests/kernels/test_quant_aot.py)
+    assert set(variants["lora"]["warm"]) <= set(variants["aot"]), sorted(set(variants["lora"]["warm"]) - set(variants["aot"]))
