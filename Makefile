@@ -26,6 +26,7 @@ help:
 	@echo "make soak    2-minute Locust soak against a local tritonserver (docs/reliability.md)"
 	@echo "make gpu-check  the GPU acceptance script (CUDA machine; results in $(GPU_CHECK_OUT)/)"
 	@echo "make aot    compile every kernel ahead of time for sm_80 and sm_90 (no GPU needed)"
+	@echo "make test-compat  kernel tests, kernels.aot and gpu-check --dry-run in a venv of a bare GPU image's packages"
 
 # Re-installs only when pyproject.toml changes (or the venv is new).
 setup: $(STAMP)

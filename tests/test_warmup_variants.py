@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow   # an engine per configuration in a subprocess: ~40-80 s
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r"""
 import json, os, random, sys
@@ -75,8 +77,9 @@ for mode, config in CONFIGS.items():
             llm.generate(prompts, SamplingParams(max_tokens=rng.randint(2, 20), ignore_eos=True, temperature=0.0),
                          lora_request=lora)
     result[mode] = dict(warm=sorted({key(l) for l in warm}), serving=sorted({key(l) for l in serving}),
-                        w8_block_m={when: sorted({l.constexprs["BLOCK_M"] for l in ls if l.name == "w8_gemm_kernel"})
-                                    for when, ls in (("warm", warm), ("serving", serving))})
+                        w8_tiles={when: sorted({(l.constexprs["BLOCK_M"], l.constexprs["BLOCK_N"]) for l in ls
+                                                if l.name == "w8_gemm_kernel"})
+                                  for when, ls in (("warm", warm), ("serving", serving))})
 shape = aot.ModelShape(SHAPE["hidden_size"], SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"],
                        SHAPE["head_dim"], SHAPE["intermediate_size"])
 result["aot"] = sorted({key(l) for l in aot.model_launches(shape, torch.bfloat16, 16)})
@@ -115,10 +118,8 @@ def test_serving_launches_only_what_the_warm_up_compiled(variants, mode):
 def test_the_64_row_quantized_tile_is_served_and_warmed(variants):
     """enforce_eager, max_num_seqs 80: decode batches of 1-16, 17-64 and > 64 rows take the w8
     GEMM's 16-row tile, its 64-row decode tile and its prefill tile (64 rows, other N and K tiles)."""
-    tiles = variants["int8-eager"]["w8_block_m"]
-    assert tiles["serving"] == tiles["warm"] == [16, 64]
-    served = [eval(k)[2] for k in variants["int8-eager"]["serving"] if eval(k)[0] == "w8_gemm_kernel"]  # noqa: S307
-    assert len(served) == 3                                # 16-row decode, 64-row decode, prefill
+    tiles = variants["int8-eager"]["w8_tiles"]                  # (BLOCK_M, BLOCK_N)
+    assert tiles["serving"] == tiles["warm"] == [[16, 64], [64, 64], [64, 128]]
 
 
 def test_kernels_aot_checks_the_variants_the_warm_up_compiles(variants):

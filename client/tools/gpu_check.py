@@ -254,10 +254,11 @@ def _run_all(run: Run, dry_run: bool, gpus: int) -> None:
             if reasons[p.name]:
                 run.record(p.name, dict(ok=True, skipped=reasons[p.name]), time.time(), budget)
                 continue
-            limit = min(budget, deadline - time.time())
-            if limit < 5:
+            left = deadline - time.time()
+            if left < 5:
                 run.record(p.name, dict(ok=True, skipped=f"no time left of the run's {TOTAL_BUDGET_S} s"), time.time(), budget)
                 continue
+            limit = min(budget, left)
             part_env = dict(child_env)
             if dry_run and p.interpreted:
                 part_env["TRITON_INTERPRET"] = "1"   # chosen before triton loads in the child

@@ -18,7 +18,7 @@ of the top logit, `ulps(layers)`:
   a random walk that grows like the square root of the depth. Measured on the check's model (16
   layers, CPU): transformers bf16 against float32 leaves the final hidden state 2.6% off on
   average (3.5% at most) and moves a gap by up to 5.8 ulps over 1k positions; simulated over 10k
-  positions with 3.5% in the reference and twice that in the engine, gaps reach 23 ulps
+  positions with 3.5% in the reference and twice that in the engine, gaps reach 18-23 ulps
   (docs/performance.md, "gpu-check's greedy tolerance"). 16 layers: 2 + 24 = 26 ulps, 3.25 at a
   logit of 26; a wrong layer moves thousands of positions past it.
 The same-dtype reference decides (two implementations of the same arithmetic); the float32 column

@@ -101,10 +101,11 @@ def skip_reason(p: Part, dry_run: bool, gpus: int, server: Optional[str], interp
     """Why this machine cannot run the part ('' if it can): a missing module or server, too few
     GPUs, or (dry run) a CPU interpreter that cannot run the kernels."""
     missing = [m for m in p.needs if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"needs {', '.join(missing)} (not installed: pip install {' '.join(missing)})"
+    lacks = [f"{', '.join(missing)} (not installed: pip install {' '.join(missing)})"] if missing else []
     if p.server and server is None:
-        return "needs a tritonserver binary (nvidia-pytriton, or NVIDIA's tritonserver image)"
+        lacks.append("a tritonserver binary (nvidia-pytriton, or NVIDIA's tritonserver image)")
+    if lacks:
+        return "needs " + " and ".join(lacks)
     if p.gpus > 1 and gpus < p.gpus:
         return f"needs {p.gpus} GPUs; this machine has {gpus}"
     if dry_run and p.interpreted and interpreter_problem:

@@ -173,6 +173,7 @@ sys.exit(g.main(["--dry-run", "--out", sys.argv[1]]))
 """
 
 
+@pytest.mark.slow
 def test_a_part_over_its_budget_is_cut_and_sigterm_prints_the_table(tmp_path):
     """A part that overruns its budget is stopped and recorded as cut, and the run goes on; SIGTERM
     to the run stops the part under way (it writes what it has) and prints the table, with every
@@ -195,3 +196,14 @@ def test_a_part_over_its_budget_is_cut_and_sigterm_prints_the_table(tmp_path):
     assert "| kernels | CUT |" in stdout and "| greedy | CUT |" in stdout and "stopped: SIGTERM" in stdout
     res = json.loads((out / "gpu_check.json").read_text())
     assert res["stopped"].startswith("SIGTERM") and not res["ok"]
+
+
+def test_graph_replayed_tokens_must_equal_eager_ones():
+    from client.tools.gpu_check_engine import compare_tokens
+
+    eager = {1: [[5, 6, 7]], 16: [[1, 2], [3, 4]]}
+    assert compare_tokens({1: [[5, 6, 7]], 16: [[1, 2], [3, 4]]}, eager) == dict(
+        ok=True, requests=3, batches=[1, 16], first_diff=None)
+    res = compare_tokens({1: [[5, 6, 7]], 16: [[1, 2], [3, 9]]}, eager)
+    assert not res["ok"] and res["first_diff"] == dict(batch=16, request=1, position=1, replayed=[9], eager=[4])
+    assert not compare_tokens({1: [[5, 6]], 16: [[1, 2], [3, 4]]}, eager)["ok"]     # one came out shorter
