@@ -27,6 +27,7 @@ from backend.cpu.memory import keep_freed_memory
 from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
+from backend.memory_checks import check_block_tables, check_kv_cache
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
@@ -96,11 +97,14 @@ class ModelRunner:
                                           self.env.tensor_device, tp=self.tp)
             cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta, model_cfg.rope_scaling)
             self.rope = (cos.to(self.env.tensor_device), sin.to(self.env.tensor_device))
-            self.tables = BlockTables(config.max_num_seqs, -(-max_model_len // self.block_size), self.block_size,
-                                      self.env.tensor_device)
+            width = -(-max_model_len // self.block_size)
+            check_block_tables(config, width, self.env)  # sizes against memory: backend/memory_checks.py
+            self.tables = BlockTables(config.max_num_seqs, width, self.block_size, self.env.tensor_device)
             self.num_blocks = self._num_kv_blocks()
             if self.tp:  # the scheduler sees one engine: the group holds what its smallest rank holds
                 self.num_blocks = self.tp.smallest(self.num_blocks)
+            if not (self.env.is_cuda and config.max_tokens_in_paged_kv_cache == 0):  # else sized to what is free
+                check_kv_cache(config, self.num_blocks, self._bytes_per_block(), self.env)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,

@@ -225,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address Triton's ports and the OpenAI API listen on (default 127.0.0.1: this machine "
+                        "only; 0.0.0.0: every interface, for a trusted network or behind a proxy)")
     p.add_argument("--model-path", help="serve this Hugging Face checkpoint folder")
     p.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
                    help="override a config.pbtxt parameter for this run (repeatable)")

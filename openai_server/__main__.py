@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="the format tool calls are written in and read from (vLLM's flag; default hermes: "
                         "<tool_call> JSON; llama3_json: Llama 3's JSON calls)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; the container's entrypoint passes 0.0.0.0)")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     return p

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from backend.input_guard import lone_surrogate
 from openai_server.responses import ChoiceState, Reply, sse
 from openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
                                             triton_tensors)
@@ -93,17 +94,27 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error(exc)
 
+    # The door's backstop: what a hostile body makes Python raise past the checks that name the
+    # field (backend/input_guard.py) is still the client's fault, never a 500.
+    @app.exception_handler(RecursionError)
+    @app.exception_handler(OverflowError)
+    @app.exception_handler(UnicodeError)
+    async def _hostile_input(request: Request, exc: Exception) -> JSONResponse:
+        return _error(APIError(400, f"the request cannot be read: {type(exc).__name__}: {exc}"))
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = await triton.ready()
         return JSONResponse({"status": "ok" if ok else "triton model not ready"}, status_code=200 if ok else 503)
 
     def _card(name: str, adapters: dict[str, str]) -> dict[str, Any]:
-        """A model of /v1/models: the base, or a LoRA adapter (vLLM's card: its folder, its parent)."""
+        """A model of /v1/models: the base, or a LoRA adapter and its parent (vLLM's card, with names
+        where vLLM writes folders: a client has no use for the server's paths)."""
         if name in adapters:
-            return {"id": name, "object": "model", "created": 0, "owned_by": "inflight", "root": adapters[name],
+            return {"id": name, "object": "model", "created": 0, "owned_by": "inflight", "root": name,
                     "parent": served_model_name}
-        return {"id": served_model_name, "object": "model", "created": 0, "owned_by": "inflight", "root": model_path}
+        return {"id": served_model_name, "object": "model", "created": 0, "owned_by": "inflight",
+                "root": served_model_name}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -134,6 +145,11 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        for key, value in body.items():  # "\ud800" is valid JSON, and no text the model can take
+            where = lone_surrogate(value, key) or (key if lone_surrogate(key, key) else None)
+            if where is not None:
+                raise bad(key, f"{where} is not valid Unicode text: it holds a lone surrogate (an unpaired "
+                               "\\ud800-\\udfff escape), which UTF-8 cannot encode")
         await _check_model(body.get("model"))
         return body
 

@@ -175,7 +175,10 @@ class TritonPythonModel:
 
         from backend.async_engine import AsyncEngine  # torch loads here, after the config is known good
 
-        self.engine = AsyncEngine(engine_config)
+        try:
+            self.engine = AsyncEngine(engine_config)
+        except ValueError as exc:  # a size, adapter or checkpoint that does not fit: the reason, no traceback
+            raise pb_utils.TritonModelException(f"inflight: {exc}") from None
         self.faults = adapter.FaultInjector.from_env(Path(args["model_repository"]))
         if self.faults is not None:  # tests only: see adapter.FaultInjector
             self.faults.install(self.engine)
@@ -212,12 +215,18 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            inputs = {}
-            for name in INPUTS:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                inputs[name] = tensor.as_numpy() if tensor is not None else None
-            self.frontend.submit(request.request_id(), inputs, request.get_response_sender(),
-                                 request.parameters())
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in INPUTS:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    inputs[name] = tensor.as_numpy() if tensor is not None else None
+                parameters = request.parameters()
+            except UnicodeDecodeError as exc:  # Triton's JSON passes "\ud800" on as bytes UTF-8 refuses
+                respond(sender, None, adapter.Error(f"the request parameters are not valid UTF-8 text (a lone "
+                                                    f"surrogate such as \\ud800?): {exc}", "INVALID_ARG"), True)
+                continue
+            self.frontend.submit(request.request_id(), inputs, sender, parameters)
         return None
 
     def finalize(self):
