@@ -142,7 +142,7 @@ bench-peers: model tiny-model peers-venvs peers-llamacpp $(GGUF)
 # kernels.aot for sm_90 with triton 3.6.0's compiler, and `gpu-check --dry-run` (its xgrammar and
 # tritonserver parts must say SKIP): triton-version drift shows here before the code meets a GPU.
 # numpy < 2.4: triton 3.6's interpreter int()s one-element arrays, which numpy 2.4 refuses (a GPU
-# does not interpret). Not part of `make test`: ~10 minutes on 2 cores (docs/performance.md).
+# does not interpret). Not part of `make test`: 10-17 minutes on 2 cores (docs/performance.md).
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_PACKAGES := torch==2.13.0 triton==3.6.0 transformers==5.17.0 peft==0.21.2 "numpy>=2,<2.4" \
