@@ -15,9 +15,9 @@ def verdict(parts: dict, dry_run: bool) -> tuple[bool, list[str]]:
     for name, res in parts.items():
         if res.get("skipped"):
             continue
-        checks = {k: v for k, v in res.items() if isinstance(v, dict) and "ok" in v} or {None: res}
-        if res.get("cut") or res.get("ok") is False and None not in checks and all(v["ok"] for v in checks.values()):
-            checks = {None: res}
+        checks = {k: v for k, v in res.items() if isinstance(v, dict) and "ok" in v}
+        if not checks or res.get("cut") or (res.get("ok") is False and all(v["ok"] for v in checks.values())):
+            checks = {None: res}   # judged whole: no sub-checks, cut short, or failed outside them
         for check, value in checks.items():
             label = name + (f".{check}" if check else "")
             if dry_run and (name, check) in EXPECTED_ON_CPU:
