@@ -42,8 +42,8 @@ from client.tools.gpu_check_report import details, table, verdict
 GRACE_S = 10   # after SIGTERM, the seconds a part has to write what it has before SIGKILL
 
 
-class Stop(Exception):
-    """SIGTERM: stop the part, write what there is."""
+class Stop(BaseException):
+    """SIGTERM: stop the part, write what there is (a BaseException: no `except Exception` swallows it)."""
 
 
 def _raise_stop(signum, frame):
@@ -79,21 +79,20 @@ def environment(dry_run: bool) -> dict:
 
 def run_part(name: str, dry_run: bool, work: Path, out: Path) -> dict:
     """One part, in this (child) process; its result goes to out/NAME.json, also when cut."""
-    from client.tools.gpu_check_compile import CompileCounter
-
-    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)   # first: a part stopped while importing torch reports too
     plan = DRY if dry_run else FULL
-    model_dir = work / "model"
     progress: dict = {}
-    counter = CompileCounter().install()
+    counter = None
     try:
-        res = _part(name, plan, dry_run, model_dir, work, progress)
+        from client.tools.gpu_check_compile import CompileCounter
+        counter = CompileCounter().install()
+        res = _part(name, plan, dry_run, work / "model", work, progress)
     except Stop as exc:
-        res = dict(progress, ok=False, cut=True, error=f"cut by {exc} at its budget; partial results kept")
+        res = dict(progress, ok=False, cut=True, error=f"cut by {exc}; partial results kept")
         if name == "kernels":   # kernel_bench writes its JSON after each section
             partial = work / "kernel_bench.json"
             res.update(json.loads(partial.read_text()) if partial.exists() else {}, ok=False, cut=True)
-    res["triton_compiles"] = counter.report()
+    res["triton_compiles"] = counter.report() if counter else {}
     (out / f"{name}.json").write_text(json.dumps(res, default=str, indent=1))
     return res
 
@@ -182,8 +181,8 @@ class Run:
         else:
             tail = (self.out / f"{name}.log").read_text()[-1500:]
             res = dict(ok=False, error=f"exited {code}: {tail}")
-        if cut:
-            res.update(ok=False, cut=True, error=res.get("error") if res.get("cut") else cut)
+        if cut:   # the part's own account (it wrote what it had) after why it was stopped
+            res.update(ok=False, cut=True, error=f"{cut}: {res['error']}" if res.get("cut") else cut)
         return res
 
     def record(self, name: str, part: dict, t0: float, budget: int) -> None:

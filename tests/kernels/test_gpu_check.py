@@ -188,9 +188,10 @@ def test_a_part_over_its_budget_is_cut_and_sigterm_prints_the_table(tmp_path):
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
     kernels = json.loads((out / "kernels.json").read_text())
-    assert kernels["cut"] and not kernels["ok"] and kernels["error"] == "stopped after 1 s (budget 1 s)", kernels
+    # (whether the part had its own SIGTERM handler yet after 1 s depends on the machine's load)
+    assert kernels["cut"] and not kernels["ok"] and kernels["error"].startswith("stopped after 1 s (budget 1 s)"), kernels
     greedy = json.loads((out / "greedy.json").read_text())
-    assert greedy["cut"] and "cut by signal 15" in greedy["error"], greedy
+    assert greedy["cut"] and greedy["error"] == "stopped by SIGTERM: cut by signal 15; partial results kept", greedy
     assert proc.returncode == 1, stdout
     assert "| part | result | seconds | budget | figures |" in stdout, stdout
     assert "| kernels | CUT |" in stdout and "| greedy | CUT |" in stdout and "stopped: SIGTERM" in stdout
