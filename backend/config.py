@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from backend.kv_events import KVEventsConfig, parse_kv_events_config
 from backend.lora.sources import parse_lora_modules
 from backend.spec.config import SpeculativeConfig, parse_speculative_config
 
@@ -90,6 +91,9 @@ class EngineConfig:
     # samples, ranks 1..N-1 are processes it starts (NCCL on GPU: devices cuda:i*N .. cuda:i*N+N-1
     # for instance i; gloo on CPU).
     tensor_parallel_size: int = 1
+    # KV-cache events for prefix-aware routing (backend/kv_events.py, docs/gateway.md): JSON with
+    # vLLM's --kv-events-config keys ("" is off); needs enable_kv_cache_reuse. The Python API takes a dict.
+    kv_events_config: str = ""
     # Structured outputs (backend/structured/): the longest a constraint new to the engine may compile
     # (in a worker process, off the request path) before it is refused with a 400 and its worker is
     # killed; also the longest it may wait for a free worker before it is refused as busy.
@@ -118,6 +122,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, Mapping):
             self.speculative_config = json.dumps(dict(self.speculative_config))
+        if isinstance(self.kv_events_config, Mapping):
+            self.kv_events_config = json.dumps(dict(self.kv_events_config))
         if self.executor_static_batch_size not in (-1, 0) and self.executor_static_batch_size > 0:
             self.batching_mode = "static"
         self.validate()
@@ -160,6 +166,10 @@ class EngineConfig:
         if self.dynamic_padding_threshold < 1.0:
             raise ValueError("dynamic_padding_threshold must be >= 1.0; "
                              f"got {self.dynamic_padding_threshold}")
+        events = self.kv_events
+        if events is not None and events.enable_kv_cache_events and not self.enable_kv_cache_reuse:
+            raise ValueError("kv_events_config: enable_kv_cache_events needs enable_kv_cache_reuse=true (the "
+                             "events tell a router what the prefix cache holds)")
         if self.speculative is not None and self.batching_mode in ("static", "dynamic"):
             raise ValueError(f"speculative_config needs batching_mode inflight or none; got '{self.batching_mode}' "
                              "(padded batches run every member to the longest: nothing to speculate on)")
@@ -168,6 +178,11 @@ class EngineConfig:
     def speculative(self) -> "SpeculativeConfig | None":
         """speculative_config, parsed and checked (ValueError naming the key)."""
         return parse_speculative_config(self.speculative_config)
+
+    @property
+    def kv_events(self) -> "KVEventsConfig | None":
+        """kv_events_config, parsed and checked (ValueError naming the key)."""
+        return parse_kv_events_config(self.kv_events_config)
 
     @property
     def static_batch_size(self) -> int:

@@ -17,6 +17,7 @@ from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
 from backend.input_guard import check_text, int32
+from backend.kv_event_publisher import attach_publisher
 from backend.loader import load_model_config
 from backend.lora.engine_api import EngineLoRAs
 from backend.lora.sources import LoRALike
@@ -54,13 +55,13 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.loras = EngineLoRAs(self.runner.lora, self.scheduler)  # adapters by name (docs/lora.md)
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
+        self.kv_events = attach_publisher(config.kv_events, self.blocks, self.runner.device, self.loras.name_of_salt)
         self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids(),
                                            timeout=config.structured_outputs_compile_timeout_s)
         self.waitlist = GrammarWaitlist()  # requests whose constraint compiles (off the request path)
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -77,9 +78,7 @@ class LLMEngine:
         """4 x max_model_len x the longest token in bytes: each token covers at most that many bytes of
         text, so a longer text cannot fit in max_model_len tokens (x4 leaves room for normalizers
         that shrink text). It lets a 10 MB prompt be refused before it is tokenized."""
-        if self.tokenizer is None:
-            return 4 * self.max_model_len * 16
-        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True) if self.tokenizer is not None else {}
         longest = max((len(t.encode("utf-8")) for t in vocab), default=16)
         return 4 * self.max_model_len * max(longest, 1)
 
@@ -245,6 +244,7 @@ class LLMEngine:
         of the requests that ended (stopped, aborted, failed) is dropped here too."""
         if self.speculator is not None:
             self.speculator.release_finished()
+        self.kv_events.end_step()  # the step's changes to the prefix cache, as one batch of KV-cache events
         return self.scheduler.deliver(self.queue.report(outputs))
 
     def _fail(self, requests: list[Request], message: str, earlier: list[RequestOutput] = ()) -> list[RequestOutput]:
@@ -295,5 +295,6 @@ class LLMEngine:
             self.speculator.check_integrity()
 
     def close(self) -> None:
-        """Release what outlives the object: the other tensor-parallel ranks' processes."""
+        """Release what outlives the object: the other tensor-parallel ranks' processes, the KV-event publisher."""
+        self.kv_events.close()
         self.runner.close()

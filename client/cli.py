@@ -87,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.openai_port:
         openai_api = OpenAIServer(server.grpc_url, Path(args.model_path).resolve() if args.model_path else resolved,
                                   host=args.host, port=args.openai_port, log_to_console=True,
-                                  tool_call_parser=args.tool_call_parser)
+                                  tool_call_parser=args.tool_call_parser, metrics_url=server.metrics_url)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -147,7 +147,8 @@ def _print_usage(server, openai_api=None) -> None:
         api = f"http://{host}:{openai_api.port}/v1"
         chat = '{"model": "llm", "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
         openai_lines = (f"  OpenAI   {api}   (chat/completions, completions, models)\n"
-                        f"                        curl -s {api}/chat/completions -H 'Content-Type: application/json' -d '{chat}'\n")
+                        f"                        curl -s {api}/chat/completions -H 'Content-Type: application/json' -d '{chat}'\n"
+                        f"           {api[:-3]}/metrics   (the inference gateway's metrics, docs/gateway.md)\n")
     print(f"""
 inflight: model 'llm' is ready.
   gRPC     {grpc}     inflight generate "Once upon a time" --stream --url {grpc}

@@ -9,6 +9,7 @@ The logic lives in adapter.py beside this file (no Triton imports there, so it i
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -20,6 +21,7 @@ for path in (str(HERE), str(REPO_ROOT)):
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import adapter  # noqa: E402
+from triton_outputs import lora_info_labels  # noqa: E402
 
 INPUTS = adapter.INPUT_NAMES
 
@@ -103,6 +105,22 @@ class Metrics:
         }
         self._lengths = []  # verify steps counted so far, by tokens they gave (the engine's tally)
         self._last = {}
+        # The inference gateway's model-server protocol (docs/gateway.md): info gauges whose labels
+        # are the values, as vLLM's cache_config_info and lora_requests_info
+        self.cache_info_family = family("inflight_cache_config_info", "KV-cache configuration in the labels: "
+                                        "block_size (tokens), num_gpu_blocks; value 1", fam.GAUGE)
+        self.lora_info_family = family("inflight_lora_requests_info", "LoRA adapters with running and waiting "
+                                       "requests, and max_lora, in the labels; value: the Unix time they last "
+                                       "changed", fam.GAUGE)
+        self.cache_info = self.lora_info = None
+        self.max_loras = 0  # 0: LoRA off, no lora_requests_info (as vLLM without a LoRA config)
+
+    def describe(self, block_size, num_blocks, max_loras):
+        """The engine's fixed figures: its cache's shape, and max_loras (0 without LoRA)."""
+        self.cache_info = self.cache_info_family.Metric(
+            labels={**self.labels, "block_size": str(block_size), "num_gpu_blocks": str(num_blocks)})
+        self.cache_info.set(1)
+        self.max_loras = max_loras
 
     def observe(self, kind, seconds):
         self.hist[kind].observe(max(0.0, seconds))
@@ -121,6 +139,8 @@ class Metrics:
                 if key not in self.lora:
                     self.lora[key] = self.lora_family.Metric(labels={**self.labels, "adapter": adapter, "state": state})
                 self._set(key, self.lora[key], value)
+        if self.max_loras:
+            self._lora_info(lora_info_labels(stats.get("lora_requests", {}), self.max_loras))
         for key, metric in self.counters.items():
             delta = stats.get(key, 0) - self._counted[key]
             if delta > 0:
@@ -131,6 +151,14 @@ class Metrics:
             for _ in range(n - (self._lengths[i] if i < len(self._lengths) else 0)):
                 self.hist["acceptance"].observe(i + 1)
         self._lengths = list(lengths)
+
+    def _lora_info(self, labels):
+        """The series of these labels, stamped now when they change. Triton keeps every series made
+        (as vLLM's Prometheus client does): the current one is the newest."""
+        if self._last.get("lora_info") != labels:
+            self.lora_info = self.lora_info_family.Metric(labels={**self.labels, **labels})
+            self.lora_info.set(time.time())
+            self._last["lora_info"] = labels
 
     def _set(self, key, metric, value):
         if self._last.get(key) != value:  # each set is an IPC to the server: only on change
@@ -185,6 +213,8 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"inflight: FAULT INJECTION IS ARMED ({adapter.FAULT_ENV}=1): model steps "
                                      f"fail on demand through {self.faults.path}. For tests only.")
         self.metrics = Metrics(Metrics.instance_labels(args, self.engine.device))  # as resolved: cuda:1
+        self.metrics.describe(engine_config.kv_block_size, self.engine.stats()["kv_blocks_total"],
+                              engine_config.max_loras if engine_config.enable_lora else 0)
         self.model_name = args["model_name"]
         self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
                                          stop_file=Path(args["model_repository"]) / STOP_FILE,
