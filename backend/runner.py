@@ -38,6 +38,7 @@ from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group
 from backend.sampler import sample
 from backend.sched.step import Sampled, SchedulerOutput
+from backend.spec.draft_sizing import draft_cache_share
 from backend.spec.rejection import verify
 from backend.step_inputs import BlockTables, StepInputs, build_step, place_step
 from backend.warmup import prefill_tokens, warm_up_steps
@@ -134,8 +135,10 @@ class ModelRunner:
         cfg = self.config
         if self.env.is_cuda:  # the warm-up runs on every GPU start: it compiles what serving launches
             memory = measure(self.env, self._warm_up)
-            if cfg.max_tokens_in_paged_kv_cache == 0:
-                return blocks_that_fit(memory, cfg.kv_cache_free_gpu_mem_fraction, self._bytes_per_block(), self.device)
+            if cfg.max_tokens_in_paged_kv_cache == 0:  # a draft model (rank 0 runs it) shares the budget
+                share = draft_cache_share(cfg, self.device, self.kv_dtype) if not (self.tp and self.tp.rank) else None
+                return blocks_that_fit(memory, cfg.kv_cache_free_gpu_mem_fraction, self._bytes_per_block(), self.device,
+                                       share, self.block_size)
         if cfg.max_tokens_in_paged_kv_cache > 0:
             return max(1, cfg.max_tokens_in_paged_kv_cache // self.block_size)
         return max(1, cfg.cpu_kv_cache_tokens // self.block_size)
