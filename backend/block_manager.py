@@ -11,11 +11,7 @@ all over one pool (backend/kv_groups.py composes them). A group of local layers 
 needs only each sequence's last `window` tokens: `slide` gives back the blocks that fell wholly
 out of it, their table entries becoming `NULL_BLOCK`.
 
-With prefix caching (`enable_kv_cache_reuse`), every full block is keyed by a hash of its tokens
-and of all tokens before it. A new sequence whose prompt starts with cached blocks shares them
-(reference counts) instead of recomputing them. A block nobody holds stays cached on the free list
-until it is handed out again, least recently freed first (a slid-out block too: another sequence
-with the same prefix may find it).
+Each manager keeps its group's prefix cache (backend/prefix_cache.py: `enable_kv_cache_reuse`).
 """
 from __future__ import annotations
 
@@ -23,11 +19,12 @@ from typing import Optional, Sequence
 
 from backend.block_pool import NULL_BLOCK, ROOT_KEY, BlockPool, PoolCounts, block_hashes, block_key
 from backend.errors import NoFreeBlocksError
+from backend.prefix_cache import BlockListener, PrefixCache
 
-__all__ = ["BlockManager", "BlockPool", "NULL_BLOCK", "ROOT_KEY", "block_hashes", "block_key"]
+__all__ = ["BlockListener", "BlockManager", "BlockPool", "NULL_BLOCK", "ROOT_KEY", "block_hashes", "block_key"]
 
 
-class BlockManager(PoolCounts):
+class BlockManager(PoolCounts, PrefixCache):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  window: int = 0, pool: Optional[BlockPool] = None, max_prefill_tokens: Optional[int] = None,
                  max_decode_tokens: int = 1):
@@ -48,9 +45,7 @@ class BlockManager(PoolCounts):
         self.max_decode_tokens = max_decode_tokens
         self._tables: dict[str, list[int]] = {}
         self.num_held = 0  # table entries of every sequence: a block shared by k sequences counts k
-        self._block_hash: dict[int, bytes] = {}  # block -> key of its (full) contents
-        self._cached: dict[bytes, int] = {}  # key -> block
-        self._hashed: dict[str, tuple[int, bytes]] = {}  # seq -> (blocks registered, last key)
+        self._init_prefix_cache()
 
     # -- queries ------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int, decoding: bool = False) -> int:
@@ -101,9 +96,11 @@ class BlockManager(PoolCounts):
         if need > len(self.pool.free):
             raise NoFreeBlocksError(f"{seq_id}: needs {need} more blocks, {len(self.pool.free)} free")
         table = self._tables.setdefault(seq_id, [])
+        evicted = self.pool.evictions()
         for _ in range(need):
-            table.append(self.pool.take())
+            table.append(self.pool.take(evicted))
         self.num_held += need
+        self.pool.announce(evicted)
 
     def free(self, seq_id: str) -> None:
         """Give back every block of seq_id (a no-op for an unknown id)."""
@@ -176,93 +173,6 @@ class BlockManager(PoolCounts):
         if not self.window:
             return NULL_BLOCK not in table[:end]
         return NULL_BLOCK not in table[max(0, end - self.window_blocks()):end]
-
-    # -- prefix caching -----------------------------------------------------------------------
-    def prefix_hit(self, hashes: Sequence[bytes], limit: int) -> int:
-        """The most blocks, at most `limit`, that a sequence of these keys may take from the cache:
-        a global group, the cached run from the first key; a local group, the longest prefix whose
-        window's blocks (`window_blocks` before its end) are all cached, the blocks before them
-        left out (vLLM's sliding-window hit). Scanned from the right: the first run found is the
-        longest."""
-        limit = min(limit, len(hashes))
-        if not self.window:
-            n = 0
-            while n < limit and hashes[n] in self._cached:
-                n += 1
-            return n
-        need, run = self.window_blocks(), 0
-        if need == 0:
-            return limit
-        for i in range(limit - 1, -1, -1):
-            if hashes[i] not in self._cached:
-                run = 0
-                continue
-            run += 1
-            if run >= need or i == 0:
-                return i + run
-        return 0
-
-    def prefix_blocks(self, hashes: Sequence[bytes], length: int) -> list[int]:
-        """The cached blocks a hit of `length` blocks attaches (a local group: its window's only)."""
-        first = max(0, length - self.window_blocks()) if self.window else 0
-        return [self._cached[h] for h in hashes[first:length]]
-
-    def probe_prefix(self, hashes: Sequence[bytes], length: Optional[int] = None) -> tuple[int, bool]:
-        """What reuse_prefix would attach (a hit of `length` blocks; default its own longest),
-        without attaching it: (how many of those blocks other sequences hold, whether it reaches
-        a cached block nobody holds)."""
-        if length is None:
-            length = self.prefix_hit(hashes, len(hashes))
-        counts = [self.pool.ref_counts[b] for b in self.prefix_blocks(hashes, length)]
-        return sum(c > 0 for c in counts), 0 in counts
-
-    def reuse_prefix(self, seq_id: str, token_ids: Sequence[int] = (), hashes: Optional[Sequence[bytes]] = None,
-                     length: Optional[int] = None) -> int:
-        """Attach the longest cached prefix of token_ids (or one of `length` blocks, which must be
-        a hit) to a sequence that holds no blocks yet. Returns how many tokens are already computed.
-        The last token is never reused, so the sequence always has at least one token to run (its
-        logits give the next token). `hashes` in place of token_ids: `block_hashes(token_ids,
-        block_size, len(token_ids) - 1)`, kept by a caller that tries the same sequence at every
-        step."""
-        if not self.enable_prefix_caching or self._tables.get(seq_id):
-            return 0
-        if hashes is None:
-            hashes = block_hashes(token_ids, self.block_size, len(token_ids) - 1)
-        if length is None:
-            length = self.prefix_hit(hashes, len(hashes))
-        if length == 0:
-            return 0
-        blocks = self.prefix_blocks(hashes, length)
-        for block in blocks:
-            self.pool.hold(block)
-        self._tables[seq_id] = [NULL_BLOCK] * (length - len(blocks)) + blocks
-        self.num_held += len(blocks)
-        self._hashed[seq_id] = (length, hashes[length - 1])
-        return length * self.block_size
-
-    def register_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
-                          root: bytes = ROOT_KEY) -> None:
-        """Publish seq_id's newly completed full blocks so later sequences can share them; `root`
-        as in block_hashes (the sequence's cache salt)."""
-        if not self.enable_prefix_caching:
-            return
-        table = self._tables.get(seq_id, [])
-        done, parent = self._hashed.get(seq_id, (0, root))
-        full = min(num_computed // self.block_size, len(table))
-        bs = self.block_size
-        for i in range(done, full):
-            parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
-            block = table[i]
-            if block != NULL_BLOCK and parent not in self._cached and block not in self._block_hash:
-                self._cached[parent] = block
-                self._block_hash[block] = parent
-        if full > done:
-            self._hashed[seq_id] = (full, parent)
-
-    def _forget_hash(self, block: int) -> None:
-        h = self._block_hash.pop(block, None)
-        if h is not None:
-            del self._cached[h]
 
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self) -> None:

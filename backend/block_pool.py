@@ -52,14 +52,27 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
-    def take(self) -> int:
+    def take(self, evicted: Optional[list] = None) -> int:
         """A free block for a new owner; whichever prefix cache named it forgets it (its contents
-        are about to be overwritten)."""
+        are about to be overwritten), noted in `evicted` as (manager, block, key) when given."""
         block, _ = self.free.popitem(last=False)
         for manager in self.managers:
-            manager._forget_hash(block)
+            key = manager._forget_hash(block)
+            if key is not None and evicted is not None:
+                evicted.append((manager, block, key))
         self.ref_counts[block] = 1
         return block
+
+    def evictions(self) -> Optional[list]:
+        """A list for `take` to note evictions in, when some manager has listeners to tell."""
+        return [] if any(m.listeners for m in self.managers) else None
+
+    def announce(self, evicted: Optional[list]) -> None:
+        """Tell each manager's listeners the keys that left its cache (BlockListener.blocks_removed)."""
+        for manager in self.managers:
+            mine = [(block, key) for owner, block, key in evicted or () if owner is manager]
+            if mine:
+                manager._announce_removed(mine)
 
     def hold(self, block: int) -> None:
         """One more holder of a block (a cached one nobody held leaves the free list)."""

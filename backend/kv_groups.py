@@ -72,6 +72,9 @@ class KVCacheGroups(PoolCounts):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # KV-cache events (backend/kv_events.py) describe the first group: a model's global layers,
+        # whose blocks say where a prefix lives (a local group's come and go with the window)
+        self.listeners = self.groups[0].listeners
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -175,6 +178,10 @@ class KVCacheGroups(PoolCounts):
                           root: bytes = ROOT_KEY) -> None:
         for g in self.groups:
             g.register_computed(seq_id, token_ids, num_computed, root)
+
+    def reset_prefix_cache(self) -> bool:
+        """BlockManager.reset_prefix_cache in every group, only while no sequence holds a block."""
+        return not self.num_held and all([g.reset_prefix_cache() for g in self.groups])
 
     # -- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -277,3 +277,43 @@ def test_drafts_and_the_n_completions_of_a_prompt_on_a_model_of_several_groups(g
         assert [s.token_ids for s in outs[0].samples] == [expected] * 3
         assert llm.stats()["kv_blocks_used"] == 0
         llm.check_integrity()
+
+
+def test_kv_cache_events_describe_the_first_group():
+    """The KV-event listeners (backend/kv_events.py) hear the first group, a model's global layers:
+    its stored and evicted keys, once; a local group's blocks, which come and go with the window,
+    say nothing; reset_prefix_cache clears every group, only while nothing is held."""
+    from backend.block_manager import BlockListener
+
+    class Recorder(BlockListener):
+        def __init__(self):
+            self.calls = []
+
+        def blocks_stored(self, blocks, keys, parent, root, token_ids):
+            self.calls.append(("stored", list(blocks), list(keys)))
+
+        def blocks_removed(self, blocks, keys):
+            self.calls.append(("removed", list(blocks), list(keys)))
+
+        def cache_cleared(self):
+            self.calls.append(("cleared",))
+
+    kv = KVCacheGroups(12, 2, (0, 3), enable_prefix_caching=True, max_prefill_tokens=8)
+    rec = Recorder()
+    kv.listeners.append(rec)
+    tokens = list(range(1, 9))
+    kv.grow("a", 8)
+    kv.register_computed("a", tokens, 8)
+    kv.slide("a", 8)
+    assert rec.calls == [("stored", kv.block_tables("a")[0], block_hashes(tokens, 2))]
+    assert not kv.reset_prefix_cache()                    # "a" holds blocks
+    first = kv.block_tables("a")[0]
+    kv.free("a")
+    kv.grow("b", 8)   # the 4 unused blocks, then the local group's given-back ones and a's last
+    removed = [c for c in rec.calls if c[0] == "removed"]
+    # of the cached blocks handed out again, only the first group's are heard: a's last block
+    assert removed == [("removed", [first[3]], [block_hashes(tokens, 2)[3]])]
+    kv.free("b")
+    assert kv.reset_prefix_cache() and rec.calls[-1] == ("cleared",)
+    assert all(not g._cached for g in kv.groups)
+    kv.check_integrity()
