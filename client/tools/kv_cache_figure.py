@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Optional, Sequence
 
 
@@ -88,8 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = figure(**values)
     print(table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
