@@ -1,0 +1,124 @@
+"""The experts of a mixture-of-experts layer on the CPU in one C call per projection
+(kernels/csrc/moe_gemm.c), on weights laid out once for it.
+
+- `pack_panels(w)`: stacked expert weights [E, N, K] (float32 or bfloat16) -> the kernel's panels
+  of 16 output columns, K-major (moe_gemm.c's header); done at load, the only copy kept.
+- `expert_gemm(x, panels, n, offsets)`: rows sorted by expert, expert e's rows offsets[e] ..
+  offsets[e + 1] - 1 -> x @ W[e]^T for each, [R, n] float32. Its oracle:
+  kernels/moe_reference.py `expert_gemm` (the same product in float64), within float32 rounding.
+- `grouped_moe(x, w13, w2, topk_weights, topk_ids)`: the whole experts' computation on panels,
+  as kernels/moe_reference.py `grouped_moe` does it per expert (its oracle): the (token, slot) pairs
+  sorted by expert, one call for every active expert's gate/up, SiLU·mul, one call for every
+  down projection, the outputs weighted and added into their tokens in float32.
+
+Why a kernel of our own: docs/performance.md, "Mixture of experts on the CPU" (a decode batch
+gives each expert ~16 rows; oneDNN at 16 rows is far from its speed at 64, and the weights stream
+from memory; this kernel overlaps the two).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels import _common, cpu_build
+
+NAME = "moe_gemm"
+PANEL = 16
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURE = (ctypes.c_int, _P, _I, _P, _P, _I, _I, _I, _P, _I, _P)
+
+
+def _fn(isa=None):
+    return cpu_build.function(NAME, "moe_gemm", _SIGNATURE, isa)
+
+
+@functools.lru_cache(maxsize=None)
+def build_config(isa=None) -> dict:
+    """What the build chose for this CPU: rows per block with one panel and with two, and whether
+    bf16 weights use AVX512_BF16's dot product."""
+    cfg = (ctypes.c_int64 * 4)()
+    fn = cpu_build.load(NAME, isa).moe_gemm_config
+    fn.restype, fn.argtypes = None, [_P]
+    fn(ctypes.addressof(cfg))
+    return dict(panel=cfg[0], rows_one_panel=cfg[1], rows_two_panels=cfg[2], bf16_dot=bool(cfg[3]))
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """w [E, N, K] -> float32: [E, P, K, 16]; bfloat16: [E, P, ceil(K / 2), 16, 2] (k and k + 1 side
+    by side); P = ceil(N / 16), zero columns (and a zero k) as padding."""
+    if w.dim() != 3 or w.dtype not in DTYPES:
+        raise ValueError(f"pack_panels: expected stacked weights [E, N, K] of float32 or bfloat16; "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    e, n, k = w.shape
+    p = -(-n // PANEL)
+    w = torch.nn.functional.pad(w.detach().cpu(), (0, 0, 0, p * PANEL - n))
+    if w.dtype == torch.float32:
+        return w.view(e, p, PANEL, k).transpose(2, 3).contiguous()
+    w = torch.nn.functional.pad(w, (0, k % 2))
+    return w.view(e, p, PANEL, -1, 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def panel_shape(panels: torch.Tensor) -> tuple[int, int, int]:
+    """(experts, output columns rounded up to panels, input size rounded up for bf16's pairs)."""
+    return panels.shape[0], panels.shape[1] * PANEL, panels.shape[2] * (1 if panels.dtype == torch.float32 else 2)
+
+
+def _check(x: torch.Tensor, panels: torch.Tensor, n: int, offsets: torch.Tensor) -> None:
+    if panels.dtype not in DTYPES or panels.device.type != "cpu" or not panels.is_contiguous():
+        raise ValueError(f"expert_gemm: panels must be a contiguous CPU tensor of float32 or bfloat16 "
+                         f"(pack_panels); got {panels.dtype} on {panels.device}")
+    want_dims = 4 if panels.dtype == torch.float32 else 5
+    if panels.dim() != want_dims or panels.shape[3] != PANEL or (want_dims == 5 and panels.shape[4] != 2):
+        raise ValueError(f"expert_gemm: panels of shape {tuple(panels.shape)} are not pack_panels' layout")
+    experts, columns, k_padded = panel_shape(panels)
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"expert_gemm: x must be float32 [R, K] on the CPU with contiguous rows; got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
+    k = x.shape[1]
+    if k_padded != (k if panels.dtype == torch.float32 else k + k % 2):
+        raise ValueError(f"expert_gemm: x has K = {k} inputs; the panels hold {k_padded}")
+    if not columns - PANEL < n <= columns:
+        raise ValueError(f"expert_gemm: n = {n} outputs; the panels hold {columns - PANEL + 1} to {columns}")
+    if offsets.dtype != torch.int64 or offsets.device.type != "cpu" or tuple(offsets.shape) != (experts + 1,):
+        raise ValueError(f"expert_gemm: offsets must be int64 [{experts + 1}] on the CPU; got "
+                         f"{offsets.dtype} {tuple(offsets.shape)}")
+    bounds = offsets.tolist()
+    if bounds[0] != 0 or bounds[-1] != x.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"expert_gemm: offsets must rise from 0 to the {x.shape[0]} rows of x; got {bounds}")
+
+
+def expert_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, offsets: torch.Tensor, isa=None) -> torch.Tensor:
+    """x [R, K] float32, rows sorted by expert; panels from pack_panels; offsets int64 [E + 1]
+    (expert e's rows are offsets[e] .. offsets[e + 1] - 1) -> [R, n] float32. ``isa`` picks a
+    build other than -march=native's (cpu_build.ISA_FLAGS; the tests run every one)."""
+    _check(x, panels, n, offsets)
+    rows, k = x.shape
+    out = _common.alloc((rows, n), torch.float32, x.device)
+    if rows:
+        scratch = _common.alloc((rows * (k + k % 2),), torch.float32, x.device)
+        _fn(isa)(DTYPES[panels.dtype], x.data_ptr(), x.stride(0) if rows > 1 else k, panels.data_ptr(),
+                 offsets.data_ptr(), panels.shape[0], n, k, out.data_ptr(), n, scratch.data_ptr())
+    return out
+
+
+def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, intermediate: int, silu_mul) -> torch.Tensor:
+    """The experts' output [T, H] (x's dtype, float32) for x [T, H], w13 = pack_panels(every
+    expert's [gate | up] [E, 2I, H]), w2 = pack_panels([E, H, I]); `silu_mul` [R, 2I] -> [R, I]."""
+    t, top_k = topk_ids.shape
+    hidden = x.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices              # pairs grouped by expert, token order kept
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    if counts.numel() != w13.shape[0]:
+        raise ValueError(f"grouped_moe: expert ids reach {counts.numel() - 1}; there are {w13.shape[0]} experts")
+    offsets = torch.zeros(w13.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    tokens = order // top_k
+    gate_up = expert_gemm(x.index_select(0, tokens), w13, 2 * intermediate, offsets)
+    y = expert_gemm(silu_mul(gate_up), w2, hidden, offsets)
+    y.mul_(topk_weights.reshape(-1)[order].float()[:, None])
+    return torch.zeros(t, hidden, dtype=torch.float32).index_add_(0, tokens, y).to(x.dtype)

@@ -1,0 +1,324 @@
+/* The experts' GEMMs of a mixture-of-experts layer on the CPU, every active expert in one call
+   (llama.cpp's mul_mat_id does the same): out[r] = x[r] @ W[e]^T for the rows r of expert e, the
+   rows sorted by expert (rows offsets[e] .. offsets[e + 1] - 1).
+
+   Why not one oneDNN GEMM per expert: at a decode batch each expert gets a few rows (64 tokens,
+   top-2 of 8: ~16), and a library GEMM at 16 rows reaches a fraction of its 64-row speed while all
+   the experts' weights (352 MB a layer at Mixtral's shape ratio, hidden 1024) stream from memory
+   once per step. This kernel is built for that: every weight is loaded once and feeds all of the
+   expert's rows (up to ROWS1 at a time), and the weights it reads next are prefetched far ahead,
+   so that reading memory and the FMAs overlap (docs/performance.md, "Mixture of experts").
+
+   Weights are laid out once, at load (kernels/cpu_moe.py `pack_panels`), in panels of PANEL = 16
+   output columns, K-major: panel p of expert e holds W[e][16p .. 16p + 15][k] for every k, 16
+   consecutive values per k (zero columns past N). float32: [E, P, K, 16], one 64-byte line per k.
+   bfloat16: [E, P, ceil(K / 2), 16, 2], the values of k and k + 1 side by side (a zero k past an
+   odd K), one line per pair of k: the layout AVX512_BF16's dot product reads, and any other build
+   widens the pair to two float vectors with a shift and a mask.
+
+   The rows are copied first, transposed (`pack_rows`): [K][m] per block of rows, so the values of
+   all the block's rows at one k are one contiguous run (one broadcast each, no strided loads).
+   bf16 weights take their rows rounded to bfloat16 (as a bf16 GEMM library takes them), so that
+   the products are exact in float32 on every build.
+
+   Sum order (what the float32 result depends on): each output is one float32 accumulator, over k
+   ascending with a fused multiply-add per k (AVX512_BF16: per pair of k, the odd k's product then
+   the even k's, each rounded once), whatever the number of rows or the blocking of k (a block
+   stores its accumulators and the next reloads them: no rounding added). kernels/moe_reference.py
+   `expert_gemm` is the oracle (float64 sums), within float32 rounding.
+
+   One source for every CPU: the vector type is 16 floats wide and the compiler splits it into
+   what the target has (AVX-512: one register; AVX2: two; SSE2: four); the rows per block are
+   chosen so that the accumulators fit that target's register file. Threads: (expert, group of
+   panels) items handed out dynamically over the OpenMP team. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 16
+#if defined(__AVX512F__)
+#define VEC 16
+#define REGS 32
+#elif defined(__AVX__)
+#define VEC 8
+#define REGS 16
+#else
+#define VEC 4
+#define REGS 16
+#endif
+#define NV (PANEL / VEC) /* registers one panel row of accumulators takes */
+/* rows per block against np panels: the accumulators (rows x np x NV registers), the np weight
+   vectors and a broadcast fit the register file (AVX-512: 28, 14, 6 rows for 1, 2, 4 panels;
+   AVX2: 6, 2, 0; SSE2: 2, 1, 0) */
+#define ROWS_MAX 28
+#define ROWS_FIT_(np) ((REGS - (np) * NV - 1) / ((np) * NV))
+#define ROWS_FIT(np) (ROWS_FIT_(np) > ROWS_MAX ? ROWS_MAX : ROWS_FIT_(np))
+#ifndef NP_FEW
+#define NP_FEW 2
+#endif
+#ifndef NP_MANY
+#define NP_MANY 2
+#endif
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 256      /* k rows (64-byte lines) ahead: 16 KB, prefetched to L2 */
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2
+#endif
+#define X_BLOCK_BYTES (256 << 10) /* packed rows bigger than this are cut into blocks of k */
+#define K_BLOCK 256
+#define PANELS_PER_ITEM 8      /* 128 columns: one unit of work for a thread */
+
+typedef float vp __attribute__((vector_size(PANEL * 4)));
+typedef float vp_u __attribute__((vector_size(PANEL * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(PANEL * 4)));
+typedef uint32_t vu_u __attribute__((vector_size(PANEL * 4), aligned(4)));
+
+enum { F32 = 0, BF16 = 1 };
+
+static inline float bf16_round(float v) { /* to the nearest bfloat16, ties to even (finite inputs) */
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000u;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+/* Rows per block for an expert of M rows: as few blocks as fit, as even as possible. */
+static inline int64_t blocks_of(int64_t M, int64_t rows_max) { return (M + rows_max - 1) / rows_max; }
+static inline int64_t block_rows(int64_t M, int64_t nblocks, int64_t b) {
+    return M / nblocks + (b < M % nblocks);
+}
+
+/* x rows [M, K] (row stride ldx) -> per block of rows, [Kp][rows] (float32; bf16: rounded;
+   AVX512_BF16: [Kp / 2][rows] pairs of bf16). Kp = K rounded up to even for bf16, the pad 0. */
+static void pack_rows(int dtype, const float *x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
+                      int64_t rows_max, float *dst) {
+    const int64_t nb = blocks_of(M, rows_max);
+    int64_t m0 = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t mr = block_rows(M, nb, b);
+        float *d = dst + m0 * Kp;
+#if defined(__AVX512BF16__)
+        if (dtype == BF16) {
+            uint32_t *p = (uint32_t *)d;
+            for (int64_t k = 0; k < Kp; k += 2)
+                for (int64_t m = 0; m < mr; m++) {
+                    const float *xr = x + (m0 + m) * ldx;
+                    float lo = bf16_round(xr[k]), hi = k + 1 < K ? bf16_round(xr[k + 1]) : 0.0f;
+                    uint32_t a, c;
+                    memcpy(&a, &lo, 4);
+                    memcpy(&c, &hi, 4);
+                    p[(k / 2) * mr + m] = (a >> 16) | (c & 0xFFFF0000u);
+                }
+            m0 += mr;
+            continue;
+        }
+#endif
+        for (int64_t m = 0; m < mr; m++) {
+            const float *xr = x + (m0 + m) * ldx;
+            if (dtype == BF16)
+                for (int64_t k = 0; k < Kp; k++) d[k * mr + m] = k < K ? bf16_round(xr[k]) : 0.0f;
+            else
+                for (int64_t k = 0; k < K; k++) d[k * mr + m] = xr[k];
+        }
+        m0 += mr;
+    }
+}
+
+/* One block of R rows against NP consecutive panels (R and NP constants where it is called), k in
+   [k0, k1): acc[m][j] += sum_k xp[k][m] * W_j[k]. The accumulators start at zero (k0 == 0) or
+   from out, and are stored into out at the end (n_valid columns of the group's NP * 16). Each
+   panel is its own stream of lines; the line PREFETCH_ROWS ahead in each is prefetched. */
+static inline __attribute__((always_inline)) void block(
+        const int DT, const int NP, const int R, const float *xp, const char *w, int64_t panel_bytes,
+        int64_t k0, int64_t k1, float *out, int64_t ldo, int64_t n_valid) {
+    vp acc[ROWS_MAX][4]; /* a constant size: a variable-length array would never live in registers */
+    const vp zero = {0};
+#pragma GCC unroll 32
+    for (int m = 0; m < R; m++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) {
+            if (k0 == 0) acc[m][j] = zero;
+            else if (j * PANEL + PANEL <= n_valid) acc[m][j] = *(const vp_u *)(out + m * ldo + j * PANEL);
+            else {
+                float t[PANEL] = {0};
+                memcpy(t, out + m * ldo + j * PANEL, sizeof(float) * (size_t)(n_valid - j * PANEL));
+                acc[m][j] = *(const vp_u *)t; /* (never &acc: it would keep the accumulators in memory) */
+            }
+        }
+    if (DT == F32) {
+        for (int64_t k = k0; k < k1; k++) {
+            vp wv[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < NP; j++) {
+                const char *line = w + j * panel_bytes + k * PANEL * 4;
+                __builtin_prefetch(line + PREFETCH_ROWS * 64, 0, PREFETCH_LOCALITY);
+                wv[j] = *(const vp_u *)line;
+            }
+            const float *xk = xp + k * R;
+#pragma GCC unroll 32
+            for (int m = 0; m < R; m++)
+#pragma GCC unroll 4
+                for (int j = 0; j < NP; j++) acc[m][j] += xk[m] * wv[j];
+        }
+    } else {
+        for (int64_t k = k0; k < k1; k += 2) {
+#if defined(__AVX512BF16__)
+            __m512bh wv[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < NP; j++) {
+                const char *line = w + j * panel_bytes + k * PANEL * 2;
+                __builtin_prefetch(line + PREFETCH_ROWS * 64, 0, PREFETCH_LOCALITY);
+                wv[j] = (__m512bh)_mm512_loadu_si512(line);
+            }
+            const uint32_t *xk = (const uint32_t *)xp + k / 2 * R;
+#pragma GCC unroll 32
+            for (int m = 0; m < R; m++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xk[m]);
+#pragma GCC unroll 4
+                for (int j = 0; j < NP; j++) acc[m][j] = (vp)_mm512_dpbf16_ps((__m512)acc[m][j], wv[j], xv);
+            }
+#else
+            vp even[4], odd[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < NP; j++) {
+                const char *line = w + j * panel_bytes + k * PANEL * 2;
+                __builtin_prefetch(line + PREFETCH_ROWS * 64, 0, PREFETCH_LOCALITY);
+                const vu pair = *(const vu_u *)line;
+                even[j] = (vp)(pair << 16);
+                odd[j] = (vp)(pair & 0xFFFF0000u);
+            }
+            const float *xe = xp + k * R, *xo = xe + R;
+#pragma GCC unroll 32
+            for (int m = 0; m < R; m++)
+#pragma GCC unroll 4
+                for (int j = 0; j < NP; j++) {
+                    acc[m][j] += xe[m] * even[j];
+                    acc[m][j] += xo[m] * odd[j];
+                }
+#endif
+        }
+    }
+#pragma GCC unroll 32
+    for (int m = 0; m < R; m++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) {
+            if (j * PANEL + PANEL <= n_valid) *(vp_u *)(out + m * ldo + j * PANEL) = acc[m][j];
+            else if (j * PANEL < n_valid) {
+                float t[PANEL];
+                *(vp_u *)t = acc[m][j];
+                memcpy(out + m * ldo + j * PANEL, t, sizeof(float) * (size_t)(n_valid - j * PANEL));
+            }
+        }
+}
+
+/* Each (dtype, panels, rows) block compiled as a function of its own (inlined into one big switch,
+   the compiler spilled the accumulators), found through a table. Rows past what fits the register
+   file get a stub that is never called. */
+typedef void (*block_fn)(const float *, const char *, int64_t, int64_t, int64_t, float *, int64_t, int64_t);
+#define DEFINE(DT, NP_, R_)                                                                          \
+    static void block_##DT##_##NP_##_##R_(const float *xp, const char *w, int64_t pb, int64_t k0,      \
+                                          int64_t k1, float *out, int64_t ldo, int64_t n_valid) {      \
+        block(DT, NP_, (R_) <= ROWS_FIT(NP_) ? (R_) : 1, xp, w, pb, k0, k1, out, ldo, n_valid);         \
+    }
+#define ROWS_UP_TO_6(X, DT, NP_) X(DT, NP_, 1) X(DT, NP_, 2) X(DT, NP_, 3) X(DT, NP_, 4) X(DT, NP_, 5) X(DT, NP_, 6)
+#define ROWS_UP_TO_14(X, DT, NP_) ROWS_UP_TO_6(X, DT, NP_) X(DT, NP_, 7) X(DT, NP_, 8) X(DT, NP_, 9) \
+    X(DT, NP_, 10) X(DT, NP_, 11) X(DT, NP_, 12) X(DT, NP_, 13) X(DT, NP_, 14)
+#define ROWS_UP_TO_28(X, DT, NP_) ROWS_UP_TO_14(X, DT, NP_) X(DT, NP_, 15) X(DT, NP_, 16) X(DT, NP_, 17) \
+    X(DT, NP_, 18) X(DT, NP_, 19) X(DT, NP_, 20) X(DT, NP_, 21) X(DT, NP_, 22) X(DT, NP_, 23)        \
+    X(DT, NP_, 24) X(DT, NP_, 25) X(DT, NP_, 26) X(DT, NP_, 27) X(DT, NP_, 28)
+#define ALL(X, DT) ROWS_UP_TO_28(X, DT, 1) ROWS_UP_TO_14(X, DT, 2) ROWS_UP_TO_6(X, DT, 4)
+ALL(DEFINE, F32)
+ALL(DEFINE, BF16)
+#define ENTRY(DT, NP_, R_) [DT][NP_ == 4 ? 2 : NP_ - 1][R_] = block_##DT##_##NP_##_##R_,
+static const block_fn BLOCKS[2][3][ROWS_MAX + 1] = {ALL(ENTRY, F32) ALL(ENTRY, BF16)};
+
+static inline void run_block(int dtype, int np, int64_t R, const float *xp, const char *w, int64_t panel_bytes,
+                             int64_t k0, int64_t k1, float *out, int64_t ldo, int64_t n_valid) {
+    BLOCKS[dtype][np == 4 ? 2 : np - 1][R](xp, w, panel_bytes, k0, k1, out, ldo, n_valid);
+}
+
+/* Panels per block for an expert of M rows: NP_MANY past what one panel's block holds (the most
+   FMAs per load), else NP_FEW (several panels: several streams of lines from memory at once). */
+static inline int panels_per_block(int64_t M) {
+    const int np = M > ROWS_FIT(1) ? NP_MANY : NP_FEW;
+    return ROWS_FIT(np) >= 4 ? np : 1; /* (AVX2: 2 rows a block against 2 panels, too few) */
+}
+
+/* Every panel of [p0, p1) of one expert against its M packed rows (xp), columns into out. */
+static void expert_panels(int dtype, const char *w, int64_t N, int64_t Kp, int64_t M, const float *xp,
+                          int64_t p0, int64_t p1, float *out, int64_t ldo) {
+    const int64_t panel_bytes = Kp * PANEL * (dtype == F32 ? 4 : 2);
+    const int np_max = panels_per_block(M);
+    const int64_t nb = blocks_of(M, ROWS_FIT(np_max));
+    /* packed rows past the cache's share: cut k into blocks, each reused by every panel */
+    const int64_t kb = M * Kp * 4 > X_BLOCK_BYTES ? K_BLOCK : Kp;
+    for (int64_t k0 = 0; k0 < Kp; k0 += kb) {
+        const int64_t k1 = k0 + kb < Kp ? k0 + kb : Kp;
+        for (int64_t p = p0; p < p1;) {
+            const int np = p + np_max <= p1 ? np_max : 1; /* the group's last panels one at a time */
+            const int64_t n0 = p * PANEL, n_valid = N - n0 < np * PANEL ? N - n0 : np * PANEL;
+            int64_t m0 = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t mr = block_rows(M, nb, b);
+                if (np == np_max)
+                    run_block(dtype, np, mr, xp + m0 * Kp, w + p * panel_bytes, panel_bytes, k0, k1,
+                              out + m0 * ldo + n0, ldo, n_valid);
+                else /* fewer panels than the rows were packed for: same blocks of rows */
+                    run_block(dtype, 1, mr, xp + m0 * Kp, w + p * panel_bytes, panel_bytes, k0, k1,
+                              out + m0 * ldo + n0, ldo, n_valid);
+                m0 += mr;
+            }
+            p += np;
+        }
+    }
+}
+
+/* out[R, N] (row stride ldo) = x[R, K] (row stride ldx) against each row's expert: rows
+   offsets[e] .. offsets[e+1] - 1 use W[e]. w: panels (see the top). scratch: R * Kp floats. */
+void moe_gemm(int dtype, const float *x, int64_t ldx, const void *w, const int64_t *offsets, int64_t E,
+              int64_t N, int64_t K, float *out, int64_t ldo, float *scratch) {
+    const int64_t P = (N + PANEL - 1) / PANEL, Kp = dtype == F32 ? K : (K + 1) / 2 * 2;
+    const int64_t expert_bytes = P * Kp * PANEL * (dtype == F32 ? 4 : 2);
+    const int64_t chunks = (P + PANELS_PER_ITEM - 1) / PANELS_PER_ITEM, rows = offsets[E] - offsets[0];
+    int64_t items = 0;
+    for (int64_t e = 0; e < E; e++) items += offsets[e + 1] > offsets[e] ? chunks : 0;
+    int64_t *item_expert = malloc(sizeof(int64_t) * (size_t)(items ? items : 1));
+    items = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t c = 0; offsets[e + 1] > offsets[e] && c < chunks; c++) item_expert[items++] = e * chunks + c;
+#pragma omp parallel if (rows * N * K >= (1 << 22))
+    {
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t M = offsets[e + 1] - offsets[e], r0 = offsets[e] - offsets[0];
+            if (M <= 0) continue;
+            pack_rows(dtype, x + r0 * ldx, ldx, M, K, Kp, ROWS_FIT(panels_per_block(M)), scratch + r0 * Kp);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            const int64_t e = item_expert[i] / chunks, c = item_expert[i] % chunks;
+            const int64_t M = offsets[e + 1] - offsets[e], r0 = offsets[e] - offsets[0];
+            const int64_t p0 = c * PANELS_PER_ITEM, p1 = p0 + PANELS_PER_ITEM < P ? p0 + PANELS_PER_ITEM : P;
+            expert_panels(dtype, (const char *)w + e * expert_bytes, N, Kp, M, scratch + r0 * Kp, p0, p1,
+                          out + r0 * ldo, ldo);
+        }
+    }
+    free(item_expert);
+}
+
+/* The build's choices, for the wrapper's log and the tests: [panel, rows1, rows2, bf16 dot]. */
+void moe_gemm_config(int64_t *cfg) {
+    cfg[0] = PANEL;
+    cfg[1] = ROWS_FIT(1);
+    cfg[2] = ROWS_FIT(2);
+#if defined(__AVX512BF16__)
+    cfg[3] = 1;
+#else
+    cfg[3] = 0;
+#endif
+}
