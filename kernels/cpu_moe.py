@@ -19,16 +19,30 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import mmap
 
 import torch
 
 from kernels import _common, cpu_build
+
+log = logging.getLogger(__name__)
 
 NAME = "moe_gemm"
 PANEL = 16
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURE = (ctypes.c_int, _P, _I, _P, _P, _I, _I, _I, _P, _I, _P)
+
+
+def available() -> bool:
+    """Whether the kernel builds here (a C compiler); the caller keeps per-expert layers if not."""
+    try:
+        cpu_build.load(NAME)
+        return True
+    except cpu_build.CpuKernelUnavailable as exc:
+        log.warning("grouped-experts CPU kernel unavailable, using one oneDNN GEMM per expert: %s", exc)
+        return False
 
 
 def _fn(isa=None):
@@ -46,6 +60,28 @@ def build_config(isa=None) -> dict:
     return dict(panel=cfg[0], rows_one_panel=cfg[1], rows_two_panels=cfg[2], bf16_dot=bool(cfg[3]))
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor in anonymous memory the kernel is asked to back with 2 MB pages
+    (transparent huge pages, madvise; a best effort: ordinary pages where THP is off). The experts'
+    weights stream from memory once per step, hundreds of MB: with 4 KB pages every 4 KB of them
+    costs a TLB walk, and the kernel's prefetches wait on those (16% of the grouped GEMMs' time at
+    16 rows an expert, docs/performance.md). Small tensors take torch's allocator."""
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes < 2 * HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE)        # page-aligned; huge pages need 2 MB alignment
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    flat = torch.frombuffer(region, dtype=torch.uint8)   # holds the mapping as long as it lives
+    return flat[start:start + nbytes].view(dtype).view(shape)
+
+
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """w [E, N, K] -> float32: [E, P, K, 16]; bfloat16: [E, P, ceil(K / 2), 16, 2] (k and k + 1 side
     by side); P = ceil(N / 16), zero columns (and a zero k) as padding."""
@@ -54,11 +90,14 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
                          f"got {w.dtype} {tuple(w.shape)}")
     e, n, k = w.shape
     p = -(-n // PANEL)
-    w = torch.nn.functional.pad(w.detach().cpu(), (0, 0, 0, p * PANEL - n))
+    w = w.detach().cpu()
+    if p * PANEL != n:
+        w = torch.nn.functional.pad(w, (0, 0, 0, p * PANEL - n))
     if w.dtype == torch.float32:
-        return w.view(e, p, PANEL, k).transpose(2, 3).contiguous()
-    w = torch.nn.functional.pad(w, (0, k % 2))
-    return w.view(e, p, PANEL, -1, 2).permute(0, 1, 3, 2, 4).contiguous()
+        src = w.view(e, p, PANEL, k).transpose(2, 3)
+    else:
+        src = torch.nn.functional.pad(w, (0, k % 2)).view(e, p, PANEL, -1, 2).permute(0, 1, 3, 2, 4)
+    return huge_page_empty(tuple(src.shape), w.dtype).copy_(src)
 
 
 def panel_shape(panels: torch.Tensor) -> tuple[int, int, int]:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from backend.loader import ModelConfig
+from kernels import cpu_moe
 from kernels.moe_reference import grouped_moe, route
 
 # expert weight -> (stacked parameter, shard of w13: 0 gate, 1 up; None: w2)
@@ -50,11 +51,23 @@ class Experts(nn.Module):
         # one layer per expert, once they replace w13 and w2
         self.gate_up: Optional[nn.ModuleList] = None
         self.down: Optional[nn.ModuleList] = None
+        # or w13 and w2 in the CPU kernel's panels (kernels/cpu_moe.py), once they replace them
+        self.register_buffer("w13_panels", None, persistent=False)
+        self.register_buffer("w2_panels", None, persistent=False)
 
     def forward(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops) -> torch.Tensor:
+        if self.w13_panels is not None:   # the CPU: one C call per projection for every active expert
+            return cpu_moe.grouped_moe(h, self.w13_panels, self.w2_panels, weights, ids, self.intermediate,
+                                       ops.silu_mul)
         if self.gate_up is not None:   # reads each expert's count on the host: one GEMM pair per active expert
             return grouped_moe(h, self.gate_up, self.down, weights, ids)
         return ops.fused_moe(h, self.w13, self.w2, weights, ids)
+
+    def to_panels(self) -> None:
+        """Replace the stacked float weights by the CPU kernel's layout of them (the only copy)."""
+        w13, w2 = cpu_moe.pack_panels(self.w13), cpu_moe.pack_panels(self.w2)
+        del self.w13, self.w2
+        self.w13_panels, self.w2_panels = w13, w2
 
     def per_expert_layers(self, gate_up: Iterable[nn.Module], down: Iterable[nn.Module]) -> None:
         """Replace the stacked weights by one layer per expert (each w13[e] / w2[e] as a linear)."""
@@ -65,7 +78,8 @@ class Experts(nn.Module):
         del self.w13, self.w2
 
     def extra_repr(self) -> str:
-        kind = "stacked" if self.gate_up is None else f"per expert ({type(self.gate_up[0]).__name__})"
+        kind = ("CPU panels" if self.w13_panels is not None else "stacked" if self.gate_up is None
+                else f"per expert ({type(self.gate_up[0]).__name__})")
         return f"experts={self.num_experts}, intermediate={self.intermediate}, {kind}"
 
 
@@ -95,8 +109,9 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
 
 def reads_counts_on_host(model: nn.Module) -> bool:
     """Whether the model's experts run grouped per expert, reading each expert's token count on
-    the host (per-expert layers: packed or int8 experts), which a CUDA graph cannot capture."""
-    return any(b.experts.gate_up is not None for b in moe_blocks(model))
+    the host (per-expert layers: packed or int8 experts; the CPU's panels), which a CUDA graph
+    cannot capture."""
+    return any(b.experts.gate_up is not None or b.experts.w13_panels is not None for b in moe_blocks(model))
 
 
 class ExpertLoader:
@@ -145,10 +160,18 @@ def onednn_linear(weight: torch.Tensor) -> nn.Module:
     return PackedLinear(linear)
 
 
-def pack_experts(model: nn.Module, make_linear: Callable[[torch.Tensor], nn.Module] = onednn_linear) -> int:
-    """Each MoE block's stacked float experts -> one layer per expert, `make_linear(weight [N, K])`
-    (default: oneDNN-packed, the CPU fast path; int8: Q8_0 QuantLinears); returns the blocks done."""
-    blocks = [b for b in moe_blocks(model) if b.experts.gate_up is None]
+def pack_experts(model: nn.Module, make_linear: Optional[Callable[[torch.Tensor], nn.Module]] = None) -> int:
+    """Each MoE block's stacked float experts laid out for the CPU; returns the blocks done. By
+    default in the C kernel's panels (`Experts.to_panels`: every active expert in one call per
+    projection), or oneDNN-packed per expert where the kernel cannot be built; with `make_linear`
+    one layer per expert, `make_linear(weight [N, K])` (int8: Q8_0 QuantLinears; the old float
+    path, `onednn_linear`, for client/tools/moe_bench.py)."""
+    blocks = [b for b in moe_blocks(model) if b.experts.gate_up is None and b.experts.w13_panels is None]
+    if blocks and make_linear is None and cpu_moe.available():
+        for block in blocks:
+            block.experts.to_panels()
+        return len(blocks)
+    make_linear = make_linear or onednn_linear
     for block in blocks:
         ex = block.experts
         ex.per_expert_layers([make_linear(ex.w13[e].detach()) for e in range(ex.num_experts)],

@@ -50,27 +50,24 @@
 #define REGS 16
 #endif
 #define NV (PANEL / VEC) /* registers one panel row of accumulators takes */
-/* rows per block against np panels: the accumulators (rows x np x NV registers), the np weight
-   vectors and a broadcast fit the register file (AVX-512: 28, 14, 6 rows for 1, 2, 4 panels;
-   AVX2: 6, 2, 0; SSE2: 2, 1, 0) */
+/* Rows per block against np panels: the accumulators (rows x np x NV registers), the np weight
+   vectors and a broadcast fit the register file (AVX-512: 28 and 14 rows for 1 and 2 panels;
+   AVX2: 6 and 2; SSE2: 2 and 1). */
 #define ROWS_MAX 28
 #define ROWS_FIT_(np) ((REGS - (np) * NV - 1) / ((np) * NV))
 #define ROWS_FIT(np) (ROWS_FIT_(np) > ROWS_MAX ? ROWS_MAX : ROWS_FIT_(np))
-#ifndef NP_FEW
-#define NP_FEW 2
+/* k per run: a run of one panel is 4 KB of float32 weights (2 KB bf16), and the block's packed
+   rows for it stay in L1 while every panel of the item goes by (docs/performance.md has the
+   measurements behind these three numbers) */
+#ifndef K_BLOCK
+#define K_BLOCK 64
 #endif
-#ifndef NP_MANY
-#define NP_MANY 2
-#endif
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 256      /* k rows (64-byte lines) ahead: 16 KB, prefetched to L2 */
+#ifndef PANELS_PER_ITEM
+#define PANELS_PER_ITEM 8 /* 128 columns: one unit of work for a thread */
 #endif
 #ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 2
+#define PREFETCH_LOCALITY 2 /* prefetcht1: into L2 */
 #endif
-#define X_BLOCK_BYTES (256 << 10) /* packed rows bigger than this are cut into blocks of k */
-#define K_BLOCK 256
-#define PANELS_PER_ITEM 8      /* 128 columns: one unit of work for a thread */
 
 typedef float vp __attribute__((vector_size(PANEL * 4)));
 typedef float vp_u __attribute__((vector_size(PANEL * 4), aligned(4)));
@@ -129,18 +126,23 @@ static void pack_rows(int dtype, const float *x, int64_t ldx, int64_t M, int64_t
     }
 }
 
+/* Per k: the line of each panel's stream at pf (+ a panel apart), k - k0 lines on; none without pf. */
+#define PREFETCH(k)                                                                                 \
+    if (pf)                                                                                         \
+        for (int j = 0; j < NP; j++) __builtin_prefetch(pf + j * panel_bytes + ((k) - k0) / ((DT == F32) ? 1 : 2) * 64, 0, PREFETCH_LOCALITY)
+
 /* One block of R rows against NP consecutive panels (R and NP constants where it is called), k in
    [k0, k1): acc[m][j] += sum_k xp[k][m] * W_j[k]. The accumulators start at zero (k0 == 0) or
-   from out, and are stored into out at the end (n_valid columns of the group's NP * 16). Each
-   panel is its own stream of lines; the line PREFETCH_ROWS ahead in each is prefetched. */
+   from out, and are stored into out at the end (n_valid columns of the group's NP * 16). pf: the
+   weights needed next, prefetched line for line as k advances (NULL: none). */
 static inline __attribute__((always_inline)) void block(
         const int DT, const int NP, const int R, const float *xp, const char *w, int64_t panel_bytes,
-        int64_t k0, int64_t k1, float *out, int64_t ldo, int64_t n_valid) {
-    vp acc[ROWS_MAX][4]; /* a constant size: a variable-length array would never live in registers */
+        int64_t k0, int64_t k1, float *out, int64_t ldo, int64_t n_valid, const char *pf) {
+    vp acc[ROWS_MAX][2]; /* a constant size: a variable-length array would never live in registers */
     const vp zero = {0};
 #pragma GCC unroll 32
     for (int m = 0; m < R; m++)
-#pragma GCC unroll 4
+#pragma GCC unroll 2
         for (int j = 0; j < NP; j++) {
             if (k0 == 0) acc[m][j] = zero;
             else if (j * PANEL + PANEL <= n_valid) acc[m][j] = *(const vp_u *)(out + m * ldo + j * PANEL);
@@ -152,50 +154,42 @@ static inline __attribute__((always_inline)) void block(
         }
     if (DT == F32) {
         for (int64_t k = k0; k < k1; k++) {
-            vp wv[4];
-#pragma GCC unroll 4
-            for (int j = 0; j < NP; j++) {
-                const char *line = w + j * panel_bytes + k * PANEL * 4;
-                __builtin_prefetch(line + PREFETCH_ROWS * 64, 0, PREFETCH_LOCALITY);
-                wv[j] = *(const vp_u *)line;
-            }
+            PREFETCH(k);
+            vp wv[2];
+#pragma GCC unroll 2
+            for (int j = 0; j < NP; j++) wv[j] = *(const vp_u *)(w + j * panel_bytes + k * PANEL * 4);
             const float *xk = xp + k * R;
 #pragma GCC unroll 32
             for (int m = 0; m < R; m++)
-#pragma GCC unroll 4
+#pragma GCC unroll 2
                 for (int j = 0; j < NP; j++) acc[m][j] += xk[m] * wv[j];
         }
     } else {
         for (int64_t k = k0; k < k1; k += 2) {
+            PREFETCH(k);
 #if defined(__AVX512BF16__)
-            __m512bh wv[4];
-#pragma GCC unroll 4
-            for (int j = 0; j < NP; j++) {
-                const char *line = w + j * panel_bytes + k * PANEL * 2;
-                __builtin_prefetch(line + PREFETCH_ROWS * 64, 0, PREFETCH_LOCALITY);
-                wv[j] = (__m512bh)_mm512_loadu_si512(line);
-            }
+            __m512bh wv[2];
+#pragma GCC unroll 2
+            for (int j = 0; j < NP; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_bytes + k * PANEL * 2);
             const uint32_t *xk = (const uint32_t *)xp + k / 2 * R;
 #pragma GCC unroll 32
             for (int m = 0; m < R; m++) {
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xk[m]);
-#pragma GCC unroll 4
+#pragma GCC unroll 2
                 for (int j = 0; j < NP; j++) acc[m][j] = (vp)_mm512_dpbf16_ps((__m512)acc[m][j], wv[j], xv);
             }
 #else
-            vp even[4], odd[4];
-#pragma GCC unroll 4
+            vp even[2], odd[2];
+#pragma GCC unroll 2
             for (int j = 0; j < NP; j++) {
-                const char *line = w + j * panel_bytes + k * PANEL * 2;
-                __builtin_prefetch(line + PREFETCH_ROWS * 64, 0, PREFETCH_LOCALITY);
-                const vu pair = *(const vu_u *)line;
+                const vu pair = *(const vu_u *)(w + j * panel_bytes + k * PANEL * 2);
                 even[j] = (vp)(pair << 16);
                 odd[j] = (vp)(pair & 0xFFFF0000u);
             }
             const float *xe = xp + k * R, *xo = xe + R;
 #pragma GCC unroll 32
             for (int m = 0; m < R; m++)
-#pragma GCC unroll 4
+#pragma GCC unroll 2
                 for (int j = 0; j < NP; j++) {
                     acc[m][j] += xe[m] * even[j];
                     acc[m][j] += xo[m] * odd[j];
@@ -205,7 +199,7 @@ static inline __attribute__((always_inline)) void block(
     }
 #pragma GCC unroll 32
     for (int m = 0; m < R; m++)
-#pragma GCC unroll 4
+#pragma GCC unroll 2
         for (int j = 0; j < NP; j++) {
             if (j * PANEL + PANEL <= n_valid) *(vp_u *)(out + m * ldo + j * PANEL) = acc[m][j];
             else if (j * PANEL < n_valid) {
@@ -219,11 +213,13 @@ static inline __attribute__((always_inline)) void block(
 /* Each (dtype, panels, rows) block compiled as a function of its own (inlined into one big switch,
    the compiler spilled the accumulators), found through a table. Rows past what fits the register
    file get a stub that is never called. */
-typedef void (*block_fn)(const float *, const char *, int64_t, int64_t, int64_t, float *, int64_t, int64_t);
+typedef void (*block_fn)(const float *, const char *, int64_t, int64_t, int64_t, float *, int64_t, int64_t,
+                         const char *);
 #define DEFINE(DT, NP_, R_)                                                                          \
     static void block_##DT##_##NP_##_##R_(const float *xp, const char *w, int64_t pb, int64_t k0,      \
-                                          int64_t k1, float *out, int64_t ldo, int64_t n_valid) {      \
-        block(DT, NP_, (R_) <= ROWS_FIT(NP_) ? (R_) : 1, xp, w, pb, k0, k1, out, ldo, n_valid);         \
+                                          int64_t k1, float *out, int64_t ldo, int64_t n_valid,        \
+                                          const char *pf) {                                            \
+        block(DT, NP_, (R_) <= ROWS_FIT(NP_) ? (R_) : 1, xp, w, pb, k0, k1, out, ldo, n_valid, pf);     \
     }
 #define ROWS_UP_TO_6(X, DT, NP_) X(DT, NP_, 1) X(DT, NP_, 2) X(DT, NP_, 3) X(DT, NP_, 4) X(DT, NP_, 5) X(DT, NP_, 6)
 #define ROWS_UP_TO_14(X, DT, NP_) ROWS_UP_TO_6(X, DT, NP_) X(DT, NP_, 7) X(DT, NP_, 8) X(DT, NP_, 9) \
@@ -231,46 +227,50 @@ typedef void (*block_fn)(const float *, const char *, int64_t, int64_t, int64_t,
 #define ROWS_UP_TO_28(X, DT, NP_) ROWS_UP_TO_14(X, DT, NP_) X(DT, NP_, 15) X(DT, NP_, 16) X(DT, NP_, 17) \
     X(DT, NP_, 18) X(DT, NP_, 19) X(DT, NP_, 20) X(DT, NP_, 21) X(DT, NP_, 22) X(DT, NP_, 23)        \
     X(DT, NP_, 24) X(DT, NP_, 25) X(DT, NP_, 26) X(DT, NP_, 27) X(DT, NP_, 28)
-#define ALL(X, DT) ROWS_UP_TO_28(X, DT, 1) ROWS_UP_TO_14(X, DT, 2) ROWS_UP_TO_6(X, DT, 4)
+#define ALL(X, DT) ROWS_UP_TO_28(X, DT, 1) ROWS_UP_TO_14(X, DT, 2)
 ALL(DEFINE, F32)
 ALL(DEFINE, BF16)
-#define ENTRY(DT, NP_, R_) [DT][NP_ == 4 ? 2 : NP_ - 1][R_] = block_##DT##_##NP_##_##R_,
-static const block_fn BLOCKS[2][3][ROWS_MAX + 1] = {ALL(ENTRY, F32) ALL(ENTRY, BF16)};
+#define ENTRY(DT, NP_, R_) [DT][NP_ - 1][R_] = block_##DT##_##NP_##_##R_,
+static const block_fn BLOCKS[2][2][ROWS_MAX + 1] = {ALL(ENTRY, F32) ALL(ENTRY, BF16)};
 
 static inline void run_block(int dtype, int np, int64_t R, const float *xp, const char *w, int64_t panel_bytes,
-                             int64_t k0, int64_t k1, float *out, int64_t ldo, int64_t n_valid) {
-    BLOCKS[dtype][np == 4 ? 2 : np - 1][R](xp, w, panel_bytes, k0, k1, out, ldo, n_valid);
+                             int64_t k0, int64_t k1, float *out, int64_t ldo, int64_t n_valid, const char *pf) {
+    BLOCKS[dtype][np - 1][R](xp, w, panel_bytes, k0, k1, out, ldo, n_valid, pf);
 }
 
-/* Panels per block for an expert of M rows: NP_MANY past what one panel's block holds (the most
-   FMAs per load), else NP_FEW (several panels: several streams of lines from memory at once). */
-static inline int panels_per_block(int64_t M) {
-    const int np = M > ROWS_FIT(1) ? NP_MANY : NP_FEW;
-    return ROWS_FIT(np) >= 4 ? np : 1; /* (AVX2: 2 rows a block against 2 panels, too few) */
-}
+/* Panels per block for an expert of M rows: one while one panel's block holds them all (every
+   weight loaded once, for all the rows), else two (AVX-512: 14 rows, fewer loads per FMA than 28
+   rows of one panel); AVX2 holds 2 rows against two panels, too few: one. */
+static inline int panels_per_block(int64_t M) { return M > ROWS_FIT(1) && ROWS_FIT(2) >= 4 ? 2 : 1; }
 
-/* Every panel of [p0, p1) of one expert against its M packed rows (xp), columns into out. */
+/* Every panel of [p0, p1) of one expert against its M packed rows (xp), columns into out: for each
+   run of K_BLOCK k, every group of panels and every block of rows, the accumulators carried in out
+   from one run to the next.
+
+   Prefetch: each group's first block of rows prefetches the run that comes after its own (the
+   next group's, then the first group's next run, then the next item's or expert's first; panels
+   and experts lie one after the other), one line per line it reads. So the weights stream from
+   memory while the FMAs run, from several panels at once: measured, this and the short runs read
+   memory faster than one panel front to back with a prefetch far ahead (docs/performance.md). */
 static void expert_panels(int dtype, const char *w, int64_t N, int64_t Kp, int64_t M, const float *xp,
                           int64_t p0, int64_t p1, float *out, int64_t ldo) {
-    const int64_t panel_bytes = Kp * PANEL * (dtype == F32 ? 4 : 2);
+    const int64_t panel_bytes = Kp * PANEL * (dtype == F32 ? 4 : 2), k_per_line = dtype == F32 ? 1 : 2;
     const int np_max = panels_per_block(M);
     const int64_t nb = blocks_of(M, ROWS_FIT(np_max));
-    /* packed rows past the cache's share: cut k into blocks, each reused by every panel */
-    const int64_t kb = M * Kp * 4 > X_BLOCK_BYTES ? K_BLOCK : Kp;
-    for (int64_t k0 = 0; k0 < Kp; k0 += kb) {
-        const int64_t k1 = k0 + kb < Kp ? k0 + kb : Kp;
+    for (int64_t k0 = 0; k0 < Kp; k0 += K_BLOCK) {
+        const int64_t k1 = k0 + K_BLOCK < Kp ? k0 + K_BLOCK : Kp;
         for (int64_t p = p0; p < p1;) {
-            const int np = p + np_max <= p1 ? np_max : 1; /* the group's last panels one at a time */
+            const int np = p + np_max <= p1 ? np_max : 1; /* a last odd panel alone */
             const int64_t n0 = p * PANEL, n_valid = N - n0 < np * PANEL ? N - n0 : np * PANEL;
+            const char *group = w + p * panel_bytes;
+            const char *pf = p + np < p1 ? group + np * panel_bytes + k0 / k_per_line * 64
+                           : k1 < Kp     ? w + p0 * panel_bytes + k1 / k_per_line * 64
+                                         : w + p1 * panel_bytes;
             int64_t m0 = 0;
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t mr = block_rows(M, nb, b);
-                if (np == np_max)
-                    run_block(dtype, np, mr, xp + m0 * Kp, w + p * panel_bytes, panel_bytes, k0, k1,
-                              out + m0 * ldo + n0, ldo, n_valid);
-                else /* fewer panels than the rows were packed for: same blocks of rows */
-                    run_block(dtype, 1, mr, xp + m0 * Kp, w + p * panel_bytes, panel_bytes, k0, k1,
-                              out + m0 * ldo + n0, ldo, n_valid);
+                run_block(dtype, np, mr, xp + m0 * Kp, group, panel_bytes, k0, k1,
+                          out + m0 * ldo + n0, ldo, n_valid, b == 0 ? pf : NULL);
                 m0 += mr;
             }
             p += np;
