@@ -51,13 +51,12 @@ def _fn(isa=None):
 
 @functools.lru_cache(maxsize=None)
 def build_config(isa=None) -> dict:
-    """What the build chose for this CPU: rows per block with one panel and with two, and whether
-    bf16 weights use AVX512_BF16's dot product."""
-    cfg = (ctypes.c_int64 * 4)()
+    """What the build chose for this CPU: rows per block against one panel and against two."""
+    cfg = (ctypes.c_int64 * 3)()
     fn = cpu_build.load(NAME, isa).moe_gemm_config
     fn.restype, fn.argtypes = None, [_P]
     fn(ctypes.addressof(cfg))
-    return dict(panel=cfg[0], rows_one_panel=cfg[1], rows_two_panels=cfg[2], bf16_dot=bool(cfg[3]))
+    return dict(panel=cfg[0], rows_one_panel=cfg[1], rows_two_panels=cfg[2])
 
 
 HUGE_PAGE = 2 << 20

@@ -124,10 +124,7 @@ def grouped_moe(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_wei
 def expert_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [R, K] float32, rows sorted by expert; w [E, N, K] float32 or bfloat16; offsets [E + 1]
     (expert e's rows: offsets[e] .. offsets[e + 1] - 1) -> [R, N] float32: each row's product with
-    its expert's weight, summed in float64 and rounded once. bfloat16 weights take the rows rounded
-    to bfloat16, as bf16 GEMMs do (every product is then exact in float32)."""
-    if w.dtype == torch.bfloat16:
-        x = x.to(torch.bfloat16)
+    its expert's weight (bfloat16 ones widened: exact), summed in float64 and rounded once."""
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float64)
     bounds = offsets.tolist()
     for e in range(w.shape[0]):

@@ -1,16 +1,21 @@
-"""CPU speed of the mixture-of-experts layer: the grouped path (one GEMM pair per expert that has
-tokens, on its tokens only) against every expert on every token, in one run.
+"""CPU speed of the mixture-of-experts layer: the grouped paths (only the experts that have tokens,
+on their tokens only) against every expert on every token, in one run.
 
     python -m client.tools.moe_bench [--tokens 64,256] [--experts 8] [--top-k 2] [--json FILE]
 
 A random Mixtral-shaped MoE block (backend/models/moe.py: router, stacked experts) is built for each
-weight format the CPU engine runs experts in: float32 and bfloat16 (oneDNN-packed per expert, as
-`pack_experts` lays them out) and Q8_0 (packed-quantized per expert, the C kernel of
-kernels/cpu_quant.py). Both paths call the very same per-expert layers on the same routed batch;
-the dense one is kernels/moe_reference.py's `dense_moe`, which weights each expert's output by a
-routing weight of zero where the token did not pick it. Each repeat times the two back to back
-(the machine is shared; ratios come from one run), and the medians are reported. With one torch
-thread the clock is the thread's CPU time, so a busy machine's preemptions do not count.
+weight format the CPU engine runs experts in, its experts laid out twice from the same weights:
+- per expert, as the engine had them before the C kernel: float32 and bfloat16 one oneDNN-packed
+  linear each (`pack_experts(block, onednn_linear)`), Q8_0 one QuantLinear each (the C kernel of
+  kernels/cpu_quant.py). The baseline, kernels/moe_reference.py's `dense_moe` (every expert on
+  every token, each output weighted by a routing weight of zero where the token did not pick it),
+  and the old grouped path (`grouped_moe`: one GEMM pair per active expert) both call these.
+- in the C kernel's panels (kernels/cpu_moe.py, what the engine runs now for float32 and
+  bfloat16 experts: every active expert in one call per projection). Q8_0 experts have no such
+  path: they stay per expert, so their "one call" column is the old path again.
+Each repeat times the three back to back (the machine is shared; ratios come from one run), and
+the medians are reported. With one torch thread the clock is the thread's CPU time, so a busy
+machine's preemptions do not count (its contention for memory bandwidth still does).
 """
 from __future__ import annotations
 
@@ -25,8 +30,9 @@ from typing import Optional
 import torch
 
 from backend.loader import ModelConfig
-from backend.models.moe import SparseMoeBlock, pack_experts
+from backend.models.moe import SparseMoeBlock, onednn_linear, pack_experts
 from backend.models.quant_linear import QuantLinear, quantize_q8_0
+from kernels import cpu_elementwise, cpu_moe
 from kernels.moe_reference import dense_moe, grouped_moe, route
 
 FORMATS = ("float32", "bfloat16", "Q8_0")
@@ -41,19 +47,22 @@ def moe_config(hidden: int, intermediate: int, experts: int, top_k: int) -> Mode
                        moe_intermediate_size=intermediate)
 
 
-def build_block(cfg: ModelConfig, fmt: str, seed: int) -> SparseMoeBlock:
-    """A block with random weights, its experts laid out per expert as the engine runs `fmt`."""
+def build_block(cfg: ModelConfig, fmt: str, seed: int) -> tuple[SparseMoeBlock, Optional[tuple]]:
+    """A block with random weights, its experts one layer each as the engine ran `fmt` before the
+    C kernel; and the same weights in the kernel's panels (w13, w2), None for Q8_0."""
     torch.manual_seed(seed)
     block = SparseMoeBlock(cfg)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, p.shape[-1] ** -0.5)
+    panels = None
     if fmt == "Q8_0":
         pack_experts(block, lambda w: QuantLinear("Q8_0", quantize_q8_0(w)))
     else:
         block.experts.to(getattr(torch, fmt))
-        pack_experts(block)
-    return block.eval()
+        panels = cpu_moe.pack_panels(block.experts.w13), cpu_moe.pack_panels(block.experts.w2)
+        pack_experts(block, onednn_linear)
+    return block.eval(), panels
 
 
 def clock():
@@ -70,39 +79,52 @@ def _time(fn) -> float:
 
 
 def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) -> dict:
-    block = build_block(cfg, fmt, seed)
+    block, panels = build_block(cfg, fmt, seed)
     x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
     ex = block.experts
     with torch.inference_mode():
         weights, ids = route(block.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        grouped = lambda: grouped_moe(x, ex.gate_up, ex.down, weights, ids)  # noqa: E731
-        dense = lambda: dense_moe(x, ex.gate_up, ex.down, weights, ids)  # noqa: E731
-        gap = (grouped() - dense()).abs().max().item()   # also warms both up
-        times = {"grouped": [], "dense": []}
+        paths = {"dense": lambda: dense_moe(x, ex.gate_up, ex.down, weights, ids),
+                 "per_expert": lambda: grouped_moe(x, ex.gate_up, ex.down, weights, ids)}
+        if panels is not None:
+            paths["one_call"] = lambda: cpu_moe.grouped_moe(x, *panels, weights, ids, cfg.moe_intermediate_size,
+                                                            cpu_elementwise.silu_mul)
+        dense = paths["dense"]()   # also warms every path up
+        gap = {name: (fn() - dense).abs().max().item() for name, fn in paths.items() if name != "dense"}
+        times = {name: [] for name in paths}
         for _ in range(repeats):
-            times["grouped"].append(_time(grouped))
-            times["dense"].append(_time(dense))
-    g, d = statistics.median(times["grouped"]), statistics.median(times["dense"])
+            for name, fn in paths.items():
+                times[name].append(_time(fn))
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ms.setdefault("one_call", ms["per_expert"])
+    gap.setdefault("one_call", gap["per_expert"])
     counts = torch.bincount(ids.reshape(-1).long(), minlength=cfg.num_experts).tolist()
-    return dict(format=fmt, grouped_ms=round(g * 1e3, 3), dense_ms=round(d * 1e3, 3), speedup=round(d / g, 2),
-                tokens_per_expert=counts, max_abs_difference=gap)
+    return dict(format=fmt, dense_ms=round(ms["dense"], 3), per_expert_ms=round(ms["per_expert"], 3),
+                one_call_ms=round(ms["one_call"], 3), speedup_per_expert=round(ms["dense"] / ms["per_expert"], 2),
+                speedup_one_call=round(ms["dense"] / ms["one_call"], 2), kernel=panels is not None,
+                tokens_per_expert=counts, max_abs_difference=max(gap.values()))
 
 
 def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
-    """What bounds the speed-up: one expert's float32 gate/up GEMM (oneDNN-packed, its weights hot
-    in cache after the first call) at the rows a grouped expert gets on average (tokens x top_k /
-    experts) against all the tokens' rows (the dense path's). The work differs by experts / top_k."""
-    from backend.models.moe import onednn_linear
+    """What bounds the speed-up: one expert's float32 gate/up GEMM, its weights hot in cache after
+    the first call, at the rows a grouped expert gets on average (tokens x top_k / experts) and at
+    all the tokens' rows (the dense path's): oneDNN-packed (the old path's GEMM) and the C kernel.
+    The work differs by experts / top_k."""
     rows = max(1, tokens * cfg.num_experts_per_tok // cfg.num_experts)
-    linear = onednn_linear(torch.randn(2 * cfg.moe_intermediate_size, cfg.hidden_size))
-    times = {}
+    weight = torch.randn(2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    linear, panels = onednn_linear(weight), cpu_moe.pack_panels(weight[None])
+    out = dict(tokens=tokens, grouped_rows=rows)
     with torch.inference_mode():
-        for n in (rows, tokens):
+        for n, key in ((rows, "grouped"), (tokens, "dense")):
             x = torch.randn(n, cfg.hidden_size)
-            linear(x)
-            times[n] = statistics.median(_time(lambda: linear(x)) for _ in range(repeats))
-    return dict(tokens=tokens, grouped_rows=rows, grouped_ms=round(times[rows] * 1e3, 3),
-                dense_ms=round(times[tokens] * 1e3, 3), ratio=round(times[tokens] / times[rows], 2))
+            offsets = torch.tensor([0, n])
+            for name, fn in (("onednn", lambda: linear(x)),
+                             ("kernel", lambda: cpu_moe.expert_gemm(x, panels, weight.shape[0], offsets))):
+                fn()
+                t = statistics.median(_time(fn) for _ in range(repeats))
+                out[f"{key}_{name}_ms"] = round(t * 1e3, 3)
+                out[f"{key}_{name}_gflops"] = round(2 * n * weight.numel() / t * 1e-9, 1)
+    return out
 
 
 def cpu_model() -> str:
@@ -162,20 +184,25 @@ def main(argv: Optional[list[str]] = None) -> int:
                   repeats=args.repeats, clock=clock().__name__, rows=[])
     print(f"{result['cpu']} ({result['isa']}), {result['threads']} threads; {args.experts} experts, top-{args.top_k}, "
           f"hidden {args.hidden}, intermediate {args.intermediate}; time.{result['clock']}")
-    print("| tokens | weights | grouped (ms) | every expert (ms) | speed-up | max abs difference | tokens per expert |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    print("| tokens | weights | every expert (ms) | grouped, per expert (ms) | grouped, one call (ms) | "
+          "speed-up per expert | speed-up one call | max abs difference | tokens per expert |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for tokens in token_counts:
         for fmt in formats:
             row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats))
             result["rows"].append(row)
-            print(f"| {tokens} | {fmt} | {row['grouped_ms']} | {row['dense_ms']} | {row['speedup']}x | "
-                  f"{row['max_abs_difference']:.2e} | {' '.join(map(str, row['tokens_per_expert']))} |")
-    print("\none expert's gate/up GEMM, weights hot in cache (what bounds the grouped path's gain):")
+            one_call = f"{row['one_call_ms']}" if row["kernel"] else "(per expert)"
+            print(f"| {tokens} | {fmt} | {row['dense_ms']} | {row['per_expert_ms']} | {one_call} | "
+                  f"{row['speedup_per_expert']}x | {row['speedup_one_call']}x | {row['max_abs_difference']:.2e} | "
+                  f"{' '.join(map(str, row['tokens_per_expert']))} |")
+    print("\none expert's float32 gate/up GEMM, weights hot in cache (GFLOP/s; oneDNN-packed vs the C kernel):")
     for tokens in token_counts:
         g = gemm_scaling(cfg, tokens, args.repeats)
         result.setdefault("gemm_scaling", []).append(g)
-        print(f"  {g['grouped_rows']} rows {g['grouped_ms']} ms, {tokens} rows {g['dense_ms']} ms: {g['ratio']}x "
-              f"for {tokens // g['grouped_rows']}x the work")
+        print(f"  {g['grouped_rows']} rows: oneDNN {g['grouped_onednn_ms']} ms ({g['grouped_onednn_gflops']}), kernel "
+              f"{g['grouped_kernel_ms']} ms ({g['grouped_kernel_gflops']}); {tokens} rows: oneDNN "
+              f"{g['dense_onednn_ms']} ms ({g['dense_onednn_gflops']}), kernel {g['dense_kernel_ms']} ms "
+              f"({g['dense_kernel_gflops']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -34,9 +34,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 #define PANEL 16
 #if defined(__AVX512F__)
@@ -56,11 +53,11 @@
 #define ROWS_MAX 28
 #define ROWS_FIT_(np) ((REGS - (np) * NV - 1) / ((np) * NV))
 #define ROWS_FIT(np) (ROWS_FIT_(np) > ROWS_MAX ? ROWS_MAX : ROWS_FIT_(np))
-/* k per run: a run of one panel is 4 KB of float32 weights (2 KB bf16), and the block's packed
+/* A run of one panel: 64 lines, 4 KB of weights (64 k of float32, 128 of bf16); the block's packed
    rows for it stay in L1 while every panel of the item goes by (docs/performance.md has the
-   measurements behind these three numbers) */
-#ifndef K_BLOCK
-#define K_BLOCK 64
+   measurements behind these three numbers). */
+#ifndef RUN_LINES
+#define RUN_LINES 64
 #endif
 #ifndef PANELS_PER_ITEM
 #define PANELS_PER_ITEM 8 /* 128 columns: one unit of work for a thread */
@@ -76,51 +73,25 @@ typedef uint32_t vu_u __attribute__((vector_size(PANEL * 4), aligned(4)));
 
 enum { F32 = 0, BF16 = 1 };
 
-static inline float bf16_round(float v) { /* to the nearest bfloat16, ties to even (finite inputs) */
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000u;
-    memcpy(&v, &b, 4);
-    return v;
-}
-
 /* Rows per block for an expert of M rows: as few blocks as fit, as even as possible. */
 static inline int64_t blocks_of(int64_t M, int64_t rows_max) { return (M + rows_max - 1) / rows_max; }
 static inline int64_t block_rows(int64_t M, int64_t nblocks, int64_t b) {
     return M / nblocks + (b < M % nblocks);
 }
 
-/* x rows [M, K] (row stride ldx) -> per block of rows, [Kp][rows] (float32; bf16: rounded;
-   AVX512_BF16: [Kp / 2][rows] pairs of bf16). Kp = K rounded up to even for bf16, the pad 0. */
-static void pack_rows(int dtype, const float *x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
+/* x rows [M, K] (row stride ldx) -> per block of rows, [Kp][rows]; Kp = K rounded up to even for
+   bf16 weights, the pad 0. */
+static void pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
                       int64_t rows_max, float *dst) {
     const int64_t nb = blocks_of(M, rows_max);
     int64_t m0 = 0;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t mr = block_rows(M, nb, b);
         float *d = dst + m0 * Kp;
-#if defined(__AVX512BF16__)
-        if (dtype == BF16) {
-            uint32_t *p = (uint32_t *)d;
-            for (int64_t k = 0; k < Kp; k += 2)
-                for (int64_t m = 0; m < mr; m++) {
-                    const float *xr = x + (m0 + m) * ldx;
-                    float lo = bf16_round(xr[k]), hi = k + 1 < K ? bf16_round(xr[k + 1]) : 0.0f;
-                    uint32_t a, c;
-                    memcpy(&a, &lo, 4);
-                    memcpy(&c, &hi, 4);
-                    p[(k / 2) * mr + m] = (a >> 16) | (c & 0xFFFF0000u);
-                }
-            m0 += mr;
-            continue;
-        }
-#endif
         for (int64_t m = 0; m < mr; m++) {
             const float *xr = x + (m0 + m) * ldx;
-            if (dtype == BF16)
-                for (int64_t k = 0; k < Kp; k++) d[k * mr + m] = k < K ? bf16_round(xr[k]) : 0.0f;
-            else
-                for (int64_t k = 0; k < K; k++) d[k * mr + m] = xr[k];
+            for (int64_t k = 0; k < K; k++) d[k * mr + m] = xr[k];
+            for (int64_t k = K; k < Kp; k++) d[k * mr + m] = 0.0f; /* bf16's pad k */
         }
         m0 += mr;
     }
@@ -167,18 +138,6 @@ static inline __attribute__((always_inline)) void block(
     } else {
         for (int64_t k = k0; k < k1; k += 2) {
             PREFETCH(k);
-#if defined(__AVX512BF16__)
-            __m512bh wv[2];
-#pragma GCC unroll 2
-            for (int j = 0; j < NP; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_bytes + k * PANEL * 2);
-            const uint32_t *xk = (const uint32_t *)xp + k / 2 * R;
-#pragma GCC unroll 32
-            for (int m = 0; m < R; m++) {
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xk[m]);
-#pragma GCC unroll 2
-                for (int j = 0; j < NP; j++) acc[m][j] = (vp)_mm512_dpbf16_ps((__m512)acc[m][j], wv[j], xv);
-            }
-#else
             vp even[2], odd[2];
 #pragma GCC unroll 2
             for (int j = 0; j < NP; j++) {
@@ -194,7 +153,6 @@ static inline __attribute__((always_inline)) void block(
                     acc[m][j] += xe[m] * even[j];
                     acc[m][j] += xo[m] * odd[j];
                 }
-#endif
         }
     }
 #pragma GCC unroll 32
@@ -257,8 +215,9 @@ static void expert_panels(int dtype, const char *w, int64_t N, int64_t Kp, int64
     const int64_t panel_bytes = Kp * PANEL * (dtype == F32 ? 4 : 2), k_per_line = dtype == F32 ? 1 : 2;
     const int np_max = panels_per_block(M);
     const int64_t nb = blocks_of(M, ROWS_FIT(np_max));
-    for (int64_t k0 = 0; k0 < Kp; k0 += K_BLOCK) {
-        const int64_t k1 = k0 + K_BLOCK < Kp ? k0 + K_BLOCK : Kp;
+    const int64_t run = RUN_LINES * k_per_line;
+    for (int64_t k0 = 0; k0 < Kp; k0 += run) {
+        const int64_t k1 = k0 + run < Kp ? k0 + run : Kp;
         for (int64_t p = p0; p < p1;) {
             const int np = p + np_max <= p1 ? np_max : 1; /* a last odd panel alone */
             const int64_t n0 = p * PANEL, n_valid = N - n0 < np * PANEL ? N - n0 : np * PANEL;
@@ -297,7 +256,7 @@ void moe_gemm(int dtype, const float *x, int64_t ldx, const void *w, const int64
         for (int64_t e = 0; e < E; e++) {
             const int64_t M = offsets[e + 1] - offsets[e], r0 = offsets[e] - offsets[0];
             if (M <= 0) continue;
-            pack_rows(dtype, x + r0 * ldx, ldx, M, K, Kp, ROWS_FIT(panels_per_block(M)), scratch + r0 * Kp);
+            pack_rows(x + r0 * ldx, ldx, M, K, Kp, ROWS_FIT(panels_per_block(M)), scratch + r0 * Kp);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
@@ -311,14 +270,10 @@ void moe_gemm(int dtype, const float *x, int64_t ldx, const void *w, const int64
     free(item_expert);
 }
 
-/* The build's choices, for the wrapper's log and the tests: [panel, rows1, rows2, bf16 dot]. */
+/* The build's choices, for the tests and the benchmark: [panel, rows a block against one panel,
+   against two]. */
 void moe_gemm_config(int64_t *cfg) {
     cfg[0] = PANEL;
     cfg[1] = ROWS_FIT(1);
     cfg[2] = ROWS_FIT(2);
-#if defined(__AVX512BF16__)
-    cfg[3] = 1;
-#else
-    cfg[3] = 0;
-#endif
 }
