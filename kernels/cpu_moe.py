@@ -143,7 +143,7 @@ def expert_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, offsets: torch.Te
 
 
 def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, intermediate: int, silu_mul) -> torch.Tensor:
+                topk_ids: torch.Tensor, intermediate: int, silu_mul, isa=None) -> torch.Tensor:
     """The experts' output [T, H] (x's dtype, float32) for x [T, H], w13 = pack_panels(every
     expert's [gate | up] [E, 2I, H]), w2 = pack_panels([E, H, I]); `silu_mul` [R, 2I] -> [R, I]."""
     t, top_k = topk_ids.shape
@@ -156,7 +156,7 @@ def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     offsets = torch.zeros(w13.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=offsets[1:])
     tokens = order // top_k
-    gate_up = expert_gemm(x.index_select(0, tokens), w13, 2 * intermediate, offsets)
-    y = expert_gemm(silu_mul(gate_up), w2, hidden, offsets)
+    gate_up = expert_gemm(x.index_select(0, tokens), w13, 2 * intermediate, offsets, isa)
+    y = expert_gemm(silu_mul(gate_up), w2, hidden, offsets, isa)
     y.mul_(topk_weights.reshape(-1)[order].float()[:, None])
     return torch.zeros(t, hidden, dtype=torch.float32).index_add_(0, tokens, y).to(x.dtype)

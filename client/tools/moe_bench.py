@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -32,7 +33,7 @@ import torch
 from backend.loader import ModelConfig
 from backend.models.moe import SparseMoeBlock, onednn_linear, pack_experts
 from backend.models.quant_linear import QuantLinear, quantize_q8_0
-from kernels import cpu_elementwise, cpu_moe
+from kernels import cpu_build, cpu_elementwise, cpu_moe
 from kernels.moe_reference import dense_moe, grouped_moe, route
 
 FORMATS = ("float32", "bfloat16", "Q8_0")
@@ -78,7 +79,7 @@ def _time(fn) -> float:
     return now() - start
 
 
-def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) -> dict:
+def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0, isa=None) -> dict:
     block, panels = build_block(cfg, fmt, seed)
     x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
     ex = block.experts
@@ -88,7 +89,7 @@ def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0
                  "per_expert": lambda: grouped_moe(x, ex.gate_up, ex.down, weights, ids)}
         if panels is not None:
             paths["one_call"] = lambda: cpu_moe.grouped_moe(x, *panels, weights, ids, cfg.moe_intermediate_size,
-                                                            cpu_elementwise.silu_mul)
+                                                            cpu_elementwise.silu_mul, isa)
         dense = paths["dense"]()   # also warms every path up
         gap = {name: (fn() - dense).abs().max().item() for name, fn in paths.items() if name != "dense"}
         times = {name: [] for name in paths}
@@ -105,7 +106,7 @@ def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0
                 tokens_per_expert=counts, max_abs_difference=max(gap.values()))
 
 
-def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
+def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int, isa=None) -> dict:
     """What bounds the speed-up: one expert's float32 gate/up GEMM, its weights hot in cache after
     the first call, at the rows a grouped expert gets on average (tokens x top_k / experts) and at
     all the tokens' rows (the dense path's): oneDNN-packed (the old path's GEMM) and the C kernel.
@@ -119,7 +120,7 @@ def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
             x = torch.randn(n, cfg.hidden_size)
             offsets = torch.tensor([0, n])
             for name, fn in (("onednn", lambda: linear(x)),
-                             ("kernel", lambda: cpu_moe.expert_gemm(x, panels, weight.shape[0], offsets))):
+                             ("kernel", lambda: cpu_moe.expert_gemm(x, panels, weight.shape[0], offsets, isa))):
                 fn()
                 t = statistics.median(_time(fn) for _ in range(repeats))
                 out[f"{key}_{name}_ms"] = round(t * 1e3, 3)
@@ -157,6 +158,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of %(default)s")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--kernel-isa", choices=sorted(cpu_build.ISA_FLAGS),
+                   help="the C kernel built for this instruction set instead of -march=native (with "
+                        "ONEDNN_MAX_CPU_ISA=AVX2 in the environment: an AVX2-only CPU's two paths)")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
@@ -181,15 +185,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                   cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(),
                   experts=args.experts, top_k=args.top_k, hidden=args.hidden, intermediate=args.intermediate,
-                  repeats=args.repeats, clock=clock().__name__, rows=[])
+                  repeats=args.repeats, clock=clock().__name__, kernel_isa=args.kernel_isa or "native",
+                  onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA", "any"), rows=[])
     print(f"{result['cpu']} ({result['isa']}), {result['threads']} threads; {args.experts} experts, top-{args.top_k}, "
-          f"hidden {args.hidden}, intermediate {args.intermediate}; time.{result['clock']}")
+          f"hidden {args.hidden}, intermediate {args.intermediate}; time.{result['clock']}; C kernel build "
+          f"{result['kernel_isa']}, oneDNN up to {result['onednn_max_isa']}")
     print("| tokens | weights | every expert (ms) | grouped, per expert (ms) | grouped, one call (ms) | "
           "speed-up per expert | speed-up one call | max abs difference | tokens per expert |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for tokens in token_counts:
         for fmt in formats:
-            row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats))
+            row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats, isa=args.kernel_isa))
             result["rows"].append(row)
             one_call = f"{row['one_call_ms']}" if row["kernel"] else "(per expert)"
             print(f"| {tokens} | {fmt} | {row['dense_ms']} | {row['per_expert_ms']} | {one_call} | "
@@ -197,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{' '.join(map(str, row['tokens_per_expert']))} |")
     print("\none expert's float32 gate/up GEMM, weights hot in cache (GFLOP/s; oneDNN-packed vs the C kernel):")
     for tokens in token_counts:
-        g = gemm_scaling(cfg, tokens, args.repeats)
+        g = gemm_scaling(cfg, tokens, args.repeats, args.kernel_isa)
         result.setdefault("gemm_scaling", []).append(g)
         print(f"  {g['grouped_rows']} rows: oneDNN {g['grouped_onednn_ms']} ms ({g['grouped_onednn_gflops']}), kernel "
               f"{g['grouped_kernel_ms']} ms ({g['grouped_kernel_gflops']}); {tokens} rows: oneDNN "

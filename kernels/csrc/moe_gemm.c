@@ -66,10 +66,12 @@
 #define PREFETCH_LOCALITY 2 /* prefetcht1: into L2 */
 #endif
 
-typedef float vp __attribute__((vector_size(PANEL * 4)));
-typedef float vp_u __attribute__((vector_size(PANEL * 4), aligned(4)));
-typedef uint32_t vu __attribute__((vector_size(PANEL * 4)));
-typedef uint32_t vu_u __attribute__((vector_size(PANEL * 4), aligned(4)));
+/* The target's own vector width (a wider generic vector, split by the compiler, went through the
+   stack on AVX2: 10x slower); the _u types load and store at any alignment. */
+typedef float vf __attribute__((vector_size(VEC * 4)));
+typedef float vf_u __attribute__((vector_size(VEC * 4), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(VEC * 4)));
+typedef uint32_t vu_u __attribute__((vector_size(VEC * 4), aligned(4)));
 
 enum { F32 = 0, BF16 = 1 };
 
@@ -109,61 +111,65 @@ static void pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t
 static inline __attribute__((always_inline)) void block(
         const int DT, const int NP, const int R, const float *xp, const char *w, int64_t panel_bytes,
         int64_t k0, int64_t k1, float *out, int64_t ldo, int64_t n_valid, const char *pf) {
-    vp acc[ROWS_MAX][2]; /* a constant size: a variable-length array would never live in registers */
-    const vp zero = {0};
+    const int S = NP * NV; /* accumulator registers per row: panel j's columns VEC at a time */
+    vf acc[ROWS_MAX][2 * NV]; /* constant sizes: a variable-length array would never live in registers */
+    const vf zero = {0};
 #pragma GCC unroll 32
     for (int m = 0; m < R; m++)
-#pragma GCC unroll 2
-        for (int j = 0; j < NP; j++) {
-            if (k0 == 0) acc[m][j] = zero;
-            else if (j * PANEL + PANEL <= n_valid) acc[m][j] = *(const vp_u *)(out + m * ldo + j * PANEL);
+#pragma GCC unroll 8
+        for (int s = 0; s < S; s++) {
+            const float *src = out + m * ldo + s * VEC;
+            if (k0 == 0) acc[m][s] = zero;
+            else if (s * VEC + VEC <= n_valid) acc[m][s] = *(const vf_u *)src;
             else {
-                float t[PANEL] = {0};
-                memcpy(t, out + m * ldo + j * PANEL, sizeof(float) * (size_t)(n_valid - j * PANEL));
-                acc[m][j] = *(const vp_u *)t; /* (never &acc: it would keep the accumulators in memory) */
+                float t[VEC] = {0};
+                if (s * VEC < n_valid) memcpy(t, src, sizeof(float) * (size_t)(n_valid - s * VEC));
+                acc[m][s] = *(const vf_u *)t; /* (never &acc: it would keep the accumulators in memory) */
             }
         }
     if (DT == F32) {
         for (int64_t k = k0; k < k1; k++) {
             PREFETCH(k);
-            vp wv[2];
-#pragma GCC unroll 2
-            for (int j = 0; j < NP; j++) wv[j] = *(const vp_u *)(w + j * panel_bytes + k * PANEL * 4);
+            vf wv[2 * NV];
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++)
+                wv[s] = *(const vf_u *)(w + (s / NV) * panel_bytes + (k * PANEL + (s % NV) * VEC) * 4);
             const float *xk = xp + k * R;
 #pragma GCC unroll 32
             for (int m = 0; m < R; m++)
-#pragma GCC unroll 2
-                for (int j = 0; j < NP; j++) acc[m][j] += xk[m] * wv[j];
+#pragma GCC unroll 8
+                for (int s = 0; s < S; s++) acc[m][s] += xk[m] * wv[s];
         }
     } else {
         for (int64_t k = k0; k < k1; k += 2) {
             PREFETCH(k);
-            vp even[2], odd[2];
-#pragma GCC unroll 2
-            for (int j = 0; j < NP; j++) {
-                const vu pair = *(const vu_u *)(w + j * panel_bytes + k * PANEL * 2);
-                even[j] = (vp)(pair << 16);
-                odd[j] = (vp)(pair & 0xFFFF0000u);
+            vf even[2 * NV], odd[2 * NV];
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++) {
+                const vu pair = *(const vu_u *)(w + (s / NV) * panel_bytes + (k * PANEL + (s % NV) * VEC * 2) * 2);
+                even[s] = (vf)(pair << 16);
+                odd[s] = (vf)(pair & 0xFFFF0000u);
             }
             const float *xe = xp + k * R, *xo = xe + R;
 #pragma GCC unroll 32
             for (int m = 0; m < R; m++)
-#pragma GCC unroll 2
-                for (int j = 0; j < NP; j++) {
-                    acc[m][j] += xe[m] * even[j];
-                    acc[m][j] += xo[m] * odd[j];
+#pragma GCC unroll 8
+                for (int s = 0; s < S; s++) {
+                    acc[m][s] += xe[m] * even[s];
+                    acc[m][s] += xo[m] * odd[s];
                 }
         }
     }
 #pragma GCC unroll 32
     for (int m = 0; m < R; m++)
-#pragma GCC unroll 2
-        for (int j = 0; j < NP; j++) {
-            if (j * PANEL + PANEL <= n_valid) *(vp_u *)(out + m * ldo + j * PANEL) = acc[m][j];
-            else if (j * PANEL < n_valid) {
-                float t[PANEL];
-                *(vp_u *)t = acc[m][j];
-                memcpy(out + m * ldo + j * PANEL, t, sizeof(float) * (size_t)(n_valid - j * PANEL));
+#pragma GCC unroll 8
+        for (int s = 0; s < S; s++) {
+            float *dst = out + m * ldo + s * VEC;
+            if (s * VEC + VEC <= n_valid) *(vf_u *)dst = acc[m][s];
+            else if (s * VEC < n_valid) {
+                float t[VEC];
+                *(vf_u *)t = acc[m][s];
+                memcpy(dst, t, sizeof(float) * (size_t)(n_valid - s * VEC));
             }
         }
 }
