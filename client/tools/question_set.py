@@ -64,8 +64,10 @@ def load_questions(path: Path = QUESTIONS) -> list[Question]:
 
 
 def is_right(reply: str, answers: Sequence[str]) -> bool:
-    """One of ``answers`` appears in ``reply`` as a whole word or phrase, case ignored."""
-    return any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", reply, re.IGNORECASE) for a in answers)
+    """One of ``answers`` appears in ``reply`` as a whole word or phrase, case ignored; a number
+    only as a whole number ("7" is not in "17", "7,982" or "0.7")."""
+    return any(re.search(rf"(?<!\w)(?<!\d[.,]){re.escape(a)}(?!\w)(?![.,]\d)", reply, re.IGNORECASE)
+               for a in answers)
 
 
 def parse_variant(text: str) -> Variant:
