@@ -8,6 +8,8 @@ With prefix caching (`enable_kv_cache_reuse`), every full block is keyed by a ha
 and of all tokens before it. A new sequence whose prompt starts with cached blocks shares them
 (reference counts) instead of recomputing them. A block nobody holds stays cached on the free list
 until it is handed out again, least recently freed first.
+
+Listeners (`BlockListener`) hear what enters and leaves the prefix cache (backend/kv_events.py).
 """
 from __future__ import annotations
 
@@ -44,6 +46,25 @@ def block_hashes(token_ids: Sequence[int], block_size: int, limit: Optional[int]
     return hashes
 
 
+class BlockListener:
+    """Told what enters and leaves the prefix cache (docs/design.md, "KV-cache events"), on the
+    engine thread inside the block manager's calls: keep each to an append. Without listeners
+    nothing is built. A block manager per KV-cache group would take a listener per group."""
+
+    def blocks_stored(self, blocks: list[int], keys: list[bytes], parent: bytes, root: bytes,
+                      token_ids: Sequence[int]) -> None:
+        """Consecutive full blocks of one sequence entered the prefix cache: their ids and keys in
+        order, the key of the block before the first (`root` when it is the sequence's first
+        block), the chain's root (the cache salt: b"" for the base model) and their tokens."""
+
+    def blocks_removed(self, blocks: list[int], keys: list[bytes]) -> None:
+        """Cached blocks nobody held are being handed out again: their keys leave the cache. Their
+        KV is still intact at this call (the new owner writes it in the next model run)."""
+
+    def cache_cleared(self) -> None:
+        """Every key left the prefix cache at once (reset_prefix_cache)."""
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
@@ -58,6 +79,7 @@ class BlockManager:
         self._block_hash: dict[int, bytes] = {}  # block -> key of its (full) contents
         self._cached: dict[bytes, int] = {}  # key -> block
         self._hashed: dict[str, tuple[int, bytes]] = {}  # seq -> (blocks registered, last key)
+        self.listeners: list[BlockListener] = []
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -100,12 +122,18 @@ class BlockManager:
         if need > len(self._free):
             raise NoFreeBlocksError(f"{seq_id}: needs {need} more blocks, {len(self._free)} free")
         table = self._tables.setdefault(seq_id, [])
+        evicted: Optional[list[tuple[int, bytes]]] = [] if self.listeners else None
         for _ in range(need):
             block, _ = self._free.popitem(last=False)
-            self._forget_hash(block)  # its old contents are about to be overwritten
+            key = self._forget_hash(block)  # its old contents are about to be overwritten
+            if key is not None and evicted is not None:
+                evicted.append((block, key))
             self._ref_counts[block] = 1
             table.append(block)
         self.num_held += need
+        if evicted:
+            for listener in self.listeners:
+                listener.blocks_removed([b for b, _ in evicted], [k for _, k in evicted])
 
     def free(self, seq_id: str) -> None:
         """Give back every block of seq_id (a no-op for an unknown id)."""
@@ -206,19 +234,51 @@ class BlockManager:
         done, parent = self._hashed.get(seq_id, (0, root))
         full = min(num_computed // self.block_size, len(table))
         bs = self.block_size
+        stored: Optional[list[tuple[int, bytes, bytes]]] = [] if self.listeners else None
         for i in range(done, full):
+            before = parent
             parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
             block = table[i]
             if parent not in self._cached and block not in self._block_hash:
                 self._cached[parent] = block
                 self._block_hash[block] = parent
+                if stored is not None:
+                    stored.append((i, parent, before))
         if full > done:
             self._hashed[seq_id] = (full, parent)
+        if stored:
+            self._announce_stored(stored, table, root, token_ids)
 
-    def _forget_hash(self, block: int) -> None:
+    def _announce_stored(self, stored: list[tuple[int, bytes, bytes]], table: list[int], root: bytes,
+                         token_ids: Sequence[int]) -> None:
+        """Tell the listeners, a run of consecutive blocks at a time (a block whose key another block
+        holds is not registered: it breaks the run)."""
+        bs, start = self.block_size, 0
+        for end in range(1, len(stored) + 1):
+            if end == len(stored) or stored[end][0] != stored[end - 1][0] + 1:
+                first, last = stored[start][0], stored[end - 1][0]
+                for listener in self.listeners:
+                    listener.blocks_stored(table[first:last + 1], [k for _, k, _ in stored[start:end]],
+                                           stored[start][2], root, token_ids[first * bs:(last + 1) * bs])
+                start = end
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key (vLLM's reset_prefix_cache), only while no sequence holds a block,
+        so that no held block loses its key. True when done; the listeners hear `cache_cleared`."""
+        if self.num_held:
+            return False
+        self._cached.clear()
+        self._block_hash.clear()
+        self._hashed.clear()
+        for listener in self.listeners:
+            listener.cache_cleared()
+        return True
+
+    def _forget_hash(self, block: int) -> Optional[bytes]:
         h = self._block_hash.pop(block, None)
         if h is not None:
             del self._cached[h]
+        return h
 
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self) -> None:

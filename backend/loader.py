@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # backend/models/moe.py
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Gemma3TextConfig's defaults: the Hub's multimodal Gemma 3 configs leave most of text_config to them
 GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
@@ -59,6 +60,19 @@ class ModelConfig:
     embedding_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
     query_pre_attn_scalar: Optional[float] = None  # attention scale ** -2 (Gemma); None: head_dim
     final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap)
+    # mixture of experts (backend/models/moe.py); num_experts 0: every layer's MLP is dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # an expert's intermediate size (Mixtral: intermediate_size)
+    norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every n-th layer has experts ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... but these, which keep a dense MLP
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (transformers' rule for Qwen3-MoE; every
+        layer of Mixtral)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def attention_scale(self) -> float:
@@ -95,7 +109,7 @@ def _rope(params: Optional[dict], theta: Any, scaling: Optional[dict]) -> tuple[
 def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: global), as transformers decides it for `arch`."""
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
         window = None
     if not window:
         return ()
@@ -133,9 +147,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"model_path '{model_dir}' has no config.json (expected a Hugging Face checkpoint directory)")
     cfg = _read_json(model_dir / "config.json")
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    known = SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES
+    arch = next((a for a in archs if a in known), None)
     if arch is None:
-        raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(known)}")
     top = cfg
     if arch == "Gemma3ForConditionalGeneration":  # the text model; the vision tower is not loaded
         cfg = dict(cfg.get("text_config") or {})
@@ -187,7 +202,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         layer_windows=_layer_windows(cfg, arch, layers),
         local_rope_theta=local_theta if gemma else None,
         local_rope_scaling=local_scaling if gemma else None,
-        qk_norm=gemma or arch == "Qwen3ForCausalLM",
+        qk_norm=gemma or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),  # Qwen3-MoE: Qwen3's attention
         activation=GATED_ACTIVATIONS[activation],
         norm_weight_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
@@ -196,7 +211,29 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # transformers caps the logits in Gemma3ForCausalLM only: its multimodal class ignores the
         # text config's cap (real Gemma 3 checkpoints set none)
         final_logit_softcapping=cfg.get("final_logit_softcapping") if arch == "Gemma3ForCausalLM" else None,
+        **_moe_fields(arch, cfg),
     )
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (none for a dense architecture), checked."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    mixtral = arch == "MixtralForCausalLM"
+    experts = cfg.get("num_local_experts") if mixtral else (cfg.get("num_experts") or cfg.get("num_local_experts"))
+    fields = dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok"),
+                  moe_intermediate_size=cfg.get("intermediate_size" if mixtral else "moe_intermediate_size"),
+                  norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+                  decoder_sparse_step=1 if mixtral else cfg.get("decoder_sparse_step", 1),
+                  mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()))
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arch} config.json: {key} must be an integer >= 1; got {value!r}")
+    if fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise ValueError(f"{arch} config.json: num_experts_per_tok {fields['num_experts_per_tok']} exceeds the "
+                         f"{fields['num_experts']} experts")
+    return fields
 
 
 PACKED_LAYOUTS = ("inflight-gguf-packed/1",)  # docs/quantization.md

@@ -27,9 +27,12 @@ from backend.cpu.memory import keep_freed_memory
 from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
+from backend.memory_checks import check_block_tables, check_kv_cache
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
+from backend.models.expert_load import ExpertLoad
+from backend.models.moe import reads_counts_on_host
 from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group
@@ -94,13 +97,18 @@ class ModelRunner:
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
                                           self.env.tensor_device, tp=self.tp)
             self.rope = rope_tables(model_cfg, max_model_len, self.env.tensor_device)
-            self.tables = BlockTables(config.max_num_seqs, -(-max_model_len // self.block_size), self.block_size,
-                                      self.env.tensor_device)
+            width = -(-max_model_len // self.block_size)
+            check_block_tables(config, width, self.env)  # sizes against memory: backend/memory_checks.py
+            self.tables = BlockTables(config.max_num_seqs, width, self.block_size, self.env.tensor_device)
             self.num_blocks = self._num_kv_blocks()
             if self.tp:  # the scheduler sees one engine: the group holds what its smallest rank holds
                 self.num_blocks = self.tp.smallest(self.num_blocks)
+            if not (self.env.is_cuda and config.max_tokens_in_paged_kv_cache == 0):  # else sized to what is free
+                check_kv_cache(config, self.num_blocks, self._bytes_per_block(), self.env)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,
                  self.block_size, self.num_blocks * self._bytes_per_block() / 2**20, self.device, self.ops.name,
                  bool(self.graphs and self.graphs.graphs))
@@ -112,6 +120,9 @@ class ModelRunner:
         self.weights = load_model(self.config, self.model_cfg, self.device, self.dtype, self.ops.name,
                                   tensor_device=self.env.tensor_device, tp=self.tp)
         self.padded_rows = self.weights.padded_rows
+        # tokens per expert, counted on the device (MoE models; rows: a step's most, padded)
+        rows = max(self.padded_rows(self.config.max_num_batched_tokens), self.config.max_num_seqs)
+        self.expert_load = ExpertLoad.attach(self.weights.model, rows, self.env.tensor_device)
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype, self.device, self.weights.quantization)
         return self.weights.model
 
@@ -154,6 +165,10 @@ class ModelRunner:
         with kernels other than Triton's (the references size their work from the lengths)."""
         if self.config.enforce_eager or self.ops.name != "triton" or self.lora is not None:
             return None  # (LoRA steps run eagerly: docs/lora.md)
+        if reads_counts_on_host(self.model):
+            log.info("CUDA graphs off: the experts run one GEMM per active expert (packed or int8 experts), "
+                     "which reads their token counts on the host")
+            return None
         empty_i32 = torch.zeros(1, dtype=torch.int32, device=self.env.tensor_device)
         make_context = functools.partial(
             self._context, kv_caches=self.kv_caches, prefill_block_tables=self.tables.table[:0],
@@ -226,6 +241,8 @@ class ModelRunner:
 
     def _compute(self, step: StepInputs, graph_size: Optional[int]) -> Optional[torch.Tensor]:
         """The step's model run on this rank: the logits of the rows that sample, None if none does."""
+        if self.expert_load is not None:
+            self.expert_load.mark_rows(step.slot_mapping)
         if graph_size is not None:
             hidden = self.graphs.run(step, self.tables.table)
         else:
@@ -233,6 +250,10 @@ class ModelRunner:
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards
+
+    def moe_stats(self) -> dict:
+        """Tokens per expert and the last interval's load imbalance (MoE models; else nothing)."""
+        return self.expert_load.snapshot() if self.expert_load is not None else {}
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank)."""

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import moe_reference, reference
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,9 @@ class KernelOps:
     rotary_embedding: Callable
     silu_mul: Callable
     gelu_tanh_mul: Callable  # Gemma's GeGLU
+    # experts of a mixture-of-experts layer (kernels/moe_reference.py's signature); on CPU they may
+    # be per-expert linear layers (oneDNN-packed, packed-quantized) instead of stacked tensors
+    fused_moe: Callable = moe_reference.fused_moe
 
 
 TORCH_OPS = KernelOps("torch", reference.store_kv, reference.decode_attention,
@@ -40,7 +43,7 @@ TORCH_OPS = KernelOps("torch", reference.store_kv, reference.decode_attention,
 def triton_ops() -> KernelOps:
     from kernels import triton_ops as t  # imported lazily: triton is heavy and GPU-oriented
     return KernelOps("triton", t.store_kv, t.decode_attention, t.prefill_attention, t.rms_norm,
-                     t.rotary_embedding, t.silu_mul, t.gelu_tanh_mul)
+                     t.rotary_embedding, t.silu_mul, t.gelu_tanh_mul, t.fused_moe)
 
 
 def cpu_ops(dtype: torch.dtype) -> KernelOps:

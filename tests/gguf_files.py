@@ -353,3 +353,86 @@ def write_gguf_from_hf(path: Path, hf_dir: Path, tokenizer_json: Path, types: Se
                           raw_dtype=None if qtype == T.F32 else qtype)
     finish(writer)
     return arch
+
+
+# -- mixtures of experts: a transformers checkpoint written as llama.cpp's converter writes it ----------
+def write_moe_gguf(path: Path, tokenizer_json: Path, hf_dir: Path, types: Sequence[str] = ("F32",)) -> None:
+    """The safetensors checkpoint of a tiny Mixtral (GGUF arch ``llama`` with experts) or Qwen3-MoE
+    (``qwen3moe``) in ``hf_dir`` as a GGUF file: each layer's experts stacked into ffn_gate_exps /
+    ffn_up_exps [E, I, H] and ffn_down_exps [E, H, I], the router as ffn_gate_inp (F32, as llama.cpp
+    keeps it), q/k rows permuted for ``llama``; the matrices (stacked experts included) take
+    ``types`` in turn. Its vocabulary must be the tokenizer's."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    mixtral = config["model_type"] == "mixtral"
+    arch = "llama" if mixtral else "qwen3moe"
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    tokens, merges, token_types = tokenizer_metadata(tokenizer_json)
+    assert len(tokens) == config["vocab_size"], "the checkpoint's vocabulary must be the tokenizer's"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta")))
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if mixtral:
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    block = "block_sparse_moe" if mixtral else "mlp"
+    parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"], "output_norm.weight": weights["model.norm.weight"]}
+    if "lm_head.weight" in weights:
+        tensors["output.weight"] = weights["lm_head.weight"]
+    for i in range(config["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, name in _GGUF_NAMES.items():
+            if p + hf + ".weight" in weights:
+                w = weights[p + hf + ".weight"]
+                if mixtral and hf in ("self_attn.q_proj", "self_attn.k_proj"):
+                    w = llama_cpp_permute(w, heads if hf.endswith("q_proj") else kv_heads)
+                tensors[b + name + ".weight"] = w
+        for hf, name in (("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")):
+            if p + hf + ".weight" in weights:
+                tensors[b + name + ".weight"] = weights[p + hf + ".weight"]
+        if p + f"{block}.gate.weight" in weights:
+            tensors[b + "ffn_gate_inp.weight"] = weights[p + f"{block}.gate.weight"]
+            for part, name in zip(parts, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+                tensors[b + name + ".weight"] = np.stack(
+                    [weights[p + f"{block}.experts.{e}.{part}.weight"] for e in range(experts)])
+    matrices = 0
+    for name, data in tensors.items():
+        qtype = T.F32
+        if data.ndim >= 2 and "ffn_gate_inp" not in name:
+            qtype = T[types[matrices % len(types)]]
+            matrices += 1
+        if qtype == T.F32:
+            writer.add_tensor(name, np.ascontiguousarray(data, np.float32))
+        else:
+            rows = quantize(data.reshape(-1, data.shape[-1]), qtype.name)
+            writer.add_tensor(name, rows.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -40,6 +40,15 @@ SHAPES = {
                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                        "rope_theta": 1000000.0}}),
 }
+# Mixtures of experts (tests/test_moe_engine.py): 8 experts, top-2. Qwen3-MoE with 3 layers, the
+# middle one dense (mlp_only_layers), and routing weights not renormalized (its default).
+MOE_SHAPES = {
+    "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_local_experts=8,
+                    num_experts_per_tok=2),
+    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1],
+                      norm_topk_prob=False),
+}
 
 
 def make_checkpoint(arch: str, out_dir: Path, seed: int = 0, multimodal: bool = False, **overrides) -> Path:
@@ -48,11 +57,13 @@ def make_checkpoint(arch: str, out_dir: Path, seed: int = 0, multimodal: bool = 
     `overrides`: config values in place of COMMON's and SHAPES'."""
     import transformers as tf
     config_cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
-                  "qwen3": tf.Qwen3Config, "gemma3": tf.Gemma3TextConfig}[arch]
+                  "qwen3": tf.Qwen3Config, "gemma3": tf.Gemma3TextConfig, "mixtral": tf.MixtralConfig,
+                  "qwen3_moe": tf.Qwen3MoeConfig}[arch]
     model_cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
-                 "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}[arch]
+                 "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
+                 "mixtral": tf.MixtralForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[arch]
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **SHAPES[arch], **overrides})
+    config = config_cls(**{**COMMON, **SHAPES.get(arch, {}), **MOE_SHAPES.get(arch, {}), **overrides})
     if multimodal:
         vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=2, image_size=32, patch_size=8)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -28,9 +29,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from backend.gguf.checks import check_config, check_shapes, scan
-from backend.gguf.mapping import (GEMMA_NORM_SHIFT, PERMUTED_ARCHITECTURES, ROPE_FREQS, GGUFImportError,
-                                  hf_architecture, hf_config, hf_tensor_name, llama3_rope_scaling,
-                                  read_metadata, unpermute_rows)
+from backend.gguf.mapping import (GEMMA_NORM_SHIFT, MOE_TENSORS, PERMUTED_ARCHITECTURES, ROPE_FREQS,
+                                  GGUFImportError, hf_architecture, hf_config, hf_tensor_name,
+                                  llama3_rope_scaling, read_metadata, unpermute_rows)
 from backend.gguf.packed import (FLOAT_TYPES, PACKED_TYPES, TYPE_NAMES, float_array, pack,
                                  supported_types, type_name)
 from backend.gguf.tokenizer import build_tokenizer, tokenizer_config
@@ -48,17 +49,23 @@ def _numpy_shape(tensor) -> tuple[int, ...]:
 
 def _tensor_arrays(tensor, config: dict[str, Any], arch: str,
                    dequantize_to: Optional[str]) -> dict[str, Any]:
-    """One GGUF tensor as the folder's tensors: ``P.weight`` (float), or ``P.qweight``... (packed)."""
+    """One GGUF tensor as the folder's tensors: ``P.weight`` (float), or ``P.qweight``... (packed);
+    stacked experts [E, N, K] packed as one [E, ...] module, or float as E per-expert tensors."""
     name, ggml_type, shape = hf_tensor_name(tensor.name, arch), int(tensor.tensor_type), _numpy_shape(tensor)
+    experts = len(shape) == 3 and tensor.name.rsplit(".", 2)[-2] in MOE_TENSORS
     try:
-        if ggml_type in PACKED_TYPES:
-            if len(shape) != 2:
-                raise ValueError(f"a quantized tensor of {len(shape)} dimensions (only matrices are)")
-            arrays = pack(tensor.data, ggml_type, shape)
-        else:
+        if ggml_type not in PACKED_TYPES:
             arrays = {"weight": float_array(tensor.data, ggml_type, shape)}
+        elif len(shape) == 2 or experts:   # experts: the E matrices as one of E * N rows, then apart
+            arrays = pack(tensor.data, ggml_type, (math.prod(shape[:-1]), shape[-1]))
+            arrays = {k: v.reshape(*shape[:-1], -1) for k, v in arrays.items()}
+        else:
+            raise ValueError(f"a quantized tensor of {len(shape)} dimensions (only matrices and stacked "
+                             "experts are)")
     except ValueError as exc:
         raise GGUFImportError(f"tensor {tensor.name}: {exc}") from None
+    if experts and (ggml_type not in PACKED_TYPES or dequantize_to is not None):
+        return _expert_tensors(name, arrays, ggml_type, dequantize_to)
     heads = ("num_attention_heads" if ".q_proj." in name else
              "num_key_value_heads" if ".k_proj." in name else None)
     if arch in PERMUTED_ARCHITECTURES and heads:
@@ -74,6 +81,21 @@ def _tensor_arrays(tensor, config: dict[str, Any], arch: str,
     from kernels.quant_reference import dequantize
     parts = {k: _torch(v) for k, v in arrays.items()}
     return {name: _to_dtype(dequantize(PACKED_TYPES[ggml_type], parts), dequantize_to)}
+
+
+def _expert_tensors(name: str, arrays: dict[str, np.ndarray], ggml_type: int,
+                    dequantize_to: Optional[str]) -> dict[str, Any]:
+    """Stacked experts written as float per-expert tensors, ``...experts.{e}.w1.weight`` (a float
+    file's, or --dequantize)."""
+    if ggml_type in PACKED_TYPES:
+        from kernels.quant_reference import dequantize
+        parts = {k: _torch(v).flatten(0, 1) for k, v in arrays.items()}
+        count, rows = arrays["qweight"].shape[:2]
+        stacked = _to_dtype(dequantize(PACKED_TYPES[ggml_type], parts), dequantize_to).unflatten(0, (count, rows))
+    else:
+        stacked = _torch(arrays["weight"], ggml_type, dequantize_to)
+    base, _, part = name.removesuffix(".weight").rpartition(".")
+    return {f"{base}.{e}.{part}.weight": stacked[e].contiguous() for e in range(stacked.shape[0])}
 
 
 def _torch(array: np.ndarray, ggml_type: Optional[int] = None, dtype: Optional[str] = None):
@@ -225,8 +247,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="inflight import-gguf",
-        description="Convert a GGUF file (Llama, Mistral, Qwen2, Qwen3, Gemma 3) into a Hugging Face "
-                    "checkpoint folder, "
+        description="Convert a GGUF file (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE) into a "
+                    "Hugging Face checkpoint folder, "
                     "its quantized weights kept packed (docs/quantization.md).")
     parser.add_argument("file", help="the .gguf file")
     parser.add_argument("--out", required=True, help="the checkpoint folder to write")

@@ -21,19 +21,28 @@
   or one flag per layer) and ``<arch>.rope.freq_base_swa`` where a file has them. Linear rope
   scaling applies to the global layers only, as in llama.cpp and transformers.
 - ``rope_freqs.weight`` (Llama 3.1+: per-frequency rope divisors) -> ``rope_scaling`` llama3.
+- Mixtures of experts: a ``llama`` file with ``llama.expert_count`` is Mixtral, ``qwen3moe`` is
+  Qwen3-MoE. llama.cpp stacks each layer's experts: ``ffn_gate_exps`` / ``ffn_up_exps`` /
+  ``ffn_down_exps`` [E, N, K] and the router ``ffn_gate_inp`` [E, H]. They keep HF's module names
+  without the expert index (``block_sparse_moe.experts.w1`` for Mixtral, ``mlp.experts.gate_proj``
+  for Qwen3-MoE); the importer writes packed ones stacked and float ones per expert
+  (``experts.{e}.w1.weight``: a plain HF checkpoint). A Qwen3-MoE layer without ``ffn_gate_inp``
+  is dense (``mlp_only_layers``); llama.cpp always renormalizes qwen3moe's top-k weights unless
+  ``qwen3moe.expert_weights_norm`` says otherwise, so ``norm_topk_prob`` follows that key.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
+               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "MixtralForCausalLM": "mixtral",
+               "Qwen3MoeForCausalLM": "qwen3_moe"}
 PERMUTED_ARCHITECTURES = ("llama", "mistral")  # q/k rows permuted by llama.cpp's converter
 GEMMA_NORM_SHIFT = 1.0  # what llama.cpp's converter adds to every Gemma 3 norm weight
 GEMMA3_PATTERN = 6  # llama.cpp's gemma3: five local layers, then a global one
@@ -49,11 +58,17 @@ _LAYER_TENSORS = {
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _ARCH_LAYER_TENSORS = {
     "qwen3": {**_LAYER_TENSORS, **_QK_NORMS},
+    "qwen3moe": {**_LAYER_TENSORS, **_QK_NORMS},
     "gemma3": {**_LAYER_TENSORS, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
+# mixture-of-experts layers: the router and the stacked experts' gate, up, down, by GGUF architecture
+# (a llama file with experts is Mixtral)
+MOE_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_MOE_NAMES = {"llama": ("block_sparse_moe", ("gate", "experts.w1", "experts.w3", "experts.w2")),
+              "qwen3moe": ("mlp", ("gate", "experts.gate_proj", "experts.up_proj", "experts.down_proj"))}
 # Llama 3.1+ files store their rope scaling as per-frequency factors; HF configs as parameters.
 ROPE_FREQS = "rope_freqs.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -76,6 +91,8 @@ def hf_architecture(meta: dict[str, Any]) -> tuple[str, str]:
         raise GGUFImportError(f"GGUF architecture {arch!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     name = str(meta.get("general.name") or "").lower()
+    if arch == "llama" and meta.get("llama.expert_count"):
+        return arch, "MixtralForCausalLM"
     if arch == "llama" and "mistral" in name:
         return arch, "MistralForCausalLM"
     return arch, HF_CLASSES[arch]
@@ -122,9 +139,9 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
         "hidden_act": "silu",
         "torch_dtype": out_dtype,
     }
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         config["use_sliding_window"] = False
-    elif architecture == "MistralForCausalLM":
+    elif architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         config["sliding_window"] = None  # the file states none; HF's class default would add one
     elif architecture == "LlamaForCausalLM":
         config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_shapes)
@@ -136,6 +153,9 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
                               "none, linear (and Llama 3 scaling stored as rope_freqs)")
     if arch == "gemma3":
         _gemma3_config(config, meta, integer)
+    if architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        config.update(_moe_config(architecture, integer, meta.get(f"{arch}.expert_weights_norm"), tensor_shapes,
+                                  config["num_hidden_layers"]))
     for name, key_ in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("pad_token_id", "padding_token_id")):
         if meta.get(f"tokenizer.ggml.{key_}") is not None:
@@ -176,6 +196,29 @@ def _gemma3_config(config: dict[str, Any], meta: dict[str, Any], integer) -> Non
     del config["hidden_act"]
 
 
+def _moe_config(architecture: str, integer, weights_norm, tensor_shapes, layers: int) -> dict[str, Any]:
+    """config.json's expert keys for a Mixtral or Qwen3-MoE file."""
+    experts, used = integer("expert_count"), integer("expert_used_count")
+    if architecture == "MixtralForCausalLM":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
+    return {"num_experts": experts, "num_experts_per_tok": used, "decoder_sparse_step": 1, "mlp_only_layers": dense,
+            "moe_intermediate_size": integer("expert_feed_forward_length"),
+            "norm_topk_prob": True if weights_norm is None else bool(weights_norm), "attention_bias": False}
+
+
+def moe_layer_shapes(config: Mapping[str, Any], layer: int) -> Optional[dict[str, tuple[int, ...]]]:
+    """The GGUF tensors of `layer`'s MLP (with their numpy shapes) when it has experts, else None."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts or layer in config.get("mlp_only_layers", ()):
+        return None
+    hidden = config["hidden_size"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    b = f"blk.{layer}."
+    return {b + "ffn_gate_inp.weight": (experts, hidden), b + "ffn_gate_exps.weight": (experts, inter, hidden),
+            b + "ffn_up_exps.weight": (experts, inter, hidden), b + "ffn_down_exps.weight": (experts, hidden, inter)}
+
+
 def hf_tensor_name(name: str, arch: str = "llama") -> str:
     """HF parameter name of a GGUF tensor name in a file of `arch`; refuses names it does not know."""
     base, _, suffix = name.rpartition(".")
@@ -186,6 +229,9 @@ def hf_tensor_name(name: str, arch: str = "llama") -> str:
     if match and match.group(2) in layer_tensors:
         layer, part, suffix = match.groups()
         return f"model.layers.{layer}.{layer_tensors[part]}.{suffix}"
+    if match and match.group(2) in MOE_TENSORS and arch in _MOE_NAMES and match.group(3) == "weight":
+        block, names = _MOE_NAMES[arch]   # stacked experts: named without the expert index
+        return f"model.layers.{match.group(1)}.{block}.{names[MOE_TENSORS.index(match.group(2))]}.weight"
     raise GGUFImportError(f"GGUF tensor {name!r} has no counterpart in the {arch} architecture")
 
 

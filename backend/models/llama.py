@@ -1,5 +1,5 @@
-"""The decoder of every architecture inflight serves (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 3),
-over a flat batch with no padding.
+"""The decoder of every architecture inflight serves (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 3;
+the mixtures of experts Mixtral and Qwen3-MoE), over a flat batch with no padding.
 
 Differences between them are configuration (backend/loader.py's ModelConfig), not code: Qwen2 has
 q/k/v biases and often tied embeddings; Llama 3 adds llama3 rope scaling; Mistral slides a window
@@ -8,7 +8,9 @@ apart from hidden / heads; Gemma 3 adds to that local sliding-window layers betw
 each kind with its own RoPE base, GeGLU (tanh-GELU) for SiLU, embeddings scaled by sqrt(hidden),
 norms on the attention's and the MLP's outputs too (`sandwich_norms`), RMSNorm weights applied as
 (1 + w) (folded into the weights at load), query_pre_attn_scalar as the attention scale, and an
-optional final logit soft-cap. q/k/v and gate/up projections are fused into one matmul each.
+optional final logit soft-cap. Mixtral and Qwen3-MoE (Qwen3's attention) replace some or all layers'
+MLP by a mixture of experts (`make_mlp`, backend/models/moe.py). q/k/v and gate/up projections are
+fused into one matmul each.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch import nn
 from backend.attention import AttentionContext
 from backend.loader import ModelConfig
 from backend.lora.step import LoRAStep, lora_project
+from backend.models.moe import ExpertLoader, SparseMoeBlock, checkpoint_name
 from backend.models.rope import RopeTables
 from kernels.dispatch import KernelOps
 
@@ -79,11 +82,16 @@ class MLP(nn.Module):
         return lora_project(lora, layer, "down_proj", self.down_proj, act)
 
 
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The layer's MLP: dense, or a mixture of experts (Mixtral, Qwen3-MoE: backend/models/moe.py)."""
+    return SparseMoeBlock(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg, layer)
         self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         # Llama: the MLP's input norm. Gemma: the attention output's norm, then a pre- and a
         # post-feedforward norm around the MLP (HF's names, so the weights load by name).
@@ -166,11 +174,14 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up; fail on missing or unknown names."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        experts = ExpertLoader(params)  # per-expert tensors into the stacked [E, ...] parameters
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name or hf_name.startswith(self.SKIPPED):
                 continue
             prefix = next((p for p in self.PREFIXES if hf_name.startswith(p)), "")
-            name = hf_name[len(prefix):]
+            name = checkpoint_name(hf_name[len(prefix):])
+            if experts.take(name, tensor):
+                continue
             parts = name.split(".")
             fused = next((p for p in parts if p in self._FUSED), None)
             if fused is None:
@@ -183,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
         if "lm_head.weight" in params and (self.cfg.tie_word_embeddings or "lm_head.weight" not in loaded):
             self.lm_head.weight = self.embed_tokens.weight
             loaded.add("lm_head.weight")
+        loaded |= experts.complete()
         for name in list(loaded):  # a fused weight counts once all of its shards arrived
             if "#" in name:
                 base = name.split("#")[0]

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"store_kv_kernel", "decode_attention_kernel", "decode_merge_kernel", "prefill_attention_kernel",
            "rms_norm_kernel", "rotary_kernel", "gated_act_kernel",
            "gguf_gemm_kernel", "w8_gemm_kernel", "awq_gemm_kernel", "split_k_reduce_kernel",  # kernels/quant_*.py
-           "lora_shrink_kernel", "lora_expand_kernel"}  # kernels/lora_sgmv.py
+           "lora_shrink_kernel", "lora_expand_kernel",  # kernels/lora_sgmv.py
+           "fused_moe_kernel"}  # kernels/fused_moe.py: the MoE models only
 CACHE_KERNELS = {"store_kv_kernel", "decode_attention_kernel", "prefill_attention_kernel"}
 
 
@@ -49,7 +50,12 @@ def test_every_kernel_compiles_for_sm80_and_sm90_in_bf16_and_fp16_and_with_an_fp
     assert combos == {(k, d, t) for k in KERNELS for d in ("bf16", "fp16") for t in ("sm_80", "sm_90")} | fp8_cache
     assert {r["config"]["SATURATE"] for r in rows if r["kernel"] == "store_kv_kernel"} == {False, True}
     assert {m for r in rows for m in r["models"]} == {"Llama-3.1-8B", "Llama-3.2-1B", "Qwen2-7B", "Mistral-7B",
-                                                      "Qwen3-8B", "Gemma-3-4B", "Gemma-3-270M"}
+                                                      "Qwen3-8B", "Gemma-3-4B", "Gemma-3-270M",
+                                                      "Mixtral-8x7B", "Qwen3-30B-A3B"}
+    moe = [r for r in rows if r["kernel"] == "fused_moe_kernel"]
+    # per MoE model, dtype and target: gate/up and down, each in both tile configurations
+    assert len(moe) == 2 * 2 * 2 * 2 * 2 and all(len(r["models"]) == 1 for r in moe)
+    assert {(r["config"]["GATED"], r["config"]["BLOCK_M"]) for r in moe} == {(g, m) for g in (0, 1) for m in (16, 64)}
     for r in rows:
         assert 0 <= r["shared_bytes"] <= result["targets"][r["target"]]["shared_limit_bytes"], r
     decode = [r for r in rows if r["kernel"] == "decode_attention_kernel"]

@@ -42,7 +42,8 @@ def test_dry_run_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert res["failed_checks"] == 0 and all(c["ok"] for c in res["checks"])
     assert {c["kernel"] for c in res["checks"]} == {"decode_attention", "prefill_attention", "store_kv",
-                                                    "rms_norm", "rotary_embedding", "silu_mul"}
+                                                    "rms_norm", "rotary_embedding", "silu_mul", "fused_moe"}
+    assert any(r["kernel"] == "fused_moe" for r in res["kernels"])
     assert len(res["decode_attention"]) == 2 and res["decode_tuning"]
     assert [(r["batch"], r["context"]) for r in res["engine_decode_step"]] == [(1, 20), (2, 20)]
     assert res["copy_bandwidth_gbs"] > 0
