@@ -35,8 +35,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     kv_block_size: int = 16
-    # Explicit KV capacity in tokens; 0 sizes it from kv_cache_free_gpu_mem_fraction on CUDA and
-    # from cpu_kv_cache_tokens on CPU.
+    # Explicit KV capacity: the memory of that many tokens in every layer (a model with sliding-window
+    # layers holds more tokens in it, backend/kv_groups.py); 0 sizes it from
+    # kv_cache_free_gpu_mem_fraction on CUDA and from cpu_kv_cache_tokens (same meaning) on CPU.
     max_tokens_in_paged_kv_cache: int = 0
     # Share of the GPU memory free after the weights and the largest step's activations that the KV
     # cache takes; the rest is headroom (CUDA graphs, cuBLAS, fragmentation): backend/kv_sizing.py.

@@ -13,7 +13,7 @@ import random
 import time
 from typing import Optional, Union
 
-from backend.block_manager import BlockManager
+from backend.kv_groups import KVCacheGroups
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
 from backend.input_guard import check_text, int32
@@ -46,8 +46,10 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.model_path)
         self.max_input_bytes = config.max_input_bytes or self._derived_max_input_bytes()
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size,
-                                   enable_prefix_caching=config.enable_kv_cache_reuse)
+        drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        self.blocks = KVCacheGroups(self.runner.num_blocks, config.kv_block_size, self.runner.kv_layout.group_windows,
+                                    enable_prefix_caching=config.enable_kv_cache_reuse,
+                                    max_prefill_tokens=config.max_num_batched_tokens, max_decode_tokens=1 + drafts)
         self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
         # speculative decoding (backend/spec/): None when speculative_config is empty
         self.speculator = Speculator.create(config, self.scheduler, self.vocab_size, self.max_model_len,

@@ -38,14 +38,16 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-def check_block_tables(config: Any, width: int, env: Any) -> None:
+def check_block_tables(config: Any, width: int, env: Any, groups: int = 1) -> None:
     """The block tables: `max_num_seqs` rows of `width` int32 entries (one per block of the longest
-    sequence), on the device."""
+    sequence) for each of the `groups` KV-cache groups (backend/kv_groups.py), on the device."""
     available, where = available_bytes(env)
-    tables = config.max_num_seqs * width * 4
+    tables = groups * config.max_num_seqs * width * 4
     if tables > available:
+        per = f" in each of {groups} KV-cache groups" if groups > 1 else ""
         raise TooLargeForMemory("max_num_seqs", f"{config.max_num_seqs} sequences' block tables ({width} blocks of "
-                                f"{config.kv_block_size} tokens each) take {_size(tables)}; {_size(available)} of {where}")
+                                f"{config.kv_block_size} tokens each{per}) take {_size(tables)}; "
+                                f"{_size(available)} of {where}")
 
 
 def check_kv_cache(config: Any, num_blocks: int, bytes_per_block: int, env: Any) -> None:

@@ -47,3 +47,13 @@ def test_sizes_the_config_can_refuse_alone():
     for bad in ("0", "nan", "inf", "601"):
         with pytest.raises(ValueError, match=r"structured_outputs_compile_timeout_s must be in \(0, 600\] seconds"):
             EngineConfig.from_params({"structured_outputs_compile_timeout_s": bad})
+
+
+def test_the_block_tables_count_every_kv_cache_group(monkeypatch):
+    """A model with sliding-window layers keeps a block table per KV-cache group (backend/kv_groups.py)."""
+    config = EngineConfig(max_num_seqs=1000)
+    monkeypatch.setattr(memory_checks, "available_bytes", lambda env: (1000 * 64 * 4 * 3, "host memory available"))
+    memory_checks.check_block_tables(config, 64, None, groups=3)   # three groups' tables fit exactly
+    with pytest.raises(ValueError, match=r"^max_num_seqs: 1000 sequences' block tables \(64 blocks of 16 tokens "
+                                         r"each in each of 4 KV-cache groups\) take 1.0 MiB; 0.7 MiB"):
+        memory_checks.check_block_tables(config, 64, None, groups=4)

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from backend.block_manager import BlockManager
+from backend.kv_groups import kv_layout
 from backend.config import EngineConfig
 from backend.loader import load_model_config
 from backend.memory_checks import TooLargeForMemory
@@ -65,6 +66,9 @@ class DraftProposer:
         if spec.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"speculative_config.max_model_len ({spec.max_model_len}) exceeds what the draft "
                              f"supports ({cfg.max_position_embeddings})")
+        if kv_layout(cfg.layer_windows, cfg.num_layers).num_groups > 1:  # its one BlockManager keeps one table
+            raise ValueError(f"speculative_config.model: a draft whose layers form several KV-cache groups (local "
+                             f"sliding-window layers beside global ones, {cfg.architecture}) is not supported")
         self.max_len = min(max_model_len, spec.max_model_len or cfg.max_position_embeddings)
         tokens = spec.draft_kv_cache_tokens or target_kv_tokens
         # the draft's own checkpoint: its weights as they come (quantization auto), no LoRA adapters

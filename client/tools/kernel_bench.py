@@ -103,6 +103,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50, help="timed runs per kernel measurement (default: %(default)s)")
     p.add_argument("--skip-engine", action="store_true", help="skip the engine-level decode step")
     p.add_argument("--skip-reference", action="store_true", help="do not time the torch references")
+    p.add_argument("--skip-tuning", action="store_true",
+                   help="skip the decode tile/split sweep (its variants are compiled for it alone)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and runs (a smoke test)")
     # A tiny rehearsal of this script on the CPU under TRITON_INTERPRET=1 (the tests use it); its
     # numbers mean nothing.
@@ -404,7 +406,7 @@ def bench_kernels(ops, ref, timer: Timer, copy_gbs: float, block_size: int, iter
 
 
 def bench_decode(ops, ref, timer: Timer, copy_gbs: float, block_size: int, iters: int, batches: list[int],
-                 contexts: list[int], skip_reference: bool) -> tuple[list[dict], list[dict]]:
+                 contexts: list[int], skip_reference: bool, tuning_sweep: bool = True) -> tuple[list[dict], list[dict]]:
     """Decode attention sweep (Llama-3-8B heads, bf16) and a small tile-size / split sweep."""
     from kernels.decode_attention import choose_num_splits
     from kernels._common import num_sms
@@ -440,7 +442,7 @@ def bench_decode(ops, ref, timer: Timer, copy_gbs: float, block_size: int, iters
                        sdpa_pct_copy=100 * nbytes / t_sdpa / 1e3 / copy_gbs, tflops=None)
             rows.append(row)
             print_row(row)
-            if ctx == max(contexts) and b in (min(batches), max(batches)):
+            if tuning_sweep and ctx == max(contexts) and b in (min(batches), max(batches)):
                 for block_n in (32, 64, 128):
                     for ns in sorted({splits, max(1, splits // 2), splits * 2}):
                         tt = timer(lambda: ops.decode_attention(q, kc, vc, tables, sl, d ** -0.5, num_splits=ns,
@@ -587,6 +589,14 @@ def print_row(row: dict) -> None:
           flush=True)
 
 
+def _save(results: dict, path: str, partial: bool) -> None:
+    """The JSON so far (`partial`: sections may follow), replaced whole so a reader never sees half."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(results, partial=partial), f, indent=2)
+    os.replace(tmp, path)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     global P
     args = parse_args(argv)
@@ -636,6 +646,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['kernel']:<18} {c['dtype']:<9} max|err| {c['max_abs_err']:.2e}  "
               f"{c['detail']}")
     failed = [c for c in checks + quant_checks if not c["ok"]]
+    results["failed_checks"] = len(failed)
+    _save(results, args.out, partial=True)   # the checks first: kept if the timings are cut short
 
     timer = Timer()
     print(f"\nkernels (Llama-3-8B shapes, {P['bench_dtype']}, cache block size {args.block_size}):")
@@ -643,14 +655,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     results["kernels"] = bench_kernels(ops, ref, timer, copy_gbs, args.block_size, args.iters, args.skip_reference)
 
     print("\nquantized GEMMs (kernels/quant_bench.py; floor = weight + activation bytes / copy bandwidth):")
+    _save(results, args.out, partial=True)
     results["quant_linear"] = quant_bench.bench(timer, copy_gbs, args.iters, _dev(), dry=args.dry_run_cpu)
+    _save(results, args.out, partial=True)
 
     print("\npaged decode attention (B sequences x ctx tokens; SDPA = torch SDPA on dense, unpaged K/V):")
     print(HEADER)
     decode_rows, tuning = bench_decode(ops, ref, timer, copy_gbs, args.block_size, args.iters, args.batches,
-                                       args.contexts, args.skip_reference)
+                                       args.contexts, args.skip_reference, tuning_sweep=not args.skip_tuning)
     results["decode_attention"] = decode_rows
     results["decode_tuning"] = tuning
+    _save(results, args.out, partial=True)
     if tuning:
         print("\n  decode tuning (block_n x splits):")
         for r in tuning:
@@ -663,10 +678,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         results["engine_decode_step"] = bench_engine_step(ops, copy_gbs, args.block_size, args.batches,
                                                           args.engine_contexts, args.iters)
 
-    results["failed_checks"] = len(failed)
     results["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    _save(results, args.out, partial=False)
     print(f"\nwrote {args.out} in {results['wall_s']:.0f} s; "
           + ("all checks passed" if not failed else f"{len(failed)} CHECKS FAILED"))
     return 1 if failed else 0

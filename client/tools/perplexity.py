@@ -36,23 +36,10 @@ TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "alice_chapters_
 def window_logprobs(llm, ids: Sequence[int]) -> torch.Tensor:
     """log p(ids[i + 1] | ids[: i + 1]) for i in 0..n-2, from one prefill of ``ids`` through the
     engine's model (its own kernels and weights) on a throwaway paged cache."""
-    from backend.attention import AttentionContext
     runner = llm.engine.runner
-    cfg, n, bs = runner.model_cfg, len(ids), runner.block_size
-    blocks = -(-n // bs)
-    shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=runner.kv_dtype), torch.zeros(shape, dtype=runner.kv_dtype))
-              for _ in range(cfg.num_layers)]
-    table = torch.arange(blocks, dtype=torch.int32)[None]
-    lens = torch.tensor([n], dtype=torch.int32)
-    ctx = AttentionContext(ops=runner.ops, kv_caches=caches, scale=cfg.attention_scale,
-                           layer_windows=cfg.layer_windows,
-                           slot_mapping=torch.arange(n), num_decode_tokens=0,
-                           decode_block_tables=table[:0], decode_seq_lens=lens[:0],
-                           prefill_block_tables=table, prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                           prefill_seq_lens=lens, prefill_max_q_len=n)
-    tokens = torch.tensor(list(ids), dtype=torch.long)
-    hidden = runner.model(tokens, torch.arange(n), ctx, runner.rope)
+    n, device = len(ids), runner.env.tensor_device
+    tokens = torch.tensor(list(ids), dtype=torch.long, device=device)
+    hidden = runner.model(tokens, torch.arange(n, device=device), runner.prefill_context(n), runner.rope)
     logits = runner.model.logits(hidden[:-1]).float()
     return torch.log_softmax(logits, dim=-1).gather(1, tokens[1:, None])[:, 0]
 
