@@ -58,7 +58,6 @@ def chat_model(tmp_path_factory, default_model_dir):
     return folder
 
 
-@pytest.mark.slow  # two engines loaded
 def test_one_run_measures_every_variant_and_the_table_shows_them(chat_model):
     questions = [qs.Question("What is the capital of France?", ("Paris",)), qs.Question("Say hi?", ("hi",))]
     variants = [qs.Variant("bf16", str(chat_model), {"dtype": "bfloat16"}), qs.Variant("float32", str(chat_model))]
