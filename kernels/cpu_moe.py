@@ -6,10 +6,12 @@
 - `expert_gemm(x, panels, n, offsets)`: rows sorted by expert, expert e's rows offsets[e] ..
   offsets[e + 1] - 1 -> x @ W[e]^T for each, [R, n] float32. Its oracle:
   kernels/moe_reference.py `expert_gemm` (the same product in float64), within float32 rounding.
-- `grouped_moe(x, w13, w2, topk_weights, topk_ids)`: the whole experts' computation on panels,
-  as kernels/moe_reference.py `grouped_moe` does it per expert (its oracle): the (token, slot) pairs
-  sorted by expert, one call for every active expert's gate/up, SiLU·mul, one call for every
-  down projection, the outputs weighted and added into their tokens in float32.
+- `sorted_moe(x, topk_weights, topk_ids, E, gate_up, down, silu_mul)`: the whole experts'
+  computation as kernels/moe_reference.py `grouped_moe` does it per expert (its oracle): the
+  (token, slot) pairs sorted by expert, one call for every active expert's gate/up, SiLU·mul, one
+  call for every down projection, the outputs weighted and added into their tokens in float32.
+  `grouped_moe` runs it on panels; packed quantized experts run it on kernels/cpu_quant.py
+  `CpuQuantExperts` (the int8 kernel's tiles, one call per projection too).
 
 Why a kernel of our own: docs/performance.md, "Mixture of experts on the CPU" (a decode batch
 gives each expert ~16 rows; oneDNN at 16 rows is far from its speed at 64, and the weights stream
@@ -21,6 +23,7 @@ import ctypes
 import functools
 import logging
 import mmap
+from typing import Callable
 
 import torch
 
@@ -33,6 +36,9 @@ PANEL = 16
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURE = (ctypes.c_int, _P, _I, _P, _P, _I, _I, _I, _P, _I, _P)
+# rows [R, K] float32 sorted by expert, offsets int64 [E + 1] -> [R, N] float32: every active
+# expert's product in one call (expert_gemm on panels; CpuQuantExperts.matmul on packed experts)
+GroupedGemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def available() -> bool:
@@ -142,21 +148,32 @@ def expert_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, offsets: torch.Te
     return out
 
 
-def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, intermediate: int, silu_mul, isa=None) -> torch.Tensor:
-    """The experts' output [T, H] (x's dtype, float32) for x [T, H], w13 = pack_panels(every
-    expert's [gate | up] [E, 2I, H]), w2 = pack_panels([E, H, I]); `silu_mul` [R, 2I] -> [R, I]."""
-    t, top_k = topk_ids.shape
-    hidden = x.shape[1]
+def sorted_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+               gate_up: GroupedGemm, down: GroupedGemm, silu_mul) -> torch.Tensor:
+    """The experts' output [T, H] (x's dtype, summed in float32) for x [T, H]: the (token, slot)
+    pairs sorted by expert, token order kept; `gate_up(rows, offsets)` once for every active
+    expert's [gate | up] ([R, H] float32 rows sorted by expert, offsets int64 [E + 1] -> [R, 2I]),
+    `silu_mul` ([R, 2I] -> [R, I]), `down(rows, offsets)` once for every down projection; the
+    outputs weighted and added into their tokens. kernels/moe_reference.py `grouped_moe` (one GEMM
+    pair per expert) is its oracle."""
+    t, hidden = x.shape
     flat = topk_ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices              # pairs grouped by expert, token order kept
-    counts = torch.bincount(flat, minlength=w13.shape[0])
-    if counts.numel() != w13.shape[0]:
-        raise ValueError(f"grouped_moe: expert ids reach {counts.numel() - 1}; there are {w13.shape[0]} experts")
-    offsets = torch.zeros(w13.shape[0] + 1, dtype=torch.int64)
+    counts = torch.bincount(flat, minlength=num_experts)
+    if counts.numel() != num_experts:
+        raise ValueError(f"grouped experts: expert ids reach {counts.numel() - 1}; there are {num_experts} experts")
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=offsets[1:])
-    tokens = order // top_k
-    gate_up = expert_gemm(x.index_select(0, tokens), w13, 2 * intermediate, offsets, isa)
-    y = expert_gemm(silu_mul(gate_up), w2, hidden, offsets, isa)
+    tokens = order // topk_ids.shape[1]
+    y = down(silu_mul(gate_up(x.index_select(0, tokens).float(), offsets)), offsets)
     y.mul_(topk_weights.reshape(-1)[order].float()[:, None])
     return torch.zeros(t, hidden, dtype=torch.float32).index_add_(0, tokens, y).to(x.dtype)
+
+
+def grouped_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, intermediate: int, silu_mul, isa=None) -> torch.Tensor:
+    """The experts' output [T, H] (x's dtype) for x [T, H] float32, w13 = pack_panels(every
+    expert's [gate | up] [E, 2I, H]), w2 = pack_panels([E, H, I]); `silu_mul` [R, 2I] -> [R, I]."""
+    return sorted_moe(x, topk_weights, topk_ids, w13.shape[0],
+                      lambda rows, offsets: expert_gemm(rows, w13, 2 * intermediate, offsets, isa),
+                      lambda rows, offsets: expert_gemm(rows, w2, x.shape[1], offsets, isa), silu_mul)

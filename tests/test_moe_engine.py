@@ -130,6 +130,7 @@ def test_int8_quantizes_each_expert_and_keeps_the_router_float(tmp_path):
     floats = LLM(str(path), attention_backend="torch", max_model_len=128)
     block, reference = int8.engine.runner.model.layers[1].mlp, floats.engine.runner.model.layers[1].mlp
     assert isinstance(block.gate, PackedLinear)
+    assert block.experts.quant_experts is not None   # every active expert in one int8 C call per projection
     for e in range(8):
         assert isinstance(block.experts.gate_up[e], QuantLinear) and block.experts.gate_up[e].qtype == "Q8_0"
         want = dequantize("Q8_0", quantize_q8_0(reference.experts.w13[e]))

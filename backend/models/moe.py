@@ -54,11 +54,16 @@ class Experts(nn.Module):
         # or w13 and w2 in the CPU kernel's panels (kernels/cpu_moe.py), once they replace them
         self.register_buffer("w13_panels", None, persistent=False)
         self.register_buffer("w2_panels", None, persistent=False)
+        # per-expert layers that are all the int8 C kernel's, of one type: also as one call each
+        self.quant_experts = None
 
     def forward(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops) -> torch.Tensor:
         if self.w13_panels is not None:   # the CPU: one C call per projection for every active expert
             return cpu_moe.grouped_moe(h, self.w13_panels, self.w2_panels, weights, ids, self.intermediate,
                                        ops.silu_mul)
+        if self.quant_experts is not None:   # packed experts on the CPU: one int8 C call per projection
+            gate_up, down = self.quant_experts
+            return cpu_moe.sorted_moe(h, weights, ids, self.num_experts, gate_up.matmul, down.matmul, ops.silu_mul)
         if self.gate_up is not None:   # reads each expert's count on the host: one GEMM pair per active expert
             return grouped_moe(h, self.gate_up, self.down, weights, ids)
         return ops.fused_moe(h, self.w13, self.w2, weights, ids)
@@ -76,10 +81,12 @@ class Experts(nn.Module):
             raise ValueError(f"experts: {len(self.gate_up)} gate/up and {len(self.down)} down layers for "
                              f"{self.num_experts} experts")
         del self.w13, self.w2
+        self.quant_experts = quant_experts(self.gate_up, self.down)
 
     def extra_repr(self) -> str:
         kind = ("CPU panels" if self.w13_panels is not None else "stacked" if self.gate_up is None
-                else f"per expert ({type(self.gate_up[0]).__name__})")
+                else f"per expert ({type(self.gate_up[0]).__name__}"
+                + (", one C call per projection)" if self.quant_experts is not None else ")"))
         return f"experts={self.num_experts}, intermediate={self.intermediate}, {kind}"
 
 
@@ -101,6 +108,21 @@ class SparseMoeBlock(nn.Module):
 
     load = None   # the engine's tally of tokens per expert (backend/models/expert_load.py)
     load_row = 0
+
+
+def quant_experts(gate_up: nn.ModuleList, down: nn.ModuleList) -> Optional[tuple]:
+    """Packed per-expert layers (QuantLinear on the C kernel) as kernels/cpu_quant.py
+    CpuQuantExperts, (gate/up, down); None where any layer is something else (a ConcatLinear of
+    mixed types, the torch reference where no compiler exists, a float layer) or the types differ:
+    those run one GEMM pair per active expert."""
+    from backend.models.quant_linear import QuantLinear
+    from kernels.cpu_quant import CpuQuantExperts
+    layers = [*gate_up, *down]
+    if not all(isinstance(m, QuantLinear) and m.kernel is not None and m.bias is None for m in layers):
+        return None
+    if len({m.qtype for m in gate_up}) > 1 or len({m.qtype for m in down}) > 1:
+        return None
+    return CpuQuantExperts([m.kernel for m in gate_up]), CpuQuantExperts([m.kernel for m in down])
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:

@@ -10,9 +10,9 @@ weight format the CPU engine runs experts in, its experts laid out twice from th
   kernels/cpu_quant.py). The baseline, kernels/moe_reference.py's `dense_moe` (every expert on
   every token, each output weighted by a routing weight of zero where the token did not pick it),
   and the old grouped path (`grouped_moe`: one GEMM pair per active expert) both call these.
-- in the C kernel's panels (kernels/cpu_moe.py, what the engine runs now for float32 and
-  bfloat16 experts: every active expert in one call per projection). Q8_0 experts have no such
-  path: they stay per expert, so their "one call" column is the old path again.
+- in one C call per projection for every active expert (kernels/cpu_moe.py `sorted_moe`, what the
+  engine runs now): float32 and bfloat16 experts in the C kernel's panels (`grouped_moe`), Q8_0
+  experts as the int8 kernel's tiles (kernels/cpu_quant.py `CpuQuantExperts`).
 Each repeat times the three back to back (the machine is shared; ratios come from one run), and
 the medians are reported. With one torch thread the clock is the thread's CPU time, so a busy
 machine's preemptions do not count (its contention for memory bandwidth still does).
@@ -48,22 +48,23 @@ def moe_config(hidden: int, intermediate: int, experts: int, top_k: int) -> Mode
                        moe_intermediate_size=intermediate)
 
 
-def build_block(cfg: ModelConfig, fmt: str, seed: int) -> tuple[SparseMoeBlock, Optional[tuple]]:
+def build_block(cfg: ModelConfig, fmt: str, seed: int) -> tuple[SparseMoeBlock, tuple]:
     """A block with random weights, its experts one layer each as the engine ran `fmt` before the
-    C kernel; and the same weights in the kernel's panels (w13, w2), None for Q8_0."""
+    one-call kernels; and the same weights as those take them: the panels (w13, w2) of float
+    formats, the CpuQuantExperts (gate/up, down) of Q8_0."""
     torch.manual_seed(seed)
     block = SparseMoeBlock(cfg)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, p.shape[-1] ** -0.5)
-    panels = None
     if fmt == "Q8_0":
         pack_experts(block, lambda w: QuantLinear("Q8_0", quantize_q8_0(w)))
+        one_call = block.experts.quant_experts
     else:
         block.experts.to(getattr(torch, fmt))
-        panels = cpu_moe.pack_panels(block.experts.w13), cpu_moe.pack_panels(block.experts.w2)
+        one_call = cpu_moe.pack_panels(block.experts.w13), cpu_moe.pack_panels(block.experts.w2)
         pack_experts(block, onednn_linear)
-    return block.eval(), panels
+    return block.eval(), one_call
 
 
 def clock():
@@ -80,15 +81,18 @@ def _time(fn) -> float:
 
 
 def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0, isa=None) -> dict:
-    block, panels = build_block(cfg, fmt, seed)
+    block, one_call = build_block(cfg, fmt, seed)
     x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
     ex = block.experts
     with torch.inference_mode():
         weights, ids = route(block.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
         paths = {"dense": lambda: dense_moe(x, ex.gate_up, ex.down, weights, ids),
                  "per_expert": lambda: grouped_moe(x, ex.gate_up, ex.down, weights, ids)}
-        if panels is not None:
-            paths["one_call"] = lambda: cpu_moe.grouped_moe(x, *panels, weights, ids, cfg.moe_intermediate_size,
+        if fmt == "Q8_0":
+            paths["one_call"] = lambda: cpu_moe.sorted_moe(x, weights, ids, cfg.num_experts, one_call[0].matmul,
+                                                           one_call[1].matmul, cpu_elementwise.silu_mul)
+        else:
+            paths["one_call"] = lambda: cpu_moe.grouped_moe(x, *one_call, weights, ids, cfg.moe_intermediate_size,
                                                             cpu_elementwise.silu_mul, isa)
         dense = paths["dense"]()   # also warms every path up
         gap = {name: (fn() - dense).abs().max().item() for name, fn in paths.items() if name != "dense"}
@@ -97,12 +101,10 @@ def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0
             for name, fn in paths.items():
                 times[name].append(_time(fn))
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    ms.setdefault("one_call", ms["per_expert"])
-    gap.setdefault("one_call", gap["per_expert"])
     counts = torch.bincount(ids.reshape(-1).long(), minlength=cfg.num_experts).tolist()
     return dict(format=fmt, dense_ms=round(ms["dense"], 3), per_expert_ms=round(ms["per_expert"], 3),
                 one_call_ms=round(ms["one_call"], 3), speedup_per_expert=round(ms["dense"] / ms["per_expert"], 2),
-                speedup_one_call=round(ms["dense"] / ms["one_call"], 2), kernel=panels is not None,
+                speedup_one_call=round(ms["dense"] / ms["one_call"], 2),
                 tokens_per_expert=counts, max_abs_difference=max(gap.values()))
 
 
@@ -197,8 +199,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for fmt in formats:
             row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats, isa=args.kernel_isa))
             result["rows"].append(row)
-            one_call = f"{row['one_call_ms']}" if row["kernel"] else "(per expert)"
-            print(f"| {tokens} | {fmt} | {row['dense_ms']} | {row['per_expert_ms']} | {one_call} | "
+            print(f"| {tokens} | {fmt} | {row['dense_ms']} | {row['per_expert_ms']} | {row['one_call_ms']} | "
                   f"{row['speedup_per_expert']}x | {row['speedup_one_call']}x | {row['max_abs_difference']:.2e} | "
                   f"{' '.join(map(str, row['tokens_per_expert']))} |")
     print("\none expert's float32 gate/up GEMM, weights hot in cache (GFLOP/s; oneDNN-packed vs the C kernel):")

@@ -18,18 +18,17 @@
 
    The rows are copied first, transposed (`pack_rows`): [K][m] per block of rows, so the values of
    all the block's rows at one k are one contiguous run (one broadcast each, no strided loads).
-   bf16 weights take their rows rounded to bfloat16 (as a bf16 GEMM library takes them), so that
-   the products are exact in float32 on every build.
+   The rows stay float32 for bf16 weights too (each weight widened exactly to float32): every
+   build computes the same float32 products.
 
    Sum order (what the float32 result depends on): each output is one float32 accumulator, over k
-   ascending with a fused multiply-add per k (AVX512_BF16: per pair of k, the odd k's product then
-   the even k's, each rounded once), whatever the number of rows or the blocking of k (a block
+   ascending (bf16: per pair of k, the even k then the odd), a multiply-add per k, whatever the number of rows or the blocking of k (a block
    stores its accumulators and the next reloads them: no rounding added). kernels/moe_reference.py
    `expert_gemm` is the oracle (float64 sums), within float32 rounding.
 
-   One source for every CPU: the vector type is 16 floats wide and the compiler splits it into
-   what the target has (AVX-512: one register; AVX2: two; SSE2: four); the rows per block are
-   chosen so that the accumulators fit that target's register file. Threads: (expert, group of
+   One source for every CPU: the vector type is the target's own width (AVX-512: 16 floats; AVX2:
+   8; SSE2: 4), a panel's 16 columns one to four of them; the rows per block are chosen so that
+   the accumulators fit that target's register file. Threads: (expert, group of
    panels) items handed out dynamically over the OpenMP team. */
 #include <stdint.h>
 #include <stdlib.h>

@@ -383,6 +383,43 @@ void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, flo
     free(sa);
 }
 
+/* The experts of a mixture-of-experts layer in one call (kernels/cpu_quant.py `CpuQuantExperts`):
+   rows offsets[e] .. offsets[e + 1] - 1 of x (sorted by expert) against ws[e], every expert of one
+   type and shape. The activations are quantized once for every expert, and the (expert, block of
+   rows, tile) items share one parallel loop, so a decode batch's ~16 rows an expert pay no call
+   and no thread start per expert; each row's result is what qgemm gives it (the same tile code). */
+void qgemm_experts(const qweight_t *ws, int64_t E, const float *x, const int64_t *offsets, float *out,
+                   int64_t ldo) {
+    const int64_t K = ws[0].K, G = K / QK, T = (ws[0].N + TILE - 1) / TILE, R = offsets[E];
+    const int stream = ((uintptr_t)out % 64 == 0) && (ldo % 16 == 0) && R * ldo * 4 > (4 << 20);
+    int64_t items = 0;
+    for (int64_t e = 0; e < E; e++) items += (offsets[e + 1] - offsets[e] + M_CHUNK - 1) / M_CHUNK;
+    int8_t *qa = malloc((size_t)(R * K) + 1);
+    float *da = malloc(sizeof(float) * (size_t)(R * G + 1));
+    int32_t *sa = malloc(sizeof(int32_t) * (size_t)(R * G * 2 + 1));
+    int64_t *item_rows = malloc(sizeof(int64_t) * (size_t)(2 * items + 1)); /* (expert, first row) */
+    quantize_rows(x, R, K, qa, da, sa);
+    items = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t m0 = offsets[e]; m0 < offsets[e + 1]; m0 += M_CHUNK, items++) {
+            item_rows[2 * items] = e;
+            item_rows[2 * items + 1] = m0;
+        }
+#pragma omp parallel for schedule(static) if (R * K * ws[0].N >= (1 << 20))
+    for (int64_t i = 0; i < items * T; i++) { /* tiles innermost: one expert's weights stream in order */
+        const int64_t e = item_rows[2 * (i / T)], m0 = item_rows[2 * (i / T) + 1];
+        const int64_t m1 = m0 + M_CHUNK < offsets[e + 1] ? m0 + M_CHUNK : offsets[e + 1];
+        tile_all_rows((int)ws[e].type, &ws[e], i % T, m0, m1, qa, da, sa, NULL, out, ldo, stream);
+    }
+#ifdef QUANT_AVX512
+    if (stream) _mm_sfence();
+#endif
+    free(qa);
+    free(da);
+    free(sa);
+    free(item_rows);
+}
+
 /* The ISA check (kernels/cpu_quant.py runs it in a child process before trusting this build):
    one Q4_0 tile-group through the kernel, with activations whose codes are exact (max 127, so
    scale 1) and scales 1.0: the result is an integer sum the caller computes on its own. */
