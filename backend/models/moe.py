@@ -185,11 +185,12 @@ def onednn_linear(weight: torch.Tensor) -> nn.Module:
 def pack_experts(model: nn.Module, make_linear: Optional[Callable[[torch.Tensor], nn.Module]] = None) -> int:
     """Each MoE block's stacked float experts laid out for the CPU; returns the blocks done. By
     default in the C kernel's panels (`Experts.to_panels`: every active expert in one call per
-    projection), or oneDNN-packed per expert where the kernel cannot be built; with `make_linear`
-    one layer per expert, `make_linear(weight [N, K])` (int8: Q8_0 QuantLinears; the old float
-    path, `onednn_linear`, for client/tools/moe_bench.py)."""
+    projection), or oneDNN-packed per expert where the kernel cannot be built or is the slower
+    (`cpu_moe.panels_serve`: bfloat16 where oneDNN runs AMX); with `make_linear` one layer per
+    expert, `make_linear(weight [N, K])` (int8: Q8_0 QuantLinears; the old float path,
+    `onednn_linear`, for client/tools/moe_bench.py)."""
     blocks = [b for b in moe_blocks(model) if b.experts.gate_up is None and b.experts.w13_panels is None]
-    if blocks and make_linear is None and cpu_moe.available():
+    if blocks and make_linear is None and cpu_moe.panels_serve(blocks[0].experts.w13.dtype) and cpu_moe.available():
         for block in blocks:
             block.experts.to_panels()
         return len(blocks)

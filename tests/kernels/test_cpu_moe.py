@@ -131,3 +131,18 @@ def test_quant_experts_refuse_mixed_experts_and_bad_offsets():
         experts.matmul(torch.randn(4, 32), torch.tensor([0, 1, 3]))
     with pytest.raises(ValueError, match=r"float32 CPU tensor \[R, 32\]"):
         experts.matmul(torch.randn(4, 16), torch.tensor([0, 1, 4]))
+
+
+def test_bfloat16_experts_stay_with_onednn_only_where_it_runs_amx(monkeypatch):
+    """float32 experts always take the panels; bfloat16 ones unless oneDNN runs AMX tiles (the CPU
+    lists amx_bf16 and ONEDNN_MAX_CPU_ISA leaves it on)."""
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : avx512f avx512_bf16 amx_tile amx_bf16")
+    monkeypatch.setattr(torch._C._cpu, "_init_amx", lambda: True, raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert cpu_moe.panels_serve(torch.float32) and not cpu_moe.panels_serve(torch.bfloat16)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert cpu_moe.panels_serve(torch.bfloat16)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_amx")
+    assert not cpu_moe.panels_serve(torch.bfloat16)
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : avx2 fma f16c")
+    assert cpu_moe.panels_serve(torch.bfloat16) and not cpu_moe.panels_serve(torch.float16)
