@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from backend.cpu.memory import keep_freed_memory
 from backend.loader import ModelConfig
 from backend.models.moe import SparseMoeBlock, onednn_linear, pack_experts
 from backend.models.quant_linear import QuantLinear, quantize_q8_0
@@ -183,12 +184,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("Q8_0 needs --hidden and --intermediate multiples of 32")
     if args.threads:
         torch.set_num_threads(args.threads)
+    malloc_kept = keep_freed_memory()   # as the engine runs (backend/runner.py): no page faults on each call's outputs
     cfg = moe_config(args.hidden, args.intermediate, args.experts, args.top_k)
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                   cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(),
                   experts=args.experts, top_k=args.top_k, hidden=args.hidden, intermediate=args.intermediate,
                   repeats=args.repeats, clock=clock().__name__, kernel_isa=args.kernel_isa or "native",
-                  onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA", "any"), rows=[])
+                  onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA", "any"), freed_memory_kept=malloc_kept, rows=[])
     print(f"{result['cpu']} ({result['isa']}), {result['threads']} threads; {args.experts} experts, top-{args.top_k}, "
           f"hidden {args.hidden}, intermediate {args.intermediate}; time.{result['clock']}; C kernel build "
           f"{result['kernel_isa']}, oneDNN up to {result['onednn_max_isa']}")
