@@ -5,12 +5,15 @@ their softmax probabilities (renormalized over the K for Mixtral, and for Qwen3-
 `norm_topk_prob`), each run the token through their gated MLP, and the weighted outputs add up.
 
 The experts are stored stacked, as the fused-MoE kernel reads them: w13 [E, 2I, H] (each expert's
-gate rows then its up rows, fused as the dense MLP's gate_up_proj) and w2 [E, H, I]. Where one GEMM
-per expert serves better they become one linear layer per expert (`per_expert_layers`): oneDNN-
-packed float weights on the CPU fast path (`pack_experts`), packed GGUF experts as an import keeps
-them (`install_packed_experts`, one QuantLinear each) and int8 (`quantize_experts`). The block's
-forward is the same either way: `ops.fused_moe` (kernels/dispatch.py) on stacked tensors, the
-grouped path on per-expert layers (kernels/moe_reference.py: only the experts that have tokens run).
+gate rows then its up rows, fused as the dense MLP's gate_up_proj) and w2 [E, H, I]. On the CPU
+(`pack_experts`) float experts become the C kernel's panels (`Experts.to_panels`), or one
+oneDNN-packed layer per expert where that serves better (bf16 on AMX); packed GGUF experts stay as
+an import keeps them (`install_packed_experts`, one QuantLinear each) and int8 quantizes them
+(`quantize_experts`), both also gathered into one int8 C call per projection (`quant_experts`).
+The block's forward is the same either way: `ops.fused_moe` (kernels/dispatch.py) on stacked
+tensors, kernels/cpu_moe.py `sorted_moe` (one call per projection for every active expert) on
+panels and packed experts, kernels/moe_reference.py's grouped path on other per-expert layers:
+only the experts that have tokens run (docs/design.md, "Mixture of experts").
 
 Checkpoint names: Mixtral's `block_sparse_moe.{gate, experts.N.w1/w3/w2}`, Qwen3-MoE's
 `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`; an imported GGUF's packed experts arrive

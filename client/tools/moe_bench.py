@@ -10,9 +10,10 @@ weight format the CPU engine runs experts in, its experts laid out twice from th
   kernels/cpu_quant.py). The baseline, kernels/moe_reference.py's `dense_moe` (every expert on
   every token, each output weighted by a routing weight of zero where the token did not pick it),
   and the old grouped path (`grouped_moe`: one GEMM pair per active expert) both call these.
-- in one C call per projection for every active expert (kernels/cpu_moe.py `sorted_moe`, what the
-  engine runs now): float32 and bfloat16 experts in the C kernel's panels (`grouped_moe`), Q8_0
-  experts as the int8 kernel's tiles (kernels/cpu_quant.py `CpuQuantExperts`).
+- in one C call per projection for every active expert (kernels/cpu_moe.py `sorted_moe`):
+  float32 and bfloat16 experts in the C kernel's panels (`grouped_moe`; what the engine runs for
+  float32, and for bfloat16 where oneDNN has no AMX, `cpu_moe.panels_serve`), Q8_0 experts as the
+  int8 kernel's tiles (kernels/cpu_quant.py `CpuQuantExperts`, what the engine runs).
 Each repeat times the three back to back (the machine is shared; ratios come from one run), and
 the medians are reported. With one torch thread the clock is the thread's CPU time, so a busy
 machine's preemptions do not count (its contention for memory bandwidth still does).
