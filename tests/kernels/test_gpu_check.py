@@ -49,7 +49,7 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     assert compiled["target"] == "sm_90" and compiled["compiled"] == compiled["variants"] > 10
     assert compiled["failed"] == [] and compiled["cached"] == 0          # a cache of its own: all compiled
     assert {c["kernel"] for c in parts["kernels"]["checks"]} == {
-        "decode_attention", "prefill_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_mul"}
+        "decode_attention", "prefill_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_mul", "fused_moe"}
     greedy = parts["greedy"]
     assert [b["batch"] for b in greedy["batches"]] == [b for b, _, _ in DRY["greedy_batches"]]
     assert all(b["ok"] and b["tokens"] == b["batch"] * DRY["max_tokens"] for b in greedy["batches"])
