@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kernels import decode_attention as decode_mod
@@ -38,6 +39,7 @@ def run_aot(tmp_path, *args: str, patch: str = "", timeout: float = 600) -> tupl
     return proc.returncode, json.loads(out.read_text()), output
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm80_and_sm90_in_bf16_and_fp16_and_with_an_fp8_cache(tmp_path):
     rc, result, output = run_aot(tmp_path, "--jobs", "2")
     rows = result["rows"]

@@ -1,0 +1,273 @@
+"""The test tiers, as a pytest plugin (tests/conftest.py loads it): `make test-fast` runs the tests
+not marked `slow`, `make test` runs them all (README, "Tests").
+
+A test is slow when it is marked so by hand (more than ~3 s), lives under tests/e2e/ (marked `e2e`
+here, which implies `slow`), or reaches a slow resource: the SmolLM2 download or a tritonserver.
+The last is found without a mark, because tests are written on many branches at once: a test whose
+own source, or the source of a fixture it uses (directly or through other fixtures), calls one of
+SLOW_CALLS is marked slow at collection. Three guards keep the fast tier honest:
+- a fast test that still reaches a slow resource at run time (through a helper elsewhere) fails,
+  naming the resource (`require_slow`, called by tests/smollm2.py, `TritonServer.start` and
+  tests/e2e/conftest.py's `inflight_serve`);
+- a fast test that spends more than FAST_FAIL_CPU_S seconds of CPU (its own set-up and call, this
+  process and the children it waited for) fails; over FAST_WARN_CPU_S it is listed at the end of
+  the run as one to mark slow. CPU time, not wall time: the suite runs beside other work on two
+  cores, and a wall-clock limit would fail a quick test on a busy machine. A module- or
+  session-scoped fixture, paid once for many tests, is counted apart, with the same limit.
+- a fast test that takes more than FAST_FAIL_WALL_S wall-clock seconds with its set-up fails too
+  (a sleep or a wait costs no CPU); the limit is far above any quick test's time on a loaded machine.
+
+Under pytest-xdist's `--dist loadgroup` (the Makefile's), tests that share a module-scoped fixture,
+or a session-scoped one that starts a tritonserver, run on one worker, so that the server or model
+is built once; the others are spread one by one.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import resource
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+E2E_DIR_NAME = "e2e"   # tests/e2e/: every test in a folder of this name is an e2e test
+
+# Calls that reach a slow resource: the SmolLM2 download (tests/smollm2.py) or a tritonserver.
+SLOW_CALLS = re.compile(r"\b(?:smollm2_dir|smollm2_packed_dir|smollm2_gguf|TritonServer|inflight_serve)\(")
+
+FAST_WARN_CPU_S = 3.0
+FAST_FAIL_CPU_S = 20.0
+FAST_FAIL_WALL_S = 120.0
+
+_CPU_KEY = "tier_cpu_s"
+_setup_times = pytest.StashKey[tuple]()   # (own CPU s, shared fixtures' CPU s, wall s)
+_fast_test: Optional[str] = None   # the node id of the fast-tier test now running, if any
+_shared_depth = 0                  # shared fixtures being set up, one inside another
+_shared_cpu = 0.0                  # CPU seconds of the shared fixtures built for this test's set-up
+_over_warn: list[tuple[str, float]] = []   # (node id, CPU s) of fast tests over FAST_WARN_CPU_S
+
+
+def require_slow(resource_name: str) -> None:
+    """Fail the running test if it is in the fast tier: it reaches ``resource_name``."""
+    if _fast_test is not None:
+        pytest.fail(f"{_fast_test} reaches {resource_name} but is not marked slow: mark it "
+                    f"@pytest.mark.slow (tests/tiers.py)", pytrace=False)
+
+
+# -- classification ----------------------------------------------------------------------------
+
+def _source_path(func) -> Optional[Path]:
+    try:
+        return Path(inspect.getsourcefile(inspect.unwrap(func)) or "").resolve()
+    except TypeError:
+        return None
+
+
+def _own_source(func, root: Path) -> str:
+    """The source of a test or fixture function written under ``root`` ('' for pytest's own)."""
+    path = _source_path(func)
+    if path is None or root not in path.parents or "site-packages" in path.parts:
+        return ""
+    try:
+        return inspect.getsource(inspect.unwrap(func))
+    except (OSError, TypeError):
+        return ""
+
+
+def _is_e2e(item: pytest.Item) -> bool:
+    path = Path(item.path)
+    try:
+        folders = path.relative_to(item.config.rootpath).parts[:-1]
+    except ValueError:   # a test outside the root folder
+        folders = path.parts[:-1]
+    return E2E_DIR_NAME in folders
+
+
+def _fixture_defs(item: pytest.Item) -> list:
+    """The definitions of every fixture in the item's closure (the last one is the one used)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [defs[-1] for name, defs in info.name2fixturedefs.items() if defs and name in item.fixturenames]
+
+
+def slow_reason(item: pytest.Item) -> Optional[str]:
+    """Why ``item`` belongs to the slow tier, or None."""
+    if item.get_closest_marker("slow"):
+        return "marked slow"
+    if _is_e2e(item):
+        return "under tests/e2e/"
+    sources = [("the test", getattr(item, "function", None))]
+    sources += [(f"fixture {d.argname}", d.func) for d in _fixture_defs(item)]
+    for where, func in sources:
+        found = SLOW_CALLS.search(_own_source(func, item.config.rootpath)) if func is not None else None
+        if found:
+            return f"{where} calls {found.group(0)}"
+    return None
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    """The fixtures that keep the item on the same xdist worker as the other tests using them: the
+    module-scoped ones written in the project, and the session-scoped ones that reach a slow
+    resource (a tritonserver for the whole session). A cheap session fixture (the tiny model,
+    written in a second) is built once per worker instead, so that it does not tie half the suite
+    to one worker."""
+    root = item.config.rootpath
+    names = []
+    for d in _fixture_defs(item):
+        source = _own_source(d.func, root)
+        if source and (d.scope in ("module", "class", "package") or SLOW_CALLS.search(source)):
+            names.append(f"{_source_path(d.func).relative_to(root)}::{d.argname}")
+    return names
+
+
+def _xdist_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:
+    """Tests joined through shared fixtures (union-find), one group name per joined set of two or more."""
+    parent: dict = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for item in items:
+        for name in _shared_fixtures(item):
+            parent[find(item.nodeid)] = find(name)
+    groups: dict[pytest.Item, str] = {}
+    for item in items:
+        root = find(item.nodeid)
+        if root != item.nodeid:
+            groups[item] = root.replace("/", ".").replace("::", ".")
+    return groups
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects, and before xdist reads xdist_group
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_e2e(item):
+            item.add_marker("e2e")
+        if slow_reason(item) and not item.get_closest_marker("slow"):
+            item.add_marker("slow")
+    if getattr(config.option, "loadgroup", False):   # set on xdist's workers under --dist loadgroup
+        for item, group in _xdist_groups(items).items():
+            _join_group(item, group)
+
+
+def _join_group(item: pytest.Item, group: str) -> None:
+    """What an `xdist_group` mark does under --dist loadgroup: the group name after an '@' at the
+    end of the node id, where xdist's scheduler reads it. pytest-xdist 3.8 writes it into an
+    attribute that pytest 9.2 no longer reads (pytest-xdist issue #1386), so that the mark is
+    silently ignored; tests/test_tiers.py checks that the grouping holds."""
+    nodeid = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):   # pytest >= 9.2: a structured node id
+        item._id = type(item._id).parse(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
+# -- the run-time guards -----------------------------------------------------------------------
+
+def _cpu_s() -> float:
+    """CPU seconds of this process (all threads) and of the children it has waited for."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    global _fast_test
+    _fast_test = None if item.get_closest_marker("slow") else item.nodeid
+    try:
+        return (yield)
+    finally:
+        _fast_test = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Counts the set-up of shared (module/session) fixtures apart: paid once for many tests, it is
+    not the test's own time (but has a limit of its own)."""
+    global _shared_depth, _shared_cpu
+    if fixturedef.scope == "function":
+        return (yield)
+    start = _cpu_s()
+    _shared_depth += 1
+    try:
+        return (yield)
+    finally:
+        _shared_depth -= 1
+        if _shared_depth == 0:   # a shared fixture built inside another is counted once
+            _shared_cpu += _cpu_s() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    global _shared_cpu
+    _shared_cpu = 0.0
+    start, wall_start = _cpu_s(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        item.stash[_setup_times] = (_cpu_s() - start - _shared_cpu, _shared_cpu, time.monotonic() - wall_start)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    cpu_start, wall_start = _cpu_s(), time.monotonic()
+    result = yield   # a failing test raises here: it fails for its own reason
+    setup_own, shared, setup_wall = item.stash.get(_setup_times, (0.0, 0.0, 0.0))
+    own = setup_own + _cpu_s() - cpu_start
+    wall = setup_wall + time.monotonic() - wall_start
+    if item.get_closest_marker("slow"):
+        return result
+    item.user_properties.append((_CPU_KEY, round(own, 2)))
+    if own > FAST_FAIL_CPU_S or shared > FAST_FAIL_CPU_S or wall > FAST_FAIL_WALL_S:
+        pytest.fail(f"a fast-tier test took {own:.1f} s of CPU, its shared fixtures {shared:.1f} s, and "
+                    f"{wall:.1f} s of wall time with its set-up (limits {FAST_FAIL_CPU_S:g} s of CPU each, "
+                    f"{FAST_FAIL_WALL_S:g} s of wall time): mark it @pytest.mark.slow (tests/tiers.py)",
+                    pytrace=False)
+    return result
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        from client.tools.server import TritonServer
+    except ImportError:   # pragma: no cover (the project is not installed: nothing to guard)
+        return
+    start = TritonServer.start
+
+    def guarded_start(self, *args, **kwargs):
+        require_slow("a tritonserver (TritonServer.start)")
+        return start(self, *args, **kwargs)
+
+    guarded_start.unguarded = start
+    TritonServer.start = guarded_start
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    try:
+        from client.tools.server import TritonServer
+    except ImportError:   # pragma: no cover
+        return
+    TritonServer.start = getattr(TritonServer.start, "unguarded", TritonServer.start)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Here and not in pytest_runtest_call: under xdist only reports reach the controller.
+    if report.when == "call":
+        for key, value in report.user_properties:
+            if key == _CPU_KEY and value > FAST_WARN_CPU_S:
+                _over_warn.append((report.nodeid, value))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if not _over_warn:
+        return
+    terminalreporter.section("fast-tier tests over the time of a quick test")
+    terminalreporter.write_line(f"these are not marked slow but took more than {FAST_WARN_CPU_S:g} s "
+                                f"of CPU: mark them @pytest.mark.slow or make them quicker")
+    for nodeid, cpu in sorted(_over_warn, key=lambda r: -r[1]):
+        terminalreporter.write_line(f"  {cpu:6.1f} s  {nodeid}")
