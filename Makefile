@@ -55,7 +55,7 @@ serve: model config
 # model on one worker (--dist loadgroup). TEST_WORKERS=0 runs in one process; PYTEST_ARGS adds options.
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15
 
 test: setup
 	$(PYTEST) $(PYTEST_ARGS)

@@ -17,6 +17,7 @@ pytest_plugins = ["tiers"]
 def pytest_configure(config):   # limits that a test of a fraction of a second can cross
     import tiers
     tiers.FAST_WARN_CPU_S, tiers.FAST_FAIL_CPU_S, tiers.FAST_FAIL_WALL_S = 0.02, 0.2, 1.5
+    tiers.FAST_WARN_SHARED_CPU_S = 0.05
 """
 
 INI = """
@@ -195,8 +196,10 @@ def test_a_fast_test_over_the_cpu_limit_fails_and_one_over_the_warning_is_listed
         assert re.search(rf"_ {name} _+\na fast-tier test took .* mark it @pytest.mark.slow", out), name
     assert re.search(r"_ test_failing_for_its_own_reason _+\n(.*\n)*E +AssertionError: its own failure", out)
     listed = out.split("fast-tier tests over the time of a quick test")[1].split("short test summary")[0]
-    assert "test_times.py::test_over_the_warning" in listed
-    assert "test_quick" not in listed and "test_marked_slow" not in listed and "shared_fixture" not in listed
+    assert "test_times.py::test_over_the_warning  (the test)" in listed
+    assert "test_times.py::test_a_shared_fixture_does_not  (the shared fixtures it built)" in listed
+    assert "test_a_shared_fixture_does_not  (the test)" not in listed
+    assert "test_quick" not in listed and "test_marked_slow" not in listed
 
 
 def test_tests_sharing_a_module_fixture_or_a_server_run_on_one_xdist_worker(pytester):

@@ -23,6 +23,7 @@ is built once; the others are spread one by one.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import resource
@@ -38,15 +39,16 @@ E2E_DIR_NAME = "e2e"   # tests/e2e/: every test in a folder of this name is an e
 SLOW_CALLS = re.compile(r"\b(?:smollm2_dir|smollm2_packed_dir|smollm2_gguf|TritonServer|inflight_serve)\(")
 
 FAST_WARN_CPU_S = 3.0
+FAST_WARN_SHARED_CPU_S = 10.0   # a module/session fixture that fast tests use, paid once
 FAST_FAIL_CPU_S = 20.0
 FAST_FAIL_WALL_S = 120.0
 
-_CPU_KEY = "tier_cpu_s"
+_CPU_KEY, _SHARED_KEY = "tier_cpu_s", "tier_shared_fixtures_cpu_s"
 _setup_times = pytest.StashKey[tuple]()   # (own CPU s, shared fixtures' CPU s, wall s)
 _fast_test: Optional[str] = None   # the node id of the fast-tier test now running, if any
 _shared_depth = 0                  # shared fixtures being set up, one inside another
 _shared_cpu = 0.0                  # CPU seconds of the shared fixtures built for this test's set-up
-_over_warn: list[tuple[str, float]] = []   # (node id, CPU s) of fast tests over FAST_WARN_CPU_S
+_over_warn: list[tuple[str, str, float]] = []   # (what, node id, CPU s) of fast tests over the warnings
 
 
 def require_slow(resource_name: str) -> None:
@@ -65,6 +67,7 @@ def _source_path(func) -> Optional[Path]:
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def _own_source(func, root: Path) -> str:
     """The source of a test or fixture function written under ``root`` ('' for pytest's own)."""
     path = _source_path(func)
@@ -152,7 +155,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if slow_reason(item) and not item.get_closest_marker("slow"):
             item.add_marker("slow")
     if getattr(config.option, "loadgroup", False):   # set on xdist's workers under --dist loadgroup
-        for item, group in _xdist_groups(items).items():
+        groups = _xdist_groups(items)
+        scope = {item: groups.get(item, item.nodeid) for item in items}
+        # The slow work first (the Makefile keeps this order: --no-loadscope-reorder), so that the
+        # run ends on quick tests spread over both workers, not on one long test started last.
+        slow_scopes = {scope[item] for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: scope[item] not in slow_scopes)
+        for item, group in groups.items():
             _join_group(item, group)
 
 
@@ -223,7 +232,7 @@ def pytest_runtest_call(item: pytest.Item):
     wall = setup_wall + time.monotonic() - wall_start
     if item.get_closest_marker("slow"):
         return result
-    item.user_properties.append((_CPU_KEY, round(own, 2)))
+    item.user_properties += [(_CPU_KEY, round(own, 2)), (_SHARED_KEY, round(shared, 2))]
     if own > FAST_FAIL_CPU_S or shared > FAST_FAIL_CPU_S or wall > FAST_FAIL_WALL_S:
         pytest.fail(f"a fast-tier test took {own:.1f} s of CPU, its shared fixtures {shared:.1f} s, and "
                     f"{wall:.1f} s of wall time with its set-up (limits {FAST_FAIL_CPU_S:g} s of CPU each, "
@@ -260,14 +269,17 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call":
         for key, value in report.user_properties:
             if key == _CPU_KEY and value > FAST_WARN_CPU_S:
-                _over_warn.append((report.nodeid, value))
+                _over_warn.append(("the test", report.nodeid, value))
+            if key == _SHARED_KEY and value > FAST_WARN_SHARED_CPU_S:
+                _over_warn.append(("the shared fixtures it built", report.nodeid, value))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if not _over_warn:
         return
     terminalreporter.section("fast-tier tests over the time of a quick test")
-    terminalreporter.write_line(f"these are not marked slow but took more than {FAST_WARN_CPU_S:g} s "
-                                f"of CPU: mark them @pytest.mark.slow or make them quicker")
-    for nodeid, cpu in sorted(_over_warn, key=lambda r: -r[1]):
-        terminalreporter.write_line(f"  {cpu:6.1f} s  {nodeid}")
+    terminalreporter.write_line(f"these are not marked slow but took more than {FAST_WARN_CPU_S:g} s of CPU "
+                                f"(their module/session fixtures more than {FAST_WARN_SHARED_CPU_S:g} s): "
+                                f"mark them @pytest.mark.slow or make them quicker")
+    for what, nodeid, cpu in sorted(_over_warn, key=lambda r: -r[2]):
+        terminalreporter.write_line(f"  {cpu:6.1f} s  {nodeid}  ({what})")

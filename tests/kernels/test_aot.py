@@ -63,6 +63,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_in_bf16_and_fp16_and_with_an_fp
 BREAK_BLOCK_N = "import kernels.decode_attention as d\nd.DEFAULT_BLOCK_N = 8"  # P@V's K becomes 8
 
 
+@pytest.mark.slow
 def test_a_kernel_that_no_longer_compiles_for_sm90_fails(tmp_path):
     rc, result, output = run_aot(tmp_path, "--models", "Llama-3.2-1B", "--dtypes", "fp16", "--targets", "sm_90",
                                  "--jobs", "1", patch=BREAK_BLOCK_N)
@@ -90,6 +91,7 @@ def test_the_interpreter_runs_what_sm90_refuses():
     torch.testing.assert_close(out, expected, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.slow
 def test_shared_memory_over_the_target_limit_fails(tmp_path):
     rc, result, output = run_aot(tmp_path, "--models", "Llama-3.2-1B", "--dtypes", "fp16", "--targets", "sm_90",
                                  "--jobs", "1", patch="from kernels import aot\naot.TARGETS['sm_90'] = (90, 1024)")
@@ -131,6 +133,7 @@ print(json.dumps(counts))
 """
 
 
+@pytest.mark.slow
 def test_each_kernel_compiles_to_a_few_variants_whatever_the_step():
     """kernels.aot plans every split count (1..MAX_SPLITS) at several step shapes (tokens, sequences,
     block-table width): the values that change from step to step must not make Triton compile new

@@ -110,6 +110,7 @@ def two_checkpoints(tmp_path_factory):
     return [make_model(root / f"seed{seed}", seed=seed, **gpu_check.DRY["model"]) for seed in (3, 4)]
 
 
+@pytest.mark.slow
 def test_greedy_check_fails_when_the_engine_and_transformers_disagree(two_checkpoints, monkeypatch):
     """transformers is handed other weights than the engine ran: the check must notice."""
     from transformers import AutoModelForCausalLM
