@@ -15,7 +15,9 @@ SLOW_CALLS is marked slow at collection. Three guards keep the fast tier honest:
   cores, and a wall-clock limit would fail a quick test on a busy machine. A module- or
   session-scoped fixture, paid once for many tests, is counted apart, with the same limit.
 - a fast test that takes more than FAST_FAIL_WALL_S wall-clock seconds with its set-up fails too
-  (a sleep or a wait costs no CPU); the limit is far above any quick test's time on a loaded machine.
+  (a sleep or a wait costs no CPU), not counting the time its threads spent queued for a CPU
+  behind other work (Linux schedstat), so that a busy machine does not stretch a quick test past
+  it.
 
 Under pytest-xdist's `--dist loadgroup` (the Makefile's), tests that share a module-scoped fixture,
 or a session-scoped one that starts a tritonserver, run on one worker, so that the server or model
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import resource
 import time
@@ -41,14 +44,15 @@ SLOW_CALLS = re.compile(r"\b(?:smollm2_dir|smollm2_packed_dir|smollm2_gguf|Trito
 FAST_WARN_CPU_S = 3.0
 FAST_WARN_SHARED_CPU_S = 10.0   # a module/session fixture that fast tests use, paid once
 FAST_FAIL_CPU_S = 20.0
-FAST_FAIL_WALL_S = 120.0
+FAST_FAIL_WALL_S = 120.0   # generous: a child process's own queueing still counts here
 
-_CPU_KEY, _SHARED_KEY = "tier_cpu_s", "tier_shared_fixtures_cpu_s"
+_CPU_KEY, _SHARED_KEY, _TEARDOWN_KEY, _FAST_KEY = "tier_cpu_s", "tier_shared_cpu_s", "tier_teardown_cpu_s", "tier_fast"
 _setup_times = pytest.StashKey[tuple]()   # (own CPU s, shared fixtures' CPU s, wall s)
 _fast_test: Optional[str] = None   # the node id of the fast-tier test now running, if any
 _shared_depth = 0                  # shared fixtures being set up, one inside another
 _shared_cpu = 0.0                  # CPU seconds of the shared fixtures built for this test's set-up
 _over_warn: list[tuple[str, str, float]] = []   # (what, node id, CPU s) of fast tests over the warnings
+_cpu_by_test: dict[str, float] = {}               # node id: CPU s of set-up, call and teardown (--cpu-durations)
 
 
 def require_slow(resource_name: str) -> None:
@@ -179,6 +183,29 @@ def _join_group(item: pytest.Item, group: str) -> None:
 
 # -- the run-time guards -----------------------------------------------------------------------
 
+def _waited_s() -> float:
+    """Seconds that this process's threads have spent runnable but waiting for a CPU (Linux
+    schedstat; 0 where it cannot be read)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):   # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+def _clock() -> float:
+    """Wall-clock seconds less the time spent queued for a CPU: what a test takes on a machine
+    where it does not wait for other work (sleeps and waits still count)."""
+    return time.monotonic() - _waited_s()
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process (all threads) and of the children it has waited for."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -216,29 +243,45 @@ def pytest_fixture_setup(fixturedef, request):
 def pytest_runtest_setup(item: pytest.Item):
     global _shared_cpu
     _shared_cpu = 0.0
-    start, wall_start = _cpu_s(), time.monotonic()
+    start, wall_start = _cpu_s(), _clock()
     try:
         return (yield)
     finally:
-        item.stash[_setup_times] = (_cpu_s() - start - _shared_cpu, _shared_cpu, time.monotonic() - wall_start)
+        item.stash[_setup_times] = (_cpu_s() - start - _shared_cpu, _shared_cpu, _clock() - wall_start)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    cpu_start, wall_start = _cpu_s(), time.monotonic()
+    cpu_start, wall_start = _cpu_s(), _clock()
     result = yield   # a failing test raises here: it fails for its own reason
     setup_own, shared, setup_wall = item.stash.get(_setup_times, (0.0, 0.0, 0.0))
     own = setup_own + _cpu_s() - cpu_start
-    wall = setup_wall + time.monotonic() - wall_start
-    if item.get_closest_marker("slow"):
-        return result
-    item.user_properties += [(_CPU_KEY, round(own, 2)), (_SHARED_KEY, round(shared, 2))]
-    if own > FAST_FAIL_CPU_S or shared > FAST_FAIL_CPU_S or wall > FAST_FAIL_WALL_S:
+    wall = setup_wall + _clock() - wall_start
+    fast = not item.get_closest_marker("slow")
+    item.user_properties += [(_CPU_KEY, round(own, 2)), (_SHARED_KEY, round(shared, 2)), (_FAST_KEY, fast)]
+    if fast and (own > FAST_FAIL_CPU_S or shared > FAST_FAIL_CPU_S or wall > FAST_FAIL_WALL_S):
         pytest.fail(f"a fast-tier test took {own:.1f} s of CPU, its shared fixtures {shared:.1f} s, and "
                     f"{wall:.1f} s of wall time with its set-up (limits {FAST_FAIL_CPU_S:g} s of CPU each, "
                     f"{FAST_FAIL_WALL_S:g} s of wall time): mark it @pytest.mark.slow (tests/tiers.py)",
                     pytrace=False)
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    """The teardown's CPU, for --cpu-durations: a server stopped here is waited for here, and its
+    CPU time counted (a child's time is counted once it has been waited for)."""
+    start = _cpu_s()
+    try:
+        return (yield)
+    finally:
+        item.user_properties.append((_TEARDOWN_KEY, round(_cpu_s() - start, 2)))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-durations", type=int, default=0, metavar="N",
+                     help="show the N tests that took the most CPU time (set-up, call and teardown; this "
+                          "process and the children it waited for): on a shared machine, steadier than --durations")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -266,15 +309,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # Here and not in pytest_runtest_call: under xdist only reports reach the controller.
-    if report.when == "call":
-        for key, value in report.user_properties:
-            if key == _CPU_KEY and value > FAST_WARN_CPU_S:
-                _over_warn.append(("the test", report.nodeid, value))
-            if key == _SHARED_KEY and value > FAST_WARN_SHARED_CPU_S:
-                _over_warn.append(("the shared fixtures it built", report.nodeid, value))
+    props = dict(report.user_properties)
+    if report.when == "call" and props.get(_FAST_KEY):
+        if props.get(_CPU_KEY, 0) > FAST_WARN_CPU_S:
+            _over_warn.append(("the test", report.nodeid, props[_CPU_KEY]))
+        if props.get(_SHARED_KEY, 0) > FAST_WARN_SHARED_CPU_S:
+            _over_warn.append(("the shared fixtures it built", report.nodeid, props[_SHARED_KEY]))
+    if report.when in ("call", "teardown"):   # the teardown report carries the call's properties too
+        cpu = props.get(_CPU_KEY, 0) + props.get(_SHARED_KEY, 0) if report.when == "call" else props.get(_TEARDOWN_KEY, 0)
+        _cpu_by_test[report.nodeid] = _cpu_by_test.get(report.nodeid, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    shown = config.getoption("cpu_durations", 0)
+    if shown:
+        terminalreporter.section(f"the {shown} tests with the most CPU time")
+        for nodeid, cpu in sorted(_cpu_by_test.items(), key=lambda r: -r[1])[:shown]:
+            terminalreporter.write_line(f"{cpu:8.2f} s  {nodeid}")
+        terminalreporter.write_line(f"{sum(_cpu_by_test.values()):8.2f} s  in all ({len(_cpu_by_test)} tests)")
     if not _over_warn:
         return
     terminalreporter.section("fast-tier tests over the time of a quick test")
