@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from backend.kv_events import KVEventsConfig, parse_kv_events_config
 from backend.lora.sources import parse_lora_modules
 from backend.spec.config import SpeculativeConfig, parse_speculative_config
 
@@ -20,6 +21,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")  # docs/quantization.md
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+MAX_COMPILE_TIMEOUT_S = 600.0
+MAX_KV_BLOCK_SIZE = 1024  # tokens per block; vLLM's largest is 256 (a block is the unit of prefix reuse)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -32,8 +35,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     kv_block_size: int = 16
-    # Explicit KV capacity in tokens; 0 sizes it from kv_cache_free_gpu_mem_fraction on CUDA and
-    # from cpu_kv_cache_tokens on CPU.
+    # Explicit KV capacity: the memory of that many tokens in every layer (a model with sliding-window
+    # layers holds more tokens in it, backend/kv_groups.py); 0 sizes it from
+    # kv_cache_free_gpu_mem_fraction on CUDA and from cpu_kv_cache_tokens (same meaning) on CPU.
     max_tokens_in_paged_kv_cache: int = 0
     # Share of the GPU memory free after the weights and the largest step's activations that the KV
     # cache takes; the rest is headroom (CUDA graphs, cuBLAS, fragmentation): backend/kv_sizing.py.
@@ -77,6 +81,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: str = "{}"
+    # An adapter of multi_lora.json / lora_modules that fails its checks at start stops the model's
+    # start (false, as vLLM); true: the model starts with the others and logs one line per bad one.
+    skip_invalid_lora_adapters: bool = False
     # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
     # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
     speculative_config: str = ""
@@ -85,6 +92,13 @@ class EngineConfig:
     # samples, ranks 1..N-1 are processes it starts (NCCL on GPU: devices cuda:i*N .. cuda:i*N+N-1
     # for instance i; gloo on CPU).
     tensor_parallel_size: int = 1
+    # KV-cache events for prefix-aware routing (backend/kv_events.py, docs/gateway.md): JSON with
+    # vLLM's --kv-events-config keys ("" is off); needs enable_kv_cache_reuse. The Python API takes a dict.
+    kv_events_config: str = ""
+    # Structured outputs (backend/structured/): the longest a constraint new to the engine may compile
+    # (in a worker process, off the request path) before it is refused with a 400 and its worker is
+    # killed; also the longest it may wait for a free worker before it is refused as busy.
+    structured_outputs_compile_timeout_s: float = 5.0
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -109,6 +123,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, Mapping):
             self.speculative_config = json.dumps(dict(self.speculative_config))
+        if isinstance(self.kv_events_config, Mapping):
+            self.kv_events_config = json.dumps(dict(self.kv_events_config))
         if self.executor_static_batch_size not in (-1, 0) and self.executor_static_batch_size > 0:
             self.batching_mode = "static"
         self.validate()
@@ -122,7 +138,8 @@ class EngineConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
-        _at_least("kv_block_size", self.kv_block_size, 1)
+        if not 1 <= self.kv_block_size <= MAX_KV_BLOCK_SIZE:  # sizes against memory: backend/memory_checks.py
+            raise ValueError(f"kv_block_size must be in [1, {MAX_KV_BLOCK_SIZE}] tokens; got {self.kv_block_size}")
         _at_least("max_tokens_in_paged_kv_cache", self.max_tokens_in_paged_kv_cache, 0)
         _at_least("cpu_kv_cache_tokens", self.cpu_kv_cache_tokens, 1)
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction < 1.0:
@@ -141,12 +158,19 @@ class EngineConfig:
         if parse_lora_modules(self.lora_modules) and not self.enable_lora:  # its syntax too, before anything loads
             raise ValueError("lora_modules needs enable_lora=true")
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if not 0.0 < self.structured_outputs_compile_timeout_s <= MAX_COMPILE_TIMEOUT_S:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be in (0, {MAX_COMPILE_TIMEOUT_S:g}] seconds; "
+                             f"got {self.structured_outputs_compile_timeout_s}")
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")
         if self.dynamic_padding_threshold < 1.0:
             raise ValueError("dynamic_padding_threshold must be >= 1.0; "
                              f"got {self.dynamic_padding_threshold}")
+        events = self.kv_events
+        if events is not None and events.enable_kv_cache_events and not self.enable_kv_cache_reuse:
+            raise ValueError("kv_events_config: enable_kv_cache_events needs enable_kv_cache_reuse=true (the "
+                             "events tell a router what the prefix cache holds)")
         if self.speculative is not None and self.batching_mode in ("static", "dynamic"):
             raise ValueError(f"speculative_config needs batching_mode inflight or none; got '{self.batching_mode}' "
                              "(padded batches run every member to the longest: nothing to speculate on)")
@@ -155,6 +179,11 @@ class EngineConfig:
     def speculative(self) -> "SpeculativeConfig | None":
         """speculative_config, parsed and checked (ValueError naming the key)."""
         return parse_speculative_config(self.speculative_config)
+
+    @property
+    def kv_events(self) -> "KVEventsConfig | None":
+        """kv_events_config, parsed and checked (ValueError naming the key)."""
+        return parse_kv_events_config(self.kv_events_config)
 
     @property
     def static_batch_size(self) -> int:

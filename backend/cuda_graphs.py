@@ -38,16 +38,17 @@ class DecodeGraphs:
     """Static buffers per padded batch size, and on CUDA a captured graph each."""
 
     def __init__(self, env: DeviceEnv, max_num_seqs: int, table_width: int,
-                 make_context: Callable[..., AttentionContext], model, rope):
+                 make_context: Callable[..., AttentionContext], model, rope, groups: int = 1):
         self.env = env
         self.sizes = batch_sizes(max_num_seqs)
         top = self.sizes[-1]
         dev = env.tensor_device
         self.ids = torch.full((top,), PAD_TOKEN_ID, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.slots = torch.full((top,), -1, dtype=torch.int64, device=dev)
+        # per KV-cache group (backend/kv_groups.py): its slot mapping and block tables
+        self.slots = torch.full((groups, top), -1, dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
-        self.tables = torch.zeros((top, table_width), dtype=torch.int32, device=dev)
+        self.tables = torch.zeros((groups, top, table_width), dtype=torch.int32, device=dev)
         self.make_context = make_context
         self.model = model
         self.rope = rope
@@ -60,13 +61,15 @@ class DecodeGraphs:
         return next((b for b in self.sizes if b >= num_rows), None)
 
     def run(self, step: StepInputs, block_table: torch.Tensor) -> torch.Tensor:
-        """The step's hidden states [B, hidden]: its inputs into the buffers, then the forward."""
+        """The step's hidden states [B, hidden]: its inputs into the buffers, then the forward.
+        `block_table`: BlockTables.table, [groups, rows, width]."""
         b = step.ids.shape[0]
         self.ids[:b].copy_(step.ids)
         self.positions[:b].copy_(step.positions)
-        self.slots[:b].copy_(step.slot_mapping)
+        self.slots[:, :b].copy_(step.slot_mapping)
         self.seq_lens[:b].copy_(step.decode_seq_lens)
-        torch.index_select(block_table, 0, step.decode_rows, out=self.tables[:b])
+        for group, table in enumerate(block_table):
+            torch.index_select(table, 0, step.decode_rows, out=self.tables[group, :b])
         self.replays += 1
         return self.forward_static(b)
 
@@ -78,8 +81,8 @@ class DecodeGraphs:
         return self.outputs[b]
 
     def _forward(self, b: int) -> torch.Tensor:
-        ctx = self.make_context(slot_mapping=self.slots[:b], num_decode_tokens=b,
-                                decode_block_tables=self.tables[:b], decode_seq_lens=self.seq_lens[:b])
+        ctx = self.make_context(slot_mapping=self.slots[:, :b], num_decode_tokens=b,
+                                decode_block_tables=self.tables[:, :b], decode_seq_lens=self.seq_lens[:b])
         return self.model(self.ids[:b], self.positions[:b], ctx, self.rope)
 
     def capture(self) -> None:

@@ -126,4 +126,5 @@ class OutputProcessor:
         self._states.pop(req.seq_id, None)
         return RequestOutput(req.request_id, req.prompt_token_ids, [], list(req.output_token_ids), "", "",
                              True, req.finish_reason, req.error, index=req.index,
-                             logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob)
+                             logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
+                             error_kind=req.error_kind)

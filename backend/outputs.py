@@ -54,6 +54,9 @@ class RequestOutput:
     samples: Optional[list["RequestOutput"]] = None  # LLM.generate with n > 1: all n, by index
     queue_seconds: Optional[float] = None  # on its first output: arrival to first scheduled
     queue: Optional[QueueInfo] = None  # only for a request added with queue_info=True
+    # A refusal after arrival, of the whole request (every completion): "invalid" (a 400) or
+    # "unavailable" (retry later); None for every other output, failed ones included.
+    error_kind: Optional[str] = None
 
 
 def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:

@@ -26,15 +26,20 @@ from backend.cpu.affinity import allowed_cores, pin_omp_threads
 from backend.cpu.memory import keep_freed_memory
 from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
+from backend.kv_groups import kv_layout
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
+from backend.memory_checks import check_block_tables, check_kv_cache
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
-from backend.models.rope import rope_cos_sin
+from backend.models.expert_load import ExpertLoad
+from backend.models.moe import reads_counts_on_host
+from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group
 from backend.sampler import sample
 from backend.sched.step import Sampled, SchedulerOutput
+from backend.spec.draft_sizing import draft_cache_share
 from backend.spec.rejection import verify
 from backend.step_inputs import BlockTables, StepInputs, build_step, place_step
 from backend.warmup import prefill_tokens, warm_up_steps
@@ -87,21 +92,27 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
         self.ops = get_ops(config.attention_backend, self.device, compute_dtype(self.dtype, self.device))
         self.block_size = config.kv_block_size
+        self.kv_layout = kv_layout(model_cfg.layer_windows, model_cfg.num_layers)  # backend/kv_groups.py
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None
         with one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
                                           self.env.tensor_device, tp=self.tp)
-            cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta, model_cfg.rope_scaling)
-            self.rope = (cos.to(self.env.tensor_device), sin.to(self.env.tensor_device))
-            self.tables = BlockTables(config.max_num_seqs, -(-max_model_len // self.block_size), self.block_size,
-                                      self.env.tensor_device)
+            self.rope = rope_tables(model_cfg, max_model_len, self.env.tensor_device)
+            width = -(-max_model_len // self.block_size)
+            check_block_tables(config, width, self.env, self.kv_layout.num_groups)  # backend/memory_checks.py
+            self.tables = BlockTables(config.max_num_seqs, width, self.block_size, self.env.tensor_device,
+                                      groups=self.kv_layout.num_groups)
             self.num_blocks = self._num_kv_blocks()
             if self.tp:  # the scheduler sees one engine: the group holds what its smallest rank holds
                 self.num_blocks = self.tp.smallest(self.num_blocks)
+            if not (self.env.is_cuda and config.max_tokens_in_paged_kv_cache == 0):  # else sized to what is free
+                check_kv_cache(config, self.num_blocks, self._bytes_per_block(), self.env)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,
                  self.block_size, self.num_blocks * self._bytes_per_block() / 2**20, self.device, self.ops.name,
                  bool(self.graphs and self.graphs.graphs))
@@ -113,28 +124,38 @@ class ModelRunner:
         self.weights = load_model(self.config, self.model_cfg, self.device, self.dtype, self.ops.name,
                                   tensor_device=self.env.tensor_device, tp=self.tp)
         self.padded_rows = self.weights.padded_rows
+        # tokens per expert, counted on the device (MoE models; rows: a step's most, padded)
+        rows = max(self.padded_rows(self.config.max_num_batched_tokens), self.config.max_num_seqs)
+        self.expert_load = ExpertLoad.attach(self.weights.model, rows, self.env.tensor_device)
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype, self.device, self.weights.quantization)
         return self.weights.model
 
     # -- KV cache --------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        return self.block_size * kv_bytes_per_token(self.model_cfg, self.kv_dtype)
+        """A block of the pool: block_size tokens of a KV-cache group's layers (`slots` of them)."""
+        per_layer = kv_bytes_per_token(self.model_cfg, self.kv_dtype) // self.model_cfg.num_layers
+        return self.block_size * per_layer * self.kv_layout.slots
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         if self.env.is_cuda:  # the warm-up runs on every GPU start: it compiles what serving launches
             memory = measure(self.env, self._warm_up)
-            if cfg.max_tokens_in_paged_kv_cache == 0:
-                return blocks_that_fit(memory, cfg.kv_cache_free_gpu_mem_fraction, self._bytes_per_block(), self.device)
-        if cfg.max_tokens_in_paged_kv_cache > 0:
-            return max(1, cfg.max_tokens_in_paged_kv_cache // self.block_size)
-        return max(1, cfg.cpu_kv_cache_tokens // self.block_size)
+            if cfg.max_tokens_in_paged_kv_cache == 0:  # a draft model (rank 0 runs it) shares the budget
+                share = draft_cache_share(cfg, self.device, self.kv_dtype) if not (self.tp and self.tp.rank) else None
+                return blocks_that_fit(memory, cfg.kv_cache_free_gpu_mem_fraction, self._bytes_per_block(), self.device,
+                                       share, self.block_size)
+        tokens = cfg.max_tokens_in_paged_kv_cache if cfg.max_tokens_in_paged_kv_cache > 0 else cfg.cpu_kv_cache_tokens
+        # the memory of that many tokens in every layer: as many blocks of a group's layers
+        return max(1, tokens // self.block_size * self.model_cfg.num_layers // self.kv_layout.slots)
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        c = self.model_cfg
+        """Each layer's K and V cache: `slots` pairs of tensors, layer k of every KV-cache group
+        reading pair k through its group's block tables (backend/kv_groups.py)."""
+        c, layout = self.model_cfg, self.kv_layout
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device),
-                 torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device)) for _ in range(c.num_layers)]
+        pairs = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device),
+                  torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device)) for _ in range(layout.slots)]
+        return [pairs[slot] for slot in layout.layer_slot]
 
     def _warm_up(self) -> None:
         """backend/warmup.py's steps through run(), on a throwaway cache."""
@@ -144,6 +165,8 @@ class ModelRunner:
         try:
             for out in warm_up_steps(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len,
                                      self.block_size, self.model_cfg.vocab_size):
+                for s in out.seqs:  # a throwaway cache: every group may write the same blocks
+                    s.group_tables = (s.block_table,) * (self.kv_layout.num_groups - 1)
                 self.run(out)
         finally:
             self.kv_caches = []
@@ -155,17 +178,38 @@ class ModelRunner:
         with kernels other than Triton's (the references size their work from the lengths)."""
         if self.config.enforce_eager or self.ops.name != "triton" or self.lora is not None:
             return None  # (LoRA steps run eagerly: docs/lora.md)
+        if reads_counts_on_host(self.model):
+            log.info("CUDA graphs off: the experts run one GEMM per active expert (packed or int8 experts), "
+                     "which reads their token counts on the host")
+            return None
         empty_i32 = torch.zeros(1, dtype=torch.int32, device=self.env.tensor_device)
         make_context = functools.partial(
-            self._context, kv_caches=self.kv_caches, prefill_block_tables=self.tables.table[:0],
+            self._context, kv_caches=self.kv_caches, prefill_block_tables=self.tables.table[:, :0],
             prefill_cu_seqlens_q=empty_i32, prefill_seq_lens=empty_i32[:0], decode_max_seq_len=self.max_model_len)
-        graphs = DecodeGraphs(self.env, self.config.max_num_seqs, self.tables.width, make_context, self.model, self.rope)
+        graphs = DecodeGraphs(self.env, self.config.max_num_seqs, self.tables.width, make_context, self.model, self.rope,
+                              groups=self.kv_layout.num_groups)
         graphs.capture()
         return graphs
 
     # -- one step --------------------------------------------------------------------------------
     def _context(self, **fields) -> AttentionContext:
-        return AttentionContext(ops=self.ops, scale=self.model_cfg.head_dim ** -0.5, **fields)
+        cfg = self.model_cfg
+        groups = self.kv_layout.layer_group if self.kv_layout.num_groups > 1 else ()
+        return AttentionContext(ops=self.ops, scale=cfg.attention_scale, layer_windows=cfg.layer_windows,
+                                layer_groups=groups, **fields)
+
+    def prefill_context(self, num_tokens: int) -> AttentionContext:
+        """The context of one sequence's prefill of num_tokens tokens from position 0 on a
+        throwaway cache of its own (client/tools/perplexity.py scores texts this way)."""
+        blocks, groups, dev = -(-num_tokens // self.block_size), self.kv_layout.num_groups, self.env.tensor_device
+        table = torch.arange(groups * blocks, dtype=torch.int32, device=dev).view(groups, 1, blocks)  # a group each
+        positions = torch.arange(num_tokens, device=dev)
+        slots = (table[:, 0, positions // self.block_size] * self.block_size + positions % self.block_size).long()
+        lens = torch.tensor([num_tokens], dtype=torch.int32, device=dev)
+        return self._context(kv_caches=self._allocate_kv(groups * blocks), slot_mapping=slots, num_decode_tokens=0,
+                             decode_block_tables=table[:, :0], decode_seq_lens=lens[:0], prefill_block_tables=table,
+                             prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+                             prefill_seq_lens=lens, prefill_max_q_len=num_tokens)
 
     def _step_context(self, step: StepInputs) -> AttentionContext:
         table = self.tables.table
@@ -174,9 +218,9 @@ class ModelRunner:
         max_seq_len = self.max_model_len if self.ops.name == "triton" else step.decode_max_seq_len
         return self._context(
             kv_caches=self.kv_caches, slot_mapping=step.slot_mapping, num_decode_tokens=step.num_decode_rows,
-            decode_block_tables=table[:, :step.decode_width].index_select(0, step.decode_rows),
+            decode_block_tables=table[:, :, :step.decode_width].index_select(1, step.decode_rows),
             decode_seq_lens=step.decode_seq_lens,
-            prefill_block_tables=table[:, :step.prefill_width].index_select(0, step.prefill_rows),
+            prefill_block_tables=table[:, :, :step.prefill_width].index_select(1, step.prefill_rows),
             prefill_cu_seqlens_q=step.prefill_cu_seqlens_q, prefill_seq_lens=step.prefill_seq_lens,
             decode_max_seq_len=max_seq_len, prefill_max_q_len=step.prefill_max_q_len,
             lora=self.lora.step(step.lora_runs, step.lora_writes, step.ids.shape[0]) if self.lora is not None else None)
@@ -226,6 +270,8 @@ class ModelRunner:
 
     def _compute(self, step: StepInputs, graph_size: Optional[int]) -> Optional[torch.Tensor]:
         """The step's model run on this rank: the logits of the rows that sample, None if none does."""
+        if self.expert_load is not None:
+            self.expert_load.mark_rows(step.slot_mapping[0])  # any group: a padding row is -1 in all
         if graph_size is not None:
             hidden = self.graphs.run(step, self.tables.table)
         else:
@@ -233,6 +279,10 @@ class ModelRunner:
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards
+
+    def moe_stats(self) -> dict:
+        """Tokens per expert and the last interval's load imbalance (MoE models; else nothing)."""
+        return self.expert_load.snapshot() if self.expert_load is not None else {}
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank)."""

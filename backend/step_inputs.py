@@ -10,7 +10,9 @@ their member's cache but are never stored nor sampled.
 Block tables live in `BlockTables`, a device tensor with a row per scheduled sequence that is kept
 from step to step: a step writes only what changed (a new sequence's table, the blocks a sequence
 gained), instead of rebuilding every table from Python lists (2.7 ms at 256 sequences of 8k
-tokens). Each step gathers its rows from it on the device.
+tokens). Each step gathers its rows from it on the device. A model whose layers form several
+KV-cache groups (backend/kv_groups.py: local sliding-window layers beside global ones) has a table
+per group for each sequence and a slot mapping per group: both carry the group first.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from backend.block_pool import NULL_BLOCK
 from backend.device import to_device
 from backend.lora.segments import adapter_runs, order_by_adapter
 
@@ -29,33 +32,40 @@ PAD_TOKEN_ID = 0  # what padding and empty rows feed the model; their results ar
 
 
 class BlockTables:
-    """Every scheduled sequence's block table, a row each, in one int32 device tensor.
+    """Every scheduled sequence's block tables, a row each, in one int32 device tensor
+    [groups, rows, width]: a table per KV-cache group.
 
     A sequence keeps its row while it is scheduled; a row whose sequence was not in the last step
-    is given to a new one. A row remembers the table it was written from (the block manager's list,
-    which only ever grows by appending; any other change gives the sequence a new list) and how
-    many entries it wrote, so the next step writes only the new ones. Entries past a sequence's
-    length are stale but valid block ids: the kernels never read them, and the torch references
-    only gather them for positions they mask."""
+    is given to a new one. A row remembers, per group, the table it was written from (the block
+    manager's list, which only grows by appending or gives back entries before the window,
+    NULL_BLOCK; any other change gives the sequence a new list) and how many entries it wrote, so
+    the next step writes only the new ones. Entries past a sequence's length, and given-back ones
+    (written as block 0), are stale but valid block ids: the kernels never read them, and the
+    torch references only gather them for positions they mask."""
 
-    def __init__(self, rows: int, width: int, block_size: int, device: torch.device):
+    def __init__(self, rows: int, width: int, block_size: int, device: torch.device, groups: int = 1):
         self.width = width
         self.block_size = block_size
         self.device = device
-        self.table = torch.zeros((max(rows, 1), width), dtype=torch.int32, device=device)
+        self.groups = groups
+        self.table = torch.zeros((groups, max(rows, 1), width), dtype=torch.int32, device=device)
         self._row_of: dict[str, int] = {}
-        # per row: (seq_id, the list it was written from, entries written, the last one) or None
-        self._held: list[Optional[tuple]] = [None] * self.table.shape[0]
+        # per row: None, or per group (the list it was written from, entries written, the last one)
+        self._held: list[Optional[list]] = [None] * self.table.shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.table.shape[1]
 
     def reset(self) -> None:
         """Forget every sequence (after the warm-up) and zero the table."""
         self._row_of.clear()
-        self._held = [None] * self.table.shape[0]
+        self._held = [None] * self.rows
         self.table.zero_()
 
     def assign(self, seqs: list) -> tuple[list[int], list[int], list[int], list[int]]:
         """The rows of `seqs` (ScheduledSeqs, in order) and the writes the step must make:
-        (rows, update rows, update columns, update values)."""
+        (rows, update rows of the [groups * rows, width] view, update columns, update values)."""
         rows = [-1] * len(seqs)
         claimed = set()
         for i, s in enumerate(seqs):
@@ -68,20 +78,26 @@ class BlockTables:
         ur: list[int] = []
         uc: list[int] = []
         uv: list[int] = []
+        height = self.rows
         for row, s in zip(rows, seqs):
-            table = s.block_table
-            n = len(table)
-            if n > self.width:
-                raise ValueError(f"a block table of {n} blocks exceeds the {self.width} that max_model_len allows")
-            held = self._held[row]
-            start = 0
-            if held is not None and held[1] is table and held[2] <= n and (held[2] == 0 or table[held[2] - 1] == held[3]):
-                start = held[2]
-            if n > start:
-                ur += [row] * (n - start)
-                uc += range(start, n)
-                uv += table[start:n]
-            self._held[row] = (s.request.seq_id, table, n, table[n - 1] if n else None)
+            tables = (s.block_table, *s.group_tables)
+            if len(tables) != self.groups:
+                raise ValueError(f"{s.request.seq_id} has {len(tables)} block tables for {self.groups} KV-cache groups")
+            held = self._held[row] or [None] * self.groups
+            for g, table in enumerate(tables):
+                n = len(table)
+                if n > self.width:
+                    raise ValueError(f"a block table of {n} blocks exceeds the {self.width} that max_model_len allows")
+                start = 0
+                if held[g] is not None and held[g][0] is table and held[g][1] <= n and (
+                        held[g][1] == 0 or table[held[g][1] - 1] == held[g][2]):
+                    start = held[g][1]
+                if n > start:
+                    ur += [g * height + row] * (n - start)
+                    uc += range(start, n)
+                    uv += [b if b != NULL_BLOCK else 0 for b in table[start:n]]
+                held[g] = (table, n, table[n - 1] if n else None)
+            self._held[row] = held
         return rows, ur, uc, uv
 
     def _give_rows(self, seqs: list, rows: list[int], claimed: set) -> None:
@@ -103,13 +119,13 @@ class BlockTables:
 
     def grow_to(self, rows: int) -> None:
         """At least `rows` rows (a tensor-parallel rank follows the growth of rank 0's table)."""
-        while self.table.shape[0] < rows:
+        while self.rows < rows:
             self._grow()
 
     def _grow(self) -> list[int]:
-        old = self.table.shape[0]
-        table = torch.zeros((2 * old, self.width), dtype=torch.int32, device=self.device)
-        table[:old] = self.table
+        old = self.rows
+        table = torch.zeros((self.groups, 2 * old, self.width), dtype=torch.int32, device=self.device)
+        table[:, :old] = self.table
         self.table = table
         self._held += [None] * old
         log.info("block tables grown to %d rows", 2 * old)
@@ -121,7 +137,7 @@ class StepInputs:
     """One step's device tensors and the host facts the launches need."""
     ids: torch.Tensor                 # [T] int64
     positions: torch.Tensor           # [T] int64
-    slot_mapping: torch.Tensor        # [T] int64, -1: not stored
+    slot_mapping: torch.Tensor        # [groups, T] int64, -1: not stored
     decode_rows: torch.Tensor         # [D] int64: each decode row's row of BlockTables
     decode_seq_lens: torch.Tensor     # [D] int32
     prefill_rows: torch.Tensor        # [P] int64
@@ -150,7 +166,7 @@ class HostStep:
     with the facts the launches need: what build_step places on the device, and what tensor
     parallelism's rank 0 sends every other rank (backend/parallel/step_message.py)."""
     int64: np.ndarray
-    int64_sizes: list[int]   # ids, positions, slots, decode rows, prefill rows, sample index, table writes (row, col),
+    int64_sizes: list[int]   # ids, positions, slots (per group), decode rows, prefill rows, sample index, table writes (row, col),
     #                          LoRA runs (first row, end row, slot)..., LoRA slot writes (slot, load id)...
     int32: np.ndarray
     int32_sizes: list[int]   # decode lengths, prefill cu_seqlens, prefill lengths, table writes (value)
@@ -182,7 +198,7 @@ def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool
     rows, ur, uc, uv = tables.assign(seqs)
     ids: list[int] = [PAD_TOKEN_ID] * empty_rows
     positions: list[int] = [0] * empty_rows
-    slots: list[int] = [-1] * empty_rows
+    slots: list[list[int]] = [[-1] * empty_rows for _ in range(tables.groups)]  # per KV-cache group
     bs = tables.block_size
     sample_index: list[int] = []
     sampling = []
@@ -194,13 +210,14 @@ def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool
         end += n
         if s.padding:
             ids += [PAD_TOKEN_ID] * n
-            slots += [-1] * n
+            for group_slots in slots:
+                group_slots += [-1] * n
             continue
-        table = s.block_table
         drafts = s.draft_token_ids  # a verify row: its last token, then its drafts
         ids += s.request.token_ids(start, start + n - len(drafts))
         ids += drafts
-        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        for group_slots, table in zip(slots, (s.block_table, *s.group_tables)):
+            group_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
         if s.samples:
             sample_index += range(end - 1 - len(drafts), end)  # a verify row keeps every position's logits
             sampling.append(s.request)
@@ -214,14 +231,15 @@ def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool
     np.cumsum(q_lens, out=cu[1:])
     blocks = lambda n_tokens: min(-(-n_tokens // bs), tables.width)  # noqa: E731
     lora_runs, lora_writes = lora.assign(adapter_runs(empty_rows, seqs)) if lora is not None else ([], [])
-    int64, int64_sizes = _pack([ids, positions, slots, d_rows, rows[nd:], sample_index, ur, uc,
+    int64, int64_sizes = _pack([ids, positions, [x for group_slots in slots for x in group_slots], d_rows, rows[nd:],
+                                sample_index, ur, uc,
                                 [v for run in lora_runs for v in run], [v for w in lora_writes for v in w]], np.int64)
     int32, int32_sizes = _pack([d_lens, cu, p_lens, uv], np.int32)
     host = HostStep(int64, int64_sizes, int32, int32_sizes, num_decode_rows=len(d_lens),
                     decode_width=max([1] + [blocks(n) for n in d_lens]),
                     prefill_width=max([1] + [blocks(n) for n in p_lens]),
                     decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0),
-                    pure_decode=not prefills, table_rows=tables.table.shape[0])
+                    pure_decode=not prefills, table_rows=tables.rows)
     if send is not None:
         send(host)
     step = place_step(host, tables)
@@ -236,10 +254,10 @@ def place_step(host: HostStep, tables: BlockTables) -> StepInputs:
     lp = _place(host.int64, host.int64_sizes, tables.device)
     ip = _place(host.int32, host.int32_sizes, tables.device)
     if ip[3].shape[0]:
-        tables.table[lp[6], lp[7]] = ip[3]
+        tables.table.view(-1, tables.width)[lp[6], lp[7]] = ip[3]  # rows of the [groups * rows, width] view
     runs, writes = _host_parts(host.int64, host.int64_sizes)[8:10]
     return StepInputs(
-        ids=lp[0], positions=lp[1], slot_mapping=lp[2], decode_rows=lp[3], decode_seq_lens=ip[0],
+        ids=lp[0], positions=lp[1], slot_mapping=lp[2].view(tables.groups, -1), decode_rows=lp[3], decode_seq_lens=ip[0],
         prefill_rows=lp[4], prefill_cu_seqlens_q=ip[1], prefill_seq_lens=ip[2], sample_index=lp[5],
         num_decode_rows=host.num_decode_rows, decode_width=host.decode_width, prefill_width=host.prefill_width,
         decode_max_seq_len=host.decode_max_seq_len, prefill_max_q_len=host.prefill_max_q_len,

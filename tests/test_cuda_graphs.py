@@ -1,7 +1,9 @@
 """Decode steps through the CUDA graphs' static buffers (backend/cuda_graphs.py). On the CPU the
 buffers run eagerly (no capture), with the real Triton kernels under the interpreter: the tokens
 must be exactly the eager engine's, greedy and seeded-random, for batches that are not one of the
-padded sizes (empty rows fill them), while prefill and mixed steps stay eager."""
+padded sizes (empty rows fill them), while prefill and mixed steps stay eager. The tiny Gemma 3 too:
+its three KV-cache groups (a global layer, two local ones) each have their slot mapping and block
+tables in the buffers."""
 import random
 
 import pytest
@@ -18,9 +20,9 @@ def test_padded_batch_sizes():
     assert batch_sizes(100)[-3:] == [80, 96, 100]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint("llama", tmp_path_factory.mktemp("graphs") / "llama", seed=2)
+@pytest.fixture(scope="module", params=["llama", pytest.param("gemma3", marks=pytest.mark.slow)])
+def checkpoint(request, tmp_path_factory):
+    return make_checkpoint(request.param, tmp_path_factory.mktemp("graphs") / request.param, seed=2)
 
 
 def run(path, enforce_eager: bool):
@@ -49,6 +51,7 @@ def test_the_static_buffer_path_gives_exactly_the_eager_tokens(checkpoint):
     eager, eager_runner, _ = run(checkpoint, enforce_eager=True)
     graphed, runner, kinds = run(checkpoint, enforce_eager=False)
     assert eager_runner.graphs is None and runner.graphs is not None and not runner.graphs.graphs  # no capture on CPU
+    assert runner.graphs.tables.shape[0] == runner.kv_layout.num_groups == (3 if checkpoint.name == "gemma3" else 1)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     # logprobs to float32 rounding: a padded batch's GEMM may block its rows differently (on a GPU too)
     for g, e in zip(graphed, eager):

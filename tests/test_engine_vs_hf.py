@@ -11,6 +11,11 @@ from hf_checkpoints import SHAPES, hf_greedy, make_checkpoint
 
 BLOCK = 16
 CACHE_TOKENS = 1024  # 64 blocks; the 32 prompts alone hold ~4900 tokens
+# Gemma 3's local layers keep only their window (backend/kv_groups.py): the same memory holds far
+# more of its requests, so its cache is cut to a third. Even so its unchunked run does not preempt:
+# a whole-prompt prefill holds its prompt in every group until the step ends, so admission (which
+# waits for the step to fit) leaves the decodes that follow room; its chunked run preempts.
+CACHE_TOKENS_OF = {"gemma3": CACHE_TOKENS // 3}
 
 
 def workload(seed: int = 0):
@@ -27,14 +32,14 @@ def oracle(request, tmp_path_factory):
     arch = request.param
     path = make_checkpoint(arch, tmp_path_factory.mktemp(arch))
     prompts, max_tokens = workload()
-    return path, prompts, max_tokens, hf_greedy(path, prompts, max_tokens)
+    return arch, path, prompts, max_tokens, hf_greedy(path, prompts, max_tokens)
 
 
 @pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
 @pytest.mark.parametrize("chunked", [False, True])
 def test_greedy_matches_transformers(oracle, policy, chunked):
-    path, prompts, max_tokens, expected = oracle
-    llm = LLM(str(path), max_tokens_in_paged_kv_cache=CACHE_TOKENS, kv_block_size=BLOCK,
+    arch, path, prompts, max_tokens, expected = oracle
+    llm = LLM(str(path), max_tokens_in_paged_kv_cache=CACHE_TOKENS_OF.get(arch, CACHE_TOKENS), kv_block_size=BLOCK,
               batch_scheduler_policy=policy, enable_chunked_context=chunked,
               max_num_batched_tokens=96 if chunked else 512)
     assert CACHE_TOKENS < sum(len(p) for p in prompts)
@@ -46,7 +51,7 @@ def test_greedy_matches_transformers(oracle, policy, chunked):
     stats = llm.stats()
     if policy == "guaranteed_no_evict":
         assert stats["num_preemptions"] == 0
-    else:
+    elif chunked or arch != "gemma3":
         assert stats["num_preemptions"] > 0, "the tight cache should have forced preemption"
     assert stats["kv_blocks_used"] == 0
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0

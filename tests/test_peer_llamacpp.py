@@ -1,6 +1,7 @@
 """The llama.cpp peer runner (client/tools/peers/run_llamacpp.py) against a stand-in llama-server
 (the real one is built outside the repository by `make peers-llamacpp`): requests go out as token
-ids with greedy sampling and ignore_eos, all at once or one at a time in the workload's order."""
+ids with greedy sampling and ignore_eos, all at once or one at a time in the workload's order; and
+the instruction sets `make peers-llamacpp` builds llama.cpp for, read from the machine's cpuinfo."""
 import json
 import threading
 import time
@@ -63,3 +64,37 @@ def test_concurrency_one_sends_them_in_turn_in_order():
         server.shutdown()
     assert [b["prompt"] for b in FakeServer.log] == [[i] for i in range(5)]
     assert FakeServer.most_active == 1
+
+
+def llamacpp_cmake_flags(tmp_path, cpu_flags: str) -> dict[str, str]:
+    """The -DGGML_* options `make peers-llamacpp` passes to cmake on a machine whose /proc/cpuinfo
+    lists ``cpu_flags`` (make -n: printed, not run)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {cpu_flags}\n\nprocessor\t: 1\nflags\t\t: {cpu_flags}\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["make", "-n", "-s", "-C", str(root), "peers-llamacpp", f"CPUINFO={cpuinfo}",
+                           f"PEERS_DIR={tmp_path / 'peers'}"], capture_output=True, text=True, check=True)
+    return dict(re.findall(r"-DGGML_(\w+)=(\w+)", done.stdout))
+
+
+AVX2_ONLY = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma f16c bmi1 bmi2 avx2"
+
+
+def test_llamacpp_build_on_an_avx2_only_machine_asks_for_no_avx512(tmp_path):
+    flags = llamacpp_cmake_flags(tmp_path, AVX2_ONLY)
+    assert flags["NATIVE"] == "OFF"
+    assert {k: flags[k] for k in ("AVX", "AVX2", "FMA", "F16C", "BMI2", "SSE42")} == dict.fromkeys(
+        ("AVX", "AVX2", "FMA", "F16C", "BMI2", "SSE42"), "ON")
+    assert {k: flags[k] for k in ("AVX512", "AVX512_VNNI", "AVX512_BF16")} == dict.fromkeys(
+        ("AVX512", "AVX512_VNNI", "AVX512_BF16"), "OFF")
+
+
+def test_llamacpp_build_uses_the_avx512_a_machine_lists_and_never_amx(tmp_path):
+    flags = llamacpp_cmake_flags(tmp_path, AVX2_ONLY + " avx512f avx512bw avx512vl avx512_vnni amx_tile amx_int8 amx_bf16")
+    assert flags["AVX512"] == flags["AVX512_VNNI"] == "ON"
+    assert flags["AVX512_BF16"] == "OFF"  # not listed here
+    assert flags["AMX_TILE"] == flags["AMX_INT8"] == flags["AMX_BF16"] == "OFF"

@@ -9,17 +9,20 @@ import torch
 
 from backend.request import Request, SamplingParams
 from backend.sched.step import ScheduledSeq, SchedulerOutput
+from backend.block_pool import NULL_BLOCK
 from backend.step_inputs import BlockTables, build_step
 
 
-def seq(seq_id: str, table: list[int]):
-    return SimpleNamespace(request=SimpleNamespace(seq_id=seq_id), block_table=table)
+def seq(seq_id: str, table: list[int], *group_tables: list[int]):
+    return SimpleNamespace(request=SimpleNamespace(seq_id=seq_id), block_table=table, group_tables=group_tables)
 
 
 def check(tables: BlockTables, seqs, rows):
     for s, row in zip(seqs, rows):
-        n = len(s.block_table)
-        assert tables.table[row, :n].tolist() == s.block_table, s.request.seq_id
+        for g, table in enumerate((s.block_table, *s.group_tables)):
+            got = tables.table[g, row, :len(table)].tolist()
+            # a given-back entry (NULL_BLOCK) may hold any block id: no kernel reads it
+            assert [x for x, b in zip(got, table) if b != NULL_BLOCK] == [b for b in table if b != NULL_BLOCK]
 
 
 def test_a_step_writes_only_new_blocks_and_new_sequences():
@@ -37,7 +40,7 @@ def test_a_step_writes_only_new_blocks_and_new_sequences():
 
 def tables_written(tables, rows, ur, uc, uv):
     if uv:
-        tables.table[torch.tensor(ur), torch.tensor(uc)] = torch.tensor(uv, dtype=torch.int32)
+        tables.table.view(-1, tables.width)[torch.tensor(ur), torch.tensor(uc)] = torch.tensor(uv, dtype=torch.int32)
     return tables
 
 
@@ -95,9 +98,35 @@ def test_the_step_inputs_cross_in_two_transfers_with_aligned_parts(monkeypatch):
               step.prefill_rows, step.prefill_cu_seqlens_q, step.prefill_seq_lens, step.sample_index):
         assert t.data_ptr() % 16 == 0
     assert step.ids.tolist()[:4] == [0, 0, 0, reqs[0].prompt_token_ids[4]]
-    assert step.slot_mapping.tolist()[:4] == [-1, -1, -1, 5 * 4 + 0]
+    assert step.slot_mapping.tolist()[0][:4] == [-1, -1, -1, 5 * 4 + 0]
     assert step.decode_seq_lens.tolist() == [0, 0, 0, 5]
     assert step.prefill_cu_seqlens_q.tolist() == [0, 6, 11] and step.prefill_seq_lens.tolist() == [6, 7]
     assert step.sample_index.tolist() == [3, 9, 14] and step.num_decode_rows == 4 and not step.pure_decode
     rows = step.prefill_rows.tolist()
-    assert tables.table[rows[1], :2].tolist() == [0, 4]
+    assert tables.table[0, rows[1], :2].tolist() == [0, 4]
+
+
+def test_every_kv_cache_group_gets_its_table_and_slots():
+    """A model of several KV-cache groups (backend/kv_groups.py): a table per group in each row,
+    written only where it changed, a local group's given-back entries written as block 0 (never
+    read), and a slot mapping per group."""
+    tables = BlockTables(2, 8, 4, torch.device("cpu"), groups=3)
+    a = seq("a", [7, 3, 9], [1, 2, 5], [4, 6, 8])
+    rows, ur, uc, uv = tables.assign([a])
+    assert len(uv) == 9
+    check(tables_written(tables, rows, ur, uc, uv), [a], rows)
+    a.group_tables[0][0] = NULL_BLOCK          # slid out of the window: nothing to write
+    a.group_tables[1].append(10)
+    rows, ur, uc, uv = tables.assign([a])
+    assert (uc, uv) == ([3], [10]) and ur == [2 * tables.rows + rows[0]]
+    tables_written(tables, rows, ur, uc, uv)
+    b = seq("b", [0, 1], [NULL_BLOCK, 11], [NULL_BLOCK, 12])   # a prefix hit: the window's block only
+    rows, ur, uc, uv = tables.assign([a, b])
+    assert set(uv) == {0, 1, 11, 12}          # b's given-back entries are written as block 0: a valid id
+    check(tables_written(tables, rows, ur, uc, uv), [a, b], rows)
+    with pytest.raises(ValueError, match="2 block tables for 3 KV-cache groups"):
+        tables.assign([seq("c", [1], [2])])
+    req = Request("r", list(range(3, 9)), SamplingParams(max_tokens=2))
+    out = SchedulerOutput(prefills=[ScheduledSeq(req, 2, 4, block_table=[0, 5], group_tables=([1, 6], [2, 7]))])
+    step = build_step(out, tables, empty_rows=1)
+    assert step.slot_mapping.tolist() == [[-1, 2, 3, 20, 21], [-1, 6, 7, 24, 25], [-1, 10, 11, 28, 29]]

@@ -6,6 +6,8 @@ import re
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TESTS_DIR = Path(__file__).resolve().parent
 
 CONFTEST = f"""
@@ -17,8 +19,8 @@ pytest_plugins = ["tiers"]
 def pytest_configure(config):   # CPU limits that a test of a fraction of a second can cross; the wall-clock
     # one is crossed by moving the clock (a busy machine stretches any real wait)
     import tiers
-    tiers.FAST_WARN_CPU_S, tiers.FAST_FAIL_CPU_S, tiers.FAST_FAIL_WALL_S = 0.02, 0.2, 60
-    tiers.FAST_WARN_SHARED_CPU_S = 0.05
+    tiers.FAST_WARN_CPU_S, tiers.FAST_FAIL_CPU_S, tiers.FAST_FAIL_WALL_S = 0.02, 0.1, 60
+    tiers.FAST_WARN_SHARED_CPU_S = 0.03
 """
 
 INI = """
@@ -37,6 +39,13 @@ def busy(seconds):
     while time.process_time() < end:
         pass
 """
+
+
+@pytest.fixture(autouse=True)
+def no_plugin_autoload(monkeypatch):
+    """The sessions load only the plugins they name: a fifth of the start-up time (locust's alone
+    is most of it)."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 
 def session(pytester, files: dict, *args):
@@ -149,24 +158,24 @@ def test_a_fast_test_over_the_cpu_limit_fails_and_one_over_the_warning_is_listed
 
             @pytest.fixture(scope="module")
             def shared_model():
-                busy(0.1)          # paid once for many tests: not the test's own time
+                busy(0.05)         # paid once for many tests: not the test's own time
 
             @pytest.fixture(scope="module")
             def huge_shared_model():
-                busy(0.25)         # but it has the same limit
+                busy(0.15)         # but it has the same limit
 
             @pytest.fixture
             def own_model():
-                busy(0.25)
+                busy(0.15)
 
             def test_quick():
                 pass
 
             def test_over_the_warning():
-                busy(0.08)
+                busy(0.06)
 
             def test_over_the_limit():
-                busy(0.25)
+                busy(0.15)
 
             def test_its_own_fixture_counts(own_model):
                 pass
@@ -183,15 +192,15 @@ def test_a_fast_test_over_the_cpu_limit_fails_and_one_over_the_warning_is_listed
 
             @pytest.mark.slow
             def test_marked_slow_may_take_long():
-                busy(0.25)
+                busy(0.15)
 
             def test_failing_for_its_own_reason():
-                busy(0.25)
+                busy(0.15)
                 assert False, "its own failure"
             """,
     }
-    result = session(pytester, files, "-q", "--cpu-durations=3")
-    result.assert_outcomes(passed=4, failed=5)
+    result = session(pytester, files, "-q", "--cpu-durations=3", "-m", "not slow")   # as make test-fast runs
+    result.assert_outcomes(passed=3, failed=5, deselected=1)
     out = result.stdout.str()
     for name in ("test_over_the_limit", "test_its_own_fixture_counts", "test_waiting_counts_by_the_clock",
                  "test_a_shared_fixture_over_the_limit_fails_its_first_user"):
@@ -201,14 +210,19 @@ def test_a_fast_test_over_the_cpu_limit_fails_and_one_over_the_warning_is_listed
     assert "test_times.py::test_over_the_warning  (the test)" in listed
     assert "test_times.py::test_a_shared_fixture_does_not  (the shared fixtures it built)" in listed
     assert "test_a_shared_fixture_does_not  (the test)" not in listed
-    top = out.split("the 3 tests with the most CPU time")[1].splitlines()[1:4]   # slow tests count here too
+    top = out.split("the 3 tests with the most CPU time")[1].splitlines()[1:4]
     assert {line.split("::")[1] for line in top} <= {
-        "test_marked_slow_may_take_long", "test_over_the_limit", "test_its_own_fixture_counts",
+        "test_over_the_limit", "test_its_own_fixture_counts", "test_failing_for_its_own_reason",
         "test_a_shared_fixture_over_the_limit_fails_its_first_user"}, top
+    # A run of everything (make test) only lists them; only a test's own failure fails it there.
+    everything = session(pytester, files, "-q")
+    everything.assert_outcomes(passed=8, failed=1)
+    listed = everything.stdout.str().split("fast-tier tests over the time of a quick test")[1]
+    assert "test_times.py::test_over_the_limit  (the test)" in listed
     assert "test_quick" not in listed and "test_marked_slow" not in listed
 
 
-def test_tests_sharing_a_module_fixture_or_a_server_run_on_one_xdist_worker(pytester):
+def test_tests_sharing_a_module_fixture_or_a_server_stay_on_one_xdist_worker_and_slow_ones_go_first(pytester):
     files = {
         "test_spread.py": """
             import os
@@ -236,12 +250,20 @@ def test_tests_sharing_a_module_fixture_or_a_server_run_on_one_xdist_worker(pyte
             @pytest.mark.parametrize("i", range(6))
             def test_alone(i):
                 pass
+
+            @pytest.mark.slow
+            def test_slow_written_last():
+                pass
             """,
     }
-    result = session(pytester, files, "-n", "2", "--dist", "loadgroup", "-v")
-    result.assert_outcomes(passed=18)
-    workers = {}
+    result = session(pytester, files, "-p", "xdist", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "-v")
+    result.assert_outcomes(passed=19)
+    workers, order = {}, []
     for line in result.outlines:   # "[gw0] [ 5%] PASSED test_spread.py::test_uses_server[0]@<group>"
         if "PASSED" in line and "::" in line:
-            workers.setdefault(line.split("::")[1].split("[")[0], set()).add(line.split("]")[0].lstrip("["))
+            name = line.split("::")[1].split("[")[0].split("@")[0].strip()
+            workers.setdefault(name, set()).add(line.split("]")[0].lstrip("["))
+            order.append(name)
     assert len(workers["test_uses_server"]) == 1 and len(workers["test_uses_module_model"]) == 1
+    # handed out with the slow server group, before the six quick module tests and the rest
+    assert order.index("test_slow_written_last") < 8, order

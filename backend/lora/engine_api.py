@@ -40,6 +40,14 @@ class EngineLoRAs:
     def names(self) -> list[str]:
         return self.manager.names() if self.manager is not None else []
 
+    def name_of_salt(self, salt: bytes) -> Optional[str]:
+        """The loaded adapter whose prefix-cache root is `salt` (KV-cache events name it), if any."""
+        for name in self.names():
+            info = self.manager.info(name)
+            if info is not None and info.salt == salt:
+                return name
+        return None
+
     def requests(self) -> dict[str, dict[str, int]]:
         """Every loaded adapter -> its running and waiting requests (sequences, as the engine's own
         counts), for the `inflight_lora_requests` gauge."""

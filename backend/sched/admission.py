@@ -177,7 +177,9 @@ class Admission:
         that its logits give the first token."""
         first = self._first_sibling(req)
         if first is not None:
-            return self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
+            forked = self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
+            if forked or not self.blocks.enable_prefix_caching:
+                return forked  # (a local group that gave back the prompt's window shares nothing)
         if not self.blocks.enable_prefix_caching:
             return 0
         return self.blocks.reuse_prefix(req.seq_id, hashes=self._prefix_hashes(req))

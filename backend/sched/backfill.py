@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from backend.block_manager import BlockManager
+from backend.kv_groups import KVCacheGroups
 from backend.request import Request
 from backend.sched.policies import GuaranteedNoEvict
 
@@ -71,7 +71,7 @@ class Window:
 
 
 class Backfill:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, policy: GuaranteedNoEvict):
+    def __init__(self, blocks: KVCacheGroups, max_num_seqs: int, policy: GuaranteedNoEvict):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.policy = policy
@@ -97,9 +97,9 @@ class Backfill:
         for at in sorted({1} | {b + 1 for b in bounds}):
             while j < len(ending) and bounds[ending[j]] < at:  # finished by step `at`: its blocks are free
                 r = running[ending[j]]
-                table = self.blocks.block_table(r.seq_id)
-                reserved -= self.policy.need(r) - len(table)
-                for b in table:
+                held = self.blocks.held_blocks(r.seq_id)
+                reserved -= self.policy.reserved_for(r) - len(held)
+                for b in held:
                     dropped[b] = dropped.get(b, 0) + 1
                     reserved -= dropped[b] == self.blocks.ref_count(b)
                 still -= 1

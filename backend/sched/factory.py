@@ -1,7 +1,7 @@
 """`make_scheduler`: the scheduler for a config, kept apart from the classes it chooses among."""
 from __future__ import annotations
 
-from backend.block_manager import BlockManager
+from backend.kv_groups import KVCacheGroups
 from backend.config import EngineConfig
 from backend.sched.batching import make_gate
 from backend.sched.padded import PaddedScheduler
@@ -9,7 +9,7 @@ from backend.sched.policies import make_policy
 from backend.sched.scheduler import Scheduler
 
 
-def make_scheduler(config: EngineConfig, blocks: BlockManager, max_model_len: int) -> Scheduler:
+def make_scheduler(config: EngineConfig, blocks: KVCacheGroups, max_model_len: int) -> Scheduler:
     """The in-flight scheduler, or the padded request-level batches (static, dynamic)."""
     gate = make_gate(config)
     if gate.pads:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from backend.block_manager import BlockManager
+from backend.kv_groups import KVCacheGroups
 from backend.request import Request
 
 
@@ -20,7 +20,7 @@ class CapacityPolicy:
     name = ""
     may_preempt = False
 
-    def __init__(self, blocks: BlockManager):
+    def __init__(self, blocks: KVCacheGroups):
         self.blocks = blocks
 
     def started(self, request: Request) -> None:
@@ -28,6 +28,9 @@ class CapacityPolicy:
 
     def released(self, request: Request) -> None:
         """request holds no blocks any more (it finished or was preempted)."""
+
+    def refresh(self, request: Request) -> None:
+        """request ran a step (its tables slid): what it may still need can have fallen."""
 
     def can_admit(self, request: Request, tokens_now: int) -> bool:
         """May request (holding what it reuses, if anything) start, computing tokens_now tokens?"""
@@ -50,7 +53,7 @@ class CapacityPolicy:
 
     def reserved_by(self, holders: Sequence[Request]) -> int:
         """The same, recomputed from the block tables of `holders` (the check of the tally)."""
-        return len({b for r in holders for b in self.blocks.block_table(r.seq_id)})
+        return len({b for r in holders for b in self.blocks.held_blocks(r.seq_id)})
 
     def check_invariant(self, holders: Sequence[Request]) -> None:
         """Raise AssertionError when the policy's promise, or its tally, does not hold."""
@@ -66,26 +69,41 @@ class GuaranteedNoEvict(CapacityPolicy):
     one prompt) is reserved once, however many hold it; cached blocks nobody holds count as free.
 
     The tally: with H the holders, reserved = |blocks held| + sum over H of (need(r) - held by r),
-    where need(r) is the blocks to completion. |blocks held| is the block manager's used count and
-    the sum of held-by-r is its `num_held`, so only sum(need) is kept here. A candidate that holds
-    a reused prefix while it is tried is counted by the same two numbers: its cost is need(c)."""
+    where need(r) is the most blocks r holds at once from now to completion. |blocks held| is the
+    block manager's used count and the sum of held-by-r is its `num_held`, so only sum(need) is
+    kept here. A candidate that holds a reused prefix while it is tried is counted by the same two
+    numbers: its cost is need(c).
+
+    What a request holds at once is all its blocks for a model whose layers all attend globally;
+    a local (sliding-window) layer's group holds only the window and a step's tokens
+    (backend/kv_groups.py), fewer once the prompt is computed and steps are decode steps: need(r)
+    is kept per request and falls then (`refresh`), freeing reservation for others."""
     name = "guaranteed_no_evict"
 
-    def __init__(self, blocks: BlockManager):
+    def __init__(self, blocks: KVCacheGroups):
         super().__init__(blocks)
         self.need_total = 0  # sum of need() over the holders
+        self._needs: dict[str, int] = {}  # each holder's need, as counted in need_total
 
     def need(self, request: Request) -> int:
-        return self.blocks.blocks_for(request.max_kv_tokens)
+        decoding = request.num_tokens - request.num_computed_tokens <= 1  # a decode step next
+        return self.blocks.blocks_for(request.max_kv_tokens, decoding)
 
     def reserved_for(self, request: Request) -> int:
-        return self.need(request)
+        return self._needs.get(request.seq_id, self.need(request))
 
     def started(self, request: Request) -> None:
-        self.need_total += self.need(request)
+        self._needs[request.seq_id] = self.need(request)
+        self.need_total += self._needs[request.seq_id]
 
     def released(self, request: Request) -> None:
-        self.need_total -= self.need(request)
+        self.need_total -= self._needs.pop(request.seq_id)
+
+    def refresh(self, request: Request) -> None:
+        old = self._needs.get(request.seq_id)
+        if old is not None:
+            self._needs[request.seq_id] = self.need(request)
+            self.need_total += self._needs[request.seq_id] - old
 
     def reserved_blocks(self) -> int:
         return self.blocks.num_used_blocks + self.need_total - self.blocks.num_held
@@ -97,7 +115,7 @@ class GuaranteedNoEvict(CapacityPolicy):
         return self.reserved_blocks() + self.need(request) <= self.blocks.num_blocks
 
     def reserved_by(self, holders: Sequence[Request]) -> int:
-        future = sum(max(0, self.need(r) - self.blocks.num_blocks_of(r.seq_id)) for r in holders)
+        future = sum(max(0, self.reserved_for(r) - self.blocks.num_blocks_of(r.seq_id)) for r in holders)
         return super().reserved_by(holders) + future
 
     def check_invariant(self, holders: Sequence[Request]) -> None:
@@ -106,8 +124,10 @@ class GuaranteedNoEvict(CapacityPolicy):
         assert reserved <= self.blocks.num_blocks, (
             f"no-evict reservation broken: running requests may need {reserved} blocks "
             f"of {self.blocks.num_blocks}")
+        assert set(self._needs) == {r.seq_id for r in holders}, "the needs kept are not the holders'"
         for r in holders:
-            assert self.blocks.num_blocks_of(r.seq_id) <= self.need(r)
+            assert self.blocks.num_blocks_of(r.seq_id) <= self.reserved_for(r), (
+                f"{r.seq_id} holds {self.blocks.num_blocks_of(r.seq_id)} blocks, needs {self.reserved_for(r)}")
 
 
 class MaxUtilization(CapacityPolicy):
@@ -123,5 +143,5 @@ class MaxUtilization(CapacityPolicy):
 POLICIES = {p.name: p for p in (GuaranteedNoEvict, MaxUtilization)}
 
 
-def make_policy(name: str, blocks: BlockManager) -> CapacityPolicy:
+def make_policy(name: str, blocks: KVCacheGroups) -> CapacityPolicy:
     return POLICIES[name](blocks)

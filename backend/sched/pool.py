@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from backend.block_manager import BlockManager
+from backend.kv_groups import KVCacheGroups
 from backend.request import Request, RequestStatus
 from backend.sched.policies import CapacityPolicy
 from backend.sched.step import SchedulerOutput
@@ -18,7 +18,7 @@ from backend.sched.waiting_queue import WaitingQueue
 
 
 class RequestPool:
-    def __init__(self, blocks: BlockManager, policy: CapacityPolicy):
+    def __init__(self, blocks: KVCacheGroups, policy: CapacityPolicy):
         self.blocks = blocks
         self.policy = policy
         self.waiting = WaitingQueue()
@@ -101,5 +101,5 @@ class RequestPool:
             assert self.blocks.num_blocks_of(r.seq_id) == 0, f"waiting {r.seq_id} holds blocks"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING
-            assert self.blocks.num_blocks_of(r.seq_id) * self.blocks.block_size >= r.num_computed_tokens
+            assert self.blocks.table_tokens(r.seq_id) >= r.num_computed_tokens
         self.policy.check_invariant(self.holders())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-from backend.block_manager import BlockManager
+from backend.kv_groups import KVCacheGroups
 from backend.config import EngineConfig
 from backend.request import Request, RequestStatus
 from backend.sched.admission import Admission, chunk
@@ -32,7 +32,7 @@ from backend.sched.step import ScheduledSeq, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, max_model_len: int,
+    def __init__(self, config: EngineConfig, blocks: KVCacheGroups, max_model_len: int,
                  gate: Optional[BatchingGate] = None, pool: Optional[RequestPool] = None,
                  admission: Optional[Admission] = None):
         """The in-flight scheduler; padded batches pass their own gate, pool and admission."""
@@ -127,7 +127,7 @@ class Scheduler:
         out.spare_tokens = budget
         self._use_leftover_budget(out, budget)
         for s in out.seqs + out.padding:
-            s.block_table = self.blocks.block_table(s.request.seq_id)
+            self.blocks.attach_tables(s)
         return out
 
     def _use_leftover_budget(self, out: SchedulerOutput, budget: int) -> None:
@@ -186,8 +186,11 @@ class Scheduler:
             if status is not None:
                 self.finish(req, status)
                 finished.append(req)
-            elif seq.draft_token_ids:  # rejected drafts' slots: their blocks go back
+                continue
+            if seq.draft_token_ids:  # rejected drafts' slots: their blocks go back
                 self.blocks.trim(req.seq_id, req.num_computed_tokens)
+            self.blocks.slide(req.seq_id, req.num_computed_tokens)  # local layers: out of the window
+            self.policy.refresh(req)
         self.gate.after_step(self.pool.running)
         return finished
 

@@ -13,17 +13,17 @@ the head's held token are untouched), and drafts get only what is left after it:
 - blocks: only free ones, counted when the room is given and taken when the proposed drafts are
   attached. Under `max_utilization` a row whose drafts do not fit gets fewer drafts (none at
   worst); nobody is preempted for a draft.
-After the step the scheduler gives back the blocks past the verified tokens (`BlockManager.trim`).
+After the step the scheduler gives back the blocks past the verified tokens (`KVCacheGroups.trim`).
 """
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from backend.block_manager import BlockManager
+from backend.kv_groups import KVCacheGroups
 from backend.sched.step import ScheduledSeq, SchedulerOutput
 
 
-def draft_room(out: SchedulerOutput, blocks: BlockManager, rows: Sequence[ScheduledSeq], k: int,
+def draft_room(out: SchedulerOutput, blocks: KVCacheGroups, rows: Sequence[ScheduledSeq], k: int,
                max_model_len: int) -> dict[str, int]:
     """How many drafts each decode row of `rows` (in order) may have verified this step, at most k.
     Rows left out get none. Nothing is taken yet: the blocks are counted here and taken by
@@ -38,18 +38,17 @@ def draft_room(out: SchedulerOutput, blocks: BlockManager, rows: Sequence[Schedu
         req = s.request
         length = req.num_tokens  # the row computes position length - 1; drafts follow it
         cap = min(k, spare, req.params.max_tokens - len(req.output_token_ids) - 1, max_model_len - length - 1)
-        held = blocks.num_blocks_of(req.seq_id)
-        while cap > 0 and blocks.blocks_for(length + cap) - held > free:
+        while cap > 0 and blocks.extra_blocks_needed(req.seq_id, length + cap) > free:
             cap -= 1  # max_utilization with blocks short: fewer drafts, never a preemption
         if cap <= 0:
             continue
         room[req.seq_id] = cap
         spare -= cap
-        free -= max(0, blocks.blocks_for(length + cap) - held)
+        free -= blocks.extra_blocks_needed(req.seq_id, length + cap)
     return room
 
 
-def attach_drafts(out: SchedulerOutput, blocks: BlockManager, room: Mapping[str, int],
+def attach_drafts(out: SchedulerOutput, blocks: KVCacheGroups, room: Mapping[str, int],
                   drafts: Mapping[str, tuple[list[int], Optional[object]]]) -> int:
     """Turn each decode row that got drafts into a verify row (1 + drafts tokens, among the
     multi-token rows), with the blocks its drafts need. Returns the drafts attached."""
@@ -64,7 +63,7 @@ def attach_drafts(out: SchedulerOutput, blocks: BlockManager, room: Mapping[str,
         s.draft_token_ids = tokens
         s.draft_probs = probs
         s.num_new_tokens = 1 + len(tokens)
-        s.block_table = blocks.block_table(sid)
+        blocks.attach_tables(s)
         out.decodes.remove(s)
         out.prefills.append(s)
         attached += len(tokens)

@@ -19,6 +19,8 @@ class ScheduledSeq:
     num_new_tokens: int
     padding: bool = False  # a padding row: computed for its cost only, never stored nor sampled
     block_table: list[int] = field(default_factory=list)  # the sequence's blocks, for the runner
+    # the tables of the other KV-cache groups (backend/kv_groups.py), when the model has several
+    group_tables: tuple[list[int], ...] = ()
     # Speculative decoding: a verify row computes its last token and these drafts after it
     # (num_new_tokens = 1 + len(drafts)); logits are kept at each of those positions.
     draft_token_ids: list[int] = field(default_factory=list)
@@ -33,7 +35,7 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     """One step's batch: everything the runner needs (tokens come from the requests, blocks from
-    each row's `block_table`), so the runner never asks the block manager."""
+    each row's `block_table` and `group_tables`), so the runner never asks the block manager."""
     decodes: list[ScheduledSeq] = field(default_factory=list)  # one query token each
     prefills: list[ScheduledSeq] = field(default_factory=list)  # chunks of several tokens
     preempted: list["Request"] = field(default_factory=list)

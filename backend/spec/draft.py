@@ -26,8 +26,10 @@ from typing import Optional, Sequence
 import torch
 
 from backend.block_manager import BlockManager
+from backend.kv_groups import kv_layout
 from backend.config import EngineConfig
 from backend.loader import load_model_config
+from backend.memory_checks import TooLargeForMemory
 from backend.request import Request
 from backend.runner import ModelRunner
 from backend.sampler import _U, filtered_probs, inverse_transform, prepare
@@ -64,6 +66,9 @@ class DraftProposer:
         if spec.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"speculative_config.max_model_len ({spec.max_model_len}) exceeds what the draft "
                              f"supports ({cfg.max_position_embeddings})")
+        if kv_layout(cfg.layer_windows, cfg.num_layers).num_groups > 1:  # its one BlockManager keeps one table
+            raise ValueError(f"speculative_config.model: a draft whose layers form several KV-cache groups (local "
+                             f"sliding-window layers beside global ones, {cfg.architecture}) is not supported")
         self.max_len = min(max_model_len, spec.max_model_len or cfg.max_position_embeddings)
         tokens = spec.draft_kv_cache_tokens or target_kv_tokens
         # the draft's own checkpoint: its weights as they come (quantization auto), no LoRA adapters
@@ -73,7 +78,12 @@ class DraftProposer:
                                            enable_kv_cache_reuse=False, max_tokens_in_paged_kv_cache=tokens,
                                            quantization="auto", enable_lora=False, lora_modules="{}",
                                            tensor_parallel_size=1)
-        self.runner = ModelRunner(draft_config, cfg, self.max_len)
+        try:
+            self.runner = ModelRunner(draft_config, cfg, self.max_len)
+        except TooLargeForMemory as exc:  # the draft's cache has its own key (backend/memory_checks.py)
+            key = "speculative_config.draft_kv_cache_tokens" + ("" if spec.draft_kv_cache_tokens else
+                                                                " (0: as many tokens as the target's cache)")
+            raise ValueError(f"{key}: the draft model's {exc.detail}") from None
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size)
         self.budget = config.max_num_batched_tokens
         self.probabilistic = spec.draft_sample_method == "probabilistic"
