@@ -88,6 +88,7 @@ def test_tp3_on_packed_smollm2_differs_from_one_rank_only_at_near_ties():
 
 # -- faults ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_running_requests_and_the_engine_refuses_new_ones(default_model_dir):
     from backend.async_engine import AsyncEngine
     from backend.errors import EngineDeadError
