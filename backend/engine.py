@@ -17,6 +17,7 @@ from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
 from backend.kv_event_publisher import attach_publisher
+from backend.kv_tiers.attach import attach_kv_tiers, persist_kv_tiers
 from backend.loader import load_model_config
 from backend.lora.engine_api import EngineLoRAs
 from backend.lora.sources import LoRALike
@@ -55,6 +56,8 @@ class LLMEngine:
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
         # KV-cache events for a router (kv_events_config): None when off
         self.kv_events = attach_publisher(config.kv_events, self.blocks, self.runner.device, self.loras.name_of_salt)
+        # KV tiers (backend/kv_tiers/): None when kv_host_cache_bytes is 0
+        self.kv_tiers = self.scheduler.admission.tiers = attach_kv_tiers(config, self.blocks, self.runner)
         self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids())  # structured outputs
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
@@ -190,9 +193,16 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        tiers = self.kv_tiers
+        if tiers is not None:  # copies and disk reads that landed: requests whose prefix is back may run
+            tiers.poll(self.runner.kv_copy_done)
         batch = self.scheduler.schedule(time.monotonic())
+        if tiers is not None:  # the saves and loads schedule() decided, ordered before the model run
+            tiers.move(self.runner)
         self.idle = batch.is_empty
         if batch.is_empty:
+            if tiers is not None:
+                tiers.wait_for_disk(0.005)  # only prefixes on their way back from disk: nothing to run
             return self._deliver([])
         if self.speculator is not None:  # decode rows may become verify rows: drafts from the spare budget
             self.speculator.propose(batch)
@@ -257,16 +267,26 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **({"kv_tiers": self.kv_tiers.stats()} if self.kv_tiers is not None else {}),
         }
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         if self.speculator is not None:
             self.speculator.check_integrity()
+        if self.kv_tiers is not None:
+            self.kv_tiers.check_integrity()
 
     def close(self) -> None:
         """Release what outlives the object: the other tensor-parallel ranks' processes, the KV-event
-        publisher's thread and sockets."""
+        publisher's thread and sockets, the KV tiers' disk thread (after the device's cached blocks
+        are written down, so that a restarted engine finds them)."""
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.kv_tiers is not None:
+            try:
+                persist_kv_tiers(self.kv_tiers, self.runner)
+            finally:
+                self.kv_tiers.close()
+                self.kv_tiers = None
         self.runner.close()

@@ -27,6 +27,7 @@ from backend.cpu.memory import keep_freed_memory
 from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
+from backend.kv_tiers.copier import KVCopier
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
@@ -89,6 +90,7 @@ class ModelRunner:
         self.block_size = config.kv_block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None
+        self.kv_copier: Optional[KVCopier] = None  # the KV tiers' host pool and copies, when on
         with one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
@@ -148,6 +150,18 @@ class ModelRunner:
         finally:
             self.kv_caches = []
             self.tables.reset()
+
+    # -- KV tiers (backend/kv_tiers/): the host pool, and a step's copies before its model run ------
+    def attach_kv_tiers(self, host_bytes: int) -> KVCopier:
+        self.kv_copier = KVCopier(self.env, self.kv_caches, host_bytes)
+        return self.kv_copier
+
+    def move_kv(self, plan) -> object:
+        """A TierPlan's copies, ordered before the next model run; returns their handle."""
+        return self.kv_copier.execute(plan)
+
+    def kv_copy_done(self, handle) -> bool:
+        return self.kv_copier.done(handle)
 
     # -- CUDA graphs -----------------------------------------------------------------------------
     def _decode_graphs(self) -> Optional[DecodeGraphs]:

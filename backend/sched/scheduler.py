@@ -109,6 +109,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.kv_load is not None and not self.admission.landed(req):
+                i += 1  # its prefix is still on its way back from a lower tier (backend/kv_tiers/)
+                continue
             n = chunk(req, budget, self.config)
             if n == 0:
                 i += 1

@@ -1,0 +1,299 @@
+"""`KVTiers`: the host and disk tiers' bookkeeping, on the engine thread. No torch here.
+
+Through the listener hook the block manager reports the cached blocks it hands out again
+(`blocks_removed`: their KV is intact until the step's model run writes them); each becomes a save
+into a host slot unless the host holds that key already. Before the step's model run the engine
+has the runner make the step's saves and ready loads (`move` -> `ModelRunner.move_kv`): the runner
+moves the bytes, this class decides which. With a disk tier every block that reaches the host is
+written to a file once its copy landed (the disk survives a restart).
+
+Admission (backend/sched/admission.py) `probe`s how many blocks after a request's device prefix a
+lower tier holds, `claim`s them once the request fits (pinning their host slots, staging disk blocks
+into free ones) and `start_load`s them into the blocks it reserved. The request runs no row until
+its `KVLoad` is done; a failed read (a torn or foreign file) ends the loaded prefix there, and the
+rest is computed. `poll` takes in what finished (the runner's copies, the disk thread's jobs).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from backend.block_manager import BlockListener
+from backend.kv_tiers.index import DiskIndex, HostIndex
+from backend.kv_tiers.plan import KVLoad, TierClaim, TierCounts, TierPlan
+
+
+class KVTiers(BlockListener):
+    def __init__(self, num_host_slots: int, block_size: int, block_bytes: int,
+                 host_bytes_of: Callable[[int], Any], disk=None, disk_capacity: int = 0):
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.host = HostIndex(num_host_slots)
+        self._host_bytes_of = host_bytes_of  # slot -> its bytes as a uint8 numpy view (the disk's reads and writes)
+        self.disk = disk
+        self.disk_index: Optional[DiskIndex] = None
+        if disk is not None:
+            self.disk_index = DiskIndex(disk_capacity)
+            for key in disk.scan():
+                for gone in self.disk_index.add(key):
+                    disk.delete(gone)
+        self.device: dict[int, bytes] = {}  # the device's prefix cache, block -> key, oldest first (for shutdown)
+        self._saves: list[tuple[int, int, bytes]] = []  # (block, slot, key) for the next plan
+        self._issuing: Optional[tuple[list, list]] = None  # the plan taken, until `issued`
+        self._inflight: list[tuple[Any, list[tuple[int, bytes]], list[KVLoad]]] = []
+        self._loads: list[KVLoad] = []  # not done yet
+        self._writing: dict[bytes, int] = {}  # key -> host slot, queued for the disk
+        self._salted: set[bytes] = set()  # keys under a LoRA adapter: never written to disk
+        self.counts = TierCounts(disk is not None)
+
+    # -- the block manager's hook (inside its calls: appends only) --------------------------------
+    def blocks_stored(self, blocks, keys, parent, root, token_ids) -> None:
+        self.device.update(zip(blocks, keys))
+        if root:  # a LoRA adapter's salt is per load, so a file of it could meet another adapter after a restart
+            self._salted.update(keys)
+
+    def blocks_removed(self, blocks: list[int], keys: list[bytes]) -> None:
+        for block, key in zip(blocks, keys):
+            self.device.pop(block, None)
+            if self.host.slot(key) is not None:
+                self.host.touch(key)  # the same key is the same bytes: nothing to copy
+                continue
+            slot, gone = self.host.take()
+            if slot is None:  # every slot is in use by a copy: the block is not kept
+                self.counts.host["dropped"] += 1
+                self._left_host(key)
+                continue
+            if gone is not None:
+                self._left_host(gone)
+            self.host.bind(key, slot)
+            self._saves.append((block, slot, key))
+
+    def cache_cleared(self) -> None:
+        self.device.clear()
+        self.host.clear()
+
+    def _left_host(self, key: bytes) -> None:
+        if self.disk_index is None or key not in self.disk_index:
+            self._salted.discard(key)
+
+    # -- admission ----------------------------------------------------------------------------
+    def _in_lower_tier(self, key: bytes) -> bool:
+        return self.host.slot(key) is not None or (self.disk_index is not None and key in self.disk_index)
+
+    def probe(self, hashes: Sequence[bytes]) -> int:
+        """How many of these keys, from the first, a lower tier holds (nothing changes)."""
+        n = 0
+        for key in hashes:
+            if not self._in_lower_tier(key):
+                break
+            n += 1
+        return n
+
+    def claim(self, hashes: Sequence[bytes]) -> Optional[TierClaim]:
+        """Pin the blocks of these keys, from the first, that a lower tier holds: host slots as they
+        are, disk blocks into host slots taken for them. Stops where a key is in neither tier or no
+        slot is left to stage a disk block in. None when nothing is claimed."""
+        claim = TierClaim([], [], [])
+        for key in hashes:
+            slot = self.host.slot(key)
+            from_disk = slot is None
+            if not from_disk:
+                self.host.pin(slot)
+                self.host.touch(key)
+            elif self.disk_index is not None and key in self.disk_index:
+                slot, gone = self.host.take()
+                if slot is None:
+                    break
+                if gone is not None:
+                    self._left_host(gone)
+                self.disk_index.pin(key)
+            else:
+                break
+            claim.keys.append(key)
+            claim.slots.append(slot)
+            claim.from_disk.append(from_disk)
+        return claim if claim.keys else None
+
+    def drop_claim(self, claim: TierClaim) -> None:
+        for key, slot, from_disk in zip(claim.keys, claim.slots, claim.from_disk):
+            self.host.unpin(slot)
+            if from_disk:
+                self.disk_index.unpin(key)
+
+    def start_load(self, seq_id: str, claim: TierClaim, blocks: Sequence[int]) -> KVLoad:
+        """The claimed blocks go to `blocks` (the request's, reserved): disk reads start now, the
+        device copy goes into the first plan after they all landed."""
+        load = KVLoad(seq_id, claim, blocks)
+        for i, (key, slot, from_disk) in enumerate(zip(claim.keys, claim.slots, claim.from_disk)):
+            if from_disk:
+                self.disk.read(("read", load, i), key, self._host_bytes_of(slot))
+        self._loads.append(load)
+        return load
+
+    # -- one step -------------------------------------------------------------------------------
+    def poll(self, copy_done: Callable[[Any], bool]) -> None:
+        """Take in what finished: the runner's copies (`copy_done(handle)`) and the disk's jobs."""
+        still = []
+        for entry in self._inflight:
+            if entry[0] is not None and not copy_done(entry[0]):
+                still.append(entry)
+            else:
+                self._copies_landed(entry[1], entry[2])
+        self._inflight = still
+        if self.disk is not None:
+            for token, ok, why in self.disk.completed():
+                (self._read_landed if token[0] == "read" else self._write_landed)(token, ok)
+
+    def take_plan(self) -> TierPlan:
+        """The copies to make before this step's model run; hand the runner's handle to `issued`."""
+        plan = TierPlan(saves=[(b, s) for b, s, _ in self._saves])
+        saved = [(s, k) for _, s, k in self._saves]
+        self._saves = []
+        loads = []
+        for load in list(self._loads):
+            if load.issued:
+                if load.cancelled and not load.done:  # its blocks may be written by this step
+                    plan.waits.append(load.handle)
+                continue
+            if load.reads_pending:
+                continue
+            self._loads.remove(load)
+            n = next((i for i, ok in enumerate(load.ok) if not ok), len(load.ok))
+            if load.cancelled:
+                n = 0
+            for slot in load.slots[n:]:
+                self.host.unpin(slot)
+            load.num_loaded, load.issued = n, True
+            if n:
+                plan.loads += zip(load.slots[:n], load.blocks[:n])
+                loads.append(load)
+                self._loads.append(load)
+            else:
+                load.done = True
+        self._issuing = (saved, loads)
+        return plan
+
+    def move(self, runner) -> None:
+        """The plan's copies by the runner (`move_kv`), before the step's model run."""
+        plan = self.take_plan()
+        self.issued(runner.move_kv(plan) if plan else None)
+
+    @property
+    def copies_in_flight(self) -> bool:
+        return bool(self._inflight)
+
+    def issued(self, handle: Any) -> None:
+        """The runner started the plan's copies; `handle` is None when they are done already."""
+        (saved, loads), self._issuing = self._issuing, None
+        self.counts.host["bytes_out"] += len(saved) * self.block_bytes
+        self.counts.host["bytes_in"] += sum(load.num_loaded for load in loads) * self.block_bytes
+        for load in loads:
+            load.handle = handle
+        if handle is None:
+            self._copies_landed(saved, loads)
+        else:
+            self._inflight.append((handle, saved, loads))
+
+    def _copies_landed(self, saved: list[tuple[int, bytes]], loads: list[KVLoad]) -> None:
+        for slot, key in saved:
+            if self.writable(key) and self.host.key(slot) == key:
+                self._writing[key] = slot  # the slot stays pinned until the file is written
+                self.disk.write(("write", key, slot), key, self._host_bytes_of(slot))
+            else:
+                self.host.unpin(slot)
+        for load in loads:
+            for slot in load.slots[:load.num_loaded]:
+                self.host.unpin(slot)
+            load.done = True
+            self._loads.remove(load)
+
+    def writable(self, key: bytes) -> bool:
+        return (self.disk is not None and key not in self.disk_index and key not in self._writing
+                and key not in self._salted)
+
+    def _read_landed(self, token: tuple, ok: bool) -> None:
+        _, load, i = token
+        key, slot = load.keys[i], load.slots[i]
+        self.disk_index.unpin(key)
+        load.ok[i] = ok
+        load.reads_pending -= 1
+        if ok:
+            self.counts.disk["bytes_in"] += self.block_bytes
+            self.disk_index.touch(key)
+            if self.host.slot(key) is None:
+                self.host.bind(key, slot)  # the host tier holds it from now on
+        else:
+            self.counts.disk["rejected"] += 1
+            self.disk_index.discard(key)
+
+    def _write_landed(self, token: tuple, ok: bool) -> None:
+        _, key, slot = token
+        del self._writing[key]
+        self.host.unpin(slot)
+        if not ok:
+            self.counts.disk["write_failures"] += 1
+            return
+        self.counts.disk["bytes_out"] += self.block_bytes
+        for gone in self.disk_index.add(key):
+            self.disk.delete(gone)
+            if self.host.slot(gone) is None:
+                self._salted.discard(gone)
+
+    def wait_for_disk(self, timeout: float) -> None:
+        """Nothing can run until a read lands: block on the disk thread rather than spin."""
+        if self.disk is not None and any(load.reads_pending for load in self._loads):
+            self.disk.wait(timeout)
+
+    def write_host_block(self, key: bytes) -> bool:
+        """Queue the host tier's block of key for the disk (shutdown); False when it need not or cannot."""
+        slot = self.host.slot(key)
+        if slot is None or not self.writable(key) or self.host.pins[slot]:
+            return False
+        self.host.pin(slot)
+        self._copies_landed([(slot, key)], [])
+        return True
+
+    @property
+    def disk_room(self) -> int:
+        """Files the disk tier may still take without giving any away."""
+        return self.disk_index.capacity - len(self.disk_index) - len(self._writing) if self.disk_index else 0
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+    # -- figures and checks -----------------------------------------------------------------------
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: hits, misses, bytes in and out, fill (blocks_used of blocks_total) and troubles."""
+        fill = {"host": (len(self.host), self.host.num_slots)}
+        if self.disk_index is not None:
+            fill["disk"] = (len(self.disk_index), self.disk_index.capacity)
+        return self.counts.figures(fill)
+
+    @property
+    def busy(self) -> bool:
+        """Copies, loads or disk jobs still in flight."""
+        return bool(self._saves or self._inflight or self._loads or self._writing
+                    or (self.disk is not None and self.disk.pending))
+
+    def check_integrity(self) -> None:
+        """Every host pin belongs to a copy, a load or a write in flight (so none leaks), and the
+        indexes are consistent."""
+        self.host.check_integrity()
+        want = [0] * self.host.num_slots
+        for _, slot, _ in self._saves:
+            want[slot] += 1
+        for _, saved, _ in self._inflight:
+            for slot, _ in saved:
+                want[slot] += 1
+        for slot in self._writing.values():
+            want[slot] += 1
+        reading: dict[bytes, int] = {}
+        for load in self._loads:
+            for i, slot in enumerate(load.slots):
+                if not load.issued or i < load.num_loaded:
+                    want[slot] += 1
+                if load.ok[i] is None:
+                    reading[load.keys[i]] = reading.get(load.keys[i], 0) + 1
+        assert want == self.host.pins, f"host pins {self.host.pins} but copies in flight account for {want}"
+        if self.disk_index is not None:
+            self.disk_index.check_integrity()
+            assert reading == self.disk_index.reading, "disk reads in flight and their pins disagree"
