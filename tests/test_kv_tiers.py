@@ -170,6 +170,7 @@ def test_a_request_given_up_while_its_prefix_is_read_from_disk_leaks_nothing(cha
             break
         engine.kv_tiers.disk.wait(0.1)
     assert_idle(again)
+    assert again.stats()["kv_tiers"]["host"]["bytes_in"] == 0  # nothing was copied into blocks it gave back
     assert again.generate([turns[1][0]], params)[0].token_ids == expected[1][0]  # and it still serves
     assert_idle(again)
     again.close()
