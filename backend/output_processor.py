@@ -93,7 +93,7 @@ class OutputProcessor:
                              status.value if status.finished else None, req.error,
                              index=req.index, new_logprobs=new_logprobs,
                              logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
-                             queue_seconds=queued), stop
+                             queue_seconds=queued, num_cached_tokens=req.num_cached_tokens), stop
 
     def _stop_within(self, req: Request, state: _State, new_ids: list[int],
                      new_logprobs: Optional[list[TokenLogprobs]]) -> tuple[bool, list[int], Optional[list]]:
@@ -126,4 +126,5 @@ class OutputProcessor:
         self._states.pop(req.seq_id, None)
         return RequestOutput(req.request_id, req.prompt_token_ids, [], list(req.output_token_ids), "", "",
                              True, req.finish_reason, req.error, index=req.index,
-                             logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob)
+                             logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
+                             num_cached_tokens=req.num_cached_tokens)

@@ -70,7 +70,7 @@ def test_returning_turns_come_back_from_host_memory_with_transformers_tokens(cha
     assert llm.stats()["prefix_cache_hit_tokens"] - first == reusable_tokens(turns)
     host = llm.stats()["kv_tiers"]["host"]
     assert host["hits"] >= 12, host  # most came back from the host: the cache holds 10 blocks
-    assert host["bytes_in"] == host["hits"] * BLOCK_BYTES and host["bytes_out"] >= host["bytes_in"]
+    assert host["bytes_loaded"] == host["hits"] * BLOCK_BYTES and host["bytes_stored"] >= host["bytes_loaded"]
     assert 0 < host["blocks_used"] <= host["blocks_total"] == 64
     assert_idle(llm)
     llm.close()
@@ -93,7 +93,7 @@ def test_the_disk_tier_serves_what_the_host_gave_away_and_survives_a_restart(cha
     llm = LLM(str(path), **tiers, **ENGINE)
     assert run_turns(llm, turns) == expected
     disk = llm.stats()["kv_tiers"]["disk"]
-    assert disk["hits"] > 0 and disk["bytes_in"] == disk["hits"] * BLOCK_BYTES and disk["rejected"] == 0, disk
+    assert disk["hits"] > 0 and disk["bytes_loaded"] == disk["hits"] * BLOCK_BYTES and disk["rejected"] == 0, disk
     assert_idle(llm)
     llm.close()  # the device's cached blocks are written down too
     (folder,) = [p for p in tmp_path.iterdir()]
@@ -135,7 +135,7 @@ def test_torn_and_foreign_files_are_refused_and_computed_again(chat, tmp_path):
     assert run_turns(again, [turns[0][:2]]) == [expected[0][:2]]  # computed again, right
     stats = again.stats()
     assert stats["kv_tiers"]["disk"]["rejected"] >= 2
-    assert stats["kv_tiers"]["host"]["bytes_in"] == 0  # nothing refused was ever copied into the cache
+    assert stats["kv_tiers"]["host"]["bytes_loaded"] == 0  # nothing refused was ever copied into the cache
     torn = [f for f in files if f.exists() and f.stat().st_size != 88 + BLOCK_BYTES]
     assert not torn  # a short file is dropped when the folder is scanned, the rest when read
     assert_idle(again)
@@ -170,7 +170,7 @@ def test_a_request_given_up_while_its_prefix_is_read_from_disk_leaks_nothing(cha
             break
         engine.kv_tiers.disk.wait(0.1)
     assert_idle(again)
-    assert again.stats()["kv_tiers"]["host"]["bytes_in"] == 0  # nothing was copied into blocks it gave back
+    assert again.stats()["kv_tiers"]["host"]["bytes_loaded"] == 0  # nothing was copied into blocks it gave back
     assert again.generate([turns[1][0]], params)[0].token_ids == expected[1][0]  # and it still serves
     assert_idle(again)
     again.close()

@@ -184,8 +184,8 @@ class KVTiers(BlockListener):
     def issued(self, handle: Any) -> None:
         """The runner started the plan's copies; `handle` is None when they are done already."""
         (saved, loads), self._issuing = self._issuing, None
-        self.counts.host["bytes_out"] += len(saved) * self.block_bytes
-        self.counts.host["bytes_in"] += sum(load.num_loaded for load in loads) * self.block_bytes
+        self.counts.host["bytes_stored"] += len(saved) * self.block_bytes
+        self.counts.host["bytes_loaded"] += sum(load.num_loaded for load in loads) * self.block_bytes
         for load in loads:
             load.handle = handle
         if handle is None:
@@ -217,7 +217,7 @@ class KVTiers(BlockListener):
         load.ok[i] = ok
         load.reads_pending -= 1
         if ok:
-            self.counts.disk["bytes_in"] += self.block_bytes
+            self.counts.disk["bytes_loaded"] += self.block_bytes
             self.disk_index.touch(key)
             if self.host.slot(key) is None:
                 self.host.bind(key, slot)  # the host tier holds it from now on
@@ -232,7 +232,7 @@ class KVTiers(BlockListener):
         if not ok:
             self.counts.disk["write_failures"] += 1
             return
-        self.counts.disk["bytes_out"] += self.block_bytes
+        self.counts.disk["bytes_stored"] += self.block_bytes
         for gone in self.disk_index.add(key):
             self.disk.delete(gone)
             if self.host.slot(gone) is None:

@@ -57,8 +57,8 @@ class TierCounts:
 
     def __init__(self, disk: bool):
         self.device = {"hits": 0, "misses": 0}
-        self.host = {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "dropped": 0}
-        self.disk = {"hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "rejected": 0, "write_failures": 0}
+        self.host = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "dropped": 0}
+        self.disk = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "rejected": 0, "write_failures": 0}
         self.tiers = ("device", "host", "disk") if disk else ("device", "host")
 
     def lookup(self, num_hashes: int, device_blocks: int, claim: Optional[TierClaim]) -> None:
