@@ -113,6 +113,16 @@ def test_the_disk_tier_serves_what_the_host_gave_away_and_survives_a_restart(cha
     again.close()
 
 
+def test_shutdown_writes_the_cached_blocks_to_an_empty_disk_tier(chat, tmp_path):
+    path, turns, _ = chat
+    llm = LLM(str(path), kv_host_cache_bytes=6 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path),
+              kv_disk_cache_bytes=1 << 20, **ENGINE)
+    llm.generate([turns[0][0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))  # 2 full blocks, no eviction
+    assert not list(tmp_path.rglob("*.kv"))
+    llm.close()
+    assert len(list(tmp_path.rglob("*.kv"))) == len(turns[0][0]) // 16
+
+
 def test_torn_and_foreign_files_are_refused_and_computed_again(chat, tmp_path):
     path, turns, expected = chat
     tiers = dict(kv_host_cache_bytes=6 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 20)

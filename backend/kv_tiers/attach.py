@@ -14,7 +14,7 @@ from backend.kv_tiers.manager import KVTiers
 from backend.loader import weight_files
 
 log = logging.getLogger(__name__)
-PERSIST_SECONDS = 30.0  # at shutdown, how long the device's cached blocks may take to reach the disk
+PERSIST_SECONDS = 8.0  # at shutdown, how long the device's cached blocks may take to reach the disk (AsyncEngine.shutdown waits 10 s)
 
 
 def attach_kv_tiers(config: EngineConfig, blocks: BlockManager, runner) -> Optional[KVTiers]:

@@ -255,7 +255,7 @@ class KVTiers(BlockListener):
     @property
     def disk_room(self) -> int:
         """Files the disk tier may still take without giving any away."""
-        return self.disk_index.capacity - len(self.disk_index) - len(self._writing) if self.disk_index else 0
+        return self.disk_index.capacity - len(self.disk_index) - len(self._writing) if self.disk_index is not None else 0
 
     def close(self) -> None:
         if self.disk is not None:
