@@ -21,6 +21,9 @@ Parts, each in its own process (budget in seconds):
                  one rank on cuda:0, greedy on 16 prompts (equal, or a first difference at a near-tie),
                  and the decode step of each (client/tools/gpu_check_tp.py); with fewer GPUs it is
                  skipped and the report says so.
+  kv_tiers (90)  the KV tiers' copies: pinned host pool, own stream, blocks saved and loaded back bit
+                 for bit, their bandwidth; a multi-turn chat with the host tier and without, its
+                 returning turns' TTFT (client/tools/gpu_check_tiers.py).
 
 It writes DIR/gpu_check.md: the tables (to paste into docs/performance.md) and every result as
 JSON. Exit 1 if a check failed. `--dry-run` rehearses every part on the CPU with tiny shapes
@@ -55,7 +58,9 @@ FULL = dict(
     decode_shapes=[(1, 16384), (64, 4096), (256, 1024)], decode_steps=20,
     server_params={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
     throughput=["--num-requests", "256", "--concurrency", "64", "--max-output-len", "128"],
-    budgets=dict(kernels=150, greedy=150, decode=150, served=150, tp=120),
+    budgets=dict(kernels=150, greedy=150, decode=150, served=150, tp=120, kv_tiers=90),
+    tiers_copy_blocks=512, tiers_kv_tokens=4096, tiers_concurrency=8, tiers_conversations=32, tiers_turns=3,
+    tiers_system_tokens=512, tiers_host_blocks=2048,
 )
 DRY = dict(
     model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -66,9 +71,11 @@ DRY = dict(
     decode_shapes=[(1, 40), (3, 20)], decode_steps=3,
     server_params={"max_num_seqs": 8, "cpu_kv_cache_tokens": 2048},
     throughput=["--num-requests", "6", "--concurrency", "3", "--max-output-len", "8", "--warmup", "0"],
-    budgets=dict(kernels=600, greedy=600, decode=600, served=600, tp=600),
+    budgets=dict(kernels=600, greedy=600, decode=600, served=600, tp=600, kv_tiers=600),
+    tiers_copy_blocks=8, tiers_kv_tokens=160, tiers_concurrency=2, tiers_conversations=4, tiers_turns=2,
+    tiers_system_tokens=20, tiers_host_blocks=64,
 )
-PARTS = ("kernels", "greedy", "decode", "served", "tp")
+PARTS = ("kernels", "greedy", "decode", "served", "tp", "kv_tiers")
 # What must fail in the dry run: the instances serve from the CPU, and the device check says so.
 EXPECTED_ON_CPU = {("served", "devices")}
 
@@ -121,6 +128,9 @@ def run_part(name: str, dry_run: bool, work: Path) -> dict:
     elif name == "tp":
         from client.tools.gpu_check_tp import tensor_parallel
         res = tensor_parallel(plan, model_dir)
+    elif name == "kv_tiers":
+        from client.tools.gpu_check_tiers import kv_tiers
+        res = kv_tiers(plan, model_dir, "cpu" if dry_run else "cuda:0")
     else:
         raise ValueError(f"unknown part {name}")
     (work / f"{name}.json").write_text(json.dumps(res, default=str))
@@ -201,6 +211,14 @@ def markdown(res: dict) -> str:
                       f"{len(t['not_near_tie'])} elsewhere.", "",
                   "| ranks | decode step ms (16 rows) | CUDA graphs | load s |", "| ---: | ---: | --- | ---: |"]
         lines += [f"| {n} | {t[k]['step_ms']:.2f} | {t[k]['graphs']} | {t[k]['load_s']} |" for n, k in ((1, "tp1"), (2, "tp2"))]
+    kv = parts.get("kv_tiers", {})
+    if kv.get("copies"):
+        c, h = kv["copies"], kv["chat"]
+        lines += ["", f"KV tiers: {c['blocks']} blocks of {c['block_bytes']} bytes saved to the host and loaded back "
+                      f"{'bit-exact' if c['exact'] else 'WRONG'} (pinned {c['pinned']}, own stream {c['own_stream']}): "
+                      f"save {c['save_gbs']} GB/s, load {c['load_gbs']} GB/s. Chat: returning turns' TTFT p50 "
+                      f"{h['none']['returning_ttft_p50_ms']} ms without tiers, {h['host']['returning_ttft_p50_ms']} ms "
+                      f"with ({h['ttft_speedup']}x), host hits {h['host']['host_hits']}, answers equal {h['answers_equal']}."]
     return "\n".join(lines) + "\n"
 
 

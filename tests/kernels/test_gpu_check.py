@@ -50,7 +50,10 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     assert {r["weights"] for r in decode} == {"none"} and parts["decode"]["fp8"] == "skipped: the engine is on the CPU"
     served = parts["served"]
     assert served["kv"]["ok"] and served["requests"]["ok"] and served["throughput"]["ok"]
-    for part in ("| kernels |", "Greedy vs transformers", "Engine decode step", "Served / in-process"):
+    tiers = parts["kv_tiers"]
+    assert tiers["copies"]["exact"] and tiers["copies"]["blocks"] == gpu_check.DRY["tiers_copy_blocks"]
+    assert tiers["chat"]["ok"] and tiers["chat"]["host"]["host_hits"] > 0
+    for part in ("| kernels |", "Greedy vs transformers", "Engine decode step", "Served / in-process", "KV tiers:"):
         assert part in report, part
 
 
