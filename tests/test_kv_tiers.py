@@ -186,6 +186,32 @@ def test_a_request_given_up_while_its_prefix_is_read_from_disk_leaks_nothing(cha
     again.close()
 
 
+def test_a_failed_copy_forgets_its_saves_and_brings_nothing(chat, monkeypatch):
+    path, turns, expected = chat
+    llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, **ENGINE)
+    run_turns(llm, turns[:1])
+    engine, failed = llm.engine, []
+    real = engine.runner.move_kv
+
+    def broken(plan):
+        if plan.loads:
+            failed.append(plan)
+            raise RuntimeError("copy failed")
+        return real(plan)
+
+    monkeypatch.setattr(engine.runner, "move_kv", broken)
+    engine.add_request("x", turns[1][0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        while engine.has_work():
+            engine.step()
+    engine.fail_running("copy failed")  # what the AsyncEngine does after a failed step
+    assert failed and not any(engine.kv_tiers.host.pins)
+    assert_idle(llm)
+    monkeypatch.setattr(engine.runner, "move_kv", real)
+    assert run_turns(llm, [turns[1]]) == [expected[1]]  # and it serves on
+    assert_idle(llm)
+
+
 def test_preempted_requests_under_max_utilization_keep_transformers_tokens(chat):
     path, turns, expected = chat
     llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, batch_scheduler_policy="max_utilization",

@@ -1,17 +1,10 @@
-"""`KVTiers`: the host and disk tiers' bookkeeping, on the engine thread. No torch here.
+"""`KVTiers`: the host and disk tiers' bookkeeping, on the engine thread (docs/design.md, "KV-cache
+tiers"). No torch here: it decides which blocks move, the model runner moves the bytes.
 
-Through the listener hook the block manager reports the cached blocks it hands out again
-(`blocks_removed`: their KV is intact until the step's model run writes them); each becomes a save
-into a host slot unless the host holds that key already. Before the step's model run the engine
-has the runner make the step's saves and ready loads (`move` -> `ModelRunner.move_kv`): the runner
-moves the bytes, this class decides which. With a disk tier every block that reaches the host is
-written to a file once its copy landed (the disk survives a restart).
-
-Admission (backend/sched/admission.py) `probe`s how many blocks after a request's device prefix a
-lower tier holds, `claim`s them once the request fits (pinning their host slots, staging disk blocks
-into free ones) and `start_load`s them into the blocks it reserved. The request runs no row until
-its `KVLoad` is done; a failed read (a torn or foreign file) ends the loaded prefix there, and the
-rest is computed. `poll` takes in what finished (the runner's copies, the disk thread's jobs).
+- saves: cached blocks the block manager hands out again (`blocks_removed`, its listener hook; their
+  KV is intact until the step's model run) go to host slots, and with a disk tier on to files;
+- loads: admission `probe`s, `claim`s and `start_load`s the blocks after a request's device prefix;
+- each step `poll` takes in what landed and `move` has the runner copy the plan before the model run.
 """
 from __future__ import annotations
 
@@ -173,13 +166,24 @@ class KVTiers(BlockListener):
         return plan
 
     def move(self, runner) -> None:
-        """The plan's copies by the runner (`move_kv`), before the step's model run."""
+        """The plan's copies by the runner (`move_kv`), before the step's model run. If the copy
+        fails, its saves are forgotten and its loads bring nothing (their requests compute)."""
         plan = self.take_plan()
-        self.issued(runner.move_kv(plan) if plan else None)
+        try:
+            handle = runner.move_kv(plan) if plan else None
+        except BaseException:
+            saved, loads = self._issuing
+            for slot, key in saved:
+                self.host.forget(key)
+            for load in loads:
+                for slot in load.slots[:load.num_loaded]:
+                    self.host.unpin(slot)
+                load.num_loaded = 0
+            self.issued(None)
+            raise
+        self.issued(handle)
 
-    @property
-    def copies_in_flight(self) -> bool:
-        return bool(self._inflight)
+    copies_in_flight = property(lambda self: bool(self._inflight))
 
     def issued(self, handle: Any) -> None:
         """The runner started the plan's copies; `handle` is None when they are done already."""
@@ -260,6 +264,7 @@ class KVTiers(BlockListener):
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
     # -- figures and checks -----------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: hits, misses, bytes in and out, fill (blocks_used of blocks_total) and troubles."""
@@ -279,12 +284,8 @@ class KVTiers(BlockListener):
         indexes are consistent."""
         self.host.check_integrity()
         want = [0] * self.host.num_slots
-        for _, slot, _ in self._saves:
-            want[slot] += 1
-        for _, saved, _ in self._inflight:
-            for slot, _ in saved:
-                want[slot] += 1
-        for slot in self._writing.values():
+        saves = [s for _, s, _ in self._saves] + [s for _, saved, _ in self._inflight for s, _ in saved]
+        for slot in saves + list(self._writing.values()):
             want[slot] += 1
         reading: dict[bytes, int] = {}
         for load in self._loads:
