@@ -36,6 +36,7 @@ def attach_kv_tiers(config: EngineConfig, blocks: BlockManager, runner) -> Optio
             raise ValueError(f"kv_disk_cache_bytes ({config.kv_disk_cache_bytes}) is smaller than one block's "
                              f"file ({disk.file_bytes} bytes)")
     tiers = KVTiers(copier.num_slots, config.kv_block_size, copier.block_bytes, copier.host_bytes_of, disk, capacity)
+    tiers.loads_at_once = not runner.env.is_cuda
     blocks.listeners.append(tiers)
     log.info("KV tiers: host %d blocks (%.1f MiB%s)%s", copier.num_slots, copier.num_slots * copier.block_bytes / 2**20,
              ", pinned" if runner.env.is_cuda else "",

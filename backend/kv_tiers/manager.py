@@ -37,6 +37,9 @@ class KVTiers(BlockListener):
         self._writing: dict[bytes, int] = {}  # key -> host slot, queued for the disk
         self._salted: set[bytes] = set()  # keys under a LoRA adapter: never written to disk
         self.counts = TierCounts(disk is not None)
+        # Copies are done when issued (the CPU): a prefix all in host memory comes back before the
+        # step's model run, so its request runs in the step it starts (admission.py).
+        self.loads_at_once = False
 
     # -- the block manager's hook (inside its calls: appends only) --------------------------------
     def blocks_stored(self, blocks, keys, parent, root, token_ids) -> None:
@@ -69,17 +72,13 @@ class KVTiers(BlockListener):
             self._salted.discard(key)
 
     # -- admission ----------------------------------------------------------------------------
-    def _in_lower_tier(self, key: bytes) -> bool:
-        return self.host.slot(key) is not None or (self.disk_index is not None and key in self.disk_index)
-
-    def probe(self, hashes: Sequence[bytes]) -> int:
-        """How many of these keys, from the first, a lower tier holds (nothing changes)."""
-        n = 0
-        for key in hashes:
-            if not self._in_lower_tier(key):
-                break
+    def probe(self, hashes: Sequence[bytes]) -> tuple[int, bool]:
+        """How many of these keys, from the first, a lower tier holds, and whether the host holds
+        them all (nothing changes)."""
+        n, disk = 0, self.disk_index if self.disk_index is not None else ()
+        while n < len(hashes) and (self.host.slot(hashes[n]) is not None or hashes[n] in disk):
             n += 1
-        return n
+        return n, all(self.host.slot(key) is not None for key in hashes[:n])
 
     def claim(self, hashes: Sequence[bytes]) -> Optional[TierClaim]:
         """Pin the blocks of these keys, from the first, that a lower tier holds: host slots as they

@@ -43,6 +43,7 @@ class KVLoad:
         self.done = False
         self.cancelled = False
         self.num_loaded = 0  # blocks from the first on that arrived (set when issued)
+        self.counted = False  # its request counted them computed when it started (they came back at once)
         self.started = time.monotonic()
 
     def cancel(self) -> None:

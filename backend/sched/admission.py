@@ -98,7 +98,7 @@ class Admission:
                 n, lower, fits = 0, 0, False
             else:
                 req.num_computed_tokens = self._reuse_computed(req)
-                lower = self._lower_tier_blocks(req)  # it holds them now and runs once they are back
+                lower = self._lower_tier_blocks(req)  # > 0: it holds them now and runs once they are back
                 n = 0 if lower else chunk(req, budget, config)
                 held = req.num_computed_tokens + (lower * self.blocks.block_size if lower else n)
                 fits = (n > 0 or lower > 0) and self.policy.can_admit(req, held)
@@ -203,24 +203,33 @@ class Admission:
 
     # -- the KV tiers: a prefix in host memory or on disk comes back instead of being computed -----
     def _lower_tier_blocks(self, req: Request) -> int:
-        """How many blocks after req's device prefix a lower tier holds (nothing is claimed yet)."""
+        """How many blocks after req's device prefix a lower tier holds (nothing is claimed yet).
+        Where copies are done when issued (the CPU) and all of them are in host memory, they come
+        back before this step's model run: they count as computed at once, and 0 is returned."""
         if self.tiers is None or req.index:
             return 0
-        return self.tiers.probe(self._prefix_hashes(req)[req.num_computed_tokens // self.blocks.block_size:])
+        lower, in_host = self.tiers.probe(self._prefix_hashes(req)[req.num_computed_tokens // self.blocks.block_size:])
+        if lower and in_host and self.tiers.loads_at_once:
+            req.num_computed_tokens += lower * self.blocks.block_size  # undone with the rest if it does not fit
+            return 0
+        return lower
 
     def _start_with_tiers(self, req: Request, lower: int, n: int, now: float) -> None:
         """Start req: with `lower` blocks to come back, holding its device prefix and the blocks
         they return to (a claim may get fewer: no host slot left to stage a disk block in; with
-        none it runs from its next step on), else as usual with its first n tokens' blocks. Counts
-        where its prefix was found."""
-        hashes, first = self._prefix_hashes(req), req.num_computed_tokens // self.blocks.block_size
-        claim = self.tiers.claim(hashes[first:first + lower]) if lower else None
+        none it runs from its next step on); else as usual with its first n tokens' blocks, those
+        that come back at once included. Counts where its prefix was found."""
+        bs, hashes = self.blocks.block_size, self._prefix_hashes(req)
+        first = self.blocks.num_blocks_of(req.seq_id)  # its device prefix
+        at_once = (req.num_computed_tokens - first * bs) // bs  # host blocks copied before this step's run
+        claim = self.tiers.claim(hashes[first:first + (lower or at_once)]) if lower or at_once else None
         got = claim.num_blocks if claim is not None else 0
-        held = (first + got) * self.blocks.block_size if lower else req.num_computed_tokens + n
-        self.pool.start(req, held, now, self.steps)
+        assert lower or got == at_once, "host blocks probed for this step are gone"
+        self.pool.start(req, (first + got) * bs if lower else req.num_computed_tokens + n, now, self.steps)
         self.tiers.counts.lookup(len(hashes), first, claim)
-        if claim is not None:
+        if claim is not None:  # it runs once the load is done (`landed`), or now for blocks back at once
             req.kv_load = self.tiers.start_load(req.seq_id, claim, self.blocks.block_table(req.seq_id)[first:first + got])
+            req.kv_load.counted = not lower
 
     def landed(self, req: Request) -> bool:
         """Has req's prefix come back from the lower tiers? Then its blocks that arrived (all, or
@@ -228,7 +237,7 @@ class Admission:
         load = req.kv_load
         if not load.done:
             return False
-        tokens = load.num_loaded * self.blocks.block_size
+        tokens = 0 if load.counted else load.num_loaded * self.blocks.block_size
         req.num_computed_tokens += tokens
         self.prefix_hit_tokens += tokens
         if not req.num_preemptions:
