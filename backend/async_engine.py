@@ -106,6 +106,7 @@ class AsyncEngine:
             return
         finally:
             ready.set()
+        self.engine.waitlist.on_ready = self._wake  # a compiled grammar: its request can be queued
         tp = getattr(self.engine.runner, "tp", None)
         if tp is not None:
             tp.on_failure(self._rank_lost)
@@ -113,6 +114,10 @@ class AsyncEngine:
             self._loop()
         finally:
             self.engine.close()
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify()
 
     def _rank_lost(self, reason: str) -> None:
         with self._lock:
@@ -122,8 +127,9 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while (not self._stopped and not self._new and not self._aborts and not self.engine.has_work()
-                       and self._lost is None):
+                # A request whose grammar still compiles is no work yet: its compile's end wakes us.
+                while (not self._stopped and not self._new and not self._aborts
+                       and not self.engine.has_runnable_work() and self._lost is None):
                     self._lock.wait()
                 if self._stopped:
                     break
@@ -140,7 +146,7 @@ class AsyncEngine:
                 self._die(f"{type(exc).__name__}: {exc}")
                 return
             self._stats = self.engine.stats()
-            if self.engine.idle and not outputs and self.engine.has_work():
+            if self.engine.idle and not outputs and self.engine.scheduler.has_work:
                 time.sleep(0.001)  # a batching gate is holding requests back; poll gently
             self._deliver(outputs)
         self._drain()
@@ -187,8 +193,8 @@ class AsyncEngine:
         for output in outputs:
             callback = self._callbacks.get(output.request_id)
             if output.finished:
-                with self._lock:  # the request ends with its last completion
-                    left = self._open.get(output.request_id, 1) - 1
+                with self._lock:  # the request ends with its last completion (a refusal ends them all)
+                    left = 0 if output.error_kind else self._open.get(output.request_id, 1) - 1
                     if left > 0:
                         self._open[output.request_id] = left
                     else:
@@ -211,7 +217,8 @@ class AsyncEngine:
         for request, _ in new:
             self.engine.add(request)
         outputs = []
-        for request_id in dict.fromkeys(r.request_id for r in self.engine.scheduler.iter_requests()):
+        held = [r.request_id for r in self.engine.waitlist] + [r.request_id for r in self.engine.scheduler.iter_requests()]
+        for request_id in dict.fromkeys(held):  # compiling ones included
             outputs += self.engine.abort(request_id)
         self._stats = self.engine.stats()
         self._deliver(outputs)

@@ -3,7 +3,8 @@
 The flat batch holds decode tokens first (one query per sequence), then prefill chunks. Each layer
 stores its new K/V into the paged cache through the slot mapping, then runs decode attention on the
 first part and prefill (context) attention on the rest. Which implementation runs (Triton kernels
-or torch references) is chosen once, in `ops`.
+or torch references) is chosen once, in `ops`. A local (sliding-window) layer's attention sees only
+the last `window` positions of each query (`layer_windows`, from the model's configuration).
 """
 from __future__ import annotations
 
@@ -32,26 +33,28 @@ class AttentionContext:
     decode_max_seq_len: int = 0  # host-side maxima, so no kernel launch waits on a device read
     prefill_max_q_len: int = 0
     lora: Optional[LoRAStep] = None  # the step's LoRA adapter segments (backend/lora/step.py); None: none
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 for full attention; (): all full
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, G, D] -> [T, H, D]."""
         k_cache, v_cache = self.kv_caches[layer]
         self.ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        window = self.layer_windows[layer] if self.layer_windows else 0
         nd = self.num_decode_tokens
         if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache)
+            return self._decode(q, k_cache, v_cache, window)
         if nd == 0:
-            return self._prefill(q, k_cache, v_cache)
+            return self._prefill(q, k_cache, v_cache, window)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache)
-        out[nd:] = self._prefill(q[nd:], k_cache, v_cache)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, window)
+        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, window)
         return out
 
-    def _decode(self, q, k_cache, v_cache) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, window: int) -> torch.Tensor:
         return self.ops.decode_attention(q, k_cache, v_cache, self.decode_block_tables, self.decode_seq_lens,
-                                         self.scale, max_seq_len=self.decode_max_seq_len or None)
+                                         self.scale, max_seq_len=self.decode_max_seq_len or None, window=window)
 
-    def _prefill(self, q, k_cache, v_cache) -> torch.Tensor:
+    def _prefill(self, q, k_cache, v_cache, window: int) -> torch.Tensor:
         return self.ops.prefill_attention(q, k_cache, v_cache, self.prefill_block_tables,
                                           self.prefill_cu_seqlens_q, self.prefill_seq_lens, self.scale,
-                                          max_q_len=self.prefill_max_q_len or None)
+                                          max_q_len=self.prefill_max_q_len or None, window=window)

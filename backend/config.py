@@ -21,6 +21,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")  # docs/quantization.md
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+MAX_COMPILE_TIMEOUT_S = 600.0
+MAX_KV_BLOCK_SIZE = 1024  # tokens per block; vLLM's largest is 256 (a block is the unit of prefix reuse)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -80,6 +82,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: str = "{}"
+    # An adapter of multi_lora.json / lora_modules that fails its checks at start stops the model's
+    # start (false, as vLLM); true: the model starts with the others and logs one line per bad one.
+    skip_invalid_lora_adapters: bool = False
     # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
     # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
     speculative_config: str = ""
@@ -99,6 +104,10 @@ class EngineConfig:
     kv_host_cache_bytes: int = 0
     kv_disk_cache_dir: str = ""
     kv_disk_cache_bytes: int = 0
+    # Structured outputs (backend/structured/): the longest a constraint new to the engine may compile
+    # (in a worker process, off the request path) before it is refused with a 400 and its worker is
+    # killed; also the longest it may wait for a free worker before it is refused as busy.
+    structured_outputs_compile_timeout_s: float = 5.0
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -138,7 +147,8 @@ class EngineConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
-        _at_least("kv_block_size", self.kv_block_size, 1)
+        if not 1 <= self.kv_block_size <= MAX_KV_BLOCK_SIZE:  # sizes against memory: backend/memory_checks.py
+            raise ValueError(f"kv_block_size must be in [1, {MAX_KV_BLOCK_SIZE}] tokens; got {self.kv_block_size}")
         _at_least("max_tokens_in_paged_kv_cache", self.max_tokens_in_paged_kv_cache, 0)
         _at_least("cpu_kv_cache_tokens", self.cpu_kv_cache_tokens, 1)
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction < 1.0:
@@ -157,6 +167,9 @@ class EngineConfig:
         if parse_lora_modules(self.lora_modules) and not self.enable_lora:  # its syntax too, before anything loads
             raise ValueError("lora_modules needs enable_lora=true")
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if not 0.0 < self.structured_outputs_compile_timeout_s <= MAX_COMPILE_TIMEOUT_S:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be in (0, {MAX_COMPILE_TIMEOUT_S:g}] seconds; "
+                             f"got {self.structured_outputs_compile_timeout_s}")
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")

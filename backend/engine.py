@@ -1,10 +1,9 @@
 """The engine: one step is schedule -> run -> postprocess -> outputs.
 
-`LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly).
-`AsyncEngine` (async_engine.py) runs it on its own thread for the server. Who runs is the
-scheduler's (backend/sched/); the model run is the runner's (runner.py, the only device-facing
-layer); text, stop strings and logprobs are the output processor's, which returns the requests a
-stop string ended for the scheduler to finish.
+`LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly). `AsyncEngine`
+(async_engine.py) runs it on its own thread for the server. Who runs is the scheduler's (backend/sched/);
+the model run is the runner's (runner.py, the only device-facing layer); text, stop strings and logprobs
+are the output processor's, which returns the requests a stop string ended for the scheduler to finish.
 """
 from __future__ import annotations
 
@@ -16,8 +15,9 @@ from typing import Optional, Union
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
+from backend.input_guard import check_text, int32
 from backend.kv_event_publisher import attach_publisher
-from backend.kv_tiers.attach import attach_kv_tiers, persist_kv_tiers
+from backend.kv_tiers.attach import attach_kv_tiers
 from backend.loader import load_model_config
 from backend.lora.engine_api import EngineLoRAs
 from backend.lora.sources import LoRALike
@@ -29,6 +29,7 @@ from backend.runner import ModelRunner
 from backend.sched.factory import make_scheduler
 from backend.spec.speculator import Speculator
 from backend.structured.compiler import ConstraintCompiler
+from backend.structured.waitlist import GrammarWaitlist
 from backend.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,20 +55,17 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.loras = EngineLoRAs(self.runner.lora, self.scheduler)  # adapters by name (docs/lora.md)
         self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
-        # KV-cache events for a router (kv_events_config): None when off
         self.kv_events = attach_publisher(config.kv_events, self.blocks, self.runner.device, self.loras.name_of_salt)
-        # KV tiers (backend/kv_tiers/): None when kv_host_cache_bytes is 0
-        self.kv_tiers = self.scheduler.admission.tiers = attach_kv_tiers(config, self.blocks, self.runner)
-        self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids())  # structured outputs
+        self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids(),
+                                           timeout=config.structured_outputs_compile_timeout_s)
+        self.waitlist = GrammarWaitlist()  # requests whose constraint compiles (off the request path)
+        self.kv_tiers = attach_kv_tiers(config, self.blocks, self.runner, self.scheduler.admission)  # backend/kv_tiers/
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0
 
     def _max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:  # beyond the window we would attend where HF does not
-            limit = min(limit, self.model_config.sliding_window)
+        limit = self.model_config.max_position_embeddings  # (sliding windows: the attention's, per layer)
         if self.config.max_model_len == 0:
             return limit
         if self.config.max_model_len > limit:
@@ -79,9 +77,7 @@ class LLMEngine:
         """4 x max_model_len x the longest token in bytes: each token covers at most that many bytes of
         text, so a longer text cannot fit in max_model_len tokens (x4 leaves room for normalizers
         that shrink text). It lets a 10 MB prompt be refused before it is tokenized."""
-        if self.tokenizer is None:
-            return 4 * self.max_model_len * 16
-        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True) if self.tokenizer is not None else {}
         longest = max((len(t.encode("utf-8")) for t in vocab), default=16)
         return 4 * self.max_model_len * max(longest, 1)
 
@@ -98,13 +94,16 @@ class LLMEngine:
         whenever its place or reservation changes (queue_report.py). `lora_request`: its LoRA
         adapter, a name or a LoRARequest (docs/lora.md)."""
         params.validate()
+        params.check_token_ids(self.vocab_size)
+        priority = int32(priority, "priority")
         lora = self.loras.resolve(lora_request)
         ids = self._prompt_ids(prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
                           seed=self._seeds.getrandbits(63), priority=priority)
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
-        request.grammar = self.grammars.new_state(params)  # compiled (or cached) now, before any KV block
+        if params.structured_outputs is not None:  # cached: attached now; new: compiles while it waits
+            self.grammars.attach(request)
         request.reports_queue = queue_info
         if lora is not None:
             request.lora_name, request.cache_salt = lora.name, lora.salt
@@ -118,6 +117,7 @@ class LLMEngine:
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")  # a lone surrogate: no text the tokenizer can take
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: send input_ids instead of text")
             if len(prompt) * 4 > self.max_input_bytes and len(prompt.encode("utf-8")) > self.max_input_bytes:
@@ -156,13 +156,17 @@ class LLMEngine:
 
     def check_queue(self, pending: int = 0) -> None:
         limit = self.config.max_queue_size
-        if limit and len(self.scheduler.waiting) + pending >= limit:
+        if limit and len(self.scheduler.waiting) + len(self.waitlist) + pending >= limit:
             raise QueueFullError(f"queue full: {limit} requests are waiting (max_queue_size); retry later")
 
     def add(self, request: Request) -> None:
         """Queue a made request and, when it asks for n > 1, its n - 1 sibling completions (the
         scheduler checks each as it queues it; all share the prompt and params, so the first
-        refusal comes before any is queued)."""
+        refusal comes before any is queued). A request whose constraint compiles waits in the
+        waitlist instead, and is queued by the step that finds its grammar ready."""
+        if request.pending_grammar is not None:
+            self.waitlist.add(request, request.pending_grammar)
+            return
         family = [request] + [Request(request.request_id, request.prompt_token_ids, request.params,
                                       request.eos_token_ids, request.arrival_time, seed=self._seeds.getrandbits(63),
                                       priority=request.priority, index=i) for i in range(1, request.params.n)]
@@ -186,33 +190,47 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort every completion of the request; their final outputs (none if it is unknown)."""
+        compiling = self.waitlist.remove(request_id)
+        if compiling is not None:
+            return self._deliver([self._end(compiling, RequestStatus.FINISHED_ABORTED)])
         return self._deliver([self.outputs.ended(r) for r in self.scheduler.abort(request_id)])
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
+    def has_work(self) -> bool:  # anything unfinished, compiling constraints included
+        return self.scheduler.has_work or len(self.waitlist) > 0
+
+    def has_runnable_work(self) -> bool:
+        """Something a step can do now: a request to schedule, or a compile that has ended."""
+        return self.scheduler.has_work or self.waitlist.has_ready()
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is ready; end those whose constraint was refused."""
+        ready, refused = self.waitlist.take_compiled(self.grammars)
+        for request in ready:
+            self.add(request)
+        return [self._end(request, RequestStatus.FINISHED_ERROR) for request in refused]
+
+    def _end(self, request: Request, status: RequestStatus) -> RequestOutput:  # one that never reached the scheduler
+        request.status, request.finished_time = status, time.monotonic()
+        return self.outputs.closing(request)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        tiers = self.kv_tiers
-        if tiers is not None:  # copies and disk reads that landed: requests whose prefix is back may run
-            tiers.poll(self.runner.kv_copy_done)
+        refused = self._admit_compiled() if len(self.waitlist) else []
         batch = self.scheduler.schedule(time.monotonic())
-        if tiers is not None:  # the saves and loads schedule() decided, ordered before the model run
-            tiers.move(self.runner)
+        self.kv_tiers.move(idle=batch.is_empty)  # the KV tiers' copies schedule() decided, before the model run
         self.idle = batch.is_empty
         if batch.is_empty:
-            if tiers is not None:
-                tiers.wait_for_disk(0.005)  # only prefixes on their way back from disk: nothing to run
-            return self._deliver([])
+            return self._deliver(refused)
         if self.speculator is not None:  # decode rows may become verify rows: drafts from the spare budget
             self.speculator.propose(batch)
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:  # a failed step fails its own requests, not the engine
             log.exception("model step failed")
-            return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}")
+            return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}", refused)
         self.scheduler.postprocess(batch, sampled, time.monotonic())
         outputs, stopped = self.outputs.step_outputs([s.request for s in batch.seqs], sampled)
+        outputs = refused + outputs
         self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
         for req in stopped:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
@@ -226,16 +244,15 @@ class LLMEngine:
         of the requests that ended (stopped, aborted, failed) is dropped here too."""
         if self.speculator is not None:
             self.speculator.release_finished()
-        if self.kv_events is not None:  # the step's changes to the prefix cache, as one batch
-            self.kv_events.collector.end_step()
+        self.kv_events.end_step()  # the step's changes to the prefix cache, as one batch of KV-cache events
         return self.scheduler.deliver(self.queue.report(outputs))
 
-    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+    def _fail(self, requests: list[Request], message: str, earlier: list[RequestOutput] = ()) -> list[RequestOutput]:
         for req in requests:
             if not req.status.finished:
                 req.error = message
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return self._deliver([self.outputs.ended(req) for req in requests])
+        return self._deliver(list(earlier) + [self.outputs.ended(req) for req in requests])
 
     def fail_running(self, message: str) -> list[RequestOutput]:
         """After an unexpected exception in a step outside the model run (in scheduling or
@@ -254,7 +271,8 @@ class LLMEngine:
         return {
             # members of a padded batch that finished still hold their slot until the batch ends
             "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_requests_waiting": len(self.scheduler.waiting) + len(self.waitlist),
+            "num_requests_compiling": len(self.waitlist),  # of the waiting: their constraint compiles
             "kv_blocks_total": b.num_blocks,
             "kv_blocks_used": b.num_used_blocks,
             "kv_blocks_free": b.num_free_blocks,
@@ -266,27 +284,17 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
-            **(self.speculator.stats() if self.speculator is not None else {}),
-            **({"kv_tiers": self.kv_tiers.stats()} if self.kv_tiers is not None else {}),
+            **(self.speculator.stats() if self.speculator else {}), **self.runner.moe_stats(), **self.kv_tiers.figures(),
         }
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        for r in self.waitlist:
+            assert self.blocks.num_blocks_of(r.seq_id) == 0, f"{r.seq_id} holds blocks while its grammar compiles"
         if self.speculator is not None:
             self.speculator.check_integrity()
-        if self.kv_tiers is not None:
-            self.kv_tiers.check_integrity()
 
     def close(self) -> None:
-        """Release what outlives the object: the other tensor-parallel ranks' processes, the KV-event
-        publisher's thread and sockets, the KV tiers' disk thread (after the device's cached blocks
-        are written down, so that a restarted engine finds them)."""
-        if self.kv_events is not None:
-            self.kv_events.close()
-        if self.kv_tiers is not None:
-            try:
-                persist_kv_tiers(self.kv_tiers, self.runner)
-            finally:
-                self.kv_tiers.close()
-                self.kv_tiers = None
-        self.runner.close()
+        """Release what outlives the object: the tensor-parallel ranks, the KV-event publisher, the KV tiers."""
+        for part in (self.kv_events, self.kv_tiers, self.runner):
+            part.close()

@@ -84,6 +84,10 @@ class KVEventPublisher:
             log.warning("KV events: the publisher is %d batches behind; a batch was dropped (%d so far), "
                         "subscribers will be told to clear this engine's blocks", self._queue.qsize(), self.num_dropped)
 
+    def end_step(self) -> None:
+        """The engine's step ended: its records go out as one batch."""
+        self.collector.end_step()
+
     def close(self, timeout: float = 2.0) -> None:
         """Publish what is queued, then close the sockets."""
         if self._thread.is_alive():
@@ -151,16 +155,26 @@ class KVEventPublisher:
         replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
+class NoPublisher:
+    """kv_events_config off: the engine's calls cost a no-op, and the block manager has no listener."""
+
+    def end_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def attach_publisher(config: Optional[KVEventsConfig], blocks: BlockManager, device: Any,
-                     lora_name_of: Callable[[bytes], Optional[str]]) -> Optional[KVEventPublisher]:
-    """Start publishing `blocks`' prefix cache (None when kv_events_config does not publish). The
-    first batch is AllBlocksCleared: the cache is empty, and a subscriber that kept blocks of an
-    earlier process on this topic (a restarted pod keeps its name) drops them."""
+                     lora_name_of: Callable[[bytes], Optional[str]]) -> "KVEventPublisher | NoPublisher":
+    """Start publishing `blocks`' prefix cache (a NoPublisher when kv_events_config does not
+    publish). The first batch is AllBlocksCleared: the cache is empty, and a subscriber that kept
+    blocks of an earlier process on this topic (a restarted pod keeps its name) drops them."""
     if config is None or not config.publishes:
-        return None
+        return NoPublisher()
     medium = "GPU" if getattr(device, "type", str(device)) == "cuda" else "CPU"
     publisher = KVEventPublisher(config, blocks.block_size, blocks.num_blocks, medium, lora_name_of)
     blocks.listeners.append(publisher.collector)
     blocks.reset_prefix_cache()
-    publisher.collector.end_step()
+    publisher.end_step()
     return publisher

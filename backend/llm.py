@@ -49,6 +49,8 @@ class LLM:
         done: dict[str, list[RequestOutput]] = {rid: [] for rid in order}
         bar = _progress(len(order)) if use_tqdm else None
         while self.engine.has_work():
+            if not self.engine.has_runnable_work():  # only constraints compiling: wait for one
+                self.engine.waitlist.wait(0.05)
             for output in self.engine.step():
                 if output.finished:
                     done[output.request_id].append(output)

@@ -127,4 +127,4 @@ class OutputProcessor:
         return RequestOutput(req.request_id, req.prompt_token_ids, [], list(req.output_token_ids), "", "",
                              True, req.finish_reason, req.error, index=req.index,
                              logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
-                             num_cached_tokens=req.num_cached_tokens)
+                             num_cached_tokens=req.num_cached_tokens, error_kind=req.error_kind)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+from backend.input_guard import lone_surrogate
 from backend.structured.spec import LEGACY_KEYS, OBJECT_KEYS, StructuredOutputs, fold_legacy_keys
 
 MAX_STOP_STRINGS = 64
@@ -78,6 +79,12 @@ class SamplingParams:
             raise ValueError("structured_outputs must be a StructuredOutputs (a dict of its fields is converted "
                              f"when SamplingParams is made); got {type(self.structured_outputs).__name__}")
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """stop_token_ids against the model's vocabulary: -1 or 10**12 would stop nothing."""
+        bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -99,9 +106,14 @@ class SamplingParams:
                 raise ValueError(f"unknown sampling parameter '{key}'; allowed: {', '.join(KEYS)}")
             try:
                 kwargs[name] = kind(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"sampling parameter '{key}': bad value {value!r}") from None
+            except (TypeError, ValueError, OverflowError):  # OverflowError: float(10**400)
+                raise ValueError(f"sampling parameter '{key}': bad value {_shown(value)}") from None
         return cls(**kwargs)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _to_int(value: Any) -> int:
@@ -169,6 +181,8 @@ def _strings(name: str, values: list[str], most: int, what: str) -> None:
     for s in values:
         if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
             raise ValueError(f"{name}: each entry must be a string of 1..{MAX_STOP_STRING_CHARS} characters")
+        if lone_surrogate(s, name) is not None:  # "\ud800" would never match any text (and breaks encoders)
+            raise ValueError(f"{name}: each entry must be valid Unicode text; {s!a} holds a lone surrogate")
 
 
 def seq_id_of(request_id: str, index: int) -> str:
@@ -177,6 +191,7 @@ def seq_id_of(request_id: str, index: int) -> str:
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its constraint compiles; not in the scheduler yet
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
@@ -186,7 +201,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.WAITING_FOR_GRAMMAR)
 
 
 class Request:
@@ -217,6 +232,9 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.num_preemptions = 0
         self.error: Optional[str] = None
+        # Set when the request itself is refused after arrival (its constraint does not compile):
+        # "invalid" (the client must change it: a 400) or "unavailable" (retry later); None otherwise.
+        self.error_kind: Optional[str] = None
         self.stop_token_id: Optional[int] = None  # the EOS or stop token that ended it (never in its text)
         # (tokens hashed, their full blocks' prefix-cache keys): kept while it waits (admission.py)
         self.prefix_hashes: Optional[tuple[int, list[bytes]]] = None
@@ -231,6 +249,7 @@ class Request:
         self.logprobs: Optional[list[dict]] = [] if params.logprobs is not None else None
         self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
         self.grammar = None  # structured outputs: its GrammarState (backend/structured/matcher.py), set by the engine
+        self.pending_grammar = None  # the Future of its constraint's compile until the engine attaches it
         # LoRA (docs/lora.md), set by the engine: the adapter it runs with (None: the base model) and
         # the root of its prefix-cache keys (the adapter's; b"" for the base model)
         self.lora_name: Optional[str] = None

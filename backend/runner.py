@@ -28,14 +28,18 @@ from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
 from backend.kv_tiers.copier import KVCopier
+from backend.memory_checks import check_block_tables, check_kv_cache
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
-from backend.models.rope import rope_cos_sin
+from backend.models.expert_load import ExpertLoad
+from backend.models.moe import reads_counts_on_host
+from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.parallel.rendezvous import start_group
 from backend.sampler import sample
 from backend.sched.step import Sampled, SchedulerOutput
+from backend.spec.draft_sizing import draft_cache_share
 from backend.spec.rejection import verify
 from backend.step_inputs import BlockTables, StepInputs, build_step, place_step
 from backend.warmup import prefill_tokens, warm_up_steps
@@ -95,15 +99,19 @@ class ModelRunner:
             self.model = self._load_model()
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
                                           self.env.tensor_device, tp=self.tp)
-            cos, sin = rope_cos_sin(model_cfg.head_dim, max_model_len, model_cfg.rope_theta, model_cfg.rope_scaling)
-            self.rope = (cos.to(self.env.tensor_device), sin.to(self.env.tensor_device))
-            self.tables = BlockTables(config.max_num_seqs, -(-max_model_len // self.block_size), self.block_size,
-                                      self.env.tensor_device)
+            self.rope = rope_tables(model_cfg, max_model_len, self.env.tensor_device)
+            width = -(-max_model_len // self.block_size)
+            check_block_tables(config, width, self.env)  # sizes against memory: backend/memory_checks.py
+            self.tables = BlockTables(config.max_num_seqs, width, self.block_size, self.env.tensor_device)
             self.num_blocks = self._num_kv_blocks()
             if self.tp:  # the scheduler sees one engine: the group holds what its smallest rank holds
                 self.num_blocks = self.tp.smallest(self.num_blocks)
+            if not (self.env.is_cuda and config.max_tokens_in_paged_kv_cache == 0):  # else sized to what is free
+                check_kv_cache(config, self.num_blocks, self._bytes_per_block(), self.env)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,
                  self.block_size, self.num_blocks * self._bytes_per_block() / 2**20, self.device, self.ops.name,
                  bool(self.graphs and self.graphs.graphs))
@@ -115,6 +123,9 @@ class ModelRunner:
         self.weights = load_model(self.config, self.model_cfg, self.device, self.dtype, self.ops.name,
                                   tensor_device=self.env.tensor_device, tp=self.tp)
         self.padded_rows = self.weights.padded_rows
+        # tokens per expert, counted on the device (MoE models; rows: a step's most, padded)
+        rows = max(self.padded_rows(self.config.max_num_batched_tokens), self.config.max_num_seqs)
+        self.expert_load = ExpertLoad.attach(self.weights.model, rows, self.env.tensor_device)
         self.kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype, self.device, self.weights.quantization)
         return self.weights.model
 
@@ -126,8 +137,10 @@ class ModelRunner:
         cfg = self.config
         if self.env.is_cuda:  # the warm-up runs on every GPU start: it compiles what serving launches
             memory = measure(self.env, self._warm_up)
-            if cfg.max_tokens_in_paged_kv_cache == 0:
-                return blocks_that_fit(memory, cfg.kv_cache_free_gpu_mem_fraction, self._bytes_per_block(), self.device)
+            if cfg.max_tokens_in_paged_kv_cache == 0:  # a draft model (rank 0 runs it) shares the budget
+                share = draft_cache_share(cfg, self.device, self.kv_dtype) if not (self.tp and self.tp.rank) else None
+                return blocks_that_fit(memory, cfg.kv_cache_free_gpu_mem_fraction, self._bytes_per_block(), self.device,
+                                       share, self.block_size)
         if cfg.max_tokens_in_paged_kv_cache > 0:
             return max(1, cfg.max_tokens_in_paged_kv_cache // self.block_size)
         return max(1, cfg.cpu_kv_cache_tokens // self.block_size)
@@ -152,16 +165,11 @@ class ModelRunner:
             self.tables.reset()
 
     # -- KV tiers (backend/kv_tiers/): the host pool, and a step's copies before its model run ------
-    def attach_kv_tiers(self, host_bytes: int) -> KVCopier:
+    def attach_kv_copier(self, host_bytes: int) -> KVCopier:
+        """The host pool and its copies to and from this runner's KV cache (backend/kv_tiers/copier.py):
+        the KV tiers' bookkeeping makes each step's copies through it before the step's model run."""
         self.kv_copier = KVCopier(self.env, self.kv_caches, host_bytes)
         return self.kv_copier
-
-    def move_kv(self, plan) -> object:
-        """A TierPlan's copies, ordered before the next model run; returns their handle."""
-        return self.kv_copier.execute(plan)
-
-    def kv_copy_done(self, handle) -> bool:
-        return self.kv_copier.done(handle)
 
     # -- CUDA graphs -----------------------------------------------------------------------------
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
@@ -169,6 +177,10 @@ class ModelRunner:
         with kernels other than Triton's (the references size their work from the lengths)."""
         if self.config.enforce_eager or self.ops.name != "triton" or self.lora is not None:
             return None  # (LoRA steps run eagerly: docs/lora.md)
+        if reads_counts_on_host(self.model):
+            log.info("CUDA graphs off: the experts run one GEMM per active expert (packed or int8 experts), "
+                     "which reads their token counts on the host")
+            return None
         empty_i32 = torch.zeros(1, dtype=torch.int32, device=self.env.tensor_device)
         make_context = functools.partial(
             self._context, kv_caches=self.kv_caches, prefill_block_tables=self.tables.table[:0],
@@ -179,7 +191,8 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
     def _context(self, **fields) -> AttentionContext:
-        return AttentionContext(ops=self.ops, scale=self.model_cfg.head_dim ** -0.5, **fields)
+        cfg = self.model_cfg
+        return AttentionContext(ops=self.ops, scale=cfg.attention_scale, layer_windows=cfg.layer_windows, **fields)
 
     def _step_context(self, step: StepInputs) -> AttentionContext:
         table = self.tables.table
@@ -240,6 +253,8 @@ class ModelRunner:
 
     def _compute(self, step: StepInputs, graph_size: Optional[int]) -> Optional[torch.Tensor]:
         """The step's model run on this rank: the logits of the rows that sample, None if none does."""
+        if self.expert_load is not None:
+            self.expert_load.mark_rows(step.slot_mapping)
         if graph_size is not None:
             hidden = self.graphs.run(step, self.tables.table)
         else:
@@ -247,6 +262,10 @@ class ModelRunner:
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards
+
+    def moe_stats(self) -> dict:
+        """Tokens per expert and the last interval's load imbalance (MoE models; else nothing)."""
+        return self.expert_load.snapshot() if self.expert_load is not None else {}
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank)."""

@@ -87,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.openai_port:
         openai_api = OpenAIServer(server.grpc_url, Path(args.model_path).resolve() if args.model_path else resolved,
                                   host=args.host, port=args.openai_port, log_to_console=True,
-                                  tool_call_parser=args.tool_call_parser)
+                                  tool_call_parser=args.tool_call_parser, metrics_url=server.metrics_url)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -147,7 +147,8 @@ def _print_usage(server, openai_api=None) -> None:
         api = f"http://{host}:{openai_api.port}/v1"
         chat = '{"model": "llm", "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
         openai_lines = (f"  OpenAI   {api}   (chat/completions, completions, models)\n"
-                        f"                        curl -s {api}/chat/completions -H 'Content-Type: application/json' -d '{chat}'\n")
+                        f"                        curl -s {api}/chat/completions -H 'Content-Type: application/json' -d '{chat}'\n"
+                        f"           {api[:-3]}/metrics   (the inference gateway's metrics, docs/gateway.md)\n")
     print(f"""
 inflight: model 'llm' is ready.
   gRPC     {grpc}     inflight generate "Once upon a time" --stream --url {grpc}
@@ -225,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address Triton's ports and the OpenAI API listen on (default 127.0.0.1: this machine "
+                        "only; 0.0.0.0: every interface, for a trusted network or behind a proxy)")
     p.add_argument("--model-path", help="serve this Hugging Face checkpoint folder")
     p.add_argument("--param", action="append", type=parse_param, default=[], metavar="KEY=VALUE",
                    help="override a config.pbtxt parameter for this run (repeatable)")

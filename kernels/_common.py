@@ -79,9 +79,10 @@ def num_sms(device: torch.device) -> int:
 
 def check_paged_attention(name: str, q: torch.Tensor, q_layout: str, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float, cache_dtype_may_differ: bool = False) -> None:
+                          scale: float, cache_dtype_may_differ: bool = False, window: int = 0) -> None:
     """The checks decode and prefill attention share: q against the paged cache (dtype unless
-    ``cache_dtype_may_differ`` or an fp8 cache, head dim, GQA ratio), index tensors, and the scale."""
+    ``cache_dtype_may_differ`` or an fp8 cache, head dim, GQA ratio), index tensors, the scale and
+    the sliding window (0: none; else each query sees its last ``window`` positions, itself included)."""
     check_ndim(name, "q", q, 3, q_layout)
     check_cache(name, k_cache, v_cache)
     check_ndim(name, "block_tables", block_tables, 2, "[num_seqs, max_blocks]")
@@ -98,6 +99,8 @@ def check_paged_attention(name: str, q: torch.Tensor, q_layout: str, k_cache: to
         raise ValueError(f"{name}: num_heads {h} must be a multiple of num_kv_heads {g}")
     if not math.isfinite(scale):
         raise ValueError(f"{name}: scale must be finite; got {scale}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"{name}: window must be an integer >= 0 (0: no sliding window); got {window!r}")
 
 
 class _BoundsChecked:

@@ -1,8 +1,11 @@
 """What kernels.aot compiles: every launch an engine step of a model makes, planned by each
 wrapper's own `plan_*` function with engine-like CPU tensors (the layouts and index dtypes of
 backend/runner.py and backend/models/llama.py), at several step shapes, in a dtype, with the LoRA
-and fp8-KV-cache variants. Import it through kernels.aot, which makes sure the kernels are real
-@triton.jit functions (not the interpreter's) before this module imports them.
+and fp8-KV-cache variants, and what a model's architecture adds: the q/k norm of each head (Qwen3,
+Gemma 3), GeGLU and float32 norm weights (Gemma's 1 + w), and the sliding-window attention of its
+local layers beside the full attention of its global ones. Import it through kernels.aot, which
+makes sure the kernels are real @triton.jit functions (not the interpreter's) before this module
+imports them.
 """
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ from typing import Optional
 import torch
 
 from kernels import decode_attention as decode_mod
-from kernels.activation import plan_silu_mul
+from kernels.activation import plan_gated_activation
+from kernels.fused_moe import moe_blocks, plan_fused_moe
 from kernels.launch import Launch
 from kernels.lora_reference import Segments
 from kernels.lora_sgmv import plan_lora_expand, plan_lora_shrink
+from kernels.moe_reference import max_padded_pairs
 from kernels.norm import plan_rms_norm
 from kernels.prefill_attention import plan_prefill_attention
 from kernels.quant_dispatch import aot_launches as quant_launches
@@ -32,16 +37,33 @@ class ModelShape:
     head_dim: int
     intermediate: int
     qkv_bias: bool = False
+    qk_norm: bool = False        # RMSNorm of each head of q and k (Qwen3, Gemma 3)
+    activation: str = "silu"     # the gated MLP's: silu, or gelu_tanh (Gemma's GeGLU)
+    float32_norms: bool = False  # norm weights kept in float32 (Gemma's 1 + w, backend/models/llama.py)
+    window: int = 0              # the local layers' sliding window (0: every layer global)
+    # mixture of experts (0: a dense MLP): experts, experts per token, an expert's intermediate size
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
 
 
 # The config.json fields of the public checkpoints on the Hugging Face Hub (hidden_size,
-# num_attention_heads, num_key_value_heads, head_dim = hidden_size / num_attention_heads,
-# intermediate_size):
+# num_attention_heads, num_key_value_heads, head_dim = hidden_size / num_attention_heads unless the
+# config says, intermediate_size, sliding_window):
+GEMMA3 = dict(qk_norm=True, activation="gelu_tanh", float32_norms=True)
 MODELS = {
     "Llama-3.1-8B": ModelShape(4096, 32, 8, 128, 14336),    # meta-llama/Llama-3.1-8B
     "Llama-3.2-1B": ModelShape(2048, 32, 8, 64, 8192),      # meta-llama/Llama-3.2-1B
     "Qwen2-7B": ModelShape(3584, 28, 4, 128, 18944, True),  # Qwen/Qwen2-7B
     "Mistral-7B": ModelShape(4096, 32, 8, 128, 14336),      # mistralai/Mistral-7B-v0.1
+    "Qwen3-8B": ModelShape(4096, 32, 8, 128, 12288, qk_norm=True),             # Qwen/Qwen3-8B
+    "Gemma-3-4B": ModelShape(2560, 8, 4, 256, 10240, window=1024, **GEMMA3),   # google/gemma-3-4b-it
+    "Gemma-3-270M": ModelShape(640, 4, 1, 256, 2048, window=512, **GEMMA3),    # google/gemma-3-270m
+    # mixtures of experts (num_local_experts / num_experts, num_experts_per_tok, and Qwen3's
+    # moe_intermediate_size; Mixtral's experts are intermediate_size wide)
+    "Mixtral-8x7B": ModelShape(4096, 32, 8, 128, 14336, experts=8, top_k=2, expert_intermediate=14336),
+    "Qwen3-30B-A3B": ModelShape(2048, 32, 4, 128, 6144, qk_norm=True, experts=128, top_k=8,
+                                expert_intermediate=768),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_BLOCK_SIZE = 16   # EngineConfig.kv_block_size's default
@@ -62,10 +84,37 @@ def model_launches(shape: ModelShape, dtype: torch.dtype, block_size: int = DEFA
         launches += _step_launches(shape, dtype, block_size, tokens, seqs, width)
     # the quantized GEMMs of the four projections (their variants do not depend on the step shape)
     h, g, d = shape.heads, shape.kv_heads, shape.head_dim
+    mlp = shape.expert_intermediate or shape.intermediate   # packed experts: one GEMM per expert
     launches += quant_launches({"qkv": ((h + 2 * g) * d, shape.hidden, shape.qkv_bias), "o": (shape.hidden, h * d, False),
-                                "gate_up": (2 * shape.intermediate, shape.hidden, False),
-                                "down": (shape.hidden, shape.intermediate, False)}, dtype)
+                                "gate_up": (2 * mlp, shape.hidden, False),
+                                "down": (shape.hidden, mlp, False)}, dtype)
     launches += lora_launches(shape, dtype)
+    if shape.experts:
+        launches += moe_launches(shape, dtype)
+    return launches
+
+
+# Tokens a MoE step is planned at: the step shapes' and a prefill chunk, which between them take
+# both tile configurations of kernels/fused_moe.py on every model.
+MOE_TOKENS = sorted({tokens for tokens, _, _ in STEP_SHAPES} | {2048})
+
+
+def moe_launches(shape: ModelShape, dtype: torch.dtype) -> list[Launch]:
+    """The fused-MoE gate/up and down launches at each of MOE_TOKENS, with the layouts of
+    backend/models/moe.py (stacked expert weights, float32 routing weights, int32 sorted pairs)."""
+    e, k, inter, hidden = shape.experts, shape.top_k, shape.expert_intermediate, shape.hidden
+    w13 = torch.empty(e, 2 * inter, hidden, dtype=dtype)   # never touched: only its layout is read
+    w2 = torch.empty(e, hidden, inter, dtype=dtype)
+    launches = []
+    for tokens in MOE_TOKENS:
+        pairs = tokens * k
+        block_m = moe_blocks(pairs, e).block_m
+        rows = max_padded_pairs(pairs, e, block_m)
+        launches += plan_fused_moe(
+            torch.zeros(tokens, hidden, dtype=dtype), w13, w2, torch.zeros(tokens, k, dtype=torch.float32),
+            torch.zeros(rows, dtype=torch.int32), torch.zeros(rows // block_m, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), torch.empty(pairs, inter, dtype=dtype),
+            torch.empty(pairs, hidden, dtype=dtype), k)
     return launches
 
 
@@ -81,6 +130,8 @@ def lora_launches(shape: ModelShape, dtype: torch.dtype) -> list[Launch]:
     h, g, d, hidden, inter = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
     projections = {"qkv": (hidden, (0, h * d, (h + g) * d, (h + 2 * g) * d)), "o": (h * d, (0, hidden)),
                    "gate_up": (hidden, (0, inter, 2 * inter)), "down": (inter, (0, hidden))}
+    if shape.experts:   # adapters reach the attention of a MoE model, not its experts
+        del projections["gate_up"], projections["down"]
     launches = []
     for rank in LORA_RANKS:
         for tokens in (1, 48):
@@ -134,7 +185,8 @@ def _step_launches(shape: ModelShape, dtype: torch.dtype, block_size: int, token
     positions = torch.zeros(tokens, dtype=torch.int64)
     q_rot, k_rot = torch.empty(tokens, h, d, dtype=dtype), torch.empty(tokens, g, d, dtype=dtype)
     x = torch.zeros(tokens, shape.hidden, dtype=dtype)
-    weight = torch.ones(shape.hidden, dtype=dtype)
+    norm_dtype = torch.float32 if shape.float32_norms else dtype
+    weight = torch.ones(shape.hidden, dtype=norm_dtype)
     gate_up = torch.zeros(tokens, 2 * shape.intermediate, dtype=dtype)
     scale = d ** -0.5
     prefill_seqs = 2 if tokens > 1 else 1
@@ -145,14 +197,20 @@ def _step_launches(shape: ModelShape, dtype: torch.dtype, block_size: int, token
         plan_rms_norm(x, weight, 1e-5, x.clone(), torch.empty_like(x), torch.empty_like(x)),
         plan_rotary_embedding(q, k, positions, cos, cos.clone(), q_rot, k_rot),
         plan_store_kv(k_rot, v, k_cache, v_cache, torch.zeros(tokens, dtype=torch.int64)),
-        plan_silu_mul(gate_up, torch.empty(tokens, shape.intermediate, dtype=dtype)),
-        plan_prefill_attention(q_rot, k_cache, v_cache, tables[:prefill_seqs], cu, seq_lens[:prefill_seqs],
-                               scale, torch.empty_like(q_rot), tokens, on_gpu=True),
+        plan_gated_activation(gate_up, torch.empty(tokens, shape.intermediate, dtype=dtype), shape.activation),
     ]
-    n = min(seqs, tokens)
-    decode_q = q_rot[:n]
-    for num_splits in range(1, decode_mod.MAX_SPLITS + 1):
-        launches += decode_mod.plan_decode_attention(decode_q, k_cache, v_cache, tables[:n], seq_lens[:n], scale,
-                                                     torch.empty_like(decode_q), num_splits,
-                                                     decode_mod.DEFAULT_BLOCK_N)
+    if shape.qk_norm:  # each head of q and of k, as rows of head_dim (backend/models/llama.py's head_norm)
+        head_weight = torch.ones(d, dtype=norm_dtype)
+        for rows in (q_rot.reshape(-1, d), k_rot.reshape(-1, d)):
+            launches.append(plan_rms_norm(rows, head_weight, 1e-6, None, torch.empty_like(rows), rows))
+    for window in ((0, shape.window) if shape.window else (0,)):  # global layers, then local ones
+        launches.append(plan_prefill_attention(q_rot, k_cache, v_cache, tables[:prefill_seqs], cu,
+                                               seq_lens[:prefill_seqs], scale, torch.empty_like(q_rot), tokens,
+                                               window=window, on_gpu=True))
+        n = min(seqs, tokens)
+        decode_q = q_rot[:n]
+        for num_splits in range(1, decode_mod.MAX_SPLITS + 1):
+            launches += decode_mod.plan_decode_attention(decode_q, k_cache, v_cache, tables[:n], seq_lens[:n], scale,
+                                                         torch.empty_like(decode_q), num_splits,
+                                                         decode_mod.DEFAULT_BLOCK_N, window)
     return launches

@@ -19,19 +19,19 @@ import torch
 from kernels import _common, cpu_build
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURE = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float)
+_SIGNATURE = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I)
 NAME = "decode_attention"
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def check_args(q, k_cache, v_cache, block_tables, seq_lens, scale) -> None:
+def check_args(q, k_cache, v_cache, block_tables, seq_lens, scale, window: int = 0) -> None:
     """Every shape, dtype and bound the C code relies on; it checks nothing itself. The checks it
     shares with the Triton kernels (q against the paged cache, the GQA ratio, the scale) are
     `_common.check_paged_attention`; the rest are this kernel's own: float32, CPU, contiguous,
     int32 indices, and the bounds, read once per step."""
     _common.check_paged_attention(NAME, q, "[num_seqs, num_heads, head_dim]", k_cache, v_cache,
-                                  block_tables, seq_lens, scale, cache_dtype_may_differ=True)
+                                  block_tables, seq_lens, scale, cache_dtype_may_differ=True, window=window)
     s = q.shape[0]
     nb, bs = k_cache.shape[:2]
     for name, t, dtypes in (("q", q, (torch.float32,)), ("k_cache", k_cache, CACHE_DTYPES),
@@ -53,15 +53,16 @@ def check_args(q, k_cache, v_cache, block_tables, seq_lens, scale) -> None:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                     max_seq_len: Optional[int] = None) -> torch.Tensor:
-    """q [S, H, D]; seq_lens [S] cached tokens per sequence (the query's own included) -> [S, H, D]."""
+                     max_seq_len: Optional[int] = None, window: int = 0) -> torch.Tensor:
+    """q [S, H, D]; seq_lens [S] cached tokens per sequence (the query's own included) -> [S, H, D];
+    window > 0: each query reads only its last `window` tokens (a sliding-window layer)."""
     q = q.contiguous()
     block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-    check_args(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    check_args(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
     out = _common.alloc(q.shape, q.dtype, q.device)  # through the module: tests poison it
     s, h, d = q.shape
     _, bs, g, _ = k_cache.shape
     kernel = cpu_build.function(NAME, f"decode_attention_{_SUFFIX[k_cache.dtype]}", _SIGNATURE)
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-           out.data_ptr(), s, h, g, d, bs, block_tables.shape[1], float(scale))
+           out.data_ptr(), s, h, g, d, bs, block_tables.shape[1], float(scale), window)
     return out

@@ -22,6 +22,9 @@ Design (flash-decoding):
   dtype (one pass, split-K) plus one merge, whatever the batch: the engine's warm-up compiles
   them all, and `python -m kernels.aot` checks the same set.
 - A sequence of length 0 produces zeros (the torch reference produces NaN for it).
+- Sliding window (a local layer, `window` > 0; SLIDING is its compiled variant): a sequence's
+  context starts at seq_len - window, so the splits divide the window and the blocks before it are
+  never read, not merely masked.
 
 The wrapper never syncs with the device (no `.item()`), so it can be captured in a CUDA graph; the
 split count comes from the shapes only (block_tables width * block_size bounds the context).
@@ -44,7 +47,7 @@ DEFAULT_BLOCK_N = 64         # kv positions per tile: the K of the P@V tl.dot, s
 
 
 _STEP_VARYING = ["stride_bts", "stride_btb", "stride_ps", "stride_ph", "stride_pk", "stride_pd",
-                 "stride_ls", "stride_lh", "stride_lk", "num_splits"]
+                 "stride_ls", "stride_lh", "stride_lk", "num_splits", "window"]
 
 
 @triton.jit(do_not_specialize=_STEP_VARYING)
@@ -59,10 +62,10 @@ def _decode_attention_kernel(
     stride_os, stride_oh, stride_od,
     stride_ps, stride_ph, stride_pk, stride_pd,
     stride_ls, stride_lh, stride_lk,
-    num_splits,
+    num_splits, window,
     QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,8 +73,11 @@ def _decode_attention_kernel(
     seq64 = seq.to(tl.int64)
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = 0                                      # the first position the query sees
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -129,7 +135,7 @@ def _decode_attention_kernel(
         tl.store(part_lse_ptr + seq64 * stride_ls + heads * stride_lh + split * stride_lk, lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=_STEP_VARYING[2:])
+@triton.jit(do_not_specialize=_STEP_VARYING[2:-1])
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,
     stride_ps, stride_ph, stride_pk, stride_pd,
@@ -175,9 +181,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                      num_splits: Optional[int] = None, max_seq_len: Optional[int] = None,
-                     block_n: Optional[int] = None) -> torch.Tensor:
+                     block_n: Optional[int] = None, window: int = 0) -> torch.Tensor:
     """One query token per sequence. q [S, H, D]; k/v_cache [NB, BS, G, D]; block_tables [S, MB]
     int32/int64; seq_lens [S] = cached tokens to attend to (the query's own K/V already stored).
+    window > 0: each query sees only the last `window` of them (a sliding-window layer).
     Returns [S, H, D] in q's dtype.
 
     Keyword-only tuning knobs (the defaults are what the engine uses):
@@ -187,7 +194,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     name = "decode_attention"
     C.check_paged_attention(name, q, "[num_seqs, num_heads, head_dim]", k_cache, v_cache, block_tables,
-                            seq_lens, scale)
+                            seq_lens, scale, window=window)
     s, h, d = q.shape
     nb, bs, g, _ = k_cache.shape
     if block_tables.shape[0] != s:
@@ -206,19 +213,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"{name}: block_n must be a power of two >= 16; got {block_n}")
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs
-        num_splits = choose_num_splits(s, g, bound, C.num_sms(q.device))
+        num_splits = choose_num_splits(s, g, min(bound, window) if window else bound, C.num_sms(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"{name}: num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
 
     for launch in plan_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
-                                        num_splits, block_n):
+                                        num_splits, block_n, window):
         launch()
     return out
 
 
 def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                          out: torch.Tensor, num_splits: int, block_n: int) -> list[Launch]:
+                          out: torch.Tensor, num_splits: int, block_n: int, window: int = 0) -> list[Launch]:
     """The launches decode_attention makes for checked arguments: the attention kernel, then the
     merge kernel when num_splits > 1 (kernels.aot compiles the same). Allocates the partials."""
     s, h, d = q.shape
@@ -238,10 +245,10 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
          float(scale) * LOG2E,
          *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
          *part_o.stride(), *part_lse.stride(),
-         num_splits),
+         num_splits, window),
         dict(QUERY_GROUP=qg, HEAD_DIM=d, BLOCK_SIZE=bs,
              BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-             SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32),
+             SPLIT=num_splits > 1, SLIDING=window > 0, IEEE=q.dtype == torch.float32),
         num_warps=4, num_stages=2,
     )]
     if num_splits > 1:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import moe_reference, reference
 
 log = logging.getLogger(__name__)
 
@@ -29,22 +29,27 @@ class KernelOps:
     rms_norm: Callable
     rotary_embedding: Callable
     silu_mul: Callable
+    gelu_tanh_mul: Callable  # Gemma's GeGLU
+    # experts of a mixture-of-experts layer (kernels/moe_reference.py's signature); on CPU they may
+    # be per-expert linear layers (oneDNN-packed, packed-quantized) instead of stacked tensors
+    fused_moe: Callable = moe_reference.fused_moe
 
 
 TORCH_OPS = KernelOps("torch", reference.store_kv, reference.decode_attention,
                       reference.prefill_attention, reference.rms_norm,
-                      reference.rotary_embedding, reference.silu_mul)
+                      reference.rotary_embedding, reference.silu_mul, reference.gelu_tanh_mul)
 
 
 def triton_ops() -> KernelOps:
     from kernels import triton_ops as t  # imported lazily: triton is heavy and GPU-oriented
     return KernelOps("triton", t.store_kv, t.decode_attention, t.prefill_attention, t.rms_norm,
-                     t.rotary_embedding, t.silu_mul)
+                     t.rotary_embedding, t.silu_mul, t.gelu_tanh_mul, t.fused_moe)
 
 
 def cpu_ops(dtype: torch.dtype) -> KernelOps:
     """The CPU engine's kernels for float32: C (kernels/csrc, built on first use) for decode
-    attention, the cache store, RMSNorm, RoPE and SiLU·mul; torch's SDPA reference for prefill."""
+    attention, the cache store, RMSNorm, RoPE and SiLU·mul; torch's SDPA reference for prefill,
+    and torch's vectorized GELU for GeGLU."""
     if dtype != torch.float32:
         return TORCH_OPS
     from kernels import cpu_build, cpu_decode_attention as attn, cpu_elementwise as ew

@@ -12,6 +12,11 @@ Design (flash-attention 2 forward):
 - The kv loop runs in two phases: tiles that lie wholly before the tile's first query position
   need no causal or length mask; only the tiles on the diagonal are masked (-inf).
 - K/V tokens are gathered through the block table per token, so any cache block size works.
+- Sliding window (a local layer, `window` > 0; SLIDING is its compiled variant): a query sees keys
+  q - window < k <= q. The kv loop starts at the tile holding the first row's first visible key,
+  so tiles that no row of the query tile can see are never read, and a third phase masks the
+  window's left edge (the tiles that only some rows see); between it and the diagonal nothing is
+  masked, as without a window.
 
 The grid's first dimension must cover the longest chunk. Pass `max_q_len` when the caller knows it
 (the engine does); otherwise the wrapper uses it from cu_seqlens_q when that lives on the CPU, or
@@ -57,17 +62,18 @@ def _attend_tile(q, acc, m_i, l_i, k_ptrs, v_ptrs, kv_mask, scores_mask, scale_l
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["stride_bts", "stride_btb"])   # the table's width changes per step
+@triton.jit(do_not_specialize=["stride_bts", "stride_btb", "window"])   # the table's width changes per step
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, seq_lens_ptr, out_ptr,
-    scale_log2,
+    scale_log2, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bts, stride_btb,
     stride_ot, stride_oh, stride_od,
     QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SLIDING: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -100,11 +106,33 @@ def _prefill_attention_kernel(
     v_base = v_cache_ptr + kvh * stride_vh + offs_d[None, :] * stride_vd
 
     first_pos = ctx_len + tile_m * BLOCK_M          # < seq_len since this tile has a query
-    diag_start = (first_pos // BLOCK_N) * BLOCK_N   # keys below this are visible to every row
+    diag_start = (first_pos // BLOCK_N) * BLOCK_N   # keys below this are past for every row
     kv_end = tl.minimum(first_pos + BLOCK_M, seq_len)
 
+    full_start = 0                                  # keys from here to diag_start: seen by every row
+    if SLIDING:
+        # Phase 0: the window's left edge. No row sees a key before the first row's window (those
+        # tiles are skipped); a key at kv_end - window or later is in every row's window.
+        # Positions before the first row's window are not even loaded: their blocks may have been
+        # freed and handed to another sequence (the cache keeps only a local layer's window).
+        seen = tl.maximum(first_pos - window + 1, 0)
+        lo = (seen // BLOCK_N) * BLOCK_N
+        full_start = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, lo),
+                                diag_start)
+        for n0 in range(lo, full_start, BLOCK_N):
+            pos = n0 + offs_n
+            mask_n = pos >= seen
+            blk = tl.load(table + (pos // BLOCK_SIZE) * stride_btb, mask=mask_n, other=0).to(tl.int64)
+            row = (pos % BLOCK_SIZE).to(tl.int64)
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i,
+                k_base + (blk * stride_kb + row * stride_ko)[:, None],
+                v_base + (blk * stride_vb + row * stride_vo)[:, None],
+                mask_n[:, None] & mask_d[None, :], pos[None, :] > q_pos[:, None] - window,
+                scale_log2, MASKED=True, IEEE=IEEE)
+
     # Phase 1: whole tiles before the diagonal, no masks on the kv positions.
-    for n0 in range(0, diag_start, BLOCK_N):
+    for n0 in range(full_start, diag_start, BLOCK_N):
         pos = n0 + offs_n
         blk = tl.load(table + (pos // BLOCK_SIZE) * stride_btb).to(tl.int64)
         row = (pos % BLOCK_SIZE).to(tl.int64)
@@ -114,19 +142,22 @@ def _prefill_attention_kernel(
             v_base + (blk * stride_vb + row * stride_vo)[:, None],
             mask_d[None, :], mask_d[None, :], scale_log2, MASKED=False, IEEE=IEEE)  # scores mask unused
 
-    # Phase 2: the diagonal tiles, causal and length masks.
+    # Phase 2: the diagonal tiles, causal and length masks (and the window's, for short windows).
     for n0 in range(diag_start, kv_end, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < kv_end
+        if SLIDING:
+            mask_n = mask_n & (pos >= seen)
         blk = tl.load(table + (pos // BLOCK_SIZE) * stride_btb, mask=mask_n, other=0).to(tl.int64)
         row = (pos % BLOCK_SIZE).to(tl.int64)
+        visible = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i,
             k_base + (blk * stride_kb + row * stride_ko)[:, None],
             v_base + (blk * stride_vb + row * stride_vo)[:, None],
-            mask_n[:, None] & mask_d[None, :],
-            mask_n[None, :] & (pos[None, :] <= q_pos[:, None]),
-            scale_log2, MASKED=True, IEEE=IEEE)
+            mask_n[:, None] & mask_d[None, :], visible, scale_log2, MASKED=True, IEEE=IEEE)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
@@ -146,20 +177,21 @@ def _default_blocks(dtype: torch.dtype, head_dim: int, interpreted: bool) -> tup
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, *, max_q_len: Optional[int] = None,
+                      scale: float, *, max_q_len: Optional[int] = None, window: int = 0,
                       block_m: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
     """Causal attention for packed query chunks that read the paged cache.
 
     q [T, H, D]: S sequences back to back, sequence i at rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
     (cu_seqlens_q [S+1], int32/int64, starting at 0). seq_lens[i] counts all cached tokens of
-    sequence i, the chunk's own included (already stored). Returns [T, H, D] in q's dtype.
+    sequence i, the chunk's own included (already stored). window > 0: each query sees only its
+    last `window` positions (a sliding-window layer). Returns [T, H, D] in q's dtype.
 
     Keyword-only: max_q_len (the longest chunk, sizes the grid), block_m/block_n (tile sizes,
     powers of two >= 16).
     """
     name = "prefill_attention"
     C.check_paged_attention(name, q, "[tokens, num_heads, head_dim]", k_cache, v_cache, block_tables,
-                            seq_lens, scale)
+                            seq_lens, scale, window=window)
     C.check_dtype(name, "cu_seqlens_q", cu_seqlens_q, C.INDEX_DTYPES)
     t, h, d = q.shape
     if seq_lens.dim() != 1:
@@ -189,14 +221,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if max_q_len <= 0:
         return out
     plan_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
-                           max_q_len, block_m=block_m, block_n=block_n)()
+                           max_q_len, window=window, block_m=block_m, block_n=block_n)()
     return out
 
 
 def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, out: torch.Tensor, max_q_len: int, *, on_gpu: bool = False,
-                           block_m: Optional[int] = None, block_n: Optional[int] = None) -> Launch:
+                           scale: float, out: torch.Tensor, max_q_len: int, *, window: int = 0,
+                           on_gpu: bool = False, block_m: Optional[int] = None,
+                           block_n: Optional[int] = None) -> Launch:
     """The launch prefill_attention makes for checked arguments (kernels.aot compiles the same, with
     on_gpu=True). The tiles are the GPU's wherever the kernel is compiled for one, whatever device
     the tensors are on; the interpreter's only where the kernel is interpreted."""
@@ -207,9 +240,10 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return Launch(
         _prefill_attention_kernel, (C.cdiv(max_q_len, bm), seq_lens.shape[0], h),
         (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-         float(scale) * LOG2E,
+         float(scale) * LOG2E, window,
          *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride()),
         dict(QUERY_GROUP=h // g, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
-             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, C.next_pow2(d)), IEEE=q.dtype == torch.float32),
+             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, C.next_pow2(d)), SLIDING=window > 0,
+             IEEE=q.dtype == torch.float32),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -29,6 +29,7 @@ from kernels import _common as C
 from kernels.launch import Launch
 
 DECODE_MAX_M = 64
+DECODE_M_TILES = (16, DECODE_MAX_M)   # the decode regime's M tiles: batches of <= 16 rows, and of 17-64
 MAX_SPLITS = 16
 MIN_K_TILES_PER_SPLIT = 4   # each split streams at least this many K tiles (launch cost amortized)
 PROGRAMS_PER_SM = 2         # decode: aim for this many programs per SM, by splitting K
@@ -59,7 +60,7 @@ def plan_tiles(m: int, n: int, k: int, device: torch.device, block_k: int = 128,
         bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
         want = 1
     else:
-        bm, bn, bk, warps, stages = (16 if m <= 16 else 64), 64, block_k, 4, None
+        bm, bn, bk, warps, stages = next(t for t in DECODE_M_TILES if m <= t), 64, block_k, 4, None
         tiles = max(1, C.cdiv(n, bn) * C.cdiv(m, bm))
         want = max(1, PROGRAMS_PER_SM * (sms or C.num_sms(device)) // tiles)
         want = min(want, MAX_SPLITS, max(1, C.cdiv(k, bk) // MIN_K_TILES_PER_SPLIT))

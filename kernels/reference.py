@@ -45,31 +45,38 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         flat.index_put_((slots,), torch.where(any_stored, new[source].to(cache.dtype), flat[slots]))
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence as [length, G, D]."""
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
+    """Cached tokens start..length-1 of one sequence as [length - start, G, D]: only the blocks that
+    hold them are read (a sliding window's tokens start anywhere in their first block)."""
     bs = cache.shape[1]
-    nblocks = (length + bs - 1) // bs
-    blocks = cache[block_table[:nblocks].long()]  # [n, BS, G, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:length]
+    first, nblocks = start // bs, (length + bs - 1) // bs
+    blocks = cache[block_table[first:nblocks].long()]  # [n, BS, G, D]
+    return blocks.reshape(-1, *cache.shape[2:])[start - first * bs:length - first * bs]
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int = 0) -> torch.Tensor:
     """One sequence's chunk: q [Q, H, D] at the last Q of the K positions of k/v [K, G, D] ->
     [Q, H, D], float32 math. torch's SDPA (its CPU flash kernel) walks the keys in tiles, so no
     [H, Q, K] score matrix, mask or softmax is ever materialized (at 4k tokens that was ~0.5 GB per
     layer). Query row i sits at position K - Q + i: when the chunk is the whole sequence that is
     the plain causal mask; after cached context (a previous chunk, a reused prefix) the offset
-    needs an explicit [Q, K] boolean mask, 1 byte per pair instead of three fp32 matrices."""
+    needs an explicit [Q, K] boolean mask, 1 byte per pair instead of three fp32 matrices, and so
+    does a sliding window (a query sees keys q - window < k <= q, as HF's sliding-window mask)."""
     nq, nk = q.shape[0], k.shape[0]
     # [1, heads, tokens, D] views: the CPU flash kernel takes only 4-d inputs (3-d ones fall back
     # to the math path, which materializes the scores: 6x slower at 2k tokens) and any strides.
     qh = q.float().transpose(0, 1)[None]
     kh, vh = k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None]
-    if nq == nk:
+    banded = 0 < window < nk  # a window as long as the keys changes nothing
+    if nq == nk and not banded:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        q_pos = torch.arange(nk - nq, nk, device=q.device)
-        mask = torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None]  # [Q, K]
+        q_pos = torch.arange(nk - nq, nk, device=q.device)[:, None]
+        k_pos = torch.arange(nk, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [Q, K]
+        if banded:
+            mask &= k_pos > q_pos - window
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     out = out[0]
     return out.transpose(0, 1).to(q.dtype)
@@ -77,9 +84,10 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                     max_seq_len: Optional[int] = None) -> torch.Tensor:
+                     max_seq_len: Optional[int] = None, window: int = 0) -> torch.Tensor:
     """One query token per sequence. q [S, H, D]; seq_lens [S] = cached tokens to attend to
-    (the query's own K/V already stored). Returns [S, H, D].
+    (the query's own K/V already stored). Returns [S, H, D]. `window` > 0: each query sees only
+    the last `window` of them (a sliding-window layer); the blocks before are not read.
 
     On the CPU sequences are gathered in groups of similar length (`length_groups`), each padded to
     its own longest, so a batch of mixed lengths costs about what its tokens cost, not S x the
@@ -89,11 +97,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return torch.empty_like(q)
     if not host_reads_are_free(seq_lens):   # one padded pass to the host-known bound, no device read
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * k_cache.shape[1]
-        return _decode_padded(q, k_cache, v_cache, block_tables, seq_lens, bound, scale)
+        return _decode_padded(q, k_cache, v_cache, block_tables, seq_lens, bound, scale, window)
     lens = seq_lens.tolist()
-    groups = length_groups(lens)
+    spans = [min(n, window) for n in lens] if window else lens  # the tokens each query reads
+    groups = length_groups(spans)
     if len(groups) == 1:
-        return _decode_padded(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
+        return _decode_padded(q, k_cache, v_cache, block_tables, seq_lens, max(spans), scale, window)
     # Sort once by group, so that each group is a slice (a view) rather than an indexed copy.
     order = torch.tensor([i for rows in groups for i in rows], device=q.device)
     qs, tables, sorted_lens = q[order], block_tables[order], seq_lens[order]
@@ -101,7 +110,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for rows in groups:
         end = start + len(rows)
         parts.append(_decode_padded(qs[start:end], k_cache, v_cache, tables[start:end],
-                                    sorted_lens[start:end], lens[rows[0]], scale))
+                                    sorted_lens[start:end], spans[rows[0]], scale, window))
         start = end
     out = torch.empty_like(q)
     out[order] = torch.cat(parts)
@@ -126,8 +135,10 @@ def length_groups(lens: list[int], max_waste: float = 1.5) -> list[list[int]]:
 
 def _decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                   scale: float) -> torch.Tensor:
-    """Gather every sequence's K/V padded to max_len ([S, K, G, D]) and mask past each seq_len.
+                   scale: float, window: int = 0) -> torch.Tensor:
+    """Gather every sequence's K/V padded to max_len ([S, K, G, D]) and mask past each seq_len
+    (and, with a window, before seq_len - window: each row's gather starts at the block holding
+    its window's first token, so max_len bounds the window's tokens, not the sequence's).
 
     Whole blocks are gathered with index_select (on CPU several times faster than advanced
     indexing), and each kv head's scores are one batched matmul that reads K/V in place through
@@ -135,12 +146,23 @@ def _decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     s, h, d = q.shape
     nb, bs, g = k_cache.shape[:3]
     rep = h // g
-    nblocks = min((max_len + bs - 1) // bs, block_tables.shape[1])
-    rows = block_tables[:, :nblocks].reshape(-1).long()
+    lens = seq_lens.to(q.device).long()
+    if window:
+        span = min(max_len, window) + bs - 1   # the window may start anywhere in its first block
+        first = (lens - window).clamp(min=0) // bs   # [S] each row's first block
+    else:
+        span, first = max_len, torch.zeros_like(lens)
+    width = block_tables.shape[1]
+    nblocks = min((span + bs - 1) // bs, width)
+    cols = (first[:, None] + torch.arange(nblocks, device=q.device)).clamp(max=width - 1)
+    rows = block_tables.long().gather(1, cols).reshape(-1)
     k = k_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
     v = v_cache.reshape(nb, -1).index_select(0, rows).view(s, nblocks * bs, g, d)
-    pos = torch.arange(nblocks * bs, device=q.device)
-    outside = (pos[None, :] >= seq_lens.to(q.device).long()[:, None])[:, None, :]  # [S, 1, K]
+    pos = first[:, None] * bs + torch.arange(nblocks * bs, device=q.device)   # [S, K] each key's position
+    outside = pos >= lens[:, None]
+    if window:
+        outside |= pos < lens[:, None] - window
+    outside = outside[:, None, :]  # [S, 1, K]
     qg = q.float().reshape(s, g, rep, d) * scale
     out = torch.empty(s, g, rep, d, dtype=torch.float32, device=q.device)
     for j in range(g):  # query heads j*rep .. (j+1)*rep-1 read kv head j
@@ -152,8 +174,10 @@ def _decode_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, *, max_q_len: Optional[int] = None) -> torch.Tensor:
-    """Causal attention for packed query chunks that read the paged cache.
+                      scale: float, *, max_q_len: Optional[int] = None, window: int = 0) -> torch.Tensor:
+    """Causal attention for packed query chunks that read the paged cache; with `window` > 0 each
+    query sees only its last `window` positions (itself included), and keys before the chunk's
+    first window are not read.
 
     q [T, H, D] holds S sequences back to back, sequence i at rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
     seq_lens[i] counts all cached tokens of sequence i, the chunk's own included (already stored),
@@ -163,7 +187,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """
     if not host_reads_are_free(seq_lens):
         return _prefill_padded(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                               max_q_len if max_q_len is not None else q.shape[0])
+                               max_q_len if max_q_len is not None else q.shape[0], window)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -172,14 +196,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q_len = end - start
         if q_len == 0:
             continue
-        k = _gather_context(k_cache, block_tables[i], length)
-        v = _gather_context(v_cache, block_tables[i], length)
-        out[start:end] = _causal_attention(q[start:end], k, v, scale)
+        first = max(0, length - q_len - window + 1) if window else 0  # the first query's window
+        k = _gather_context(k_cache, block_tables[i], length, first)
+        v = _gather_context(v_cache, block_tables[i], length, first)
+        out[start:end] = _causal_attention(q[start:end], k, v, scale, window)
     return out
 
 
 def _prefill_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_q_len: int) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_q_len: int,
+                    window: int = 0) -> torch.Tensor:
     """prefill_attention with no host read of the lengths (the GPU branch): every chunk padded to
     max_q_len queries and to the tables' capacity in keys, one masked SDPA over all of them, and
     each token's row gathered back. Memory grows with S x max_q_len x capacity (the mask): this is
@@ -197,6 +223,8 @@ def _prefill_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     keys = block_tables.shape[1] * bs
     k_pos = torch.arange(keys, device=dev)
     visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]     # [S, Q, K]
+    if window:
+        visible &= k_pos[None, None, :] > q_pos[:, :, None] - window
     visible[:, :, 0] |= ~q_valid                                  # padded queries see one key: no NaN
     blocks = block_tables.long().reshape(-1)
     k = k_cache.index_select(0, blocks).view(s, keys, g, d)
@@ -239,3 +267,11 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     gate, up = x[..., :half].float(), x[..., half:].float()
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (Gemma's GeGLU: HF's
+    "gelu_pytorch_tanh", the tanh approximation of GELU)."""
+    half = x.shape[-1] // 2
+    gate, up = x[..., :half].float(), x[..., half:].float()
+    return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)

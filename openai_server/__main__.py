@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
                                             "/v1/models) in front of the inflight model in Triton.")
     p.add_argument("--grpc-url", default="localhost:8001", help="Triton's gRPC address (default localhost:8001)")
+    p.add_argument("--metrics-url", help="Triton's metrics endpoint, re-served on /metrics with the inference "
+                                         "gateway's metrics (default: the gRPC host, port 8002)")
     p.add_argument("--model-path", help="the checkpoint folder Triton serves: its tokenizer and chat "
                                         "template render /v1/chat/completions")
     p.add_argument("--served-model-name", default="llm",
@@ -21,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="the format tool calls are written in and read from (vLLM's flag; default hermes: "
                         "<tool_call> JSON; llama3_json: Llama 3's JSON calls)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; the container's entrypoint passes 0.0.0.0)")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -36,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from openai_server.app import create_app
 
-    app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser)
+    app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser, args.metrics_url)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

@@ -1,4 +1,4 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health.
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
 Each call becomes one Triton request per choice (prompts x n), sent on the shared gRPC channel and
 read as they stream back; their pieces are merged into one SSE stream (`stream: true`) or one body.
@@ -16,6 +16,8 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from backend.input_guard import lone_surrogate
+from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.responses import ChoiceState, Reply, sse
 from openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
                                             triton_tensors)
@@ -77,8 +79,9 @@ def _error(exc: APIError) -> JSONResponse:
 
 
 def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm",
-               tool_call_parser: str = "hermes") -> FastAPI:
+               tool_call_parser: str = "hermes", metrics_url: Optional[str] = None) -> FastAPI:
     triton = TritonBackend(grpc_url)
+    gateway = GatewayMetrics(metrics_url or default_metrics_url(grpc_url), triton.model, served_model_name)
     render = ChatRenderer(model_path)
 
     @contextlib.asynccontextmanager
@@ -93,17 +96,31 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error(exc)
 
+    # The door's backstop: what a hostile body makes Python raise past the checks that name the
+    # field (backend/input_guard.py) is still the client's fault, never a 500.
+    @app.exception_handler(RecursionError)
+    @app.exception_handler(OverflowError)
+    @app.exception_handler(UnicodeError)
+    async def _hostile_input(request: Request, exc: Exception) -> JSONResponse:
+        return _error(APIError(400, f"the request cannot be read: {type(exc).__name__}: {exc}"))
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = await triton.ready()
         return JSONResponse({"status": "ok" if ok else "triton model not ready"}, status_code=200 if ok else 503)
 
+    @app.get("/metrics")  # the inference gateway's model-server protocol (openai_server/metrics.py)
+    async def metrics():
+        return await gateway.response()
+
     def _card(name: str, adapters: dict[str, str]) -> dict[str, Any]:
-        """A model of /v1/models: the base, or a LoRA adapter (vLLM's card: its folder, its parent)."""
+        """A model of /v1/models: the base, or a LoRA adapter and its parent (vLLM's card, with names
+        where vLLM writes folders: a client has no use for the server's paths)."""
         if name in adapters:
-            return {"id": name, "object": "model", "created": 0, "owned_by": "inflight", "root": adapters[name],
+            return {"id": name, "object": "model", "created": 0, "owned_by": "inflight", "root": name,
                     "parent": served_model_name}
-        return {"id": served_model_name, "object": "model", "created": 0, "owned_by": "inflight", "root": model_path}
+        return {"id": served_model_name, "object": "model", "created": 0, "owned_by": "inflight",
+                "root": served_model_name}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -134,6 +151,11 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        for key, value in body.items():  # "\ud800" is valid JSON, and no text the model can take
+            where = lone_surrogate(value, key) or (key if lone_surrogate(key, key) else None)
+            if where is not None:
+                raise bad(key, f"{where} is not valid Unicode text: it holds a lone surrogate (an unpaired "
+                               "\\ud800-\\udfff escape), which UTF-8 cannot encode")
         await _check_model(body.get("model"))
         return body
 
@@ -163,7 +185,17 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         tasks = [asyncio.create_task(_run(i * gen.n, t, gen.logprobs, queue)) for i, t in enumerate(tensors)]
         try:
             if gen.stream:
-                first = await queue.get()  # a refusal before any token is answered with its status
+                # The headers wait for the first piece, so that a refusal before any token is
+                # answered with its status; a client that leaves meanwhile (its request still
+                # queued) cancels it, as one that leaves mid-stream does.
+                watcher = asyncio.create_task(_watch_disconnect(request))
+                try:
+                    first = await _next_or_gone(queue, watcher)
+                finally:
+                    watcher.cancel()
+                if first is None:
+                    _cancel(tasks)
+                    return JSONResponse({}, status_code=499)
                 if isinstance(first[1], APIError):
                     raise first[1]
                 return StreamingResponse(_sse(gen, reply, tasks, queue, first),
@@ -193,13 +225,11 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         try:
             remaining = gen.num_choices
             while remaining:
-                getter = asyncio.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:  # the client left: stop generating for it
-                    getter.cancel()
+                got = await _next_or_gone(queue, watcher)
+                if got is None:  # the client left: stop generating for it
                     _cancel(tasks)
                     return JSONResponse({}, status_code=499)
-                index, item = getter.result()
+                index, item = got
                 if isinstance(item, APIError):
                     raise item
                 remaining -= states[index].add(item)
@@ -259,6 +289,16 @@ def _cancel(tasks) -> None:
     for task in tasks:
         if not task.done():
             task.cancel()
+
+
+async def _next_or_gone(queue: asyncio.Queue, watcher: asyncio.Task):
+    """The queue's next item, or None once `watcher` (_watch_disconnect) saw the client leave."""
+    getter = asyncio.create_task(queue.get())
+    done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if getter in done:
+        return getter.result()
+    getter.cancel()
+    return None
 
 
 async def _watch_disconnect(request: Request, interval: float = 0.2) -> None:

@@ -3,12 +3,14 @@ StructuredOutputsParams, backend/structured/spec.py), sent in sampling_parameter
 
 Three ways to ask, at most one per request:
 - OpenAI's `response_format`: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
-  {"name", "schema", "strict"}} (the schema is always enforced, strict or not, as vLLM does);
+  {"name", "schema", "strict"}} (the schema is always enforced, as vLLM does; keywords xgrammar
+  cannot enforce are refused, or accepted unenforced when `strict` is false);
 - vLLM's extra fields: `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | ...}) and
   the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, ...;
 - `tool_choice` "required" or a named function (tools.py): a structural tag over the call format.
-The shape is checked here, naming the parameter; compiling (a schema xgrammar refuses, a grammar no
-token can start) is the engine's, at arrival: its 400 names `structured_outputs.<kind>`.
+The shape is checked here, naming the parameter, and so are schemas (backend/structured/schema_check.py);
+compiling (a grammar xgrammar refuses, one no token can start) is the engine's, off the request
+path: its 400 names `structured_outputs.<kind>`.
 """
 from __future__ import annotations
 
@@ -47,8 +49,9 @@ def structured_outputs(body: dict[str, Any], tools: Optional["ToolCalling"] = No
             raise FieldError(param, str(exc)) from None
         asked.append((param, as_json(spec)))
     tag = tools.structural_tag() if tools is not None else None
-    if tag is not None:
-        asked.append(("tool_choice", {"structural_tag": tag}))
+    if tag is not None:  # a tool marked "strict": false accepts keywords xgrammar cannot enforce
+        asked.append(("tool_choice", {"structural_tag": tag, **({"allow_unenforced_keywords": True}
+                                                                 if tools.loose else {})}))
     if len(asked) > 1:
         raise FieldError(asked[1][0], f"one output constraint per request: {' and '.join(a for a, _ in asked)} "
                                       "both ask for one")
@@ -65,7 +68,7 @@ def structured_outputs(body: dict[str, Any], tools: Optional["ToolCalling"] = No
 def as_json(spec: StructuredOutputs) -> dict[str, Any]:
     """A StructuredOutputs as the JSON object of its set fields."""
     out = {spec.kind: list(spec.choice) if spec.kind == "choice" else getattr(spec, spec.kind)}
-    for name in ("disable_any_whitespace", "disable_additional_properties"):
+    for name in ("disable_any_whitespace", "disable_additional_properties", "allow_unenforced_keywords"):
         if getattr(spec, name):
             out[name] = True
     return out
@@ -88,7 +91,10 @@ def _response_format(value: Any) -> Optional[dict[str, Any]]:
             return {"json_object": True}
         if not isinstance(schema, (dict, bool)):
             raise FieldError("response_format", "response_format.json_schema.schema must be a JSON schema object")
-        return {"json": schema}
+        if spec.get("strict") not in (None, True, False):
+            raise FieldError("response_format", "response_format.json_schema.strict must be a boolean")
+        # strict false (asked for, not left out): keywords xgrammar cannot enforce are accepted unenforced
+        return {"json": schema, **({"allow_unenforced_keywords": True} if spec.get("strict") is False else {})}
     raise FieldError("response_format", f'response_format.type must be "text", "json_object" or "json_schema"; '
                                         f"got {kind!r}")
 

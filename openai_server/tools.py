@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from backend.structured.schema_check import check_schema
 from openai_server.constraints import FieldError
 from openai_server.tool_parsers import HERMES_CLOSE, HERMES_OPEN, LLAMA3_SEPARATOR, PARSERS
 
@@ -45,6 +46,31 @@ class ToolCalling:
     def parses(self) -> bool:
         return self.choice != "none"
 
+    @property
+    def enforced(self) -> list[dict[str, Any]]:
+        """The functions whose calls the output must follow ("required": all; a named one: it)."""
+        if self.choice in ("none", "auto"):
+            return []
+        return [f for f in self.functions if not self.named or f["name"] == self.choice]
+
+    @property
+    def loose(self) -> bool:
+        """An enforced function marked "strict": false: its schema's unenforceable keywords pass."""
+        return any(f.get("strict") is False for f in self.enforced)
+
+    def check_schemas(self) -> None:
+        """Every function's parameters must be a valid, satisfiable JSON schema, whatever tool_choice
+        says (a model told of an impossible schema cannot call the function right); an enforced
+        one's keywords must also be ones the grammar enforces, unless the function is not strict."""
+        enforced = {f["name"] for f in self.enforced}
+        for i, f in enumerate(self.functions):
+            where = f"tools[{i}].function.parameters"
+            try:
+                check_schema(f.get("parameters") or {"type": "object"}, where, enforced=f["name"] in enforced,
+                             allow_unenforced=f.get("strict") is False)
+            except ValueError as exc:
+                raise FieldError("tools", str(exc)) from None
+
     # -- the request ---------------------------------------------------------------------------------
     @classmethod
     def from_body(cls, body: dict[str, Any], parser: str) -> Optional["ToolCalling"]:
@@ -64,7 +90,9 @@ class ToolCalling:
             raise FieldError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
         if parser not in PARSERS:
             raise FieldError("tools", f"the server's --tool-call-parser must be one of {', '.join(PARSERS)}")
-        return cls(functions, _choice(choice, names), True if parallel is None else parallel, parser)
+        calling = cls(functions, _choice(choice, names), True if parallel is None else parallel, parser)
+        calling.check_schemas()
+        return calling
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The `tools` variable of a chat template: [{"type": "function", "function": {...}}]."""
@@ -73,9 +101,9 @@ class ToolCalling:
     def structural_tag(self) -> Optional[dict[str, Any]]:
         """The constraint of "required" / a named function: tool calls in the server's format, each
         call's arguments by its function's schema (xgrammar's structural-tag JSON)."""
-        if self.choice in ("none", "auto"):
+        chosen = self.enforced
+        if not chosen:
             return None
-        chosen = [f for f in self.functions if not self.named or f["name"] == self.choice]
         if self.parser == "hermes":
             begin, key, end, separator = HERMES_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + HERMES_CLOSE, "\n"
         else:

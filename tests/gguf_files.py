@@ -100,23 +100,12 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
     writer = gguf.GGUFWriter(str(path), arch)
     if name:
         writer.add_name(name)
-    writer.add_block_count(keys["block_count"])
-    writer.add_context_length(keys["context_length"])
-    writer.add_embedding_length(keys["embedding_length"])
-    writer.add_feed_forward_length(keys["feed_forward_length"])
-    writer.add_head_count(keys["head_count"])
-    writer.add_head_count_kv(keys["head_count_kv"])
-    writer.add_layer_norm_rms_eps(1e-5)
+    add_shape(writer, keys["block_count"], keys["context_length"], keys["embedding_length"],
+              keys["feed_forward_length"], keys["head_count"], keys["head_count_kv"], 1e-5)
     writer.add_rope_freq_base(10000.0)
     if arch != "qwen2":
         writer.add_rope_dimension_count(s["head_dim"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_bpe_tokenizer(writer, tokens, merges, token_types, pre)
     writer.add_chat_template(CHAT_TEMPLATE)
     matrices = 0
     for hf, w in weights.items():
@@ -143,11 +132,38 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
             writer.add_tensor(name_, quantize(data, qtype.name), raw_dtype=qtype)
     for name_, data in (extra_tensors or {}).items():
         writer.add_tensor(name_, data)
+    finish(writer)
+    return weights
+
+
+def add_shape(writer, layers: int, context: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+              eps: float) -> None:
+    """The architecture keys every file has."""
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(eps)
+
+
+def add_bpe_tokenizer(writer, tokens: list[str], merges: list[str], token_types: list[int], pre: str) -> None:
+    """A byte-level BPE tokenizer as ``tokenizer.ggml.*`` metadata (BOS 1, EOS 2)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def finish(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return weights
 
 
 def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
@@ -165,13 +181,7 @@ def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
     scores = [0.0] * 259 + [-float(i) for i in range(len(vocab) - 259)]
     s = dict(SHAPE, layers=1)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(s["hidden"])
-    writer.add_feed_forward_length(s["ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_layer_norm_rms_eps(1e-5)
+    add_shape(writer, 1, 64, s["hidden"], s["ffn"], s["heads"], s["kv_heads"], 1e-5)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(vocab)
     writer.add_token_types(types)
@@ -181,10 +191,7 @@ def write_sentencepiece_gguf(path: Path, tokenizer_json: Path) -> None:
     writer.add_unk_token_id(0)
     for hf, w in hf_weights(len(vocab), 0, qkv_bias=False, tied=True, s=s).items():
         writer.add_tensor(gguf_name(hf), w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def llama_cpp_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float = 1.0,
@@ -285,3 +292,147 @@ def tensor_info_offsets(path: Path, tensor: str) -> dict[str, int]:
     pos = info.offset + 8 + len(tensor.encode())
     n_dims = len(info.parts[3])
     return {"n_dims": pos, "dims": pos + 4, "type": pos + 4 + 8 * n_dims, "offset": pos + 8 + 8 * n_dims}
+
+
+# -- a transformers checkpoint as llama.cpp's convert_hf_to_gguf.py writes it (Qwen3, Gemma 3) -------
+_GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+_NORM_NAMES = {"qwen3": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"},
+               "gemma3": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                          "post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}}
+
+
+def write_gguf_from_hf(path: Path, hf_dir: Path, tokenizer_json: Path, types: Sequence[str] = ("F32",)) -> str:
+    """Convert a transformers checkpoint of Qwen3 or Gemma 3 into a GGUF file the way llama.cpp's
+    converter does: its metadata keys, its tensor names, q/k rows as they are (no permutation for
+    these architectures), every Gemma norm weight stored as 1 + w, the global layers' RoPE base and
+    linear scaling, no output.weight when tied. Matrices take `types` in turn. Returns the GGUF
+    architecture name."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from safetensors.numpy import load_file
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    arch = _GGUF_ARCH[config["architectures"][0]]
+    weights = load_file(str(Path(hf_dir) / "model.safetensors"))
+    tokens, merges, token_types = tokenizer_metadata(tokenizer_json)
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_shape(writer, config["num_hidden_layers"], config["max_position_embeddings"], config["hidden_size"],
+              config["intermediate_size"], config["num_attention_heads"], config["num_key_value_heads"],
+              config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    rope = config["rope_parameters"]
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (llama.cpp's freq_base)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    add_bpe_tokenizer(writer, tokens, merges, token_types, "smollm")
+    names = {**_GGUF_NAMES, **_NORM_NAMES[arch]}
+    matrices = 0
+    for hf, w in weights.items():
+        w = w.astype(np.float32)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            w = w + 1.0
+        base, suffix = hf.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            _, _, layer, part = base.split(".", 3)
+            name = f"blk.{layer}.{names[part]}.{suffix}"
+        else:
+            name = f"{names[base]}.{suffix}"
+        qtype = T.F32
+        if w.ndim == 2:
+            qtype = T[types[matrices % len(types)]]
+            matrices += 1
+        writer.add_tensor(name, w if qtype == T.F32 else quantize(w, qtype.name),
+                          raw_dtype=None if qtype == T.F32 else qtype)
+    finish(writer)
+    return arch
+
+
+# -- mixtures of experts: a transformers checkpoint written as llama.cpp's converter writes it ----------
+def write_moe_gguf(path: Path, tokenizer_json: Path, hf_dir: Path, types: Sequence[str] = ("F32",)) -> None:
+    """The safetensors checkpoint of a tiny Mixtral (GGUF arch ``llama`` with experts) or Qwen3-MoE
+    (``qwen3moe``) in ``hf_dir`` as a GGUF file: each layer's experts stacked into ffn_gate_exps /
+    ffn_up_exps [E, I, H] and ffn_down_exps [E, H, I], the router as ffn_gate_inp (F32, as llama.cpp
+    keeps it), q/k rows permuted for ``llama``; the matrices (stacked experts included) take
+    ``types`` in turn. Its vocabulary must be the tokenizer's."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    mixtral = config["model_type"] == "mixtral"
+    arch = "llama" if mixtral else "qwen3moe"
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    tokens, merges, token_types = tokenizer_metadata(tokenizer_json)
+    assert len(tokens) == config["vocab_size"], "the checkpoint's vocabulary must be the tokenizer's"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta")))
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if mixtral:
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    block = "block_sparse_moe" if mixtral else "mlp"
+    parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"], "output_norm.weight": weights["model.norm.weight"]}
+    if "lm_head.weight" in weights:
+        tensors["output.weight"] = weights["lm_head.weight"]
+    for i in range(config["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, name in _GGUF_NAMES.items():
+            if p + hf + ".weight" in weights:
+                w = weights[p + hf + ".weight"]
+                if mixtral and hf in ("self_attn.q_proj", "self_attn.k_proj"):
+                    w = llama_cpp_permute(w, heads if hf.endswith("q_proj") else kv_heads)
+                tensors[b + name + ".weight"] = w
+        for hf, name in (("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")):
+            if p + hf + ".weight" in weights:
+                tensors[b + name + ".weight"] = weights[p + hf + ".weight"]
+        if p + f"{block}.gate.weight" in weights:
+            tensors[b + "ffn_gate_inp.weight"] = weights[p + f"{block}.gate.weight"]
+            for part, name in zip(parts, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+                tensors[b + name + ".weight"] = np.stack(
+                    [weights[p + f"{block}.experts.{e}.{part}.weight"] for e in range(experts)])
+    matrices = 0
+    for name, data in tensors.items():
+        qtype = T.F32
+        if data.ndim >= 2 and "ffn_gate_inp" not in name:
+            qtype = T[types[matrices % len(types)]]
+            matrices += 1
+        if qtype == T.F32:
+            writer.add_tensor(name, np.ascontiguousarray(data, np.float32))
+        else:
+            rows = quantize(data.reshape(-1, data.shape[-1]), qtype.name)
+            writer.add_tensor(name, rows.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -60,6 +60,23 @@ def make_adapter(base_dir: Path, out_dir: Path, seed: int, spec: AdapterSpec = A
     return Path(out_dir)
 
 
+def checkpoint_with_adapters(base_dir: Path, root: Path, names: tuple[str, ...], seed: int,
+                             spec: AdapterSpec = AdapterSpec(),
+                             listed: Optional[tuple[str, ...]] = None) -> tuple[Path, dict[str, Path]]:
+    """A served checkpoint folder, root/ckpt: the base's files linked, and a multi_lora.json (the vLLM
+    backend's file) naming `listed` (default: all) of the adapters `names`, written under root with
+    seeds seed, seed + 1, ... Returns (the folder, {name: adapter folder})."""
+    import json
+
+    folder = Path(root) / "ckpt"
+    folder.mkdir()
+    for f in Path(base_dir).iterdir():
+        (folder / f.name).symlink_to(f)
+    adapters = {name: make_adapter(base_dir, Path(root) / name, seed=seed + i, spec=spec) for i, name in enumerate(names)}
+    (folder / "multi_lora.json").write_text(json.dumps({n: str(adapters[n]) for n in (listed or names)}))
+    return folder, adapters
+
+
 def merged_greedy(base_dir: Path, adapter_dir: Optional[Path], prompts: list[list[int]],
                   max_tokens: list[int]) -> list[list[int]]:
     """The oracle: transformers' greedy tokens with the adapter merged into the base weights by

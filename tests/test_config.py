@@ -22,7 +22,7 @@ def test_static_batch_size_switches_to_static_batching():
 @pytest.mark.parametrize("params, words", [
     ({"max_num_seq": "8"}, ["unknown parameter 'max_num_seq'", "max_num_seqs"]),
     ({"kv_block_size": "sixteen"}, ["kv_block_size", "integer", "sixteen"]),
-    ({"kv_block_size": "0"}, ["kv_block_size", ">= 1"]),
+    ({"kv_block_size": "0"}, ["kv_block_size", "in [1, 1024]"]),
     ({"enable_chunked_context": "maybe"}, ["enable_chunked_context", "true or false"]),
     ({"batch_scheduler_policy": "fifo"}, ["batch_scheduler_policy", "guaranteed_no_evict", "max_utilization"]),
     ({"batching_mode": "continuous"}, ["batching_mode", "inflight", "dynamic", "static", "none"]),

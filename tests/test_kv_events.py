@@ -119,24 +119,26 @@ def run(tmp_path_factory, monkeypatch_module):
                 return
         raise AssertionError("the subscriber never heard the publisher")
 
-    early = Subscriber(context, pub_port)
-    join(early)
-    a = [rng.randrange(3, 512) for _ in range(45)]
-    generate(a, 7)
-    generate(a[:20] + [rng.randrange(3, 512) for _ in range(30)], 5)
-    before_late = len(batches)
-    late = Subscriber(context, pub_port)
-    join(late)
-    generate([rng.randrange(3, 512) for _ in range(70)], 4)  # 10 blocks of 12: evicts cached ones
-    last = len(batches) - 1
-    early.drain(until=last)
-    late.drain(until=last)
-    result = dict(llm=llm, early=early.got, late=late.got, before_late=before_late, last=last,
-                  replayed=replay(context, replay_port, 0), replayed_late=replay(context, replay_port, before_late),
-                  sequences=sequences, prompt_a=a)
-    yield result
-    llm.engine.close()
-    context.destroy(linger=0)  # term() would wait for the sockets the tests left open
+    try:
+        early = Subscriber(context, pub_port)
+        join(early)
+        a = [rng.randrange(3, 512) for _ in range(45)]
+        generate(a, 7)
+        generate(a[:20] + [rng.randrange(3, 512) for _ in range(30)], 5)
+        before_late = len(batches)
+        late = Subscriber(context, pub_port)
+        join(late)
+        generate([rng.randrange(3, 512) for _ in range(70)], 4)  # 10 blocks of 12: evicts cached ones
+        last = len(batches) - 1
+        early.drain(until=last)
+        late.drain(until=last)
+        result = dict(llm=llm, early=early.got, late=late.got, before_late=before_late, last=last,
+                      replayed=replay(context, replay_port, 0), replayed_late=replay(context, replay_port, before_late),
+                      sequences=sequences, prompt_a=a)
+        yield result
+    finally:  # also when the set-up fails: no thread or socket outlives the module
+        llm.engine.close()
+        context.destroy(linger=0)  # term() would wait for the sockets left open
 
 
 @pytest.fixture(scope="module")
@@ -330,3 +332,17 @@ def test_events_off_load_neither_zmq_nor_msgpack():
             "print(sorted(m for m in ('zmq', 'msgpack', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_each_model_instance_publishes_on_its_own_ports(tmp_path):
+    """Instance i of a config with several (Triton's llm_0_<i>) is data-parallel rank i: its tcp
+    ports move up by i, as vLLM's ranks' do, and its batches carry i."""
+    from adapter_module import load_adapter
+    from backend.kv_event_publisher import rank_endpoint
+
+    raw = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5559"}'
+    params = {"model_path": str(tmp_path), "enable_kv_cache_reuse": "true", "kv_events_config": raw}
+    first, second = (load_adapter().engine_config(params, "CPU", "0", tmp_path, f"llm_0_{i}").kv_events for i in (0, 1))
+    assert (first.data_parallel_rank, second.data_parallel_rank) == (0, 1)
+    assert [rank_endpoint(e, 1) for e in (second.endpoint, second.replay_endpoint)] == ["tcp://*:5558", "tcp://*:5560"]
+    assert rank_endpoint("ipc:///tmp/kv", 2) == "ipc:///tmp/kv_dp2" and rank_endpoint("tcp://h:1", 0) == "tcp://h:1"

@@ -51,7 +51,7 @@ def assert_idle(llm):
     tiers = llm.engine.kv_tiers
     llm.check_integrity()
     assert llm.stats()["kv_blocks_used"] == 0
-    assert not tiers.busy and not any(tiers.host.pins)
+    assert tiers.idle and not tiers.busy and not any(tiers.host.pins)
 
 
 def reusable_tokens(turns):
@@ -175,7 +175,7 @@ def test_a_request_given_up_while_its_prefix_is_read_from_disk_leaks_nothing(cha
     while engine.has_work():
         engine.step()
     for _ in range(50):  # the reads in flight land on a given-up load
-        engine.kv_tiers.poll(engine.runner.kv_copy_done)
+        engine.kv_tiers.poll()
         if not engine.kv_tiers.busy:
             break
         engine.kv_tiers.disk.wait(0.1)
@@ -191,7 +191,7 @@ def test_a_failed_copy_forgets_its_saves_and_brings_nothing(chat, monkeypatch):
     llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, **ENGINE)
     run_turns(llm, turns[:1])
     engine, failed = llm.engine, []
-    real = engine.runner.move_kv
+    real = engine.kv_tiers.copier.execute
 
     def broken(plan):
         if plan.loads:
@@ -199,7 +199,7 @@ def test_a_failed_copy_forgets_its_saves_and_brings_nothing(chat, monkeypatch):
             raise RuntimeError("copy failed")
         return real(plan)
 
-    monkeypatch.setattr(engine.runner, "move_kv", broken)
+    monkeypatch.setattr(engine.kv_tiers.copier, "execute", broken)
     engine.add_request("x", turns[1][0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     with pytest.raises(RuntimeError, match="copy failed"):
         while engine.has_work():
@@ -207,7 +207,7 @@ def test_a_failed_copy_forgets_its_saves_and_brings_nothing(chat, monkeypatch):
     engine.fail_running("copy failed")  # what the AsyncEngine does after a failed step
     assert failed and not any(engine.kv_tiers.host.pins)
     assert_idle(llm)
-    monkeypatch.setattr(engine.runner, "move_kv", real)
+    monkeypatch.setattr(engine.kv_tiers.copier, "execute", real)
     assert run_turns(llm, [turns[1]]) == [expected[1]]  # and it serves on
     assert_idle(llm)
 
@@ -215,7 +215,7 @@ def test_a_failed_copy_forgets_its_saves_and_brings_nothing(chat, monkeypatch):
 def test_preempted_requests_under_max_utilization_keep_transformers_tokens(chat):
     path, turns, expected = chat
     llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, batch_scheduler_policy="max_utilization",
-              **{**ENGINE, "max_tokens_in_paged_kv_cache": 128, "max_num_seqs": 3})
+              **{**ENGINE, "max_tokens_in_paged_kv_cache": 112, "max_num_seqs": 4})
     assert run_turns(llm, turns) == expected
     # a preempted request's full blocks stay cached, go to the host when handed out, and come back
     assert llm.stats()["num_preemptions"] > 0 and llm.stats()["kv_tiers"]["host"]["hits"] > 0

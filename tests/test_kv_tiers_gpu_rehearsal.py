@@ -99,6 +99,17 @@ def test_a_load_given_up_mid_copy_is_waited_for_before_its_blocks_are_written(gp
     gpu.release_events()
     while llm.engine.has_work():
         llm.engine.step()
-    llm.engine.kv_tiers.poll(llm.engine.runner.kv_copy_done)
+    llm.engine.kv_tiers.poll()
     llm.check_integrity()
     assert not llm.engine.kv_tiers.busy and not any(llm.engine.kv_tiers.host.pins)
+
+
+def test_the_gpu_check_of_the_tiers_passes_its_cpu_rehearsal(tmp_path):
+    """client/tools/gpu_check_tiers.py, the check a GPU session runs first, rehearsed on the CPU."""
+    import json
+
+    from client.tools.gpu_check_tiers import main
+
+    assert main(["--dry-run", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "kv_tiers.json").read_text())
+    assert res["copies"]["exact"] and res["chat"]["host"]["host_hits"] > 0 and res["chat"]["host"]["idle"]

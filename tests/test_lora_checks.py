@@ -43,7 +43,7 @@ def test_a_fitting_adapter_loads_with_its_rank_modules_and_scaling(base, cfg, tm
 def test_an_adapter_made_for_another_model_is_refused_naming_the_module(base, cfg, tmp_path):
     other = make_checkpoint("llama", tmp_path / "other")   # hidden 64, not the base's 256
     path = make_adapter(other, tmp_path / "other-lora", 1, AdapterSpec(targets=("v_proj",)))
-    with pytest.raises(ValueError, match=r"LoRA adapter 'x': module 'layers\.0\.self_attn\.v_proj': .*\(8, 64\).*"
+    with pytest.raises(ValueError, match=r"LoRA adapter 'x' \(\S+\): module 'layers\.0\.self_attn\.v_proj': .*\(8, 64\).*"
                                          r"expected \(8, 256\).*another model"):
         load_adapter("x", str(path), cfg, 16)
 
@@ -51,13 +51,13 @@ def test_an_adapter_made_for_another_model_is_refused_naming_the_module(base, cf
 @pytest.mark.parametrize("module", ["lm_head", "embed_tokens"])
 def test_adapters_on_modules_the_engine_does_not_serve_are_refused_by_name(base, cfg, tmp_path, module):
     path = make_adapter(base, tmp_path / module, 1, AdapterSpec(targets=("q_proj", module)))
-    with pytest.raises(ValueError, match=rf"LoRA adapter 'y': module '(model\.)?{module}'.* not supported"):
+    with pytest.raises(ValueError, match=rf"LoRA adapter 'y' \(\S+\): module '(model\.)?{module}'.* not supported"):
         load_adapter("y", str(path), cfg, 16)
 
 
 def test_a_rank_above_max_lora_rank_is_refused(base, cfg, tmp_path):
     path = make_adapter(base, tmp_path / "r32", 1, AdapterSpec(r=32, targets=("o_proj",)))
-    with pytest.raises(ValueError, match=r"'big': module 'layers\.0\.self_attn\.o_proj' has rank 32, above max_lora_rank=16"):
+    with pytest.raises(ValueError, match=r"'big' \(\S+\): module 'layers\.0\.self_attn\.o_proj' has rank 32, above max_lora_rank=16"):
         load_adapter("big", str(path), cfg, 16)
 
 
@@ -67,7 +67,7 @@ def test_dora_biases_and_whole_modules_are_refused_from_the_config(base, cfg, tm
     for key, value, message in [("use_dora", True, "DoRA"), ("bias", "lora_only", "LoRA biases"),
                                 ("modules_to_save", ["lm_head"], "modules_to_save"), ("peft_type", "IA3", "only LORA")]:
         (path / "adapter_config.json").write_text(json.dumps({**config, key: value}))
-        with pytest.raises(ValueError, match=rf"LoRA adapter 'z': .*{message}"):
+        with pytest.raises(ValueError, match=rf"LoRA adapter 'z' \(\S+\): .*{message}"):
             load_adapter("z", str(path), cfg, 16)
 
 

@@ -115,6 +115,6 @@ def test_an_adapter_folder_a_rank_cannot_read_fails_that_rank_naming_it(tiny, tm
         shutil.rmtree(folder)
         out = two.generate([[5, 6, 7, 8]], greedy(4), lora_request="x")[0]
         assert out.finish_reason == "error"
-        assert f"tensor-parallel rank 1 failed: ValueError: LoRA adapter 'x': no adapter folder at {folder}" in out.error
+        assert f"tensor-parallel rank 1 failed: ValueError: LoRA adapter 'x' ({folder}): no adapter folder there" in out.error
     psutil.wait_procs(workers, timeout=10)
     assert not tp_workers()

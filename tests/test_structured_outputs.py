@@ -152,27 +152,40 @@ def test_preemption_recomputes_to_the_same_constrained_outputs(default_model_dir
 
 
 @pytest.mark.parametrize("spec, field, words", [
-    ({"json": {"type": "strin"}}, "structured_outputs.json", "cannot be compiled"),
-    ({"json": {"type": "string", "minLength": 5, "maxLength": 2}}, "structured_outputs.json", "minLength"),
+    ({"json": {"type": "strin"}}, "structured_outputs.json", "/type must be one of"),
+    ({"json": {"type": "string", "minLength": 5, "maxLength": 2}}, "structured_outputs.json", "minLength 5 is greater"),
+])
+def test_bad_schemas_are_refused_at_arrival(llm, spec, field, words):
+    engine = llm.engine
+    with pytest.raises(ValueError) as err:
+        engine.add_request("bad", "x", SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert str(err.value).startswith(field) and words in str(err.value), str(err.value)
+    assert not engine.has_work() and engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("spec, field, words", [
     ({"regex": "(ab"}, "structured_outputs.regex", "cannot be compiled"),
     ({"grammar": 'root ::= "a" b'}, "structured_outputs.grammar", "not defined"),
     ({"grammar": 'root ::= root "a"'}, "structured_outputs.grammar", "tokenizer cannot satisfy"),
     ({"structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}}, "structured_outputs.structural_tag",
      "cannot be compiled"),
 ])
-def test_bad_constraints_are_refused_at_arrival(llm, spec, field, words):
-    engine = llm.engine
-    with pytest.raises(ValueError) as err:
-        engine.add_request("bad", "x", SamplingParams(max_tokens=4, structured_outputs=spec))
-    assert str(err.value).startswith(field) and words in str(err.value), str(err.value)
-    assert not engine.has_work() and engine.stats()["kv_blocks_used"] == 0
+def test_constraints_xgrammar_refuses_end_their_request_with_the_reason(llm, spec, field, words):
+    """Compiling runs off the request path: xgrammar's refusal ends the request (an error output,
+    a 400 at the doors: error_kind "invalid"); a second one is refused at arrival (cached)."""
+    bad = SamplingParams(max_tokens=4, structured_outputs=spec)
+    out = llm.generate("x", bad)[0]
+    assert out.finish_reason == "error" and out.error_kind == "invalid", out
+    assert out.error.startswith(field) and words in out.error, out.error
+    with pytest.raises(ValueError, match=words):
+        llm.engine.add_request("again", "x", bad)
+    assert not llm.engine.has_work() and llm.stats()["kv_blocks_used"] == 0
     assert llm.generate("x", SamplingParams(max_tokens=2, temperature=0.0))[0].finish_reason  # it serves on
 
 
 def test_only_empty_output_with_min_tokens_is_refused(llm):
-    with pytest.raises(ValueError, match="admits only an empty output, but min_tokens is 2"):
-        llm.engine.add_request("e", "x", SamplingParams(max_tokens=4, min_tokens=2,
-                                                        structured_outputs={"regex": "a{0}"}))
+    out = llm.generate("x", SamplingParams(max_tokens=4, min_tokens=2, structured_outputs={"regex": "a{0}"}))[0]
+    assert out.finish_reason == "error" and "admits only an empty output, but min_tokens is 2" in out.error
 
 
 def test_each_distinct_constraint_compiles_once_in_a_bounded_cache(default_model_dir):

@@ -171,15 +171,19 @@ def test_kind_model_instances_take_disjoint_device_groups(monkeypatch, tmp_path,
 
 
 def test_gpu_check_runs_tp2_only_with_two_gpus_and_says_when_it_skipped(monkeypatch):
-    from client.tools import gpu_check, gpu_check_tp
+    from client.tools import gpu_check_plan, gpu_check_report, gpu_check_tp
 
     FakeCuda(gpus=[FakeGpu(GIB, GIB // 2)]).install(monkeypatch)
-    part = gpu_check_tp.tensor_parallel(gpu_check.FULL, ROOT / "unused")
+    part = gpu_check_tp.tensor_parallel(gpu_check_plan.FULL, ROOT / "unused")
     assert part == {"ok": True, "skipped": "the TP=2 run (NCCL) needs two GPUs; this machine has 1"}
     res = dict(date="d", device="one GPU", dry_run=False, environment={}, ok=True, wall_s=1.0, problems=[],
-               parts={"tp": dict(part, seconds=0.0, budget=120)})
-    assert "| tp | skipped: the TP=2 run (NCCL) needs two GPUs; this machine has 1 | 0 | 120 |" in gpu_check.markdown(res)
-    assert gpu_check.verdict(res["parts"], dry_run=False) == (True, [])
+               parts={"tp": dict(part, seconds=0.0, budget=60)})
+    assert ("| tp | SKIP | 0 | 60 | the TP=2 run (NCCL) needs two GPUs; this machine has 1 |"
+            in gpu_check_report.table(res))
+    assert gpu_check_report.verdict(res["parts"], dry_run=False) == (True, [])
+    # the run itself skips it before starting the part, from the plan
+    tp = gpu_check_plan.part("tp")
+    assert gpu_check_plan.skip_reason(tp, False, 1, None, None) == "needs 2 GPUs; this machine has 1"
 
 
 def test_the_split_is_planned_without_torch():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from backend.gguf.mapping import GGUFImportError
+from backend.gguf.mapping import GGUFImportError, moe_layer_shapes
 from backend.gguf.packed import BLOCK_SIZES, tensor_bytes, type_name
 
 MAX_CONTEXT_LENGTH = 1 << 20  # positions: above every published model (Qwen2.5-1M: 1,010,000)
@@ -182,17 +182,26 @@ def check_config(config: Mapping[str, Any], arch: str, head_dim_given: bool) -> 
     if heads % kv_heads:
         raise GGUFImportError(f"{arch}.attention.head_count {heads} is not a multiple of "
                               f"{arch}.attention.head_count_kv {kv_heads}")
+    if "num_experts_per_tok" in config:   # a mixture of experts
+        experts = _positive(config, "num_local_experts" if "num_local_experts" in config else "num_experts",
+                            f"{arch}.expert_count")
+        used = _positive(config, "num_experts_per_tok", f"{arch}.expert_used_count")
+        if used > experts:
+            raise GGUFImportError(f"{arch}.expert_used_count {used} exceeds {arch}.expert_count {experts}")
+        if "moe_intermediate_size" in config:
+            _positive(config, "moe_intermediate_size", f"{arch}.expert_feed_forward_length")
     context = config["max_position_embeddings"]
     if not isinstance(context, int) or not 0 < context <= MAX_CONTEXT_LENGTH:
         raise GGUFImportError(f"{arch}.context_length {context} is outside 1..{MAX_CONTEXT_LENGTH} "
                               "(inflight's limit on a model's positions)")
 
 
-def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: Mapping[str, Any], arch: str = "llama") -> dict[str, tuple[int, ...]]:
     """Every tensor a model of this configuration has, by GGUF name, with its numpy shape."""
     hidden, vocab, ffn = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
+    head_dim = config["head_dim"]
+    q = config["num_attention_heads"] * head_dim
+    kv = config["num_key_value_heads"] * head_dim
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if not config["tie_word_embeddings"]:
         shapes["output.weight"] = (vocab, hidden)
@@ -200,9 +209,14 @@ def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         b = f"blk.{i}."
         shapes.update({b + "attn_norm.weight": (hidden,), b + "ffn_norm.weight": (hidden,),
                        b + "attn_q.weight": (q, hidden), b + "attn_k.weight": (kv, hidden),
-                       b + "attn_v.weight": (kv, hidden), b + "attn_output.weight": (hidden, q),
-                       b + "ffn_gate.weight": (ffn, hidden), b + "ffn_up.weight": (ffn, hidden),
-                       b + "ffn_down.weight": (hidden, ffn)})
+                       b + "attn_v.weight": (kv, hidden), b + "attn_output.weight": (hidden, q)})
+        experts = moe_layer_shapes(config, i)
+        shapes.update(experts or {b + "ffn_gate.weight": (ffn, hidden), b + "ffn_up.weight": (ffn, hidden),
+                                  b + "ffn_down.weight": (hidden, ffn)})
+        if arch in ("qwen3", "gemma3", "qwen3moe"):  # one norm weight per head dimension, shared by the heads
+            shapes.update({b + "attn_q_norm.weight": (head_dim,), b + "attn_k_norm.weight": (head_dim,)})
+        if arch == "gemma3":  # the attention's and the MLP's output norms
+            shapes.update({b + "post_attention_norm.weight": (hidden,), b + "post_ffw_norm.weight": (hidden,)})
     return shapes
 
 
@@ -216,7 +230,7 @@ def check_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any
     if config["num_hidden_layers"] > len(layers):  # before listing what so many layers would hold
         raise GGUFImportError(f"{arch}.block_count is {config['num_hidden_layers']} but the file has "
                               f"tensors for {len(layers)} layer(s)")
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, arch)
     sizes = {"q": config["num_attention_heads"] * config["head_dim"],
              "kv": config["num_key_value_heads"] * config["head_dim"], "hidden": config["hidden_size"]}
     for name, shape in shapes.items():

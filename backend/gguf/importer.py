@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -28,8 +29,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from backend.gguf.checks import check_config, check_shapes, scan
-from backend.gguf.mapping import (ROPE_FREQS, GGUFImportError, hf_architecture, hf_config,
-                                  hf_tensor_name, llama3_rope_scaling, read_metadata, unpermute_rows)
+from backend.gguf.mapping import (GEMMA_NORM_SHIFT, MOE_TENSORS, PERMUTED_ARCHITECTURES, ROPE_FREQS,
+                                  GGUFImportError, hf_architecture, hf_config, hf_tensor_name,
+                                  llama3_rope_scaling, read_metadata, unpermute_rows)
 from backend.gguf.packed import (FLOAT_TYPES, PACKED_TYPES, TYPE_NAMES, float_array, pack,
                                  supported_types, type_name)
 from backend.gguf.tokenizer import build_tokenizer, tokenizer_config
@@ -45,31 +47,55 @@ def _numpy_shape(tensor) -> tuple[int, ...]:
     return tuple(reversed([int(s) for s in tensor.shape]))  # GGUF lists dimensions innermost first
 
 
-def _tensor_arrays(tensor, config: dict[str, Any], permuted: bool,
+def _tensor_arrays(tensor, config: dict[str, Any], arch: str,
                    dequantize_to: Optional[str]) -> dict[str, Any]:
-    """One GGUF tensor as the folder's tensors: ``P.weight`` (float), or ``P.qweight``... (packed)."""
-    name, ggml_type, shape = hf_tensor_name(tensor.name), int(tensor.tensor_type), _numpy_shape(tensor)
+    """One GGUF tensor as the folder's tensors: ``P.weight`` (float), or ``P.qweight``... (packed);
+    stacked experts [E, N, K] packed as one [E, ...] module, or float as E per-expert tensors."""
+    name, ggml_type, shape = hf_tensor_name(tensor.name, arch), int(tensor.tensor_type), _numpy_shape(tensor)
+    experts = len(shape) == 3 and tensor.name.rsplit(".", 2)[-2] in MOE_TENSORS
     try:
-        if ggml_type in PACKED_TYPES:
-            if len(shape) != 2:
-                raise ValueError(f"a quantized tensor of {len(shape)} dimensions (only matrices are)")
-            arrays = pack(tensor.data, ggml_type, shape)
-        else:
+        if ggml_type not in PACKED_TYPES:
             arrays = {"weight": float_array(tensor.data, ggml_type, shape)}
+        elif len(shape) == 2 or experts:   # experts: the E matrices as one of E * N rows, then apart
+            arrays = pack(tensor.data, ggml_type, (math.prod(shape[:-1]), shape[-1]))
+            arrays = {k: v.reshape(*shape[:-1], -1) for k, v in arrays.items()}
+        else:
+            raise ValueError(f"a quantized tensor of {len(shape)} dimensions (only matrices and stacked "
+                             "experts are)")
     except ValueError as exc:
         raise GGUFImportError(f"tensor {tensor.name}: {exc}") from None
+    if experts and (ggml_type not in PACKED_TYPES or dequantize_to is not None):
+        return _expert_tensors(name, arrays, ggml_type, dequantize_to)
     heads = ("num_attention_heads" if ".q_proj." in name else
              "num_key_value_heads" if ".k_proj." in name else None)
-    if permuted and heads:
+    if arch in PERMUTED_ARCHITECTURES and heads:
         arrays = {k: unpermute_rows(v, config[heads]) for k, v in arrays.items()}
     prefix = name.rsplit(".", 1)[0]
     if ggml_type not in PACKED_TYPES:
-        return {name: _torch(arrays["weight"], ggml_type, dequantize_to)}
+        tensor_ = _torch(arrays["weight"], ggml_type, dequantize_to)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stored 1 + w (mapping.py)
+            tensor_ = (tensor_.float() - GEMMA_NORM_SHIFT).to(tensor_.dtype)
+        return {name: tensor_}
     if dequantize_to is None:
         return {f"{prefix}.{k}": _torch(v) for k, v in arrays.items()}
     from kernels.quant_reference import dequantize
     parts = {k: _torch(v) for k, v in arrays.items()}
     return {name: _to_dtype(dequantize(PACKED_TYPES[ggml_type], parts), dequantize_to)}
+
+
+def _expert_tensors(name: str, arrays: dict[str, np.ndarray], ggml_type: int,
+                    dequantize_to: Optional[str]) -> dict[str, Any]:
+    """Stacked experts written as float per-expert tensors, ``...experts.{e}.w1.weight`` (a float
+    file's, or --dequantize)."""
+    if ggml_type in PACKED_TYPES:
+        from kernels.quant_reference import dequantize
+        parts = {k: _torch(v).flatten(0, 1) for k, v in arrays.items()}
+        count, rows = arrays["qweight"].shape[:2]
+        stacked = _to_dtype(dequantize(PACKED_TYPES[ggml_type], parts), dequantize_to).unflatten(0, (count, rows))
+    else:
+        stacked = _torch(arrays["weight"], ggml_type, dequantize_to)
+    base, _, part = name.removesuffix(".weight").rpartition(".")
+    return {f"{base}.{e}.{part}.weight": stacked[e].contiguous() for e in range(stacked.shape[0])}
 
 
 def _torch(array: np.ndarray, ggml_type: Optional[int] = None, dtype: Optional[str] = None):
@@ -110,7 +136,6 @@ def write_weights(reader, config: dict[str, Any], arch: str, folder: Path,
     """Every tensor into ``folder`` under HF names, one shard at a time; returns the quantized
     modules (HF name without ``.weight`` -> GGUF type) that stay packed."""
     weights = [t for t in reader.tensors if t.name != ROPE_FREQS]
-    permuted = arch in ("llama", "mistral")  # Qwen2 files keep HF's row order
     if dequantize_to is None:
         nbytes = lambda t: int(t.data.nbytes)  # noqa: E731  (packed: about the file's bytes)
     else:
@@ -122,7 +147,7 @@ def write_weights(reader, config: dict[str, Any], arch: str, folder: Path,
                 else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
         tensors: dict[str, Any] = {}
         for t in shard:
-            tensors.update(_tensor_arrays(t, config, permuted, dequantize_to))
+            tensors.update(_tensor_arrays(t, config, arch, dequantize_to))
         _save(tensors, folder / file)
         weight_map.update(dict.fromkeys(tensors, file))
     if len(shards) > 1:
@@ -130,7 +155,7 @@ def write_weights(reader, config: dict[str, Any], arch: str, folder: Path,
                     {"metadata": {"total_size": sum(nbytes(t) for t in weights)}, "weight_map": weight_map})
     if dequantize_to is not None:
         return {}
-    return {hf_tensor_name(t.name).rsplit(".", 1)[0]: PACKED_TYPES[int(t.tensor_type)]
+    return {hf_tensor_name(t.name, arch).rsplit(".", 1)[0]: PACKED_TYPES[int(t.tensor_type)]
             for t in weights if int(t.tensor_type) in PACKED_TYPES}
 
 
@@ -185,7 +210,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
                              int(tensor.tensor_type), "float32").numpy()
             config["rope_scaling"] = llama3_rope_scaling(factors.astype(np.float64), config)
         else:
-            hf_tensor_name(tensor.name)  # refuse unknown tensors before writing anything
+            hf_tensor_name(tensor.name, arch)  # refuse unknown tensors before writing anything
 
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -222,7 +247,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="inflight import-gguf",
-        description="Convert a GGUF file (Llama, Mistral, Qwen2) into a Hugging Face checkpoint folder, "
+        description="Convert a GGUF file (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE) into a "
+                    "Hugging Face checkpoint folder, "
                     "its quantized weights kept packed (docs/quantization.md).")
     parser.add_argument("file", help="the .gguf file")
     parser.add_argument("--out", required=True, help="the checkpoint folder to write")

@@ -8,7 +8,7 @@ tiers"). No torch here: it decides which blocks move, the model runner moves the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from backend.block_manager import BlockListener
 from backend.kv_tiers.index import DiskIndex, HostIndex
@@ -16,12 +16,14 @@ from backend.kv_tiers.plan import KVLoad, TierClaim, TierCounts, TierPlan
 
 
 class KVTiers(BlockListener):
-    def __init__(self, num_host_slots: int, block_size: int, block_bytes: int,
-                 host_bytes_of: Callable[[int], Any], disk=None, disk_capacity: int = 0):
+    def __init__(self, copier, block_size: int, disk=None, disk_capacity: int = 0):
+        # The runner's KVCopier (copier.py): it moves the bytes (execute), says when a copy is done
+        # (done) and lends a slot's bytes to the disk's reads and writes (host_bytes_of).
+        self.copier = copier
         self.block_size = block_size
-        self.block_bytes = block_bytes
-        self.host = HostIndex(num_host_slots)
-        self._host_bytes_of = host_bytes_of  # slot -> its bytes as a uint8 numpy view (the disk's reads and writes)
+        self.block_bytes = copier.block_bytes
+        self.host = HostIndex(copier.num_slots)
+        self._host_bytes_of = copier.host_bytes_of
         self.disk = disk
         self.disk_index: Optional[DiskIndex] = None
         if disk is not None:
@@ -122,11 +124,12 @@ class KVTiers(BlockListener):
         return load
 
     # -- one step -------------------------------------------------------------------------------
-    def poll(self, copy_done: Callable[[Any], bool]) -> None:
-        """Take in what finished: the runner's copies (`copy_done(handle)`) and the disk's jobs."""
+    def poll(self) -> None:
+        """Take in what finished (the runner's copies, the disk's jobs): called as a step begins,
+        so that a request whose prefix is back runs in it."""
         still = []
         for entry in self._inflight:
-            if entry[0] is not None and not copy_done(entry[0]):
+            if entry[0] is not None and not self.copier.done(entry[0]):
                 still.append(entry)
             else:
                 self._copies_landed(entry[1], entry[2])
@@ -164,12 +167,12 @@ class KVTiers(BlockListener):
         self._issuing = (saved, loads)
         return plan
 
-    def move(self, runner) -> None:
-        """The plan's copies by the runner (`move_kv`), before the step's model run. If the copy
-        fails, its saves are forgotten and its loads bring nothing (their requests compute)."""
+    def move(self, idle: bool = False) -> None:
+        """The step's copies by the runner's copier, before the model run (`idle`: none runs, so wait a
+        little for a disk read). If they fail, the saves are forgotten and the loads bring nothing."""
         plan = self.take_plan()
         try:
-            handle = runner.move_kv(plan) if plan else None
+            handle = self.copier.execute(plan) if plan else None
         except BaseException:
             saved, loads = self._issuing
             for slot, key in saved:
@@ -181,6 +184,8 @@ class KVTiers(BlockListener):
             self.issued(None)
             raise
         self.issued(handle)
+        if idle and self.disk is not None and any(load.reads_pending for load in self._loads):
+            self.disk.wait(0.005)
 
     copies_in_flight = property(lambda self: bool(self._inflight))
 
@@ -241,11 +246,6 @@ class KVTiers(BlockListener):
             if self.host.slot(gone) is None:
                 self._salted.discard(gone)
 
-    def wait_for_disk(self, timeout: float) -> None:
-        """Nothing can run until a read lands: block on the disk thread rather than spin."""
-        if self.disk is not None and any(load.reads_pending for load in self._loads):
-            self.disk.wait(timeout)
-
     def write_host_block(self, key: bytes) -> bool:
         """Queue the host tier's block of key for the disk (shutdown); False when it need not or cannot."""
         slot = self.host.slot(key)
@@ -258,7 +258,8 @@ class KVTiers(BlockListener):
     @property
     def disk_room(self) -> int:
         """Files the disk tier may still take without giving any away."""
-        return self.disk_index.capacity - len(self.disk_index) - len(self._writing) if self.disk_index is not None else 0
+        index = self.disk_index
+        return 0 if index is None else index.capacity - len(index) - len(self._writing)
 
     def close(self) -> None:
         if self.disk is not None:

@@ -75,10 +75,28 @@ class LoRAManager:
         self._load_ids = itertools.count(1)
         if not self.leader:
             return
-        for name, path in adapter_sources(config.model_path, config.lora_modules).items():
-            self.load(name, path)
+        self._load_at_start(adapter_sources(config.model_path, config.lora_modules))
         log.info("LoRA: %d adapter(s) loaded (%s); %d slots of rank %d, %.1f MB on %s", len(self._loaded),
                  ", ".join(self._loaded) or "none", config.max_loras, rank, self.bank.num_bytes / 1e6, device)
+
+    def _load_at_start(self, sources: dict[str, str]) -> None:
+        """Load every configured adapter. A bad one stops the start, as vLLM's --lora-modules does,
+        with one line per bad adapter; with skip_invalid_lora_adapters the server starts with the
+        good ones and logs those lines instead."""
+        failures = []
+        for name, path in sources.items():
+            try:
+                self.load(name, path)
+            except ValueError as exc:
+                failures.append(str(exc))
+        if not failures:
+            return
+        if not self.config.skip_invalid_lora_adapters:
+            raise ValueError(f"{len(failures)} of {len(sources)} LoRA adapter(s) cannot be loaded, so the model does "
+                             "not start (skip_invalid_lora_adapters=true starts it with the others):\n"
+                             + "\n".join(failures))
+        for line in failures:
+            log.error("%s; skipped (skip_invalid_lora_adapters=true)", line)
 
     # -- names ------------------------------------------------------------------------------------
     def names(self) -> list[str]:

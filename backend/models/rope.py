@@ -4,7 +4,7 @@ is a kernel (kernels/rope.py and its reference), building the table is model cod
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -57,3 +57,24 @@ def rope_cos_sin(head_dim: int, max_position: int, theta: float,
     inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
     freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
     return freqs.cos(), freqs.sin()
+
+
+class RopeTables(NamedTuple):
+    """The cos/sin tables a model's layers read: global (full-attention) layers `full`, local
+    (sliding-window) layers `local`, the same tables unless the model gives its local layers their
+    own base (Gemma 3: rope_local_base_freq 10,000 against 1,000,000, and the global layers alone
+    scaled)."""
+    full: tuple[torch.Tensor, torch.Tensor]
+    local: tuple[torch.Tensor, torch.Tensor]
+
+    def for_layer(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.local if window else self.full
+
+
+def rope_tables(cfg, max_position: int, device: torch.device) -> RopeTables:
+    """The RopeTables of a ModelConfig, rows 0..max_position-1, on `device`."""
+    full = tuple(t.to(device) for t in rope_cos_sin(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling))
+    if cfg.local_rope_theta is None:
+        return RopeTables(full, full)
+    local = rope_cos_sin(cfg.head_dim, max_position, cfg.local_rope_theta, cfg.local_rope_scaling)
+    return RopeTables(full, tuple(t.to(device) for t in local))

@@ -19,6 +19,8 @@ from torch import nn
 from backend.config import EngineConfig
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
+from backend.models.moe import (SparseMoeBlock, checkpoint_name, dequantized_experts, install_packed_experts,
+                                is_stacked_expert, pack_experts, quantize_experts)
 from backend.models.packed_linear import PackedLinear, can_pack, pack_linears, padded_rows
 from backend.models.quant_linear import (ConcatLinear, QuantEmbedding, QuantLinear, concat_parts,
                                          describe, fused_module_name, quantize_q8_0)
@@ -71,6 +73,10 @@ def resolve_quantization(requested: str, model_cfg: ModelConfig, device: torch.d
     if requested in ("int8", "fp8") and packed:
         raise ValueError(f"quantization={requested} quantizes float weights; this checkpoint is already "
                          "quantized (gguf); use auto, gguf, or none to dequantize it")
+    if requested == "fp8" and model_cfg.num_experts:
+        raise ValueError(f"quantization=fp8 does not cover mixture-of-experts layers (the fused-MoE kernel "
+                         f"reads bf16/fp16 experts; {model_cfg.architecture} has {model_cfg.num_experts} "
+                         "experts per layer): use none, or int8")
     if requested == "fp8":
         require_fp8_gpu("quantization=fp8", device, on_cpu=" (int8 is the CPU's weight-only quantization)",
                         instead="int8 or none")
@@ -109,31 +115,34 @@ def _split_packed(weights, modules: dict[str, str]) -> Iterator[tuple[str, objec
 
 
 def _dequantized(weights, modules: dict[str, str], dtype: torch.dtype):
-    """quantization=none on a packed checkpoint: every packed module as a float ``.weight``."""
+    """quantization=none on a packed checkpoint: every packed module as a float ``.weight`` (stacked
+    experts as each expert's)."""
     for name, item in _split_packed(weights, modules):
-        if isinstance(item, tuple):
-            qtype, arrays = item
-            yield f"{name}.weight", dequantize(qtype, arrays).to(dtype)
-        else:
+        if not isinstance(item, tuple):
             yield name, item
+        elif is_stacked_expert(name):
+            yield from dequantized_experts(name, item[0], item[1], dtype, dequantize)
+        else:
+            yield f"{name}.weight", dequantize(item[0], item[1]).to(dtype)
 
 
 def _install_packed(model: LlamaForCausalLM, weights, modules: dict[str, str], device) -> list:
     """Replace the model's linear layers (and embedding) that the checkpoint holds packed by
     QuantLinear modules; return the float tensors for load_weights."""
-    floats, packed = [], {}
+    floats, packed, experts = [], {}, {}
     for name, item in _split_packed(weights, modules):
         if isinstance(item, tuple):
-            packed[name] = (item[0], {k: v.to(device) for k, v in item[1].items()})
+            (experts if is_stacked_expert(name) else packed)[name] = (item[0], {k: v.to(device) for k, v in item[1].items()})
         else:
             floats.append((name, item))
+    install_packed_experts(model, experts)
     groups: dict[str, list[str]] = {}
     for hf in packed:
         groups.setdefault(fused_module_name(hf) or hf, []).append(hf)
     order = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
     for target, members in groups.items():
         members.sort(key=lambda hf: order.get(hf.rsplit(".", 1)[-1], 0))
-        module_name = target.removeprefix("model.")
+        module_name = checkpoint_name(target.removeprefix("model."))
         if module_name == "embed_tokens":
             continue
         old = model.get_submodule(module_name)
@@ -162,13 +171,18 @@ def _quantize_int8(model: LlamaForCausalLM) -> None:
     embedding reads the lm_head's table), but for those whose inputs are not whole groups of 32
     (none in published models), which stay float, said in one log line."""
     tied = model.lm_head.weight is model.embed_tokens.weight
-    inputs = {n: m.in_features for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    inputs = {n: m.in_features for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in routers}
     kept = [n for n, k in inputs.items() if k % QK]
     for name in inputs:  # by name, so each float matrix is freed once replaced
         if name not in kept:
             _swap_quantized(model, name, "Q8_0", quantize_q8_0)
     if tied and "lm_head" not in kept:
         model.embed_tokens = QuantEmbedding(model.lm_head)
+    # experts too, one Q8_0 matrix each; routers stay float (a small [E, H] matrix whose rounding
+    # would move tokens between experts, which llama.cpp's quantizer leaves float too)
+    if not quantize_experts(model, lambda w: QuantLinear("Q8_0", quantize_q8_0(w))):
+        kept.append("experts")
     if kept:
         log.warning("quantization=int8: %d linear layer(s) kept float, their inputs not whole groups of "
                     "%d values: %s", len(kept), QK, ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
@@ -246,9 +260,12 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
     elif quantization == "fp8":
         _quantize_fp8(model)
     rows: Callable[[int], int] = lambda n: n  # noqa: E731
-    if ops_name == "cpu" and can_pack(device, dtype):
+    # bf16 weights beside float32 activations need the packed linears whatever the attention
+    # kernels (a plain nn.Linear refuses the mix; attention_backend=torch with dtype=bfloat16 failed)
+    if can_pack(device, dtype) and (ops_name == "cpu" or compute != dtype):
         pack_linears(model)  # the float linears left: oneDNN GEMMs on reordered weights
-        if quantization == "none":
+        pack_experts(model)  # and float experts: one oneDNN GEMM per active expert
+        if quantization == "none" and ops_name == "cpu":
             rows = padded_rows  # each step padded once to oneDNN's row buckets
     if tp is not None:
         from backend.parallel.layers import parallelize
@@ -268,9 +285,12 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
 def _float32_bytes(cfg: ModelConfig) -> int:
     """What the same model's weights take in float32 (a tied lm_head counted once)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
     per_layer += 2 * cfg.hidden_size + (q + 2 * kv if cfg.qkv_bias else 0)
-    total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size + cfg.num_experts * cfg.hidden_size
+    total = cfg.num_layers * per_layer + moe * experts + (cfg.num_layers - moe) * 3 * cfg.hidden_size * cfg.intermediate_size
+    total += cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
     if not cfg.tie_word_embeddings:
         total += cfg.vocab_size * cfg.hidden_size
     return 4 * total

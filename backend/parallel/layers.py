@@ -1,8 +1,8 @@
 """The model's tensor-parallel seams, as wrappers around whatever layer the loader built (float,
 oneDNN-packed or packed-quantized): the layers themselves compute their shard as usual.
 
-- `RowParallel` (o_proj, down_proj): the shard's partial output (plus its LoRA deltas), then one
-  all-reduce;
+- `RowParallel` (o_proj, down_proj, and a mixture-of-experts block whole): the shard's partial
+  output (plus its LoRA deltas), then one all-reduce;
 - `VocabParallelEmbedding`: each rank looks up the tokens of its vocabulary rows, zeros the others,
   and one all-reduce gives every rank every token's embedding;
 - `VocabParallelHead`: each rank's logits over its vocabulary rows, gathered side by side (all-gather)
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backend.models.moe import SparseMoeBlock
 from backend.parallel.plan import ShardPlan
 
 
@@ -31,7 +32,9 @@ class RowParallel(nn.Module):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(partial)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs:   # a whole block (a mixture of experts, called like the MLP): its output is partial
+            return self.reduce(self.inner(x, *args, **kwargs))
         return self.reduce(self.partial(x))
 
 
@@ -64,6 +67,9 @@ def parallelize(model: nn.Module, plan: ShardPlan, group) -> None:
     """Wrap the loaded shard's row-parallel projections, embedding and LM head, in place."""
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+        if isinstance(layer.mlp, SparseMoeBlock):   # every expert's down projection is row-parallel
+            layer.mlp = RowParallel(layer.mlp, group)
+        else:
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan, group)
     model.lm_head = VocabParallelHead(model.lm_head, plan, group)

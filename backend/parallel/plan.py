@@ -8,6 +8,11 @@ Each rank holds:
   (backend/parallel/layers.py); a bias is added once, by rank 0;
 - vocabulary-parallel embedding and LM head: rows [r*S, (r+1)*S) of the vocabulary, S = ceil(V/N),
   the last rank's rows past V zero;
+- mixture-of-experts layers (backend/models/moe.py): every expert split as a dense MLP is, rows of
+  its gate and up, columns of its down, so each rank holds a slice of every expert's intermediate
+  dimension and the block's partial outputs join in the same one all-reduce; the router whole
+  (every rank routes the same tokens the same way). Packed experts stacked [E, ...] (a GGUF
+  import's) are cut the same way one dimension in;
 - everything else (norms) whole.
 
 Packed quantized matrices (docs/quantization.md) split the same way: every array of a matrix has
@@ -26,8 +31,9 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 # Values per quantization group along K (docs/quantization.md): the K-quants scale by super-blocks.
 GROUP_VALUES = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 DEFAULT_GROUP_VALUES = 32
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+# (Mixtral's experts name their gate, up and down w1, w3 and w2)
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+ROW_PARALLEL = ("o_proj", "down_proj", "w2")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 
 
@@ -58,20 +64,27 @@ class ShardPlan:
         weights quantized at load in groups of 32 (quantization=int8)."""
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"tensor_parallel_size must be >= 1 with 0 <= rank < it; got {size}, rank {rank}")
-        for field, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                             ("intermediate_size", cfg.intermediate_size)):
+        sizes = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                 ("intermediate_size", cfg.intermediate_size)]
+        if getattr(cfg, "num_experts", 0):
+            sizes.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+        for field, value in sizes:
             if value % size:
                 raise ValueError(
                     f"tensor_parallel_size {size} does not divide the model's {field} {value}: each rank holds "
-                    f"an equal share of whole heads and MLP columns (num_attention_heads {cfg.num_heads}, "
-                    f"num_key_value_heads {cfg.num_kv_heads}, intermediate_size {cfg.intermediate_size}); use "
-                    "a tensor_parallel_size that divides all three")
+                    f"an equal share of whole heads and MLP columns ({', '.join(f'{f} {v}' for f, v in sizes)}); use "
+                    f"a tensor_parallel_size that divides all {len(sizes)}")
         inputs = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
+        expert_inputs = getattr(cfg, "moe_intermediate_size", 0)
         for name, qtype in (quantized or {}).items():
             kind = name.rsplit(".", 1)[-1]
-            if kind in inputs:
+            if ".experts." in name and kind in ("down_proj", "w2"):
+                _check_groups(name, qtype, expert_inputs, size)
+            elif kind in inputs:
                 _check_groups(name, qtype, inputs[kind], size)
         if int8 and size > 1:
+            if expert_inputs and getattr(cfg, "num_experts", 0):
+                inputs["experts' down_proj"] = expert_inputs
             for kind, k in inputs.items():
                 if k % DEFAULT_GROUP_VALUES == 0:  # quantized at load (else kept float, at any size)
                     _check_groups(kind, "Q8_0 (quantization=int8)", k, size, DEFAULT_GROUP_VALUES)
@@ -82,6 +95,7 @@ class ShardPlan:
         return dataclasses.replace(cfg, num_heads=cfg.num_heads // self.size,
                                    num_kv_heads=cfg.num_kv_heads // self.size,
                                    intermediate_size=cfg.intermediate_size // self.size,
+                                   moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) // self.size,
                                    vocab_size=self.vocab_shard)
 
     # -- the weights -------------------------------------------------------------------------------
@@ -92,13 +106,14 @@ class ShardPlan:
 
     def shard(self, name: str, tensor: Any) -> Any:
         module, _, array = name.rpartition(".")
-        kind = module.rsplit(".", 1)[-1]
+        parent, _, kind = module.rpartition(".")
+        stacked = int(parent.endswith(".experts"))   # packed experts [E, ...]: each expert's rows or columns
         if kind in COLUMN_PARALLEL:
-            return self._part(tensor, 0)
+            return self._part(tensor, stacked)
         if kind in ROW_PARALLEL:
             if array == "bias":  # the all-reduce sums every rank's output: the bias is added once
                 return tensor if self.rank == 0 else tensor.new_zeros(tensor.shape)
-            return self._part(tensor, 1)
+            return self._part(tensor, stacked + 1)
         if kind in VOCAB_PARALLEL:
             part = tensor.narrow(0, self.vocab_start, self.vocab_end - self.vocab_start)
             if part.shape[0] < self.vocab_shard:  # the last rank: rows past the vocabulary are zero

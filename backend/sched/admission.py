@@ -228,7 +228,8 @@ class Admission:
         self.pool.start(req, (first + got) * bs if lower else req.num_computed_tokens + n, now, self.steps)
         self.tiers.counts.lookup(len(hashes), first, claim)
         if claim is not None:  # it runs once the load is done (`landed`), or now for blocks back at once
-            req.kv_load = self.tiers.start_load(req.seq_id, claim, self.blocks.block_table(req.seq_id)[first:first + got])
+            blocks = self.blocks.block_table(req.seq_id)[first:first + got]
+            req.kv_load = self.tiers.start_load(req.seq_id, claim, blocks)
             req.kv_load.counted = not lower
 
     def landed(self, req: Request) -> bool:

@@ -102,6 +102,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self.admission.steps += 1
+        if self.admission.tiers is not None:  # KV tiers: loads that landed let their requests run now
+            self.admission.tiers.poll()
         budget = self.config.max_num_batched_tokens
         held = self.admission.held_token()
         budget -= held
@@ -206,3 +208,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.config.max_num_seqs)
+        if self.admission.tiers is not None:
+            self.admission.tiers.check_integrity()

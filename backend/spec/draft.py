@@ -28,6 +28,7 @@ import torch
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.loader import load_model_config
+from backend.memory_checks import TooLargeForMemory
 from backend.request import Request
 from backend.runner import ModelRunner
 from backend.sampler import _U, filtered_probs, inverse_transform, prepare
@@ -73,7 +74,12 @@ class DraftProposer:
                                            enable_kv_cache_reuse=False, max_tokens_in_paged_kv_cache=tokens,
                                            quantization="auto", enable_lora=False, lora_modules="{}",
                                            tensor_parallel_size=1)
-        self.runner = ModelRunner(draft_config, cfg, self.max_len)
+        try:
+            self.runner = ModelRunner(draft_config, cfg, self.max_len)
+        except TooLargeForMemory as exc:  # the draft's cache has its own key (backend/memory_checks.py)
+            key = "speculative_config.draft_kv_cache_tokens" + ("" if spec.draft_kv_cache_tokens else
+                                                                " (0: as many tokens as the target's cache)")
+            raise ValueError(f"{key}: the draft model's {exc.detail}") from None
         self.blocks = BlockManager(self.runner.num_blocks, config.kv_block_size)
         self.budget = config.max_num_batched_tokens
         self.probabilistic = spec.draft_sample_method == "probabilistic"

@@ -1,7 +1,7 @@
 """What structured outputs cost: a decode step with some rows constrained against none, the mask's
 share of the step, and a schema's compile time cold and cached.
 
-    python -m backend.structured.bench --model-path models/smollm2-135m-instruct
+    python -m backend.structured.bench --model-path models/smollm2-135m-instruct [--compile-only]
 
 Decode: `--batch` requests decode together (all past their prefill, none finishing inside the
 window); in one engine, `--constrained` of them follow a JSON schema (an array of at least 20
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=4, help="rounds of A B B A")
     p.add_argument("--output-json", type=Path)
+    p.add_argument("--compile-only", action="store_true", help="only the compile times (no decode steps)")
     return p
 
 
@@ -116,36 +117,52 @@ def run(args: argparse.Namespace) -> dict:
         "of_which_apply_ms_per_step": 1e3 * apply.seconds / n_mixed,
         "advance_ms_per_step": 1e3 * advance.seconds / n_mixed,
     }
-    result.update(_compile_times(mixed.engine))
+    result.update(_compile_times(args.model_path))
     return result
 
 
-def _compile_times(engine) -> dict:
-    """A schema never seen before (cold) and then again (cached), and the one-off tokenizer info."""
+def _compile_times(model_path: str) -> dict:
+    """A schema never seen before, cold (a worker process compiles it and the result is loaded
+    here: what a request waits for) and then again (cached); the same schemas compiled in this
+    process by xgrammar alone, interleaved (what the worker's isolation costs); the one-off
+    tokenizer info."""
+    import xgrammar as xgr
+
+    from backend.loader import load_model_config
+    from backend.structured.compile_worker import build_grammar
     from backend.structured.compiler import ConstraintCompiler
     from backend.structured.spec import StructuredOutputs
+    from backend.text.tokenizer import Tokenizer
 
-    fresh = ConstraintCompiler(engine.tokenizer, engine.vocab_size, engine.model_config.eos_token_ids)
+    cfg = load_model_config(model_path)
+    fresh = ConstraintCompiler(Tokenizer.from_dir(model_path), cfg.vocab_size, cfg.eos_token_ids)
     start = time.perf_counter()
-    fresh._xgr_compiler()
+    fresh.tokenizer.json()
     info = time.perf_counter() - start
-    cold, cached = [], []
-    for i in range(5):
+    fresh.warm_up().result(600)  # a worker up, with this tokenizer: not in the cold figures
+    local = xgr.GrammarCompiler(fresh.tokenizer.info(), max_threads=2, cache_enabled=False)
+    cold, cached, in_process = [], [], []
+    for i in range(7):
         schema = dict(PERSON, properties={**PERSON["properties"], f"extra_{i}": {"type": "integer"}})
         spec = StructuredOutputs(json=schema)
         start = time.perf_counter()
-        fresh.compile(spec)
+        fresh.compile(spec, timeout=60)
         cold.append(time.perf_counter() - start)
         start = time.perf_counter()
         fresh.compile(spec)
         cached.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        build_grammar(local, "json", spec.source, True)
+        in_process.append(time.perf_counter() - start)
     return {"tokenizer_info_ms_once": 1e3 * info, "compile_ms_cold": 1e3 * statistics.median(cold),
+            "compile_ms_in_process": 1e3 * statistics.median(in_process),
+            "cold_over_in_process": statistics.median(cold) / statistics.median(in_process),
             "compile_ms_cached": 1e3 * statistics.median(cached)}
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    result = run(args)
+    result = _compile_times(args.model_path) if args.compile_only else run(args)
     print(json.dumps(result, indent=2))
     if args.output_json:
         args.output_json.write_text(json.dumps(result, indent=2))

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
+
+from backend.structured.schema_check import check_json_depth, check_schema
 
 FIELD = "structured_outputs"
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -37,6 +39,8 @@ class StructuredOutputs:
     structural_tag: Optional[Union[dict, str]] = None  # xgrammar's structural tag, or its JSON text
     disable_any_whitespace: bool = False  # JSON: no optional whitespace between tokens
     disable_additional_properties: bool = False  # JSON schema: objects without additionalProperties are closed
+    # Accept JSON-schema keywords xgrammar cannot enforce (schema_check.py), unenforced, instead of a 400.
+    allow_unenforced_keywords: bool = False
     # Accepted so that vLLM clients work; xgrammar has no fallback and no custom whitespace.
     disable_fallback: bool = False
     whitespace_pattern: Optional[str] = None
@@ -77,7 +81,8 @@ class StructuredOutputs:
             raise ValueError(f"{FIELD}.json_object must be a boolean")
         if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
             raise ValueError(f"{FIELD}.structural_tag must be an object (or its JSON text)")
-        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback",
+                     "allow_unenforced_keywords"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{FIELD}.{name} must be a boolean")
         if self.whitespace_pattern is not None:
@@ -85,9 +90,21 @@ class StructuredOutputs:
                              "whitespace); disable_any_whitespace is")
         if self.backend not in (None, "auto", "xgrammar"):
             raise ValueError(f"{FIELD}.backend: only xgrammar is available; got {self.backend!r}")
+        where = f"{FIELD}.{self.kind}"
+        check_json_depth(getattr(self, self.kind), where)  # before anything recurses into it
         size = len(self.source)
         if size > MAX_CONSTRAINT_CHARS:
-            raise ValueError(f"{FIELD}.{self.kind} is {size} characters; the limit is {MAX_CONSTRAINT_CHARS}")
+            raise ValueError(f"{where} is {size} characters; the limit is {MAX_CONSTRAINT_CHARS}")
+        try:
+            self.source.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{where} is not valid Unicode text: a lone surrogate "
+                             f"({self.source[exc.start]!a}) at character {exc.start}") from None
+        if self.kind == "json":
+            check_schema(self.json, where, allow_unenforced=self.allow_unenforced_keywords)
+        elif self.kind == "structural_tag":
+            for path, schema in tag_schemas(self.structural_tag):
+                check_schema(schema, f"{where}{path}", allow_unenforced=self.allow_unenforced_keywords)
 
     @property
     def source(self) -> str:
@@ -158,8 +175,27 @@ def _set(name: str, value: Any) -> bool:
 def _parse_json(where: str, text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    except RecursionError:  # json's scanner recurses once per nesting level
+        raise ValueError(f"{where} is nested too deeply to be a constraint") from None
+
+
+def tag_schemas(tag: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """The JSON schemas inside a structural tag, with where each sits (".format.tags[0].content"):
+    xgrammar's `{"type": "json_schema", "json_schema": ...}` contents and the older `structures`'
+    `schema`. The tag's depth is checked before (no deep recursion here)."""
+    if isinstance(tag, dict):
+        if tag.get("type") == "json_schema" and "json_schema" in tag:
+            yield path, tag["json_schema"]
+        elif "schema" in tag and "begin" in tag:  # {"structures": [{"begin", "schema", "end"}]}
+            yield path + ".schema", tag["schema"]
+        for key, value in tag.items():
+            if key not in ("json_schema", "schema") and isinstance(value, (dict, list)):
+                yield from tag_schemas(value, f"{path}.{key}")
+    elif isinstance(tag, list):
+        for i, value in enumerate(tag):
+            yield from tag_schemas(value, f"{path}[{i}]")
 
 
 @dataclass(frozen=True)

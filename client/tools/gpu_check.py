@@ -1,34 +1,22 @@
-"""`inflight gpu-check`: the GPU acceptance run. One command, one report file, under 10 minutes on
-an H100/H200 (each part has a time budget; the run stops a part that overruns it):
+"""`inflight gpu-check`: the GPU acceptance run. One command, under 10 minutes on an H100/H200 with
+a cold Triton cache, from a plain source checkout with nothing installed:
 
-    inflight gpu-check --out gpu-check/        (or: make gpu-check; in the image:
-    docker run --gpus all --rm -v $PWD:/workspace --entrypoint inflight inflight gpu-check --out /workspace/gpu-check)
+    PYTHONPATH=. python3 -m client.tools.gpu_check --out DIR      (or: inflight gpu-check --out DIR;
+    make gpu-check; in the image: docker run --gpus all --rm -v $PWD:/workspace --entrypoint inflight
+    inflight gpu-check --out /workspace/gpu-check)
 
-Parts, each in its own process (budget in seconds):
-  environment (in-process) torch sees CUDA; transformers, tritonclient and a tritonserver are there.
-  kernels (150)  every Triton kernel against its torch reference in bf16, fp16 and fp32; decode
-                 attention at batch 1/64/256 x context 1k/4k/16k against the copy bandwidth
-                 (`python -m client.tools.kernel_bench`, Llama-3-8B heads).
-  greedy (150)   a Llama-shaped checkpoint (head_dim 128, GQA 32/8, 16 layers, bf16) on cuda:N (the
-                 last GPU): the engine's greedy tokens at batch 1 (a 16k prompt), 64 and 256 against
-                 transformers in float32, teacher-forced (client/tools/gpu_check_engine.py).
-  decode (150)   the engine's real decode step at (1, 16k), (64, 4k), (256, 1k), CUDA graphs on and
-                 off, against the bandwidth floor and beside the CUDA-graphed microbenchmark.
-  served (150)   tritonserver with two engines on GPU 0 (count: 2): every instance's `device` metric
-                 label must name a GPU, the second engine sized from what the first left; then
-                 served vs in-process throughput (client/tools/gpu_check_served.py).
-  tp (120)       with two GPUs: the engine at tensor_parallel_size 2 (NCCL, cuda:0 + cuda:1) against
-                 one rank on cuda:0, greedy on 16 prompts (equal, or a first difference at a near-tie),
-                 and the decode step of each (client/tools/gpu_check_tp.py); with fewer GPUs it is
-                 skipped and the report says so.
-  kv_tiers (90)  the KV tiers' copies: pinned host pool, own stream, blocks saved and loaded back bit
-                 for bit, their bandwidth; a multi-turn chat with the host tier and without, its
-                 returning turns' TTFT (client/tools/gpu_check_tiers.py).
+The parts, their budgets and what each needs are client/tools/gpu_check_plan.py's; each runs in
+its own process, within its budget (then SIGTERM: it reports what it has), and one that needs a
+package or program this machine lacks is skipped with the reason (xgrammar, tritonserver, a second
+GPU). As each part ends, DIR/NAME.json and DIR/NAME.log are written and DIR/gpu_check.json and
+DIR/gpu_check.md rewritten, so a run stopped from outside still leaves every finished part. The
+one-page table (part, PASS/FAIL/SKIP/CUT, seconds, budget, figures) is printed at the end and on
+SIGTERM. Exit 0 if every part that ran passed, 1 if not, 2 without a GPU (outside --dry-run).
 
-It writes DIR/gpu_check.md: the tables (to paste into docs/performance.md) and every result as
-JSON. Exit 1 if a check failed. `--dry-run` rehearses every part on the CPU with tiny shapes
-(Triton kernels under TRITON_INTERPRET=1; timings mean nothing). There, by design, the device check
-must FAIL (the instances serve from the CPU): the dry run passes only if it does.
+`--dry-run` prints the plan with each part's budget, then rehearses every part on the CPU with
+tiny shapes (Triton kernels under TRITON_INTERPRET=1; compile for sm_90 with the real compiler;
+timings mean nothing). There, by design, the served part's device check must FAIL (the instances
+serve from the CPU): the dry run passes only if it does.
 """
 from __future__ import annotations
 
@@ -37,246 +25,247 @@ import datetime
 import json
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[2]
-TOTAL_BUDGET_S = 570
-LLAMA_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=32,
-                   num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=16896,
-                   rope_theta=500000.0, torch_dtype="bfloat16")
-FULL = dict(
-    model=LLAMA_SHAPE,
-    kernels=["--batches", "1,64,256", "--contexts", "1024,4096,16384", "--skip-engine", "--skip-reference",
-             "--iters", "20"],
-    greedy_batches=[(1, 15000, 16000), (64, 256, 4096), (256, 32, 512)], max_tokens=32, near_tie=0.125,
-    expected_dtype="bfloat16", attention_backend="auto", max_num_batched_tokens=8192, max_model_len=16896,
-    decode_shapes=[(1, 16384), (64, 4096), (256, 1024)], decode_steps=20,
-    server_params={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
-    throughput=["--num-requests", "256", "--concurrency", "64", "--max-output-len", "128"],
-    budgets=dict(kernels=150, greedy=150, decode=150, served=150, tp=120, kv_tiers=90),
-    tiers_copy_blocks=512, tiers_kv_tokens=4096, tiers_concurrency=8, tiers_conversations=32, tiers_turns=3,
-    tiers_system_tokens=512, tiers_host_blocks=2048,
-)
-DRY = dict(
-    model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512),
-    kernels=["--dry-run-cpu", "--batches", "1,2", "--contexts", "40", "--skip-engine", "--skip-reference"],
-    greedy_batches=[(1, 60, 80), (3, 5, 40), (5, 3, 20)], max_tokens=6, near_tie=1e-3, expected_dtype="float32",
-    attention_backend="triton", max_num_batched_tokens=48, max_model_len=256,
-    decode_shapes=[(1, 40), (3, 20)], decode_steps=3,
-    server_params={"max_num_seqs": 8, "cpu_kv_cache_tokens": 2048},
-    throughput=["--num-requests", "6", "--concurrency", "3", "--max-output-len", "8", "--warmup", "0"],
-    budgets=dict(kernels=600, greedy=600, decode=600, served=600, tp=600, kv_tiers=600),
-    tiers_copy_blocks=8, tiers_kv_tokens=160, tiers_concurrency=2, tiers_conversations=4, tiers_turns=2,
-    tiers_system_tokens=20, tiers_host_blocks=64,
-)
-PARTS = ("kernels", "greedy", "decode", "served", "tp", "kv_tiers")
-# What must fail in the dry run: the instances serve from the CPU, and the device check says so.
-EXPECTED_ON_CPU = {("served", "devices")}
+from client.tools import gpu_check_plan as plan_mod
+from client.tools.gpu_check_plan import DRY, FULL, PART_NAMES, PARTS, ROOT, TOTAL_BUDGET_S
+from client.tools.gpu_check_report import details, table, verdict
+
+GRACE_S = 10   # after SIGTERM, the seconds a part has to write what it has before SIGKILL
+
+
+class Stop(BaseException):
+    """SIGTERM: stop the part, write what there is (a BaseException: no `except Exception` swallows it)."""
+
+
+def _raise_stop(signum, frame):
+    raise Stop(f"signal {signum}")
 
 
 def environment(dry_run: bool) -> dict:
-    import importlib.util
-
+    """torch, CUDA, triton and what Triton needs to build its launcher (a C compiler, Python.h)."""
     import torch
 
-    missing = [m for m in ("transformers", "tritonclient") if importlib.util.find_spec(m) is None]
     try:
         from client.tools.server import find_tritonserver
         server = str(find_tritonserver().binary)
-    except Exception as exc:  # reported: the served part cannot run
-        server, missing = None, missing + [f"tritonserver ({exc})"]
-    res = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-               tritonserver=server, missing=missing, cuda_available=torch.cuda.is_available())
-    if torch.cuda.is_available():
+    except Exception as exc:  # reported: the served part is skipped
+        server, server_error = None, str(exc)
+    else:
+        server_error = ""
+    python_h = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    res = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(), tritonserver=server,
+               tritonserver_error=server_error, cuda_available=torch.cuda.is_available(), python_h=python_h, cc=cc)
+    if res["cuda_available"]:
         res["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         res["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
     import triton
     res["triton"] = triton.__version__
-    res["ok"] = not missing and (dry_run or res["cuda_available"])
+    res["ok"] = dry_run or (res["cuda_available"] and python_h and bool(cc))
+    if not res["ok"]:
+        res["error"] = "Triton builds its launcher with a C compiler against Python.h: " + ", ".join(
+            m for m, ok in (("no C compiler", cc), ("no Python.h", python_h), ("no CUDA", res["cuda_available"])) if not ok)
     return res
 
 
-def run_part(name: str, dry_run: bool, work: Path) -> dict:
-    """One part, in this (child) process; its result goes to work/NAME.json."""
+def run_part(name: str, dry_run: bool, work: Path, out: Path) -> dict:
+    """One part, in this (child) process; its result goes to out/NAME.json, also when cut."""
+    signal.signal(signal.SIGTERM, _raise_stop)   # first: a part stopped while importing torch reports too
+    plan = DRY if dry_run else FULL
+    progress: dict = {}
+    counter = None
+    try:
+        from client.tools.gpu_check_compile import CompileCounter
+        counter = CompileCounter().install()
+        res = _part(name, plan, dry_run, work / "model", work, progress)
+    except Stop as exc:
+        res = dict(progress, ok=False, cut=True, error=f"cut by {exc}; partial results kept")
+        if name == "kernels":   # kernel_bench writes its JSON after each section
+            partial = work / "kernel_bench.json"
+            res.update(json.loads(partial.read_text()) if partial.exists() else {}, ok=False, cut=True)
+    res["triton_compiles"] = counter.report() if counter else {}
+    (out / f"{name}.json").write_text(json.dumps(res, default=str, indent=1))
+    return res
+
+
+def _part(name: str, plan: dict, dry_run: bool, model_dir: Path, work: Path, progress: dict) -> dict:
     import torch
 
-    plan = DRY if dry_run else FULL
-    model_dir = work / "model"
-    last_gpu = f"cuda:{torch.cuda.device_count() - 1}" if not dry_run else "cpu"
+    gpu = not dry_run
+    if name == "compile":
+        from client.tools.gpu_check_compile import compile_kernels
+        arch = None
+        if gpu:
+            major, minor = torch.cuda.get_device_capability(0)
+            arch = 10 * major + minor
+        return compile_kernels(plan, arch, progress)
     if name == "kernels":
         from client.tools import kernel_bench as bench
         path = work / "kernel_bench.json"
         code = bench.main(["--out", str(path), *plan["kernels"]])
         res = json.loads(path.read_text()) if path.exists() else {}
-        res["ok"] = code == 0 and res.get("failed_checks", 1) == 0
-    elif name == "greedy":
-        from client.tools.gpu_check_engine import greedy
-        res = greedy(plan, model_dir, last_gpu)
-    elif name == "decode":
+        return dict(res, ok=code == 0 and res.get("failed_checks", 1) == 0)
+    last_gpu = f"cuda:{torch.cuda.device_count() - 1}" if gpu else "cpu"
+    if name == "greedy":
+        from client.tools.gpu_check_greedy import greedy
+        return greedy(plan, model_dir, last_gpu)
+    if name == "decode":
         from client.tools.gpu_check_engine import decode
-        res = decode(plan, model_dir, "cpu" if dry_run else "cuda:0")
-    elif name == "served":
+        return decode(plan, model_dir, "cuda:0" if gpu else "cpu")
+    if name == "structured":
+        from client.tools.gpu_check_structured import structured
+        return structured(plan, model_dir, "cuda:0" if gpu else "cpu")
+    if name == "served":
         from client.tools.gpu_check_served import served
-        res = served(plan, model_dir, on_gpu=not dry_run)
-        res["ok"] = all(check["ok"] for check in res.values() if isinstance(check, dict))
-    elif name == "tp":
+        res = served(plan, model_dir, on_gpu=gpu)
+        return dict(res, ok=all(check["ok"] for check in res.values() if isinstance(check, dict)))
+    if name == "tp":
         from client.tools.gpu_check_tp import tensor_parallel
-        res = tensor_parallel(plan, model_dir)
-    elif name == "kv_tiers":
-        from client.tools.gpu_check_tiers import kv_tiers
-        res = kv_tiers(plan, model_dir, "cpu" if dry_run else "cuda:0")
-    else:
-        raise ValueError(f"unknown part {name}")
-    (work / f"{name}.json").write_text(json.dumps(res, default=str))
-    return res
+        return tensor_parallel(plan, model_dir)
+    raise ValueError(f"unknown part {name}")
 
 
-def verdict(parts: dict, dry_run: bool) -> tuple[bool, list[str]]:
-    """Every check passes (a part's sub-checks, else the part); in the dry run the checks that
-    cannot pass on a CPU must fail, or they could not tell the CPU from a GPU."""
-    problems = []
-    for name, res in parts.items():
-        checks = {k: v for k, v in res.items() if isinstance(v, dict) and "ok" in v} or {None: res}
-        for check, value in checks.items():
-            label = name + (f".{check}" if check else "")
-            if dry_run and (name, check) in EXPECTED_ON_CPU:
-                if value["ok"]:
-                    problems.append(f"{label}: passed on the CPU, so it cannot tell a CPU-served instance from a GPU one")
-            elif not value.get("ok"):
-                problems.append(f"{label}: {value.get('error') or value.get('reason') or 'failed'}")
-    if dry_run:
-        problems += [f"{n}.{c}: not run" for n, c in EXPECTED_ON_CPU if c not in parts.get(n, {})]
-    return not problems, problems
+class Run:
+    """The parent: the parts one after another, each result written as soon as it is known."""
 
+    def __init__(self, out: Path, dry_run: bool, device: str):
+        self.out, self.dry_run, self.start = out, dry_run, time.time()
+        self.res = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        device=device, dry_run=dry_run, environment={}, parts={})
+        self.child: Optional[subprocess.Popen] = None
 
-def markdown(res: dict) -> str:
-    env, parts = res["environment"], res["parts"]
-    lines = [f"### gpu-check {res['date']} on {res['device']}", "",
-             f"torch {env.get('torch')} (CUDA {env.get('cuda')}), triton {env.get('triton')}, python {env.get('python')}; "
-             f"{'PASS' if res['ok'] else 'FAIL'} in {res['wall_s']:.0f} s", "",
-             "| part | result | seconds | budget |", "| --- | --- | ---: | ---: |"]
-    for name in PARTS:
-        p = parts.get(name, {})
-        result = "ok" if p.get("ok") else "FAIL"
-        if p.get("skipped"):
-            result = f"skipped: {p['skipped']}"
-        if res["dry_run"] and not p.get("ok") and not any(x.startswith(name) for x in res["problems"]):
-            result = "ok (its device check failed, as it must on a CPU)"
-        lines.append(f"| {name} | {result} | {p.get('seconds', 0):.0f} | {p.get('budget', 0)} |")
-    lines += [f"- {p}" for p in res["problems"]]
-    k = parts.get("kernels", {})
-    if k.get("checks"):
-        lines += ["", "| kernel | dtype | max abs err | ok |", "| --- | --- | ---: | --- |"]
-        lines += [f"| {c['kernel']} ({c['detail']}) | {c['dtype']} | {c['max_abs_err']:.2e} | {'ok' if c['ok'] else 'FAIL'} |"
-                  for c in k["checks"]]
-        lines += ["", f"Copy bandwidth {k.get('copy_bandwidth_gbs', 0):.0f} GB/s.", "",
-                  "| decode attention (8B heads) | us | % of copy bandwidth | splits |", "| --- | ---: | ---: | ---: |"]
-        lines += [f"| B={r['batch']} ctx={r['context']} | {r['us']:.1f} | {r['pct_copy']:.1f} | {r['splits']} |"
-                  for r in k.get("decode_attention", [])]
-    g = parts.get("greedy", {})
-    if g.get("batches"):
-        e = g["engine"]
-        lines += ["", f"Greedy vs transformers float32 on {e['device']} ({e['dtype']}, graphs {e['graphs']}, "
-                      f"near-tie {g['near_tie']}):", "",
-                  "| batch | prompt tokens | all exact | shortest exact prefix | max gap | failed |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {b['batch']} | {b['prompt_tokens'][0]}-{b['prompt_tokens'][1]} | {b['all_exact']}/{b['batch']} | "
-                  f"{b['exact_prefix_min']} | {b['max_gap']:.3f} | {b['failed']} |" for b in g["batches"]]
-    d = parts.get("decode", {})
-    if d.get("rows"):
-        lines += ["", f"Engine decode step (LLMEngine.step), {d['weight_gb']:.2f} GB of weights, copy bandwidth "
-                      f"{d['copy_bandwidth_gbs']:.0f} GB/s:", "",
-                  "| batch | context | weights | graphs | engine ms | microbench ms | floor ms | % of floor | tok/s |",
-                  "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {r['batch']} | {r['context']} | {r.get('weights', 'none')} | {'on' if r['graphs'] else 'off'} | {r['engine_ms']:.2f} | "
-                  f"{(r['microbench_ms'] or 0):.2f} | {r['floor_ms']:.2f} | {r['pct_of_floor']:.1f} | {r['tokens_per_s']:.0f} |"
-                  for r in d["rows"]]
-        lines += ["", f"quantization=fp8: {d.get('fp8', 'not run')} (the fp8 rows' floor counts their own bytes)."]
-    s = parts.get("served", {})
-    if "devices" in s:
-        lines += ["", f"Served, two instances on one device: devices {s['devices']['devices']} "
-                      f"({'ok' if s['devices']['ok'] else 'NOT ALL ON A GPU'}); KV blocks {s['kv'].get('blocks')}"]
-        for r in s.get("throughput", {}).get("ratios", []):
-            lines.append(f"Served / in-process ({r['kind']}, concurrency {r['concurrency']}): {r['ratio']:.2f}x")
-    t = parts.get("tp", {})
-    if t.get("tp2"):
-        flips = len(t["near_tie_flips"])
-        lines += ["", f"Tensor parallelism, {t['gpus']} GPUs: TP=2 (NCCL) vs one rank, greedy on {t['prompts']} prompts: "
-                      f"{t['same']} identical, {flips} first differ at a near-tie (<= {t['near_tie']}), "
-                      f"{len(t['not_near_tie'])} elsewhere.", "",
-                  "| ranks | decode step ms (16 rows) | CUDA graphs | load s |", "| ---: | ---: | --- | ---: |"]
-        lines += [f"| {n} | {t[k]['step_ms']:.2f} | {t[k]['graphs']} | {t[k]['load_s']} |" for n, k in ((1, "tp1"), (2, "tp2"))]
-    kv = parts.get("kv_tiers", {})
-    if kv.get("copies"):
-        c, h = kv["copies"], kv["chat"]
-        lines += ["", f"KV tiers: {c['blocks']} blocks of {c['block_bytes']} bytes saved to the host and loaded back "
-                      f"{'bit-exact' if c['exact'] else 'WRONG'} (pinned {c['pinned']}, own stream {c['own_stream']}): "
-                      f"save {c['save_gbs']} GB/s, load {c['load_gbs']} GB/s. Chat: returning turns' TTFT p50 "
-                      f"{h['none']['returning_ttft_p50_ms']} ms without tiers, {h['host']['returning_ttft_p50_ms']} ms "
-                      f"with ({h['ttft_speedup']}x), host hits {h['host']['host_hits']}, answers equal {h['answers_equal']}."]
-    return "\n".join(lines) + "\n"
+    def part(self, name: str, work: Path, env: dict, budget: int, limit: float) -> None:
+        t0 = time.time()
+        cmd = [sys.executable, "-m", "client.tools.gpu_check", "--part", name, "--work", str(work), "--out", str(self.out)]
+        print(f"$ gpu_check --part {name}   (budget {budget} s, {limit:.0f} s left)", flush=True)
+        with open(self.out / f"{name}.log", "w") as log:
+            self.child = subprocess.Popen(cmd + (["--dry-run"] if self.dry_run else []), cwd=ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            cut = ""
+            try:
+                code = self.child.wait(timeout=max(limit, 1))
+            except subprocess.TimeoutExpired:
+                cut = f"stopped after {limit:.0f} s (budget {budget} s)"
+                code = self._stop_child()
+            except Stop:
+                cut = "stopped by SIGTERM"
+                self._stop_child()
+                self.record(name, self._result(name, code=None, cut=cut), t0, budget)
+                raise
+        self.record(name, self._result(name, code, cut), t0, budget)
+
+    def _stop_child(self) -> Optional[int]:
+        """SIGTERM to the part's process group (it writes what it has), then SIGKILL."""
+        child, self.child = self.child, None
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(child.pid, sig)
+                return child.wait(timeout=GRACE_S)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        return child.poll()
+
+    def _result(self, name: str, code: Optional[int], cut: str) -> dict:
+        path = self.out / f"{name}.json"
+        if path.exists():
+            res = json.loads(path.read_text())
+        else:
+            tail = (self.out / f"{name}.log").read_text()[-1500:]
+            res = dict(ok=False, error=f"exited {code}: {tail}")
+        if cut:   # the part's own account (it wrote what it had) after why it was stopped
+            res.update(ok=False, cut=True, error=f"{cut}: {res['error']}" if res.get("cut") else cut)
+        return res
+
+    def record(self, name: str, part: dict, t0: float, budget: int) -> None:
+        part.update(seconds=round(time.time() - t0, 1), budget=budget)
+        self.res["parts"][name] = part
+        (self.out / f"{name}.json").write_text(json.dumps(part, default=str, indent=1))
+        status = "SKIP" if part.get("skipped") else "CUT" if part.get("cut") else "ok" if part.get("ok") else "FAIL"
+        print(f"  {name}: {status} in {part['seconds']:.0f} s", flush=True)
+        self.write()
+
+    def write(self) -> str:
+        res = self.res
+        ok, res["problems"] = verdict(res["parts"], self.dry_run)
+        res["ok"] = ok and bool(res["environment"].get("ok")) and not res.get("stopped")
+        res["wall_s"] = time.time() - self.start
+        (self.out / "gpu_check.json").write_text(json.dumps(res, indent=1, default=str))
+        page = table(res)
+        report = page + details(res) + "\n```json\n" + json.dumps(res, indent=1, default=str) + "\n```\n"
+        (self.out / "gpu_check.md").write_text(report)
+        return page
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="inflight gpu-check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="results folder (default: %(default)s)")
-    parser.add_argument("--dry-run", action="store_true", help="rehearse on the CPU with tiny shapes")
-    parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)      # a child process: one part
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, then rehearse it on the CPU")
+    parser.add_argument("--part", choices=PART_NAMES, help=argparse.SUPPRESS)      # a child process: one part
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part:
-        run_part(args.part, args.dry_run, args.work)
+        run_part(args.part, args.dry_run, args.work, args.out)
         return 0
     import torch
 
-    if not args.dry_run and not torch.cuda.is_available():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not args.dry_run and not gpus:
         print("inflight gpu-check needs a CUDA GPU; --dry-run rehearses it on the CPU", file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    if args.dry_run:
-        env["TRITON_INTERPRET"] = "1"   # the parts' Triton kernels run on the CPU, chosen before triton loads
-    plan = DRY if args.dry_run else FULL
     args.out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    res = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               device=torch.cuda.get_device_name(0) if not args.dry_run else "CPU dry run (timings meaningless)",
-               dry_run=args.dry_run, environment=environment(args.dry_run), parts={})
+    run = Run(args.out, args.dry_run, torch.cuda.get_device_name(0) if gpus else "CPU dry run (timings meaningless)")
+    signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        _run_all(run, args.dry_run, gpus)
+    except Stop as exc:
+        run.res["stopped"] = f"SIGTERM ({exc}) after {time.time() - run.start:.0f} s"
+    page = run.write()
+    print("\n" + page + f"\nwrote {args.out / 'gpu_check.md'} (and each part's NAME.json, NAME.log)", flush=True)
+    return 0 if run.res["ok"] else 1
+
+
+def _run_all(run: Run, dry_run: bool, gpus: int) -> None:
+    env = run.res["environment"] = environment(dry_run)
+    interpreter = plan_mod.interpreter_problem() if dry_run else None
+    reasons = {p.name: plan_mod.skip_reason(p, dry_run, gpus, env["tritonserver"], interpreter) for p in PARTS}
+    print(plan_mod.plan_table(dry_run, reasons), flush=True)
+    run.write()
+    deadline = run.start + (TOTAL_BUDGET_S if not dry_run else 10 * 3600)
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory(prefix="inflight-gpu-check-") as tmp:
         work = Path(tmp)
         from backend.make_model import make_model
 
-        make_model(work / "model", seed=3, **plan["model"])
-        deadline = start + (TOTAL_BUDGET_S if not args.dry_run else 3600)
-        for name in PARTS:
-            budget = plan["budgets"][name]
-            limit = min(budget, deadline - time.time())
-            t0 = time.time()
-            cmd = [sys.executable, "-m", "client.tools.gpu_check", "--part", name, "--work", str(work)]
-            print(f"$ {' '.join(cmd[2:])}   (budget {budget} s)", flush=True)
-            try:
-                proc = subprocess.run(cmd + (["--dry-run"] if args.dry_run else []), cwd=ROOT, env=env,
-                                      capture_output=True, text=True, timeout=max(limit, 1))
-                path = work / f"{name}.json"
-                part = json.loads(path.read_text()) if path.exists() else \
-                    dict(ok=False, error=f"exited {proc.returncode}: {proc.stderr[-1500:]}")
-            except subprocess.TimeoutExpired:
-                part = dict(ok=False, error=f"stopped after {limit:.0f} s (budget {budget} s)")
-            part.update(seconds=time.time() - t0, budget=budget)
-            res["parts"][name] = part
-            print(f"  {name}: {'ok' if part['ok'] else 'FAIL'} in {part['seconds']:.0f} s", flush=True)
-    res["ok"], res["problems"] = verdict(res["parts"], args.dry_run)
-    res["ok"] = res["ok"] and res["environment"]["ok"]
-    res["wall_s"] = time.time() - start
-    report = markdown(res) + "\n```json\n" + json.dumps(res, indent=1, default=str) + "\n```\n"
-    (args.out / "gpu_check.md").write_text(report)
-    print("\n" + markdown(res) + f"\nwrote {args.out / 'gpu_check.md'}")
-    return 0 if res["ok"] else 1
+        make_model(work / "model", seed=3, **(DRY if dry_run else FULL)["model"])
+        for p in PARTS:
+            budget = plan_mod.budget(p, dry_run)
+            if reasons[p.name]:
+                run.record(p.name, dict(ok=True, skipped=reasons[p.name]), time.time(), budget)
+                continue
+            left = deadline - time.time()
+            if left < 5:
+                run.record(p.name, dict(ok=True, skipped=f"no time left of the run's {TOTAL_BUDGET_S} s"), time.time(), budget)
+                continue
+            limit = min(budget, left)
+            part_env = dict(child_env)
+            if dry_run and p.interpreted:
+                part_env["TRITON_INTERPRET"] = "1"   # chosen before triton loads in the child
+            else:
+                part_env.pop("TRITON_INTERPRET", None)
+            if dry_run and not p.interpreted:    # the rehearsal compiles into a cache of its own
+                part_env["TRITON_CACHE_DIR"] = str(work / "triton-cache")
+            run.part(p.name, work, part_env, budget, limit)
 
 
 if __name__ == "__main__":

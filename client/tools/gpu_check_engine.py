@@ -1,22 +1,20 @@
-"""gpu-check's engine parts (client/tools/gpu_check.py runs each in its own process):
+"""gpu-check's decode part (client/tools/gpu_check.py runs it in its own process; the greedy part
+is client/tools/gpu_check_greedy.py).
 
-greedy  The engine (on cuda:N, the machine's last GPU, dtype auto: bfloat16 for this float32-free
-        bf16 checkpoint) against transformers in float32 on the same GPU and weights, at batch
-        1 (one long prompt), 64 and 256, teacher-forced: at every position the engine's token must
-        be transformers' argmax or within a near-tie of it (a rounding flip); after a flip the
-        texts differ legitimately, and teacher forcing keeps checking on the engine's own path.
-decode  The engine's real decode step (LLMEngine.step: scheduling, step inputs, the model,
-        sampling, outputs) at batch x context points, with CUDA graphs and with enforce_eager,
-        and with quantization=fp8 (graphs on) where the GPU has fp8 (sm_89+), against the
-        bandwidth floor (weights + KV read once at the measured copy bandwidth) and beside
-        client.tools.kernel_bench's CUDA-graphed step of the same model shape built from the
-        kernels alone (the microbenchmark: no engine around it). The fp8 engine's tokens are
-        compared with the bf16 one's on the same prompts (reported, not judged: fp8 may flip
-        near-ties).
+The engine's real decode step (LLMEngine.step: scheduling, step inputs, the model, sampling,
+outputs) at batch x context points, with CUDA graphs and with enforce_eager, and with
+quantization=fp8 (graphs on) where the GPU has fp8 (sm_89+), against the bandwidth floor (weights +
+KV read once at the measured copy bandwidth) and beside client.tools.kernel_bench's CUDA-graphed
+step of the same model shape built from the kernels alone (the microbenchmark: no engine around
+it). The fp8 engine's tokens are compared with the bf16 one's on the same prompts (reported, not
+judged: fp8 may flip near-ties).
+
+Graph replay against eager: both engines generate greedily for the same prompts at batch sizes
+that are capture sizes (no padding rows), so the replayed graph and the eager step launch the same
+kernels on the same shapes: their tokens must be equal, and the first difference is reported.
 """
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
@@ -24,76 +22,15 @@ from pathlib import Path
 
 import torch
 
+from client.tools.gpu_check_greedy import free
+
+# A prefill that never ends is a failed engine, not a hang of the whole check: steps allowed per
+# request token before the part gives up on a point.
+MAX_STEPS_PER_POINT = 10_000
+
 
 def _prompts(rng: random.Random, lengths: list[int], vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-def batch_lengths(rng: random.Random, batch: int, low: int, high: int) -> list[int]:
-    """Prompt lengths for a batch: log-uniform in [low, high], never block multiples only."""
-    return [int(math.exp(rng.uniform(math.log(low), math.log(high)))) for _ in range(batch)]
-
-
-def greedy(plan: dict, model_dir: Path, device: str) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from backend import LLM, SamplingParams
-
-    rng = random.Random(5)
-    batches = [(b, batch_lengths(rng, b, low, high)) for b, low, high in plan["greedy_batches"]]
-    start = time.monotonic()
-    llm = LLM(str(model_dir), device=device, attention_backend=plan["attention_backend"],
-              max_num_seqs=max(b for b, _ in batches), max_num_batched_tokens=plan["max_num_batched_tokens"],
-              max_model_len=plan["max_model_len"])
-    runner = llm.engine.runner
-    engine_info = dict(device=str(runner.device), dtype=str(runner.dtype).replace("torch.", ""),
-                       kernels=runner.ops.name, graphs=bool(runner.graphs and runner.graphs.graphs),
-                       kv_blocks=runner.num_blocks, start_s=round(time.monotonic() - start, 1))
-    vocab = llm.engine.vocab_size
-    runs = []
-    for b, lengths in batches:
-        prompts = _prompts(rng, lengths, vocab)
-        t0 = time.monotonic()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=plan["max_tokens"], temperature=0.0, ignore_eos=True))
-        runs.append((b, prompts, [list(o.token_ids) for o in outs], time.monotonic() - t0))
-    del llm, runner
-    _free(device)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-    results = []
-    for b, prompts, outputs, seconds in runs:
-        rows = [_teacher_forced(hf, p, o, device, plan["near_tie"]) for p, o in zip(prompts, outputs)]
-        bad = [r for r in rows if not r["ok"]]
-        results.append(dict(batch=b, prompt_tokens=[min(len(p) for p in prompts), max(len(p) for p in prompts)],
-                            tokens=sum(len(o) for o in outputs), engine_s=round(seconds, 2),
-                            exact_prefix_min=min(r["same_until"] for r in rows),
-                            all_exact=sum(r["same_until"] == r["tokens"] for r in rows),
-                            max_gap=max(r["max_gap"] for r in rows), failed=len(bad), worst=bad[:3],
-                            ok=not bad and all(r["tokens"] == plan["max_tokens"] for r in rows)))
-    del hf
-    _free(device)
-    expected_dtype = plan["expected_dtype"]
-    ok = all(r["ok"] for r in results) and engine_info["dtype"] == expected_dtype and engine_info["device"] == device
-    return dict(ok=ok, near_tie=plan["near_tie"], oracle="transformers float32", engine=engine_info,
-                expected_dtype=expected_dtype, batches=results)
-
-
-def _teacher_forced(hf, prompt: list[int], output: list[int], device: str, near_tie: float) -> dict:
-    ids = torch.tensor([prompt + output], device=device)
-    with torch.no_grad():
-        logits = hf(ids).logits[0, len(prompt) - 1:-1].float()        # the logits that chose each output token
-    ours = torch.tensor(output, device=device)
-    gap = logits.max(-1).values - logits.gather(1, ours[:, None])[:, 0]  # 0 where ours is the argmax
-    exact = int((gap == 0).cumprod(0).sum())
-    max_gap = float(gap.max()) if len(output) else 0.0
-    return dict(prompt_len=len(prompt), tokens=len(output), same_until=exact, max_gap=max_gap, ok=max_gap <= near_tie)
-
-
-def _free(device: str) -> None:
-    import gc
-
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 def decode(plan: dict, model_dir: Path, device: str) -> dict:
@@ -115,7 +52,7 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
         fp8 = "skipped: fp8 needs compute capability 8.9+"
     if fp8 is None:
         variants.append(("fp8", True))
-    rows, tokens = [], {}
+    rows, tokens, replayed = [], {}, {}
     for quantization, graphs in variants:
         llm = LLM(str(model_dir), device=device, attention_backend=plan["attention_backend"], enforce_eager=not graphs,
                   max_num_seqs=max(b for b, _ in shapes), max_num_batched_tokens=plan["max_num_batched_tokens"],
@@ -128,8 +65,7 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
             params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
             reqs = [engine.add_request(f"d{graphs}-{b}-{ctx}-{i}", p, params)
                     for i, p in enumerate(_prompts(rng, [ctx] * b, cfg.vocab_size))]
-            while any(not r.output_token_ids for r in reqs):           # prefill (chunked) to the first token
-                engine.step()
+            _prefill(engine, reqs)                                      # (chunked) to the first token
             engine.step()                                               # a first full decode step
             times = []
             for _ in range(steps):
@@ -146,18 +82,63 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
                              engine_ms=ms, floor_ms=floor_ms,
                              pct_of_floor=100 * floor_ms / ms, tokens_per_s=b / ms * 1e3,
                              captured=bool(engine.runner.graphs and engine.runner.graphs.graphs)))
+        if quantization == "none":
+            replayed[graphs] = _graph_check_tokens(llm, plan["graph_check"], cfg.vocab_size)
+        llm.close()
         del llm, engine
-        _free(device)
+        free(device)
     micro = _microbench(cfg, shapes, copy_gbs)
     for row in rows:
         m = micro.get((row["batch"], row["context"]))
         row["microbench_ms"] = m
-    ok = all(r["captured"] == (r["graphs"] and on_gpu) for r in rows)
+    graph_vs_eager = compare_tokens(replayed[True], replayed[False])
+    ok = all(r["captured"] == (r["graphs"] and on_gpu) for r in rows) and graph_vs_eager["ok"]
     if fp8 is None:
         same = [a == b for (q, g, *shape), outs in tokens.items() if q == "fp8"
                 for a, b in zip(outs, tokens[("none", True, *shape)])]
         fp8 = f"{sum(same)}/{len(same)} requests with the bf16 engine's {steps} tokens"
-    return dict(ok=ok, copy_bandwidth_gbs=copy_gbs, weight_gb=rows[0]["weight_gb"], steps=steps, rows=rows, fp8=fp8)
+    return dict(ok=ok, copy_bandwidth_gbs=copy_gbs, weight_gb=rows[0]["weight_gb"], steps=steps, rows=rows, fp8=fp8,
+                graph_vs_eager=graph_vs_eager)
+
+
+def _prefill(engine, reqs) -> None:
+    """Step until every request has its first token; a RuntimeError if that never comes (a request
+    that failed has no token to wait for)."""
+    for _ in range(MAX_STEPS_PER_POINT):
+        if all(r.output_token_ids for r in reqs):
+            return
+        failed = [r.request_id for r in reqs if r.status.finished and not r.output_token_ids]
+        if failed:
+            raise RuntimeError(f"requests {failed[:3]} finished without a token")
+        engine.step()
+    raise RuntimeError(f"no first token after {MAX_STEPS_PER_POINT} engine steps")
+
+
+def _graph_check_tokens(llm, check: dict, vocab: int) -> dict:
+    """Greedy tokens of the same seeded prompts at each batch size (a capture size), by batch."""
+    from backend import SamplingParams
+
+    rng = random.Random(13)
+    params = SamplingParams(max_tokens=check["max_tokens"], temperature=0.0, ignore_eos=True)
+    out = {}
+    for b in check["batches"]:
+        prompts = _prompts(rng, [rng.randint(*check["prompt"]) for _ in range(b)], vocab)
+        out[b] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+    return out
+
+
+def compare_tokens(replayed: dict, eager: dict) -> dict:
+    """Graph-replayed against eager tokens, by batch: equal, or the first (batch, request, position)
+    where they differ with both tokens."""
+    first, requests = None, 0
+    for b, outs in replayed.items():
+        for i, (a, e) in enumerate(zip(outs, eager[b])):
+            requests += 1
+            if a != e and first is None:
+                pos = next((j for j, (x, y) in enumerate(zip(a, e)) if x != y), min(len(a), len(e)))
+                first = dict(batch=b, request=i, position=pos, replayed=a[pos:pos + 1], eager=e[pos:pos + 1])
+    same = first is None and all(len(replayed[b]) == len(eager[b]) for b in replayed)
+    return dict(ok=same and requests > 0, requests=requests, batches=sorted(replayed), first_diff=first)
 
 
 def _streamed_weight_bytes(runner, cfg) -> int:

@@ -53,10 +53,10 @@ def tensor_parallel(plan: dict, model_dir: Path) -> dict:
         i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
         top_two = a.logprobs[i]
         gap = abs(float(torch.tensor([lp.logprob for lp in top_two.values()]).diff()[0]))
-        (flips if b.token_ids[i] in top_two and gap <= plan["near_tie"] else bad).append(dict(position=i, gap=gap))
+        (flips if b.token_ids[i] in top_two and gap <= plan["tp_near_tie"] else bad).append(dict(position=i, gap=gap))
     ok = not bad and not left and len(runs[2]["outs"]) == PROMPTS
     return dict(ok=ok, gpus=gpus, prompts=PROMPTS, same=same, near_tie_flips=flips, not_near_tie=bad,
-                near_tie=plan["near_tie"], workers_left=left,
+                near_tie=plan["tp_near_tie"], workers_left=left,
                 tp1=dict(step_ms=runs[1]["step_ms"], load_s=runs[1]["load_s"], graphs=runs[1]["graphs"]),
                 tp2=dict(step_ms=runs[2]["step_ms"], load_s=runs[2]["load_s"], graphs=runs[2]["graphs"],
                          collectives=runs[2]["tp_stats"]),

@@ -7,7 +7,9 @@
 2. Correctness of every kernel against its torch reference on the GPU, in bf16, fp16 and fp32
    (bf16 cannot be checked under the CPU interpreter).
 3. Per-kernel timings (median over many runs, L2 flushed before each run so the data comes from
-   HBM, CUDA events) next to the torch reference's time, and torch SDPA's where it applies.
+   HBM, CUDA events) next to the torch reference's time, and torch SDPA's where it applies; the
+   fused MoE with Mixtral-8x7B's routing (8 experts, top-2, Llama-3-8B's sizes) against every
+   expert on every token (the reference's GPU branch).
 4. Paged decode attention at batch 1/16/64 x context 256/1k/4k with Llama-3-8B heads
    (32 q heads, 8 kv heads, head dim 128, bf16), plus a small sweep of tile sizes and splits.
 5. An engine-level decode step of a Llama-3-8B-shaped model with random bf16 weights (32 layers of
@@ -33,16 +35,18 @@ from typing import Callable, Optional
 
 import torch
 
+from kernels import moe_reference
+
 LLAMA3_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
-                 vocab=128256, rope_theta=500000.0, eps=1e-5)
+                 vocab=128256, rope_theta=500000.0, eps=1e-5, moe_intermediate=14336)
 # The sizes a run uses. FULL is the GPU benchmark; DRY is a tiny CPU rehearsal of the same code
 # (--dry-run-cpu, under TRITON_INTERPRET=1) so the script itself is tested without a GPU.
 FULL = dict(device="cuda", model=LLAMA3_8B, copy_gib=2.0, flush_mib=256, check_lens=[1, 37, 1000, 3001],
             check_prefill=([300, 129, 1], [0, 517, 2000]), check_tokens=77, kernel_tokens=(1, 64, 4096),
             prefill=((2048, 0), (512, 3584)), max_pos=8192, dtypes=("bfloat16", "float16", "float32"),
-            bench_dtype="bfloat16")
+            bench_dtype="bfloat16", moe_tokens=(33, 1, 64, 2048))
 DRY = dict(device="cpu", model=dict(LLAMA3_8B, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
-                                    intermediate=96, vocab=256),
+                                    intermediate=96, vocab=256, moe_intermediate=48), moe_tokens=(9,),
            copy_gib=1 / 256, flush_mib=1, check_lens=[1, 37, 70], check_prefill=([20, 9, 1], [0, 17, 40]),
            check_tokens=13, kernel_tokens=(1, 5), prefill=((24, 0), (8, 30)), max_pos=512,
            dtypes=("float16", "float32"), bench_dtype="float16")  # bf16 is wrong under the interpreter
@@ -99,6 +103,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50, help="timed runs per kernel measurement (default: %(default)s)")
     p.add_argument("--skip-engine", action="store_true", help="skip the engine-level decode step")
     p.add_argument("--skip-reference", action="store_true", help="do not time the torch references")
+    p.add_argument("--skip-tuning", action="store_true",
+                   help="skip the decode tile/split sweep (its variants are compiled for it alone)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and runs (a smoke test)")
     # A tiny rehearsal of this script on the CPU under TRITON_INTERPRET=1 (the tests use it); its
     # numbers mean nothing.
@@ -230,9 +236,31 @@ def run_checks(ops, ref, block_size: int) -> list[dict]:
         x = (4 * torch.randn(33, 2 * m["intermediate"], device=_dev(), generator=gen)).to(dtype)
         o1, o2 = ops.silu_mul(x), ref.silu_mul(x)
         record("silu_mul", dtype, f"T=33 I={m['intermediate']}", max_err(o1, o2), close(o1, o2, tol_e))
+        # fused MoE: 8 experts, top-2, two experts given no token (against the dense reference)
+        args = moe_inputs(P["moe_tokens"][0], dtype, gen, unused=(2, 5))
+        o1, o2 = ops.fused_moe(*args), moe_reference.dense_moe(*args)
+        record("fused_moe", dtype, f"T={P['moe_tokens'][0]} E={MOE_EXPERTS} top-{MOE_TOP_K} H={m['hidden']} "
+               f"I={m['moe_intermediate']}", max_err(o1, o2), close(o1, o2, TOL[dtype]))
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= FP8_MIN_CAPABILITY:
         results += fp8_cache_checks(ops, ref, block_size)
     return results
+
+
+MOE_EXPERTS, MOE_TOP_K = 8, 2   # Mixtral-8x7B's routing (its hidden and intermediate sizes are Llama-3-8B's)
+
+
+def moe_inputs(tokens: int, dtype: torch.dtype, gen: torch.Generator, unused=()) -> tuple:
+    """(x, w13, w2, topk_weights, topk_ids) of a random MoE layer of P's shapes; the experts in
+    `unused` are never picked."""
+    from kernels.moe_reference import route
+    m = P["model"]
+    hid, inter = m["hidden"], m["moe_intermediate"]
+    x = torch.randn(tokens, hid, device=_dev(), generator=gen).to(dtype)
+    w13 = (torch.randn(MOE_EXPERTS, 2 * inter, hid, device=_dev(), generator=gen) * hid ** -0.5).to(dtype)
+    w2 = (torch.randn(MOE_EXPERTS, hid, inter, device=_dev(), generator=gen) * inter ** -0.5).to(dtype)
+    logits = torch.randn(tokens, MOE_EXPERTS, device=_dev(), generator=gen)
+    logits[:, list(unused)] = -1e9
+    return (x, w13, w2, *route(logits, MOE_TOP_K, renormalize=True))
 
 
 def cache_checks(ops, ref, block_size: int, dtype: torch.dtype, gen: torch.Generator,
@@ -345,6 +373,15 @@ def bench_kernels(ops, ref, timer: Timer, copy_gbs: float, block_size: int, iter
         x = torch.randn(t, 2 * inter, device=_dev(), generator=gen).to(dt)
         add("silu_mul", f"T={t} I={inter}", lambda: ops.silu_mul(x), 3 * t * inter * e, lambda: ref.silu_mul(x))
 
+    # fused MoE at decode and prefill sizes: the floor reads every expert a step touches once
+    for t in P["moe_tokens"]:
+        args = moe_inputs(t, dt, gen)
+        touched = int(torch.unique(args[4]).numel())
+        moe_bytes = touched * 3 * hid * m["moe_intermediate"] * e + 2 * t * hid * e
+        add("fused_moe", f"T={t} E={MOE_EXPERTS} top-{MOE_TOP_K} I={m['moe_intermediate']}",
+            lambda: ops.fused_moe(*args), moe_bytes, lambda: moe_reference.dense_moe(*args),
+            flops=2 * t * MOE_TOP_K * 3 * hid * m["moe_intermediate"])
+
     # prefill: one 2k prompt (compared with dense causal SDPA), and a 512-token chunk after 3.5k context
     for q_len, ctx in P["prefill"]:
         n = q_len + ctx
@@ -369,7 +406,7 @@ def bench_kernels(ops, ref, timer: Timer, copy_gbs: float, block_size: int, iter
 
 
 def bench_decode(ops, ref, timer: Timer, copy_gbs: float, block_size: int, iters: int, batches: list[int],
-                 contexts: list[int], skip_reference: bool) -> tuple[list[dict], list[dict]]:
+                 contexts: list[int], skip_reference: bool, tuning_sweep: bool = True) -> tuple[list[dict], list[dict]]:
     """Decode attention sweep (Llama-3-8B heads, bf16) and a small tile-size / split sweep."""
     from kernels.decode_attention import choose_num_splits
     from kernels._common import num_sms
@@ -405,7 +442,7 @@ def bench_decode(ops, ref, timer: Timer, copy_gbs: float, block_size: int, iters
                        sdpa_pct_copy=100 * nbytes / t_sdpa / 1e3 / copy_gbs, tflops=None)
             rows.append(row)
             print_row(row)
-            if ctx == max(contexts) and b in (min(batches), max(batches)):
+            if tuning_sweep and ctx == max(contexts) and b in (min(batches), max(batches)):
                 for block_n in (32, 64, 128):
                     for ns in sorted({splits, max(1, splits // 2), splits * 2}):
                         tt = timer(lambda: ops.decode_attention(q, kc, vc, tables, sl, d ** -0.5, num_splits=ns,
@@ -552,6 +589,14 @@ def print_row(row: dict) -> None:
           flush=True)
 
 
+def _save(results: dict, path: str, partial: bool) -> None:
+    """The JSON so far (`partial`: sections may follow), replaced whole so a reader never sees half."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(results, partial=partial), f, indent=2)
+    os.replace(tmp, path)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     global P
     args = parse_args(argv)
@@ -601,6 +646,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['kernel']:<18} {c['dtype']:<9} max|err| {c['max_abs_err']:.2e}  "
               f"{c['detail']}")
     failed = [c for c in checks + quant_checks if not c["ok"]]
+    results["failed_checks"] = len(failed)
+    _save(results, args.out, partial=True)   # the checks first: kept if the timings are cut short
 
     timer = Timer()
     print(f"\nkernels (Llama-3-8B shapes, {P['bench_dtype']}, cache block size {args.block_size}):")
@@ -608,14 +655,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     results["kernels"] = bench_kernels(ops, ref, timer, copy_gbs, args.block_size, args.iters, args.skip_reference)
 
     print("\nquantized GEMMs (kernels/quant_bench.py; floor = weight + activation bytes / copy bandwidth):")
+    _save(results, args.out, partial=True)
     results["quant_linear"] = quant_bench.bench(timer, copy_gbs, args.iters, _dev(), dry=args.dry_run_cpu)
+    _save(results, args.out, partial=True)
 
     print("\npaged decode attention (B sequences x ctx tokens; SDPA = torch SDPA on dense, unpaged K/V):")
     print(HEADER)
     decode_rows, tuning = bench_decode(ops, ref, timer, copy_gbs, args.block_size, args.iters, args.batches,
-                                       args.contexts, args.skip_reference)
+                                       args.contexts, args.skip_reference, tuning_sweep=not args.skip_tuning)
     results["decode_attention"] = decode_rows
     results["decode_tuning"] = tuning
+    _save(results, args.out, partial=True)
     if tuning:
         print("\n  decode tuning (block_n x splits):")
         for r in tuning:
@@ -628,10 +678,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         results["engine_decode_step"] = bench_engine_step(ops, copy_gbs, args.block_size, args.batches,
                                                           args.engine_contexts, args.iters)
 
-    results["failed_checks"] = len(failed)
     results["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    _save(results, args.out, partial=False)
     print(f"\nwrote {args.out} in {results['wall_s']:.0f} s; "
           + ("all checks passed" if not failed else f"{len(failed)} CHECKS FAILED"))
     return 1 if failed else 0

@@ -89,7 +89,7 @@ class Chat:
         stats = self.engine.stats()
         tiers = self.engine.kv_tiers
         self.engine.check_integrity()
-        idle = stats["kv_blocks_used"] == 0 and (tiers is None or (not tiers.busy and not any(tiers.host.pins)))
+        idle = stats["kv_blocks_used"] == 0 and tiers.idle
         pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
         return {"first_turn_ttft_p50_s": pct(self.ttft.get(0, []), 50), "first_turn_ttft_p99_s": pct(self.ttft.get(0, []), 99),
                 "returning_ttft_p50_s": pct(returning, 50), "returning_ttft_p99_s": pct(returning, 99),

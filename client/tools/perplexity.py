@@ -40,7 +40,8 @@ def window_logprobs(llm, ids: Sequence[int]) -> torch.Tensor:
               for _ in range(cfg.num_layers)]
     table = torch.arange(blocks, dtype=torch.int32)[None]
     lens = torch.tensor([n], dtype=torch.int32)
-    ctx = AttentionContext(ops=runner.ops, kv_caches=caches, scale=cfg.head_dim ** -0.5,
+    ctx = AttentionContext(ops=runner.ops, kv_caches=caches, scale=cfg.attention_scale,
+                           layer_windows=cfg.layer_windows,
                            slot_mapping=torch.arange(n), num_decode_tokens=0,
                            decode_block_tables=table[:0], decode_seq_lens=lens[:0],
                            prefill_block_tables=table, prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),

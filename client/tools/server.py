@@ -180,7 +180,8 @@ class TritonServer:
     """One tritonserver process serving the `llm` model; a context manager.
 
     Ports default to free loopback ports (tests, benchmarks); `inflight serve` passes 8000/8001/8002
-    and host 0.0.0.0. The server log goes to a temporary file (`log_text()`, `last_log` after
+    and its --host (127.0.0.1 unless told otherwise: tritonserver's --http-address, --grpc-address
+    and --metrics-address all get it; tritonserver's own default is every interface). The server log goes to a temporary file (`log_text()`, `last_log` after
     `stop()`), and the reason a model failed to load goes into the error `wait_ready` raises;
     `log_to_console=True` shows the log live instead. tritonserver gets SIGTERM if the process
     that started it dies (Linux), so call `start()` from a thread that outlives the server.

@@ -16,8 +16,14 @@ fi
 # Renders config.pbtxt if missing (KIND_GPU on the GPUs seen); keeps a hand-edited one.
 # INFLIGHT_CONFIG_ARGS: more `inflight config` arguments (deploy/kubernetes/tensor-parallel sets the
 # group's size and checkpoint with `--param KEY=VALUE`).
+# INFLIGHT_KV_EVENTS_CONFIG: the kv_events_config parameter (JSON with vLLM's --kv-events-config
+# keys, KV-cache events for a prefix-aware router; docs/gateway.md), passed as one word.
+kv_events=()
+if [ -n "${INFLIGHT_KV_EVENTS_CONFIG:-}" ]; then
+  kv_events=(--param "kv_events_config=${INFLIGHT_KV_EVENTS_CONFIG}")
+fi
 # shellcheck disable=SC2086  # word splitting of INFLIGHT_CONFIG_ARGS is the point
-inflight config --output model_repository/llm/config.pbtxt ${INFLIGHT_CONFIG_ARGS:-}
+inflight config --output model_repository/llm/config.pbtxt ${INFLIGHT_CONFIG_ARGS:-} "${kv_events[@]}"
 model_path=$(python3 -c "from templates.render import read_parameters as r; print(r(open('model_repository/llm/config.pbtxt').read()).get('model_path', ''))")
 case "$model_path" in /*) ;; *) model_path="$PWD/$model_path" ;; esac
 if [ ! -f "$model_path/config.json" ]; then
@@ -31,7 +37,9 @@ fi
 openai_port="${INFLIGHT_OPENAI_PORT:-9000}"
 if [ "$openai_port" != 0 ]; then
   # A thin translator to Triton's gRPC port; it waits for Triton and answers 503 until it is up.
-  python3 -m openai_server --grpc-url 127.0.0.1:8001 --host 0.0.0.0 --port "$openai_port" \
+  # Its /metrics re-serves Triton's with the inference gateway's metrics (docs/gateway.md).
+  python3 -m openai_server --grpc-url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \
+    --host 0.0.0.0 --port "$openai_port" \
     --model-path "$model_path" --tool-call-parser "${INFLIGHT_TOOL_CALL_PARSER:-hermes}" &
 fi
 # explicit + --load-model=*: every model loads at start, and a model whose engine stopped serving

@@ -3,8 +3,9 @@
    One query token per sequence. Each cached token's K and V rows (all kv heads) are read once
    per layer, straight out of their blocks, with no padded copy; the query heads that share a kv
    head (GQA) read it from cache. Softmax in float32 over exactly the sequence's own tokens (no
-   padding, no mask); a sequence of length 0 (the runner's padding rows) gets zeros. Layouts, all
-   contiguous:
+   padding, no mask); a sequence of length 0 (the runner's padding rows) gets zeros. A sliding
+   window (window > 0: a local layer) is where the walk starts: the last `window` tokens only,
+   and the blocks before them are never read. Layouts, all contiguous:
      q, out [S, H, D]; k_cache, v_cache [NB, BS, G, D]; block_tables [S, MB] int32; seq_lens [S] int32
    The Python wrapper (kernels/cpu_decode_attention.py) checks shapes, dtypes and that every
    seq_len fits its table, and that every block id is in range.
@@ -99,17 +100,18 @@ static inline __attribute__((always_inline)) void NAME(pv_row)(
     }
 }
 
-/* One pass over the rows of tokens [t0, t1), t0 on a block boundary: block by block (no division
-   per token), the row AHEAD on prefetched. `values` (a constant where it is called) picks the
-   pass: K rows into scores, or V rows into the weighted sums. */
+/* One pass over the rows of tokens [t0, t1): block by block (no division per token; a window's
+   first block is entered part way), the row AHEAD on prefetched. `values` (a constant where it is
+   called) picks the pass: K rows into scores, or V rows into the weighted sums. */
 static inline __attribute__((always_inline)) void NAME(walk)(
         int values, const CACHE_T *restrict cache, const int32_t *restrict table, int64_t t0, int64_t t1,
         const float *restrict qs, float *restrict scores, float *restrict part,
         int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
     const int64_t row = G * D, n = t1 - t0;
-    for (int64_t t = t0; t < t1; t += BS) {
-        const CACHE_T *block = cache + (int64_t)table[t / BS] * BS * row;
-        const int64_t m = t1 - t < BS ? t1 - t : BS;
+    for (int64_t t = t0, m; t < t1; t += m) {
+        const int64_t offset = t % BS;
+        const CACHE_T *block = cache + ((int64_t)table[t / BS] * BS + offset) * row;
+        m = t1 - t < BS - offset ? t1 - t : BS - offset;
         for (int64_t j = 0; j < m; j++) {
             NAME(prefetch_row)(cache, table, t + j + AHEAD, t1, BS, row);
             if (values)
@@ -149,20 +151,23 @@ void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_c
                           const CACHE_T *restrict v_cache, const int32_t *restrict block_tables,
                           const int32_t *restrict seq_lens, float *restrict out,
                           int64_t S, int64_t H, int64_t G, int64_t D, int64_t BS, int64_t MB,
-                          float scale) {
+                          float scale, int64_t window) {
+    /* Sequence s reads tokens [lo(s), seq_lens[s]): all of them, or its window's. */
+#define LO(s) (window > 0 && seq_lens[s] > window ? seq_lens[s] - window : 0)
+#define SPAN(s) (seq_lens[s] > 0 ? seq_lens[s] - LO(s) : 0)
     int64_t total = 0, longest = 1;
     for (int64_t s = 0; s < S; s++) {
-        total += seq_lens[s] > 0 ? seq_lens[s] : 0;
-        longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+        total += SPAN(s);
+        longest = SPAN(s) > longest ? SPAN(s) : longest;
     }
     int64_t chunk = (total + TASKS - 1) / TASKS;
     chunk = chunk < MIN_CHUNK ? MIN_CHUNK : chunk;
-    chunk = (chunk + BS - 1) / BS * BS; /* whole blocks */
+    chunk = (chunk + BS - 1) / BS * BS; /* whole blocks' worth */
     /* Task j covers chunk j - first[s] of sequence owner[j] = s. */
     int64_t *first = malloc(sizeof(int64_t) * (S + 1));
     first[0] = 0;
     for (int64_t s = 0; s < S; s++)
-        first[s + 1] = first[s] + (seq_lens[s] > 0 ? (seq_lens[s] + chunk - 1) / chunk : 0);
+        first[s + 1] = first[s] + (SPAN(s) + chunk - 1) / chunk;
     const int64_t tasks = first[S], stride = D + 2;
     float *parts = malloc(sizeof(float) * (tasks ? tasks : 1) * H * stride);
     int64_t *owner = malloc(sizeof(int64_t) * (tasks ? tasks : 1));
@@ -173,7 +178,7 @@ void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_c
         float *scores = malloc(sizeof(float) * H * (chunk < longest ? chunk : longest));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < tasks; j++) {
-            const int64_t s = owner[j], t0 = (j - first[s]) * chunk;
+            const int64_t s = owner[j], t0 = LO(s) + (j - first[s]) * chunk;
             const int64_t t1 = t0 + chunk < seq_lens[s] ? t0 + chunk : seq_lens[s];
             const float *qs = q + s * H * D;
             const int32_t *table = block_tables + s * MB;
@@ -214,5 +219,7 @@ void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_c
     free(parts);
     free(owner);
     free(first);
+#undef LO
+#undef SPAN
 }
 #endif

@@ -27,17 +27,10 @@ PARAMS = {"enable_lora": "true", "max_loras": "2", "max_model_len": "512"}
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory, model_path):
-    from lora_adapters import AdapterSpec, make_adapter
+    from lora_adapters import AdapterSpec, checkpoint_with_adapters
 
-    root = tmp_path_factory.mktemp("lora-serving")
-    folder = root / "ckpt"
-    folder.mkdir()
-    for f in model_path.iterdir():
-        (folder / f.name).symlink_to(f)
-    adapters = {name: make_adapter(model_path, root / name, seed=i + 21, spec=AdapterSpec(r=8, alpha=16))
-                for i, name in enumerate(("sql", "poet", "chef"))}
-    (folder / "multi_lora.json").write_text(json.dumps({"sql": str(adapters["sql"]), "poet": str(adapters["poet"])}))
-    return folder, adapters
+    return checkpoint_with_adapters(model_path, tmp_path_factory.mktemp("lora-serving"), ("sql", "poet", "chef"),
+                                    seed=21, spec=AdapterSpec(r=8, alpha=16), listed=("sql", "poet"))
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +87,9 @@ def test_lora_name_as_a_request_parameter_and_unknown_names_listing_the_loaded(l
     assert responses[0]["text_output"][0].decode() == reference(PROMPTS[2], "chef")
     with pytest.raises(RuntimeError, match=r"LoRA adapter 'nope' is not loaded; loaded adapters: sql, poet, chef"):
         grpc_stream(lora_server.grpc_url, {**inputs, "sampling_parameters": array(json.dumps({"lora_name": "nope"}))})
-    with pytest.raises(RuntimeError, match="lora_name must be a string"):
-        grpc_stream(lora_server.grpc_url, {**inputs, "sampling_parameters": array(json.dumps({"lora_name": 3}))})
+    for bad in (3, ""):  # "" would otherwise run the base model without a word
+        with pytest.raises(RuntimeError, match=f"lora_name must be a loaded adapter's name .*got {bad!r}"):
+            grpc_stream(lora_server.grpc_url, {**inputs, "sampling_parameters": array(json.dumps({"lora_name": bad}))})
 
 
 def lora_gauge(server, adapter, state):

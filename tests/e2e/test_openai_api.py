@@ -228,6 +228,29 @@ def test_a_full_queue_is_a_429(smollm2_api):
     assert not waiting.is_alive()
 
 
+def test_a_queued_stream_whose_client_leaves_is_cancelled_before_it_runs(smollm2_api):
+    """A stream's headers wait for its first token; a client that goes while the request still waits
+    for a slot must cancel it then, not when a slot frees and its first token comes."""
+    import json
+    import socket
+
+    api, _, triton = smollm2_api
+    running = api.chat.completions.create(model="llm", messages=QUESTION, max_tokens=300, stream=True,
+                                          extra_body={"ignore_eos": True})
+    next(iter(running))  # it runs: max_num_seqs is 1
+    try:
+        body = json.dumps({"model": "llm", "messages": QUESTION, "max_tokens": 5, "stream": True}).encode()
+        with socket.create_connection((api.base_url.host, api.base_url.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            wait_until(lambda: gauge(triton, "inflight_num_requests_waiting") == 1, timeout=30)
+        # the socket is closed: the queued request goes while the first one still runs
+        wait_until(lambda: gauge(triton, "inflight_num_requests_waiting") == 0, timeout=10)
+        assert gauge(triton, "inflight_num_requests_running") == 1
+    finally:
+        running.close()
+
+
 # -- inflight serve starts it beside tritonserver and stops it with it -------------------------------
 
 def test_inflight_serve_runs_the_openai_server_beside_triton(model_repository, model_path):

@@ -211,7 +211,9 @@ def test_the_vllm_backends_guided_choice_request(served):
 
 @pytest.mark.parametrize("kwargs, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-     None, "structured_outputs.json: cannot be compiled"),
+     "response_format", "structured_outputs.json: /type must be one of"),  # checked at the door
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format", "cannot enforce these JSON-schema keywords"),
     ({"extra_body": {"guided_regex": "(ab"}}, None, "structured_outputs.regex: cannot be compiled"),
     ({"extra_body": {"guided_grammar": 'root ::= root "a"'}}, None, "tokenizer cannot satisfy"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",

@@ -18,9 +18,10 @@ from kernels import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"store_kv_kernel", "decode_attention_kernel", "decode_merge_kernel", "prefill_attention_kernel",
-           "rms_norm_kernel", "rotary_kernel", "silu_mul_kernel",
+           "rms_norm_kernel", "rotary_kernel", "gated_act_kernel",
            "gguf_gemm_kernel", "w8_gemm_kernel", "awq_gemm_kernel", "split_k_reduce_kernel",  # kernels/quant_*.py
-           "lora_shrink_kernel", "lora_expand_kernel"}  # kernels/lora_sgmv.py
+           "lora_shrink_kernel", "lora_expand_kernel",  # kernels/lora_sgmv.py
+           "fused_moe_kernel"}  # kernels/fused_moe.py: the MoE models only
 CACHE_KERNELS = {"store_kv_kernel", "decode_attention_kernel", "prefill_attention_kernel"}
 
 
@@ -48,11 +49,22 @@ def test_every_kernel_compiles_for_sm80_and_sm90_in_bf16_and_fp16_and_with_an_fp
     fp8_cache = {(k, d + "+kv-fp8", "sm_90") for k in CACHE_KERNELS for d in ("bf16", "fp16")}
     assert combos == {(k, d, t) for k in KERNELS for d in ("bf16", "fp16") for t in ("sm_80", "sm_90")} | fp8_cache
     assert {r["config"]["SATURATE"] for r in rows if r["kernel"] == "store_kv_kernel"} == {False, True}
-    assert {m for r in rows for m in r["models"]} == {"Llama-3.1-8B", "Llama-3.2-1B", "Qwen2-7B", "Mistral-7B"}
+    assert {m for r in rows for m in r["models"]} == {"Llama-3.1-8B", "Llama-3.2-1B", "Qwen2-7B", "Mistral-7B",
+                                                      "Qwen3-8B", "Gemma-3-4B", "Gemma-3-270M",
+                                                      "Mixtral-8x7B", "Qwen3-30B-A3B"}
+    moe = [r for r in rows if r["kernel"] == "fused_moe_kernel"]
+    # per MoE model, dtype and target: gate/up and down, each in both tile configurations
+    assert len(moe) == 2 * 2 * 2 * 2 * 2 and all(len(r["models"]) == 1 for r in moe)
+    assert {(r["config"]["GATED"], r["config"]["BLOCK_M"]) for r in moe} == {(g, m) for g in (0, 1) for m in (16, 64)}
     for r in rows:
         assert 0 <= r["shared_bytes"] <= result["targets"][r["target"]]["shared_limit_bytes"], r
     decode = [r for r in rows if r["kernel"] == "decode_attention_kernel"]
     assert {r["config"]["SPLIT"] for r in decode} == {False, True}          # one pass and split-K
+    # Gemma 3's local layers: sliding-window attention, both kernels, every dtype and target
+    for kernel in ("decode_attention_kernel", "prefill_attention_kernel"):
+        assert {(r["dtype"], r["target"]) for r in rows if r["kernel"] == kernel and r["config"]["SLIDING"]} == \
+            {(d, t) for d in ("bf16", "fp16") for t in ("sm_80", "sm_90")} | {(d + "+kv-fp8", "sm_90") for d in ("bf16", "fp16")}
+    assert {r["config"]["GELU_TANH"] for r in rows if r["kernel"] == "gated_act_kernel"} == {False, True}
     merge = {r["config"]["BLOCK_SPLITS"] for r in rows if r["kernel"] == "decode_merge_kernel"}
     assert merge == {decode_mod.MAX_SPLITS}                                 # one variant serves every count
     assert "0 failed" in output
@@ -117,6 +129,19 @@ def test_plan_uses_the_gpu_configuration_when_asked():
     assert (cpu.constexprs["BLOCK_M"], cpu.num_stages) == (32, 1)
 
 
+def test_sliding_windows_add_one_variant_per_attention_kind():
+    """A Gemma 3 (local layers beside global ones): decode and prefill attention compile once more
+    each for the window (SLIDING; the window's length is an argument, not a constant), whatever
+    the step; the q/k norm adds one RMSNorm variant (rows of head_dim)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = VARIANTS.replace("Llama-3.1-8B", "Gemma-3-270M")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])["bf16"]
+    assert (counts["decode_attention_kernel"], counts["prefill_attention_kernel"]) == (4, 2)
+    assert (counts["rms_norm_kernel"], counts["gated_act_kernel"], counts["decode_merge_kernel"]) == (3, 1, 1)
+
+
 VARIANTS = """
 import json, sys
 from kernels import aot
@@ -146,7 +171,7 @@ def test_each_kernel_compiles_to_a_few_variants_whatever_the_step():
     assert columns["bf16+kv-fp8"] == {"decode_attention_kernel": 2, "prefill_attention_kernel": 1, "store_kv_kernel": 1}
     assert set(columns) == {"bf16", "bf16+kv-fp8"}
     assert counts == {"decode_attention_kernel": 2, "decode_merge_kernel": 1, "prefill_attention_kernel": 1,
-                      "store_kv_kernel": 1, "rms_norm_kernel": 2, "rotary_kernel": 1, "silu_mul_kernel": 1,
+                      "store_kv_kernel": 1, "rms_norm_kernel": 2, "rotary_kernel": 1, "gated_act_kernel": 1,
                       # the quantized GEMMs: 3 variants (decode 16, decode 64, prefill) per qtype, and the
                       # prefill with bias; a qtype is a constexpr (7 GGUF, 3 8-bit, AWQ)
                       "gguf_gemm_kernel": 21, "w8_gemm_kernel": 9, "awq_gemm_kernel": 3,

@@ -42,11 +42,36 @@ def test_dry_run_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert res["failed_checks"] == 0 and all(c["ok"] for c in res["checks"])
     assert {c["kernel"] for c in res["checks"]} == {"decode_attention", "prefill_attention", "store_kv",
-                                                    "rms_norm", "rotary_embedding", "silu_mul"}
+                                                    "rms_norm", "rotary_embedding", "silu_mul", "fused_moe"}
+    assert any(r["kernel"] == "fused_moe" for r in res["kernels"])
     assert len(res["decode_attention"]) == 2 and res["decode_tuning"]
     assert [(r["batch"], r["context"]) for r in res["engine_decode_step"]] == [(1, 20), (2, 20)]
     assert res["copy_bandwidth_gbs"] > 0
     assert res["quant_checks"] and all(c["ok"] for c in res["quant_checks"]) and res["quant_linear"]  # kernels/quant_bench.py
+    assert res["partial"] is False and not (tmp_path / "bench.json.tmp").exists()
+
+
+@pytest.mark.slow
+def test_the_checks_are_saved_before_the_timings_and_the_tuning_sweep_can_be_skipped(tmp_path, monkeypatch):
+    """gpu-check cuts a part that overruns its budget: the kernel checks must already be on disk
+    (partial: true) when the timings start; --skip-tuning leaves out the sweep's own variants."""
+    out = tmp_path / "bench.json"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(bench, "P", bench.P)          # main() sets it: restored after the test
+    seen = {}
+
+    def stop_at_the_timings(*args, **kwargs):
+        seen.update(json.loads(out.read_text()))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "bench_kernels", stop_at_the_timings)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--dry-run-cpu", "--out", str(out), "--batches", "1", "--contexts", "40", "--skip-engine"])
+    assert seen["partial"] is True and seen["failed_checks"] == 0 and seen["checks"] and seen["quant_checks"]
+    assert "kernels" not in seen
+    monkeypatch.undo()
+    args = bench.parse_args(["--skip-tuning"])
+    assert args.skip_tuning and not bench.parse_args([]).skip_tuning
 
 
 def test_the_fp8_cache_checks_run_and_pass_their_attention_rows(monkeypatch):

@@ -7,7 +7,8 @@ import torch
 
 from kernels import dispatch, reference
 
-NAMES = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary_embedding", "silu_mul"]
+NAMES = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotary_embedding", "silu_mul",
+         "gelu_tanh_mul"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -104,7 +104,8 @@ class Frontend:
         try:
             parsed = parse_request(inputs, parameters,
                                    max_input_bytes=getattr(self.engine, "max_input_bytes", None),
-                                   max_model_len=getattr(self.engine, "max_model_len", None))
+                                   max_model_len=getattr(self.engine, "max_model_len", None),
+                                   vocab_size=getattr(self.engine, "vocab_size", None))
             if parsed.stop:
                 self._stop(client_id, sender, parsed.returns)
                 return
@@ -286,8 +287,10 @@ class Frontend:
         failed = next((o for o in live.latest.values() if o.finish_reason == "error"), None)
         if live.cancelled:  # nobody listens: just close the request
             self.respond(live.sender, None, None, True)
-        elif failed is not None:
-            self.respond(live.sender, None, Error(failed.error or "the engine failed this request"), True)
+        elif failed is not None:  # refused after arrival (its constraint) or failed by the engine
+            code = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE"}.get(getattr(failed, "error_kind", None),
+                                                                                     "INTERNAL")
+            self.respond(live.sender, None, Error(failed.error or "the engine failed this request", code), True)
         else:
             self.respond(live.sender, output_tensors(live, outs, self._detok), None, True)
 

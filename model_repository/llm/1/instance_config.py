@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from backend.config import EngineConfig
+from backend.kv_events import for_instance
 
 
 def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int | str,
@@ -40,9 +41,11 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
         from backend.spec.config import resolve_draft_path
         overrides["speculative_config"] = resolve_draft_path(str(params["speculative_config"]), repo_root)
     config = EngineConfig.from_params(params, **overrides)
+    index = int(instance_name.rsplit("_", 1)[-1]) if instance_name.rsplit("_", 1)[-1].isdigit() else 0
     if instance_kind in ("MODEL", "KIND_MODEL") and device in ("", "auto") and _gpu_count():
-        index = int(instance_name.rsplit("_", 1)[-1]) if instance_name.rsplit("_", 1)[-1].isdigit() else 0
         config = dataclasses.replace(config, device=f"cuda:{index * config.tensor_parallel_size}")
+    if index and config.kv_events_config:  # instance i publishes KV events on its own ports (vLLM's DP ranks)
+        config = dataclasses.replace(config, kv_events_config=for_instance(config.kv_events_config, index))
     if not config.model_path:
         raise ValueError("parameter 'model_path' is required: a Hugging Face checkpoint folder")
     if not Path(config.model_path).is_dir():

@@ -9,6 +9,7 @@ The logic lives in adapter.py beside this file (no Triton imports there, so it i
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -20,6 +21,7 @@ for path in (str(HERE), str(REPO_ROOT)):
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import adapter  # noqa: E402
+from triton_outputs import lora_info_labels  # noqa: E402
 
 INPUTS = adapter.INPUT_NAMES
 
@@ -103,8 +105,25 @@ class Metrics:
         }
         self._lengths = []  # verify steps counted so far, by tokens they gave (the engine's tally)
         self._last = {}
+        # The inference gateway's model-server protocol (docs/gateway.md): info gauges whose labels
+        # are the values, as vLLM's cache_config_info and lora_requests_info
+        self.cache_info_family = family("inflight_cache_config_info", "KV-cache configuration in the labels: "
+                                        "block_size (tokens), num_gpu_blocks; value 1", fam.GAUGE)
+        self.lora_info_family = family("inflight_lora_requests_info", "LoRA adapters with running and waiting "
+                                       "requests, and max_lora, in the labels; value: the Unix time they last "
+                                       "changed", fam.GAUGE)
+        self.cache_info = self.lora_info = None
+        self.max_loras = 0  # 0: LoRA off, no lora_requests_info (as vLLM without a LoRA config)
         self._family = family
+        self.moe = None  # (tokens per expert counters, imbalance gauge): made when a MoE model reports
         self.tiers = None  # the KV tiers' series (kv_host_cache_bytes), made when the engine first reports them
+
+    def describe(self, block_size, num_blocks, max_loras):
+        """The engine's fixed figures: its cache's shape, and max_loras (0 without LoRA)."""
+        self.cache_info = self.cache_info_family.Metric(
+            labels={**self.labels, "block_size": str(block_size), "num_gpu_blocks": str(num_blocks)})
+        self.cache_info.set(1)
+        self.max_loras = max_loras
 
     # The KV tiers' figures (LLMEngine.stats()["kv_tiers"], per tier): counters by their stats key.
     TIER_COUNTERS = {"hits": ("inflight_kv_tier_hits_total", "Prefix blocks started requests found in this tier", {}),
@@ -162,11 +181,14 @@ class Metrics:
                 if key not in self.lora:
                     self.lora[key] = self.lora_family.Metric(labels={**self.labels, "adapter": adapter, "state": state})
                 self._set(key, self.lora[key], value)
+        if self.max_loras:
+            self._lora_info(lora_info_labels(stats.get("lora_requests", {}), self.max_loras))
         for key, metric in self.counters.items():
             delta = stats.get(key, 0) - self._counted[key]
             if delta > 0:
                 metric.increment(delta)
                 self._counted[key] += delta
+        self._update_moe(stats)
         if stats.get("kv_tiers"):
             self._update_tiers(stats["kv_tiers"])
         lengths = stats.get("spec_decode_acceptance_lengths") or []
@@ -174,6 +196,35 @@ class Metrics:
             for _ in range(n - (self._lengths[i] if i < len(self._lengths) else 0)):
                 self.hist["acceptance"].observe(i + 1)
         self._lengths = list(lengths)
+
+    def _update_moe(self, stats):
+        """Mixtures of experts: tokens routed to each expert (summed over the layers; a token counts
+        once per expert it picks) and the last interval's load imbalance (busiest expert / mean)."""
+        tokens = stats.get("moe_expert_tokens")
+        if not tokens:
+            return
+        if self.moe is None:
+            fam = pb_utils.MetricFamily
+            counter = self._family("inflight_moe_expert_tokens_total",
+                                   "Tokens routed to each expert, summed over the MoE layers", fam.COUNTER)
+            gauge = self._family("inflight_moe_load_imbalance", "Tokens of the busiest expert over the mean, "
+                                 "in the worst MoE layer, since the last report (1: even)", fam.GAUGE)
+            self.moe = ([counter.Metric(labels={**self.labels, "expert": str(e)}) for e in range(len(tokens))],
+                        gauge.Metric(labels=self.labels), [0] * len(tokens))
+        counters, gauge, counted = self.moe
+        for e, n in enumerate(tokens):
+            if n > counted[e]:
+                counters[e].increment(n - counted[e])
+                counted[e] = n
+        self._set("moe_imbalance", gauge, stats.get("moe_load_imbalance", 0.0))
+
+    def _lora_info(self, labels):
+        """The series of these labels, stamped now when they change. Triton keeps every series made
+        (as vLLM's Prometheus client does): the current one is the newest."""
+        if self._last.get("lora_info") != labels:
+            self.lora_info = self.lora_info_family.Metric(labels={**self.labels, **labels})
+            self.lora_info.set(time.time())
+            self._last["lora_info"] = labels
 
     def _set(self, key, metric, value):
         if self._last.get(key) != value:  # each set is an IPC to the server: only on change
@@ -218,13 +269,18 @@ class TritonPythonModel:
 
         from backend.async_engine import AsyncEngine  # torch loads here, after the config is known good
 
-        self.engine = AsyncEngine(engine_config)
+        try:
+            self.engine = AsyncEngine(engine_config)
+        except ValueError as exc:  # a size, adapter or checkpoint that does not fit: the reason, no traceback
+            raise pb_utils.TritonModelException(f"inflight: {exc}") from None
         self.faults = adapter.FaultInjector.from_env(Path(args["model_repository"]))
         if self.faults is not None:  # tests only: see adapter.FaultInjector
             self.faults.install(self.engine)
             pb_utils.Logger.log_warn(f"inflight: FAULT INJECTION IS ARMED ({adapter.FAULT_ENV}=1): model steps "
                                      f"fail on demand through {self.faults.path}. For tests only.")
         self.metrics = Metrics(Metrics.instance_labels(args, self.engine.device))  # as resolved: cuda:1
+        self.metrics.describe(engine_config.kv_block_size, self.engine.stats()["kv_blocks_total"],
+                              engine_config.max_loras if engine_config.enable_lora else 0)
         self.model_name = args["model_name"]
         self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
                                          stop_file=Path(args["model_repository"]) / STOP_FILE,
@@ -255,12 +311,18 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            inputs = {}
-            for name in INPUTS:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                inputs[name] = tensor.as_numpy() if tensor is not None else None
-            self.frontend.submit(request.request_id(), inputs, request.get_response_sender(),
-                                 request.parameters())
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in INPUTS:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    inputs[name] = tensor.as_numpy() if tensor is not None else None
+                parameters = request.parameters()
+            except UnicodeDecodeError as exc:  # Triton's JSON passes "\ud800" on as bytes UTF-8 refuses
+                respond(sender, None, adapter.Error(f"the request parameters are not valid UTF-8 text (a lone "
+                                                    f"surrogate such as \\ud800?): {exc}", "INVALID_ARG"), True)
+                continue
+            self.frontend.submit(request.request_id(), inputs, sender, parameters)
         return None
 
     def finalize(self):

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from backend.errors import EngineDeadError, QueueFullError
+from backend.input_guard import check_text, guarded, int32
 from backend.request import MAX_BAD_WORDS, MAX_STOP_STRINGS, SamplingParams
 from templates.tensors import INPUTS, RETURN_FLAGS
 
@@ -145,10 +146,13 @@ def _prompt(get: Mapping[str, np.ndarray], max_input_bytes: Optional[int],
 def _json_object(name: str, raw: str) -> dict[str, Any]:
     try:
         data = json.loads(raw) if raw.strip() else {}
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    except RecursionError:  # json's scanner recurses once per nesting level
+        raise ValueError(f"{name} is nested too deeply to be sampling settings") from None
     if not isinstance(data, dict):
         raise ValueError(f"{name} must be a JSON object")
+    check_text(data, name)  # "\ud800" is valid JSON and no valid text
     return data
 
 
@@ -179,12 +183,21 @@ def _request_parameters(raw: Optional[str]) -> dict[str, Any]:
 
 
 def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str] = None,
-                  max_input_bytes: Optional[int] = None, max_model_len: Optional[int] = None) -> ParsedRequest:
+                  max_input_bytes: Optional[int] = None, max_model_len: Optional[int] = None,
+                  vocab_size: Optional[int] = None) -> ParsedRequest:
     """Convert one request's tensors and parameters. Raises ValueError naming the input and the rule.
 
     `parameters` is the request's parameters as Triton gives them (a JSON object). The byte caps
     run before anything is decoded: `max_input_bytes` on text_input, 1 MiB on the sampling JSON.
-    `max_model_len` only goes into the message of the first."""
+    `max_model_len` only goes into the message of the first; `vocab_size` bounds end_id. What
+    hostile JSON makes Python raise (nesting, 1e400, lone surrogates) is a ValueError too
+    (backend/input_guard.py)."""
+    with guarded("the request's inputs and parameters"):
+        return _parse(inputs, parameters, max_input_bytes, max_model_len, vocab_size)
+
+
+def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str], max_input_bytes: Optional[int],
+           max_model_len: Optional[int], vocab_size: Optional[int]) -> ParsedRequest:
     get = {k: v for k, v in inputs.items() if v is not None}
     request_params = _request_parameters(parameters)
     priority = request_params.pop("priority", 0)  # an argument of add_request, not a sampling key
@@ -218,16 +231,14 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Option
             if key == "stop":
                 sampling.pop("stop_words", None)
             sampling[key] = value
-    _trtllm_inputs(get, sampling)
+    _trtllm_inputs(get, sampling, vocab_size)
     if "priority" in get:
         priority = _value("priority", get["priority"])
-    try:
-        priority = int(priority)
-    except (TypeError, ValueError):
-        raise ValueError(f"priority must be an integer; got {priority!r}") from None
+    priority = int32(priority, "priority")
 
     try:
-        params = SamplingParams.from_dict(sampling)  # every value check, naming the field and its limit
+        with guarded(source):
+            params = SamplingParams.from_dict(sampling)  # every value check, naming the field and its limit
     except ValueError as exc:
         if "max_tokens" in get and sampling["max_tokens"] < 0 and str(exc).startswith("max_tokens"):
             # Not a second check: why a client that sent a huge number sees a negative one.
@@ -240,14 +251,16 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Option
         if "exclude_input_in_output" in get else None
     if stream and exclude is False:  # the vLLM backend's rule and message
         raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
-    if lora_name is not None and not isinstance(lora_name, str):
-        raise ValueError(f"{source}: lora_name must be a string (a loaded adapter's name); got {lora_name!r}")
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        # "" would otherwise run the base model: a client that meant an adapter would never know
+        raise ValueError(f"{source}: lora_name must be a loaded adapter's name (omit it for the base model); "
+                         f"got {lora_name!r}")
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
                          exclude_input=bool(stream or exclude), priority=priority, returns=returns,
-                         lora_name=lora_name or None)
+                         lora_name=lora_name)
 
 
-def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any]) -> None:
+def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any], vocab_size: Optional[int]) -> None:
     """The TensorRT-LLM ensemble's inputs that are not plain sampling keys: honoured where we have
     the feature, refused by name where we do not."""
     if "beam_width" in get and _value("beam_width", get["beam_width"]) != 1:
@@ -259,7 +272,12 @@ def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any]) -> N
                          "supported: send return_logprobs and return_cumulative_logprob with the sampling "
                          "key logprobs instead")
     if "end_id" in get:  # TensorRT-LLM: this token ends generation in place of the model's EOS
-        sampling["stop_token_ids"] = list(sampling.get("stop_token_ids", [])) + [_value("end_id", get["end_id"])]
+        end_id = _value("end_id", get["end_id"])
+        if end_id < 0 or (vocab_size is not None and end_id >= vocab_size):
+            # -1 would otherwise end nothing: the model's EOS off, silently
+            raise ValueError(f"end_id must be a token id in [0, {vocab_size or 'the vocabulary size'}); got {end_id} "
+                             "(to generate past EOS, send ignore_eos=true)")
+        sampling["stop_token_ids"] = list(sampling.get("stop_token_ids", [])) + [end_id]
         sampling["ignore_eos"] = True
     for name in ("pad_id", "len_penalty", "length_penalty"):  # no effect at beam_width 1, as in TensorRT-LLM
         if name in get:

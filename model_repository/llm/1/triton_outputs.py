@@ -153,3 +153,13 @@ class MetricsWriter:
         self._wake.set()
         self._thread.join(timeout)
         self.flush()
+
+
+def lora_info_labels(lora_requests: Mapping[str, Mapping[str, int]], max_loras: int) -> dict[str, str]:
+    """The labels of vLLM's `lora_requests_info` info gauge (the inference gateway's LoRA metric,
+    docs/gateway.md) from the engine's per-adapter counts: max_lora, and the adapters with a running
+    request and those with a waiting one, comma-joined as vLLM joins them."""
+    def with_(state: str) -> str:
+        return ",".join(sorted(name for name, counts in lora_requests.items() if counts.get(state)))
+    return {"max_lora": str(max_loras), "running_lora_adapters": with_("running"),
+            "waiting_lora_adapters": with_("waiting")}

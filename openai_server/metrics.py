@@ -1,0 +1,206 @@
+"""The OpenAI port's /metrics: the inference gateway's model-server protocol (docs/gateway.md).
+
+The endpoint picker of the Gateway API Inference Extension (llm-d's router) scrapes the port it
+routes to for the protocol's metrics, under vLLM's names by default. The engines live in Triton's
+Python-backend stubs and export their gauges on Triton's metrics port, one series per model instance;
+this process is a separate translator. So each scrape here reads Triton's /metrics afresh (scrapes
+that arrive together share one read), sums the model's instances into one pod's figures, and serves
+them under our names and vLLM's:
+
+| protocol metric          | ours (type)                                | vLLM's                       |
+| queued requests          | inflight_num_requests_waiting (gauge)      | vllm:num_requests_waiting    |
+| running requests         | inflight_num_requests_running (gauge)      | vllm:num_requests_running    |
+| KV-cache utilisation 0-1 | inflight_kv_cache_usage_ratio (gauge)      | vllm:kv_cache_usage_perc     |
+| LoRA adapters            | inflight_lora_requests_info (info gauge)   | vllm:lora_requests_info      |
+| block size, block count  | inflight_cache_config_info (info gauge)    | vllm:cache_config_info       |
+
+Summing: requests and blocks add up; utilisation is the summed used blocks over the summed total
+(instances may differ in size); num_gpu_blocks and max_lora add up (a pod of two engines holds both
+caches and twice the adapter slots); the LoRA lists are the instances' latest lists joined, and the
+info gauge's value is the latest change (vLLM's: a Unix time, so a reader takes the newest series).
+Also `inflight_kv_blocks{state}` and `inflight_model_instances` (engines summed).
+
+When Triton does not answer within the timeout, or has no inflight series for the model (not
+loaded, or unloaded after a failure), the scrape fails with 503 and says why: zeros would tell a
+router that this pod is idle and draw traffic to it.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fastapi.responses import PlainTextResponse
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_ESCAPED = re.compile(r'\\[\\"n]')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+class MetricsUnavailable(RuntimeError):
+    """Triton's metrics could not give this pod's figures; the message says why."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict
+    value: float
+
+
+def parse_exposition(text: str) -> list[Sample]:
+    """Prometheus text exposition -> its samples (comments and malformed lines skipped)."""
+    out = []
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if m is None or line.startswith("#"):
+            continue
+        labels = {k: _ESCAPED.sub(lambda e: _UNESCAPE[e.group(0)], v) for k, v in _LABEL.findall(m.group(2) or "")}
+        try:
+            out.append(Sample(m.group(1), labels, float(m.group(3))))
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class PodFigures:
+    """One pod's protocol figures: the model's instances summed."""
+    instances: int
+    running: float
+    waiting: float
+    blocks_used: float
+    blocks_total: float
+    block_size: Optional[str] = None
+    lora: Optional[dict] = None  # max_lora, running, waiting (lists), updated (Unix time)
+    blocks: dict = field(default_factory=dict)
+
+    @property
+    def usage(self) -> float:
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
+
+
+def aggregate(samples: list[Sample], model: str) -> PodFigures:
+    """Triton's samples -> the model's figures, every instance summed (MetricsUnavailable if none)."""
+    mine = [s for s in samples if s.labels.get("model") == model and s.name.startswith("inflight_")]
+    instances = {s.labels.get("instance") for s in mine if s.name == "inflight_num_requests_running"}
+    if not instances:
+        raise MetricsUnavailable(f"no inflight_* series for model '{model}' (is the model loaded and ready?)")
+
+    def total(name: str, **match: str) -> float:
+        return sum(s.value for s in mine if s.name == name and all(s.labels.get(k) == v for k, v in match.items()))
+
+    blocks = {state: total("inflight_kv_blocks", state=state) for state in ("used", "free", "total")}
+    figures = PodFigures(len(instances), total("inflight_num_requests_running"), total("inflight_num_requests_waiting"),
+                         blocks["used"], blocks["total"], blocks=blocks)
+    cache = [s for s in mine if s.name == "inflight_cache_config_info"]
+    if cache:
+        figures.block_size = cache[0].labels.get("block_size")
+        figures.blocks["num_gpu_blocks"] = sum(int(s.labels.get("num_gpu_blocks", 0)) for s in cache)
+    latest: dict = {}  # instance -> its newest lora_requests_info series
+    for s in mine:
+        if s.name == "inflight_lora_requests_info":
+            key = s.labels.get("instance")
+            if key not in latest or s.value > latest[key].value:
+                latest[key] = s
+    if latest:
+        def joined(label: str) -> list[str]:
+            names = [n.strip() for s in latest.values() for n in s.labels.get(label, "").split(",")]
+            return list(dict.fromkeys(n for n in names if n))
+        figures.lora = {"max_lora": sum(int(s.labels.get("max_lora", 0)) for s in latest.values()),
+                        "running": joined("running_lora_adapters"), "waiting": joined("waiting_lora_adapters"),
+                        "updated": max(s.value for s in latest.values())}
+    return figures
+
+
+def render(figures: PodFigures, model_name: str) -> str:
+    """The figures in the text exposition format, under our names and vLLM's."""
+    base = {"model_name": model_name}
+    lines: list[str] = []
+
+    def family(names: tuple[str, ...], doc: str, series: list[tuple[dict, float]]) -> None:
+        for name in names:
+            lines.append(f"# HELP {name} {doc}")
+            lines.append(f"# TYPE {name} gauge")
+            for labels, value in series:
+                lines.append(f"{name}{_labels({**base, **labels})} {_number(value)}")
+
+    family(("inflight_num_requests_running", "vllm:num_requests_running"),
+           "Requests in the running batches (all engines of this server)", [({}, figures.running)])
+    family(("inflight_num_requests_waiting", "vllm:num_requests_waiting"),
+           "Requests waiting for admission (all engines of this server)", [({}, figures.waiting)])
+    family(("inflight_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+           "Used share of the KV-cache blocks, 0-1 (1 = full)", [({}, figures.usage)])
+    family(("inflight_kv_blocks",), "KV-cache blocks by state (all engines)",
+           [({"state": state}, figures.blocks[state]) for state in ("used", "free", "total")])
+    family(("inflight_model_instances",), "Engine instances summed into these figures", [({}, figures.instances)])
+    if figures.block_size is not None:
+        family(("inflight_cache_config_info", "vllm:cache_config_info"),
+               "KV-cache configuration in the labels: block_size (tokens), num_gpu_blocks (all engines)",
+               [({"block_size": figures.block_size, "num_gpu_blocks": str(figures.blocks["num_gpu_blocks"])}, 1)])
+    if figures.lora is not None:
+        lora = figures.lora
+        family(("inflight_lora_requests_info", "vllm:lora_requests_info"),
+               "LoRA adapters with running and waiting requests, and max_lora, in the labels; value: "
+               "the Unix time they last changed",
+               [({"max_lora": str(lora["max_lora"]), "running_lora_adapters": ",".join(lora["running"]),
+                  "waiting_lora_adapters": ",".join(lora["waiting"])}, lora["updated"])])
+    return "\n".join(lines) + "\n"
+
+
+def _labels(labels: dict) -> str:
+    def escape(value) -> str:
+        return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if math.isfinite(value) and value == int(value) else repr(float(value))
+
+
+def default_metrics_url(grpc_url: str) -> str:
+    """Triton's metrics address beside its gRPC address: the same host, port 8002."""
+    host = grpc_url.split("://", 1)[-1].rsplit(":", 1)[0] or "127.0.0.1"
+    return f"http://{host}:8002/metrics"
+
+
+class GatewayMetrics:
+    """Serves /metrics: one fresh read of Triton's metrics per scrape, shared by concurrent scrapes."""
+
+    def __init__(self, url: str, model: str = "llm", served_model_name: str = "llm", timeout: float = 2.0):
+        self.url = url
+        self.model = model
+        self.served_model_name = served_model_name
+        self.timeout = timeout
+        self._read: Optional[asyncio.Task] = None
+
+    def _fetch(self) -> str:
+        with urllib.request.urlopen(self.url, timeout=self.timeout) as response:
+            return response.read().decode("utf-8", errors="replace")
+
+    async def figures(self) -> PodFigures:
+        if self._read is None or self._read.done():
+            self._read = asyncio.ensure_future(asyncio.wait_for(asyncio.to_thread(self._fetch), self.timeout))
+        started = time.monotonic()
+        try:
+            text = await asyncio.shield(self._read)
+        except (asyncio.TimeoutError, urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", None) or exc or "timed out"
+            raise MetricsUnavailable(f"Triton's metrics endpoint {self.url} did not answer "
+                                     f"({type(exc).__name__}: {reason}; timeout {self.timeout:g}s, "
+                                     f"{time.monotonic() - started:.1f}s spent)") from None
+        return aggregate(parse_exposition(text), self.model)
+
+    async def response(self) -> PlainTextResponse:
+        try:
+            figures = await self.figures()
+        except MetricsUnavailable as exc:
+            return PlainTextResponse(f"inflight: no metrics: {exc}\n", status_code=503)
+        return PlainTextResponse(render(figures, self.served_model_name), media_type=CONTENT_TYPE)

@@ -1,0 +1,214 @@
+"""The inference gateway's model-server protocol on the OpenAI port's /metrics (docs/gateway.md),
+scraped while requests queue on a real tritonserver with two engine instances (`count: 2`), one
+slot each (max_num_seqs 1) and LoRA on (two adapters, max_loras 1):
+
+- idle, loaded, and after the requests are cancelled, every protocol metric equals the truth: the
+  requests the client has in flight (running: those that have streamed a token; queued: the rest),
+  KV utilisation = the blocks those running requests hold (their prompt and tokens so far) over the
+  two caches' blocks, the LoRA labels name the adapters in flight as running or waiting;
+- our names and vLLM's carry the same values, and each equals the sum over Triton's per-instance
+  series (its metrics port) at the same frozen moment (the fault injector's `stall` holds the
+  engines still while both ports are read);
+- Triton's port carries inflight_cache_config_info and inflight_lora_requests_info per instance;
+- when Triton's metrics port does not answer, the scrape fails with 503 saying so.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from openai_server.launcher import OpenAIServer
+from openai_server.metrics import aggregate, parse_exposition
+
+from .conftest import MODEL_DIR, requires_tritonserver, wait_until
+
+pytestmark = requires_tritonserver
+openai = pytest.importorskip("openai")
+
+BS = 16
+KV_TOKENS = 4096                 # per instance
+BLOCKS = 2 * KV_TOKENS // BS     # both caches
+PROMPT_LEN = 37                  # not a block multiple
+MAX_TOKENS = 1900                # seconds of decoding: nothing finishes before the scrape
+ADAPTERS = [None, "sql", None, "poet", None]   # five requests for two slots
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, model_path):
+    """tritonserver (two instances, fault injection armed) and the OpenAI server beside it."""
+    from client.tools.server import TritonServer
+    from lora_adapters import AdapterSpec, checkpoint_with_adapters
+    from templates.render import write_config
+
+    root = tmp_path_factory.mktemp("gateway")
+    folder, _ = checkpoint_with_adapters(model_path, root, ("sql", "poet"), seed=5, spec=AdapterSpec(r=4, alpha=8))
+    repo = root / "repo"
+    write_config(repo / "llm" / "config.pbtxt", gpus=[], count=2)
+    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    params = {"max_num_seqs": "1", "max_model_len": "2048", "cpu_kv_cache_tokens": str(KV_TOKENS),
+              "kv_block_size": str(BS), "enable_lora": "true", "max_loras": "1"}
+    fault = root / "fault"
+    env = dict(os.environ, INFLIGHT_FAULT_INJECTION="1", INFLIGHT_FAULT_FILE=str(fault))
+    with TritonServer(repo, params=params, model_path=str(folder), env=env) as triton:
+        with OpenAIServer(triton.grpc_url, folder, metrics_url=triton.metrics_url) as api:
+            yield triton, api, fault
+
+
+def scrape(url: str) -> dict:
+    """{(name, frozenset(labels without model_name)): value} of the inflight_* and vllm:* series."""
+    import urllib.request
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
+            for s in parse_exposition(text) if s.name.startswith(("inflight_", "vllm:"))}
+
+
+def value(series: dict, name: str, **labels) -> float:
+    (found,) = [v for (n, ls), v in series.items() if n == name and all((k, x) in ls for k, x in labels.items())]
+    return found
+
+
+def info(series: dict, name: str) -> dict:
+    (labels,) = [dict(ls) for (n, ls), _ in series.items() if n == name]
+    return labels
+
+
+def protocol(series: dict) -> dict:
+    """The protocol's figures under our names, checked equal to vLLM's."""
+    pairs = {"running": ("inflight_num_requests_running", "vllm:num_requests_running"),
+             "waiting": ("inflight_num_requests_waiting", "vllm:num_requests_waiting"),
+             "usage": ("inflight_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc")}
+    out = {}
+    for key, (ours, vllms) in pairs.items():
+        out[key] = value(series, ours)
+        assert value(series, vllms) == out[key], key
+    for ours, vllms in (("inflight_cache_config_info", "vllm:cache_config_info"),
+                        ("inflight_lora_requests_info", "vllm:lora_requests_info")):
+        assert info(series, ours) == info(series, vllms)
+    out["used"], out["total"] = value(series, "inflight_kv_blocks", state="used"), value(series, "inflight_kv_blocks", state="total")
+    out["cache"], out["lora"] = info(series, "inflight_cache_config_info"), info(series, "inflight_lora_requests_info")
+    out["instances"] = value(series, "inflight_model_instances")
+    return out
+
+
+def lists(lora: dict) -> tuple[set, set]:
+    return ({a for a in lora["running_lora_adapters"].split(",") if a},
+            {a for a in lora["waiting_lora_adapters"].split(",") if a})
+
+
+def test_the_protocol_metrics_follow_the_queue(gateway):
+    triton, api, fault = gateway
+    url = f"{api.url}/metrics"
+    idle = protocol(scrape(url))
+    assert (idle["running"], idle["waiting"], idle["used"], idle["usage"]) == (0, 0, 0, 0)
+    assert idle["total"] == BLOCKS and idle["instances"] == 2
+    assert idle["cache"] == {"block_size": str(BS), "num_gpu_blocks": str(BLOCKS)}
+    assert idle["lora"]["max_lora"] == "2" and lists(idle["lora"]) == (set(), set())
+
+    client = openai.OpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+    received = [0] * len(ADAPTERS)
+    streams, closed = [], threading.Event()
+
+    def send(i, adapter):
+        """One streamed completion (the server answers its headers with the first token, so each
+        runs on a thread of its own), counting the tokens that arrive (logprobs=0 lists them)."""
+        prompt = [5 + (7 * i + j) % 1900 for j in range(PROMPT_LEN)]
+        try:
+            stream = client.completions.create(model=adapter or "llm", prompt=prompt, max_tokens=MAX_TOKENS,
+                                               stream=True, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+            streams.append(stream)
+            for chunk in stream:
+                received[i] += len(chunk.choices[0].logprobs.tokens) if chunk.choices[0].logprobs else 0
+        except Exception:
+            if not closed.is_set():
+                raise
+
+    threads = [threading.Thread(target=send, args=(i, a), daemon=True) for i, a in enumerate(ADAPTERS)]
+    for t in threads:
+        t.start()
+    try:
+        # all five in the engines: two running (one per instance), three queued
+        wait_until(lambda: (lambda p: p["running"] + p["waiting"] == len(ADAPTERS))(protocol(scrape(url))),
+                   timeout=60, interval=0.05)
+        fault.write_text("stall")                       # hold both engines still
+        frozen = wait_until(lambda: _settled(lambda: _gauge_lines(triton.metrics_url)), timeout=30)[0]
+        loaded = protocol(scrape(url))
+        # the truth, from the client: the running requests are those that have streamed tokens,
+        # once every token the frozen engines made has arrived
+        wait_until(lambda: _settled(lambda: list(received)), timeout=30)
+        running = [i for i, n in enumerate(received) if n]
+        assert loaded["running"] == 2 and loaded["waiting"] == len(ADAPTERS) - 2          # the slots are full
+        held = sum(-(-(PROMPT_LEN + received[i] - 1) // BS) for i in running)            # blocks they hold
+        assert loaded["used"] == held and loaded["total"] == BLOCKS
+        assert loaded["usage"] == pytest.approx(held / BLOCKS, abs=1e-12)
+        run_set, wait_set = lists(loaded["lora"])
+        assert run_set == {ADAPTERS[i] for i in running} - {None}
+        assert wait_set == {a for i, a in enumerate(ADAPTERS) if i not in running} - {None}
+        assert run_set | wait_set == {"sql", "poet"}                                    # two adapters in flight
+        # the OpenAI port's figures are Triton's per-instance series summed, at the same moment
+        per_instance = aggregate(parse_exposition(frozen), "llm")
+        assert (per_instance.running, per_instance.waiting, per_instance.blocks_used) == \
+               (loaded["running"], loaded["waiting"], loaded["used"])
+        assert float(loaded["lora"]["max_lora"]) == 2 and per_instance.instances == 2
+    finally:
+        closed.set()
+        for stream in list(streams):
+            stream.close()                              # the client leaves: the requests are cancelled
+        client.close()                                  # and the queued ones' connections (their headers
+        fault.unlink(missing_ok=True)                   # were still to come) close too
+    after = wait_until(lambda: (lambda p: p if p["running"] + p["waiting"] + p["used"] == 0 else None)(
+        protocol(scrape(url))), timeout=60)
+    assert after["usage"] == 0 and lists(after["lora"]) == (set(), set())
+
+
+def _gauge_lines(metrics_url: str) -> tuple[str, list[str]]:
+    import urllib.request
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return text, [line for line in text.splitlines() if line.startswith(("inflight_num_requests", "inflight_kv_blocks",
+                                                                         "inflight_lora_requests_info"))]
+
+
+def _settled(read):
+    """read()'s value once two reads 0.3 s apart agree (the engines' gauges refresh every 0.1 s; a
+    frozen engine's last tokens are still on their way), else None."""
+    import time
+    first = read()
+    time.sleep(0.3)
+    second = read()
+    same = first[1] == second[1] if isinstance(first, tuple) else first == second
+    return (second if isinstance(second, tuple) else [second]) if same else None
+
+
+def test_tritons_port_has_the_info_gauges_per_instance(gateway):
+    """Per instance: one cache_config_info; lora_requests_info as vLLM keeps it, a series per set of
+    labels seen, the current one (idle, now) the newest."""
+    triton, _, _ = gateway
+    series = scrape(triton.metrics_url)
+    cache = [dict(ls) for (n, ls), _ in series.items() if n == "inflight_cache_config_info"]
+    assert sorted(c["instance"] for c in cache) == ["llm_0_0", "llm_0_1"]
+    assert {(c["block_size"], c["num_gpu_blocks"]) for c in cache} == {(str(BS), str(BLOCKS // 2))}
+    for instance in ("llm_0_0", "llm_0_1"):
+        lora = [(v, dict(ls)) for (n, ls), v in series.items()
+                if n == "inflight_lora_requests_info" and dict(ls)["instance"] == instance]
+        newest = max(lora, key=lambda x: x[0])[1]
+        assert (newest["max_lora"], newest["running_lora_adapters"], newest["waiting_lora_adapters"]) == ("1", "", "")
+
+
+def test_a_silent_triton_metrics_port_fails_the_scrape_and_says_why(gateway):
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from client.tools.server import free_port
+
+    triton, _, _ = gateway
+    with socket.socket() as silent:                     # accepts connections, never answers
+        silent.bind(("127.0.0.1", free_port()))
+        silent.listen()
+        port = silent.getsockname()[1]
+        with OpenAIServer(triton.grpc_url, metrics_url=f"http://127.0.0.1:{port}/metrics") as api:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"{api.url}/metrics", timeout=30)
+    body = err.value.read().decode()
+    assert err.value.code == 503 and f"127.0.0.1:{port}/metrics did not answer" in body and "timeout" in body

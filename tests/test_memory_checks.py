@@ -1,0 +1,49 @@
+"""Sizes that cannot fit the memory there is are refused at start naming the key, the size asked and
+what is available (backend/memory_checks.py), not by the allocator: the KV cache (cpu_kv_cache_tokens,
+max_tokens_in_paged_kv_cache, kv_block_size), max_num_seqs' block tables, the draft model's cache."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from backend import LLM, EngineConfig
+from backend import memory_checks
+
+HUGE = 10 ** 13
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"cpu_kv_cache_tokens": HUGE}, f"cpu_kv_cache_tokens: {HUGE} tokens of KV cache"),
+    ({"max_tokens_in_paged_kv_cache": HUGE}, f"max_tokens_in_paged_kv_cache: {HUGE} tokens of KV cache"),
+    ({"max_num_seqs": 10 ** 11}, "max_num_seqs: 100000000000 sequences' block tables"),
+])
+def test_a_size_past_the_memory_is_refused_naming_the_key(default_model_dir, overrides, key):
+    with pytest.raises(ValueError) as err:
+        LLM(str(default_model_dir), max_model_len=256, **overrides)
+    message = str(err.value)
+    assert message.startswith(key), message
+    assert re.search(r"take [\d.]+ (GiB|MiB); [\d.]+ GiB of host memory available", message), message
+
+
+def test_a_block_too_large_for_the_memory_names_kv_block_size(default_model_dir, monkeypatch):
+    monkeypatch.setattr(memory_checks, "available_bytes", lambda env: (1 << 20, "host memory available"))
+    with pytest.raises(ValueError, match=r"^kv_block_size: one block of 1024 tokens of KV cache \(1 blocks of 1024 "
+                                         r"tokens\) take [\d.]+ MiB; 1.0 MiB of host memory available"):
+        LLM(str(default_model_dir), max_model_len=256, kv_block_size=1024, cpu_kv_cache_tokens=512)
+
+
+def test_the_draft_models_cache_names_its_own_key(default_model_dir):
+    spec = json.dumps({"model": str(default_model_dir), "num_speculative_tokens": 2, "draft_kv_cache_tokens": HUGE})
+    with pytest.raises(ValueError, match=r"^speculative_config.draft_kv_cache_tokens: the draft model's "
+                                         rf"{HUGE} tokens of KV cache .* GiB of host memory available"):
+        LLM(str(default_model_dir), max_model_len=256, cpu_kv_cache_tokens=1024, speculative_config=spec)
+
+
+def test_sizes_the_config_can_refuse_alone():
+    with pytest.raises(ValueError, match=r"kv_block_size must be in \[1, 1024\] tokens; got 1000000000"):
+        EngineConfig(kv_block_size=10 ** 9)
+    for bad in ("0", "nan", "inf", "601"):
+        with pytest.raises(ValueError, match=r"structured_outputs_compile_timeout_s must be in \(0, 600\] seconds"):
+            EngineConfig.from_params({"structured_outputs_compile_timeout_s": bad})
