@@ -34,6 +34,10 @@ STAGING_BYTES = 64 << 20  # the device staging buffer's cap (GPU): plans larger 
 class KVCopier:
     def __init__(self, env: DeviceEnv, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], host_bytes: int):
         k0 = kv_caches[0][0]
+        shapes = sorted({(tuple(c.shape[1:]), c.dtype) for kv in kv_caches for c in kv}, key=str)
+        if len(shapes) > 1:  # (a model with per-layer KV shapes: its blocks are not one slot's layout)
+            raise ValueError(f"kv_host_cache_bytes: this model's layers keep KV blocks of different shapes "
+                             f"{shapes}; the KV tiers move blocks of one shape")
         self.env = env
         self.kv_caches = kv_caches
         self.block_shape = (len(kv_caches), 2, *k0.shape[1:])
