@@ -6,6 +6,7 @@ import sys
 import types
 
 import numpy as np
+import pytest
 
 from backend import LLM, SamplingParams
 from openai_server.responses import ChoiceState, pieces, usage
@@ -18,6 +19,7 @@ TIER_STATS = {"device": {"hits": 7, "misses": 5},
                        "write_failures": 0, "blocks_used": 9, "blocks_total": 64}}
 
 
+@pytest.mark.slow
 def test_cached_prompt_tokens_reach_the_output_and_the_triton_tensor(default_model_dir):
     llm = LLM(str(default_model_dir), kv_block_size=16, max_tokens_in_paged_kv_cache=512)
     prompt = list(range(3, 40))  # 2 full blocks and 5 tokens

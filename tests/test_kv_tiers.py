@@ -60,6 +60,7 @@ def reusable_tokens(turns):
     return sum(16 * (len(turns[t - 1][c]) // 16) for t in range(1, len(turns)) for c in range(len(turns[t])))
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_returning_turns_come_back_from_host_memory_with_transformers_tokens(chat):
     path, turns, expected = chat
     llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, **ENGINE)
@@ -76,6 +77,7 @@ def test_returning_turns_come_back_from_host_memory_with_transformers_tokens(cha
     llm.close()
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_without_tiers_the_same_turns_recompute(chat):
     path, turns, expected = chat
     llm = LLM(str(path), **ENGINE)
@@ -87,6 +89,7 @@ def test_without_tiers_the_same_turns_recompute(chat):
     llm.close()
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_the_disk_tier_serves_what_the_host_gave_away_and_survives_a_restart(chat, tmp_path):
     path, turns, expected = chat
     tiers = dict(kv_host_cache_bytes=6 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 20)
@@ -113,6 +116,7 @@ def test_the_disk_tier_serves_what_the_host_gave_away_and_survives_a_restart(cha
     again.close()
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_shutdown_writes_the_cached_blocks_to_an_empty_disk_tier(chat, tmp_path):
     path, turns, _ = chat
     llm = LLM(str(path), kv_host_cache_bytes=6 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path),
@@ -123,6 +127,7 @@ def test_shutdown_writes_the_cached_blocks_to_an_empty_disk_tier(chat, tmp_path)
     assert len(list(tmp_path.rglob("*.kv"))) == len(turns[0][0]) // 16
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_torn_and_foreign_files_are_refused_and_computed_again(chat, tmp_path):
     path, turns, expected = chat
     tiers = dict(kv_host_cache_bytes=6 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 20)
@@ -152,6 +157,7 @@ def test_torn_and_foreign_files_are_refused_and_computed_again(chat, tmp_path):
     again.close()
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_a_request_given_up_while_its_prefix_is_read_from_disk_leaks_nothing(chat, tmp_path, monkeypatch):
     path, turns, expected = chat
     tiers = dict(kv_host_cache_bytes=6 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 20)
@@ -186,6 +192,7 @@ def test_a_request_given_up_while_its_prefix_is_read_from_disk_leaks_nothing(cha
     again.close()
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_a_failed_copy_forgets_its_saves_and_brings_nothing(chat, monkeypatch):
     path, turns, expected = chat
     llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, **ENGINE)
@@ -212,6 +219,7 @@ def test_a_failed_copy_forgets_its_saves_and_brings_nothing(chat, monkeypatch):
     assert_idle(llm)
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_preempted_requests_under_max_utilization_keep_transformers_tokens(chat):
     path, turns, expected = chat
     llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, batch_scheduler_policy="max_utilization",
@@ -223,6 +231,7 @@ def test_preempted_requests_under_max_utilization_keep_transformers_tokens(chat)
     llm.close()
 
 
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_gemma3_sliding_window_prefixes_come_back_with_transformers_tokens(tmp_path):
     """Gemma 3's local layers attend to a 13-token window: a prefix that comes back from the host
     tier holds every layer's KV, and the new tokens' window straddles it."""
@@ -256,9 +265,9 @@ def test_bad_tier_settings_are_refused_naming_the_key(settings, words):
     assert EngineConfig().enable_kv_cache_reuse is True  # prefix reuse is on by default
 
 
-def test_a_host_tier_smaller_than_a_block_is_refused(chat):
+def test_a_host_tier_smaller_than_a_block_is_refused(default_model_dir):
     with pytest.raises(ValueError, match="kv_host_cache_bytes .* smaller than one KV block"):
-        LLM(str(chat[0]), kv_host_cache_bytes=BLOCK_BYTES - 1, **ENGINE)
+        LLM(str(default_model_dir), kv_host_cache_bytes=100, **ENGINE)
 
 
 def test_host_slots_are_given_away_least_recently_used_first_and_never_while_pinned():

@@ -34,6 +34,7 @@ def instrument(llm, cuda):
     runner.kv_copier._scatter = lambda loads: (cuda.timeline.append(("scatter", cuda.now, loads)), scatter(loads))[1]
 
 
+@pytest.mark.slow
 def test_copies_run_on_their_stream_from_pinned_memory_in_order(gpu, default_model_dir):
     reference = LLM(str(default_model_dir), **ON_GPU)
     want = [o.token_ids for o in reference.generate([FIRST, OTHER, RETURNING], GREEDY)]
@@ -104,6 +105,7 @@ def test_a_load_given_up_mid_copy_is_waited_for_before_its_blocks_are_written(gp
     assert not llm.engine.kv_tiers.busy and not any(llm.engine.kv_tiers.host.pins)
 
 
+@pytest.mark.slow
 def test_the_gpu_check_of_the_tiers_passes_its_cpu_rehearsal(tmp_path):
     """client/tools/gpu_check_tiers.py, the check a GPU session runs first, rehearsed on the CPU."""
     import json

@@ -47,7 +47,11 @@ class KVCopier:
         if self.num_slots < 1:
             raise ValueError(f"kv_host_cache_bytes ({host_bytes}) is smaller than one KV block "
                              f"({self.block_bytes} bytes: {len(kv_caches)} layers x K and V x {tuple(k0.shape[1:])})")
-        self.host = env.host_buffer(self.num_slots * self.block_bytes)
+        try:
+            self.host = env.host_buffer(self.num_slots * self.block_bytes)
+        except RuntimeError as exc:  # pinning fails where the host cannot lock that much memory
+            raise ValueError(f"kv_host_cache_bytes ({host_bytes}): cannot allocate the host tier "
+                             f"({'pinned ' if env.is_cuda else ''}memory): {exc}") from None
         self.slots = self.host.view(self.dtype).view(self.num_slots, *self.block_shape)
         self.stream = self.staging = None
         if env.is_cuda:

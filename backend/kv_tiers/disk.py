@@ -18,6 +18,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import deque
 from pathlib import Path
@@ -52,10 +53,13 @@ class DiskStore:
 
     def scan(self) -> list[bytes]:
         """The keys of the files already here, least recently used first; leftovers of writes a crash
-        cut short, and files whose size is not a block's, are deleted."""
-        found = []
+        cut short (a minute old: another instance sharing the folder may be writing one now), and
+        files whose size is not a block's, are deleted."""
+        found, now = [], time.time()
         for entry in os.scandir(self.folder):
             name = entry.name
+            if name.endswith(".tmp") and now - entry.stat().st_mtime < 60:
+                continue
             if not name.endswith(FILE_SUFFIX) or entry.stat().st_size != self.file_bytes:
                 _unlink(entry.path)
                 continue
