@@ -60,12 +60,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=6, help="pairs of runs (each its own workload)")
     p.add_argument("--param", type=parse_param, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--first", choices=("reuse", "no_reuse"), default="reuse",
+                   help="which engine is built first (the first-built one ran ~3%% more CPU per token here, "
+                        "whatever its setting: compare a run of each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
     extra = EngineConfig.typed_overrides(dict(args.param))
-    engines = {reuse: LLM(args.model_path, enable_kv_cache_reuse=reuse, **extra) for reuse in (True, False)}
+    built = (True, False) if args.first == "reuse" else (False, True)
+    engines = {reuse: LLM(args.model_path, enable_kv_cache_reuse=reuse, **extra) for reuse in built}
     vocab = engines[True].engine.vocab_size
     runs = {True: [], False: []}
     cpu = {True: [], False: []}
