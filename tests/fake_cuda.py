@@ -144,11 +144,20 @@ class FakeCuda:
         self.calls.append(("empty_cache", self.current))
 
     # -- streams, events, pinned memory -----------------------------------------------------------
-    def Stream(self, device=None) -> FakeStream:  # noqa: N802 (torch.cuda's name)
-        return FakeStream(self, "copy")
+    def stream_and_event_classes(self) -> tuple[type, type]:
+        """torch.cuda.Stream and Event as classes bound to this fake (code that only names them as
+        types, `torch.cuda.Stream | None` in transformers, keeps working)."""
+        cuda = self
 
-    def Event(self, *args, **kwargs) -> FakeEvent:  # noqa: N802
-        return FakeEvent(self)
+        class Stream(FakeStream):
+            def __init__(self, device=None, priority=0):
+                super().__init__(cuda, "copy")
+
+        class Event(FakeEvent):
+            def __init__(self, *args, **kwargs):
+                super().__init__(cuda)
+
+        return Stream, Event
 
     def current_stream(self, device=None) -> FakeStream:
         return self.now
@@ -178,13 +187,15 @@ class FakeCuda:
     FUNCTIONS = ("is_available", "device_count", "current_device", "set_device", "get_device_capability",
                  "get_device_properties", "get_device_name", "mem_get_info", "memory_allocated",
                  "reset_peak_memory_stats", "max_memory_allocated", "synchronize", "empty_cache",
-                 "Stream", "Event", "current_stream", "stream")
+                 "current_stream", "stream")
 
     def install(self, monkeypatch) -> "FakeCuda":
         import backend.device
 
         for name in self.FUNCTIONS:
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        for cls in self.stream_and_event_classes():
+            monkeypatch.setattr(torch.cuda, cls.__name__, cls)
         monkeypatch.setattr(backend.device, "tensor_device_for",
                             lambda device: torch.device("cpu") if device.type == "cuda" else device)
         monkeypatch.setattr(backend.device, "host_empty", self.host_empty)

@@ -66,8 +66,8 @@ class KVCopier:
     def execute(self, plan) -> Optional[Any]:
         """Make a TierPlan's copies; returns their handle (None: done already)."""
         if not self.env.is_cuda:
-            self._save_sync(plan.saves)
-            self._load_sync(plan.loads)
+            self._copy_sync(plan.saves, to_host=True)
+            self._copy_sync(plan.loads, to_host=False)
             return None
         return self._execute_on_stream(plan)
 
@@ -79,21 +79,19 @@ class KVCopier:
             handle.synchronize()
 
     # -- CPU ------------------------------------------------------------------------------------
-    def _save_sync(self, saves: list[tuple[int, int]]) -> None:
-        if not saves:
+    def _copy_sync(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Saves [(block, slot)] into the pool (to_host) or loads [(slot, block)] back into the
+        cache: 2 x layers index copies, each moving every block of the plan."""
+        if not pairs:
             return
-        blocks, slots = (torch.tensor(x, dtype=torch.int64) for x in zip(*saves))
+        src, dst = (torch.tensor(x, dtype=torch.int64) for x in zip(*pairs))
         for layer, kv in enumerate(self.kv_caches):
             for j, cache in enumerate(kv):
-                self.slots[:, layer, j].index_copy_(0, slots, cache.index_select(0, blocks))
-
-    def _load_sync(self, loads: list[tuple[int, int]]) -> None:
-        if not loads:
-            return
-        slots, blocks = (torch.tensor(x, dtype=torch.int64) for x in zip(*loads))
-        for layer, kv in enumerate(self.kv_caches):
-            for j, cache in enumerate(kv):
-                cache.index_copy_(0, blocks, self.slots[:, layer, j].index_select(0, slots))
+                host = self.slots[:, layer, j]
+                if to_host:
+                    host.index_copy_(0, dst, cache.index_select(0, src))
+                else:
+                    cache.index_copy_(0, dst, host.index_select(0, src))
 
     # -- GPU ------------------------------------------------------------------------------------
     def _execute_on_stream(self, plan) -> Any:

@@ -137,6 +137,8 @@ class KVTiers(BlockListener):
         if self.disk is not None:
             for token, ok, why in self.disk.completed():
                 (self._read_landed if token[0] == "read" else self._write_landed)(token, ok)
+        for load in [x for x in self._loads if x.cancelled and not x.issued and not x.reads_pending]:
+            self._retire(load)  # its request left while reading: no step may come to give its slots back
 
     def take_plan(self) -> TierPlan:
         """The copies to make before this step's model run; hand the runner's handle to `issued`."""
@@ -151,21 +153,24 @@ class KVTiers(BlockListener):
                 continue
             if load.reads_pending:
                 continue
-            self._loads.remove(load)
-            n = next((i for i, ok in enumerate(load.ok) if not ok), len(load.ok))
-            if load.cancelled:
-                n = 0
-            for slot in load.slots[n:]:
-                self.host.unpin(slot)
-            load.num_loaded, load.issued = n, True
+            n = self._retire(load)
             if n:
                 plan.loads += zip(load.slots[:n], load.blocks[:n])
                 loads.append(load)
                 self._loads.append(load)
-            else:
-                load.done = True
         self._issuing = (saved, loads)
         return plan
+
+    def _retire(self, load) -> int:
+        """An unissued load whose reads all ended leaves the waiting list: the leading blocks that
+        arrived (none when its request left) are to be copied, the other slots are unpinned."""
+        self._loads.remove(load)
+        n = 0 if load.cancelled else next((i for i, ok in enumerate(load.ok) if not ok), len(load.ok))
+        for slot in load.slots[n:]:
+            self.host.unpin(slot)
+        load.num_loaded, load.issued = n, True
+        load.done = not n
+        return n
 
     def move(self, idle: bool = False) -> None:
         """The step's copies by the runner's copier, before the model run (`idle`: none runs, so wait a

@@ -3,12 +3,12 @@ first request after it (its KV blocks written when the server stopped), the requ
 cached tokens through `num_cached_tokens`, the metrics port shows the disk tier's hits and fill,
 and the answer is the in-process engine's."""
 import json
-import urllib.request
 
 import numpy as np
 
 from .conftest import SERVER_PARAMS, requires_tritonserver
 from .raw_requests import array, grpc_stream
+from .test_server import gauge as metric
 
 pytestmark = requires_tritonserver
 PROMPT = [5 + (7 * i) % 200 for i in range(40)]  # 2 full blocks of 16 and 8 tokens
@@ -21,15 +21,6 @@ def ask(server, prompt):
                                               "return_num_cached_tokens": array(True)})
     (response,) = responses
     return response["output_ids"].tolist()[len(prompt):], int(response["num_cached_tokens"][0])
-
-
-def metric(server, name, **labels):
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            return float(value)
-    raise KeyError(name)
 
 
 def test_the_first_request_after_a_restart_finds_its_prefix_on_disk(model_repository, model_path, llm, tmp_path):
