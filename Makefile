@@ -17,7 +17,7 @@ CONFIG := model_repository/llm/config.pbtxt
 SERVE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup model tiny-model config serve test load soak clean-config help
+.PHONY: setup model tiny-model config serve test test-fast load soak clean-config help
 
 help:
 	@echo "make setup   create .venv and install the project with its test extras (idempotent)"
@@ -26,7 +26,8 @@ help:
 	@echo "make tiny-model  write the small random-weight model into $(TINY_MODEL) if missing"
 	@echo "make config  render $(CONFIG) (keeps hand edits; 'inflight config --force' to redo)"
 	@echo "make serve   setup + model + config, then start tritonserver on 8000/8001/8002"
-	@echo "make test    setup, then run the whole test suite"
+	@echo "make test    setup, then run the whole test suite (on $(TEST_WORKERS) processes)"
+	@echo "make test-fast  the quick tier: unit tests and kernels, no tritonserver, no download"
 	@echo "make soak    2-minute Locust soak against a local tritonserver (docs/reliability.md)"
 	@echo "make gpu-check  the GPU acceptance script (CUDA machine; results in $(GPU_CHECK_OUT)/)"
 	@echo "make aot    compile every kernel ahead of time for sm_80 and sm_90 (no GPU needed)"
@@ -55,8 +56,18 @@ config: setup
 serve: model config
 	$(VENV)/bin/inflight serve $(if $(filter command line environment,$(origin MODEL)),--model-path $(MODEL_DIR)) $(SERVE_ARGS)
 
+# The two tiers (README, "Tests"). tests/tiers.py marks as slow what starts a tritonserver, needs the
+# SmolLM2 download or lives in tests/e2e/, and keeps the tests that share a server or a module's
+# model on one worker (--dist loadgroup). TEST_WORKERS=0 runs in one process; PYTEST_ARGS adds options.
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15
+
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST) $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 # Bounded: loopback only, 120 s of load, then the server is stopped. SOAK_ARGS="--duration 300" etc.
 soak: tiny-model config

@@ -120,6 +120,29 @@ class DeviceEnv:
     def capability(self) -> tuple[int, int]:
         return tuple(torch.cuda.get_device_capability(self.device))
 
+    # -- copies beside the model's steps (the KV tiers, backend/kv_tiers/copier.py) ---------------
+    def host_buffer(self, num_bytes: int) -> torch.Tensor:
+        return host_empty(num_bytes, pinned=self.is_cuda)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def on_stream(self, stream):
+        """A context in which torch's work goes to `stream`."""
+        return torch.cuda.stream(stream)
+
+
+def host_empty(num_bytes: int, pinned: bool) -> torch.Tensor:
+    """Host memory that device copies read and write (the KV tiers' host pool): page-locked when
+    `pinned`, so that copies to and from a GPU are asynchronous DMA. The rehearsal replaces it."""
+    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
+
 
 def to_device(array, device: torch.device) -> torch.Tensor:
     """A host numpy array as a tensor on `device`: on the CPU the array's own memory, on a GPU one

@@ -1,10 +1,9 @@
 """The engine: one step is schedule -> run -> postprocess -> outputs.
 
-`LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly).
-`AsyncEngine` (async_engine.py) runs it on its own thread for the server. Who runs is the
-scheduler's (backend/sched/); the model run is the runner's (runner.py, the only device-facing
-layer); text, stop strings and logprobs are the output processor's, which returns the requests a
-stop string ended for the scheduler to finish.
+`LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly). `AsyncEngine`
+(async_engine.py) runs it on its own thread for the server. Who runs is the scheduler's (backend/sched/);
+the model run is the runner's (runner.py, the only device-facing layer); text, stop strings and logprobs
+are the output processor's, which returns the requests a stop string ended for the scheduler to finish.
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from backend.config import EngineConfig
 from backend.errors import QueueFullError
 from backend.input_guard import check_text, int32
 from backend.kv_event_publisher import attach_publisher
+from backend.kv_tiers.attach import attach_kv_tiers
 from backend.loader import load_model_config
 from backend.lora.engine_api import EngineLoRAs
 from backend.lora.sources import LoRALike
@@ -61,6 +61,7 @@ class LLMEngine:
         self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids(),
                                            timeout=config.structured_outputs_compile_timeout_s)
         self.waitlist = GrammarWaitlist()  # requests whose constraint compiles (off the request path)
+        self.kv_tiers = attach_kv_tiers(config, self.blocks, self.runner, self.scheduler.admission)  # backend/kv_tiers/
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
         self.prompt_tokens_total = self.generation_tokens_total = 0
@@ -218,6 +219,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         refused = self._admit_compiled() if len(self.waitlist) else []
         batch = self.scheduler.schedule(time.monotonic())
+        self.kv_tiers.move(idle=batch.is_empty)  # the KV tiers' copies schedule() decided, before the model run
         self.idle = batch.is_empty
         if batch.is_empty:
             return self._deliver(refused)
@@ -284,7 +286,7 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
-            **(self.speculator.stats() if self.speculator is not None else {}), **self.runner.moe_stats(),
+            **(self.speculator.stats() if self.speculator else {}), **self.runner.moe_stats(), **self.kv_tiers.figures(),
         }
 
     def check_integrity(self) -> None:
@@ -295,6 +297,6 @@ class LLMEngine:
             self.speculator.check_integrity()
 
     def close(self) -> None:
-        """Release what outlives the object: the other tensor-parallel ranks' processes, the KV-event publisher."""
-        self.kv_events.close()
-        self.runner.close()
+        """Release what outlives the object: the tensor-parallel ranks, the KV-event publisher, the KV tiers."""
+        for part in (self.kv_events, self.kv_tiers, self.runner):
+            part.close()

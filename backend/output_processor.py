@@ -93,7 +93,7 @@ class OutputProcessor:
                              status.value if status.finished else None, req.error,
                              index=req.index, new_logprobs=new_logprobs,
                              logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
-                             queue_seconds=queued), stop
+                             queue_seconds=queued, num_cached_tokens=req.num_cached_tokens), stop
 
     def _stop_within(self, req: Request, state: _State, new_ids: list[int],
                      new_logprobs: Optional[list[TokenLogprobs]]) -> tuple[bool, list[int], Optional[list]]:
@@ -127,4 +127,4 @@ class OutputProcessor:
         return RequestOutput(req.request_id, req.prompt_token_ids, [], list(req.output_token_ids), "", "",
                              True, req.finish_reason, req.error, index=req.index,
                              logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
-                             error_kind=req.error_kind)
+                             num_cached_tokens=req.num_cached_tokens, error_kind=req.error_kind)

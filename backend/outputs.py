@@ -54,6 +54,7 @@ class RequestOutput:
     samples: Optional[list["RequestOutput"]] = None  # LLM.generate with n > 1: all n, by index
     queue_seconds: Optional[float] = None  # on its first output: arrival to first scheduled
     queue: Optional[QueueInfo] = None  # only for a request added with queue_info=True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a KV tier (vLLM's)
     # A refusal after arrival, of the whole request (every completion): "invalid" (a 400) or
     # "unavailable" (retry later); None for every other output, failed ones included.
     error_kind: Optional[str] = None

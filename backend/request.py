@@ -238,6 +238,8 @@ class Request:
         self.stop_token_id: Optional[int] = None  # the EOS or stop token that ended it (never in its text)
         # (tokens hashed, their full blocks' prefix-cache keys): kept while it waits (admission.py)
         self.prefix_hashes: Optional[tuple[int, list[bytes]]] = None
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache or a KV tier (vLLM's)
+        self.kv_load = None  # its prefix on its way back from a KV tier (backend/kv_tiers/plan.KVLoad)
         # Sampling state lives with the request, so the sampler keeps none: one uniform number per
         # token from the request's own stream (a request's tokens do not depend on its batch).
         self.rng = random.Random(params.seed if params.seed is not None else seed)

@@ -28,6 +28,7 @@ from backend.cuda_graphs import DecodeGraphs
 from backend.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.kv_groups import kv_layout
 from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_engine_at_a_time
+from backend.kv_tiers.copier import KVCopier
 from backend.memory_checks import check_block_tables, check_kv_cache
 from backend.loader import ModelConfig
 from backend.lora.manager import make_lora_manager
@@ -95,6 +96,7 @@ class ModelRunner:
         self.kv_layout = kv_layout(model_cfg.layer_windows, model_cfg.num_layers)  # backend/kv_groups.py
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: Optional[DecodeGraphs] = None
+        self.kv_copier: Optional[KVCopier] = None  # the KV tiers' host pool and copies, when on
         with one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
@@ -171,6 +173,13 @@ class ModelRunner:
         finally:
             self.kv_caches = []
             self.tables.reset()
+
+    # -- KV tiers (backend/kv_tiers/): the host pool, and a step's copies before its model run ------
+    def attach_kv_copier(self, host_bytes: int) -> KVCopier:
+        """The host pool and its copies to and from this runner's KV cache (backend/kv_tiers/copier.py):
+        the KV tiers' bookkeeping makes each step's copies through it before the step's model run."""
+        self.kv_copier = KVCopier(self.env, self.kv_caches, host_bytes)
+        return self.kv_copier
 
     # -- CUDA graphs -----------------------------------------------------------------------------
     def _decode_graphs(self) -> Optional[DecodeGraphs]:

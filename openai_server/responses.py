@@ -45,6 +45,7 @@ class Piece:
     num_tokens: int = 0
     finish_reason: Optional[str] = None
     num_input_tokens: Optional[int] = None
+    num_cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache or a KV tier
     logprobs: Optional[list[TokenLogprob]] = None
     queue_info: Optional[dict[str, Any]] = None  # return_queue_info's outputs, by name
 
@@ -54,11 +55,13 @@ def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> 
     has one entry per completion (n of them); output_ids is sent only for n = 1; finish_reason is
     the string "None" while a completion runs; num_output_tokens counts this response's tokens.
     `get(name)` is the numpy array of an output, or None when the response lacks it."""
-    texts, ids, reasons, n_in, n_out, lps = (get(n) for n in (
-        "text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs"))
+    texts, ids, reasons, n_in, n_out, lps, n_cached = (get(n) for n in (
+        "text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs",
+        "num_cached_tokens"))
     texts = [_str(v) for v in texts.reshape(-1)] if texts is not None else [""]
     n = len(texts)
     prompt_tokens = int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None
+    cached_tokens = int(n_cached.reshape(-1)[0]) if n_cached is not None and n_cached.size else None
     queue_info = _queue_info(get)
     out = []
     for i in range(n):
@@ -68,7 +71,7 @@ def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> 
                  else len(token_ids) if token_ids is not None else 0)
         piece = Piece(text=texts[i], num_tokens=count,
                       finish_reason=None if reason in ("", "None") else reason,
-                      num_input_tokens=prompt_tokens)
+                      num_input_tokens=prompt_tokens, num_cached_tokens=cached_tokens)
         if top_k is not None and lps is not None and lps.size > i and token_ids is not None:
             piece.logprobs = parse_logprobs(_str(lps.reshape(-1)[i]), token_ids, top_k)
         piece.queue_info = queue_info
@@ -108,6 +111,7 @@ class ChoiceState:
     text: str = ""
     num_output_tokens: int = 0
     num_input_tokens: int = 0
+    num_cached_tokens: Optional[int] = None  # None: the model does not report it
     finish_reason: Optional[str] = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     queue_info: Optional[dict[str, Any]] = None  # the newest
@@ -121,6 +125,8 @@ class ChoiceState:
         self.num_output_tokens += piece.num_tokens
         if piece.num_input_tokens is not None:
             self.num_input_tokens = piece.num_input_tokens
+        if piece.num_cached_tokens is not None:
+            self.num_cached_tokens = piece.num_cached_tokens
         if piece.logprobs:
             self.logprobs.extend(piece.logprobs)
         if piece.queue_info is not None:
@@ -131,11 +137,17 @@ class ChoiceState:
         return False
 
 
-def usage(choices: list[ChoiceState], n: int) -> dict[str, int]:
-    """Prompt tokens count once per prompt (every n-th choice), as OpenAI counts them."""
+def usage(choices: list[ChoiceState], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (every n-th choice), as OpenAI counts them; so do the
+    cached ones (`prompt_tokens_details.cached_tokens`: served from the prefix cache or a KV tier),
+    shown when the model reports them."""
     prompt = sum(c.num_input_tokens for c in choices[::n])
     completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = [c.num_cached_tokens for c in choices[::n] if c.num_cached_tokens is not None]
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    return out
 
 
 # -- logprobs in OpenAI's two shapes -----------------------------------------------------------------

@@ -285,7 +285,8 @@ def _check_choices(gen: Generation) -> None:
 # -- Triton input tensors ----------------------------------------------------------------------------
 
 # The model's optional outputs (the vLLM backend's additional outputs) that a response needs.
-RETURN_INPUTS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+RETURN_INPUTS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                 "return_num_cached_tokens")
 
 
 def triton_tensors(gen: Generation, index: int, declared: frozenset[str]) -> dict[str, tuple[np.ndarray, str]]:

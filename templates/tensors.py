@@ -39,6 +39,7 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("return_logprobs", "BOOL", (1,), "add logprobs (needs the sampling key logprobs)"),
     Tensor("return_num_input_tokens", "BOOL", (1,), "add num_input_tokens"),
     Tensor("return_num_output_tokens", "BOOL", (1,), "add num_output_tokens"),
+    Tensor("return_num_cached_tokens", "BOOL", (1,), "add num_cached_tokens"),
     Tensor("return_queue_info", "BOOL", (1,),
            "add where it stands (queue_position ... seconds_since_arrival); streaming, also a response "
            "(no tokens) whenever its place or reservation changes while it waits"),
@@ -79,6 +80,9 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("logprobs", "STRING", (-1,), "if asked; one JSON per completion, the new tokens' (null if not set)"),
     Tensor("num_input_tokens", "UINT32", (1,), "if asked; the prompt's tokens"),
     Tensor("num_output_tokens", "UINT32", (-1,), "if asked; one per completion: the tokens in this response"),
+    Tensor("num_cached_tokens", "UINT32", (1,),
+           "if asked; prompt tokens whose KV came from the prefix cache or a KV tier, not computed (vLLM's "
+           "num_cached_tokens; 0 until the request starts)"),
     # -- return_queue_info (docs/triton.md, "Queue info"); the first completion's with n > 1 --
     Tensor("queue_position", "INT32", (1,), "if asked; its place among the waiting (0: next to start); -1 once it runs"),
     Tensor("reserved_step", "INT64", (1,),

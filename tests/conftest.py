@@ -19,6 +19,10 @@ if not _HAS_CUDA:
 
 import pytest  # noqa: E402
 
+# tiers: the slow/e2e marks and the guards of `make test-fast` (tests/tiers.py); pytester: the
+# tests of those guards (tests/test_tiers.py).
+pytest_plugins = ["tiers", "pytester"]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory):

@@ -6,6 +6,13 @@ properties, free memory, the allocator's statistics, synchronize) and `backend.d
 tensor_device_for`, so an engine that selects, binds and sizes `cuda:1` computes on CPU tensors.
 Each GPU has its own memory figures, so using the wrong device shows in the numbers. Every call is
 recorded with the device it named (`calls`).
+
+Streams and events (the KV tiers' copies, backend/kv_tiers/copier.py) are recorded in order in
+`timeline`: ("wait_stream", waiter, waited), ("record", event, stream), ("wait_event", stream,
+event), ("enter", stream) / ("exit", stream) for `torch.cuda.stream(...)`. Work on the CPU is done
+when it is issued, so an event completes when recorded, unless `hold_events` is set: then it stays
+pending (query() is False) until `release_events()`, which is how a test keeps a copy "in flight".
+Host memory asked for pinned (backend.device.host_empty) is recorded in `pinned` (its bytes).
 """
 from __future__ import annotations
 
@@ -26,6 +33,37 @@ class FakeGpu:
     activation: int = 0       # what max_memory_allocated rises by over the warm-up
 
 
+class FakeStream:
+    def __init__(self, cuda: "FakeCuda", name: str):
+        self.cuda, self.name = cuda, name
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.cuda.timeline.append(("wait_stream", self, other))
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        self.cuda.timeline.append(("wait_event", self, event))
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+
+class FakeEvent:
+    def __init__(self, cuda: "FakeCuda"):
+        self.cuda, self.complete, self.stream = cuda, True, None
+
+    def record(self, stream: "FakeStream" = None) -> None:
+        self.stream = stream or self.cuda.now
+        self.complete = not self.cuda.hold_events
+        self.cuda.events.append(self)
+        self.cuda.timeline.append(("record", self, self.stream))
+
+    def query(self) -> bool:
+        return self.complete
+
+    def synchronize(self) -> None:
+        self.complete = True
+
+
 @dataclass
 class FakeCuda:
     # Small figures: the KV cache sized from them is allocated for real, on the CPU.
@@ -35,6 +73,14 @@ class FakeCuda:
     current: int = 0
     calls: list[tuple[str, int]] = field(default_factory=list)
     peak_reset: set = field(default_factory=set)
+    timeline: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    hold_events: bool = False
+    pinned: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.compute = FakeStream(self, "compute")  # the default stream, where the model runs
+        self.now = self.compute
 
     def _index(self, name: str, device=None) -> int:
         if device is None:
@@ -97,17 +143,62 @@ class FakeCuda:
     def empty_cache(self) -> None:
         self.calls.append(("empty_cache", self.current))
 
+    # -- streams, events, pinned memory -----------------------------------------------------------
+    def stream_and_event_classes(self) -> tuple[type, type]:
+        """torch.cuda.Stream and Event as classes bound to this fake (code that only names them as
+        types, `torch.cuda.Stream | None` in transformers, keeps working)."""
+        cuda = self
+
+        class Stream(FakeStream):
+            def __init__(self, device=None, priority=0):
+                super().__init__(cuda, "copy")
+
+        class Event(FakeEvent):
+            def __init__(self, *args, **kwargs):
+                super().__init__(cuda)
+
+        return Stream, Event
+
+    def current_stream(self, device=None) -> FakeStream:
+        return self.now
+
+    def stream(self, stream: FakeStream):
+        cuda = self
+
+        class _On:
+            def __enter__(self):
+                self.before, cuda.now = cuda.now, stream
+                cuda.timeline.append(("enter", stream))
+
+            def __exit__(self, *exc):
+                cuda.now = self.before
+                cuda.timeline.append(("exit", stream))
+        return _On()
+
+    def host_empty(self, num_bytes: int, pinned: bool) -> torch.Tensor:
+        if pinned:
+            self.pinned.append(num_bytes)
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def release_events(self) -> None:
+        for event in self.events:
+            event.complete = True
+
     FUNCTIONS = ("is_available", "device_count", "current_device", "set_device", "get_device_capability",
                  "get_device_properties", "get_device_name", "mem_get_info", "memory_allocated",
-                 "reset_peak_memory_stats", "max_memory_allocated", "synchronize", "empty_cache")
+                 "reset_peak_memory_stats", "max_memory_allocated", "synchronize", "empty_cache",
+                 "current_stream", "stream")
 
     def install(self, monkeypatch) -> "FakeCuda":
         import backend.device
 
         for name in self.FUNCTIONS:
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        for cls in self.stream_and_event_classes():
+            monkeypatch.setattr(torch.cuda, cls.__name__, cls)
         monkeypatch.setattr(backend.device, "tensor_device_for",
                             lambda device: torch.device("cpu") if device.type == "cuda" else device)
+        monkeypatch.setattr(backend.device, "host_empty", self.host_empty)
         return self
 
     def devices_used(self, *names: str) -> set[int]:

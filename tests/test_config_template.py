@@ -41,7 +41,7 @@ def test_rendered_config_is_a_valid_decoupled_triton_config():
     assert all(i.optional for i in config.input)
     assert [o.name for o in config.output] == ["text_output", "output_ids", "finish_reason", "cumulative_logprob",
                                                "logprobs", "num_input_tokens", "num_output_tokens",
-                                               "queue_position", "reserved_step", "engine_step", "first_scheduled_step",
+                                               "num_cached_tokens", "queue_position", "reserved_step", "engine_step", "first_scheduled_step",
                                                "kv_blocks_reserved", "arrival_time_ns", "first_scheduled_time_ns",
                                                "first_token_time_ns", "finished_time_ns", "seconds_since_arrival"]
 

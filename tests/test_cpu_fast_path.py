@@ -154,6 +154,7 @@ print(steps(10))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mallopt", ["1", "0"])
 def test_the_cpu_engine_keeps_freed_activations_off_fresh_pages(llama_dir, mallopt):
     """With glibc's defaults each 50 MB tensor is mmapped anew and faults in all 12,800 of its

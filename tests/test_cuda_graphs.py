@@ -46,6 +46,7 @@ def run(path, enforce_eager: bool):
     return outs, runner, kinds
 
 
+@pytest.mark.slow
 def test_the_static_buffer_path_gives_exactly_the_eager_tokens(checkpoint):
     eager, eager_runner, _ = run(checkpoint, enforce_eager=True)
     graphed, runner, kinds = run(checkpoint, enforce_eager=False)

@@ -135,7 +135,10 @@ SHOWN = {"inflight_num_requests_running", "inflight_num_requests_waiting", "infl
          "inflight_num_preemptions_total", "inflight_generation_tokens_total", "inflight_lora_requests",
          # issue 25: speculative decoding
          "inflight_spec_decode_num_draft_tokens_total", "inflight_spec_decode_num_accepted_tokens_total",
-         "inflight_spec_decode_acceptance_length_bucket"}
+         "inflight_spec_decode_acceptance_length_bucket",
+         # issue 35: KV-cache tiers
+         "inflight_kv_tier_hits_total", "inflight_kv_tier_misses_total", "inflight_kv_tier_blocks",
+         "inflight_kv_tier_bytes_total"}
 
 
 def test_dashboard_shows_the_issue_metrics():

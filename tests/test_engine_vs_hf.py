@@ -58,6 +58,7 @@ def test_greedy_matches_transformers(oracle, policy, chunked):
     llm.check_integrity()
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_the_interpreter_match_transformers(tmp_path):
     """attention_backend=triton runs every Triton kernel (on CPU through TRITON_INTERPRET=1, set in
     conftest) inside the engine: prefill chunks, decodes, GQA, llama3 rope."""

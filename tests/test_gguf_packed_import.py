@@ -65,6 +65,7 @@ def test_packed_folder_dequantizes_to_the_dequantized_folder(tmp_path, tiny_toke
     assert json.loads((float_dir / "config.json").read_text()).get("quantization_config") is None
 
 
+@pytest.mark.slow
 def test_cli_dequantize_flag_and_dtype(tmp_path, tiny_tokenizer_json):
     path = tmp_path / "model.gguf"
     write_gguf(path, tiny_tokenizer_json, types=("Q4_0",))

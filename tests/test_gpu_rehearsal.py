@@ -96,6 +96,7 @@ def rehearsal(monkeypatch, tmp_path, default_model_dir):
     return cuda, module, triton_args(default_model_dir, tmp_path / "model_repository" / "llm")
 
 
+@pytest.mark.slow
 def test_a_kind_gpu_instance_on_gpu_1_selects_sizes_and_reports_cuda_1(rehearsal, tmp_path):
     cuda, module, args = rehearsal
     import backend.runner as runner_module
@@ -163,6 +164,7 @@ def test_the_old_kind_string_would_have_put_the_gpu_instance_on_the_cpu(rehearsa
     assert config.device == "cuda:1"
 
 
+@pytest.mark.slow
 def test_a_gpu_too_small_for_the_activations_fails_with_the_numbers(rehearsal):
     cuda, module, args = rehearsal
     cuda.gpus[1].free = 32 * MIB          # less than the 48 MiB activation peak

@@ -320,7 +320,7 @@ def test_bad_kv_events_configs_are_refused_naming_the_key(raw, words):
 
 def test_events_need_the_prefix_cache_and_default_as_vllm():
     with pytest.raises(ValueError, match="enable_kv_cache_reuse"):
-        EngineConfig(kv_events_config={"enable_kv_cache_events": True})
+        EngineConfig(kv_events_config={"enable_kv_cache_events": True}, enable_kv_cache_reuse=False)
     config = parse_kv_events_config('{"enable_kv_cache_events": true}')
     assert (config.publisher, config.endpoint, config.replay_endpoint, config.topic) == ("zmq", "tcp://*:5557", None, "")
     assert parse_kv_events_config('{"enable_kv_cache_events": false}').publishes is False

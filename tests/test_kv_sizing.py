@@ -62,6 +62,7 @@ SIZER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_engines_on_one_gpu_size_one_after_another(tmp_path):
     """Triton loads the instances of `count: 2` in parallel processes: each must see what the other
     left, so with fraction 0.5 they get 1/2 and 1/4 of the memory, not 1/2 each (which would not fit)."""

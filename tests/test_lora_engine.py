@@ -140,6 +140,7 @@ def test_multi_lora_json_in_the_checkpoint_folder_is_loaded(tiny, tmp_path):
     assert llm.list_loras() == ["alpha", "gamma", "beta"]
 
 
+@pytest.mark.slow
 def test_the_triton_kernels_path_gives_the_same_tokens(tiny):
     """attention_backend=triton (the interpreter here, CUDA on a GPU): the segmented kernels
     (kernels/lora_sgmv.py), warmed up at start, give the reference path's tokens on a mixed batch."""

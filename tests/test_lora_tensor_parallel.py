@@ -49,6 +49,7 @@ def test_a_lora_pair_splits_so_the_ranks_deltas_add_up_to_the_whole():
         plans[0].shard_lora("lm_head", a, b)
 
 
+@pytest.mark.slow
 def test_tp2_serves_three_adapters_and_the_base_in_one_batch_as_one_rank_does(tiny):
     base, adapters = tiny
     prompts = random_prompts(8, seed=5)
@@ -88,6 +89,7 @@ def _run_time_loads(llm, adapters):
     return out
 
 
+@pytest.mark.slow
 def test_adapters_loaded_at_run_time_reach_every_rank(tiny):
     base, adapters = tiny
     lora = dict(enable_lora=True, max_loras=1)
@@ -100,6 +102,7 @@ def test_adapters_loaded_at_run_time_reach_every_rank(tiny):
     assert got[0] != got[8] and got[4] != got[8]   # "x" answered as a, then as b
 
 
+@pytest.mark.slow
 def test_an_adapter_folder_a_rank_cannot_read_fails_that_rank_naming_it(tiny, tmp_path):
     """Every rank reads the adapter's folder itself (a rank on another machine needs the same path
     there): one that cannot fails as a lost rank does, naming the rank, the adapter and the folder,

@@ -162,6 +162,7 @@ def test_replies_carry_openai_tool_calls_and_finish_reasons():
     assert deltas[-1]["finish_reason"] == "tool_calls" and all(d["finish_reason"] is None for d in deltas[:-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
 def test_the_enforced_format_is_what_the_parser_reads(default_model_dir, parser):
     llm = LLM(str(default_model_dir), max_model_len=512)

@@ -36,7 +36,7 @@ def test_shared_prefixes_are_reused_and_exact(shared_prefix_case, policy):
 
 def test_reuse_off_computes_everything(shared_prefix_case):
     path, prompts, max_tokens, expected = shared_prefix_case
-    llm = LLM(str(path), kv_block_size=16, max_tokens_in_paged_kv_cache=512)
+    llm = LLM(str(path), kv_block_size=16, max_tokens_in_paged_kv_cache=512, enable_kv_cache_reuse=False)
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in max_tokens])
     assert [o.token_ids for o in outputs] == expected
     assert llm.stats()["prefix_cache_hit_tokens"] == 0

@@ -146,7 +146,7 @@ def test_a_seeded_request_draws_from_its_own_stream(engines, proposer):
     assert alone == batched
 
 
-@pytest.mark.parametrize("backend, n, max_tokens", [("torch", 8, 16), ("triton", 1, 9)])
+@pytest.mark.parametrize("backend, n, max_tokens", [("torch", 8, 16), pytest.param("triton", 1, 9, marks=pytest.mark.slow)])
 def test_verify_rows_as_prefill_chunks(default_model_dir, backend, n, max_tokens):
     """Off the CPU fast path (the GPU's Triton kernels, here under the interpreter, and the torch
     references) a verify row is a multi-token chunk read by prefill attention: same tokens as the

@@ -9,6 +9,7 @@ import pytest
 from backend import LLM, SamplingParams
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer, policy", [("draft", "guaranteed_no_evict"), ("ngram", "max_utilization")])
 def test_no_block_leaks_after_1000_requests_with_cancellations_mid_draft(default_model_dir, proposer, policy):
     path = str(default_model_dir)

@@ -162,6 +162,7 @@ SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_looku
          "draft, probabilistic": {"num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SPECS)
 def test_temperature_one_distribution_is_unchanged(models, prompts, reference, name):
     target, draft = models
@@ -183,6 +184,7 @@ def test_the_engine_level_test_rejects_a_broken_rule(models, prompts, reference,
     assert min(homogeneity(counts[k], reference[k]) for k in reference) < 1e-8
 
 
+@pytest.mark.slow
 def test_filtered_distributions_too(models, prompts):
     """Temperature, top-k and top-p make p at each position (zeros included): still unchanged."""
     filtered = dict(temperature=0.7, top_k=5, top_p=0.9)

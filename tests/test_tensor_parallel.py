@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- the split, without any process ----------------------------------------------------------------
 
 def test_smollm2_heads_do_not_divide_by_2_and_the_error_names_both_numbers():
-    cfg = load_model_config(ROOT / "models" / "smollm2-135m-instruct")
+    from smollm2 import smollm2_dir
+
+    cfg = load_model_config(smollm2_dir())   # fetched if missing: no reliance on test order
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's num_attention_heads 9"
                                          r".*num_key_value_heads 3"):
         ShardPlan.check(cfg, 2)

@@ -24,6 +24,7 @@ from test_tensor_parallel import ROOT
 
 # -- greedy equality through the engine (gloo) -------------------------------------------------------
 
+@pytest.mark.slow
 def test_tp2_matches_one_rank_token_for_token_on_the_tiny_model(default_model_dir):
     prompts, params = random_prompts(), greedy(12)
     one = LLM(str(default_model_dir), max_model_len=256)
@@ -87,6 +88,7 @@ def test_tp3_on_packed_smollm2_differs_from_one_rank_only_at_near_ties():
 
 # -- faults ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_running_requests_and_the_engine_refuses_new_ones(default_model_dir):
     from backend.async_engine import AsyncEngine
     from backend.errors import EngineDeadError
@@ -154,6 +156,7 @@ def test_a_rank_that_cannot_start_is_an_error_at_load_naming_it(default_model_di
         worker.kill()
 
 
+@pytest.mark.slow
 def test_ranks_started_elsewhere_join_through_the_environment(default_model_dir, monkeypatch):
     """The multi-machine path on one machine: rank 0 starts no process; rank 1 is started by hand
     with MASTER_ADDR/MASTER_PORT (as the Kubernetes worker pod does) and the tokens are the same."""
@@ -173,6 +176,7 @@ def test_ranks_started_elsewhere_join_through_the_environment(default_model_dir,
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
+@pytest.mark.slow
 def test_rank_0_failing_at_load_leaves_no_worker_and_a_new_group_can_form(default_model_dir, monkeypatch):
     import backend.runner as runner_module
 
@@ -188,6 +192,7 @@ def test_rank_0_failing_at_load_leaves_no_worker_and_a_new_group_can_form(defaul
         assert len(llm.generate([[5, 6, 7]], greedy(3))[0].token_ids) == 3
 
 
+@pytest.mark.slow
 def test_tp_bench_measures_the_pair_and_the_share_of_the_collectives(capsys):
     """client/tools/tp_bench.py, the command behind docs/performance.md's table, on the tiny model."""
     from client.tools import tp_bench
@@ -199,6 +204,7 @@ def test_tp_bench_measures_the_pair_and_the_share_of_the_collectives(capsys):
     assert 0 < all_reduce <= collectives < 100, row
 
 
+@pytest.mark.slow
 def test_tp2_speculates_with_the_same_tokens(default_model_dir):
     """Speculation under TP: rank 0 proposes (n-gram) and verifies; the verify rows travel in the
     step message like any row, so the workers compute the same forward pass (LoRA under TP:

@@ -54,6 +54,7 @@ def four_gpus(monkeypatch, tmp_path):
     return cuda, module
 
 
+@pytest.mark.slow
 def test_two_kind_model_instances_with_tp2_take_disjoint_pairs_of_gpus(four_gpus, tmp_path, default_model_dir):
     from backend.kv_sizing import kv_bytes_per_token
     from backend.request import SamplingParams

@@ -46,6 +46,7 @@ def test_jsonl_round_trip_and_text_prompts(tmp_path, default_model_dir):
         make_workload("nope", 3)
 
 
+@pytest.mark.slow
 def test_bench_in_process_every_mode(default_model_dir, tmp_path, capsys):
     out = tmp_path / "b.json"
     rc = bench.main(["--in-process", "--model-path", str(default_model_dir), "--mode", "inflight,static,none",

@@ -55,6 +55,9 @@ class Admission:
         self._reserved_priority = 0
         self.backfill: Optional[Backfill] = None
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None  # lora_slots.py
+        # The KV tiers (backend/kv_tiers/manager.KVTiers), set by the engine when they are on: a
+        # prefix found there comes back into the request's blocks before it runs a row.
+        self.tiers = None
         c = config
         if (c.enable_backfill and c.batch_scheduler_policy == "guaranteed_no_evict" and c.batching_mode == "inflight"
                 and Backfill.usable(c.enable_chunked_context, c.max_num_batched_tokens, c.max_num_seqs)):
@@ -92,11 +95,13 @@ class Admission:
                     unstarted.add(req.request_id)
                 continue  # waits for a LoRA slot, keeping its place (lora_slots.py)
             if self._cannot_fit_untried(req):  # the common case under overload: nothing attached
-                n, fits = 0, False
+                n, lower, fits = 0, 0, False
             else:
                 req.num_computed_tokens = self._reuse_computed(req)
-                n = chunk(req, budget, config)
-                fits = n > 0 and self.policy.can_admit(req, req.num_computed_tokens + n)
+                lower = self._lower_tier_blocks(req)  # > 0: it holds them now and runs once they are back
+                n = 0 if lower else chunk(req, budget, config)
+                held = req.num_computed_tokens + (lower * self.blocks.block_size if lower else n)
+                fits = (n > 0 or lower > 0) and self.policy.can_admit(req, held)
             if fits and window is not None:
                 # no sharing credit: the blocks it shares now may be its alone by the reservation
                 fits = window.admits(req, self.blocks.blocks_for(req.max_kv_tokens))
@@ -117,13 +122,19 @@ class Admission:
                     if window is None:
                         break  # strict order: no skipping past a request that does not fit
                 continue
-            pool.start(req, req.num_computed_tokens + n, now, self.steps)
+            if self.tiers is not None and req.index == 0:
+                self._start_with_tiers(req, lower, n, now)
+            else:
+                pool.start(req, req.num_computed_tokens + n, now, self.steps)
             if self.lora_slots is not None:
                 self.lora_slots.started(req)
             self.prefix_hit_tokens += req.num_computed_tokens
+            if req.index == 0 and not req.num_preemptions:
+                req.num_cached_tokens = req.num_computed_tokens  # prompt tokens served from a cache
             self.num_backfilled += window is not None
-            out.add(req, n)
-            budget -= n
+            if not lower:
+                out.add(req, n)
+                budget -= n
             allowed -= 1
         if self.reservation is not None and self.reservation.seq_id not in {r.seq_id for r in pool.waiting}:
             self.reservation = None  # its head started (or was aborted); a loop cut short keeps it
@@ -191,6 +202,51 @@ class Admission:
             req.prefix_hashes = (len(tokens), block_hashes(tokens, self.blocks.block_size, len(tokens) - 1,
                                                            root=req.cache_salt))
         return req.prefix_hashes[1]
+
+    # -- the KV tiers: a prefix in host memory or on disk comes back instead of being computed -----
+    def _lower_tier_blocks(self, req: Request) -> int:
+        """How many blocks after req's device prefix a lower tier holds (nothing is claimed yet).
+        Where copies are done when issued (the CPU) and all of them are in host memory, they come
+        back before this step's model run: they count as computed at once, and 0 is returned."""
+        if self.tiers is None or req.index:
+            return 0
+        lower, in_host = self.tiers.probe(self._prefix_hashes(req)[req.num_computed_tokens // self.blocks.block_size:])
+        if lower and in_host and self.tiers.loads_at_once:
+            req.num_computed_tokens += lower * self.blocks.block_size  # undone with the rest if it does not fit
+            return 0
+        return lower
+
+    def _start_with_tiers(self, req: Request, lower: int, n: int, now: float) -> None:
+        """Start req: with `lower` blocks to come back, holding its device prefix and the blocks
+        they return to (a claim may get fewer: no host slot left to stage a disk block in; with
+        none it runs from its next step on); else as usual with its first n tokens' blocks, those
+        that come back at once included. Counts where its prefix was found."""
+        bs, hashes = self.blocks.block_size, self._prefix_hashes(req)
+        first = self.blocks.num_blocks_of(req.seq_id)  # its device prefix
+        at_once = (req.num_computed_tokens - first * bs) // bs  # host blocks copied before this step's run
+        claim = self.tiers.claim(hashes[first:first + (lower or at_once)]) if lower or at_once else None
+        got = claim.num_blocks if claim is not None else 0
+        assert lower or got == at_once, "host blocks probed for this step are gone"
+        self.pool.start(req, (first + got) * bs if lower else req.num_computed_tokens + n, now, self.steps)
+        self.tiers.counts.lookup(len(hashes), first, claim)
+        if claim is not None:  # it runs once the load is done (`landed`), or now for blocks back at once
+            blocks = self.blocks.block_table(req.seq_id)[first:first + got]
+            req.kv_load = self.tiers.start_load(req.seq_id, claim, blocks)
+            req.kv_load.counted = not lower
+
+    def landed(self, req: Request) -> bool:
+        """Has req's prefix come back from the lower tiers? Then its blocks that arrived (all, or
+        those before a file that failed its checks) are computed tokens from now on."""
+        load = req.kv_load
+        if not load.done:
+            return False
+        tokens = 0 if load.counted else load.num_loaded * self.blocks.block_size
+        req.num_computed_tokens += tokens
+        self.prefix_hit_tokens += tokens
+        if not req.num_preemptions:
+            req.num_cached_tokens += tokens
+        req.kv_load = None
+        return True
 
     def _cannot_fit_untried(self, req: Request) -> bool:
         """True when req surely cannot start now, known without attaching its cached prefix: the

@@ -51,6 +51,7 @@ class RequestPool:
             self.policy.released(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._drop_load(request)
         self.blocks.free(request.seq_id)
 
     def preempt(self, req: Request) -> None:
@@ -58,12 +59,20 @@ class RequestPool:
         recomputes its prompt and outputs later."""
         self.running.remove(req)
         self.policy.released(req)
+        self._drop_load(req)
         self.blocks.free(req.seq_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(req)
+
+    @staticmethod
+    def _drop_load(req: Request) -> None:
+        """A prefix on its way back from a lower tier is given up with the blocks it was going to."""
+        if req.kv_load is not None:
+            req.kv_load.cancel()
+            req.kv_load = None
 
     def evict(self, victim: Request, out: SchedulerOutput) -> int:
         """Preempt a running request and drop its rows from this step; returns their tokens."""

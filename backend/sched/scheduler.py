@@ -102,6 +102,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self.admission.steps += 1
+        if self.admission.tiers is not None:  # KV tiers: loads that landed let their requests run now
+            self.admission.tiers.poll()
         budget = self.config.max_num_batched_tokens
         held = self.admission.held_token()
         budget -= held
@@ -109,6 +111,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.kv_load is not None and not self.admission.landed(req):
+                i += 1  # its prefix is still on its way back from a lower tier (backend/kv_tiers/)
+                continue
             n = chunk(req, budget, self.config)
             if n == 0:
                 i += 1
@@ -206,3 +211,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.config.max_num_seqs)
+        if self.admission.tiers is not None:
+            self.admission.tiers.check_integrity()

@@ -144,6 +144,9 @@ def inflight_serve(args, timeout: float = 120.0):
     import sys
     import threading
 
+    from tiers import require_slow
+
+    require_slow("a tritonserver (inflight serve)")
     proc = subprocess.Popen([sys.executable, "-m", "client.cli", "serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, ready = [], threading.Event()

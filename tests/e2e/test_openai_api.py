@@ -36,6 +36,11 @@ def gauge(server, name, **labels) -> float:
 GREEDY = dict(model="llm", temperature=0)
 
 
+def counts(usage):
+    """A usage's token counts; its prompt_tokens_details.cached_tokens depend on what ran before."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
 # -- completions on the tiny model -------------------------------------------------------------------
 
 def test_models_lists_the_served_model(api):
@@ -59,8 +64,10 @@ def test_completion_matches_the_engine_and_the_stream_joins_to_it(api, llm):
     assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in text_chunks][-1] == ref.finish_reason
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert chunks[-1].choices == [] and counts(chunks[-1].usage) == counts(whole.usage)
     assert all(c.usage is None for c in text_chunks)
+    # the second time, the prompt's full blocks come from the prefix cache (on by default)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16 * ((len(ref.prompt_token_ids) - 1) // 16)
 
 
 def test_logprobs_are_the_engines_and_greedy_picks_the_top_one(api, llm):
@@ -189,7 +196,8 @@ def test_smollm2_chat_answers_paris_and_the_stream_joins_to_it(smollm2_api):
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == answer
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert counts(chunks[-1].usage) == counts(whole.usage)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16 * ((len(prompt_ids) - 1) // 16) > 0
 
     lp = api.chat.completions.create(messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
     content = lp.choices[0].logprobs.content

@@ -188,6 +188,6 @@ def test_inflight_serve_tp2_on_smollm2_fails_the_load_naming_both_head_counts(mo
                            "--metrics-port", str(free_port())], capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-3000:]
-    assert ("UNAVAILABLE: Internal: ValueError: tensor_parallel_size 2 does not divide the model's "
-            "num_attention_heads 9" in output and "num_key_value_heads 3" in output), output[-3000:]
+    assert ("UNAVAILABLE: Internal: TritonModelException: inflight: tensor_parallel_size 2 does not divide the "
+            "model's num_attention_heads 9" in output and "num_key_value_heads 3" in output), output[-3000:]
     assert "tensor-parallel rank 1" not in output and "inflight tp rank" not in output   # refused before any rank

@@ -36,6 +36,7 @@ def results(report: str) -> dict:
     return json.loads(report.split("```json\n", 1)[1].rsplit("\n```", 1)[0])
 
 
+@pytest.mark.slow
 def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     proc, report, out = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -49,7 +50,7 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     assert compiled["target"] == "sm_90" and compiled["compiled"] == compiled["variants"] > 10
     assert compiled["failed"] == [] and compiled["cached"] == 0          # a cache of its own: all compiled
     assert {c["kernel"] for c in parts["kernels"]["checks"]} == {
-        "decode_attention", "prefill_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_mul"}
+        "decode_attention", "prefill_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_mul", "fused_moe"}
     greedy = parts["greedy"]
     assert [b["batch"] for b in greedy["batches"]] == [b for b, _, _ in DRY["greedy_batches"]]
     assert all(b["ok"] and b["tokens"] == b["batch"] * DRY["max_tokens"] for b in greedy["batches"])
@@ -71,6 +72,7 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     assert "GPU budget" in proc.stdout and "| part | result | seconds | budget | figures |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_dry_run_device_check_fails_the_cpu_served_instances(dry_run):
     """Both instances serve from the CPU: the check that reads their device label must say so."""
     _, report, _ = dry_run
@@ -129,6 +131,7 @@ def two_checkpoints(tmp_path_factory):
     return [make_model(root / f"seed{seed}", seed=seed, **DRY["model"]) for seed in (3, 4)]
 
 
+@pytest.mark.slow
 def test_greedy_check_fails_when_the_engine_and_transformers_disagree(two_checkpoints, monkeypatch):
     """transformers is handed other weights than the engine ran: the check must notice."""
     from transformers import AutoModelForCausalLM
@@ -154,6 +157,7 @@ def test_the_real_run_refuses_without_a_gpu(tmp_path):
     assert proc.returncode == 2 and "--dry-run" in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_dry_run_skips_the_tensor_parallel_run_and_says_so(dry_run):
     """Two GPUs are needed for the TP=2 (NCCL) part; the CPU has none: skipped, and the report says so."""
     _, report, _ = dry_run

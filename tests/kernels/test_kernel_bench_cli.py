@@ -32,6 +32,7 @@ def test_parse_args():
         bench.parse_args(["--contexts", "0"])
 
 
+@pytest.mark.slow
 def test_dry_run_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
@@ -30,6 +32,7 @@ print(json.dumps(dict(rows=[r for r, _ in quant],
 '''
 
 
+@pytest.mark.slow
 def test_quantized_gemm_variants_in_the_aot_table():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,

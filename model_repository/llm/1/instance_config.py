@@ -18,7 +18,7 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
     `device: cuda` in a GPU instance is its GPU too. Triton's Python backend passes the kind as
     TRITONSERVER_InstanceGroupKindString writes it ("GPU", "CPU", "MODEL"); config.pbtxt's
     "KIND_GPU" is accepted as well. A relative `model_path` (and a relative draft `model` in
-    `speculative_config`) is taken from the repository root.
+    `speculative_config`, and a relative `kv_disk_cache_dir`) is taken from the repository root.
 
     Tensor parallelism (docs/parallelism.md): an engine of tensor_parallel_size N uses the
     instance's device and the N - 1 after it. A KIND_MODEL instance (which places itself, as the
@@ -34,6 +34,9 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
     model_path = str(params.get("model_path", "")).strip()
     if model_path and not Path(model_path).is_absolute():
         overrides["model_path"] = str((Path(repo_root) / model_path).resolve())
+    disk_dir = str(params.get("kv_disk_cache_dir", "")).strip()
+    if disk_dir and not Path(disk_dir).is_absolute():  # the KV tiers' disk folder, found like model_path
+        overrides["kv_disk_cache_dir"] = str((Path(repo_root) / disk_dir).resolve())
     if str(params.get("speculative_config", "")).strip():  # its draft `model` is found like model_path
         from backend.spec.config import resolve_draft_path
         overrides["speculative_config"] = resolve_draft_path(str(params["speculative_config"]), repo_root)

@@ -116,6 +116,7 @@ class Metrics:
         self.max_loras = 0  # 0: LoRA off, no lora_requests_info (as vLLM without a LoRA config)
         self._family = family
         self.moe = None  # (tokens per expert counters, imbalance gauge): made when a MoE model reports
+        self.tiers = None  # the KV tiers' series (kv_host_cache_bytes), made when the engine first reports them
 
     def describe(self, block_size, num_blocks, max_loras):
         """The engine's fixed figures: its cache's shape, and max_loras (0 without LoRA)."""
@@ -123,6 +124,45 @@ class Metrics:
             labels={**self.labels, "block_size": str(block_size), "num_gpu_blocks": str(num_blocks)})
         self.cache_info.set(1)
         self.max_loras = max_loras
+
+    # The KV tiers' figures (LLMEngine.stats()["kv_tiers"], per tier): counters by their stats key.
+    TIER_COUNTERS = {"hits": ("inflight_kv_tier_hits_total", "Prefix blocks started requests found in this tier", {}),
+                     "misses": ("inflight_kv_tier_misses_total", "Prefix blocks started requests did not find here", {}),
+                     "bytes_loaded": ("inflight_kv_tier_bytes_total", "KV bytes a tier moved: load (host: copied "
+                                      "back to the device; disk: read) or store (host: copied from the device; disk: "
+                                      "written)", {"direction": "load"}),
+                     "bytes_stored": ("inflight_kv_tier_bytes_total", "", {"direction": "store"}),
+                     "dropped": ("inflight_kv_tier_failures_total", "Blocks not kept (dropped: every host slot busy; "
+                                 "rejected: a torn or foreign file; write_failed)", {"kind": "dropped"}),
+                     "rejected": ("inflight_kv_tier_failures_total", "", {"kind": "rejected"}),
+                     "write_failures": ("inflight_kv_tier_failures_total", "", {"kind": "write_failed"})}
+
+    def _tier_series(self, tiers):
+        fam, families = pb_utils.MetricFamily, {}
+        for name, doc, _ in self.TIER_COUNTERS.values():
+            if name not in families and doc:
+                families[name] = self._family(name, doc, fam.COUNTER)
+        blocks = self._family("inflight_kv_tier_blocks", "KV tier fill in blocks (state: used, total)", fam.GAUGE)
+        series = {}
+        for tier, figures in tiers.items():
+            for key in figures:
+                if key in self.TIER_COUNTERS:
+                    name, _, extra = self.TIER_COUNTERS[key]
+                    series[(tier, key)] = families[name].Metric(labels={**self.labels, "tier": tier, **extra})
+                elif key.startswith("blocks_"):
+                    series[(tier, key)] = blocks.Metric(labels={**self.labels, "tier": tier, "state": key[7:]})
+        return series
+
+    def _update_tiers(self, tiers):
+        if self.tiers is None:
+            self.tiers = self._tier_series(tiers)
+        for (tier, key), metric in self.tiers.items():
+            value = tiers[tier][key]
+            if key.startswith("blocks_"):
+                self._set(("tier", tier, key), metric, value)
+            elif value > self._counted.get((tier, key), 0):
+                metric.increment(value - self._counted.get((tier, key), 0))
+                self._counted[(tier, key)] = value
 
     def observe(self, kind, seconds):
         self.hist[kind].observe(max(0.0, seconds))
@@ -149,6 +189,8 @@ class Metrics:
                 metric.increment(delta)
                 self._counted[key] += delta
         self._update_moe(stats)
+        if stats.get("kv_tiers"):
+            self._update_tiers(stats["kv_tiers"])
         lengths = stats.get("spec_decode_acceptance_lengths") or []
         for i, n in enumerate(lengths):  # the engine keeps a tally per length: observe what is new
             for _ in range(n - (self._lengths[i] if i < len(self._lengths) else 0)):

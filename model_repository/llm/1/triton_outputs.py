@@ -67,6 +67,9 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
         tensors["num_input_tokens"] = np.array([len(first.prompt_token_ids) if first else 0], dtype=np.uint32)
     if "return_num_output_tokens" in asked:
         tensors["num_output_tokens"] = np.array(new_counts, dtype=np.uint32)
+    if "return_num_cached_tokens" in asked:
+        first = live.latest.get(0)
+        tensors["num_cached_tokens"] = np.array([first.num_cached_tokens if first else 0], dtype=np.uint32)
     if "return_queue_info" in asked:
         first = outs.get(0) if live.stream else None
         queue = getattr(first, "queue", None) or getattr(live.latest.get(0), "queue", None)

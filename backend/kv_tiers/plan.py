@@ -1,0 +1,79 @@
+"""The KV tiers' data: a step's plan of copies, a claim on lower-tier blocks, a load in flight. No torch here."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+
+@dataclass
+class TierPlan:
+    """One step's copies, for the runner: saves before loads (a load may land in a block a save
+    copies out in the same step), both before the step's model run."""
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    waits: list[Any] = field(default_factory=list)  # copies in flight into blocks that were freed since
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.waits)
+
+
+@dataclass
+class TierClaim:
+    """Blocks after a request's device prefix that a lower tier holds, their host slots pinned."""
+    keys: list[bytes]
+    slots: list[int]
+    from_disk: list[bool]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+
+class KVLoad:
+    """A request's prefix blocks on their way back into the device blocks it reserved."""
+
+    def __init__(self, seq_id: str, claim: TierClaim, blocks: Sequence[int]):
+        self.seq_id = seq_id
+        self.keys, self.slots, self.blocks = claim.keys, claim.slots, list(blocks)
+        self.ok: list[Optional[bool]] = [None if d else True for d in claim.from_disk]
+        self.reads_pending = sum(claim.from_disk)
+        self.issued = False
+        self.handle: Any = None  # the runner's handle of the device copy (None: done when issued)
+        self.done = False
+        self.cancelled = False
+        self.num_loaded = 0  # blocks from the first on that arrived (set when issued)
+        self.counted = False  # its request counted them computed when it started (they came back at once)
+        self.started = time.monotonic()
+
+    def cancel(self) -> None:
+        """Its request left (aborted, preempted, failed): nothing is copied any more, its slots
+        are given back once the copies and reads in flight end."""
+        self.cancelled = True
+
+
+class TierCounts:
+    """Per tier (device, host, disk): the prefix blocks that started requests asked it for and it
+    held (`hits`) or not (`misses`); the bytes it took in and gave out; and its troubles."""
+
+    def __init__(self, disk: bool):
+        self.device = {"hits": 0, "misses": 0}
+        self.host = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "dropped": 0}
+        self.disk = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "rejected": 0, "write_failures": 0}
+        self.tiers = ("device", "host", "disk") if disk else ("device", "host")
+
+    def lookup(self, num_hashes: int, device_blocks: int, claim: Optional[TierClaim]) -> None:
+        """A request started: of its `num_hashes` prefix blocks, where each was found (or not)."""
+        on_disk = sum(claim.from_disk) if claim else 0
+        in_host = (claim.num_blocks if claim else 0) - on_disk
+        left = num_hashes - device_blocks
+        for tier, hits, asked in (("device", device_blocks, num_hashes), ("host", in_host, left),
+                                  ("disk", on_disk, left - in_host)):
+            getattr(self, tier)["hits"] += hits
+            getattr(self, tier)["misses"] += asked - hits
+
+    def figures(self, fill: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
+        out = {tier: dict(getattr(self, tier)) for tier in self.tiers}
+        for tier, (used, total) in fill.items():
+            out[tier].update(blocks_used=used, blocks_total=total)
+        return out
