@@ -15,7 +15,7 @@ from typing import Optional, Union
 from backend.kv_groups import KVCacheGroups
 from backend.config import EngineConfig
 from backend.errors import QueueFullError
-from backend.input_guard import check_text, int32
+from backend.input_guard import check_text, derived_max_input_bytes, int32
 from backend.kv_event_publisher import attach_publisher
 from backend.kv_tiers.attach import attach_kv_tiers
 from backend.loader import load_model_config
@@ -44,7 +44,7 @@ class LLMEngine:
         self.model_config = load_model_config(config.model_path)
         self.max_model_len = self._max_model_len()
         self.tokenizer = Tokenizer.from_dir(config.model_path)
-        self.max_input_bytes = config.max_input_bytes or self._derived_max_input_bytes()
+        self.max_input_bytes = config.max_input_bytes or derived_max_input_bytes(self.tokenizer, self.max_model_len)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
         self.blocks = KVCacheGroups(self.runner.num_blocks, config.kv_block_size, self.runner.kv_layout.group_windows,
@@ -74,14 +74,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds what the model "
                              f"supports ({limit})")
         return self.config.max_model_len
-
-    def _derived_max_input_bytes(self) -> int:
-        """4 x max_model_len x the longest token in bytes: each token covers at most that many bytes of
-        text, so a longer text cannot fit in max_model_len tokens (x4 leaves room for normalizers
-        that shrink text). It lets a 10 MB prompt be refused before it is tokenized."""
-        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True) if self.tokenizer is not None else {}
-        longest = max((len(t.encode("utf-8")) for t in vocab), default=16)
-        return 4 * self.max_model_len * max(longest, 1)
 
     @property
     def vocab_size(self) -> int:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Union
 
-from backend.block_manager import BlockManager
+from backend.kv_groups import KVCacheGroups
 from backend.config import EngineConfig
 from backend.kv_tiers.disk import DiskStore
 from backend.kv_tiers.fingerprint import model_fingerprint
@@ -56,11 +56,15 @@ class EngineKVTiers(KVTiers):
             super().close()
 
 
-def attach_kv_tiers(config: EngineConfig, blocks: BlockManager, runner, admission) -> Union[EngineKVTiers, NoKVTiers]:
+def attach_kv_tiers(config: EngineConfig, blocks: KVCacheGroups, runner, admission) -> Union[EngineKVTiers, NoKVTiers]:
     """The host pool (the runner's copier), the disk store and the bookkeeping, listening to
     `blocks`, consulted by `admission`."""
     if not config.kv_host_cache_bytes:
         return NoKVTiers()
+    if len(blocks.groups) > 1:  # (the tiers follow one group's blocks; a window's come and go with it)
+        raise ValueError(f"kv_host_cache_bytes: this model keeps {len(blocks.groups)} KV-cache groups (sliding-window "
+                         "layers beside global ones); the KV tiers serve models with one group (docs/design.md); "
+                         "set kv_host_cache_bytes to 0")
     copier = runner.attach_kv_copier(config.kv_host_cache_bytes)
     disk, capacity = None, 0
     if config.kv_disk_cache_dir:

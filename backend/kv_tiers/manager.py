@@ -161,16 +161,9 @@ class KVTiers(BlockListener):
         self._issuing = (saved, loads)
         return plan
 
-    def _retire(self, load) -> int:
-        """An unissued load whose reads all ended leaves the waiting list: the leading blocks that
-        arrived (none when its request left) are to be copied, the other slots are unpinned."""
+    def _retire(self, load: KVLoad) -> int:
         self._loads.remove(load)
-        n = 0 if load.cancelled else next((i for i, ok in enumerate(load.ok) if not ok), len(load.ok))
-        for slot in load.slots[n:]:
-            self.host.unpin(slot)
-        load.num_loaded, load.issued = n, True
-        load.done = not n
-        return n
+        return load.retire(self.host)
 
     def move(self, idle: bool = False) -> None:
         """The step's copies by the runner's copier, before the model run (`idle`: none runs, so wait a

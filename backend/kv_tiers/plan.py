@@ -46,6 +46,15 @@ class KVLoad:
         self.counted = False  # its request counted them computed when it started (they came back at once)
         self.started = time.monotonic()
 
+    def retire(self, host) -> int:
+        """Its reads all ended and it leaves the waiting list: the leading blocks that arrived
+        (none when its request left) are to be copied, the other host slots are unpinned."""
+        n = 0 if self.cancelled else next((i for i, ok in enumerate(self.ok) if not ok), len(self.ok))
+        for slot in self.slots[n:]:
+            host.unpin(slot)
+        self.num_loaded, self.issued, self.done = n, True, not n
+        return n
+
     def cancel(self) -> None:
         """Its request left (aborted, preempted, failed): nothing is copied any more, its slots
         are given back once the copies and reads in flight end."""
