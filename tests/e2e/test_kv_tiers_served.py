@@ -6,8 +6,9 @@ import json
 
 import numpy as np
 
-from .conftest import SERVER_PARAMS, requires_tritonserver
+from .conftest import SERVER_PARAMS, requires_tritonserver, wait_until
 from .raw_requests import array, grpc_stream
+from .test_deploy_live import PER_TIER_PREFIX, dashboard_metric_names, series_names
 from .test_server import gauge as metric
 
 pytestmark = requires_tritonserver
@@ -41,4 +42,7 @@ def test_the_first_request_after_a_restart_finds_its_prefix_on_disk(model_reposi
         assert ask(server, PROMPT) == (want, 32)  # the first request after the restart
         assert metric(server, "inflight_kv_tier_hits_total", tier="disk") == 2
         assert metric(server, "inflight_kv_tier_bytes_total", tier="disk", direction="load") > 0
-        assert metric(server, "inflight_kv_blocks", state="used") == 0
+        # the gauges refresh every 0.1 s: the request's blocks are given back by then
+        wait_until(lambda: metric(server, "inflight_kv_blocks", state="used") == 0, timeout=5)
+        tier_panels = {n for n in dashboard_metric_names() if n.startswith(PER_TIER_PREFIX)}
+        assert tier_panels and tier_panels <= series_names(server), sorted(tier_panels - series_names(server))
