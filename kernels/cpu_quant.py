@@ -8,8 +8,9 @@ quantized embedding). Their oracles are kernels/quant_reference.py `qmatmul` and
 
 Which build runs (`chosen_isa`): the AVX512-VNNI one where /proc/cpuinfo lists avx512f, avx512bw
 and avx512_vnni AND a child process ran it and got the right answer (some hypervisors list
-instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the portable C build,
-with one log line saying why. `INFLIGHT_CPU_ISA=portable` forces the portable one.
+instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the AVX2 one
+(maddubs intrinsics, quant_gemm_avx2.h) on the same two conditions, else the portable C build,
+with one log line saying why. `INFLIGHT_CPU_ISA=avx2` (or `portable`) forces a build.
 """
 from __future__ import annotations
 
@@ -80,8 +81,9 @@ def _probe_runs(isa: str) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def chosen_isa() -> str:
-    """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx2" (the
-    plain C code vectorized for AVX2), else "portable" (the same for the compiler's baseline)."""
+    """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx2"
+    (intrinsics too: maddubs/madd in place of vpdpbusd, half the width), else "portable" (plain C
+    for the compiler's baseline)."""
     forced = os.environ.get("INFLIGHT_CPU_ISA")
     if forced:
         if forced not in BUILDS:
@@ -100,10 +102,13 @@ def chosen_isa() -> str:
             break
     else:
         isa = "portable"
-    if isa != "avx512_vnni":
-        log.warning("quantized GEMM: falling back to the %s C kernel, several times slower than the "
-                    "AVX512-VNNI one and than float32 GEMMs (quantization=none dequantizes at load: faster "
-                    "here, 5x the memory); not used: %s", isa, "; ".join(f"{k}: {v}" for k, v in why.items()))
+    not_used = "; ".join(f"{k}: {v}" for k, v in why.items())
+    if isa == "avx2":  # 1.7x the VNNI one's time for one row, 2-3x for many (docs/performance.md)
+        log.info("quantized GEMM: the avx2 build (AVX-512 VNNI not used: %s)", not_used)
+    elif isa == "portable":
+        log.warning("quantized GEMM: falling back to the portable C kernel, several times slower than the "
+                    "AVX2 and AVX512-VNNI ones and than float32 GEMMs (quantization=none dequantizes at load: "
+                    "faster here, 5x the memory); not used: %s", not_used)
     return isa
 
 
@@ -162,7 +167,8 @@ def tile_layout(qtype: str, parts: Mapping[str, torch.Tensor]) -> dict[str, torc
 class CpuQuantWeight:
     """One packed matrix [N, K] in the kernel's layout, with its C calls."""
 
-    def __init__(self, qtype: str, parts: Mapping[str, torch.Tensor]):
+    def __init__(self, qtype: str, parts: Mapping[str, torch.Tensor], isa: str | None = None):
+        """``isa``: a build of kernels/cpu_build.py ISA_FLAGS (tests, benches); default `chosen_isa()`."""
         if qtype not in TYPE_IDS:
             raise ValueError(f"{NAME}: no CPU kernel for {qtype!r}; types: {', '.join(TYPE_IDS)}")
         missing = set(ARRAYS[qtype]) - set(parts)
@@ -174,7 +180,7 @@ class CpuQuantWeight:
         block = QK_K if qtype in ("Q4_K", "Q5_K", "Q6_K") else QK
         if self.in_features % block:
             raise ValueError(f"{NAME}: {qtype} rows of {self.in_features} values are not whole blocks of {block}")
-        self.isa = chosen_isa()
+        self.isa = isa or chosen_isa()
         self.tiles = tile_layout(qtype, {k: v.contiguous() for k, v in parts.items()})
         ptr = lambda name: self.tiles[name].data_ptr() if name in self.tiles else None  # noqa: E731
         self._struct = _QWeight(ptr("qs"), ptr("qh"), ptr("scales"), ptr("mins"), ptr("sub_scales"),

@@ -21,12 +21,13 @@
      scales, mins (fp16) and sub-scales / sub-mins (bytes) as 16 lanes per group or super-block.
    Unsigned weight codes times signed activation codes is exactly vpdpbusd's operand order.
 
-   Two builds of this one file (kernels/cpu_quant.py picks): QUANT_AVX512 (AVX512-F/BW/VNNI, F16C)
-   and the portable one, plain C over the same layout, for any other CPU. */
+   Three builds of this one file (kernels/cpu_quant.py picks): QUANT_AVX512 (AVX512-F/BW/VNNI, F16C),
+   QUANT_AVX2 (AVX2, FMA, F16C: quant_gemm_avx2.h's maddubs kernel) and the portable one, plain C
+   over the same layout, for any other CPU. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef QUANT_AVX512
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -268,6 +269,8 @@ static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, i
 #undef BY_TYPE
 #undef ROWS
 }
+#elif defined(QUANT_AVX2)
+#include "quant_gemm_avx2.h"
 #else
 /* Portable: the same sums in plain C (auto-vectorized by the compiler for whatever the build
    targets). Per tile and group the 16 x 32 codes are decoded once into int16 (straight loops over

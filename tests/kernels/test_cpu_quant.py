@@ -4,6 +4,7 @@ products, then scaled), for every packed type, in both builds (AVX512-VNNI where
 and the portable C one); and the choice of build, which must fall back, saying why, when the CPU
 lacks the instructions or a probe of them dies."""
 import logging
+import shutil
 import subprocess
 
 import pytest
@@ -37,24 +38,61 @@ def isa(request, monkeypatch):
     return request.param
 
 
+# (output rows, blocks of K): 37 = two tiles of 16 and a partial one whose second half of 8 rows is
+# empty; 27 = a tile and a partial second half (the AVX2 build runs a tile as two halves). Blocks
+# (5 and 7 of 32; 2 and 3 of 256) are not multiples of any tile.
+SHAPES = {"blocks32": [(37, 5), (27, 7)], "blocks256": [(37, 2), (27, 3)]}
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_matmul_matches_the_reference(isa, qtype):
     per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
-    n, blocks = 37, (2 if per_block == 256 else 5)  # 37 rows: a partial tile of 16
-    parts = packed(qtype, n, blocks, seed=len(qtype))
-    weight = cpu_quant.CpuQuantWeight(qtype, parts)
-    assert weight.isa == isa
     gen = torch.Generator().manual_seed(7)
-    bias = torch.randn(n, generator=gen)
-    for m in (1, 3, 4, 9, 300):  # 300: past one block of 256 activation rows
-        x = torch.randn(m, blocks * per_block, generator=gen)
-        x[0, :5] = 40.0  # an outlier: one group's scale, not the row's
-        got = weight.matmul(x, bias)
-        expected = qmatmul(x, qtype, parts, bias)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-        # and close to the float product (the activations' rounding only)
-        full = x @ dequantize(qtype, parts).T + bias
-        assert float((got - full).abs().max()) < 0.02 * float(full.abs().max())
+    for n, blocks in SHAPES["blocks256" if per_block == 256 else "blocks32"]:
+        parts = packed(qtype, n, blocks, seed=len(qtype) + n)
+        weight = cpu_quant.CpuQuantWeight(qtype, parts)
+        assert weight.isa == isa
+        bias = torch.randn(n, generator=gen)
+        # 1: a decode step's GEMV; 3, 17, 65: rows left over after blocks of 4; 300: past one pass of 256
+        for m in (1, 3, 17, 65, 300) if n == 37 else (1, 17):
+            x = torch.randn(m, blocks * per_block, generator=gen)
+            x[0, :5] = 40.0  # an outlier: one group's scale, not the row's
+            got = weight.matmul(x, bias)
+            expected = qmatmul(x, qtype, parts, bias)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+            # and close to the float product (the activations' rounding only)
+            full = x @ dequantize(qtype, parts).T + bias
+            assert float((got - full).abs().max()) < 0.02 * float(full.abs().max())
+
+
+def test_extreme_codes_do_not_saturate(isa):
+    """The AVX2 build adds products in int16 (maddubs): every weight code at its largest magnitude
+    times activations all at +-127 is where an overflow would show (Q8_0's -128, Q6_K's 63)."""
+    gen = torch.Generator().manual_seed(5)
+    for qtype in TYPES:
+        per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
+        parts = packed(qtype, 16, 1, seed=9)
+        for name in ("qweight", "qhigh"):  # every code at its top (Q8_0: -128, the largest magnitude)
+            if name in parts:
+                parts[name] = torch.full_like(parts[name], -128 if qtype == "Q8_0" else -1)
+        weight = cpu_quant.CpuQuantWeight(qtype, parts)
+        x = torch.where(torch.rand(3, per_block, generator=gen) < 0.5, -1.0, 1.0)
+        x[1] = 1.0  # every product the same sign: the largest sums
+        torch.testing.assert_close(weight.matmul(x), qmatmul(x, qtype, parts), rtol=1e-5, atol=1e-3)
+
+
+def test_the_avx2_build_holds_no_avx512_instruction():
+    """It must run on AVX2-only CPUs (AMD Zen 1-3): no zmm register anywhere in the library, and
+    the maddubs dot products in it (not the portable loops)."""
+    if "avx2" not in builds():
+        pytest.skip("this CPU does not list AVX2")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump")
+    text = subprocess.run([objdump, "-d", str(cpu_build.build("quant_gemm", "avx2"))], capture_output=True,
+                          text=True, check=True).stdout
+    assert "zmm" not in text
+    assert text.count("vpmaddubsw") >= 100  # 8 types x rows 1-4 x 8 quads each
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -96,17 +134,28 @@ def fresh_choice():
     cpu_quant.chosen_isa.cache_clear()
 
 
-@pytest.mark.parametrize("flags,expected", [("fpu sse2 avx2 fma f16c", "avx2"), ("fpu sse2", "portable")])
-def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, caplog, flags, expected):
+@pytest.mark.parametrize("flags,expected,level,says", [
+    ("fpu sse2 avx2 fma f16c", "avx2", logging.INFO, "the avx2 build"),
+    ("fpu sse2", "portable", logging.WARNING, "falling back to the portable C kernel")])
+def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, caplog, flags, expected, level, says):
     if expected == "avx2" and "avx2" not in builds():
         pytest.skip("this CPU cannot run the AVX2 build's probe")
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + flags)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_quant"):
+    with caplog.at_level(logging.INFO, logger="kernels.cpu_quant"):
         assert cpu_quant.chosen_isa() == expected
         assert cpu_quant.chosen_isa() == expected
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and f"falling back to the {expected} C kernel" in lines[0]
-    assert "avx512_vnni: the CPU does not list avx512f, avx512bw" in lines[0]
+    assert [(r.levelno, says in r.getMessage()) for r in caplog.records] == [(level, True)]
+    assert "avx512_vnni: the CPU does not list avx512f, avx512bw" in caplog.records[0].getMessage()
+
+
+def test_the_isa_can_be_forced(fresh_choice, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_CPU_ISA", "avx2")
+    assert cpu_quant.chosen_isa() == "avx2"
+    assert cpu_quant.CpuQuantWeight("Q4_0", packed("Q4_0", 16, 1, seed=0)).isa == "avx2"
+    cpu_quant.chosen_isa.cache_clear()
+    monkeypatch.setenv("INFLIGHT_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="INFLIGHT_CPU_ISA='avx512'; one of avx512_vnni, avx2, portable"):
+        cpu_quant.chosen_isa()
 
 
 def test_a_probe_that_dies_falls_back(fresh_choice, monkeypatch, caplog, tmp_path):

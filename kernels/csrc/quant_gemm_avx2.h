@@ -1,0 +1,158 @@
+/* The AVX2 build's tile kernel of quant_gemm.c (included there under QUANT_AVX2): the same tiles,
+   the same sums, with the integer dot products AVX2 has. It holds no AVX-512 instruction, so it
+   runs on AVX2-only CPUs (AMD Zen 1-3, most laptops); tests/kernels/test_cpu_quant.py checks the
+   built library for zmm registers.
+
+   AVX2 has no vpdpbusd; as llama.cpp does, `_mm256_maddubs_epi16` multiplies unsigned weight codes
+   by signed activation codes and adds adjacent pairs into int16, then `_mm256_madd_epi16` by ones
+   adds adjacent int16 pairs into int32: together one vpdpbusd (4 products into each row's int32
+   lane). The int16 step saturates, so each format adds in int16 only as many products as cannot
+   overflow (activation codes are at most 127 in magnitude):
+     4-bit codes (<= 15): 8 maddubs per 32 values, 8 x 2 x 15 x 127 = 30480, one madd;
+     5-bit (<= 31): 4 maddubs, 31496, so two madds; Q6_K (<= 63): 2 maddubs, 32004, four madds;
+     Q8_0: codes are stored + 128, so 255 x 127 x 2 would overflow: the code is made signed again
+       (xor 0x80) and the sign moved onto the activation (`_mm256_sign_epi8`: |w| x sign(w) a,
+       at most 128 x 127 x 2 = 32512), one madd per maddubs, and no zero point to take off.
+   A 256-bit vector holds 8 of a tile's 16 rows (4 bytes each), so a tile runs as two halves of 8
+   rows, each over every group: 8 weight vectors and MT accumulators stay in the 16 registers. */
+
+/* Row half H of tile t (rows 8H..8H+7) against activation rows [m0, m0 + MT). */
+static inline __attribute__((always_inline)) void half_tile_rows(
+        const int TYPE, const int MT, const qweight_t *w, int64_t t, int H, int64_t m0, const int8_t *qa,
+        const float *da, const int32_t *sa, __m256 *acc) {
+    const int64_t K = w->K, G = K / QK, S = K / 256;
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t tg = t * G + g;
+        __m256i wq[8]; /* wq[c]: codes of values 4c..4c+3 of the 8 rows (activation bytes a + 4c) */
+        if (TYPE == Q8_0) {
+            const uint8_t *p = w->qs + tg * 512 + 32 * H;
+            for (int c = 0; c < 8; c++) wq[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + c * 64)), flip);
+        } else {
+            const uint8_t *p = w->qs + tg * 256 + 32 * H;
+            for (int c = 0; c < 4; c++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(p + c * 64));
+                wq[c] = _mm256_and_si256(x, nib);
+                wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+            }
+        }
+        if (high_bits(TYPE) == 1) { /* bit c of each byte: bit 4 of quad c's value */
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 64 + 32 * H));
+            for (int c = 0; c < 8; c++)
+                wq[c] = _mm256_or_si256(wq[c], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h, c), 4),
+                                                                _mm256_set1_epi8(0x10)));
+        } else if (high_bits(TYPE) == 2) { /* bits 2c, 2c+1: bits 4, 5 (first vector: quads 0-3) */
+            const __m256i h0 = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 128 + 32 * H));
+            const __m256i h1 = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 128 + 64 + 32 * H));
+            for (int c = 0; c < 4; c++) {
+                const __m256i top = _mm256_set1_epi8(0x30);
+                wq[c] = _mm256_or_si256(wq[c], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h0, 2 * c), 4), top));
+                wq[c + 4] = _mm256_or_si256(wq[c + 4], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h1, 2 * c), 4), top));
+            }
+        }
+        /* this half's 8 scales (and mins) for the group */
+        __m256 dvec, mvec = _mm256_setzero_ps();
+        __m256i sclo = _mm256_setzero_si256(), schi = _mm256_setzero_si256();
+        if (!k_quant(TYPE)) {
+            dvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + tg * TILE + 8 * H)));
+            if (has_group_mins(TYPE)) mvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mins + tg * TILE + 8 * H)));
+        } else {
+            const int64_t ts = t * S + g / 8;
+            dvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + ts * TILE + 8 * H)));
+            if (TYPE == Q6_K) {
+                sclo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * 2 * TILE + 8 * H)));
+                schi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE + 8 * H)));
+            } else {
+                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * TILE + 8 * H))));
+                const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_mins + tg * TILE + 8 * H))));
+                mvec = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mins + ts * TILE + 8 * H))), mn);
+                dvec = _mm256_mul_ps(dvec, sc);
+            }
+        }
+        for (int r = 0; r < MT; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *a = qa + m * K + g * QK;
+            __m256i p[8];
+            for (int c = 0; c < 8; c++) {
+                int32_t quad;
+                memcpy(&quad, a + 4 * c, 4);
+                const __m256i av = _mm256_set1_epi32(quad);
+                p[c] = TYPE == Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(av, wq[c]))
+                                    : _mm256_maddubs_epi16(wq[c], av);
+            }
+            const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
+            const float dm = da[m * G + g];
+            __m256i dot;
+            if (TYPE == Q8_0) {
+                dot = _mm256_madd_epi16(p[0], ones);
+                for (int c = 1; c < 8; c++) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p[c], ones));
+            } else if (TYPE == Q6_K) { /* pairs in int16; lo (values 0-15) and hi apart: their sub-scales */
+                __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                                              _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+                __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), ones),
+                                              _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), ones));
+                lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * s0));
+                hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * s1));
+                dot = _mm256_add_epi32(_mm256_mullo_epi32(lo, sclo), _mm256_mullo_epi32(hi, schi));
+            } else {
+                const __m256i lo = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+                const __m256i hi = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+                if (high_bits(TYPE)) /* 5-bit: 4 maddubs per int16 sum at most */
+                    dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+                else
+                    dot = _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
+                if (zero_point(TYPE)) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(zero_point(TYPE) * (s0 + s1)));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dvec, _mm256_set1_ps(dm)), acc[r]);
+            if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
+                acc[r] = _mm256_fmadd_ps(mvec, _mm256_set1_ps(dm * (float)(s0 + s1)), acc[r]);
+        }
+    }
+}
+
+#define MT_MAX 4
+static inline __attribute__((always_inline)) void store_rows(
+        const int MT, const __m256 *acc, int64_t m0, int64_t n, int64_t valid, const float *bias, float *out,
+        int64_t ldo, int stream) {
+    static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    const __m256i mask = _mm256_loadu_si256((const __m256i *)(lanes + 8 - valid)); /* first `valid` lanes */
+    const __m256 b = bias ? _mm256_maskload_ps(bias + n, mask) : _mm256_setzero_ps();
+    if (valid == 8 && stream) /* see qgemm; 32-byte aligned there */
+        for (int r = 0; r < MT; r++) _mm256_stream_ps(out + (m0 + r) * ldo + n, _mm256_add_ps(acc[r], b));
+    else if (valid == 8)
+        for (int r = 0; r < MT; r++) _mm256_storeu_ps(out + (m0 + r) * ldo + n, _mm256_add_ps(acc[r], b));
+    else
+        for (int r = 0; r < MT; r++) _mm256_maskstore_ps(out + (m0 + r) * ldo + n, mask, _mm256_add_ps(acc[r], b));
+}
+
+/* Tile t against rows [m0, m1): the row halves that hold output rows, MT_MAX rows at a time (one
+   row, a decode step's GEMV, is the MT = 1 case). Same signature as the other builds'. */
+static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
+                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
+                          int stream) {
+    const int64_t n0 = t * TILE;
+    for (int H = 0; H < 2 && n0 + 8 * H < w->N; H++) {
+        const int64_t n = n0 + 8 * H, valid = w->N - n < 8 ? w->N - n : 8;
+#define ROWS(T_, MT_) do { __m256 acc[MT_]; half_tile_rows(T_, MT_, w, t, H, m, qa, da, sa, acc); \
+                           store_rows(MT_, acc, m, n, valid, bias, out, ldo, stream); } while (0)
+#define BY_TYPE(MT_)                                                            \
+    switch (type) {                                                             \
+    case Q8_0: ROWS(Q8_0, MT_); break; case Q4_0: ROWS(Q4_0, MT_); break;       \
+    case Q4_1: ROWS(Q4_1, MT_); break; case Q5_0: ROWS(Q5_0, MT_); break;       \
+    case Q5_1: ROWS(Q5_1, MT_); break; case Q4_K: ROWS(Q4_K, MT_); break;       \
+    case Q5_K: ROWS(Q5_K, MT_); break; default: ROWS(Q6_K, MT_); break;         \
+    }
+        int64_t m = m0;
+        for (; m + MT_MAX <= m1; m += MT_MAX) BY_TYPE(4)
+        switch (m1 - m) {
+        case 3: BY_TYPE(3) break;
+        case 2: BY_TYPE(2) break;
+        case 1: BY_TYPE(1) break;
+        default: break;
+        }
+#undef BY_TYPE
+#undef ROWS
+    }
+    if (stream) _mm_sfence(); /* streaming stores are weakly ordered: visible before qgemm returns */
+}
