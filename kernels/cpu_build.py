@@ -40,6 +40,7 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 ISA_FLAGS = {
     "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                     "-mfma", "-DQUANT_AVX512"],
+    "avx_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DQUANT_AVX2", "-DQUANT_AVXVNNI"],  # 256-bit VNNI
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DQUANT_AVX2"],  # AVX2 intrinsics (AMD Zen 1-3, most laptops)
     # The portable C code vectorized by the compiler for AVX2: what the avx2 build was before its
     # intrinsics. Never chosen at run time; benches time it (client/tools/cpu_quant_bench.py).

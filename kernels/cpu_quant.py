@@ -8,9 +8,10 @@ quantized embedding). Their oracles are kernels/quant_reference.py `qmatmul` and
 
 Which build runs (`chosen_isa`): the AVX512-VNNI one where /proc/cpuinfo lists avx512f, avx512bw
 and avx512_vnni AND a child process ran it and got the right answer (some hypervisors list
-instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the AVX2 one
-(maddubs intrinsics, quant_gemm_avx2.h) on the same two conditions, else the portable C build,
-with one log line saying why. `INFLIGHT_CPU_ISA=avx2` (or `portable`) forces a build.
+instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the AVX-VNNI
+one (256-bit vpdpbusd) and the AVX2 one (maddubs; both quant_gemm_avx2.h) on the same two
+conditions, else the portable C build, with one log line saying why. `INFLIGHT_CPU_ISA=avx2` (or
+any of BUILDS) forces a build.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ TILE = 16
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 AVX2_FLAGS = ("avx2", "fma", "f16c")
-BUILDS = ("avx512_vnni", "avx2", "portable")  # best first (kernels/cpu_build.py ISA_FLAGS)
+AVX_VNNI_FLAGS = AVX2_FLAGS + ("avx_vnni",)
+BUILDS = ("avx512_vnni", "avx_vnni", "avx2", "portable")  # best first (kernels/cpu_build.py ISA_FLAGS)
+NEEDS = {"avx512_vnni": VNNI_FLAGS, "avx_vnni": AVX_VNNI_FLAGS, "avx2": AVX2_FLAGS}  # /proc/cpuinfo flags
 NAME = "quant_gemm"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -81,9 +84,9 @@ def _probe_runs(isa: str) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def chosen_isa() -> str:
-    """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx2"
-    (intrinsics too: maddubs/madd in place of vpdpbusd, half the width), else "portable" (plain C
-    for the compiler's baseline)."""
+    """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx_vnni"
+    (the same dot product on 256 bits), else "avx2" (maddubs/madd in place of vpdpbusd), else
+    "portable" (plain C for the compiler's baseline)."""
     forced = os.environ.get("INFLIGHT_CPU_ISA")
     if forced:
         if forced not in BUILDS:
@@ -92,7 +95,7 @@ def chosen_isa() -> str:
         return forced
     flags = set(cpu_build._cpu_flags().split())
     why = {}
-    for isa, needed in (("avx512_vnni", VNNI_FLAGS), ("avx2", AVX2_FLAGS)):
+    for isa, needed in NEEDS.items():
         missing = [f for f in needed if f not in flags]
         if missing:
             why[isa] = f"the CPU does not list {', '.join(missing)}"
@@ -103,8 +106,8 @@ def chosen_isa() -> str:
     else:
         isa = "portable"
     not_used = "; ".join(f"{k}: {v}" for k, v in why.items())
-    if isa == "avx2":  # 1.7x the VNNI one's time for one row, 2-3x for many (docs/performance.md)
-        log.info("quantized GEMM: the avx2 build (AVX-512 VNNI not used: %s)", not_used)
+    if isa in ("avx_vnni", "avx2"):  # 1.4-1.7x the AVX-512 one's time for one row, 2-3x for many
+        log.info("quantized GEMM: the %s build (not used: %s)", isa, not_used)
     elif isa == "portable":
         log.warning("quantized GEMM: falling back to the portable C kernel, several times slower than the "
                     "AVX2 and AVX512-VNNI ones and than float32 GEMMs (quantization=none dequantizes at load: "

@@ -159,18 +159,21 @@ def test_bf16_weights_run_bf16_gemms_beside_float32_activations(default_model_di
 @pytest.mark.parametrize("types,shape", [(ALL_TYPES[3:], None), (K_TYPES, K_SHAPE)])
 def test_greedy_tokens_are_the_same_with_the_avx2_build_forced(tmp_path, tiny_tokenizer_json, monkeypatch, types, shape):
     # INFLIGHT_CPU_ISA picks the build (kernels/cpu_quant.py); the portable C one runs on any CPU and
-    # computes the same integer sums: the AVX2 intrinsics (quant_gemm_avx2.h) must give its tokens.
-    if not {"avx2", "fma", "f16c"} <= set(cpu_build._cpu_flags().split()):
+    # computes the same integer sums: the AVX2 and AVX-VNNI intrinsics (quant_gemm_avx2.h) must
+    # give its tokens.
+    flags = set(cpu_build._cpu_flags().split())
+    builds = [b for b in ("avx2", "avx_vnni") if set(cpu_quant.NEEDS[b]) <= flags]
+    if not builds:
         pytest.skip("this CPU does not list AVX2")
     folder = packed_folder(tmp_path, tiny_tokenizer_json, types=types, shape=shape, tied=False)
     prompts = [[5, 9, 14, 200, 31], list(range(40, 75))]  # a GEMV per step, then two rows
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     tokens = {}
-    for isa in ("portable", "avx2"):
+    for isa in ["portable"] + builds:
         monkeypatch.setenv("INFLIGHT_CPU_ISA", isa)
         cpu_quant.chosen_isa.cache_clear()
         llm = LLM(str(folder), **SMALL)
         assert llm.engine.runner.model.layers[0].mlp.down_proj.kernel.isa == isa
         tokens[isa] = [o.token_ids for o in llm.generate(prompts, [greedy] * 2)]
     cpu_quant.chosen_isa.cache_clear()
-    assert tokens["avx2"] == tokens["portable"]
+    assert all(tokens[b] == tokens["portable"] for b in builds) and len(tokens) == len(builds) + 1

@@ -14,21 +14,76 @@
        (xor 0x80) and the sign moved onto the activation (`_mm256_sign_epi8`: |w| x sign(w) a,
        at most 128 x 127 x 2 = 32512), one madd per maddubs, and no zero point to take off.
    A 256-bit vector holds 8 of a tile's 16 rows (4 bytes each), so a tile runs as two halves of 8
-   rows, each over every group: 8 weight vectors and MT accumulators stay in the 16 registers. */
+   rows, each over every group: 8 weight vectors and MT accumulators stay in the 16 registers.
+
+   With QUANT_AVXVNNI (the avx_vnni build: Intel Alder Lake and later client CPUs, AMD Zen 5) the
+   dot product is AVX-VNNI's 256-bit vpdpbusd instead, as the AVX-512 build does on 512 bits. */
+
+/* Activation bytes a[4c..4c+3], broadcast to every row's lane. */
+static inline __m256i quad(const int8_t *a, int c) {
+    int32_t q;
+    memcpy(&q, a + 4 * c, 4);
+    return _mm256_set1_epi32(q);
+}
+
+/* One group's integer dot product for each of the 8 rows, zero point off (Q6_K: sub-scaled). */
+static inline __attribute__((always_inline)) __m256i group_dot(
+        const int TYPE, const __m256i *wq, const int8_t *a, int32_t s0, int32_t s1, __m256i sclo, __m256i schi) {
+#ifdef QUANT_AVXVNNI /* 256-bit vpdpbusd: no int16 step, Q8_0's codes stay unsigned (+128) */
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        lo = _mm256_dpbusd_avx_epi32(lo, wq[c], quad(a, c));
+        hi = _mm256_dpbusd_avx_epi32(hi, wq[c + 4], quad(a, c + 4));
+    }
+    if (TYPE == Q6_K)
+        return _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo, _mm256_set1_epi32(32 * s0)), sclo),
+                                _mm256_mullo_epi32(_mm256_sub_epi32(hi, _mm256_set1_epi32(32 * s1)), schi));
+    return _mm256_sub_epi32(_mm256_add_epi32(lo, hi), _mm256_set1_epi32(zero_point(TYPE) * (s0 + s1)));
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[8];
+    for (int c = 0; c < 8; c++) /* Q8_0: |w| times a with w's sign (the codes are signed here) */
+        p[c] = TYPE == Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(quad(a, c), wq[c]))
+                            : _mm256_maddubs_epi16(wq[c], quad(a, c));
+    if (TYPE == Q8_0) {
+        __m256i dot = _mm256_madd_epi16(p[0], ones);
+        for (int c = 1; c < 8; c++) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p[c], ones));
+        return dot;
+    }
+    if (TYPE == Q6_K) { /* pairs in int16; lo (values 0-15) and hi apart: their sub-scales */
+        __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                                      _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+        __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), ones),
+                                      _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), ones));
+        lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * s0));
+        hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * s1));
+        return _mm256_add_epi32(_mm256_mullo_epi32(lo, sclo), _mm256_mullo_epi32(hi, schi));
+    }
+    const __m256i lo = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+    const __m256i hi = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+    const __m256i dot = high_bits(TYPE) /* 5-bit: 4 maddubs per int16 sum at most */
+                      ? _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+                      : _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
+    return _mm256_sub_epi32(dot, _mm256_set1_epi32(zero_point(TYPE) * (s0 + s1)));
+#endif
+}
 
 /* Row half H of tile t (rows 8H..8H+7) against activation rows [m0, m0 + MT). */
 static inline __attribute__((always_inline)) void half_tile_rows(
         const int TYPE, const int MT, const qweight_t *w, int64_t t, int H, int64_t m0, const int8_t *qa,
         const float *da, const int32_t *sa, __m256 *acc) {
     const int64_t K = w->K, G = K / QK, S = K / 256;
-    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i nib = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int64_t tg = t * G + g;
         __m256i wq[8]; /* wq[c]: codes of values 4c..4c+3 of the 8 rows (activation bytes a + 4c) */
         if (TYPE == Q8_0) {
             const uint8_t *p = w->qs + tg * 512 + 32 * H;
-            for (int c = 0; c < 8; c++) wq[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + c * 64)), flip);
+            for (int c = 0; c < 8; c++) wq[c] = _mm256_loadu_si256((const __m256i *)(p + c * 64));
+#ifndef QUANT_AVXVNNI
+            for (int c = 0; c < 8; c++) wq[c] = _mm256_xor_si256(wq[c], _mm256_set1_epi8((char)0x80)); /* signed */
+#endif
         } else {
             const uint8_t *p = w->qs + tg * 256 + 32 * H;
             for (int c = 0; c < 4; c++) {
@@ -72,38 +127,9 @@ static inline __attribute__((always_inline)) void half_tile_rows(
         }
         for (int r = 0; r < MT; r++) {
             const int64_t m = m0 + r;
-            const int8_t *a = qa + m * K + g * QK;
-            __m256i p[8];
-            for (int c = 0; c < 8; c++) {
-                int32_t quad;
-                memcpy(&quad, a + 4 * c, 4);
-                const __m256i av = _mm256_set1_epi32(quad);
-                p[c] = TYPE == Q8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(av, wq[c]))
-                                    : _mm256_maddubs_epi16(wq[c], av);
-            }
             const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
             const float dm = da[m * G + g];
-            __m256i dot;
-            if (TYPE == Q8_0) {
-                dot = _mm256_madd_epi16(p[0], ones);
-                for (int c = 1; c < 8; c++) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p[c], ones));
-            } else if (TYPE == Q6_K) { /* pairs in int16; lo (values 0-15) and hi apart: their sub-scales */
-                __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                                              _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
-                __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), ones),
-                                              _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), ones));
-                lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * s0));
-                hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * s1));
-                dot = _mm256_add_epi32(_mm256_mullo_epi32(lo, sclo), _mm256_mullo_epi32(hi, schi));
-            } else {
-                const __m256i lo = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
-                const __m256i hi = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
-                if (high_bits(TYPE)) /* 5-bit: 4 maddubs per int16 sum at most */
-                    dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-                else
-                    dot = _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
-                if (zero_point(TYPE)) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(zero_point(TYPE) * (s0 + s1)));
-            }
+            const __m256i dot = group_dot(TYPE, wq, qa + m * K + g * QK, s0, s1, sclo, schi);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dvec, _mm256_set1_ps(dm)), acc[r]);
             if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
                 acc[r] = _mm256_fmadd_ps(mvec, _mm256_set1_ps(dm * (float)(s0 + s1)), acc[r]);

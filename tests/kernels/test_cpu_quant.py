@@ -27,8 +27,7 @@ def packed(qtype: str, n: int, blocks: int, seed: int) -> dict[str, torch.Tensor
 def builds() -> list[str]:
     """Every build this CPU runs (the portable one runs anywhere)."""
     flags = set(cpu_build._cpu_flags().split())
-    runs = [isa for isa, needed in (("avx512_vnni", cpu_quant.VNNI_FLAGS), ("avx2", cpu_quant.AVX2_FLAGS))
-            if set(needed) <= flags]
+    runs = [isa for isa, needed in cpu_quant.NEEDS.items() if set(needed) <= flags]
     return runs + ["portable"]
 
 
@@ -81,18 +80,17 @@ def test_extreme_codes_do_not_saturate(isa):
         torch.testing.assert_close(weight.matmul(x), qmatmul(x, qtype, parts), rtol=1e-5, atol=1e-3)
 
 
-def test_the_avx2_build_holds_no_avx512_instruction():
-    """It must run on AVX2-only CPUs (AMD Zen 1-3): no zmm register anywhere in the library, and
-    the maddubs dot products in it (not the portable loops)."""
-    if "avx2" not in builds():
-        pytest.skip("this CPU does not list AVX2")
+@pytest.mark.parametrize("build,dot", [("avx2", "vpmaddubsw"), ("avx_vnni", "{vex} vpdpbusd")])
+def test_the_256_bit_builds_hold_no_avx512_instruction(build, dot):
+    """They must run on CPUs without AVX-512 (AMD Zen 1-3, Intel client CPUs): no zmm register
+    anywhere in the library, and their own dot products in it (not the portable loops)."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("no objdump")
-    text = subprocess.run([objdump, "-d", str(cpu_build.build("quant_gemm", "avx2"))], capture_output=True,
-                          text=True, check=True).stdout
+    text = subprocess.run([objdump, "-d", str(cpu_build.build("quant_gemm", build))], capture_output=True,
+                          text=True, check=True).stdout  # compiles anywhere gcc knows the flags
     assert "zmm" not in text
-    assert text.count("vpmaddubsw") >= 100  # 8 types x rows 1-4 x 8 quads each
+    assert text.count(dot) >= 100  # 8 types x rows 1-4 x 8 quads each
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -146,6 +144,7 @@ def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, 
         assert cpu_quant.chosen_isa() == expected
     assert [(r.levelno, says in r.getMessage()) for r in caplog.records] == [(level, True)]
     assert "avx512_vnni: the CPU does not list avx512f, avx512bw" in caplog.records[0].getMessage()
+    assert "avx_vnni: the CPU does not list" in caplog.records[0].getMessage()
 
 
 def test_the_isa_can_be_forced(fresh_choice, monkeypatch):
@@ -154,7 +153,7 @@ def test_the_isa_can_be_forced(fresh_choice, monkeypatch):
     assert cpu_quant.CpuQuantWeight("Q4_0", packed("Q4_0", 16, 1, seed=0)).isa == "avx2"
     cpu_quant.chosen_isa.cache_clear()
     monkeypatch.setenv("INFLIGHT_CPU_ISA", "avx512")
-    with pytest.raises(ValueError, match="INFLIGHT_CPU_ISA='avx512'; one of avx512_vnni, avx2, portable"):
+    with pytest.raises(ValueError, match="INFLIGHT_CPU_ISA='avx512'; one of avx512_vnni, avx_vnni, avx2, portable"):
         cpu_quant.chosen_isa()
 
 
