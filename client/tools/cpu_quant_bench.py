@@ -16,9 +16,11 @@ step's GEMV, more rows a batch. The builds' outputs are compared too (the same i
 equal up to float rounding). Each repeat times every build back to back, in alternating order,
 and the report is the median per build and the median of the per-repeat ratios to the first build.
 The clock is the process's CPU time (every thread's), which other processes on a shared machine
-cannot inflate by preempting it (wall time goes to --json too). With 2 threads, run it with
-OMP_WAIT_POLICY=PASSIVE: an OpenMP thread that waits for a preempted partner otherwise spins, and
-its spinning counts as CPU time.
+cannot inflate by preempting it; wall time goes to --json beside it. With several threads the
+CPU time also counts a thread's spinning wait at the end of each parallel loop (the default
+OpenMP policy, as the engine runs): about threads x wall on an idle machine, more where a partner
+thread was preempted. OMP_WAIT_POLICY=PASSIVE removes the spinning but makes every call pay a
+futex wake-up (~50 us here), which swamps a one-row GEMV.
 """
 from __future__ import annotations
 
