@@ -178,3 +178,15 @@ def test_the_real_probe_passes_where_the_cpu_lists_vnni():
     if not set(cpu_quant.VNNI_FLAGS) <= flags:
         pytest.skip("this CPU does not list AVX512-VNNI")
     assert cpu_quant._probe_runs("avx512_vnni") == (True, "")
+
+
+def test_the_build_cache_is_keyed_by_the_headers_too(tmp_path, monkeypatch):
+    # quant_gemm.c #includes quant_gemm_avx2.h: an edited header must rebuild, not load a stale library
+    src = tmp_path / "csrc"
+    shutil.copytree(cpu_build.CSRC, src)
+    monkeypatch.setattr(cpu_build, "CSRC", src)
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path / "cache"))
+    first = cpu_build.build("quant_gemm", "portable")
+    header = src / "quant_gemm_avx2.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert cpu_build.build("quant_gemm", "portable") != first
