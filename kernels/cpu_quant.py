@@ -79,7 +79,11 @@ def probe_library(path) -> tuple[bool, str]:
 
 
 def _probe_runs(isa: str) -> tuple[bool, str]:
-    return probe_library(cpu_build.build(NAME, isa))
+    try:
+        path = cpu_build.build(NAME, isa)
+    except cpu_build.CpuKernelUnavailable as e:  # an older gcc without -mavxvnni, say: the next build
+        return False, f"it did not compile ({str(e).splitlines()[-1][:200]})"
+    return probe_library(path)
 
 
 @functools.lru_cache(maxsize=None)
