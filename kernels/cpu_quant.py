@@ -21,11 +21,11 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
-from kernels import cpu_build
+from kernels import _common, cpu_build
 from kernels.quant_reference import ARRAYS, QK, QK_K
 
 log = logging.getLogger(__name__)
@@ -222,4 +222,43 @@ class CpuQuantWeight:
         out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
         if ids.numel():
             self._rows(ctypes.byref(self._struct), ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
+
+class CpuQuantExperts:
+    """A mixture-of-experts layer's packed expert matrices (one projection: every expert's gate/up,
+    or every down), all of one type and shape, multiplied in one C call (`qgemm_experts`): the
+    activations quantized once, every active expert's tiles in one parallel loop. Each row's
+    result equals `CpuQuantWeight.matmul` on that row (the same tile code); kernels/cpu_moe.py
+    `sorted_moe` calls it."""
+
+    def __init__(self, weights: Sequence[CpuQuantWeight]):
+        first = weights[0]
+        shape = (first.qtype, first.out_features, first.in_features, first.isa)
+        for e, w in enumerate(weights):
+            if (w.qtype, w.out_features, w.in_features, w.isa) != shape:
+                raise ValueError(f"{NAME}: expert {e} is {w.qtype} [{w.out_features}, {w.in_features}] "
+                                 f"({w.isa}); expert 0 is {shape[0]} [{shape[1]}, {shape[2]}] ({shape[3]})")
+        self.weights = list(weights)   # their tiles must outlive the structs below
+        self.out_features, self.in_features = first.out_features, first.in_features
+        self._structs = (_QWeight * len(weights))(*(w._struct for w in weights))
+        self._gemm = cpu_build.function(NAME, "qgemm_experts", (_P, _I, _P, _P, _P, _I), first.isa)
+
+    def matmul(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x [R, K] float32, rows sorted by expert; offsets int64 [E + 1] (expert e's rows:
+        offsets[e] .. offsets[e + 1] - 1, from 0 to R) -> [R, N] float32."""
+        experts = len(self.weights)
+        if x.dtype != torch.float32 or x.is_cuda or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"{NAME}: x must be a float32 CPU tensor [R, {self.in_features}]; got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        if offsets.dtype != torch.int64 or tuple(offsets.shape) != (experts + 1,):
+            raise ValueError(f"{NAME}: offsets must be int64 [{experts + 1}]; got {offsets.dtype} {tuple(offsets.shape)}")
+        bounds = offsets.tolist()
+        if bounds[0] != 0 or bounds[-1] != x.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"{NAME}: offsets must rise from 0 to the {x.shape[0]} rows of x; got {bounds}")
+        x, offsets = x.contiguous(), offsets.contiguous()
+        out = _common.alloc((x.shape[0], self.out_features), torch.float32, x.device)
+        if x.shape[0]:
+            self._gemm(ctypes.addressof(self._structs), experts, x.data_ptr(), offsets.data_ptr(),
+                       out.data_ptr(), self.out_features)
         return out

@@ -16,6 +16,8 @@ A (token, slot) pair is numbered t * K + k: the flat index into topk_ids.
   inside a CUDA graph (the decode steps' graphs, backend/cuda_graphs.py).
 - `grouped_moe`: gathers each expert's tokens and runs one GEMM per *active* expert (the CPU
   path; the expert weights may be stacked tensors or per-expert linear layers, float or packed).
+- `expert_gemm`: rows sorted by expert, each against its own expert's weight: the oracle of the
+  CPU's one-call C kernel (kernels/cpu_moe.py), in float64.
 - `dense_moe`: every expert on every token, weighted by a [T, E] matrix that is zero off the
   chosen experts. No host read, so it is the references' GPU branch; and the baseline of
   client/tools/moe_bench.py.
@@ -117,6 +119,18 @@ def grouped_moe(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_wei
         out.index_add_(0, rows, y.to(x.dtype).float())
         start += n
     return out.to(x.dtype)
+
+
+def expert_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32, rows sorted by expert; w [E, N, K] float32 or bfloat16; offsets [E + 1]
+    (expert e's rows: offsets[e] .. offsets[e + 1] - 1) -> [R, N] float32: each row's product with
+    its expert's weight (bfloat16 ones widened: exact), summed in float64 and rounded once."""
+    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float64)
+    bounds = offsets.tolist()
+    for e in range(w.shape[0]):
+        rows = slice(bounds[e], bounds[e + 1])
+        out[rows] = x[rows].double() @ w[e].double().T
+    return out.float()
 
 
 def dense_moe(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor,

@@ -16,7 +16,7 @@ def test_a_tiny_run_reports_both_paths_equal(tmp_path, capsys):
     for row in result["rows"]:
         assert sum(row["tokens_per_expert"]) == row["tokens"] * 2            # top-2: each token twice
         assert row["max_abs_difference"] < (1e-2 if row["format"] == "bfloat16" else 1e-5)
-        assert row["grouped_ms"] > 0 and row["dense_ms"] > 0
+        assert row["per_expert_ms"] > 0 and row["one_call_ms"] > 0 and row["dense_ms"] > 0
     assert "| 7 | Q8_0 |" in capsys.readouterr().out
 
 

@@ -1,8 +1,9 @@
 """Mixtral and Qwen3-MoE (backend/models/moe.py) against transformers on random-weight checkpoints
 it wrote itself (tests/hf_checkpoints.py): greedy tokens equal and log-probabilities close, with
-prefill whole and in chunks, through every expert path the engine has (the CPU's oneDNN-packed
-experts one GEMM per active expert, the torch reference, the fused-MoE Triton kernel under the
-interpreter with decode steps through the CUDA-graph static buffers)."""
+prefill whole and in chunks, through every expert path the engine has (the CPU's C kernel on the
+experts laid out in its panels, every active expert in one call per projection; the torch
+reference; the fused-MoE Triton kernel under the interpreter with decode steps through the
+CUDA-graph static buffers)."""
 from __future__ import annotations
 
 import random
@@ -12,7 +13,6 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.models.moe import SparseMoeBlock
-from backend.models.packed_linear import PackedLinear
 from hf_checkpoints import make_checkpoint
 
 BLOCK = 16
@@ -67,8 +67,8 @@ def test_greedy_tokens_and_logprobs_match_transformers(oracle, backend, chunked)
     moe_layers = [i for i, b in enumerate(blocks) if isinstance(b, SparseMoeBlock)]
     assert moe_layers == ([0, 1] if arch == "mixtral" else [0, 2])     # Qwen3-MoE's mlp_only_layers: [1]
     experts = blocks[0].experts
-    if runner.ops.name == "cpu":   # one oneDNN-packed GEMM per expert, only those with tokens run
-        assert isinstance(experts.gate_up[0], PackedLinear) and not hasattr(experts, "w13")
+    if runner.ops.name == "cpu":   # the C kernel's panels (kernels/cpu_moe.py), only experts with tokens run
+        assert experts.w13_panels is not None and experts.gate_up is None and not hasattr(experts, "w13")
     else:                          # stacked for ops.fused_moe: the reference, or the Triton kernel
         assert experts.gate_up is None and experts.w13.shape == (8, 2 * experts.intermediate, 64)
     if backend == "triton":        # decode steps ran through the graphs' static buffers
@@ -130,6 +130,7 @@ def test_int8_quantizes_each_expert_and_keeps_the_router_float(tmp_path):
     floats = LLM(str(path), attention_backend="torch", max_model_len=128)
     block, reference = int8.engine.runner.model.layers[1].mlp, floats.engine.runner.model.layers[1].mlp
     assert isinstance(block.gate, PackedLinear)
+    assert block.experts.quant_experts is not None   # every active expert in one int8 C call per projection
     for e in range(8):
         assert isinstance(block.experts.gate_up[e], QuantLinear) and block.experts.gate_up[e].qtype == "Q8_0"
         want = dequantize("Q8_0", quantize_q8_0(reference.experts.w13[e]))

@@ -76,6 +76,8 @@ def test_a_quantized_gguf_keeps_its_experts_packed(checkpoint, tokenizer_json, t
     block = "block_sparse_moe" if "w1" in " ".join(stacked) else "mlp"
     gate, up, down = ("w1", "w3", "w2") if block == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
     assert isinstance(experts.gate_up[0], QuantLinear) == (len(types) == 1)
+    # one type: every active expert in one int8 C call per projection; mixed: one GEMM pair per expert
+    assert (experts.quant_experts is not None) == (len(types) == 1)
     for e in range(experts.num_experts):
         assert isinstance(experts.down[e], QuantLinear)
         base = f"model.layers.{layer}.{block}.experts.{e}."

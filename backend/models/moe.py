@@ -5,12 +5,15 @@ their softmax probabilities (renormalized over the K for Mixtral, and for Qwen3-
 `norm_topk_prob`), each run the token through their gated MLP, and the weighted outputs add up.
 
 The experts are stored stacked, as the fused-MoE kernel reads them: w13 [E, 2I, H] (each expert's
-gate rows then its up rows, fused as the dense MLP's gate_up_proj) and w2 [E, H, I]. Where one GEMM
-per expert serves better they become one linear layer per expert (`per_expert_layers`): oneDNN-
-packed float weights on the CPU fast path (`pack_experts`), packed GGUF experts as an import keeps
-them (`install_packed_experts`, one QuantLinear each) and int8 (`quantize_experts`). The block's
-forward is the same either way: `ops.fused_moe` (kernels/dispatch.py) on stacked tensors, the
-grouped path on per-expert layers (kernels/moe_reference.py: only the experts that have tokens run).
+gate rows then its up rows, fused as the dense MLP's gate_up_proj) and w2 [E, H, I]. On the CPU
+(`pack_experts`) float experts become the C kernel's panels (`Experts.to_panels`), or one
+oneDNN-packed layer per expert where that serves better (bf16 on AMX); packed GGUF experts stay as
+an import keeps them (`install_packed_experts`, one QuantLinear each) and int8 quantizes them
+(`quantize_experts`), both also gathered into one int8 C call per projection (`quant_experts`).
+The block's forward is the same either way: `ops.fused_moe` (kernels/dispatch.py) on stacked
+tensors, kernels/cpu_moe.py `sorted_moe` (one call per projection for every active expert) on
+panels and packed experts, kernels/moe_reference.py's grouped path on other per-expert layers:
+only the experts that have tokens run (docs/design.md, "Mixture of experts").
 
 Checkpoint names: Mixtral's `block_sparse_moe.{gate, experts.N.w1/w3/w2}`, Qwen3-MoE's
 `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`; an imported GGUF's packed experts arrive
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from backend.loader import ModelConfig
+from kernels import cpu_moe
 from kernels.moe_reference import grouped_moe, route
 
 # expert weight -> (stacked parameter, shard of w13: 0 gate, 1 up; None: w2)
@@ -50,11 +54,28 @@ class Experts(nn.Module):
         # one layer per expert, once they replace w13 and w2
         self.gate_up: Optional[nn.ModuleList] = None
         self.down: Optional[nn.ModuleList] = None
+        # or w13 and w2 in the CPU kernel's panels (kernels/cpu_moe.py), once they replace them
+        self.register_buffer("w13_panels", None, persistent=False)
+        self.register_buffer("w2_panels", None, persistent=False)
+        # per-expert layers that are all the int8 C kernel's, of one type: also as one call each
+        self.quant_experts = None
 
     def forward(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops) -> torch.Tensor:
+        if self.w13_panels is not None:   # the CPU: one C call per projection for every active expert
+            return cpu_moe.grouped_moe(h, self.w13_panels, self.w2_panels, weights, ids, self.intermediate,
+                                       ops.silu_mul)
+        if self.quant_experts is not None:   # packed experts on the CPU: one int8 C call per projection
+            gate_up, down = self.quant_experts
+            return cpu_moe.sorted_moe(h, weights, ids, self.num_experts, gate_up.matmul, down.matmul, ops.silu_mul)
         if self.gate_up is not None:   # reads each expert's count on the host: one GEMM pair per active expert
             return grouped_moe(h, self.gate_up, self.down, weights, ids)
         return ops.fused_moe(h, self.w13, self.w2, weights, ids)
+
+    def to_panels(self) -> None:
+        """Replace the stacked float weights by the CPU kernel's layout of them (the only copy)."""
+        w13, w2 = cpu_moe.pack_panels(self.w13), cpu_moe.pack_panels(self.w2)
+        del self.w13, self.w2
+        self.w13_panels, self.w2_panels = w13, w2
 
     def per_expert_layers(self, gate_up: Iterable[nn.Module], down: Iterable[nn.Module]) -> None:
         """Replace the stacked weights by one layer per expert (each w13[e] / w2[e] as a linear)."""
@@ -63,9 +84,12 @@ class Experts(nn.Module):
             raise ValueError(f"experts: {len(self.gate_up)} gate/up and {len(self.down)} down layers for "
                              f"{self.num_experts} experts")
         del self.w13, self.w2
+        self.quant_experts = quant_experts(self.gate_up, self.down)
 
     def extra_repr(self) -> str:
-        kind = "stacked" if self.gate_up is None else f"per expert ({type(self.gate_up[0]).__name__})"
+        kind = ("CPU panels" if self.w13_panels is not None else "stacked" if self.gate_up is None
+                else f"per expert ({type(self.gate_up[0]).__name__}"
+                + (", one C call per projection)" if self.quant_experts is not None else ")"))
         return f"experts={self.num_experts}, intermediate={self.intermediate}, {kind}"
 
 
@@ -89,14 +113,30 @@ class SparseMoeBlock(nn.Module):
     load_row = 0
 
 
+def quant_experts(gate_up: nn.ModuleList, down: nn.ModuleList) -> Optional[tuple]:
+    """Packed per-expert layers (QuantLinear on the C kernel) as kernels/cpu_quant.py
+    CpuQuantExperts, (gate/up, down); None where any layer is something else (a ConcatLinear of
+    mixed types, the torch reference where no compiler exists, a float layer) or the types differ:
+    those run one GEMM pair per active expert."""
+    from backend.models.quant_linear import QuantLinear
+    from kernels.cpu_quant import CpuQuantExperts
+    layers = [*gate_up, *down]
+    if not all(isinstance(m, QuantLinear) and m.kernel is not None and m.bias is None for m in layers):
+        return None
+    if len({m.qtype for m in gate_up}) > 1 or len({m.qtype for m in down}) > 1:
+        return None
+    return CpuQuantExperts([m.kernel for m in gate_up]), CpuQuantExperts([m.kernel for m in down])
+
+
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
 def reads_counts_on_host(model: nn.Module) -> bool:
     """Whether the model's experts run grouped per expert, reading each expert's token count on
-    the host (per-expert layers: packed or int8 experts), which a CUDA graph cannot capture."""
-    return any(b.experts.gate_up is not None for b in moe_blocks(model))
+    the host (per-expert layers: packed or int8 experts; the CPU's panels), which a CUDA graph
+    cannot capture."""
+    return any(b.experts.gate_up is not None or b.experts.w13_panels is not None for b in moe_blocks(model))
 
 
 class ExpertLoader:
@@ -145,10 +185,19 @@ def onednn_linear(weight: torch.Tensor) -> nn.Module:
     return PackedLinear(linear)
 
 
-def pack_experts(model: nn.Module, make_linear: Callable[[torch.Tensor], nn.Module] = onednn_linear) -> int:
-    """Each MoE block's stacked float experts -> one layer per expert, `make_linear(weight [N, K])`
-    (default: oneDNN-packed, the CPU fast path; int8: Q8_0 QuantLinears); returns the blocks done."""
-    blocks = [b for b in moe_blocks(model) if b.experts.gate_up is None]
+def pack_experts(model: nn.Module, make_linear: Optional[Callable[[torch.Tensor], nn.Module]] = None) -> int:
+    """Each MoE block's stacked float experts laid out for the CPU; returns the blocks done. By
+    default in the C kernel's panels (`Experts.to_panels`: every active expert in one call per
+    projection), or oneDNN-packed per expert where the kernel cannot be built or is the slower
+    (`cpu_moe.panels_serve`: bfloat16 where oneDNN runs AMX); with `make_linear` one layer per
+    expert, `make_linear(weight [N, K])` (int8: Q8_0 QuantLinears; the old float path,
+    `onednn_linear`, for client/tools/moe_bench.py)."""
+    blocks = [b for b in moe_blocks(model) if b.experts.gate_up is None and b.experts.w13_panels is None]
+    if blocks and make_linear is None and cpu_moe.panels_serve(blocks[0].experts.w13.dtype) and cpu_moe.available():
+        for block in blocks:
+            block.experts.to_panels()
+        return len(blocks)
+    make_linear = make_linear or onednn_linear
     for block in blocks:
         ex = block.experts
         ex.per_expert_layers([make_linear(ex.w13[e].detach()) for e in range(ex.num_experts)],

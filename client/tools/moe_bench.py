@@ -1,22 +1,29 @@
-"""CPU speed of the mixture-of-experts layer: the grouped path (one GEMM pair per expert that has
-tokens, on its tokens only) against every expert on every token, in one run.
+"""CPU speed of the mixture-of-experts layer: the grouped paths (only the experts that have tokens,
+on their tokens only) against every expert on every token, in one run.
 
     python -m client.tools.moe_bench [--tokens 64,256] [--experts 8] [--top-k 2] [--json FILE]
 
 A random Mixtral-shaped MoE block (backend/models/moe.py: router, stacked experts) is built for each
-weight format the CPU engine runs experts in: float32 and bfloat16 (oneDNN-packed per expert, as
-`pack_experts` lays them out) and Q8_0 (packed-quantized per expert, the C kernel of
-kernels/cpu_quant.py). Both paths call the very same per-expert layers on the same routed batch;
-the dense one is kernels/moe_reference.py's `dense_moe`, which weights each expert's output by a
-routing weight of zero where the token did not pick it. Each repeat times the two back to back
-(the machine is shared; ratios come from one run), and the medians are reported. With one torch
-thread the clock is the thread's CPU time, so a busy machine's preemptions do not count.
+weight format the CPU engine runs experts in, its experts laid out twice from the same weights:
+- per expert, as the engine had them before the C kernel: float32 and bfloat16 one oneDNN-packed
+  linear each (`pack_experts(block, onednn_linear)`), Q8_0 one QuantLinear each (the C kernel of
+  kernels/cpu_quant.py). The baseline, kernels/moe_reference.py's `dense_moe` (every expert on
+  every token, each output weighted by a routing weight of zero where the token did not pick it),
+  and the old grouped path (`grouped_moe`: one GEMM pair per active expert) both call these.
+- in one C call per projection for every active expert (kernels/cpu_moe.py `sorted_moe`):
+  float32 and bfloat16 experts in the C kernel's panels (`grouped_moe`; what the engine runs for
+  float32, and for bfloat16 where oneDNN has no AMX, `cpu_moe.panels_serve`), Q8_0 experts as the
+  int8 kernel's tiles (kernels/cpu_quant.py `CpuQuantExperts`, what the engine runs).
+Each repeat times the three back to back (the machine is shared; ratios come from one run), and
+the medians are reported. With one torch thread the clock is the thread's CPU time, so a busy
+machine's preemptions do not count (its contention for memory bandwidth still does).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -24,9 +31,11 @@ from typing import Optional
 
 import torch
 
+from backend.cpu.memory import keep_freed_memory
 from backend.loader import ModelConfig
-from backend.models.moe import SparseMoeBlock, pack_experts
+from backend.models.moe import SparseMoeBlock, onednn_linear, pack_experts
 from backend.models.quant_linear import QuantLinear, quantize_q8_0
+from kernels import cpu_build, cpu_elementwise, cpu_moe
 from kernels.moe_reference import dense_moe, grouped_moe, route
 
 FORMATS = ("float32", "bfloat16", "Q8_0")
@@ -41,8 +50,10 @@ def moe_config(hidden: int, intermediate: int, experts: int, top_k: int) -> Mode
                        moe_intermediate_size=intermediate)
 
 
-def build_block(cfg: ModelConfig, fmt: str, seed: int) -> SparseMoeBlock:
-    """A block with random weights, its experts laid out per expert as the engine runs `fmt`."""
+def build_block(cfg: ModelConfig, fmt: str, seed: int) -> tuple[SparseMoeBlock, tuple]:
+    """A block with random weights, its experts one layer each as the engine ran `fmt` before the
+    one-call kernels; and the same weights as those take them: the panels (w13, w2) of float
+    formats, the CpuQuantExperts (gate/up, down) of Q8_0."""
     torch.manual_seed(seed)
     block = SparseMoeBlock(cfg)
     with torch.no_grad():
@@ -50,10 +61,12 @@ def build_block(cfg: ModelConfig, fmt: str, seed: int) -> SparseMoeBlock:
             p.normal_(0, p.shape[-1] ** -0.5)
     if fmt == "Q8_0":
         pack_experts(block, lambda w: QuantLinear("Q8_0", quantize_q8_0(w)))
+        one_call = block.experts.quant_experts
     else:
         block.experts.to(getattr(torch, fmt))
-        pack_experts(block)
-    return block.eval()
+        one_call = cpu_moe.pack_panels(block.experts.w13), cpu_moe.pack_panels(block.experts.w2)
+        pack_experts(block, onednn_linear)
+    return block.eval(), one_call
 
 
 def clock():
@@ -69,40 +82,54 @@ def _time(fn) -> float:
     return now() - start
 
 
-def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) -> dict:
-    block = build_block(cfg, fmt, seed)
+def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0, isa=None) -> dict:
+    block, one_call = build_block(cfg, fmt, seed)
     x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
     ex = block.experts
     with torch.inference_mode():
         weights, ids = route(block.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        grouped = lambda: grouped_moe(x, ex.gate_up, ex.down, weights, ids)  # noqa: E731
-        dense = lambda: dense_moe(x, ex.gate_up, ex.down, weights, ids)  # noqa: E731
-        gap = (grouped() - dense()).abs().max().item()   # also warms both up
-        times = {"grouped": [], "dense": []}
+        paths = {"dense": lambda: dense_moe(x, ex.gate_up, ex.down, weights, ids),
+                 "per_expert": lambda: grouped_moe(x, ex.gate_up, ex.down, weights, ids)}
+        if fmt == "Q8_0":
+            paths["one_call"] = lambda: cpu_moe.sorted_moe(x, weights, ids, cfg.num_experts, one_call[0].matmul,
+                                                           one_call[1].matmul, cpu_elementwise.silu_mul)
+        else:
+            paths["one_call"] = lambda: cpu_moe.grouped_moe(x, *one_call, weights, ids, cfg.moe_intermediate_size,
+                                                            cpu_elementwise.silu_mul, isa)
+        dense = paths["dense"]()   # also warms every path up
+        gap = {name: (fn() - dense).abs().max().item() for name, fn in paths.items() if name != "dense"}
+        times = {name: [] for name in paths}
         for _ in range(repeats):
-            times["grouped"].append(_time(grouped))
-            times["dense"].append(_time(dense))
-    g, d = statistics.median(times["grouped"]), statistics.median(times["dense"])
+            for name, fn in paths.items():
+                times[name].append(_time(fn))
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     counts = torch.bincount(ids.reshape(-1).long(), minlength=cfg.num_experts).tolist()
-    return dict(format=fmt, grouped_ms=round(g * 1e3, 3), dense_ms=round(d * 1e3, 3), speedup=round(d / g, 2),
-                tokens_per_expert=counts, max_abs_difference=gap)
+    return dict(format=fmt, dense_ms=round(ms["dense"], 3), per_expert_ms=round(ms["per_expert"], 3),
+                one_call_ms=round(ms["one_call"], 3), speedup_per_expert=round(ms["dense"] / ms["per_expert"], 2),
+                speedup_one_call=round(ms["dense"] / ms["one_call"], 2),
+                tokens_per_expert=counts, max_abs_difference=max(gap.values()))
 
 
-def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int) -> dict:
-    """What bounds the speed-up: one expert's float32 gate/up GEMM (oneDNN-packed, its weights hot
-    in cache after the first call) at the rows a grouped expert gets on average (tokens x top_k /
-    experts) against all the tokens' rows (the dense path's). The work differs by experts / top_k."""
-    from backend.models.moe import onednn_linear
+def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int, isa=None) -> dict:
+    """What bounds the speed-up: one expert's float32 gate/up GEMM, its weights hot in cache after
+    the first call, at the rows a grouped expert gets on average (tokens x top_k / experts) and at
+    all the tokens' rows (the dense path's): oneDNN-packed (the old path's GEMM) and the C kernel.
+    The work differs by experts / top_k."""
     rows = max(1, tokens * cfg.num_experts_per_tok // cfg.num_experts)
-    linear = onednn_linear(torch.randn(2 * cfg.moe_intermediate_size, cfg.hidden_size))
-    times = {}
+    weight = torch.randn(2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    linear, panels = onednn_linear(weight), cpu_moe.pack_panels(weight[None])
+    out = dict(tokens=tokens, grouped_rows=rows)
     with torch.inference_mode():
-        for n in (rows, tokens):
+        for n, key in ((rows, "grouped"), (tokens, "dense")):
             x = torch.randn(n, cfg.hidden_size)
-            linear(x)
-            times[n] = statistics.median(_time(lambda: linear(x)) for _ in range(repeats))
-    return dict(tokens=tokens, grouped_rows=rows, grouped_ms=round(times[rows] * 1e3, 3),
-                dense_ms=round(times[tokens] * 1e3, 3), ratio=round(times[tokens] / times[rows], 2))
+            offsets = torch.tensor([0, n])
+            for name, fn in (("onednn", lambda: linear(x)),
+                             ("kernel", lambda: cpu_moe.expert_gemm(x, panels, weight.shape[0], offsets, isa))):
+                fn()
+                t = statistics.median(_time(fn) for _ in range(repeats))
+                out[f"{key}_{name}_ms"] = round(t * 1e3, 3)
+                out[f"{key}_{name}_gflops"] = round(2 * n * weight.numel() / t * 1e-9, 1)
+    return out
 
 
 def cpu_model() -> str:
@@ -135,6 +162,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of %(default)s")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--kernel-isa", choices=sorted(cpu_build.ISA_FLAGS),
+                   help="the C kernel built for this instruction set instead of -march=native (with "
+                        "ONEDNN_MAX_CPU_ISA=AVX2 in the environment: an AVX2-only CPU's two paths)")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
@@ -155,27 +185,34 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("Q8_0 needs --hidden and --intermediate multiples of 32")
     if args.threads:
         torch.set_num_threads(args.threads)
+    malloc_kept = keep_freed_memory()   # as the engine runs (backend/runner.py): no page faults on each call's outputs
     cfg = moe_config(args.hidden, args.intermediate, args.experts, args.top_k)
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                   cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(),
                   experts=args.experts, top_k=args.top_k, hidden=args.hidden, intermediate=args.intermediate,
-                  repeats=args.repeats, clock=clock().__name__, rows=[])
+                  repeats=args.repeats, clock=clock().__name__, kernel_isa=args.kernel_isa or "native",
+                  onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA", "any"), freed_memory_kept=malloc_kept, rows=[])
     print(f"{result['cpu']} ({result['isa']}), {result['threads']} threads; {args.experts} experts, top-{args.top_k}, "
-          f"hidden {args.hidden}, intermediate {args.intermediate}; time.{result['clock']}")
-    print("| tokens | weights | grouped (ms) | every expert (ms) | speed-up | max abs difference | tokens per expert |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
+          f"hidden {args.hidden}, intermediate {args.intermediate}; time.{result['clock']}; C kernel build "
+          f"{result['kernel_isa']}, oneDNN up to {result['onednn_max_isa']}")
+    print("| tokens | weights | every expert (ms) | grouped, per expert (ms) | grouped, one call (ms) | "
+          "speed-up per expert | speed-up one call | max abs difference | tokens per expert |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for tokens in token_counts:
         for fmt in formats:
-            row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats))
+            row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats, isa=args.kernel_isa))
             result["rows"].append(row)
-            print(f"| {tokens} | {fmt} | {row['grouped_ms']} | {row['dense_ms']} | {row['speedup']}x | "
-                  f"{row['max_abs_difference']:.2e} | {' '.join(map(str, row['tokens_per_expert']))} |")
-    print("\none expert's gate/up GEMM, weights hot in cache (what bounds the grouped path's gain):")
+            print(f"| {tokens} | {fmt} | {row['dense_ms']} | {row['per_expert_ms']} | {row['one_call_ms']} | "
+                  f"{row['speedup_per_expert']}x | {row['speedup_one_call']}x | {row['max_abs_difference']:.2e} | "
+                  f"{' '.join(map(str, row['tokens_per_expert']))} |")
+    print("\none expert's float32 gate/up GEMM, weights hot in cache (GFLOP/s; oneDNN-packed vs the C kernel):")
     for tokens in token_counts:
-        g = gemm_scaling(cfg, tokens, args.repeats)
+        g = gemm_scaling(cfg, tokens, args.repeats, args.kernel_isa)
         result.setdefault("gemm_scaling", []).append(g)
-        print(f"  {g['grouped_rows']} rows {g['grouped_ms']} ms, {tokens} rows {g['dense_ms']} ms: {g['ratio']}x "
-              f"for {tokens // g['grouped_rows']}x the work")
+        print(f"  {g['grouped_rows']} rows: oneDNN {g['grouped_onednn_ms']} ms ({g['grouped_onednn_gflops']}), kernel "
+              f"{g['grouped_kernel_ms']} ms ({g['grouped_kernel_gflops']}); {tokens} rows: oneDNN "
+              f"{g['dense_onednn_ms']} ms ({g['dense_onednn_gflops']}), kernel {g['dense_kernel_ms']} ms "
+              f"({g['dense_kernel_gflops']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
