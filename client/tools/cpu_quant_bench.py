@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -143,8 +144,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   + " ".join(f"{row['us'][b]:>13.1f}" for b in args.builds)
                   + "".join(f" {row['speedup'][b]:>15.2f}x" for b in args.builds[1:]), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 

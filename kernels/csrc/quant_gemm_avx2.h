@@ -137,7 +137,6 @@ static inline __attribute__((always_inline)) void half_tile_rows(
     }
 }
 
-#define MT_MAX 4
 static inline __attribute__((always_inline)) void store_rows(
         const int MT, const __m256 *acc, int64_t m0, int64_t n, int64_t valid, const float *bias, float *out,
         int64_t ldo, int stream) {
@@ -160,25 +159,11 @@ static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, i
     const int64_t n0 = t * TILE;
     for (int H = 0; H < 2 && n0 + 8 * H < w->N; H++) {
         const int64_t n = n0 + 8 * H, valid = w->N - n < 8 ? w->N - n : 8;
-#define ROWS(T_, MT_) do { __m256 acc[MT_]; half_tile_rows(T_, MT_, w, t, H, m, qa, da, sa, acc); \
-                           store_rows(MT_, acc, m, n, valid, bias, out, ldo, stream); } while (0)
-#define BY_TYPE(MT_)                                                            \
-    switch (type) {                                                             \
-    case Q8_0: ROWS(Q8_0, MT_); break; case Q4_0: ROWS(Q4_0, MT_); break;       \
-    case Q4_1: ROWS(Q4_1, MT_); break; case Q5_0: ROWS(Q5_0, MT_); break;       \
-    case Q5_1: ROWS(Q5_1, MT_); break; case Q4_K: ROWS(Q4_K, MT_); break;       \
-    case Q5_K: ROWS(Q5_K, MT_); break; default: ROWS(Q6_K, MT_); break;         \
-    }
+#define HALF_ROWS(T_, MT_) do { __m256 acc[MT_]; half_tile_rows(T_, MT_, w, t, H, m, qa, da, sa, acc); \
+                                store_rows(MT_, acc, m, n, valid, bias, out, ldo, stream); } while (0)
         int64_t m = m0;
-        for (; m + MT_MAX <= m1; m += MT_MAX) BY_TYPE(4)
-        switch (m1 - m) {
-        case 3: BY_TYPE(3) break;
-        case 2: BY_TYPE(2) break;
-        case 1: BY_TYPE(1) break;
-        default: break;
-        }
-#undef BY_TYPE
-#undef ROWS
+        ROW_BLOCKS(HALF_ROWS, (void)0)
+#undef HALF_ROWS
     }
     if (stream) _mm_sfence(); /* streaming stores are weakly ordered: visible before qgemm returns */
 }
