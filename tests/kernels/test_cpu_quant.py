@@ -80,6 +80,19 @@ def test_extreme_codes_do_not_saturate(isa):
         torch.testing.assert_close(weight.matmul(x), qmatmul(x, qtype, parts), rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+def test_large_outputs_take_the_streaming_stores(isa, qtype):
+    """Past 4 MB of output with whole 16-float rows, qgemm writes with streaming stores (an
+    lm_head's rows, 2^16 bytes apart, fall in one cache set): they must land every value."""
+    per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
+    n, m = 4096, 260  # 260 x 4096 x 4 bytes > 4 MB; past one pass of 256 rows
+    parts = packed(qtype, n, 1, seed=4)
+    x = torch.randn(m, per_block, generator=torch.Generator().manual_seed(6))
+    expected = qmatmul(x, qtype, parts)
+    got = cpu_quant.CpuQuantWeight(qtype, parts).matmul(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
 @pytest.mark.parametrize("build,dot", [("avx2", "vpmaddubsw"), ("avx_vnni", "{vex} vpdpbusd")])
 def test_the_256_bit_builds_hold_no_avx512_instruction(build, dot):
     """They must run on CPUs without AVX-512 (AMD Zen 1-3, Intel client CPUs): no zmm register
