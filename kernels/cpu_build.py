@@ -40,7 +40,11 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 ISA_FLAGS = {
     "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                     "-mfma", "-DQUANT_AVX512"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],  # the portable C code, vectorized for AVX2 CPUs
+    "avx_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DQUANT_AVX2", "-DQUANT_AVXVNNI"],  # 256-bit VNNI
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DQUANT_AVX2"],  # AVX2 intrinsics (AMD Zen 1-3, most laptops)
+    # The portable C code vectorized by the compiler for AVX2: what the avx2 build was before its
+    # intrinsics. Never chosen at run time; benches time it (client/tools/cpu_quant_bench.py).
+    "avx2_autovec": ["-mavx2", "-mfma", "-mf16c"],
     "portable": [],  # the compiler's baseline for the machine (x86-64: SSE2)
 }
 
@@ -103,7 +107,8 @@ def build(name: str, isa: Optional[str] = None) -> Path:
     except OSError as e:  # an install that left the C sources out
         raise CpuKernelUnavailable(f"no source for CPU kernel '{name}': {e}") from e
     flags = COMPILE_FLAGS if isa is None else BASE_FLAGS + ISA_FLAGS[isa]
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags + LINK_FLAGS).encode(),
+    headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]  # what the sources #include
+    key = hashlib.sha256(b"\0".join([source, *headers, " ".join(flags + LINK_FLAGS).encode(),
                                      _compiler_version(cc).encode(), _cpu_flags().encode()])).hexdigest()[:16]
     stem = name if isa is None else f"{name}-{isa}"
     target = cache_dir() / f"{stem}-{key}.so"

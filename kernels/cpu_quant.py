@@ -8,8 +8,10 @@ quantized embedding). Their oracles are kernels/quant_reference.py `qmatmul` and
 
 Which build runs (`chosen_isa`): the AVX512-VNNI one where /proc/cpuinfo lists avx512f, avx512bw
 and avx512_vnni AND a child process ran it and got the right answer (some hypervisors list
-instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the portable C build,
-with one log line saying why. `INFLIGHT_CPU_ISA=portable` forces the portable one.
+instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the AVX-VNNI
+one (256-bit vpdpbusd) and the AVX2 one (maddubs; both quant_gemm_avx2.h) on the same two
+conditions, else the portable C build, with one log line saying why. `INFLIGHT_CPU_ISA=avx2` (or
+any of BUILDS) forces a build.
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ TILE = 16
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 AVX2_FLAGS = ("avx2", "fma", "f16c")
-BUILDS = ("avx512_vnni", "avx2", "portable")  # best first (kernels/cpu_build.py ISA_FLAGS)
+AVX_VNNI_FLAGS = AVX2_FLAGS + ("avx_vnni",)
+BUILDS = ("avx512_vnni", "avx_vnni", "avx2", "portable")  # best first (kernels/cpu_build.py ISA_FLAGS)
+NEEDS = {"avx512_vnni": VNNI_FLAGS, "avx_vnni": AVX_VNNI_FLAGS, "avx2": AVX2_FLAGS}  # /proc/cpuinfo flags
 NAME = "quant_gemm"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -75,13 +79,18 @@ def probe_library(path) -> tuple[bool, str]:
 
 
 def _probe_runs(isa: str) -> tuple[bool, str]:
-    return probe_library(cpu_build.build(NAME, isa))
+    try:
+        path = cpu_build.build(NAME, isa)
+    except cpu_build.CpuKernelUnavailable as e:  # an older gcc without -mavxvnni, say: the next build
+        return False, f"it did not compile ({str(e).splitlines()[-1][:200]})"
+    return probe_library(path)
 
 
 @functools.lru_cache(maxsize=None)
 def chosen_isa() -> str:
-    """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx2" (the
-    plain C code vectorized for AVX2), else "portable" (the same for the compiler's baseline)."""
+    """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx_vnni"
+    (the same dot product on 256 bits), else "avx2" (maddubs/madd in place of vpdpbusd), else
+    "portable" (plain C for the compiler's baseline)."""
     forced = os.environ.get("INFLIGHT_CPU_ISA")
     if forced:
         if forced not in BUILDS:
@@ -90,7 +99,7 @@ def chosen_isa() -> str:
         return forced
     flags = set(cpu_build._cpu_flags().split())
     why = {}
-    for isa, needed in (("avx512_vnni", VNNI_FLAGS), ("avx2", AVX2_FLAGS)):
+    for isa, needed in NEEDS.items():
         missing = [f for f in needed if f not in flags]
         if missing:
             why[isa] = f"the CPU does not list {', '.join(missing)}"
@@ -100,10 +109,13 @@ def chosen_isa() -> str:
             break
     else:
         isa = "portable"
-    if isa != "avx512_vnni":
-        log.warning("quantized GEMM: falling back to the %s C kernel, several times slower than the "
-                    "AVX512-VNNI one and than float32 GEMMs (quantization=none dequantizes at load: faster "
-                    "here, 5x the memory); not used: %s", isa, "; ".join(f"{k}: {v}" for k, v in why.items()))
+    not_used = "; ".join(f"{k}: {v}" for k, v in why.items())
+    if isa in ("avx_vnni", "avx2"):  # 1.4-1.7x the AVX-512 one's time for one row, 2-3x for many
+        log.info("quantized GEMM: the %s build (not used: %s)", isa, not_used)
+    elif isa == "portable":
+        log.warning("quantized GEMM: falling back to the portable C kernel, several times slower than the "
+                    "AVX2 and AVX512-VNNI ones and than float32 GEMMs (quantization=none dequantizes at load: "
+                    "faster here, 5x the memory); not used: %s", not_used)
     return isa
 
 
@@ -162,7 +174,8 @@ def tile_layout(qtype: str, parts: Mapping[str, torch.Tensor]) -> dict[str, torc
 class CpuQuantWeight:
     """One packed matrix [N, K] in the kernel's layout, with its C calls."""
 
-    def __init__(self, qtype: str, parts: Mapping[str, torch.Tensor]):
+    def __init__(self, qtype: str, parts: Mapping[str, torch.Tensor], isa: str | None = None):
+        """``isa``: a build of kernels/cpu_build.py ISA_FLAGS (tests, benches); default `chosen_isa()`."""
         if qtype not in TYPE_IDS:
             raise ValueError(f"{NAME}: no CPU kernel for {qtype!r}; types: {', '.join(TYPE_IDS)}")
         missing = set(ARRAYS[qtype]) - set(parts)
@@ -174,7 +187,7 @@ class CpuQuantWeight:
         block = QK_K if qtype in ("Q4_K", "Q5_K", "Q6_K") else QK
         if self.in_features % block:
             raise ValueError(f"{NAME}: {qtype} rows of {self.in_features} values are not whole blocks of {block}")
-        self.isa = chosen_isa()
+        self.isa = isa or chosen_isa()
         self.tiles = tile_layout(qtype, {k: v.contiguous() for k, v in parts.items()})
         ptr = lambda name: self.tiles[name].data_ptr() if name in self.tiles else None  # noqa: E731
         self._struct = _QWeight(ptr("qs"), ptr("qh"), ptr("scales"), ptr("mins"), ptr("sub_scales"),

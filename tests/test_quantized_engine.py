@@ -14,6 +14,7 @@ from backend.gguf.importer import import_gguf
 from backend.make_model import make_model
 from backend.models.packed_linear import PackedLinear
 from backend.models.quant_linear import ConcatLinear, QuantEmbedding, QuantLinear, quantize_q8_0
+from kernels import cpu_build, cpu_quant
 from kernels.quant_reference import dequantize
 from client.tools.perplexity import window_logprobs
 from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES, write_gguf
@@ -153,3 +154,26 @@ def test_bf16_weights_run_bf16_gemms_beside_float32_activations(default_model_di
     assert runner.weights.weight_bytes < 0.55 * f32.engine.runner.weights.weight_bytes
     mean, worst = logprob_gap(bf16, f32, list(range(5, 65)))
     assert mean < 0.1 and worst < 0.5, (mean, worst)
+
+
+@pytest.mark.parametrize("types,shape", [(ALL_TYPES[3:], None), (K_TYPES, K_SHAPE)])
+def test_greedy_tokens_are_the_same_with_the_avx2_build_forced(tmp_path, tiny_tokenizer_json, monkeypatch, types, shape):
+    # INFLIGHT_CPU_ISA picks the build (kernels/cpu_quant.py); the portable C one runs on any CPU and
+    # computes the same integer sums: the AVX2 and AVX-VNNI intrinsics (quant_gemm_avx2.h) must
+    # give its tokens.
+    flags = set(cpu_build._cpu_flags().split())
+    builds = [b for b in ("avx2", "avx_vnni") if set(cpu_quant.NEEDS[b]) <= flags]
+    if not builds:
+        pytest.skip("this CPU does not list AVX2")
+    folder = packed_folder(tmp_path, tiny_tokenizer_json, types=types, shape=shape, tied=False)
+    prompts = [[5, 9, 14, 200, 31], list(range(40, 75))]  # a GEMV per step, then two rows
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = {}
+    for isa in ["portable"] + builds:
+        monkeypatch.setenv("INFLIGHT_CPU_ISA", isa)
+        cpu_quant.chosen_isa.cache_clear()
+        llm = LLM(str(folder), **SMALL)
+        assert llm.engine.runner.model.layers[0].mlp.down_proj.kernel.isa == isa
+        tokens[isa] = [o.token_ids for o in llm.generate(prompts, [greedy] * 2)]
+    cpu_quant.chosen_isa.cache_clear()
+    assert all(tokens[b] == tokens["portable"] for b in builds) and len(tokens) == len(builds) + 1

@@ -21,12 +21,13 @@
      scales, mins (fp16) and sub-scales / sub-mins (bytes) as 16 lanes per group or super-block.
    Unsigned weight codes times signed activation codes is exactly vpdpbusd's operand order.
 
-   Two builds of this one file (kernels/cpu_quant.py picks): QUANT_AVX512 (AVX512-F/BW/VNNI, F16C)
-   and the portable one, plain C over the same layout, for any other CPU. */
+   Three builds of this one file (kernels/cpu_quant.py picks): QUANT_AVX512 (AVX512-F/BW/VNNI, F16C),
+   QUANT_AVX2 (AVX2, FMA, F16C: quant_gemm_avx2.h's maddubs kernel) and the portable one, plain C
+   over the same layout, for any other CPU. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef QUANT_AVX512
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -149,6 +150,27 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, floa
     }
 }
 
+/* The intrinsics builds' loop over a tile's activation rows [m, m1): blocks of MT_MAX rows, then
+   the 1-3 left, each through ROWS(TYPE, MT) with the weight type and the block's rows as
+   compile-time constants, so each pair compiles to its own straight-line loop. NEXT runs after
+   each whole block. */
+#define MT_MAX 4
+#define BY_TYPE(ROWS, MT_)                                                      \
+    switch (type) {                                                             \
+    case Q8_0: ROWS(Q8_0, MT_); break; case Q4_0: ROWS(Q4_0, MT_); break;       \
+    case Q4_1: ROWS(Q4_1, MT_); break; case Q5_0: ROWS(Q5_0, MT_); break;       \
+    case Q5_1: ROWS(Q5_1, MT_); break; case Q4_K: ROWS(Q4_K, MT_); break;       \
+    case Q5_K: ROWS(Q5_K, MT_); break; default: ROWS(Q6_K, MT_); break;         \
+    }
+#define ROW_BLOCKS(ROWS, NEXT)                                                  \
+    for (; m + MT_MAX <= m1; m += MT_MAX, NEXT) BY_TYPE(ROWS, 4)                \
+    switch (m1 - m) {                                                           \
+    case 3: BY_TYPE(ROWS, 3) break;                                             \
+    case 2: BY_TYPE(ROWS, 2) break;                                             \
+    case 1: BY_TYPE(ROWS, 1) break;                                             \
+    default: break;                                                             \
+    }
+
 #ifdef QUANT_AVX512
 /* While a tile computes, the next tile's codes are prefetched into L2, one group's lines per group
    and spread over the passes of rows (pass p takes the groups g with g % passes == p). Why: where
@@ -263,30 +285,17 @@ static inline __attribute__((always_inline)) void tile_rows(
         for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
 }
 
-#define MT_MAX 4
 static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
                           const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
                           int stream) {
-#define ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, bias, out, ldo, stream, pass, passes)
-#define BY_TYPE(MT_)                                                            \
-    switch (type) {                                                             \
-    case Q8_0: ROWS(Q8_0, MT_); break; case Q4_0: ROWS(Q4_0, MT_); break;       \
-    case Q4_1: ROWS(Q4_1, MT_); break; case Q5_0: ROWS(Q5_0, MT_); break;       \
-    case Q5_1: ROWS(Q5_1, MT_); break; case Q4_K: ROWS(Q4_K, MT_); break;       \
-    case Q5_K: ROWS(Q5_K, MT_); break; default: ROWS(Q6_K, MT_); break;         \
-    }
+#define TILE_ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, bias, out, ldo, stream, pass, passes)
     const int64_t passes = (m1 - m0 + MT_MAX - 1) / MT_MAX;
     int64_t m = m0, pass = 0;
-    for (; m + MT_MAX <= m1; m += MT_MAX, pass++) BY_TYPE(4)
-    switch (m1 - m) {
-    case 3: BY_TYPE(3) break;
-    case 2: BY_TYPE(2) break;
-    case 1: BY_TYPE(1) break;
-    default: break;
-    }
-#undef BY_TYPE
-#undef ROWS
+    ROW_BLOCKS(TILE_ROWS, pass++)
+#undef TILE_ROWS
 }
+#elif defined(QUANT_AVX2)
+#include "quant_gemm_avx2.h"
 #else
 /* Portable: the same sums in plain C (auto-vectorized by the compiler for whatever the build
    targets). Per tile and group the 16 x 32 codes are decoded once into int16 (straight loops over

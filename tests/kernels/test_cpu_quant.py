@@ -4,6 +4,7 @@ products, then scaled), for every packed type, in both builds (AVX512-VNNI where
 and the portable C one); and the choice of build, which must fall back, saying why, when the CPU
 lacks the instructions or a probe of them dies."""
 import logging
+import shutil
 import subprocess
 
 import pytest
@@ -26,8 +27,7 @@ def packed(qtype: str, n: int, blocks: int, seed: int) -> dict[str, torch.Tensor
 def builds() -> list[str]:
     """Every build this CPU runs (the portable one runs anywhere)."""
     flags = set(cpu_build._cpu_flags().split())
-    runs = [isa for isa, needed in (("avx512_vnni", cpu_quant.VNNI_FLAGS), ("avx2", cpu_quant.AVX2_FLAGS))
-            if set(needed) <= flags]
+    runs = [isa for isa, needed in cpu_quant.NEEDS.items() if set(needed) <= flags]
     return runs + ["portable"]
 
 
@@ -37,24 +37,76 @@ def isa(request, monkeypatch):
     return request.param
 
 
+# (output rows, blocks of K): 37 = two tiles of 16 and a partial one whose second half of 8 rows is
+# empty; 27 = a tile and a partial second half (the AVX2 build runs a tile as two halves). Blocks
+# (5 and 7 of 32; 2 and 3 of 256) are not multiples of any tile.
+SHAPES = {"blocks32": [(37, 5), (27, 7)], "blocks256": [(37, 2), (27, 3)]}
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_matmul_matches_the_reference(isa, qtype):
     per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
-    n, blocks = 37, (2 if per_block == 256 else 5)  # 37 rows: a partial tile of 16
-    parts = packed(qtype, n, blocks, seed=len(qtype))
-    weight = cpu_quant.CpuQuantWeight(qtype, parts)
-    assert weight.isa == isa
     gen = torch.Generator().manual_seed(7)
-    bias = torch.randn(n, generator=gen)
-    for m in (1, 3, 4, 9, 300):  # 300: past one block of 256 activation rows
-        x = torch.randn(m, blocks * per_block, generator=gen)
-        x[0, :5] = 40.0  # an outlier: one group's scale, not the row's
-        got = weight.matmul(x, bias)
-        expected = qmatmul(x, qtype, parts, bias)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-        # and close to the float product (the activations' rounding only)
-        full = x @ dequantize(qtype, parts).T + bias
-        assert float((got - full).abs().max()) < 0.02 * float(full.abs().max())
+    for n, blocks in SHAPES["blocks256" if per_block == 256 else "blocks32"]:
+        parts = packed(qtype, n, blocks, seed=len(qtype) + n)
+        weight = cpu_quant.CpuQuantWeight(qtype, parts)
+        assert weight.isa == isa
+        bias = torch.randn(n, generator=gen)
+        # 1: a decode step's GEMV; 3, 17, 65: rows left over after blocks of 4; 300: past one pass of 256
+        for m in (1, 3, 17, 65, 300) if n == 37 else (1, 17):
+            x = torch.randn(m, blocks * per_block, generator=gen)
+            x[0, :5] = 40.0  # an outlier: one group's scale, not the row's
+            got = weight.matmul(x, bias)
+            expected = qmatmul(x, qtype, parts, bias)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+            # and close to the float product (the activations' rounding only)
+            full = x @ dequantize(qtype, parts).T + bias
+            assert float((got - full).abs().max()) < 0.02 * float(full.abs().max())
+
+
+def test_extreme_codes_do_not_saturate(isa):
+    """The AVX2 build adds products in int16 (maddubs): every weight code at its largest magnitude
+    times activations all at +-127 is where an overflow would show (Q8_0's -128, Q6_K's 63)."""
+    gen = torch.Generator().manual_seed(5)
+    for qtype in TYPES:
+        per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
+        parts = packed(qtype, 16, 1, seed=9)
+        for name in ("qweight", "qhigh"):  # every code at its top (Q8_0: -128, the largest magnitude)
+            if name in parts:
+                parts[name] = torch.full_like(parts[name], -128 if qtype == "Q8_0" else -1)
+        weight = cpu_quant.CpuQuantWeight(qtype, parts)
+        x = torch.where(torch.rand(3, per_block, generator=gen) < 0.5, -1.0, 1.0)
+        x[1] = 1.0  # every product the same sign: the largest sums
+        torch.testing.assert_close(weight.matmul(x), qmatmul(x, qtype, parts), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+def test_large_outputs_take_the_streaming_stores(isa, qtype):
+    """Past 4 MB of output with whole 16-float rows, qgemm writes with streaming stores (an
+    lm_head's rows, 2^16 bytes apart, fall in one cache set): they must land every value."""
+    per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
+    n, m = 4096, 260  # 260 x 4096 x 4 bytes > 4 MB; past one pass of 256 rows
+    parts = packed(qtype, n, 1, seed=4)
+    x = torch.randn(m, per_block, generator=torch.Generator().manual_seed(6))
+    expected = qmatmul(x, qtype, parts)
+    got = cpu_quant.CpuQuantWeight(qtype, parts).matmul(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("build,dot", [("avx2", "vpmaddubsw"), ("avx_vnni", "{vex} vpdpbusd")])
+def test_the_256_bit_builds_hold_no_avx512_instruction(build, dot):
+    """They must run on CPUs without AVX-512 (AMD Zen 1-3, Intel client CPUs): no zmm register
+    anywhere in the library, and their own dot products in it (not the portable loops)."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump")
+    try:
+        library = cpu_build.build("quant_gemm", build)
+    except cpu_build.CpuKernelUnavailable:
+        pytest.skip(f"this compiler does not build {build} (gcc < 11 has no -mavxvnni)")
+    text = subprocess.run([objdump, "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "zmm" not in text
+    assert text.count(dot) >= 100  # 8 types x rows 1-4 x 8 quads each
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -96,17 +148,29 @@ def fresh_choice():
     cpu_quant.chosen_isa.cache_clear()
 
 
-@pytest.mark.parametrize("flags,expected", [("fpu sse2 avx2 fma f16c", "avx2"), ("fpu sse2", "portable")])
-def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, caplog, flags, expected):
+@pytest.mark.parametrize("flags,expected,level,says", [
+    ("fpu sse2 avx2 fma f16c", "avx2", logging.INFO, "the avx2 build"),
+    ("fpu sse2", "portable", logging.WARNING, "falling back to the portable C kernel")])
+def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, caplog, flags, expected, level, says):
     if expected == "avx2" and "avx2" not in builds():
         pytest.skip("this CPU cannot run the AVX2 build's probe")
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + flags)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_quant"):
+    with caplog.at_level(logging.INFO, logger="kernels.cpu_quant"):
         assert cpu_quant.chosen_isa() == expected
         assert cpu_quant.chosen_isa() == expected
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and f"falling back to the {expected} C kernel" in lines[0]
-    assert "avx512_vnni: the CPU does not list avx512f, avx512bw" in lines[0]
+    assert [(r.levelno, says in r.getMessage()) for r in caplog.records] == [(level, True)]
+    assert "avx512_vnni: the CPU does not list avx512f, avx512bw" in caplog.records[0].getMessage()
+    assert "avx_vnni: the CPU does not list" in caplog.records[0].getMessage()
+
+
+def test_the_isa_can_be_forced(fresh_choice, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_CPU_ISA", "avx2")
+    assert cpu_quant.chosen_isa() == "avx2"
+    assert cpu_quant.CpuQuantWeight("Q4_0", packed("Q4_0", 16, 1, seed=0)).isa == "avx2"
+    cpu_quant.chosen_isa.cache_clear()
+    monkeypatch.setenv("INFLIGHT_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="INFLIGHT_CPU_ISA='avx512'; one of avx512_vnni, avx_vnni, avx2, portable"):
+        cpu_quant.chosen_isa()
 
 
 def test_a_probe_that_dies_falls_back(fresh_choice, monkeypatch, caplog, tmp_path):
@@ -125,8 +189,35 @@ def test_a_probe_that_dies_falls_back(fresh_choice, monkeypatch, caplog, tmp_pat
     assert "its probe died" in caplog.text
 
 
+def test_a_build_that_does_not_compile_falls_back(fresh_choice, monkeypatch, caplog):
+    def build(name, isa=None):
+        if isa == "avx_vnni":
+            raise cpu_build.CpuKernelUnavailable("gcc ... failed:\ngcc: error: unrecognized command-line option '-mavxvnni'")
+        return real_build(name, isa)
+    real_build = cpu_build.build
+    if "avx2" not in builds():
+        pytest.skip("this CPU cannot run the AVX2 build")
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + " ".join(cpu_quant.AVX_VNNI_FLAGS))
+    monkeypatch.setattr(cpu_build, "build", build)
+    with caplog.at_level(logging.INFO, logger="kernels.cpu_quant"):
+        assert cpu_quant.chosen_isa() == "avx2"
+    assert "avx_vnni: it did not compile (gcc: error: unrecognized command-line option '-mavxvnni')" in caplog.text
+
+
 def test_the_real_probe_passes_where_the_cpu_lists_vnni():
     flags = set(cpu_build._cpu_flags().split())
     if not set(cpu_quant.VNNI_FLAGS) <= flags:
         pytest.skip("this CPU does not list AVX512-VNNI")
     assert cpu_quant._probe_runs("avx512_vnni") == (True, "")
+
+
+def test_the_build_cache_is_keyed_by_the_headers_too(tmp_path, monkeypatch):
+    # quant_gemm.c #includes quant_gemm_avx2.h: an edited header must rebuild, not load a stale library
+    src = tmp_path / "csrc"
+    shutil.copytree(cpu_build.CSRC, src)
+    monkeypatch.setattr(cpu_build, "CSRC", src)
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path / "cache"))
+    first = cpu_build.build("quant_gemm", "portable")
+    header = src / "quant_gemm_avx2.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert cpu_build.build("quant_gemm", "portable") != first
