@@ -128,7 +128,7 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
     for t in threads:
         t.start()
     try:
-        # all five in the engines: two running (one per instance), three queued
+        # all five in the engines: one running per instance that has any, the others queued
         wait_until(lambda: (lambda p: p["running"] + p["waiting"] == len(ADAPTERS))(protocol(scrape(url))),
                    timeout=60, interval=0.05)
         fault.write_text("stall")                       # hold both engines still
@@ -138,7 +138,10 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
         # once every token the frozen engines made has arrived
         wait_until(lambda: _settled(lambda: list(received)), timeout=30)
         running = [i for i, n in enumerate(received) if n]
-        assert loaded["running"] == 2 and loaded["waiting"] == len(ADAPTERS) - 2          # the slots are full
+        # one slot per instance: two run when Triton gave each instance some of the five, one when
+        # it gave them all to one (its choice: execute() returns at once, so either is free again)
+        assert 1 <= len(running) <= 2 and loaded["running"] == len(running)
+        assert loaded["waiting"] == len(ADAPTERS) - len(running)
         held = sum(-(-(PROMPT_LEN + received[i] - 1) // BS) for i in running)            # blocks they hold
         assert loaded["used"] == held and loaded["total"] == BLOCKS
         assert loaded["usage"] == pytest.approx(held / BLOCKS, abs=1e-12)
