@@ -58,7 +58,7 @@ def test_dequantized_weights_must_fit_in_half_the_available_memory():
     assert choose("avx2", lambda: DEQUANTIZED_FASTER, 5 * 10**9, None).quantization == "none"
 
 
-def test_the_measured_matrices_are_the_first_layers_fused_and_the_lm_head_cut():
+def test_the_measured_matrices_are_the_first_layers_fused_and_the_lm_head_cut(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     q8 = lambda n, k: ("Q8_0", random_parts("Q8_0", n, k, "cpu", gen))  # noqa: E731
     items = [("model.embed_tokens", q8(3000, 64)), ("model.norm.weight", torch.ones(64))]
@@ -67,11 +67,17 @@ def test_the_measured_matrices_are_the_first_layers_fused_and_the_lm_head_cut():
         items += [(p + "self_attn.q_proj", q8(64, 64)), (p + "self_attn.k_proj", q8(32, 64)),
                   (p + "self_attn.v_proj", ("Q4_0", random_parts("Q4_0", 32, 64, "cpu", gen))),
                   (p + "mlp.gate_proj", q8(96, 64)), (p + "mlp.up_proj", q8(96, 64))]
-    got = {(q, a["qweight"].shape[0], round(c, 3)) for q, a, c in measured_matrices(items, 2, True)}
-    # q, k, v of two types: one GEMM each; gate+up fused; the tied lm_head's 3000 rows cut to 2048
-    assert got == {("Q8_0", 64, 2), ("Q8_0", 32, 2), ("Q4_0", 32, 2), ("Q8_0", 192, 2), ("Q8_0", 2048, 1.465)}
+    got = [(q, a["qweight"].shape[0], round(c, 3)) for q, a, c in measured_matrices(items, 2, True)]
+    # q, k, v of two types: one GEMM each; gate+up fused; both layers (under MEASURED_BYTES), once
+    # each; the tied lm_head's 3000 rows cut to 2048, its time scaled by 3000 / 2048
+    layer = [("Q8_0", 192, 1), ("Q8_0", 64, 1), ("Q8_0", 32, 1), ("Q4_0", 32, 1)]
+    assert sorted(got) == sorted(layer * 2 + [("Q8_0", 2048, 1.465)])
     untied = measured_matrices(items + [("lm_head.weight", torch.zeros(3000, 64))], 2, False)
-    assert len(untied) == 4  # a float lm_head is float both ways: not measured
+    assert len(untied) == 8  # a float lm_head is float both ways: not measured
+    # past MEASURED_BYTES of float32 (here one layer's 320 rows x 64), no more layers: layer 0 counts twice
+    monkeypatch.setattr(cpu_weight_choice, "MEASURED_BYTES", 320 * 64 * 4)
+    got = [(q, a["qweight"].shape[0], round(c, 3)) for q, a, c in measured_matrices(items, 2, True)]
+    assert sorted(got) == sorted([(q, n, 2) for q, n, _ in layer] + [("Q8_0", 2048, 1.465)])
 
 
 def test_the_measurement_times_both_ways_at_each_row_count(monkeypatch):

@@ -6,13 +6,16 @@ Where the AVX512-VNNI build runs, packed is faster for every format and batch si
 (1.2-11x float32's oneDNN GEMMs with AVX-512, docs/performance.md), so nothing is measured. Elsewhere
 (the avx_vnni, avx2 and portable builds, or no C compiler at all) the answer depends on the format and
 the CPU: the AVX2 kernels win a GEMV by 8-14x but only tie float32 at 64 rows for Q8_0 and the
-K-quants, and the portable C build is 2-4x slower than float32. So a short measurement decides: the
-GEMMs of the model's own first layer (and of its lm_head when that is packed), each matrix cut to at
-most MAX_MEASURED_OUT output rows and its time scaled back up, at MEASURED_ROWS rows (a decode step of
-one stream and of a batch), both ways. The step estimate is layers x the layer's time + the lm_head's;
-dequantized wins only when it is faster by MARGIN on the geometric mean over the row counts (the
-measurement is short, and dequantized weights take 4-8x the memory). It is skipped, keeping them
-packed, when the dequantized weights would take more than half the memory available now.
+K-quants, and the portable C build is 2-4x slower than float32. So a short measurement decides
+(~1 s): the GEMMs of the model's own first layers (as many as make MEASURED_BYTES in float32, so
+that the weights stream from memory as a decode step's do instead of sitting in the cache) and of
+its lm_head when that is packed, each matrix cut to at most MAX_MEASURED_OUT output rows and its
+time scaled back up, at MEASURED_ROWS rows (a decode step of one stream and of a batch), both ways,
+scaled to a whole step. Dequantized wins only when it is faster by MARGIN on the geometric mean over
+the row counts (the measurement is short, and dequantized weights take 4-8x the memory). It is
+skipped, keeping them packed, when the dequantized weights would take more than half the memory
+available now. On SmolLM2 Q4_1 these estimates came within 10-25% of the engine's own decode steps
+with either build (docs/performance.md).
 
 quantization=gguf forces packed and quantization=none dequantized; the choice and its numbers go to
 one log line. `choose` takes the measurement as a function, so tests decide what it returns.
@@ -30,6 +33,7 @@ from torch import nn
 
 from backend.models.packed_linear import PackedLinear
 from backend.models.quant_linear import QuantLinear, concat_parts, fused_module_name
+from kernels.quant_formats import logical_shape
 from kernels.quant_reference import dequantize
 
 log = logging.getLogger(__name__)
@@ -37,6 +41,9 @@ FAST_BUILDS = ("avx512_vnni",)  # packed known faster: nothing to measure
 MEASURED_ROWS = (1, 16)
 MARGIN = 1.1
 MAX_MEASURED_OUT = 2048  # output rows of one measured matrix (a 7B model's 14336-row MLP: a slice)
+# Weights measured, in float32 bytes: a decode step streams every weight from memory once, so one
+# layer's, read again and again from the cache, would flatter the 4-8x larger dequantized ones.
+MEASURED_BYTES = 128 * 2**20
 REPEATS = 5  # timed rounds per row count; the fastest counts (other processes only add time)
 BUDGET_S = 1.0  # wall seconds of timed rounds, after at least two per row count
 
@@ -81,27 +88,38 @@ def choose(isa: Optional[str], measure: Callable[[], Sequence[StepTimes]], dequa
 # -- the measurement ------------------------------------------------------------------------------
 def measured_matrices(items: Sequence[tuple[str, object]], layers: int, tie_word_embeddings: bool) -> list[tuple[str, dict, float]]:
     """(qtype, arrays cut to MAX_MEASURED_OUT rows, how many such matrices a step multiplies by) of
-    the first layer's packed projections, fused as the engine fuses them (each counted ``layers``
-    times), and of the packed lm_head (a tied one is the embedding's table, backend/models/weights.py);
-    ``items``: the checkpoint's weights as weights.py splits them."""
+    the first layers' packed projections, fused as the engine fuses them, as many layers as make
+    MEASURED_BYTES of float32 (or all), and of the packed lm_head (a tied one is the embedding's
+    table, backend/models/weights.py); ``items``: the checkpoint's weights as weights.py splits them."""
     packed = {name: item for name, item in items if isinstance(item, tuple) and ".experts." not in name}
     tied = tie_word_embeddings or not any(name == "lm_head.weight" for name, _ in items)
     head = "lm_head" if "lm_head" in packed else "model.embed_tokens" if tied else None
-    groups: dict[str, list[str]] = {}
-    for name in sorted(packed):
-        if name.startswith("model.layers.0."):
+    measured, size = [], 0
+    for layer in range(layers):
+        groups: dict[str, list[str]] = {}
+        for name in sorted(n for n in packed if n.startswith(f"model.layers.{layer}.")):
             groups.setdefault(fused_module_name(name) or name, []).append(name)
-    jobs = [(members, layers) for members in groups.values()] + ([([head], 1)] if head in packed else [])
-    matrices = []
-    for members, count in jobs:
-        types = {packed[m][0] for m in members}
-        parts = [packed[m] for m in members] if len(types) > 1 else \
-            [(types.pop(), concat_parts([packed[m][1] for m in members]))]
-        for qtype, arrays in parts:  # mixed types: one GEMM per part, as ConcatLinear
-            n = arrays["qweight"].shape[0]
-            cut = min(n, MAX_MEASURED_OUT)
-            matrices.append((qtype, {k: v[:cut].contiguous() for k, v in arrays.items()}, count * n / cut))
-    return matrices
+        measured.append([m for members in groups.values() for m in _cut(packed, members)])
+        size += sum(4 * a["qweight"].shape[0] * logical_shape(q, a)[1] for q, a, _ in measured[-1])
+        if size >= MEASURED_BYTES:
+            break
+    step = layers / len(measured) if measured else 0  # each measured layer stands for this many
+    matrices = [(q, a, scale * step) for layer in measured for q, a, scale in layer]
+    return matrices + (_cut(packed, [head]) if head in packed else [])
+
+
+def _cut(packed: dict, members: list[str]) -> list[tuple[str, dict, float]]:
+    """A fused projection's GEMMs (mixed types: one per part, as ConcatLinear), each cut to
+    MAX_MEASURED_OUT rows, with the factor from the cut's time to the whole matrix's."""
+    types = {packed[m][0] for m in members}
+    parts = [packed[m] for m in members] if len(types) > 1 else \
+        [(types.pop(), concat_parts([packed[m][1] for m in members]))]
+    out = []
+    for qtype, arrays in parts:
+        n = arrays["qweight"].shape[0]
+        cut = min(n, MAX_MEASURED_OUT)
+        out.append((qtype, {k: v[:cut].contiguous() for k, v in arrays.items()}, n / cut))
+    return out
 
 
 def measure_steps(matrices: Sequence[tuple[str, dict, float]], dtype: torch.dtype,
