@@ -144,3 +144,21 @@ def test_dequantized_by_choice_gives_the_float_paths_and_transformers_tokens(pac
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert out[0, len(prompt):].tolist() == tokens
     assert chosen.stats()["kv_blocks_used"] == 0
+
+
+def test_tensor_parallel_ranks_keep_packed_weights_without_measuring(packed_folder, monkeypatch):
+    # each rank loads its own shard: measured apart, ranks could choose differently
+    from types import SimpleNamespace
+
+    from backend.config import EngineConfig
+    from backend.loader import load_model_config
+    from backend.models.weights import load_model
+
+    monkeypatch.setattr(cpu_quant, "chosen_isa", lambda: "portable")
+    monkeypatch.setattr(cpu_weight_choice, "measure_steps", lambda *a, **k: DEQUANTIZED_FASTER)
+    monkeypatch.setattr("backend.parallel.layers.parallelize", lambda *a: None)
+    unsharded = SimpleNamespace(plan=SimpleNamespace(shard_weights=lambda weights: weights))
+    config, model_cfg = EngineConfig(model_path=str(packed_folder)), load_model_config(str(packed_folder))
+    cpu = torch.device("cpu")
+    assert load_model(config, model_cfg, cpu, torch.float32, "cpu").quantization == "none"  # the mock decides
+    assert load_model(config, model_cfg, cpu, torch.float32, "cpu", tp=unsharded).quantization == "gguf"

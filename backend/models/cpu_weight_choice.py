@@ -14,7 +14,8 @@ time scaled back up, at MEASURED_ROWS rows (a decode step of one stream and of a
 scaled to a whole step. Dequantized wins only when it is faster by MARGIN on the geometric mean over
 the row counts (the measurement is short, and dequantized weights take 4-8x the memory). It is
 skipped, keeping them packed, when the dequantized weights would take more than half the memory
-available now. On SmolLM2 Q4_1 these estimates came within 10-25% of the engine's own decode steps
+available now, and with tensor parallelism (each rank loads its own shard: measured apart, ranks
+could choose differently). On SmolLM2 Q4_1 these estimates came within 10-25% of the engine's own decode steps
 with either build (docs/performance.md).
 
 quantization=gguf forces packed and quantization=none dequantized; the choice and its numbers go to

@@ -244,7 +244,7 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
     if tp is not None:
         weights = tp.plan.shard_weights(weights)
     items, choice = _split_packed(weights, modules) if modules else weights, None
-    if config.quantization == "auto" and quantization == "gguf" and device.type == "cpu":
+    if config.quantization == "auto" and quantization == "gguf" and device.type == "cpu" and tp is None:
         items = list(items)  # held anyway: the packed path installs them all at once
         choice = choose_for_checkpoint(items, model_cfg, dtype, _float32_bytes(model_cfg) * dtype.itemsize // 4)
         quantization = choice.quantization
