@@ -1,5 +1,6 @@
 """python -m client.tools.peers: run the peer comparison (see __init__) and print tok/s, peak RSS and
-ratios. Engines run one after another on the same workload; with --repeats R they run R times in
+ratios, below the machine they ran on (machine.py: the CPU, its ISA flags, the kernels' builds).
+Engines run one after another on the same workload; with --repeats R they run R times in
 alternating order (A B C, C B A, ...), and the ratios are taken within each round, so a machine
 whose load drifts skews every engine of a round alike."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from client.tools.peers.machine import describe, machine_report
 from client.tools.workloads import make_workload
 
 HERE = Path(__file__).resolve().parent
@@ -118,6 +120,8 @@ def main(argv=None) -> int:
         print(f"bench-peers: unknown --engines {unknown}; known: {', '.join(ENGINES)}", file=sys.stderr)
         return 2
     from backend.loader import load_model_config
+    machine = machine_report(args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server")
+    print(describe(machine))
     report = []
     for model_path in args.model_path:
         vocab = load_model_config(model_path).vocab_size
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
                     rounds.append({e: run_engine(e, args, model_path, workload, Path(tmp)) for e in order})
             rows = _summary(rounds, engines)
             report.append({"model_path": model_path, "num_requests": n, "concurrency": args.concurrency,
-                           "results": rows})
+                           "machine": machine, "results": rows})
             print(f"\n{model_path}, {n} {args.workload} requests, concurrency {args.concurrency or 'all'} "
                   f"({sum(len(w.prompt) for w in items)} prompt, {sum(w.max_tokens for w in items)} output tokens)")
             for r in rows:
