@@ -114,8 +114,8 @@ def chosen_isa() -> str:
         log.info("quantized GEMM: the %s build (not used: %s)", isa, not_used)
     elif isa == "portable":
         log.warning("quantized GEMM: falling back to the portable C kernel, several times slower than the "
-                    "AVX2 and AVX512-VNNI ones and than float32 GEMMs (quantization=none dequantizes at load: "
-                    "faster here, 5x the memory); not used: %s", not_used)
+                    "AVX2 and AVX512-VNNI ones and than float32 GEMMs (quantization=auto measures both at load "
+                    "and may dequantize: backend/models/cpu_weight_choice.py); not used: %s", not_used)
     return isa
 
 

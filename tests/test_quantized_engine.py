@@ -172,7 +172,7 @@ def test_greedy_tokens_are_the_same_with_the_avx2_build_forced(tmp_path, tiny_to
     for isa in ["portable"] + builds:
         monkeypatch.setenv("INFLIGHT_CPU_ISA", isa)
         cpu_quant.chosen_isa.cache_clear()
-        llm = LLM(str(folder), **SMALL)
+        llm = LLM(str(folder), quantization="gguf", **SMALL)  # auto could dequantize: cpu_weight_choice
         assert llm.engine.runner.model.layers[0].mlp.down_proj.kernel.isa == isa
         tokens[isa] = [o.token_ids for o in llm.generate(prompts, [greedy] * 2)]
     cpu_quant.chosen_isa.cache_clear()

@@ -19,6 +19,7 @@ from torch import nn
 from backend.config import EngineConfig
 from backend.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
+from backend.models.cpu_weight_choice import choose_for_checkpoint
 from backend.models.moe import (SparseMoeBlock, checkpoint_name, dequantized_experts, install_packed_experts,
                                 is_stacked_expert, pack_experts, quantize_experts)
 from backend.models.packed_linear import PackedLinear, can_pack, pack_linears, padded_rows
@@ -114,10 +115,10 @@ def _split_packed(weights, modules: dict[str, str]) -> Iterator[tuple[str, objec
                          f"{modules[first]} needs {list(ARRAYS[modules[first]])}")
 
 
-def _dequantized(weights, modules: dict[str, str], dtype: torch.dtype):
-    """quantization=none on a packed checkpoint: every packed module as a float ``.weight`` (stacked
-    experts as each expert's)."""
-    for name, item in _split_packed(weights, modules):
+def _dequantized(items, dtype: torch.dtype):
+    """quantization=none on a packed checkpoint (``items``: `_split_packed`'s): every packed module
+    as a float ``.weight`` (stacked experts as each expert's)."""
+    for name, item in items:
         if not isinstance(item, tuple):
             yield name, item
         elif is_stacked_expert(name):
@@ -126,11 +127,11 @@ def _dequantized(weights, modules: dict[str, str], dtype: torch.dtype):
             yield f"{name}.weight", dequantize(item[0], item[1]).to(dtype)
 
 
-def _install_packed(model: LlamaForCausalLM, weights, modules: dict[str, str], device) -> list:
-    """Replace the model's linear layers (and embedding) that the checkpoint holds packed by
+def _install_packed(model: LlamaForCausalLM, items, device) -> list:
+    """Replace the model's linear layers (and embedding) packed in ``items`` (`_split_packed`'s) by
     QuantLinear modules; return the float tensors for load_weights."""
     floats, packed, experts = [], {}, {}
-    for name, item in _split_packed(weights, modules):
+    for name, item in items:
         if isinstance(item, tuple):
             (experts if is_stacked_expert(name) else packed)[name] = (item[0], {k: v.to(device) for k, v in item[1].items()})
         else:
@@ -242,12 +243,16 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
     weights = iter_weights(config.model_path)
     if tp is not None:
         weights = tp.plan.shard_weights(weights)
+    items, choice = _split_packed(weights, modules) if modules else weights, None
+    if config.quantization == "auto" and quantization == "gguf" and device.type == "cpu" and tp is None:
+        items = list(items)  # held anyway: the packed path installs them all at once
+        choice = choose_for_checkpoint(items, model_cfg, dtype, _float32_bytes(model_cfg) * dtype.itemsize // 4)
+        quantization = choice.quantization
     if quantization == "gguf":
-        model.load_weights(_install_packed(model, weights, modules, place))
+        items = _install_packed(model, items, place)
     elif modules:  # none on a packed checkpoint: dequantized here
-        model.load_weights(_dequantized(weights, modules, dtype))
-    else:
-        model.load_weights(weights)
+        items = _dequantized(items, dtype)
+    model.load_weights(items)
     compute = compute_dtype(dtype, device)
     model.compute_dtype = compute
     if compute != dtype:  # norms and biases in the activations' dtype, for the C kernels
@@ -271,11 +276,10 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
         from backend.parallel.layers import parallelize
         parallelize(model, tp.plan, tp)
     weight_bytes = _weight_bytes(model)
-    float32_bytes = _float32_bytes(model_cfg)
+    float32_bytes, name = _float32_bytes(model_cfg), str(dtype).removeprefix("torch.")
     kind = {"gguf": f"gguf ({describe(modules)})", "int8": "int8 (Q8_0: int8, a float16 scale per 32)",
-            "fp8": "fp8 (e4m3, a float32 scale per output channel; embedding and lm_head "
-                   f"{str(dtype).removeprefix('torch.')})",
-            "none": f"none ({str(dtype).removeprefix('torch.')})"}[quantization]
+            "fp8": f"fp8 (e4m3, a float32 scale per output channel; embedding and lm_head {name})",
+            "none": f"none ({name}{', dequantized from gguf: faster here' if choice else ''})"}[quantization]
     summary = (f"quantization={kind}; resident weights {weight_bytes / 1e6:.1f} MB "
                f"({weight_bytes / float32_bytes:.0%} of float32's {float32_bytes / 1e6:.1f} MB)")
     log.info("weights: %s", summary)

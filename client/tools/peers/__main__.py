@@ -1,5 +1,6 @@
 """python -m client.tools.peers: run the peer comparison (see __init__) and print tok/s, peak RSS and
-ratios. Engines run one after another on the same workload; with --repeats R they run R times in
+ratios, below the machine they ran on (machine.py: the CPU, its ISA flags, the kernels' builds).
+Engines run one after another on the same workload; with --repeats R they run R times in
 alternating order (A B C, C B A, ...), and the ratios are taken within each round, so a machine
 whose load drifts skews every engine of a round alike."""
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from client.tools.peers.machine import describe, machine_report
 from client.tools.workloads import make_workload
 
 HERE = Path(__file__).resolve().parent
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
         print(f"bench-peers: unknown --engines {unknown}; known: {', '.join(ENGINES)}", file=sys.stderr)
         return 2
     from backend.loader import load_model_config
+    machine = machine_report(args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server")
+    print(describe(machine))
     report = []
     key = "prompt_tok_s" if args.prompt_lens else "output_tok_s"
     for model_path in args.model_path:
@@ -140,7 +144,7 @@ def main(argv=None) -> int:
                     rounds.append({e: run_engine(e, args, model_path, workload, Path(tmp)) for e in order})
             rows = _summary(rounds, engines, key)
             report.append({"model_path": model_path, "num_requests": n, "concurrency": args.concurrency,
-                           "prompt_len": prompt_len, "results": rows})
+                           "prompt_len": prompt_len, "machine": machine, "results": rows})
             print(f"\n{model_path}, {n} {'fixed' if prompt_len else args.workload} requests, concurrency "
                   f"{args.concurrency or 'all'} ({sum(len(w.prompt) for w in items)} prompt, "
                   f"{sum(w.max_tokens for w in items)} output tokens)")
