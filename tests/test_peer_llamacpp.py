@@ -25,7 +25,8 @@ class FakeServer(BaseHTTPRequestHandler):
         time.sleep(0.05)
         with FakeServer.lock:
             FakeServer.active -= 1
-        data = json.dumps({"tokens_predicted": body["n_predict"]}).encode()
+        data = json.dumps({"tokens_predicted": body["n_predict"],
+                           "timings": {"prompt_per_second": 100.0 * len(body["prompt"])}}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -46,13 +47,17 @@ def test_requests_are_token_ids_greedy_ignore_eos_and_concurrent():
     server = serve()
     items = [([1, 2, 3], 5), ([4], 2), ([5, 6], 7), ([7, 8, 9, 10], 1)]
     try:
-        assert run_llamacpp.run(server.server_port, items, 0) == [5, 2, 7, 1]
+        replies = run_llamacpp.run(server.server_port, items, 0)
     finally:
         server.shutdown()
     assert sorted((b["prompt"], b["n_predict"]) for b in FakeServer.log) == sorted(items)
     assert all(b["temperature"] == 0 and b["top_k"] == 1 and b["ignore_eos"] and not b["cache_prompt"]
                for b in FakeServer.log)
     assert FakeServer.most_active > 1
+    assert [r["tokens_predicted"] for r in replies] == [5, 2, 7, 1]  # in the workload's order
+    # the server's own prefill rate: the median over requests (here 100/s per prompt token)
+    assert run_llamacpp.server_prompt_rate(replies) == {"server_prompt_tok_s": 300.0}
+    assert run_llamacpp.server_prompt_rate([{"tokens_predicted": 1}]) == {}
 
 
 def test_concurrency_one_sends_them_in_turn_in_order():

@@ -37,11 +37,23 @@ def test_the_floor_is_four_projections_per_layer_and_the_lm_head(llama_dir):
     assert shapes[-1][1] == (cfg.vocab_size, cfg.hidden_size)
 
 
-def test_probe_decode_reports_engine_and_floor(llama_dir):
+def test_probe_decode_reports_engine_and_floor(llama_dir, monkeypatch):
+    monkeypatch.setattr(step_probe, "MEMORY_BYTES", 2**24)  # a small buffer keeps the test quick
     row = step_probe.probe_decode(str(llama_dir), batch=2, context=9, steps=2, seed=0)
     assert row["batch"] == 2 and row["engine_step_ms"] > 0 and row["matmul_step_ms"] > 0
     assert row["engine_tok_s"] == pytest.approx(2e3 / row["engine_step_ms"])
     assert row["fraction_of_floor"] == pytest.approx(row["matmul_step_ms"] / row["engine_step_ms"])
+    # the bandwidth floor: the step's weight bytes at the measured read bandwidth
+    assert row["bandwidth_floor_ms"] == pytest.approx(row["step_weight_mb"] / row["memory_gb_s"])
+    assert row["fraction_of_bandwidth_floor"] == pytest.approx(row["bandwidth_floor_ms"] / row["engine_step_ms"])
+    assert row["weights_size_read_gb_s"] > 0
+
+
+def test_read_bandwidth_counts_the_bytes_of_the_buffer(monkeypatch):
+    """GB/s = the buffer's bytes over the fastest sum: a sum that takes 2 ms on 2**22 floats is 8.4 GB/s."""
+    clock = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.003])
+    monkeypatch.setattr(step_probe.time, "perf_counter", lambda: next(clock))
+    assert step_probe.read_bandwidth_gb_s(2**24, calls=3) == pytest.approx(2**24 / 0.002 / 1e9)
 
 
 def test_bench_dispatches_step_probe(llama_dir, tmp_path, capsys):

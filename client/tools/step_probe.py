@@ -16,7 +16,10 @@ The floor itself is set against what bounds it: the bytes of weights one step re
 as they are held: 4-5 bits a weight for GGUF folders), the bandwidth the matmuls got from them, and
 their arithmetic (GOP/s: 2 x weights x rows) against the GEMM's own peak, measured once on the
 model's gate/up projection with 256 rows (compute-bound: integer VNNI dot products for packed
-weights, oneDNN's float or bf16 GEMM otherwise).
+weights, oneDNN's float or bf16 GEMM otherwise). The bandwidth floor is the other bound: the step's
+weight bytes over the memory's measured read bandwidth (a sum over MEMORY_BYTES, past any cache),
+beside the read bandwidth of a buffer as big as those weights (what a step gets when they stay in a
+large last-level cache, which can beat the memory floor).
 
 Long prompts: one prompt of each length to its first token through the engine, chunked (the
 default token budget) and unchunked (a budget of the whole prompt), beside transformers' forward
@@ -135,6 +138,22 @@ def gemm_peak_gop_s(model, rows: int = 256, calls: int = 5) -> float:
     return 2 * layer.in_features * layer.out_features * rows / min(times) / 1e9
 
 
+MEMORY_BYTES = 2**30  # past the last-level cache of the machines at hand (480 MiB on the largest)
+
+
+def read_bandwidth_gb_s(nbytes: int, calls: int = 5) -> float:
+    """Read bandwidth in GB/s over an `nbytes` buffer: the fastest of `calls` float32 sums, on the
+    torch threads the engine set (a sum reads each byte once and computes next to nothing)."""
+    x = torch.ones(max(nbytes // 4, 1024))
+    x.sum()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / min(times) / 1e9
+
+
 def _decoding_engine(model_path: str, batch: int, context: int, max_tokens: int, seed: int,
                      params: Optional[dict] = None):
     from backend import LLM, SamplingParams
@@ -165,11 +184,15 @@ def probe_decode(model_path: str, batch: int, context: int, steps: int, seed: in
     while engine.has_work():
         engine.step()
     weight_bytes, weights = step_weights(model)
+    memory_gb_s = read_bandwidth_gb_s(MEMORY_BYTES)
+    bandwidth_floor_s = weight_bytes / memory_gb_s / 1e9
     return {"batch": batch, "context": context, "engine_step_ms": 1e3 * step_s, "matmul_step_ms": 1e3 * floor_s,
             "engine_tok_s": batch / step_s, "matmul_tok_s": batch / floor_s, "fraction_of_floor": floor_s / step_s,
             "weights": engine.runner.weights.summary, "step_weight_mb": weight_bytes / 1e6,
             "matmul_gb_s": weight_bytes / floor_s / 1e9, "matmul_gop_s": 2 * weights * batch / floor_s / 1e9,
-            "gemm_peak_gop_s": gemm_peak_gop_s(model)}
+            "gemm_peak_gop_s": gemm_peak_gop_s(model), "memory_gb_s": memory_gb_s,
+            "bandwidth_floor_ms": 1e3 * bandwidth_floor_s, "fraction_of_bandwidth_floor": bandwidth_floor_s / step_s,
+            "weights_size_read_gb_s": read_bandwidth_gb_s(weight_bytes)}
 
 
 def profile_step(model_path: str, batch: int, context: int, seed: int, rows: int = 25) -> str:
@@ -230,14 +253,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "decode": [], "long_prompts": []}
     print(f"step probe: {args.model_path} {' '.join(f'{k}={v}' for k, v in raw.items())}, context {args.context}")
     print(f"{'batch':>5} {'engine ms':>10} {'matmul ms':>10} {'engine tok/s':>13} {'matmul tok/s':>13} "
-          f"{'of floor':>9} {'weights MB':>11} {'GB/s':>6} {'GOP/s':>6} {'peak GOP/s':>11}")
+          f"{'of floor':>9} {'weights MB':>11} {'GB/s':>6} {'GOP/s':>6} {'peak GOP/s':>11} {'memory GB/s':>12} "
+          f"{'bw floor ms':>12} {'of bw floor':>12}")
     for batch in args.batch_sizes:
         row = probe_decode(args.model_path, batch, args.context, args.steps, args.seed, params)
         report["decode"].append(row)
         print(f"{batch:>5} {row['engine_step_ms']:>10.1f} {row['matmul_step_ms']:>10.1f} "
               f"{row['engine_tok_s']:>13.1f} {row['matmul_tok_s']:>13.1f} {row['fraction_of_floor']:>8.0%} "
               f"{row['step_weight_mb']:>11.1f} {row['matmul_gb_s']:>6.1f} {row['matmul_gop_s']:>6.0f} "
-              f"{row['gemm_peak_gop_s']:>11.0f}")
+              f"{row['gemm_peak_gop_s']:>11.0f} {row['memory_gb_s']:>12.1f} {row['bandwidth_floor_ms']:>12.2f} "
+              f"{row['fraction_of_bandwidth_floor']:>11.0%}")
+        print(f"      (a buffer the size of the step's weights reads at {row['weights_size_read_gb_s']:.1f} GB/s)")
     if report["decode"]:
         print(f"weights: {report['decode'][0]['weights']}")
     for length in args.long_prompts:

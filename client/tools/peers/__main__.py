@@ -6,6 +6,7 @@ whose load drifts skews every engine of a round alike."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default="inflight,vllm,transformers")
     p.add_argument("--repeats", type=int, default=1, help="rounds, in alternating engine order")
     p.add_argument("--workload", default="mixed")
+    p.add_argument("--prompt-lens", type=_ints, default=[],
+                   help="prompt processing: one run per length (comma list), every prompt that many tokens "
+                        "and --output-len output tokens (the `fixed` workload); ratios of prompt tok/s")
+    p.add_argument("--output-len", type=int, default=1, help="with --prompt-lens: output tokens per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inflight-threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="OMP_NUM_THREADS for inflight's runner and llama.cpp's -t (default: one per core, "
@@ -94,19 +99,19 @@ def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) ->
     return {**json.loads(out.read_text()), "engine": engine, "name": json.loads(out.read_text())["engine"]}
 
 
-def _summary(rounds: list[dict[str, dict]], engines: list[str]) -> list[dict]:
-    """Per engine: median tok/s, peak RSS, and the first engine's tok/s over its own within each
-    round (the ratios the targets are stated in)."""
+def _summary(rounds: list[dict[str, dict]], engines: list[str], key: str = "output_tok_s") -> list[dict]:
+    """Per engine: median tok/s (output and prompt), peak RSS, and the first engine's ``key`` tok/s
+    over its own within each round (the ratios the targets are stated in)."""
     base, rows = engines[0], []
     for e in engines:
         ok = [r[e] for r in rounds if "error" not in r[e]]
         if not ok:
             rows.append({"engine": e, "error": rounds[-1][e]["error"]})
             continue
-        ratios = [r[base]["output_tok_s"] / r[e]["output_tok_s"] for r in rounds
-                  if "error" not in r[base] and "error" not in r[e]]
+        ratios = [r[base][key] / r[e][key] for r in rounds if "error" not in r[base] and "error" not in r[e]]
         rows.append({"engine": e, "name": ok[0].get("name", e),
                      "output_tok_s": statistics.median(x["output_tok_s"] for x in ok),
+                     "prompt_tok_s": statistics.median(x["prompt_tok_s"] for x in ok),
                      "peak_rss_mb": max(x.get("peak_rss_mb") or 0 for x in ok),
                      "ratio_of_first": ratios, "runs": ok})
     return rows
@@ -123,10 +128,13 @@ def main(argv=None) -> int:
     machine = machine_report(args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server")
     print(describe(machine))
     report = []
+    key = "prompt_tok_s" if args.prompt_lens else "output_tok_s"
     for model_path in args.model_path:
         vocab = load_model_config(model_path).vocab_size
-        for n in args.num_requests:
-            items = make_workload(args.workload, n, seed=args.seed, vocab_size=vocab)
+        for prompt_len, n in itertools.product(args.prompt_lens or [None], args.num_requests):
+            items = (make_workload("fixed", n, seed=args.seed, vocab_size=vocab, fixed_prompt_len=prompt_len,
+                                   fixed_output_len=args.output_len) if prompt_len else
+                     make_workload(args.workload, n, seed=args.seed, vocab_size=vocab))
             rounds = []
             with tempfile.TemporaryDirectory(prefix="inflight-peers-") as tmp:
                 workload = Path(tmp) / "workload.json"
@@ -134,18 +142,21 @@ def main(argv=None) -> int:
                 for rnd in range(args.repeats):
                     order = engines if rnd % 2 == 0 else engines[::-1]
                     rounds.append({e: run_engine(e, args, model_path, workload, Path(tmp)) for e in order})
-            rows = _summary(rounds, engines)
+            rows = _summary(rounds, engines, key)
             report.append({"model_path": model_path, "num_requests": n, "concurrency": args.concurrency,
-                           "machine": machine, "results": rows})
-            print(f"\n{model_path}, {n} {args.workload} requests, concurrency {args.concurrency or 'all'} "
-                  f"({sum(len(w.prompt) for w in items)} prompt, {sum(w.max_tokens for w in items)} output tokens)")
+                           "prompt_len": prompt_len, "machine": machine, "results": rows})
+            print(f"\n{model_path}, {n} {'fixed' if prompt_len else args.workload} requests, concurrency "
+                  f"{args.concurrency or 'all'} ({sum(len(w.prompt) for w in items)} prompt, "
+                  f"{sum(w.max_tokens for w in items)} output tokens)")
             for r in rows:
                 if "error" in r:
                     print(f"  {r['engine']:<18} failed: {r['error']}")
                     continue
                 ratio = ", ".join(f"{x:.2f}x" for x in r["ratio_of_first"])
-                print(f"  {r['name']:<40} {r['output_tok_s']:>8.1f} output tok/s  peak RSS "
-                      f"{r['peak_rss_mb']:>7.0f} MB  {engines[0]} / it: {ratio}")
+                own = [x["server_prompt_tok_s"] for x in r["runs"] if "server_prompt_tok_s" in x]
+                print(f"  {r['name']:<40} {r['output_tok_s']:>8.1f} output tok/s {r['prompt_tok_s']:>8.1f} prompt "
+                      f"tok/s  peak RSS {r['peak_rss_mb']:>7.0f} MB  {engines[0]} / it ({key}): {ratio}"
+                      + (f"  (its own prompt tok/s: {', '.join(f'{x:.1f}' for x in own)})" if own else ""))
     if args.output_json:
         args.output_json.write_text(json.dumps(report, indent=2))
     failed = any("error" in r for case in report for r in case["results"])

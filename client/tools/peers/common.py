@@ -25,10 +25,19 @@ def load_workload(path: Path) -> list[tuple[list[int], int]]:
     return [(r["input_ids"], r["max_tokens"]) for r in json.loads(Path(path).read_text())]
 
 
+def warmup_items(items: list[tuple[list[int], int]], n: int) -> list[tuple[list[int], int]]:
+    """The untimed requests: the first ``n`` prompts rotated by one token (so they share no prefix
+    with the timed ones, which a prefix cache would otherwise skip the prefill of), 4 tokens each."""
+    return [(p[1:] + p[:1], 4) for p, _ in items[:n]]
+
+
 def write_result(path: Path, engine: str, elapsed_s: float, output_lens: list[int],
-                 items: list[tuple[list[int], int]], peak_rss_mb: Optional[float] = None) -> None:
+                 items: list[tuple[list[int], int]], peak_rss_mb: Optional[float] = None,
+                 extra: Optional[dict] = None) -> None:
     """The run's figures; ``peak_rss_mb`` defaults to the peak resident memory of this process or of
-    the largest child it has reaped (vLLM's engine core runs in one), whichever is larger."""
+    the largest child it has reaped (vLLM's engine core runs in one), whichever is larger.
+    ``prompt_tok_s`` is prompt tokens over the whole run: the prefill rate when every request asks
+    for one output token (``--output-len 1``). ``extra``: the engine's own figures, stored as given."""
     if peak_rss_mb is None:
         peak_rss_mb = max(resource.getrusage(who).ru_maxrss for who in
                           (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024  # KiB on Linux
@@ -41,4 +50,5 @@ def write_result(path: Path, engine: str, elapsed_s: float, output_lens: list[in
     Path(path).write_text(json.dumps({
         "engine": engine, "elapsed_s": elapsed_s, "requests": len(items), "prompt_tokens": prompt_tokens,
         "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed_s,
-        "total_tok_s": (out_tokens + prompt_tokens) / elapsed_s, "peak_rss_mb": peak_rss_mb}))
+        "total_tok_s": (out_tokens + prompt_tokens) / elapsed_s, "prompt_tok_s": prompt_tokens / elapsed_s,
+        "peak_rss_mb": peak_rss_mb, **(extra or {})}))

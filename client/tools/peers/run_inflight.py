@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from client.tools.peers.common import load_workload, parse_runner_args, write_result
+from client.tools.peers.common import load_workload, parse_runner_args, warmup_items, write_result
 
 
 def main() -> int:
@@ -28,7 +28,8 @@ def main() -> int:
               max_num_seqs=1 if args.concurrency == 1 else args.concurrency or 256,
               max_num_batched_tokens=4096, cpu_kv_cache_tokens=kv_tokens)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    llm.generate([p for p, _ in items[:args.warmup]], [greedy(4)] * min(args.warmup, len(items)))
+    warm = warmup_items(items, args.warmup)
+    llm.generate([p for p, _ in warm], [greedy(n) for _, n in warm])
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in items], [greedy(n) for _, n in items])
     elapsed = time.perf_counter() - t0

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from client.tools.peers.common import load_workload, parse_runner_args, write_result
+from client.tools.peers.common import load_workload, parse_runner_args, warmup_items, write_result
 
 
 def _free_port() -> int:
@@ -70,16 +70,17 @@ def _request(ids: list[int], n: int) -> dict:
             "cache_prompt": False, "stream": False}
 
 
-def run(port: int, items: list[tuple[list[int], int]], concurrency: int) -> list[int]:
-    """Send every request, at most ``concurrency`` at a time (0: all at once); tokens generated each."""
-    produced = [0] * len(items)
+def run(port: int, items: list[tuple[list[int], int]], concurrency: int) -> list[dict]:
+    """Send every request, at most ``concurrency`` at a time (0: all at once); the server's replies,
+    in the workload's order (``tokens_predicted``, and ``timings`` where the server sends them)."""
+    replies: list[dict] = [{}] * len(items)
     errors: list[BaseException] = []
     gate = threading.Semaphore(concurrency or len(items))
 
     def one(i: int) -> None:
         with gate:
             try:
-                produced[i] = int(_post(port, _request(*items[i]))["tokens_predicted"])
+                replies[i] = _post(port, _request(*items[i]))
             except BaseException as exc:  # noqa: BLE001  (reported after the run)
                 errors.append(exc)
 
@@ -92,7 +93,14 @@ def run(port: int, items: list[tuple[list[int], int]], concurrency: int) -> list
         t.join()
     if errors:
         raise errors[0]
-    return produced
+    return replies
+
+
+def server_prompt_rate(replies: list[dict]) -> dict:
+    """llama-server's own prefill rate (``timings.prompt_per_second``), the median over requests:
+    its figure for prompt processing beside the run's prompt tokens over wall time."""
+    rates = sorted(r["timings"]["prompt_per_second"] for r in replies if "prompt_per_second" in r.get("timings", {}))
+    return {"server_prompt_tok_s": rates[len(rates) // 2]} if rates else {}
 
 
 def main() -> int:
@@ -113,9 +121,9 @@ def main() -> int:
             _wait_ready(port, proc)
         except RuntimeError as exc:
             raise SystemExit(f"{exc}; its log: {log.name}") from None
-        run(port, [(p, 4) for p, _ in items[:args.warmup]], 0)
+        run(port, warmup_items(items, args.warmup), 0)
         t0 = time.perf_counter()
-        produced = run(port, items, args.concurrency)
+        replies = run(port, items, args.concurrency)
         elapsed = time.perf_counter() - t0
         rss = _peak_rss_mb(proc.pid)
     finally:
@@ -126,8 +134,9 @@ def main() -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
-    write_result(args.out, f"llama.cpp ({threads} threads, {slots} slots)", elapsed, produced, items,
-                 peak_rss_mb=rss)
+    write_result(args.out, f"llama.cpp ({threads} threads, {slots} slots)", elapsed,
+                 [int(r["tokens_predicted"]) for r in replies], items, peak_rss_mb=rss,
+                 extra=server_prompt_rate(replies))
     return 0
 
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_workload, parse_runner_args, write_result  # noqa: E402
+from common import load_workload, parse_runner_args, warmup_items, write_result  # noqa: E402
 
 
 def run(manager, items) -> list[int]:
@@ -36,7 +36,7 @@ def main() -> int:
                           max_generated_length=max(n for _, n in items), num_requests=len(items))
     with model.continuous_batching_context_manager(generation_config=config, workload_hints=hints,
                                                    block=True, timeout=30) as manager:
-        run(manager, [(p, 4) for p, _ in items[:args.warmup]])
+        run(manager, warmup_items(items, args.warmup))
         t0 = time.perf_counter()
         lens = run(manager, items)
         elapsed = time.perf_counter() - t0

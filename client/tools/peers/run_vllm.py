@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_workload, parse_runner_args, write_result  # noqa: E402
+from common import load_workload, parse_runner_args, warmup_items, write_result  # noqa: E402
 
 
 def main() -> int:
@@ -24,7 +24,8 @@ def main() -> int:
               **({"max_num_seqs": args.concurrency} if args.concurrency else {}))
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in items]
-    llm.generate(prompts[:args.warmup], greedy(4), use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in warmup_items(items, args.warmup)], greedy(4),
+                 use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, [greedy(n) for _, n in items], use_tqdm=False)
     elapsed = time.perf_counter() - t0
