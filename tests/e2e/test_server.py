@@ -56,9 +56,11 @@ def test_grpc_stream_matches_the_in_process_engine(server, llm):
             assert result.token_ids == ref.token_ids, prompt
             assert result.text == ref.text
             assert result.finish_reason == ref.finish_reason
-            # one response per engine step, as the vLLM backend sends them (issue 22: the fast tiny
-            # model got 10 responses for 16 tokens when any backlog merged them)
-            assert result.num_responses == len(ref.token_ids) == result.num_output_tokens
+            # streamed, at most one response per token: one per engine step while the responder keeps
+            # up, merged only past MAX_STREAM_BACKLOG waiting ones (a busy machine can starve the
+            # responder thread of this fast tiny model). Exactly one per step when it keeps up is
+            # test_reliability.py's test_a_responder_that_keeps_up_sends_one_response_per_step.
+            assert 1 < result.num_responses <= len(ref.token_ids) == result.num_output_tokens
             assert result.num_input_tokens == len(ref.prompt_token_ids)
         ids = ref.prompt_token_ids
         by_ids = client.generate(ids, stream=True, max_tokens=24, **GREEDY)
