@@ -61,8 +61,9 @@ def attach_kv_tiers(config: EngineConfig, blocks: KVCacheGroups, runner, admissi
     `blocks`, consulted by `admission`."""
     if not config.kv_host_cache_bytes:
         return NoKVTiers()
-    if len(blocks.groups) > 1:  # (the tiers follow one group's blocks; a window's come and go with it)
-        raise ValueError(f"kv_host_cache_bytes: this model keeps {len(blocks.groups)} KV-cache groups (sliding-window "
+    groups = runner.kv_layout.num_groups  # (the tiers follow one group's blocks; a window's come and go with it)
+    if groups > 1:
+        raise ValueError(f"kv_host_cache_bytes: this model keeps {groups} KV-cache groups (sliding-window "
                          "layers beside global ones); the KV tiers serve models with one group (docs/design.md); "
                          "set kv_host_cache_bytes to 0")
     copier = runner.attach_kv_copier(config.kv_host_cache_bytes)
