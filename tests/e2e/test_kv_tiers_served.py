@@ -38,6 +38,8 @@ def test_the_first_request_after_a_restart_finds_its_prefix_on_disk(model_reposi
     assert len(list(folder.glob("*.kv"))) >= 2  # written when the server stopped
 
     with TritonServer(model_repository, params=params, model_path=str(model_path)) as server:
+        # the tiers' series are made at the engine's first report (gauges refresh every 0.1 s)
+        wait_until(lambda: "inflight_kv_tier_blocks" in series_names(server), timeout=5)
         assert metric(server, "inflight_kv_tier_blocks", tier="disk", state="used") >= 2
         assert ask(server, PROMPT) == (want, 32)  # the first request after the restart
         assert metric(server, "inflight_kv_tier_hits_total", tier="disk") == 2
