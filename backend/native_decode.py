@@ -10,10 +10,10 @@ the issue names; it cannot reach inside the ctypes kernels these layers are made
 would remain a call back into Python.
 
 It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu_quant.py) and the
-C kernels (attention_backend auto, float32 activations), SiLU MLPs (Llama, Mistral, Qwen2, Qwen3),
-pure decode steps (empty and verify rows included) without LoRA. Other steps, and models outside
-that (float or bf16 weights, mixtures of experts, Gemma's GeGLU and sandwich norms, tensor
-parallelism), run the Python layers; the log says which and why, once. INFLIGHT_NATIVE_DECODE=0
+C kernels (attention_backend auto, float32 activations), dense MLPs (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), pure decode steps (empty and
+verify rows included) without LoRA. Other steps, and models outside that (float or bf16 weights,
+mixtures of experts, tensor parallelism), run the Python layers; the log says which and why, once. INFLIGHT_NATIVE_DECODE=0
 turns it off (the A/B of the benchmarks).
 """
 from __future__ import annotations
@@ -55,8 +55,8 @@ def unsupported(model: LlamaForCausalLM, ops_name: str, tp, lora) -> Optional[st
         return f"the kernels are {ops_name}'s, not the CPU's C kernels"
     if tp is not None or lora is not None:
         return "tensor parallelism" if tp is not None else "LoRA adapters"
-    if cfg.sandwich_norms or cfg.activation != "silu":
-        return f"{cfg.activation} MLPs{' and sandwich norms' if cfg.sandwich_norms else ''} (Gemma)"
+    if cfg.activation not in ("silu", "gelu_tanh"):
+        return f"{cfg.activation} MLPs"
     for i, layer in enumerate(model.layers):
         if not isinstance(layer.mlp, MLP):
             return f"layer {i}'s MLP is a mixture of experts"
@@ -97,9 +97,11 @@ class NativeDecode:
                 post_attn_norm=layer.post_attention_layernorm.weight.detach(), k_cache=k_cache, v_cache=v_cache,
                 cos=cos, sin=sin, q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
                 k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
+                pre_ff_norm=layer.pre_feedforward_layernorm.weight.detach() if layer.sandwich else None,
+                post_ff_norm=layer.post_feedforward_layernorm.weight.detach() if layer.sandwich else None,
                 group=ctx.layer_groups[i] if ctx.layer_groups else 0, window=window))
         return DecodeStack(layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           eps=cfg.rms_norm_eps, scale=ctx.scale)
+                           eps=cfg.rms_norm_eps, scale=ctx.scale, activation=cfg.activation)
 
 
 def attach(model: LlamaForCausalLM, ops_name: str, tp=None, lora=None) -> None:

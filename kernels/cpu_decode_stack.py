@@ -31,7 +31,8 @@ class _Proj(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
-                ("input_norm", _P), ("post_attn_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("input_norm", _P), ("post_attn_norm", _P), ("pre_ff_norm", _P), ("post_ff_norm", _P),
+                ("q_norm", _P), ("k_norm", _P),
                 ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P), ("group", _I), ("window", _I)]
 
 
@@ -55,7 +56,7 @@ class Projection:
 class StackLayer:
     qkv: Projection
     o: Projection
-    gate_up: Projection  # [gate | up], SiLU·mul between it and down
+    gate_up: Projection  # [gate | up], the activation·mul between it and down
     down: Projection
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
@@ -63,8 +64,10 @@ class StackLayer:
     v_cache: torch.Tensor
     cos: torch.Tensor  # this layer's RoPE table [max_pos, D/2]
     sin: torch.Tensor
-    q_norm: Optional[torch.Tensor] = None  # per-head norms (Qwen3)
+    q_norm: Optional[torch.Tensor] = None  # per-head norms (Qwen3, Gemma 3)
     k_norm: Optional[torch.Tensor] = None
+    pre_ff_norm: Optional[torch.Tensor] = None  # Gemma's sandwich norms around the MLP
+    post_ff_norm: Optional[torch.Tensor] = None
     group: int = 0  # its KV-cache group (the row of slots and tables it reads)
     window: int = 0  # its sliding window, 0: full attention
 
@@ -82,7 +85,8 @@ def _f32(name: str, t: torch.Tensor, shape: tuple) -> int:
 
 class DecodeStack:
     def __init__(self, layers: Sequence[StackLayer], *, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, scale: float):
+                 eps: float, scale: float, activation: str = "silu"):
+        """activation: "silu" or "gelu_tanh" (GeGLU), the MLP's, as elementwise.c computes it."""
         if not layers:
             raise ValueError("decode_stack: no layers")
         first = layers[0]
@@ -115,6 +119,11 @@ class DecodeStack:
             if layer.q_norm is not None:
                 out.q_norm = _f32(f"layer {i} q_norm", layer.q_norm, (head_dim,))
                 out.k_norm = _f32(f"layer {i} k_norm", layer.k_norm, (head_dim,))
+            if (layer.pre_ff_norm is None) != (layer.post_ff_norm is None):
+                raise ValueError(f"decode_stack: layer {i} has one of pre_ff_norm and post_ff_norm")
+            if layer.pre_ff_norm is not None:
+                out.pre_ff_norm = _f32(f"layer {i} pre_ff_norm", layer.pre_ff_norm, (self.hidden,))
+                out.post_ff_norm = _f32(f"layer {i} post_ff_norm", layer.post_ff_norm, (self.hidden,))
             for name in ("k_cache", "v_cache"):
                 t = getattr(layer, name)
                 if t.dtype != self.cache_dtype or tuple(t.shape) != (nb, bs, g, d) or not t.is_contiguous():
@@ -130,13 +139,15 @@ class DecodeStack:
         _common.check_paged_attention("decode_stack", torch.empty(0, heads, head_dim), "[S, H, D]",
                                       first.k_cache, first.v_cache, torch.empty(0, 1, dtype=torch.int32),
                                       torch.empty(0, dtype=torch.int32), scale, cache_dtype_may_differ=True)
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"decode_stack: activation must be silu or gelu_tanh; got {activation!r}")
         suffix = CACHE_SUFFIX[self.cache_dtype]
         self._ops = _Ops(_address(cpu_build.load(QUANT, self.isa).qgemm),
                          _address(cpu_build.load("elementwise").rms_norm_f32),
                          _address(cpu_build.load("elementwise").rotary_f32),
                          _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
                          _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
-                         _address(cpu_build.load("elementwise").silu_mul_f32))
+                         _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]))
         self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P))
         self._run.restype = ctypes.c_int
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)

@@ -1,5 +1,5 @@
 """The CPU engine's elementwise kernels in C (kernels/csrc/elementwise.c): RMSNorm with the
-residual add, SiLU·mul, RoPE and the KV-cache store, one call each.
+residual add, SiLU·mul and GELU(tanh)·mul, RoPE and the KV-cache store, one call each.
 
 Same signatures and results as their torch references (kernels/reference.py), which are their
 oracles in the tests. In torch each is 5-20 ops; at a small decode batch the dispatch of ~60 ops per
@@ -23,6 +23,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rms_norm_f32": (_P, _P, _P, _P, _P, _I, _I, _F),
     "silu_mul_f32": (_P, _P, _I, _I),
+    "gelu_tanh_mul_f32": (_P, _P, _I, _I),
     "rotary_f32": (_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I),
     "store_kv_f32": (_P, _I, _P, _I, _P, _P, _P, _I, _I),
     "store_kv_bf16": (_P, _I, _P, _I, _P, _P, _P, _I, _I),
@@ -66,16 +67,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, h
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+def _gated(name: str, x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
-    _check_f32("silu_mul", x)
+    _check_f32(name, x)
     if x.dim() != 2 or x.shape[1] % 2:
-        raise ValueError(f"silu_mul: expected [T, 2I]; got {tuple(x.shape)}")
+        raise ValueError(f"{name}: expected [T, 2I]; got {tuple(x.shape)}")
     t, i = x.shape[0], x.shape[1] // 2
     out = _common.alloc((t, i), x.dtype, x.device)
-    _fn("silu_mul_f32")(x.data_ptr(), out.data_ptr(), t, i)
+    _fn(f"{name}_f32")(x.data_ptr(), out.data_ptr(), t, i)
     return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    return _gated("silu_mul", x)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (Gemma's GeGLU)."""
+    return _gated("gelu_tanh_mul", x)
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

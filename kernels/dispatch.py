@@ -48,8 +48,8 @@ def triton_ops() -> KernelOps:
 
 def cpu_ops(dtype: torch.dtype) -> KernelOps:
     """The CPU engine's kernels for float32: C (kernels/csrc, built on first use) for decode
-    attention, the cache store, RMSNorm, RoPE and SiLU·mul; torch's SDPA reference for prefill,
-    and torch's vectorized GELU for GeGLU."""
+    attention, the cache store, RMSNorm, RoPE, SiLU·mul and GELU(tanh)·mul; torch's SDPA
+    reference for prefill. (The C decode stack, backend/native_decode.py, calls these same kernels.)"""
     if dtype != torch.float32:
         return TORCH_OPS
     from kernels import cpu_build, cpu_decode_attention as attn, cpu_elementwise as ew
@@ -60,7 +60,8 @@ def cpu_ops(dtype: torch.dtype) -> KernelOps:
         log.warning("CPU kernels unavailable, using the torch references: %s", e)
         return TORCH_OPS
     return replace(TORCH_OPS, name="cpu", decode_attention=attn.decode_attention, store_kv=ew.store_kv,
-                   rms_norm=ew.rms_norm, rotary_embedding=ew.rotary_embedding, silu_mul=ew.silu_mul)
+                   rms_norm=ew.rms_norm, rotary_embedding=ew.rotary_embedding, silu_mul=ew.silu_mul,
+                   gelu_tanh_mul=ew.gelu_tanh_mul)
 
 
 def get_ops(attention_backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:

@@ -1,7 +1,8 @@
 """The CPU engine's decode steps through one C call for the layer stack (backend/native_decode.py,
 kernels/cpu_decode_stack.py) give exactly the Python layers' results: the same greedy tokens and
 the same log-probabilities, to the bit, on every model shape it takes (GQA, q/k/v biases, Qwen3's
-head norms, a sliding window shorter than the contexts, fused projections of mixed packed types,
+head norms, a sliding window shorter than the contexts, Gemma 3's GeGLU, sandwich norms and two
+KV-cache groups, fused projections of mixed packed types,
 K-quants, float32 and bfloat16 caches), with prompts that are not block multiples in a batch of
 mixed lengths. Models it does not take keep the Python layers, and say why; bad step tensors are
 refused by name."""
@@ -33,6 +34,7 @@ CASES = {
     "qwen2 (q/k/v biases)": ("qwen2", {}, {}),
     "qwen3 (q/k head norms)": ("qwen3", {}, {}),
     "mistral (a window of 11)": ("mistral", {"sliding_window": 11}, {}),
+    "gemma3 (GeGLU, sandwich norms, local layers of a window of 13 beside global ones)": ("gemma3", {}, {}),
     "gguf, q/k/v and gate/up of mixed types": ("gguf", {"types": ALL_TYPES[3:]}, {}),
     "gguf qwen2, mixed types and biases": ("gguf", {"types": ALL_TYPES[3:], "arch": "qwen2"}, {}),
     "gguf, K-quants": ("gguf", {"types": K_TYPES, "shape": K_SHAPE, "tied": False}, {}),
@@ -81,7 +83,6 @@ def llama(tmp_path_factory, tiny_tokenizer_json):
 
 @pytest.mark.parametrize("why,arch,args", [
     ("mixture of experts", "mixtral", {"quantization": "int8"}),
-    ("gelu_tanh MLPs and sandwich norms (Gemma)", "gemma3", {"quantization": "int8"}),
     ("PackedLinear weights, not packed ones", "llama", {}),  # float32 weights: oneDNN's GEMMs
 ])
 def test_models_it_does_not_take_keep_the_python_layers_and_say_why(why, arch, args, tmp_path, caplog):

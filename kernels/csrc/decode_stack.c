@@ -17,8 +17,10 @@
    One query token per sequence (T sequences). Per layer, as llama.py's DecoderLayer:
      h, residual = rmsnorm(x (+ residual)) ; qkv = h @ Wqkv (+ b) ; [q/k head norms] ; rope(q, k)
      store k, v at the slots ; attn = decode_attention(q) ; o = attn @ Wo (+ b)
-     h, residual = rmsnorm(o + residual) ; x = down(silu(gate) * up), gate | up = h @ Wgate_up (+ b)
-   (Gemma's sandwich norms and GeGLU are not here: backend/native_decode.py runs those models in Python.)
+     Llama:  h, residual = rmsnorm(o + residual) ; x = down(act(gate) * up), gate | up = h @ Wgate_up (+ b)
+     Gemma's sandwich norms: h = rmsnorm(o) ; h, residual = rmsnorm(h + residual) ;
+             x = rmsnorm(down(act(gate) * up))
+   act: SiLU, or GELU's tanh form (Gemma's GeGLU), whichever act_mul the wrapper passes.
    The wrapper checks every shape, dtype and index bound; this code checks nothing. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,6 +62,7 @@ typedef struct {
 typedef struct {
     proj_t qkv, o, gate_up, down;
     const float *input_norm, *post_attn_norm;
+    const float *pre_ff_norm, *post_ff_norm; /* Gemma's sandwich norms; NULL otherwise */
     const float *q_norm, *k_norm;            /* Qwen3's and Gemma's per-head norms; NULL otherwise */
     void *k_cache, *v_cache;                 /* [NB, BS, G, D] */
     const float *cos, *sin;                  /* this layer's RoPE table [max_pos, D/2] */
@@ -91,11 +94,11 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
     const int64_t H = d->heads, G = d->kv_heads, D = d->head_dim, hidden = d->hidden;
     const int64_t q_size = H * D, kv_size = G * D, qkv_n = q_size + 2 * kv_size;
     const int64_t widest = 2 * d->intermediate > qkv_n ? 2 * d->intermediate : qkv_n;
-    const size_t floats = (size_t)T * (size_t)(2 * hidden + widest + d->intermediate + 3 * q_size + 2 * kv_size);
+    const size_t floats = (size_t)T * (size_t)(3 * hidden + widest + d->intermediate + 3 * q_size + 2 * kv_size);
     float *buf = malloc(sizeof(float) * floats);
     if (!buf) return -1;
-    float *h = buf, *tmp = h + T * hidden;  /* [T, hidden] each */
-    float *wide = tmp + T * hidden;         /* qkv, then gate | up */
+    float *h = buf, *tmp = h + T * hidden, *scratch = tmp + T * hidden; /* [T, hidden] each */
+    float *wide = scratch + T * hidden;                                     /* qkv, then gate | up */
     float *act = wide + T * widest, *q_rot = act + T * d->intermediate, *attn = q_rot + T * q_size;
     float *qn = attn + T * q_size, *k_rot = qn + T * q_size, *kn = k_rot + T * kv_size;
 
@@ -120,10 +123,20 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
         ops->attention(q_rot, ly->k_cache, ly->v_cache, tables + ly->group * T * d->table_width, seq_lens, attn,
                        T, H, G, D, d->block_size, d->table_width, d->scale, ly->window);
         project(ops, &ly->o, attn, T, tmp);
-        ops->rms_norm(tmp, residual, ly->post_attn_norm, h, residual, T, hidden, d->eps);
+        if (ly->pre_ff_norm) { /* Gemma: the attention output's own norm, then the pre-feedforward one */
+            ops->rms_norm(tmp, NULL, ly->post_attn_norm, scratch, h, T, hidden, d->eps);
+            ops->rms_norm(scratch, residual, ly->pre_ff_norm, h, residual, T, hidden, d->eps);
+        } else {
+            ops->rms_norm(tmp, residual, ly->post_attn_norm, h, residual, T, hidden, d->eps);
+        }
         project(ops, &ly->gate_up, h, T, wide);
         ops->act_mul(wide, act, T, d->intermediate);
-        project(ops, &ly->down, act, T, x);
+        if (ly->post_ff_norm) {
+            project(ops, &ly->down, act, T, tmp);
+            ops->rms_norm(tmp, NULL, ly->post_ff_norm, x, scratch, T, hidden, d->eps);
+        } else {
+            project(ops, &ly->down, act, T, x);
+        }
     }
     free(buf);
     return 0;

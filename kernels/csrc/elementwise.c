@@ -51,6 +51,25 @@ void silu_mul_f32(const float *x, float *out, int64_t T, int64_t I) {
     }
 }
 
+/* x [T, 2I] = [gate | up] -> out [T, I] = gelu_tanh(gate) * up (Gemma's GeGLU, HF's
+   "gelu_pytorch_tanh"): 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), computed as its
+   equal g / (1 + e^-2u), which vectorizes with expf and has no 1 + tanh to cancel where tanh is
+   near -1. u is clamped at -40 (the result is 0 in float32 long before), since -ffast-math assumes
+   no infinity for e^-2u to overflow to. */
+void gelu_tanh_mul_f32(const float *x, float *out, int64_t T, int64_t I) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+#pragma omp parallel for if (T * I >= PARALLEL_MIN) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            const float inner = fmaxf(k0 * (g[i] + k1 * g[i] * g[i] * g[i]), -40.0f);
+            o[i] = g[i] / (1.0f + expf(-2.0f * inner)) * u[i];
+        }
+    }
+}
+
 /* Neox (rotate-half) RoPE of one [T, heads, D] tensor whose rows are row_stride floats apart,
    into out [T, heads, D] contiguous. cos/sin [max_pos, D/2]. */
 static void rope_one(const float *x, int64_t row_stride, float *out, const int64_t *positions,

@@ -24,10 +24,12 @@ def test_rms_norm(rows, width, with_residual):
 
 
 @pytest.mark.parametrize("rows,inner", [(1, 8), (5, 1536), (64, 688), (200, 1536)])
-def test_silu_mul(rows, inner):
-    gen = torch.Generator().manual_seed(seed_for("silu", rows, inner))
+@pytest.mark.parametrize("name", ["silu_mul", "gelu_tanh_mul"])
+def test_gated_activations(rows, inner, name):
+    gen = torch.Generator().manual_seed(seed_for(name, rows, inner))
     x = torch.randn(rows, 2 * inner, generator=gen) * 4
-    torch.testing.assert_close(ew.silu_mul(x), reference.silu_mul(x), **TOL)
+    x[0, :6] = torch.tensor([-60.0, -12.0, -1e-3, 0.0, 12.0, 60.0])  # saturated tanh both ways, and near 0
+    torch.testing.assert_close(getattr(ew, name)(x), getattr(reference, name)(x), **TOL)
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 130])
@@ -71,6 +73,7 @@ def test_bounds_are_checked_and_checked_again_after_a_change():
 
 @pytest.mark.parametrize("call,message", [
     (lambda: ew.silu_mul(torch.zeros(2, 7)), "expected [T, 2I]"),
+    (lambda: ew.gelu_tanh_mul(torch.zeros(2, 7)), "gelu_tanh_mul: expected [T, 2I]"),
     (lambda: ew.silu_mul(torch.zeros(2, 8, dtype=torch.float64)), "expected float32 CPU tensors"),
     (lambda: ew.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-5), "do not agree"),
     (lambda: ew.rotary_embedding(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.tensor([0, 1], dtype=torch.int32),
