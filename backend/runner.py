@@ -31,6 +31,7 @@ from backend.kv_sizing import blocks_that_fit, kv_bytes_per_token, measure, one_
 from backend.kv_tiers.copier import KVCopier
 from backend.memory_checks import check_block_tables, check_kv_cache
 from backend.loader import ModelConfig
+from backend import native_decode
 from backend.lora.manager import make_lora_manager
 from backend.models.llama import LlamaForCausalLM
 from backend.models.expert_load import ExpertLoad
@@ -113,6 +114,7 @@ class ModelRunner:
                 check_kv_cache(config, self.num_blocks, self._bytes_per_block(), self.env)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
+            native_decode.attach(self.model, self.ops.name, self.tp, self.lora)  # CPU: one C call a decode step
         if self.expert_load is not None:
             self.expert_load.reset()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,

@@ -1,0 +1,130 @@
+/* A decode step's whole layer stack in one call, for the CPU engine (backend/native_decode.py).
+
+   Why: at a small decode batch the kernels of a layer take tens of microseconds each, and the
+   Python around them (a module call, a wrapper's checks and a ctypes call per kernel, about twelve
+   per layer) cost as much again: on SmolLM2-135M (30 layers, packed Q4_1) a batch-1 step was half
+   matmuls, half the rest (docs/performance.md, issue 37). This loop runs the same kernels, in the
+   same order, on the same buffers' values, so its result is bit for bit the Python path's
+   (backend/models/llama.py): it adds no arithmetic of its own but the bias of a projection whose
+   parts have different types (added after, as ConcatLinear does).
+
+   It calls the kernels through function pointers the wrapper (kernels/cpu_decode_stack.py) takes
+   from the libraries already loaded: the quantized GEMM of the build chosen for this CPU
+   (quant_gemm.c), RMSNorm, RoPE, the cache store and SiLU·mul (elementwise.c) and the paged decode
+   attention (decode_attention.c). So this file needs no instruction set of its own and each kernel
+   keeps its own OpenMP parallelism.
+
+   One query token per sequence (T sequences). Per layer, as llama.py's DecoderLayer:
+     h, residual = rmsnorm(x (+ residual)) ; qkv = h @ Wqkv (+ b) ; [q/k head norms] ; rope(q, k)
+     store k, v at the slots ; attn = decode_attention(q) ; o = attn @ Wo (+ b)
+     h, residual = rmsnorm(o + residual) ; x = down(silu(gate) * up), gate | up = h @ Wgate_up (+ b)
+   (Gemma's sandwich norms and GeGLU are not here: backend/native_decode.py runs those models in Python.)
+   The wrapper checks every shape, dtype and index bound; this code checks nothing. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*qgemm_fn)(const void *w, const float *x, int64_t M, const float *bias, float *out, int64_t ldo);
+typedef void (*rms_norm_fn)(const float *x, const float *residual, const float *weight, float *out, float *h,
+                            int64_t T, int64_t N, float eps);
+typedef void (*rotary_fn)(const float *q, int64_t q_row_stride, const float *k, int64_t k_row_stride,
+                          float *q_out, float *k_out, const int64_t *positions, const float *cos_cache,
+                          const float *sin_cache, int64_t T, int64_t H, int64_t G, int64_t D);
+typedef void (*store_kv_fn)(const float *key, int64_t key_row_stride, const float *value,
+                            int64_t value_row_stride, void *k_cache, void *v_cache, const int64_t *slots,
+                            int64_t T, int64_t row);
+typedef void (*attention_fn)(const float *q, const void *k_cache, const void *v_cache, const int32_t *tables,
+                             const int32_t *seq_lens, float *out, int64_t S, int64_t H, int64_t G, int64_t D,
+                             int64_t BS, int64_t MB, float scale, int64_t window);
+typedef void (*act_mul_fn)(const float *x, float *out, int64_t T, int64_t I);
+
+typedef struct {
+    qgemm_fn qgemm;
+    rms_norm_fn rms_norm;
+    rotary_fn rotary;
+    store_kv_fn store_kv;
+    attention_fn attention;
+    act_mul_fn act_mul;
+} stack_ops_t;
+
+#define MAX_PARTS 4
+/* One projection: a packed matrix (parts == 1, its bias added by the GEMM, as QuantLinear does)
+   or several side by side (ConcatLinear: each part's columns at its offset, the bias added after). */
+typedef struct {
+    const void *w[MAX_PARTS]; /* qweight_t of quant_gemm.c, opaque here */
+    int64_t col[MAX_PARTS];
+    int64_t parts, N;
+    const float *bias; /* NULL: none */
+} proj_t;
+
+typedef struct {
+    proj_t qkv, o, gate_up, down;
+    const float *input_norm, *post_attn_norm;
+    const float *q_norm, *k_norm;            /* Qwen3's and Gemma's per-head norms; NULL otherwise */
+    void *k_cache, *v_cache;                 /* [NB, BS, G, D] */
+    const float *cos, *sin;                  /* this layer's RoPE table [max_pos, D/2] */
+    int64_t group, window;                   /* its KV-cache group; its sliding window (0: none) */
+} stack_layer_t;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, table_width;
+    float eps, scale;
+} stack_dims_t;
+
+static void project(const stack_ops_t *ops, const proj_t *p, const float *x, int64_t T, float *out) {
+    if (p->parts == 1) {
+        ops->qgemm(p->w[0], x, T, p->bias, out, p->N);
+        return;
+    }
+    for (int64_t i = 0; i < p->parts; i++) ops->qgemm(p->w[i], x, T, NULL, out + p->col[i], p->N);
+    if (p->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];
+}
+
+/* x [T, hidden]: the embeddings in, the last layer's output out; residual [T, hidden]: the
+   residual stream out (the final norm adds the two, as after the Python loop). slots [groups, T]
+   int64; tables [groups, T, MB] int32; seq_lens [T] int32. 0 on success, -1 if out of memory. */
+int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_layer_t *layers, int64_t L,
+                 int64_t T, const int64_t *positions, const int64_t *slots, const int32_t *tables,
+                 const int32_t *seq_lens, float *x, float *residual) {
+    const int64_t H = d->heads, G = d->kv_heads, D = d->head_dim, hidden = d->hidden;
+    const int64_t q_size = H * D, kv_size = G * D, qkv_n = q_size + 2 * kv_size;
+    const int64_t widest = 2 * d->intermediate > qkv_n ? 2 * d->intermediate : qkv_n;
+    const size_t floats = (size_t)T * (size_t)(2 * hidden + widest + d->intermediate + 3 * q_size + 2 * kv_size);
+    float *buf = malloc(sizeof(float) * floats);
+    if (!buf) return -1;
+    float *h = buf, *tmp = h + T * hidden;  /* [T, hidden] each */
+    float *wide = tmp + T * hidden;         /* qkv, then gate | up */
+    float *act = wide + T * widest, *q_rot = act + T * d->intermediate, *attn = q_rot + T * q_size;
+    float *qn = attn + T * q_size, *k_rot = qn + T * q_size, *kn = k_rot + T * kv_size;
+
+    for (int64_t l = 0; l < L; l++) {
+        const stack_layer_t *ly = &layers[l];
+        /* layer 0 has no residual yet: rmsnorm(x), and the residual is x itself */
+        ops->rms_norm(x, l ? residual : NULL, ly->input_norm, h, residual, T, hidden, d->eps);
+        project(ops, &ly->qkv, h, T, wide);
+        const float *q = wide, *k = wide + q_size, *v = wide + q_size + kv_size;
+        int64_t q_stride = qkv_n, k_stride = qkv_n;
+        if (ly->q_norm) { /* each head's RMSNorm over head_dim, on contiguous copies (as torch reshapes) */
+            for (int64_t t = 0; t < T; t++) {
+                memcpy(qn + t * q_size, q + t * qkv_n, sizeof(float) * q_size);
+                memcpy(kn + t * kv_size, k + t * qkv_n, sizeof(float) * kv_size);
+            }
+            ops->rms_norm(qn, NULL, ly->q_norm, qn, attn, T * H, D, d->eps);
+            ops->rms_norm(kn, NULL, ly->k_norm, kn, attn, T * G, D, d->eps);
+            q = qn, k = kn, q_stride = q_size, k_stride = kv_size;
+        }
+        ops->rotary(q, q_stride, k, k_stride, q_rot, k_rot, positions, ly->cos, ly->sin, T, H, G, D);
+        ops->store_kv(k_rot, kv_size, v, qkv_n, ly->k_cache, ly->v_cache, slots + ly->group * T, T, kv_size);
+        ops->attention(q_rot, ly->k_cache, ly->v_cache, tables + ly->group * T * d->table_width, seq_lens, attn,
+                       T, H, G, D, d->block_size, d->table_width, d->scale, ly->window);
+        project(ops, &ly->o, attn, T, tmp);
+        ops->rms_norm(tmp, residual, ly->post_attn_norm, h, residual, T, hidden, d->eps);
+        project(ops, &ly->gate_up, h, T, wide);
+        ops->act_mul(wide, act, T, d->intermediate);
+        project(ops, &ly->down, act, T, x);
+    }
+    free(buf);
+    return 0;
+}
