@@ -79,8 +79,7 @@ class ModelRunner:
 
     def _start(self, config: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
         self.config = config
-        self.model_cfg = model_cfg
-        self.max_model_len = max_model_len
+        self.model_cfg, self.max_model_len = model_cfg, max_model_len
         self.env = DeviceEnv.for_device(resolve_device(config.device))
         self.device = self.env.device   # what the engine runs on and reports (cuda:1)
         self.env.bind()

@@ -1,0 +1,120 @@
+"""The CPU engine's decode steps through one C call for the layer stack (backend/native_decode.py,
+kernels/cpu_decode_stack.py) give exactly the Python layers' results: the same greedy tokens and
+the same log-probabilities, to the bit, on every model shape it takes (GQA, q/k/v biases, Qwen3's
+head norms, a sliding window shorter than the contexts, fused projections of mixed packed types,
+K-quants, float32 and bfloat16 caches), with prompts that are not block multiples in a batch of
+mixed lengths. Models it does not take keep the Python layers, and say why; bad step tensors are
+refused by name."""
+import logging
+
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from backend import native_decode
+from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES
+from hf_checkpoints import make_checkpoint
+from test_quantized_engine import packed_folder
+
+PROMPTS = [[5, 9, 200, 31, 7, 120, 44], [3, 60, 70, 8, 90, 11, 50, 17, 2, 33, 4, 150, 19, 81, 27, 36, 12, 66, 99],
+           list(range(3, 43))]  # 7, 19 and 40 tokens: no block multiple (blocks of 16)
+PARAMS = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_json(tmp_path_factory):
+    from backend.make_model import make_model
+    return make_model(tmp_path_factory.mktemp("tok")) / "tokenizer.json"
+
+
+CASES = {
+    "llama (GQA 4:1), bf16 cache": ("llama", {}, {}),
+    "llama, float32 cache": ("llama", {}, {"kv_cache_dtype": "float32"}),
+    "qwen2 (q/k/v biases)": ("qwen2", {}, {}),
+    "qwen3 (q/k head norms)": ("qwen3", {}, {}),
+    "mistral (a window of 11)": ("mistral", {"sliding_window": 11}, {}),
+    "gguf, q/k/v and gate/up of mixed types": ("gguf", {"types": ALL_TYPES[3:]}, {}),
+    "gguf qwen2, mixed types and biases": ("gguf", {"types": ALL_TYPES[3:], "arch": "qwen2"}, {}),
+    "gguf, K-quants": ("gguf", {"types": K_TYPES, "shape": K_SHAPE, "tied": False}, {}),
+}
+
+
+def engine(case: str, tmp_path, tokenizer_json) -> LLM:
+    arch, model_args, engine_args = CASES[case]
+    if arch == "gguf":
+        path, quantization = packed_folder(tmp_path, tokenizer_json, **model_args), "auto"
+    else:
+        path, quantization = make_checkpoint(arch, tmp_path / arch, seed=3, **model_args), "int8"
+    # no prefix reuse: the second run's prompts then compute as the first's did
+    return LLM(str(path), quantization=quantization, kv_block_size=16, max_num_seqs=4, max_model_len=128,
+               enable_kv_cache_reuse=False, **engine_args)
+
+
+def run(llm: LLM) -> list:
+    return [(o.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.logprobs])
+            for o in llm.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_c_stack_gives_the_python_layers_results_bit_for_bit(case, tmp_path, tiny_tokenizer_json):
+    llm = engine(case, tmp_path, tiny_tokenizer_json)
+    model = llm.engine.runner.model
+    stack = model.decode_stack
+    assert stack is not None, native_decode.unsupported(model, llm.engine.runner.ops.name, None, None)
+    calls = []
+    model.decode_stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    native = run(llm)
+    assert len(calls) >= PARAMS.max_tokens - 1 and max(calls) == len(PROMPTS)  # every decode step, batched
+    model.decode_stack = None
+    python = run(llm)
+    assert native == python
+    assert llm.engine.blocks.num_held == 0
+    llm.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, tiny_tokenizer_json):
+    llm = engine("llama (GQA 4:1), bf16 cache", tmp_path_factory.mktemp("llama"), tiny_tokenizer_json)
+    run(llm)  # the stack is made at the first decode step
+    return llm
+
+
+@pytest.mark.parametrize("why,arch,args", [
+    ("mixture of experts", "mixtral", {"quantization": "int8"}),
+    ("gelu_tanh MLPs and sandwich norms (Gemma)", "gemma3", {"quantization": "int8"}),
+    ("PackedLinear weights, not packed ones", "llama", {}),  # float32 weights: oneDNN's GEMMs
+])
+def test_models_it_does_not_take_keep_the_python_layers_and_say_why(why, arch, args, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="backend.native_decode"):
+        llm = LLM(str(make_checkpoint(arch, tmp_path / arch, seed=3)), kv_block_size=16, max_model_len=64, **args)
+    assert llm.engine.runner.model.decode_stack is None
+    assert any(why in r.getMessage() and "the Python layers" in r.getMessage() for r in caplog.records)
+    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def test_it_can_be_turned_off(tmp_path, tiny_tokenizer_json, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_NATIVE_DECODE", "0")
+    assert engine("llama (GQA 4:1), bf16 cache", tmp_path, tiny_tokenizer_json).engine.runner.model.decode_stack is None
+
+
+def test_bad_step_tensors_are_refused_by_name(llama):
+    stack = llama.engine.runner.model.decode_stack._stack
+    t, hidden, blocks = 2, stack.hidden, stack.num_blocks
+    x = torch.zeros(t, hidden)
+    positions = torch.tensor([3, 4])
+    slots = torch.tensor([[3, 4]])
+    tables = torch.zeros(1, t, 2, dtype=torch.int32)
+    lens = torch.tensor([4, 5], dtype=torch.int32)
+    out, residual = stack(x, positions, slots, tables, lens)  # the good call
+    assert out.shape == residual.shape == (t, hidden)
+    bad = {
+        "positions": (x, torch.tensor([3, stack.max_pos]), slots, tables, lens),
+        "slots": (x, positions, torch.tensor([[3, blocks * stack.block_size]]), tables, lens),
+        "block ids": (x, positions, slots, torch.full((1, t, 2), blocks, dtype=torch.int32), lens),
+        "seq_lens": (x, positions, slots, tables, torch.tensor([4, 2 * stack.block_size + 1], dtype=torch.int32)),
+        "x must be": (torch.zeros(t, hidden + 1), positions, slots, tables, lens),
+        "tables must be": (x, positions, slots, tables.long(), lens),
+    }
+    for name, args in bad.items():
+        with pytest.raises(ValueError, match=name):
+            stack(*args)
