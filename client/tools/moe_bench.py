@@ -6,14 +6,20 @@ on their tokens only) against every expert on every token, in one run.
 A random Mixtral-shaped MoE block (backend/models/moe.py: router, stacked experts) is built for each
 weight format the CPU engine runs experts in, its experts laid out twice from the same weights:
 - per expert, as the engine had them before the C kernel: float32 and bfloat16 one oneDNN-packed
-  linear each (`pack_experts(block, onednn_linear)`), Q8_0 one QuantLinear each (the C kernel of
-  kernels/cpu_quant.py). The baseline, kernels/moe_reference.py's `dense_moe` (every expert on
+  linear each (`pack_experts(block, onednn_linear)`), the packed formats (Q8_0, and llama.cpp's
+  4-bit Q4_0 and Q4_K that Mixtral / Qwen3-MoE GGUFs come in) one QuantLinear each (the C kernel
+  of kernels/cpu_quant.py). The baseline, kernels/moe_reference.py's `dense_moe` (every expert on
   every token, each output weighted by a routing weight of zero where the token did not pick it),
   and the old grouped path (`grouped_moe`: one GEMM pair per active expert) both call these.
 - in one C call per projection for every active expert (kernels/cpu_moe.py `sorted_moe`):
   float32 and bfloat16 experts in the C kernel's panels (`grouped_moe`; what the engine runs for
-  float32, and for bfloat16 where oneDNN has no AMX, `cpu_moe.panels_serve`), Q8_0 experts as the
+  float32, and for bfloat16 where oneDNN has no AMX, `cpu_moe.panels_serve`), packed experts as the
   int8 kernel's tiles (kernels/cpu_quant.py `CpuQuantExperts`, what the engine runs).
+Q8_0 experts are the float weights quantized (`quantization=int8`); Q4_0 and Q4_K experts random
+codes with random scales (kernels/quant_bench.py `random_parts`), rescaled so their values spread
+as the float weights do: the speed does not depend on the values, only the outputs' size does.
+`floor_ms` is the grouped path's lower bound where every expert is active: all experts' weight
+bytes read once, at one thread's read bandwidth (`--read-gbs`, measured in docs/performance.md).
 Each repeat times the three back to back (the machine is shared; ratios come from one run), and
 the medians are reported. With one torch thread the clock is the thread's CPU time, so a busy
 machine's preemptions do not count (its contention for memory bandwidth still does).
@@ -35,10 +41,15 @@ from backend.cpu.memory import keep_freed_memory
 from backend.loader import ModelConfig
 from backend.models.moe import SparseMoeBlock, onednn_linear, pack_experts
 from backend.models.quant_linear import QuantLinear, quantize_q8_0
-from kernels import cpu_build, cpu_elementwise, cpu_moe
+from kernels import cpu_build, cpu_elementwise, cpu_moe, cpu_quant
 from kernels.moe_reference import dense_moe, grouped_moe, route
+from kernels.quant_bench import random_parts
+from kernels.quant_reference import QK, QK_K, dequantize
 
-FORMATS = ("float32", "bfloat16", "Q8_0")
+FORMATS = ("float32", "bfloat16", "Q8_0")   # the default
+PACKED = {"Q8_0": QK, "Q4_0": QK, "Q4_K": QK_K}   # packed expert formats -> the values of a block
+CHOICES = FORMATS + ("Q4_0", "Q4_K")
+READ_GBS = 10.7   # one thread's read bandwidth on the machine of docs/performance.md (a torch sum over 352 MB)
 
 
 def moe_config(hidden: int, intermediate: int, experts: int, top_k: int) -> ModelConfig:
@@ -50,17 +61,42 @@ def moe_config(hidden: int, intermediate: int, experts: int, top_k: int) -> Mode
                        moe_intermediate_size=intermediate)
 
 
+def random_packed(qtype: str, n: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A random packed [n, k] matrix whose values spread as k ** -0.5 (as the float weights'):
+    random codes and scales, the scales and mins then multiplied by one factor (the values are
+    linear in both). Q4_K's mins centre each group as llama.cpp's quantizer does (min = minus
+    about half the group's range: 8 D x round(15/16 sub-scale) ~ 7.5 D x sub-scale)."""
+    parts = random_parts(qtype, n, k, "cpu", gen)
+    if qtype == "Q4_K":
+        parts["mins"] = -8 * parts["scales"]
+        parts["sub_mins"] = (parts["sub_scales"].float() * 15 / 16).round().to(torch.uint8)
+    spread = float(dequantize(qtype, parts).std())
+    for name in ("scales", "mins"):
+        if name in parts:
+            parts[name] = (parts[name].float() * (k ** -0.5 / spread)).half()
+    return parts
+
+
+def packed_linear(qtype: str, weight: torch.Tensor, gen: torch.Generator) -> QuantLinear:
+    """One expert's projection in `qtype`: Q8_0 quantizes `weight` (quantization=int8), the 4-bit
+    formats stand in random codes of its shape (a GGUF's experts, kept packed)."""
+    if qtype == "Q8_0":
+        return QuantLinear(qtype, quantize_q8_0(weight))
+    return QuantLinear(qtype, random_packed(qtype, *weight.shape, gen))
+
+
 def build_block(cfg: ModelConfig, fmt: str, seed: int) -> tuple[SparseMoeBlock, tuple]:
     """A block with random weights, its experts one layer each as the engine ran `fmt` before the
     one-call kernels; and the same weights as those take them: the panels (w13, w2) of float
-    formats, the CpuQuantExperts (gate/up, down) of Q8_0."""
+    formats, the CpuQuantExperts (gate/up, down) of packed ones."""
     torch.manual_seed(seed)
     block = SparseMoeBlock(cfg)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, p.shape[-1] ** -0.5)
-    if fmt == "Q8_0":
-        pack_experts(block, lambda w: QuantLinear("Q8_0", quantize_q8_0(w)))
+    if fmt in PACKED:
+        gen = torch.Generator().manual_seed(seed + 2)
+        pack_experts(block, lambda w: packed_linear(fmt, w, gen))
         one_call = block.experts.quant_experts
     else:
         block.experts.to(getattr(torch, fmt))
@@ -82,7 +118,8 @@ def _time(fn) -> float:
     return now() - start
 
 
-def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0, isa=None) -> dict:
+def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0, isa=None,
+            read_gbs: float = READ_GBS) -> dict:
     block, one_call = build_block(cfg, fmt, seed)
     x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
     ex = block.experts
@@ -90,7 +127,7 @@ def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0
         weights, ids = route(block.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
         paths = {"dense": lambda: dense_moe(x, ex.gate_up, ex.down, weights, ids),
                  "per_expert": lambda: grouped_moe(x, ex.gate_up, ex.down, weights, ids)}
-        if fmt == "Q8_0":
+        if fmt in PACKED:
             paths["one_call"] = lambda: cpu_moe.sorted_moe(x, weights, ids, cfg.num_experts, one_call[0].matmul,
                                                            one_call[1].matmul, cpu_elementwise.silu_mul)
         else:
@@ -104,10 +141,22 @@ def measure(fmt: str, cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0
                 times[name].append(_time(fn))
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     counts = torch.bincount(ids.reshape(-1).long(), minlength=cfg.num_experts).tolist()
-    return dict(format=fmt, dense_ms=round(ms["dense"], 3), per_expert_ms=round(ms["per_expert"], 3),
+    active_bytes = weight_bytes(block, one_call, fmt) * sum(c > 0 for c in counts) / cfg.num_experts
+    floor_ms = active_bytes / read_gbs * 1e-6   # the active experts' weights read once
+    return dict(format=fmt, weight_mb=round(active_bytes / 1e6, 1), floor_ms=round(floor_ms, 2),
+                floor_share=round(floor_ms / ms["one_call"], 2), dense_ms=round(ms["dense"], 3),
+                per_expert_ms=round(ms["per_expert"], 3),
                 one_call_ms=round(ms["one_call"], 3), speedup_per_expert=round(ms["dense"] / ms["per_expert"], 2),
                 speedup_one_call=round(ms["dense"] / ms["one_call"], 2),
                 tokens_per_expert=counts, max_abs_difference=max(gap.values()))
+
+
+def weight_bytes(block: SparseMoeBlock, one_call: tuple, fmt: str) -> int:
+    """The bytes of every expert's weights as the grouped path reads them (packed: the kernel's
+    tiles, scales included; float: the panels)."""
+    if fmt in PACKED:
+        return sum(w.nbytes for experts in one_call for w in experts.weights)
+    return sum(p.numel() * p.element_size() for p in one_call)
 
 
 def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int, isa=None) -> dict:
@@ -160,11 +209,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=3584, help="an expert's (Mixtral's ratio: 3.5 x hidden)")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of %(default)s")
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help=f"comma-separated, of {','.join(CHOICES)} (default %(default)s)")
+    p.add_argument("--read-gbs", type=float, default=READ_GBS,
+                   help="one thread's memory read bandwidth, GB/s, for the grouped path's floor (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--kernel-isa", choices=sorted(cpu_build.ISA_FLAGS),
                    help="the C kernel built for this instruction set instead of -march=native (with "
-                        "ONEDNN_MAX_CPU_ISA=AVX2 in the environment: an AVX2-only CPU's two paths)")
+                        "ONEDNN_MAX_CPU_ISA=AVX2 and INFLIGHT_CPU_ISA=avx2 in the environment, which the "
+                        "packed formats' kernel follows: an AVX2-only CPU's paths)")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
@@ -174,15 +227,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--tokens: comma-separated integers; got {args.tokens!r}")
     if not token_counts or min(token_counts) < 1:
         p.error(f"--tokens: integers >= 1; got {args.tokens!r}")
-    if not formats or set(formats) - set(FORMATS):
-        p.error(f"--formats: choose from {', '.join(FORMATS)}; got {args.formats!r}")
-    for name in ("experts", "top_k", "hidden", "intermediate", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not formats or set(formats) - set(CHOICES):
+        p.error(f"--formats: choose from {', '.join(CHOICES)}; got {args.formats!r}")
+    for name in ("experts", "top_k", "hidden", "intermediate", "repeats", "read_gbs"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
     if args.top_k > args.experts:
         p.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
-    if "Q8_0" in formats and args.hidden % 32 + args.intermediate % 32:
-        p.error("Q8_0 needs --hidden and --intermediate multiples of 32")
+    for fmt in formats:
+        if fmt in PACKED and args.hidden % PACKED[fmt] + args.intermediate % PACKED[fmt]:
+            p.error(f"{fmt} needs --hidden and --intermediate multiples of {PACKED[fmt]}")
     if args.threads:
         torch.set_num_threads(args.threads)
     malloc_kept = keep_freed_memory()   # as the engine runs (backend/runner.py): no page faults on each call's outputs
@@ -191,19 +245,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                   cpu=cpu_model(), isa=isa(), threads=torch.get_num_threads(),
                   experts=args.experts, top_k=args.top_k, hidden=args.hidden, intermediate=args.intermediate,
                   repeats=args.repeats, clock=clock().__name__, kernel_isa=args.kernel_isa or "native",
+                  quant_isa=cpu_quant.chosen_isa() if set(formats) & set(PACKED) else None, read_gbs=args.read_gbs,
                   onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA", "any"), freed_memory_kept=malloc_kept, rows=[])
     print(f"{result['cpu']} ({result['isa']}), {result['threads']} threads; {args.experts} experts, top-{args.top_k}, "
           f"hidden {args.hidden}, intermediate {args.intermediate}; time.{result['clock']}; C kernel build "
-          f"{result['kernel_isa']}, oneDNN up to {result['onednn_max_isa']}")
+          f"{result['kernel_isa']}, packed formats' {result['quant_isa']}, oneDNN up to {result['onednn_max_isa']}; "
+          f"read floor at {args.read_gbs} GB/s")
     print("| tokens | weights | every expert (ms) | grouped, per expert (ms) | grouped, one call (ms) | "
-          "speed-up per expert | speed-up one call | max abs difference | tokens per expert |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "speed-up per expert | speed-up one call | weights read (MB) | read floor (ms) | floor / one call | "
+          "max abs difference | tokens per expert |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for tokens in token_counts:
         for fmt in formats:
-            row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats, isa=args.kernel_isa))
+            row = dict(tokens=tokens, **measure(fmt, cfg, tokens, args.repeats, isa=args.kernel_isa,
+                                                read_gbs=args.read_gbs))
             result["rows"].append(row)
             print(f"| {tokens} | {fmt} | {row['dense_ms']} | {row['per_expert_ms']} | {row['one_call_ms']} | "
-                  f"{row['speedup_per_expert']}x | {row['speedup_one_call']}x | {row['max_abs_difference']:.2e} | "
+                  f"{row['speedup_per_expert']}x | {row['speedup_one_call']}x | {row['weight_mb']} | "
+                  f"{row['floor_ms']} | {row['floor_share']} | {row['max_abs_difference']:.2e} | "
                   f"{' '.join(map(str, row['tokens_per_expert']))} |")
     print("\none expert's float32 gate/up GEMM, weights hot in cache (GFLOP/s; oneDNN-packed vs the C kernel):")
     for tokens in token_counts:

@@ -195,10 +195,12 @@ static inline __attribute__((always_inline)) void tile_rows(
     const __m512i nib = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01), two = _mm512_set1_epi8(0x03);
     __m512 acc[MT];
     for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    int64_t g_fetch = pass; /* this pass's next group to prefetch for: pass, pass + passes, ... (no division per group) */
     for (int64_t g = 0; g < G; g++) {
         const int64_t tg = t * G + g;
         __m512i wlo[4], whi[4];
-        if (PREFETCH && g % passes == pass) { /* see PREFETCH */
+        if (PREFETCH && g == g_fetch) { /* see PREFETCH */
+            g_fetch += passes;
             const char *next = (const char *)(w->qs + (tg + G) * qs_bytes(TYPE));
             for (int c = 0; c < qs_bytes(TYPE) / 64; c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
         }
@@ -250,7 +252,13 @@ static inline __attribute__((always_inline)) void tile_rows(
         for (int r = 0; r < MT; r++) {
             const int64_t m = m0 + r;
             const int8_t *a = qa + m * K + g * QK;
-            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
+            const float dm = da[m * G + g];
+            /* the zero point's share (-zero x the codes' sum) starts the sum: exact in int32, the
+               same sum as subtracting it after, one instruction fewer a row */
+            __m512i lo = TYPE != Q6_K && zero_point(TYPE) ? _mm512_set1_epi32(-zero_point(TYPE) * (s0 + s1))
+                                                          : _mm512_setzero_si512();
+            __m512i hi = _mm512_setzero_si512();
             for (int c = 0; c < 4; c++) {
                 int32_t alo, ahi;
                 memcpy(&alo, a + 4 * c, 4);
@@ -258,8 +266,6 @@ static inline __attribute__((always_inline)) void tile_rows(
                 lo = _mm512_dpbusd_epi32(lo, wlo[c], _mm512_set1_epi32(alo));
                 hi = _mm512_dpbusd_epi32(hi, whi[c], _mm512_set1_epi32(ahi));
             }
-            const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
-            const float dm = da[m * G + g];
             __m512i dot;
             if (TYPE == Q6_K) {
                 lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(32 * s0));
@@ -267,7 +273,6 @@ static inline __attribute__((always_inline)) void tile_rows(
                 dot = _mm512_add_epi32(_mm512_mullo_epi32(lo, sclo), _mm512_mullo_epi32(hi, schi));
             } else {
                 dot = _mm512_add_epi32(lo, hi);
-                if (zero_point(TYPE)) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(zero_point(TYPE) * (s0 + s1)));
             }
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(dm)), acc[r]);
             if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
