@@ -171,20 +171,22 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, floa
     default: break;                                                             \
     }
 
-#ifdef QUANT_AVX512
 /* While a tile computes, the next tile's codes are prefetched into L2, one group's lines per group
    and spread over the passes of rows (pass p takes the groups g with g % passes == p). Why: where
    the weights stream from memory (a MoE layer's experts, a large lm_head) the hardware prefetcher
    stops at every 4 KB page and runs only while the first pass misses, so memory sat idle through
-   the later passes. Measured (docs/performance.md, "Mixture of experts on the CPU"): Q8_0 experts
-   at ~16 rows each 23% faster. Past the last tile the addresses run beyond the weights: a
-   prefetch never faults. -DPREFETCH=0 turns it off, for measuring. */
+   the later passes (the AVX2 build prefetches the same lines in its first row half). Measured
+   (docs/performance.md, "Mixture of experts on the CPU"): Q8_0 experts at ~16 rows each 23%
+   faster; the AVX2 build's batch-1 SmolLM2 engine step ~15% faster. Past the last tile the
+   addresses run beyond the weights: a prefetch never faults. -DPREFETCH=0 turns it off, for
+   measuring. */
 #ifndef PREFETCH
 #define PREFETCH 1
 #endif
 #ifndef PREFETCH_HINT
 #define PREFETCH_HINT _MM_HINT_T1
 #endif
+#ifdef QUANT_AVX512
 /* One tile (16 output rows) against activation rows [m0, m0 + MT): TYPE and MT are constants
    where it is called, so each (type, MT) pair compiles to its own straight-line loop. */
 static inline __attribute__((always_inline)) void tile_rows(

@@ -77,6 +77,10 @@ static inline __attribute__((always_inline)) void half_tile_rows(
     for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int64_t tg = t * G + g;
+        if (PREFETCH && H == 0) { /* the next tile's codes into L2 while this one computes (see quant_gemm.c) */
+            const char *next = (const char *)(w->qs + (tg + G) * (TYPE == Q8_0 ? 512 : 256));
+            for (int c = 0; c < (TYPE == Q8_0 ? 8 : 4); c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
+        }
         __m256i wq[8]; /* wq[c]: codes of values 4c..4c+3 of the 8 rows (activation bytes a + 4c) */
         if (TYPE == Q8_0) {
             const uint8_t *p = w->qs + tg * 512 + 32 * H;
