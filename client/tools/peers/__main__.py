@@ -23,6 +23,8 @@ REPO = HERE.parents[2]
 # engine -> (venv under --peers-dir, or None for this interpreter; the runner; which model it reads:
 # "model" the --model-path folder, "float" --float-model-path (float weights), "gguf" --gguf)
 ENGINES = {"inflight": (None, "client.tools.peers.run_inflight", "model"),
+           # the same engine with its decode steps through the Python layers (backend/native_decode.py)
+           "inflight-python-layers": (None, "client.tools.peers.run_inflight", "model"),
            "inflight-float32": (None, "client.tools.peers.run_inflight", "float"),
            "inflight-bf16": (None, "client.tools.peers.run_inflight", "float"),
            "llamacpp": (None, "client.tools.peers.run_llamacpp", "gguf"),
@@ -80,6 +82,8 @@ def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) ->
                TOKENIZERS_PARALLELISM="false")
     if engine.startswith("inflight") and args.inflight_threads:
         env["OMP_NUM_THREADS"] = str(args.inflight_threads)
+    if engine == "inflight-python-layers":
+        env["INFLIGHT_NATIVE_DECODE"] = "0"
     if engine == "llamacpp":
         server = args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server"
         if not args.gguf or not Path(server).exists():
