@@ -35,8 +35,8 @@ def main() -> int:
     elapsed = time.perf_counter() - t0
     weights = llm.engine.runner.weights
     name = f"inflight ({weights.quantization}, {str(llm.engine.runner.dtype).removeprefix('torch.')})"
-    if llm.engine.runner.model.decode_stack is None and llm.engine.runner.ops.name == "cpu":
-        name = name[:-1] + ", Python layers)"  # backend/native_decode.py: off, or not for this model
+    if os.environ.get("INFLIGHT_NATIVE_DECODE") == "0":  # the C decode stack turned off (backend/native_decode.py)
+        name = name[:-1] + ", Python layers)"
     write_result(args.out, name, elapsed, [len(o.token_ids) for o in outs], items)
     return 0
 
