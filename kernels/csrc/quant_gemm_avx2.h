@@ -14,7 +14,10 @@
        (xor 0x80) and the sign moved onto the activation (`_mm256_sign_epi8`: |w| x sign(w) a,
        at most 128 x 127 x 2 = 32512), one madd per maddubs, and no zero point to take off.
    A 256-bit vector holds 8 of a tile's 16 rows (4 bytes each), so a tile runs as two halves of 8
-   rows, each over every group: 8 weight vectors and MT accumulators stay in the 16 registers.
+   rows, each over every group: 8 weight vectors and MT accumulators stay in the 16 registers. A
+   one-row GEMV (a decode step) takes both halves of each group in turn instead: each 64-byte line of
+   codes is used whole at once and the loads run in address order (7-9% faster on SmolLM2's
+   weights, 2 threads).
 
    With QUANT_AVXVNNI (the avx_vnni build: Intel Alder Lake and later client CPUs, AMD Zen 5) the
    dot product is AVX-VNNI's 256-bit vpdpbusd instead, as the AVX-512 build does on 512 bits. */
@@ -68,75 +71,80 @@ static inline __attribute__((always_inline)) __m256i group_dot(
 #endif
 }
 
-/* Row half H of tile t (rows 8H..8H+7) against activation rows [m0, m0 + MT). */
+/* Halves H0 .. H0 + HALVES - 1 of tile t (rows 8H..8H+7 each) against activation rows [m0, m0 + MT):
+   acc[h * MT + r]. HALVES = 2 (a one-row GEMV) takes both halves of each group together, so each
+   64-byte line of codes is used whole while it is in L1, and the loads stream in order. */
 static inline __attribute__((always_inline)) void half_tile_rows(
-        const int TYPE, const int MT, const qweight_t *w, int64_t t, int H, int64_t m0, const int8_t *qa,
-        const float *da, const int32_t *sa, __m256 *acc) {
+        const int TYPE, const int MT, const int HALVES, const qweight_t *w, int64_t t, int H0, int64_t m0,
+        const int8_t *qa, const float *da, const int32_t *sa, __m256 *acc) {
     const int64_t K = w->K, G = K / QK, S = K / 256;
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    for (int r = 0; r < MT; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < HALVES * MT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int64_t tg = t * G + g;
-        if (PREFETCH && H == 0) { /* the next tile's codes into L2 while this one computes (see quant_gemm.c) */
+        if (PREFETCH && H0 == 0) { /* the next tile's codes into L2 while this one computes (see quant_gemm.c) */
             const char *next = (const char *)(w->qs + (tg + G) * (TYPE == Q8_0 ? 512 : 256));
             for (int c = 0; c < (TYPE == Q8_0 ? 8 : 4); c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
         }
-        __m256i wq[8]; /* wq[c]: codes of values 4c..4c+3 of the 8 rows (activation bytes a + 4c) */
-        if (TYPE == Q8_0) {
-            const uint8_t *p = w->qs + tg * 512 + 32 * H;
-            for (int c = 0; c < 8; c++) wq[c] = _mm256_loadu_si256((const __m256i *)(p + c * 64));
+        for (int hh = 0; hh < HALVES; hh++) {
+            const int H = H0 + hh;
+            __m256i wq[8]; /* wq[c]: codes of values 4c..4c+3 of the 8 rows (activation bytes a + 4c) */
+            if (TYPE == Q8_0) {
+                const uint8_t *p = w->qs + tg * 512 + 32 * H;
+                for (int c = 0; c < 8; c++) wq[c] = _mm256_loadu_si256((const __m256i *)(p + c * 64));
 #ifndef QUANT_AVXVNNI
-            for (int c = 0; c < 8; c++) wq[c] = _mm256_xor_si256(wq[c], _mm256_set1_epi8((char)0x80)); /* signed */
+                for (int c = 0; c < 8; c++) wq[c] = _mm256_xor_si256(wq[c], _mm256_set1_epi8((char)0x80)); /* signed */
 #endif
-        } else {
-            const uint8_t *p = w->qs + tg * 256 + 32 * H;
-            for (int c = 0; c < 4; c++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(p + c * 64));
-                wq[c] = _mm256_and_si256(x, nib);
-                wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
-            }
-        }
-        if (high_bits(TYPE) == 1) { /* bit c of each byte: bit 4 of quad c's value */
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 64 + 32 * H));
-            for (int c = 0; c < 8; c++)
-                wq[c] = _mm256_or_si256(wq[c], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h, c), 4),
-                                                                _mm256_set1_epi8(0x10)));
-        } else if (high_bits(TYPE) == 2) { /* bits 2c, 2c+1: bits 4, 5 (first vector: quads 0-3) */
-            const __m256i h0 = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 128 + 32 * H));
-            const __m256i h1 = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 128 + 64 + 32 * H));
-            for (int c = 0; c < 4; c++) {
-                const __m256i top = _mm256_set1_epi8(0x30);
-                wq[c] = _mm256_or_si256(wq[c], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h0, 2 * c), 4), top));
-                wq[c + 4] = _mm256_or_si256(wq[c + 4], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h1, 2 * c), 4), top));
-            }
-        }
-        /* this half's 8 scales (and mins) for the group */
-        __m256 dvec, mvec = _mm256_setzero_ps();
-        __m256i sclo = _mm256_setzero_si256(), schi = _mm256_setzero_si256();
-        if (!k_quant(TYPE)) {
-            dvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + tg * TILE + 8 * H)));
-            if (has_group_mins(TYPE)) mvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mins + tg * TILE + 8 * H)));
-        } else {
-            const int64_t ts = t * S + g / 8;
-            dvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + ts * TILE + 8 * H)));
-            if (TYPE == Q6_K) {
-                sclo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * 2 * TILE + 8 * H)));
-                schi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE + 8 * H)));
             } else {
-                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * TILE + 8 * H))));
-                const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_mins + tg * TILE + 8 * H))));
-                mvec = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mins + ts * TILE + 8 * H))), mn);
-                dvec = _mm256_mul_ps(dvec, sc);
+                const uint8_t *p = w->qs + tg * 256 + 32 * H;
+                for (int c = 0; c < 4; c++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(p + c * 64));
+                    wq[c] = _mm256_and_si256(x, nib);
+                    wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+                }
             }
-        }
-        for (int r = 0; r < MT; r++) {
-            const int64_t m = m0 + r;
-            const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
-            const float dm = da[m * G + g];
-            const __m256i dot = group_dot(TYPE, wq, qa + m * K + g * QK, s0, s1, sclo, schi);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dvec, _mm256_set1_ps(dm)), acc[r]);
-            if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
-                acc[r] = _mm256_fmadd_ps(mvec, _mm256_set1_ps(dm * (float)(s0 + s1)), acc[r]);
+            if (high_bits(TYPE) == 1) { /* bit c of each byte: bit 4 of quad c's value */
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 64 + 32 * H));
+                for (int c = 0; c < 8; c++)
+                    wq[c] = _mm256_or_si256(wq[c], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h, c), 4),
+                                                                    _mm256_set1_epi8(0x10)));
+            } else if (high_bits(TYPE) == 2) { /* bits 2c, 2c+1: bits 4, 5 (first vector: quads 0-3) */
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 128 + 32 * H));
+                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(w->qh + tg * 128 + 64 + 32 * H));
+                for (int c = 0; c < 4; c++) {
+                    const __m256i top = _mm256_set1_epi8(0x30);
+                    wq[c] = _mm256_or_si256(wq[c], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h0, 2 * c), 4), top));
+                    wq[c + 4] = _mm256_or_si256(wq[c + 4], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h1, 2 * c), 4), top));
+                }
+            }
+            /* this half's 8 scales (and mins) for the group */
+            __m256 dvec, mvec = _mm256_setzero_ps();
+            __m256i sclo = _mm256_setzero_si256(), schi = _mm256_setzero_si256();
+            if (!k_quant(TYPE)) {
+                dvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + tg * TILE + 8 * H)));
+                if (has_group_mins(TYPE)) mvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mins + tg * TILE + 8 * H)));
+            } else {
+                const int64_t ts = t * S + g / 8;
+                dvec = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->scales + ts * TILE + 8 * H)));
+                if (TYPE == Q6_K) {
+                    sclo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * 2 * TILE + 8 * H)));
+                    schi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE + 8 * H)));
+                } else {
+                    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_scales + tg * TILE + 8 * H))));
+                    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->sub_mins + tg * TILE + 8 * H))));
+                    mvec = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mins + ts * TILE + 8 * H))), mn);
+                    dvec = _mm256_mul_ps(dvec, sc);
+                }
+            }
+            for (int r = 0; r < MT; r++) {
+                const int64_t m = m0 + r;
+                const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
+                const float dm = da[m * G + g];
+                const __m256i dot = group_dot(TYPE, wq, qa + m * K + g * QK, s0, s1, sclo, schi);
+                acc[hh * MT + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dvec, _mm256_set1_ps(dm)), acc[hh * MT + r]);
+                if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
+                    acc[hh * MT + r] = _mm256_fmadd_ps(mvec, _mm256_set1_ps(dm * (float)(s0 + s1)), acc[hh * MT + r]);
+            }
         }
     }
 }
@@ -161,13 +169,22 @@ static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, i
                           const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
                           int stream) {
     const int64_t n0 = t * TILE;
-    for (int H = 0; H < 2 && n0 + 8 * H < w->N; H++) {
-        const int64_t n = n0 + 8 * H, valid = w->N - n < 8 ? w->N - n : 8;
-#define HALF_ROWS(T_, MT_) do { __m256 acc[MT_]; half_tile_rows(T_, MT_, w, t, H, m, qa, da, sa, acc); \
-                                store_rows(MT_, acc, m, n, valid, bias, out, ldo, stream); } while (0)
+    if (m1 - m0 == 1 && n0 + 16 <= w->N) { /* a one-row GEMV over a whole tile: both halves at once */
         int64_t m = m0;
-        ROW_BLOCKS(HALF_ROWS, (void)0)
+#define GEMV(T_, MT_) do { __m256 acc[2]; half_tile_rows(T_, 1, 2, w, t, 0, m, qa, da, sa, acc);          \
+                           store_rows(1, acc, m, n0, 8, bias, out, ldo, stream);                              \
+                           store_rows(1, acc + 1, m, n0 + 8, 8, bias, out, ldo, stream); } while (0)
+        BY_TYPE(GEMV, 1)
+#undef GEMV
+    } else {
+        for (int H = 0; H < 2 && n0 + 8 * H < w->N; H++) {
+            const int64_t n = n0 + 8 * H, valid = w->N - n < 8 ? w->N - n : 8;
+#define HALF_ROWS(T_, MT_) do { __m256 acc[MT_]; half_tile_rows(T_, MT_, 1, w, t, H, m, qa, da, sa, acc); \
+                                store_rows(MT_, acc, m, n, valid, bias, out, ldo, stream); } while (0)
+            int64_t m = m0;
+            ROW_BLOCKS(HALF_ROWS, (void)0)
 #undef HALF_ROWS
+        }
     }
     if (stream) _mm_sfence(); /* streaming stores are weakly ordered: visible before qgemm returns */
 }
