@@ -13,8 +13,8 @@ It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu_
 C kernels (attention_backend auto, float32 activations), dense MLPs (Llama, Mistral, Qwen2, Qwen3,
 Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), pure decode steps (empty and
 verify rows included) without LoRA. Other steps, and models outside that (float or bf16 weights,
-mixtures of experts, tensor parallelism), run the Python layers; the log says which and why, once. INFLIGHT_NATIVE_DECODE=0
-turns it off (the A/B of the benchmarks).
+mixtures of experts, tensor parallelism), run the Python layers; the log says which and why, once.
+INFLIGHT_NATIVE_DECODE=0 turns it off (the A/B of the benchmarks).
 """
 from __future__ import annotations
 

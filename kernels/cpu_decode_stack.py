@@ -94,7 +94,8 @@ class DecodeStack:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         nb, bs, g, d = first.k_cache.shape
         if (g, d) != (kv_heads, head_dim) or heads % kv_heads:
-            raise ValueError(f"decode_stack: caches [.., {g}, {d}] against {heads} heads, {kv_heads} kv heads of {head_dim}")
+            raise ValueError(f"decode_stack: caches [.., {g}, {d}] against {heads} heads, "
+                             f"{kv_heads} kv heads of {head_dim}")
         self.cache_dtype, self.num_blocks, self.block_size = first.k_cache.dtype, nb, bs
         if self.cache_dtype not in CACHE_SUFFIX:
             raise ValueError(f"decode_stack: caches must be float32 or bfloat16; got {self.cache_dtype}")
