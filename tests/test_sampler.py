@@ -75,3 +75,21 @@ def test_top_k_minus_one_is_off_like_zero():
                                            for i in range(64)]) for k in (-1, 0, 3)}
     assert draws[-1] == draws[0]
     assert draws[3] != draws[0], "top_k 3 filters (the check can tell a filter from none)"
+
+
+def test_greedy_tokens_are_torchs_argmax_ties_nan_and_banned_rows_included():
+    """The CPU's numpy argmax (greedy_tokens) picks what torch's does: the first of equal maxima, a
+    NaN over any number, index 0 of a row all -inf; on random rows of a real vocabulary's width."""
+    from backend.sampler import greedy_tokens
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 49_153, generator=gen)
+    logits[1, [10, 400, 49_000]] = 99.0          # a tie: the first wins
+    logits[2, 7] = float("nan")
+    logits[3] = float("-inf")                     # every token banned
+    logits[4, -1] = 1e30                          # the last column
+    logits[5] = 0.0
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    assert got[:6].tolist()[1:6] == [10, 7, 0, 49_152, 0]
+    strided = logits[:, ::2]                      # not contiguous: still each row's argmax
+    assert torch.equal(greedy_tokens(strided), strided.argmax(dim=-1))

@@ -32,7 +32,7 @@ from backend.loader import load_model_config
 from backend.memory_checks import TooLargeForMemory
 from backend.request import Request
 from backend.runner import ModelRunner
-from backend.sampler import _U, filtered_probs, inverse_transform, prepare
+from backend.sampler import _U, filtered_probs, greedy_tokens, inverse_transform, prepare
 from backend.sched.step import ScheduledSeq, SchedulerOutput
 from backend.spec.config import SpeculativeConfig
 from backend.spec.rejection import DraftPosition
@@ -138,7 +138,7 @@ class DraftProposer:
         views = [DraftPosition(seq.request, drafts[seq.seq_id], self._draft_params(seq.request))
                  for seq in step.sampling]
         prep = prepare(logits, views)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         q = None
         if self.probabilistic and prep.plan.random_rows:
             rows = prep.random_rows

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from backend.request import Request
-from backend.sampler import _U, filtered_probs, inverse_transform, prepare
+from backend.sampler import _U, filtered_probs, greedy_tokens, inverse_transform, prepare
 from backend.sched.step import Sampled, ScheduledSeq
 
 
@@ -66,7 +66,7 @@ def verify(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> dict[str, Samp
     prep = prepare(logits, views)
     dev = logits.device
     drafted = torch.tensor(checks, dtype=torch.int64, device=dev)
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     accept = tokens == drafted  # temperature 0: the draft is the argmax
     if prep.plan.random_rows:
         rows = prep.random_rows
