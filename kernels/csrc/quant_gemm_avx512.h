@@ -1,0 +1,118 @@
+/* The AVX-512 build's tile kernel of quant_gemm.c (included there under QUANT_AVX512: AVX512-F/BW/VL,
+   VNNI, F16C): one 512-bit vector holds the 4 codes of each of a tile's 16 rows, vpdpbusd multiplies
+   them by 4 activation codes broadcast to every lane. quant_gemm.c's header comment has the layout
+   and the sums; quant_gemm_avx2.h is the same on 256 bits. */
+/* One tile (16 output rows) against activation rows [m0, m0 + MT): TYPE and MT are constants
+   where it is called, so each (type, MT) pair compiles to its own straight-line loop. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const int TYPE, const int MT, const qweight_t *w, int64_t t, int64_t m0, const int8_t *qa,
+        const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo, int stream,
+        int64_t pass, int64_t passes) {
+    const int64_t K = w->K, G = K / QK, S = K / 256, N = w->N;
+    const __m512i nib = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01), two = _mm512_set1_epi8(0x03);
+    __m512 acc[MT];
+    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    int64_t g_fetch = pass; /* this pass's next group to prefetch for: pass, pass + passes, ... (no division per group) */
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t tg = t * G + g;
+        __m512i wlo[4], whi[4];
+        if (PREFETCH && g == g_fetch) { /* see PREFETCH */
+            g_fetch += passes;
+            const char *next = (const char *)(w->qs + (tg + G) * qs_bytes(TYPE));
+            for (int c = 0; c < qs_bytes(TYPE) / 64; c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
+        }
+        if (TYPE == Q8_0) {
+            const uint8_t *p = w->qs + tg * 512;
+            for (int c = 0; c < 4; c++) {
+                wlo[c] = _mm512_loadu_si512(p + c * 64);
+                whi[c] = _mm512_loadu_si512(p + (c + 4) * 64);
+            }
+        } else {
+            const uint8_t *p = w->qs + tg * 256;
+            for (int c = 0; c < 4; c++) {
+                const __m512i x = _mm512_loadu_si512(p + c * 64);
+                wlo[c] = _mm512_and_si512(x, nib);
+                whi[c] = _mm512_and_si512(_mm512_srli_epi32(x, 4), nib);
+            }
+        }
+        if (high_bits(TYPE) == 1) {
+            const __m512i h = _mm512_loadu_si512(w->qh + tg * 64);
+            for (int c = 0; c < 4; c++) {
+                wlo[c] = _mm512_or_si512(wlo[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, c), one), 4));
+                whi[c] = _mm512_or_si512(whi[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, c + 4), one), 4));
+            }
+        } else if (high_bits(TYPE) == 2) {
+            const __m512i h0 = _mm512_loadu_si512(w->qh + tg * 128), h1 = _mm512_loadu_si512(w->qh + tg * 128 + 64);
+            for (int c = 0; c < 4; c++) {
+                wlo[c] = _mm512_or_si512(wlo[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h0, 2 * c), two), 4));
+                whi[c] = _mm512_or_si512(whi[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h1, 2 * c), two), 4));
+            }
+        }
+        __m512 dvec, mvec = _mm512_setzero_ps();
+        __m512i sclo = _mm512_setzero_si512(), schi = _mm512_setzero_si512();
+        if (!k_quant(TYPE)) {
+            dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + tg * TILE)));
+            if (has_group_mins(TYPE)) mvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + tg * TILE)));
+        } else {
+            const int64_t ts = t * S + g / 8;
+            dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + ts * TILE)));
+            if (TYPE == Q6_K) {
+                sclo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE)));
+                schi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE)));
+            } else {
+                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * TILE))));
+                const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_mins + tg * TILE))));
+                mvec = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + ts * TILE))), mn);
+                dvec = _mm512_mul_ps(dvec, sc);
+            }
+        }
+        for (int r = 0; r < MT; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *a = qa + m * K + g * QK;
+            const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
+            const float dm = da[m * G + g];
+            /* the zero point's share (-zero x the codes' sum) starts the sum: exact in int32, the
+               same sum as subtracting it after, one instruction fewer a row */
+            __m512i lo = TYPE != Q6_K && zero_point(TYPE) ? _mm512_set1_epi32(-zero_point(TYPE) * (s0 + s1))
+                                                          : _mm512_setzero_si512();
+            __m512i hi = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                int32_t alo, ahi;
+                memcpy(&alo, a + 4 * c, 4);
+                memcpy(&ahi, a + 16 + 4 * c, 4);
+                lo = _mm512_dpbusd_epi32(lo, wlo[c], _mm512_set1_epi32(alo));
+                hi = _mm512_dpbusd_epi32(hi, whi[c], _mm512_set1_epi32(ahi));
+            }
+            __m512i dot;
+            if (TYPE == Q6_K) {
+                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(32 * s0));
+                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(32 * s1));
+                dot = _mm512_add_epi32(_mm512_mullo_epi32(lo, sclo), _mm512_mullo_epi32(hi, schi));
+            } else {
+                dot = _mm512_add_epi32(lo, hi);
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(dm)), acc[r]);
+            if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
+                acc[r] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(dm * (float)(s0 + s1)), acc[r]);
+        }
+    }
+    const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    if (valid == TILE && stream) /* see qgemm */
+        for (int r = 0; r < MT; r++) _mm512_stream_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
+        for (int r = 0; r < MT; r++) _mm512_storeu_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else
+        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
+}
+
+static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
+                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
+                          int stream) {
+#define TILE_ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, bias, out, ldo, stream, pass, passes)
+    const int64_t passes = (m1 - m0 + MT_MAX - 1) / MT_MAX;
+    int64_t m = m0, pass = 0;
+    ROW_BLOCKS(TILE_ROWS, pass++)
+#undef TILE_ROWS
+}
