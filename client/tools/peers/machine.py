@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
-# the /proc/cpuinfo flags that choose kernels: AVX2 (+FMA, F16C), AVX-512 (F, BW, VNNI, BF16),
+# the /proc/cpuinfo flags reported, those that choose kernels: AVX2 (+FMA, F16C), AVX-512 (F, BW, VNNI, BF16),
 # AVX-VNNI on 256 bits, AMX
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
+REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
              "amx_tile", "amx_int8", "amx_bf16")
 _GGML_OPTION = re.compile(r"^GGML_(NATIVE|SSE42|AVX\w*|FMA|F16C|BMI2|AMX_\w+):BOOL=(\w+)$", re.M)
 
@@ -53,7 +53,7 @@ def llamacpp_build_options(llama_server: Optional[Path]) -> Optional[dict[str, s
 
 def machine_report(llama_server: Optional[Path], cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     model, flags = cpu_info(cpuinfo)
-    return {"cpu_model": model, "isa_flags": {f: f in flags for f in ISA_FLAGS},
+    return {"cpu_model": model, "isa_flags": {f: f in flags for f in REPORTED_FLAGS},
             "inflight_quant_build": inflight_quant_build(),
             "llamacpp_build": llamacpp_build_options(llama_server)}
 
