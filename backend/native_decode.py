@@ -12,8 +12,9 @@ would remain a call back into Python.
 It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu_quant.py) and the
 C kernels (attention_backend auto, float32 activations), dense MLPs (Llama, Mistral, Qwen2, Qwen3,
 Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), pure decode steps (empty and
-verify rows included) without LoRA. Other steps, and models outside that (float or bf16 weights,
-mixtures of experts, tensor parallelism), run the Python layers; the log says which and why, once.
+verify rows included) in which no row has a LoRA adapter. Other steps, and models outside that
+(float or bf16 weights, mixtures of experts, tensor parallelism), run the Python layers; the log
+says which models and why, once.
 INFLIGHT_NATIVE_DECODE=0 turns it off (the A/B of the benchmarks).
 """
 from __future__ import annotations
@@ -46,15 +47,17 @@ def _projection(module) -> Optional[object]:
     return Projection([p.kernel for p in parts], None if module.bias is None else module.bias.detach().float())
 
 
-def unsupported(model: LlamaForCausalLM, ops_name: str, tp, lora) -> Optional[str]:
-    """Why this model's decode steps cannot run in C, or None when they can."""
+def unsupported(model: LlamaForCausalLM, ops_name: str, tp) -> Optional[str]:
+    """Why this model's decode steps cannot run in C, or None when they can. (With LoRA on, a step
+    with an adapter's row runs the Python layers, which add the deltas; a step of the base model
+    alone, ctx.lora None, runs in C: the layers' own weights are the same.)"""
     cfg = model.cfg
     if os.environ.get("INFLIGHT_NATIVE_DECODE", "1") == "0":
         return "INFLIGHT_NATIVE_DECODE=0"
     if ops_name != "cpu":
         return f"the kernels are {ops_name}'s, not the CPU's C kernels"
-    if tp is not None or lora is not None:
-        return "tensor parallelism" if tp is not None else "LoRA adapters"
+    if tp is not None:
+        return "tensor parallelism"
     if cfg.activation not in ("silu", "gelu_tanh"):
         return f"{cfg.activation} MLPs"
     for i, layer in enumerate(model.layers):
@@ -104,9 +107,9 @@ class NativeDecode:
                            eps=cfg.rms_norm_eps, scale=ctx.scale, activation=cfg.activation)
 
 
-def attach(model: LlamaForCausalLM, ops_name: str, tp=None, lora=None) -> None:
+def attach(model: LlamaForCausalLM, ops_name: str, tp=None) -> None:
     """Give the model its native decode path where it applies (model.decode_stack), and say so."""
-    why = unsupported(model, ops_name, tp, lora)
+    why = unsupported(model, ops_name, tp)
     model.decode_stack = None if why else NativeDecode(model)
     if ops_name == "cpu":
         log.info("decode steps: %s", "the layer stack in one C call (backend/native_decode.py)" if why is None

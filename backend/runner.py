@@ -113,7 +113,7 @@ class ModelRunner:
                 check_kv_cache(config, self.num_blocks, self._bytes_per_block(), self.env)
             self.kv_caches = self._allocate_kv(self.num_blocks)
             self.graphs = self._decode_graphs()
-            native_decode.attach(self.model, self.ops.name, self.tp, self.lora)  # CPU: one C call a decode step
+            native_decode.attach(self.model, self.ops.name, self.tp)  # CPU: one C call a decode step
         if self.expert_load is not None:
             self.expert_load.reset()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,

@@ -62,7 +62,7 @@ def test_the_c_stack_gives_the_python_layers_results_bit_for_bit(case, tmp_path,
     llm = engine(case, tmp_path, tiny_tokenizer_json)
     model = llm.engine.runner.model
     stack = model.decode_stack
-    assert stack is not None, native_decode.unsupported(model, llm.engine.runner.ops.name, None, None)
+    assert stack is not None, native_decode.unsupported(model, llm.engine.runner.ops.name, None)
     calls = []
     model.decode_stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
     native = run(llm)
@@ -119,3 +119,29 @@ def test_bad_step_tensors_are_refused_by_name(llama):
     for name, args in bad.items():
         with pytest.raises(ValueError, match=name):
             stack(*args)
+
+
+@pytest.mark.slow  # PEFT writes the adapter: ~3 s
+def test_with_lora_on_base_steps_run_in_c_and_adapter_steps_in_python_alike(tmp_path):
+    from lora_adapters import AdapterSpec, make_adapter
+    base = make_checkpoint("llama", tmp_path / "base", seed=3)
+    adapter = make_adapter(base, tmp_path / "a", seed=1, spec=AdapterSpec(r=8, alpha=16, b_std=0.1))
+    llm = LLM(str(base), quantization="int8", kv_block_size=16, max_num_seqs=4, max_model_len=128,
+              enable_kv_cache_reuse=False, enable_lora=True, max_loras=1, lora_modules=f"a={adapter}")
+    model = llm.engine.runner.model
+    stack, calls = model.decode_stack, []
+    assert stack is not None
+    model.decode_stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    mixed = [None, "a", None]
+
+    def both():
+        return (run(llm), [(o.token_ids, o.cumulative_logprob)
+                           for o in llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True,
+                                                                         logprobs=0), lora_request=mixed)])
+    native = both()
+    assert calls and max(calls) == len(PROMPTS)  # the base-only batch decoded in C
+    model.decode_stack = None
+    python = both()
+    assert native == python
+    base_answer, adapter_answer = native[0][1][0][:9], native[1][1][0]
+    assert adapter_answer != base_answer  # the adapter's row ran with its deltas (same prompt, other tokens)
