@@ -2,10 +2,10 @@
 kernels/cpu_decode_stack.py) give exactly the Python layers' results: the same greedy tokens and
 the same log-probabilities, to the bit, on every model shape it takes (GQA, q/k/v biases, Qwen3's
 head norms, a sliding window shorter than the contexts, Gemma 3's GeGLU, sandwich norms and two
-KV-cache groups, fused projections of mixed packed types,
-K-quants, float32 and bfloat16 caches), with prompts that are not block multiples in a batch of
-mixed lengths. Models it does not take keep the Python layers, and say why; bad step tensors are
-refused by name."""
+KV-cache groups, fused projections of mixed packed types, K-quants, float32 and bfloat16 caches),
+with prompts that are not block multiples in a batch of mixed lengths; with LoRA on, steps with an
+adapter's rows keep the Python layers. Models it does not take keep the Python layers, and say
+why; bad step tensors are refused by name."""
 import logging
 
 import pytest
