@@ -168,6 +168,12 @@ class Metrics:
         self.hist[kind].observe(max(0.0, seconds))
 
     def update(self, stats):
+        # counters first: a scrape mid-update must not see a snapshot's gauges with older counters
+        for key, metric in self.counters.items():
+            delta = stats.get(key, 0) - self._counted[key]
+            if delta > 0:
+                metric.increment(delta)
+                self._counted[key] += delta
         self._set("running", self.running, stats["num_requests_running"])
         self._set("waiting", self.waiting, stats["num_requests_waiting"])
         total, used = stats["kv_blocks_total"], stats["kv_blocks_used"]
@@ -183,11 +189,6 @@ class Metrics:
                 self._set(key, self.lora[key], value)
         if self.max_loras:
             self._lora_info(lora_info_labels(stats.get("lora_requests", {}), self.max_loras))
-        for key, metric in self.counters.items():
-            delta = stats.get(key, 0) - self._counted[key]
-            if delta > 0:
-                metric.increment(delta)
-                self._counted[key] += delta
         self._update_moe(stats)
         if stats.get("kv_tiers"):
             self._update_tiers(stats["kv_tiers"])
