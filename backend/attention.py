@@ -48,12 +48,20 @@ class AttentionContext:
         self._decode_tables = [self.decode_block_tables[g] for g in groups]
         self._prefill_tables = [self.prefill_block_tables[g] for g in groups]
 
+    def group_of(self, layer: int) -> int:
+        """The KV-cache group a layer stores and reads through."""
+        return self.layer_groups[layer] if self.layer_groups else 0
+
+    def window_of(self, layer: int) -> int:
+        """A layer's sliding window; 0 for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, G, D] -> [T, H, D]."""
         k_cache, v_cache = self.kv_caches[layer]
-        group = self.layer_groups[layer] if self.layer_groups else 0
+        group = self.group_of(layer)
         self.ops.store_kv(k, v, k_cache, v_cache, self._slots[group])
-        window = self.layer_windows[layer] if self.layer_windows else 0
+        window = self.window_of(layer)
         nd = self.num_decode_tokens
         if nd == q.shape[0]:
             return self._decode(q, k_cache, v_cache, group, window)

@@ -91,8 +91,7 @@ class NativeDecode:
         cfg, layers = self.model.cfg, []
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            window = ctx.layer_windows[i] if ctx.layer_windows else 0
-            cos, sin = rope.for_layer(window)
+            cos, sin = rope.for_layer(attn.window)  # as the Python layer picks its table
             k_cache, v_cache = ctx.kv_caches[i]
             layers.append(StackLayer(
                 qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj), gate_up=_projection(mlp.gate_up_proj),
@@ -102,7 +101,7 @@ class NativeDecode:
                 k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
                 pre_ff_norm=layer.pre_feedforward_layernorm.weight.detach() if layer.sandwich else None,
                 post_ff_norm=layer.post_feedforward_layernorm.weight.detach() if layer.sandwich else None,
-                group=ctx.layer_groups[i] if ctx.layer_groups else 0, window=window))
+                group=ctx.group_of(i), window=ctx.window_of(i)))
         return DecodeStack(layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                            eps=cfg.rms_norm_eps, scale=ctx.scale, activation=cfg.activation)
 

@@ -124,11 +124,12 @@ def build(name: str, isa: Optional[str] = None) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def function(library: str, name: str, argtypes: tuple, isa: Optional[str] = None) -> ctypes._CFuncPtr:
-    """One C function of a kernel library, bound once with its argument types (the wrappers call
-    it every layer of every step: binding it per call cost more than a small kernel)."""
+def function(library: str, name: str, argtypes: tuple, isa: Optional[str] = None,
+             restype=None) -> ctypes._CFuncPtr:
+    """One C function of a kernel library, bound once with its argument and result types (the
+    wrappers call it every layer of every step: binding it per call cost more than a small kernel)."""
     fn = getattr(load(library, isa), name)
-    fn.restype, fn.argtypes = None, list(argtypes)
+    fn.restype, fn.argtypes = restype, list(argtypes)
     return fn
 
 

@@ -149,8 +149,8 @@ class DecodeStack:
                          _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
                          _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
                          _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]))
-        self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P))
-        self._run.restype = ctypes.c_int
+        self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P),
+                                       restype=ctypes.c_int)
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
