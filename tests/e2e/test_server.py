@@ -83,7 +83,10 @@ def test_http_generate_and_generate_stream_return_the_same_text(server, llm):
     once = http.generate(PROMPTS[0], max_tokens=20, **GREEDY)
     assert once.num_responses == 1 and once.finish_reason == ref.finish_reason
     streamed = http.generate_stream(PROMPTS[0], max_tokens=20, **GREEDY)
-    assert streamed.num_responses == len(ref.token_ids)  # one per step, as over gRPC
+    # as over gRPC (test_grpc_stream_matches_the_in_process_engine): at most one response per token,
+    # merged only past MAX_STREAM_BACKLOG waiting ones when the responder falls behind (a clean-clone
+    # run got 13 for 20 tokens); tests/e2e/test_reliability.py checks one per step when it keeps up
+    assert 1 < streamed.num_responses <= len(ref.token_ids)
     assert once.text == streamed.text == ref.text
     assert once.token_ids == streamed.token_ids == ref.token_ids
 
