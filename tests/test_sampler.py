@@ -93,3 +93,18 @@ def test_greedy_tokens_are_torchs_argmax_ties_nan_and_banned_rows_included():
     assert got[:6].tolist()[1:6] == [10, 7, 0, 49_152, 0]
     strided = logits[:, ::2]                      # not contiguous: still each row's argmax
     assert torch.equal(greedy_tokens(strided), strided.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 2.0}, {"presence_penalty": 1.0},
+                                     {"frequency_penalty": 0.3}])
+def test_a_greedy_row_takes_the_argmax_after_its_penalties(penalty):
+    """Greedy is the argmax of the penalised logits, not the raw ones: the output's token 7 leads
+    by 0.5 until its penalty, then token 9 wins; a plain greedy row beside it keeps 7."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7], logits[:, 9] = 3.0, 2.5
+    rows = []
+    for i, params in enumerate(({}, penalty)):
+        req = Request(f"p{i}", [1, 2], SamplingParams(max_tokens=9, temperature=0.0, **params))
+        req.output_token_ids = [7, 7]
+        rows.append(req)
+    assert tokens_of(logits, rows) == [7, 9]

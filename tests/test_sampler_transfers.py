@@ -53,3 +53,20 @@ def test_one_read_back_and_a_fixed_number_of_transfers_per_step(transfers, rows)
     out = sampler.sample(logits, _requests(rows))
     assert len(out) == rows and all(o.logprob is not None for i, o in enumerate(out) if i % 4 in (0, 3))
     assert transfers == {"to_host": 1, "to_device": 2}, transfers
+
+
+def test_a_step_of_plain_greedy_rows_reads_back_once_and_sends_nothing(transfers):
+    """The common step, every row greedy with nothing to apply, skips the plan: one read back of
+    the argmax, the same tokens the general path picks (ties to the first, a NaN row's NaN)."""
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(6))
+    logits[1, [5, 9]] = 10.0  # a tie: the first wins
+    logits[4, 17] = float("nan")
+    plain = [Request(f"g{i}", [3, 4, 5], SamplingParams(max_tokens=9, temperature=0.0), eos_token_ids=(2,))
+             for i in range(6)]
+    asking = [Request(f"l{i}", [3, 4, 5], SamplingParams(max_tokens=9, temperature=0.0, logprobs=1 if i == 0 else None),
+                      eos_token_ids=(2,)) for i in range(6)]
+    general = [o.token for o in sampler.sample(logits.clone(), asking)]
+    transfers.update(to_host=0, to_device=0)
+    fast = [o.token for o in sampler.sample(logits.clone(), plain)]
+    assert fast == general and fast[1] == 5 and fast[4] == 17
+    assert transfers == {"to_host": 1, "to_device": 0}, transfers
