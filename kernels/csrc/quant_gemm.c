@@ -133,6 +133,27 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, floa
             _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
             sa[(m * G + g) * 2] = _mm512_reduce_add_epi32(q0);
             sa[(m * G + g) * 2 + 1] = _mm512_reduce_add_epi32(q1);
+#elif defined(QUANT_AVX2) /* the same arithmetic in four 8-lane vectors; packs + permute put the codes in order */
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xg + 8 * i);
+                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+            const float d = amax / 127.0f, id = amax > 0.0f ? 1.0f / d : 0.0f;
+            __m256i c[4];
+            for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+            _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            const __m256i h0 = _mm256_add_epi32(c[0], c[1]), h1 = _mm256_add_epi32(c[2], c[3]);
+            const __m256i both = _mm256_hadd_epi32(h0, h1); /* [h0 01, h0 23, h1 01, h1 23 | h0 45, ...] */
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+            s4 = _mm_hadd_epi32(s4, s4); /* [h0's sum, h1's sum, ...] */
+            sa[(m * G + g) * 2] = _mm_cvtsi128_si32(s4);
+            sa[(m * G + g) * 2 + 1] = _mm_extract_epi32(s4, 1);
 #else
             float amax = 0.0f;
             for (int i = 0; i < QK; i++) amax = xg[i] > amax ? xg[i] : -xg[i] > amax ? -xg[i] : amax;
