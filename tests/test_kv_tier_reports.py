@@ -61,7 +61,7 @@ def test_tier_metrics_follow_the_engine_stats(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     labels = {"model": "llm", "version": "1", "instance": "llm_0_0", "device": "cpu"}
-    metrics = module.Metrics(labels)
+    metrics = module.Metrics(labels, module.pb_utils.MetricFamily)
     base = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_blocks_total": 8, "kv_blocks_used": 0}
     metrics.update({**base, "kv_tiers": TIER_STATS})
     later = {t: dict(f) for t, f in TIER_STATS.items()}
@@ -94,7 +94,8 @@ def test_an_update_counts_the_tokens_before_it_shows_the_requests_gone(monkeypat
     spec = importlib.util.spec_from_file_location("inflight_update_order_model", MODEL_PY)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    metrics = module.Metrics({"model": "llm", "version": "1", "instance": "llm_0_0", "device": "cpu"})
+    labels = {"model": "llm", "version": "1", "instance": "llm_0_0", "device": "cpu"}
+    metrics = module.Metrics(labels, module.pb_utils.MetricFamily)
     base = {"num_requests_waiting": 0, "kv_blocks_total": 8, "kv_blocks_used": 0}
     metrics.update({**base, "num_requests_running": 1, "generation_tokens_total": 479})
     order = []

@@ -37,7 +37,7 @@ def test_a_moe_instance_on_a_gpu_counts_its_experts_and_serves_decode_from_the_g
         # top_k times in each of the 2 layers: the prompts and the 3 tokens each fed back
         assert sum(stats["moe_expert_tokens"]) == (sum(map(len, prompts)) + 3 * 3) * 2 * 2
         assert stats["moe_load_imbalance"] >= 1.0
-        metrics = module.Metrics({"model": "llm", "instance": "llm_0_1", "device": "cuda:1"})
+        metrics = module.Metrics({"model": "llm", "instance": "llm_0_1", "device": "cuda:1"}, module.pb_utils.MetricFamily)
         metrics.update(stats)
         families = {f.name: f for f in _MetricFamily.created}
         counters = families["inflight_moe_expert_tokens_total"].metrics
