@@ -121,3 +121,18 @@ def test_the_model_refuses_to_start_on_a_bad_adapter_or_starts_with_the_good_one
     assert out.finish_reason in ("stop", "length") and llm.stats()["kv_blocks_used"] == 0
     with pytest.raises(ValueError, match="LoRA adapter 'nan' is not loaded; loaded adapters: good"):
         llm.generate([[5, 6, 7]], lora_request="nan")
+
+
+def test_the_openai_server_lists_only_the_adapters_the_engine_loads(base, good, tmp_path):
+    """/v1/models lists a configured engine's adapters (backend/lora/served.py): all of them when a
+    bad one stops the start, and under skip_invalid_lora_adapters only those the engine loads."""
+    from backend.lora.served import configured_adapters
+    bad = tmp_path / "nan"
+    shutil.copytree(good, bad)
+    _tensors(_poison(float("nan")))(bad)
+    params = {"model_path": str(base), "enable_lora": "true", "lora_modules": f"good={good},nan={bad}"}
+    assert configured_adapters(params) == {"good": str(good), "nan": str(bad)}
+    skipping = configured_adapters({**params, "skip_invalid_lora_adapters": "true"})
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, lora_modules=params["lora_modules"],
+              skip_invalid_lora_adapters=True)
+    assert skipping == {"good": str(good)} and list(skipping) == llm.list_loras()
