@@ -78,7 +78,8 @@ class NativeDecode:
         self._stack, self._made_for = None, None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                 rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+                 rope: RopeTables) -> torch.Tensor:
+        """The hidden states after the final norm (LlamaForCausalLM.forward's result)."""
         caches = ctx.kv_caches
         key = (id(caches), caches[0][0].data_ptr(), id(rope), ctx.scale, ctx.layer_windows, ctx.layer_groups)
         if key != self._made_for:
@@ -102,8 +103,9 @@ class NativeDecode:
                 pre_ff_norm=layer.pre_feedforward_layernorm.weight.detach() if layer.sandwich else None,
                 post_ff_norm=layer.post_feedforward_layernorm.weight.detach() if layer.sandwich else None,
                 group=ctx.group_of(i), window=ctx.window_of(i)))
-        return DecodeStack(layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           eps=cfg.rms_norm_eps, scale=ctx.scale, activation=cfg.activation)
+        return DecodeStack(layers, final_norm=self.model.norm.weight.detach(), heads=cfg.num_heads,
+                           kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+                           scale=ctx.scale, activation=cfg.activation)
 
 
 def attach(model: LlamaForCausalLM, ops_name: str, tp=None) -> None:

@@ -84,9 +84,10 @@ def _f32(name: str, t: torch.Tensor, shape: tuple) -> int:
 
 
 class DecodeStack:
-    def __init__(self, layers: Sequence[StackLayer], *, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, scale: float, activation: str = "silu"):
-        """activation: "silu" or "gelu_tanh" (GeGLU), the MLP's, as elementwise.c computes it."""
+    def __init__(self, layers: Sequence[StackLayer], *, final_norm: torch.Tensor, heads: int, kv_heads: int,
+                 head_dim: int, eps: float, scale: float, activation: str = "silu"):
+        """final_norm: the model's norm after the last layer [hidden]; activation: "silu" or
+        "gelu_tanh" (GeGLU), the MLP's, as elementwise.c computes it."""
         if not layers:
             raise ValueError("decode_stack: no layers")
         first = layers[0]
@@ -136,6 +137,8 @@ class DecodeStack:
             if layer.window < 0 or layer.group < 0:
                 raise ValueError(f"decode_stack: layer {i} window {layer.window}, group {layer.group}")
             out.group, out.window = layer.group, layer.window
+        self.final_norm = final_norm
+        _f32("final_norm", final_norm, (self.hidden,))
         self.eps, self.scale = float(eps), float(scale)
         _common.check_paged_attention("decode_stack", torch.empty(0, heads, head_dim), "[S, H, D]",
                                       first.k_cache, first.v_cache, torch.empty(0, 1, dtype=torch.int32),
@@ -149,16 +152,16 @@ class DecodeStack:
                          _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
                          _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
                          _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]))
-        self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P),
+        self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P),
                                        restype=ctypes.c_int)
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 seq_lens: torch.Tensor) -> torch.Tensor:
         """Every layer on T decode rows: x [T, hidden] float32 (the embeddings), positions [T]
         int64, slots [groups, T] int64 (-1: not stored), tables [groups, T, MB] int32, seq_lens [T]
-        int32 (the row's own token included; 0: an empty row) -> (x, residual) after the last
-        layer, whose sum the final norm takes (as the Python loop leaves them)."""
+        int32 (the row's own token included; 0: an empty row) -> the hidden states [T, hidden]
+        after the final norm, as the model's forward returns them."""
         t = x.shape[0]
         _f32("x", x, (t, self.hidden))
         for name, v, dtype, shape in (("positions", positions, torch.int64, (t,)),
@@ -178,14 +181,14 @@ class DecodeStack:
         check("stack_seq_lens", seq_lens, 0, width * self.block_size + 1,
               f"decode_stack: seq_lens (the tables hold {width} blocks of {self.block_size})")
         check("stack_tables", tables, 0, self.num_blocks, "decode_stack: block ids")
-        x = x.clone()  # the embeddings' rows become the last layer's output
-        residual = torch.empty_like(x)
+        x = x.clone()  # the stack's running activations
+        out = torch.empty_like(x)
         self._dims.table_width = width
         if t and self._run(ctypes.byref(self._ops), ctypes.byref(self._dims), self._layers, len(self._keep), t,
                            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-                           x.data_ptr(), residual.data_ptr()):
+                           x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr()):
             raise MemoryError(f"decode_stack: no memory for the scratch of {t} rows")
-        return x, residual
+        return out
 
     def _projection(self, what: str, p: Projection, k: int, n: int, out: _Proj) -> None:
         if not 1 <= len(p.parts) <= MAX_PARTS:

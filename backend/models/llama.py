@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         # weights, backend/models/weights.py); None: the embedding's.
         self.compute_dtype: torch.dtype | None = None
         # The CPU engine's decode steps through one C call for all layers, where the runner found
-        # it applies (backend/native_decode.py): (x, positions, ctx, rope) -> (x, residual).
+        # it applies (backend/native_decode.py): (x, positions, ctx, rope) -> the normed hidden states.
         self.decode_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
@@ -145,11 +145,10 @@ class LlamaForCausalLM(nn.Module):
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         if self.decode_stack is not None and ctx.lora is None and ctx.num_decode_tokens == x.shape[0]:
-            x, residual = self.decode_stack(x, positions, ctx, rope)
-        else:
-            residual = None
-            for layer in self.layers:
-                x, residual = layer(x, residual, positions, ctx, rope)
+            return self.decode_stack(x, positions, ctx, rope)  # every layer and the final norm in C
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, ctx, rope)
         h, _ = _norm(ctx.ops, x, self.norm, residual)
         return h
 

@@ -21,6 +21,7 @@
      Gemma's sandwich norms: h = rmsnorm(o) ; h, residual = rmsnorm(h + residual) ;
              x = rmsnorm(down(act(gate) * up))
    act: SiLU, or GELU's tanh form (Gemma's GeGLU), whichever act_mul the wrapper passes.
+   After the last layer: out = rmsnorm(x + residual) with the model's final norm.
    The wrapper checks every shape, dtype and index bound; this code checks nothing. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -85,19 +86,21 @@ static void project(const stack_ops_t *ops, const proj_t *p, const float *x, int
             for (int64_t n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];
 }
 
-/* x [T, hidden]: the embeddings in, the last layer's output out; residual [T, hidden]: the
-   residual stream out (the final norm adds the two, as after the Python loop). slots [groups, T]
-   int64; tables [groups, T, MB] int32; seq_lens [T] int32. 0 on success, -1 if out of memory. */
+/* x [T, hidden]: the embeddings (overwritten); out [T, hidden]: the final norm of the last layer's
+   output plus the residual stream, as after the Python loop (its call of that norm was 1-2% of a
+   batch-1 step). slots [groups, T] int64; tables [groups, T, MB] int32; seq_lens [T] int32.
+   0 on success, -1 if out of memory. */
 int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_layer_t *layers, int64_t L,
                  int64_t T, const int64_t *positions, const int64_t *slots, const int32_t *tables,
-                 const int32_t *seq_lens, float *x, float *residual) {
+                 const int32_t *seq_lens, float *x, const float *final_norm, float *out) {
     const int64_t H = d->heads, G = d->kv_heads, D = d->head_dim, hidden = d->hidden;
     const int64_t q_size = H * D, kv_size = G * D, qkv_n = q_size + 2 * kv_size;
     const int64_t widest = 2 * d->intermediate > qkv_n ? 2 * d->intermediate : qkv_n;
-    const size_t floats = (size_t)T * (size_t)(3 * hidden + widest + d->intermediate + 3 * q_size + 2 * kv_size);
+    const size_t floats = (size_t)T * (size_t)(4 * hidden + widest + d->intermediate + 3 * q_size + 2 * kv_size);
     float *buf = malloc(sizeof(float) * floats);
     if (!buf) return -1;
-    float *h = buf, *tmp = h + T * hidden, *scratch = tmp + T * hidden; /* [T, hidden] each */
+    float *residual = buf, *h = residual + T * hidden; /* [T, hidden] each, as are tmp and scratch */
+    float *tmp = h + T * hidden, *scratch = tmp + T * hidden;
     float *wide = scratch + T * hidden;                                     /* qkv, then gate | up */
     float *act = wide + T * widest, *q_rot = act + T * d->intermediate, *attn = q_rot + T * q_size;
     float *qn = attn + T * q_size, *k_rot = qn + T * q_size, *kn = k_rot + T * kv_size;
@@ -138,6 +141,7 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
             project(ops, &ly->down, act, T, x);
         }
     }
+    ops->rms_norm(x, residual, final_norm, out, residual, T, hidden, d->eps);
     free(buf);
     return 0;
 }
