@@ -12,13 +12,16 @@ would remain a call back into Python.
 It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu_quant.py) and the
 C kernels (attention_backend auto, float32 activations), dense MLPs (Llama, Mistral, Qwen2, Qwen3,
 Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), pure decode steps (empty and
-verify rows included) in which no row has a LoRA adapter. Other steps, and models outside that
-(float or bf16 weights, mixtures of experts, tensor parallelism), run the Python layers; the log
-says which models and why, once.
+verify rows included) in which no row has a LoRA adapter. A mixture-of-experts layer (Mixtral,
+Qwen3-MoE) runs its attention in the C loop, which calls its Python MoE block back for the MLP
+(router and experts as ever, so the results stay the Python path's). Other steps, and models
+outside that (float or bf16 attention weights, tensor parallelism), run the Python layers; the
+log says which models and why, once.
 INFLIGHT_NATIVE_DECODE=0 turns it off (the A/B of the benchmarks).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Optional
@@ -27,6 +30,7 @@ import torch
 
 from backend.attention import AttentionContext
 from backend.models.llama import MLP, LlamaForCausalLM
+from backend.models.moe import SparseMoeBlock
 from backend.models.quant_linear import ConcatLinear, QuantLinear
 from backend.models.rope import RopeTables
 
@@ -61,9 +65,10 @@ def unsupported(model: LlamaForCausalLM, ops_name: str, tp) -> Optional[str]:
     if cfg.activation not in ("silu", "gelu_tanh"):
         return f"{cfg.activation} MLPs"
     for i, layer in enumerate(model.layers):
-        if not isinstance(layer.mlp, MLP):
-            return f"layer {i}'s MLP is a mixture of experts"
-        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        if not isinstance(layer.mlp, (MLP, SparseMoeBlock)):
+            return f"layer {i}'s MLP is a {type(layer.mlp).__name__}"
+        dense = (layer.mlp.gate_up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, MLP) else ()
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *dense):
             if _projection(module) is None:
                 return f"layer {i} has {type(module).__name__} weights, not packed ones (quantization)"
     return None
@@ -94,9 +99,14 @@ class NativeDecode:
             attn, mlp = layer.self_attn, layer.mlp
             cos, sin = rope.for_layer(attn.window)  # as the Python layer picks its table
             k_cache, v_cache = ctx.kv_caches[i]
+            dense = isinstance(mlp, MLP)
             layers.append(StackLayer(
-                qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj), gate_up=_projection(mlp.gate_up_proj),
-                down=_projection(mlp.down_proj), input_norm=layer.input_layernorm.weight.detach(),
+                qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj),
+                gate_up=_projection(mlp.gate_up_proj) if dense else None,
+                down=_projection(mlp.down_proj) if dense else None,
+                # a mixture of experts: the block itself, as DecoderLayer calls it (no LoRA in a C step)
+                mlp=None if dense else functools.partial(mlp, ops=ctx.ops, lora=None, layer=attn.layer),
+                input_norm=layer.input_layernorm.weight.detach(),
                 post_attn_norm=layer.post_attention_layernorm.weight.detach(), k_cache=k_cache, v_cache=v_cache,
                 cos=cos, sin=sin, q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
                 k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),

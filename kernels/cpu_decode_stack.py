@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -42,7 +42,11 @@ class _Dims(ctypes.Structure):
 
 
 class _Ops(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("qgemm", "rms_norm", "rotary", "store_kv", "attention", "act_mul")]
+    _fields_ = [(name, _P) for name in ("qgemm", "rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp")]
+
+
+# decode_stack.c's mlp_fn: (layer, h, T, out) -> 0, or nonzero if the caller's MLP failed
+_MLP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
 
 
 @dataclass
@@ -56,8 +60,8 @@ class Projection:
 class StackLayer:
     qkv: Projection
     o: Projection
-    gate_up: Projection  # [gate | up], the activation·mul between it and down
-    down: Projection
+    gate_up: Optional[Projection]  # [gate | up], the activation·mul between it and down
+    down: Optional[Projection]
     input_norm: torch.Tensor
     post_attn_norm: torch.Tensor
     k_cache: torch.Tensor  # [NB, BS, G, D] float32 or bfloat16
@@ -70,6 +74,9 @@ class StackLayer:
     post_ff_norm: Optional[torch.Tensor] = None
     group: int = 0  # its KV-cache group (the row of slots and tables it reads)
     window: int = 0  # its sliding window, 0: full attention
+    # A mixture of experts in place of gate_up and down: h [T, hidden] -> [T, hidden], the Python
+    # block itself, called back from the C loop (its router and experts are torch's and C's calls)
+    mlp: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def _address(fn) -> int:
@@ -91,7 +98,9 @@ class DecodeStack:
         if not layers:
             raise ValueError("decode_stack: no layers")
         first = layers[0]
-        self.hidden, self.intermediate = first.input_norm.shape[0], first.down.parts[0].in_features
+        dense = [layer for layer in layers if layer.mlp is None]
+        self.hidden = first.input_norm.shape[0]
+        self.intermediate = dense[0].down.parts[0].in_features if dense else 0
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         nb, bs, g, d = first.k_cache.shape
         if (g, d) != (kv_heads, head_dim) or heads % kv_heads:
@@ -105,15 +114,19 @@ class DecodeStack:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         widths = {"qkv": (self.hidden, q_size + 2 * kv_size), "o": (q_size, self.hidden),
                   "gate_up": (self.hidden, 2 * self.intermediate), "down": (self.intermediate, self.hidden)}
-        isas = {w.isa for layer in layers for name in widths for w in getattr(layer, name).parts}
+        isas = {w.isa for layer in layers for name in widths if getattr(layer, name) is not None
+                for w in getattr(layer, name).parts}
         if len(isas) != 1:
             raise ValueError(f"decode_stack: every packed matrix must use one build of {QUANT}; got {sorted(isas)}")
         self.isa = isas.pop()
         self._keep = list(layers)  # the tensors the structs point into
         self._layers = (_Layer * len(layers))()
         for i, (layer, out) in enumerate(zip(layers, self._layers)):
+            if (layer.mlp is None) == (layer.gate_up is None or layer.down is None):
+                raise ValueError(f"decode_stack: layer {i} needs gate_up and down, or an mlp, not both")
             for name, (k, n) in widths.items():
-                self._projection(f"layer {i} {name}", getattr(layer, name), k, n, getattr(out, name))
+                if getattr(layer, name) is not None:  # a caller's MLP leaves gate_up.parts 0
+                    self._projection(f"layer {i} {name}", getattr(layer, name), k, n, getattr(out, name))
             out.input_norm = _f32(f"layer {i} input_norm", layer.input_norm, (self.hidden,))
             out.post_attn_norm = _f32(f"layer {i} post_attn_norm", layer.post_attn_norm, (self.hidden,))
             if (layer.q_norm is None) != (layer.k_norm is None):
@@ -151,7 +164,12 @@ class DecodeStack:
                          _address(cpu_build.load("elementwise").rotary_f32),
                          _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
                          _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
-                         _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]))
+                         _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]),
+                         None)
+        self._failure: Optional[BaseException] = None
+        if len(dense) < len(layers):  # kept on self: C calls it as long as the stack lives
+            self._mlp_callback = _MLP_FN(self._caller_mlp)
+            self._ops.mlp = _address(self._mlp_callback)
         self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P),
                                        restype=ctypes.c_int)
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)
@@ -184,11 +202,28 @@ class DecodeStack:
         x = x.clone()  # the stack's running activations
         out = torch.empty_like(x)
         self._dims.table_width = width
-        if t and self._run(ctypes.byref(self._ops), ctypes.byref(self._dims), self._layers, len(self._keep), t,
-                           positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-                           x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr()):
+        status = t and self._run(ctypes.byref(self._ops), ctypes.byref(self._dims), self._layers, len(self._keep),
+                                 t, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+                                 x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr())
+        if status == -2:
+            failure, self._failure = self._failure, None
+            raise failure
+        if status:
             raise MemoryError(f"decode_stack: no memory for the scratch of {t} rows")
         return out
+
+    def _caller_mlp(self, layer: int, h: int, t: int, out: int) -> int:
+        """decode_stack.c's mlp_fn: layer `layer`'s own MLP on the C loop's buffers, viewed in place.
+        An exception cannot cross the C frames: it is kept, and __call__ raises it once C returns."""
+        try:
+            size = t * self.hidden
+            rows = lambda address: torch.frombuffer((ctypes.c_float * size).from_address(address),  # noqa: E731
+                                                    dtype=torch.float32).view(t, self.hidden)
+            rows(out).copy_(self._keep[layer].mlp(rows(h)))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 (raised again in __call__)
+            self._failure = exc
+            return 1
 
     def _projection(self, what: str, p: Projection, k: int, n: int, out: _Proj) -> None:
         if not 1 <= len(p.parts) <= MAX_PARTS:

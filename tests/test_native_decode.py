@@ -2,7 +2,8 @@
 kernels/cpu_decode_stack.py) give exactly the Python layers' results: the same greedy tokens and
 the same log-probabilities, to the bit, on every model shape it takes (GQA, q/k/v biases, Qwen3's
 head norms, a sliding window shorter than the contexts, Gemma 3's GeGLU, sandwich norms and two
-KV-cache groups, fused projections of mixed packed types, K-quants, float32 and bfloat16 caches),
+KV-cache groups, fused projections of mixed packed types, K-quants, float32 and bfloat16 caches,
+mixtures of experts whose blocks the C loop calls back),
 with prompts that are not block multiples in a batch of mixed lengths; with LoRA on, steps with an
 adapter's rows keep the Python layers. Models it does not take keep the Python layers, and say
 why; bad step tensors are refused by name."""
@@ -38,6 +39,8 @@ CASES = {
     "gguf, q/k/v and gate/up of mixed types": ("gguf", {"types": ALL_TYPES[3:]}, {}),
     "gguf qwen2, mixed types and biases": ("gguf", {"types": ALL_TYPES[3:], "arch": "qwen2"}, {}),
     "gguf, K-quants": ("gguf", {"types": K_TYPES, "shape": K_SHAPE, "tied": False}, {}),
+    "mixtral (8 experts, top 2: the MoE block called back from C)": ("mixtral", {}, {}),
+    "qwen3-moe (a dense layer between MoE ones, no top-k renormalization)": ("qwen3_moe", {}, {}),
 }
 
 
@@ -82,8 +85,8 @@ def llama(tmp_path_factory, tiny_tokenizer_json):
 
 
 @pytest.mark.parametrize("why,arch,args", [
-    ("mixture of experts", "mixtral", {"quantization": "int8"}),
     ("PackedLinear weights, not packed ones", "llama", {}),  # float32 weights: oneDNN's GEMMs
+    ("PackedLinear weights, not packed ones", "mixtral", {}),  # float attention beside the experts
 ])
 def test_models_it_does_not_take_keep_the_python_layers_and_say_why(why, arch, args, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="backend.native_decode"):
@@ -145,3 +148,24 @@ def test_with_lora_on_base_steps_run_in_c_and_adapter_steps_in_python_alike(tmp_
     assert native == python
     base_answer, adapter_answer = native[0][1][0][:9], native[1][1][0]
     assert adapter_answer != base_answer  # the adapter's row ran with its deltas (same prompt, other tokens)
+
+
+def test_an_error_in_a_called_back_moe_block_is_raised_by_the_stack(tmp_path, tiny_tokenizer_json):
+    """The C loop cannot pass a Python exception through: the stack keeps it, stops, and raises it
+    once C returns; the next call runs normally."""
+    llm = engine("mixtral (8 experts, top 2: the MoE block called back from C)", tmp_path, tiny_tokenizer_json)
+    run(llm)  # the stack is made at the first decode step
+    stack = llm.engine.runner.model.decode_stack._stack
+    args = (torch.zeros(2, stack.hidden), torch.tensor([3, 4]), torch.tensor([[3, 4]]),
+            torch.zeros(1, 2, 2, dtype=torch.int32), torch.tensor([4, 5], dtype=torch.int32))
+    good = stack(*args)
+    layer = stack._keep[1]
+    block = layer.mlp
+
+    def broken(h):
+        raise RuntimeError("expert 3 is on fire")
+    layer.mlp = broken
+    with pytest.raises(RuntimeError, match="expert 3 is on fire"):
+        stack(*args)
+    layer.mlp = block
+    assert torch.equal(stack(*args), good)

@@ -20,7 +20,8 @@
      Llama:  h, residual = rmsnorm(o + residual) ; x = down(act(gate) * up), gate | up = h @ Wgate_up (+ b)
      Gemma's sandwich norms: h = rmsnorm(o) ; h, residual = rmsnorm(h + residual) ;
              x = rmsnorm(down(act(gate) * up))
-   act: SiLU, or GELU's tanh form (Gemma's GeGLU), whichever act_mul the wrapper passes.
+   act: SiLU, or GELU's tanh form (Gemma's GeGLU), whichever act_mul the wrapper passes. A layer
+   whose MLP is a mixture of experts calls back into the caller for it (ops->mlp) instead.
    After the last layer: out = rmsnorm(x + residual) with the model's final norm.
    The wrapper checks every shape, dtype and index bound; this code checks nothing. */
 #include <stdint.h>
@@ -40,6 +41,9 @@ typedef void (*attention_fn)(const float *q, const void *k_cache, const void *v_
                              const int32_t *seq_lens, float *out, int64_t S, int64_t H, int64_t G, int64_t D,
                              int64_t BS, int64_t MB, float scale, int64_t window);
 typedef void (*act_mul_fn)(const float *x, float *out, int64_t T, int64_t I);
+/* A layer's MLP run by the caller (a mixture of experts: its router and experts stay the Python
+   block's): out [T, hidden] from h; nonzero if it failed (the stack then stops). */
+typedef int (*mlp_fn)(int64_t layer, const float *h, int64_t T, float *out);
 
 typedef struct {
     qgemm_fn qgemm;
@@ -48,6 +52,7 @@ typedef struct {
     store_kv_fn store_kv;
     attention_fn attention;
     act_mul_fn act_mul;
+    mlp_fn mlp;
 } stack_ops_t;
 
 #define MAX_PARTS 4
@@ -61,7 +66,7 @@ typedef struct {
 } proj_t;
 
 typedef struct {
-    proj_t qkv, o, gate_up, down;
+    proj_t qkv, o, gate_up, down; /* gate_up.parts == 0: the MLP is ops->mlp's */
     const float *input_norm, *post_attn_norm;
     const float *pre_ff_norm, *post_ff_norm; /* Gemma's sandwich norms; NULL otherwise */
     const float *q_norm, *k_norm;            /* Qwen3's and Gemma's per-head norms; NULL otherwise */
@@ -89,7 +94,7 @@ static void project(const stack_ops_t *ops, const proj_t *p, const float *x, int
 /* x [T, hidden]: the embeddings (overwritten); out [T, hidden]: the final norm of the last layer's
    output plus the residual stream, as after the Python loop (its call of that norm was 1-2% of a
    batch-1 step). slots [groups, T] int64; tables [groups, T, MB] int32; seq_lens [T] int32.
-   0 on success, -1 if out of memory. */
+   0 on success, -1 if out of memory, -2 if a caller's MLP failed. */
 int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_layer_t *layers, int64_t L,
                  int64_t T, const int64_t *positions, const int64_t *slots, const int32_t *tables,
                  const int32_t *seq_lens, float *x, const float *final_norm, float *out) {
@@ -132,14 +137,18 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
         } else {
             ops->rms_norm(tmp, residual, ly->post_attn_norm, h, residual, T, hidden, d->eps);
         }
-        project(ops, &ly->gate_up, h, T, wide);
-        ops->act_mul(wide, act, T, d->intermediate);
-        if (ly->post_ff_norm) {
-            project(ops, &ly->down, act, T, tmp);
-            ops->rms_norm(tmp, NULL, ly->post_ff_norm, x, scratch, T, hidden, d->eps);
+        float *mlp_out = ly->post_ff_norm ? tmp : x;
+        if (ly->gate_up.parts == 0) {
+            if (ops->mlp(l, h, T, mlp_out)) {
+                free(buf);
+                return -2;
+            }
         } else {
-            project(ops, &ly->down, act, T, x);
+            project(ops, &ly->gate_up, h, T, wide);
+            ops->act_mul(wide, act, T, d->intermediate);
+            project(ops, &ly->down, act, T, mlp_out);
         }
+        if (ly->post_ff_norm) ops->rms_norm(tmp, NULL, ly->post_ff_norm, x, scratch, T, hidden, d->eps);
     }
     ops->rms_norm(x, residual, final_norm, out, residual, T, hidden, d->eps);
     free(buf);
