@@ -12,11 +12,12 @@ would remain a call back into Python.
 It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu_quant.py) and the
 C kernels (attention_backend auto, float32 activations), dense MLPs (Llama, Mistral, Qwen2, Qwen3,
 Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), pure decode steps (empty and
-verify rows included) in which no row has a LoRA adapter. A mixture-of-experts layer (Mixtral,
-Qwen3-MoE) runs its attention in the C loop, which calls its Python MoE block back for the MLP
-(router and experts as ever, so the results stay the Python path's). Other steps, and models
-outside that (float or bf16 attention weights, tensor parallelism), run the Python layers; the
-log says which models and why, once.
+verify rows included). Two things stay Python's, called back from the C loop (ctypes callbacks on
+its buffers, so the results stay the Python path's): a mixture-of-experts layer's MLP (Mixtral,
+Qwen3-MoE: the block's router and experts as ever), and in a step with an adapter's rows the LoRA
+deltas of each projection (LoRAStep.add, right after the projection, as lora_project adds them).
+Other steps (prefills), and models outside that (float or bf16 attention weights, tensor
+parallelism), run the Python layers; the log says which models and why, once.
 INFLIGHT_NATIVE_DECODE=0 turns it off (the A/B of the benchmarks).
 """
 from __future__ import annotations
@@ -52,9 +53,8 @@ def _projection(module) -> Optional[object]:
 
 
 def unsupported(model: LlamaForCausalLM, ops_name: str, tp) -> Optional[str]:
-    """Why this model's decode steps cannot run in C, or None when they can. (With LoRA on, a step
-    with an adapter's row runs the Python layers, which add the deltas; a step of the base model
-    alone, ctx.lora None, runs in C: the layers' own weights are the same.)"""
+    """Why this model's decode steps cannot run in C, or None when they can (LoRA or not: a step's
+    adapter deltas are called back)."""
     cfg = model.cfg
     if os.environ.get("INFLIGHT_NATIVE_DECODE", "1") == "0":
         return "INFLIGHT_NATIVE_DECODE=0"
@@ -90,7 +90,7 @@ class NativeDecode:
         if key != self._made_for:
             self._stack, self._made_for = self._make(ctx, rope), key
         return self._stack(x, positions.contiguous(), ctx.slot_mapping.contiguous(),
-                           ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous())
+                           ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous(), ctx.lora)
 
     def _make(self, ctx: AttentionContext, rope: RopeTables):
         from kernels.cpu_decode_stack import DecodeStack, StackLayer
@@ -104,8 +104,8 @@ class NativeDecode:
                 qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj),
                 gate_up=_projection(mlp.gate_up_proj) if dense else None,
                 down=_projection(mlp.down_proj) if dense else None,
-                # a mixture of experts: the block itself, as DecoderLayer calls it (no LoRA in a C step)
-                mlp=None if dense else functools.partial(mlp, ops=ctx.ops, lora=None, layer=attn.layer),
+                # a mixture of experts: the block itself, as DecoderLayer calls it (the stack passes lora)
+                mlp=None if dense else functools.partial(mlp, ops=ctx.ops, layer=attn.layer),
                 input_norm=layer.input_layernorm.weight.detach(),
                 post_attn_norm=layer.post_attention_layernorm.weight.detach(), k_cache=k_cache, v_cache=v_cache,
                 cos=cos, sin=sin, q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),

@@ -42,11 +42,16 @@ class _Dims(ctypes.Structure):
 
 
 class _Ops(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("qgemm", "rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp")]
+    _fields_ = [(name, _P) for name in ("qgemm", "rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp",
+                                        "delta")]
 
 
-# decode_stack.c's mlp_fn: (layer, h, T, out) -> 0, or nonzero if the caller's MLP failed
+# decode_stack.c's mlp_fn (layer, h, T, out) and delta_fn (layer, which, x, T, out): 0, or nonzero
+# if the caller's MLP or LoRA deltas failed
 _MLP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+_DELTA_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                             ctypes.c_void_p)
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # decode_stack.c's QKV, O, GATE_UP, DOWN
 
 
 @dataclass
@@ -74,9 +79,14 @@ class StackLayer:
     post_ff_norm: Optional[torch.Tensor] = None
     group: int = 0  # its KV-cache group (the row of slots and tables it reads)
     window: int = 0  # its sliding window, 0: full attention
-    # A mixture of experts in place of gate_up and down: h [T, hidden] -> [T, hidden], the Python
-    # block itself, called back from the C loop (its router and experts are torch's and C's calls)
-    mlp: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # A mixture of experts in place of gate_up and down: (h [T, hidden], lora) -> [T, hidden], the
+    # Python block itself, called back from the C loop (its router and experts are torch's and C's)
+    mlp: Optional[Callable[..., torch.Tensor]] = None
+
+
+def _rows(address: int, t: int, width: int) -> torch.Tensor:
+    """The C loop's buffer at `address` as a float32 [t, width] tensor, in place."""
+    return torch.frombuffer((ctypes.c_float * (t * width)).from_address(address), dtype=torch.float32).view(t, width)
 
 
 def _address(fn) -> int:
@@ -165,21 +175,27 @@ class DecodeStack:
                          _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
                          _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
                          _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]),
-                         None)
+                         None, None)
         self._failure: Optional[BaseException] = None
-        if len(dense) < len(layers):  # kept on self: C calls it as long as the stack lives
-            self._mlp_callback = _MLP_FN(self._caller_mlp)
+        self._lora = None  # the step's backend.lora.step.LoRAStep, while a call with one runs
+        # kept on self: C calls them as long as the stack lives
+        self._mlp_callback, self._delta_callback = _MLP_FN(self._caller_mlp), _DELTA_FN(self._lora_deltas)
+        if len(dense) < len(layers):
             self._ops.mlp = _address(self._mlp_callback)
+        self._delta_address = _address(self._delta_callback)
+        self._shapes = ((self.hidden, q_size + 2 * kv_size), (q_size, self.hidden),
+                        (self.hidden, 2 * self.intermediate), (self.intermediate, self.hidden))
         self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P),
                                        restype=ctypes.c_int)
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 seq_lens: torch.Tensor) -> torch.Tensor:
+                 seq_lens: torch.Tensor, lora=None) -> torch.Tensor:
         """Every layer on T decode rows: x [T, hidden] float32 (the embeddings), positions [T]
         int64, slots [groups, T] int64 (-1: not stored), tables [groups, T, MB] int32, seq_lens [T]
         int32 (the row's own token included; 0: an empty row) -> the hidden states [T, hidden]
-        after the final norm, as the model's forward returns them."""
+        after the final norm, as the model's forward returns them. `lora`: the step's LoRAStep when
+        a row has an adapter; its deltas are added after each projection, as lora_project does."""
         t = x.shape[0]
         _f32("x", x, (t, self.hidden))
         for name, v, dtype, shape in (("positions", positions, torch.int64, (t,)),
@@ -202,9 +218,11 @@ class DecodeStack:
         x = x.clone()  # the stack's running activations
         out = torch.empty_like(x)
         self._dims.table_width = width
+        self._lora, self._ops.delta = lora, None if lora is None else self._delta_address
         status = t and self._run(ctypes.byref(self._ops), ctypes.byref(self._dims), self._layers, len(self._keep),
                                  t, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
                                  x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr())
+        self._lora = None
         if status == -2:
             failure, self._failure = self._failure, None
             raise failure
@@ -216,10 +234,21 @@ class DecodeStack:
         """decode_stack.c's mlp_fn: layer `layer`'s own MLP on the C loop's buffers, viewed in place.
         An exception cannot cross the C frames: it is kept, and __call__ raises it once C returns."""
         try:
-            size = t * self.hidden
-            rows = lambda address: torch.frombuffer((ctypes.c_float * size).from_address(address),  # noqa: E731
-                                                    dtype=torch.float32).view(t, self.hidden)
-            rows(out).copy_(self._keep[layer].mlp(rows(h)))
+            _rows(out, t, self.hidden).copy_(self._keep[layer].mlp(_rows(h, t, self.hidden), lora=self._lora))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 (raised again in __call__)
+            self._failure = exc
+            return 1
+
+    def _lora_deltas(self, layer: int, which: int, x: int, t: int, out: int) -> int:
+        """decode_stack.c's delta_fn: the step's adapter deltas of one projection, added to its
+        output in place (LoRAStep.add, as backend/lora/step.py's lora_project adds them)."""
+        try:
+            k, n = self._shapes[which]
+            y = _rows(out, t, n)
+            added = self._lora.add(y, _rows(x, t, k), layer, PROJECTIONS[which])
+            if added.data_ptr() != y.data_ptr():
+                y.copy_(added)
             return 0
         except BaseException as exc:  # noqa: BLE001 (raised again in __call__)
             self._failure = exc

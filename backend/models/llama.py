@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
             x = x * float(torch.tensor(self.cfg.embedding_scale, dtype=x.dtype))
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        if self.decode_stack is not None and ctx.lora is None and ctx.num_decode_tokens == x.shape[0]:
+        if self.decode_stack is not None and ctx.num_decode_tokens == x.shape[0]:
             return self.decode_stack(x, positions, ctx, rope)  # every layer and the final norm in C
         residual = None
         for layer in self.layers:

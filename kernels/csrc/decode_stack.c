@@ -44,6 +44,11 @@ typedef void (*act_mul_fn)(const float *x, float *out, int64_t T, int64_t I);
 /* A layer's MLP run by the caller (a mixture of experts: its router and experts stay the Python
    block's): out [T, hidden] from h; nonzero if it failed (the stack then stops). */
 typedef int (*mlp_fn)(int64_t layer, const float *h, int64_t T, float *out);
+/* The step's LoRA deltas of projection `which` (QKV, O, GATE_UP, DOWN) added to its output out
+   [T, N] from its input x [T, K], by the caller (backend/lora: the adapters' segments of rows);
+   nonzero if it failed. NULL in a step with no adapter's row. */
+typedef int (*delta_fn)(int64_t layer, int64_t which, const float *x, int64_t T, float *out);
+enum { QKV, O, GATE_UP, DOWN };
 
 typedef struct {
     qgemm_fn qgemm;
@@ -53,6 +58,7 @@ typedef struct {
     attention_fn attention;
     act_mul_fn act_mul;
     mlp_fn mlp;
+    delta_fn delta;
 } stack_ops_t;
 
 #define MAX_PARTS 4
@@ -80,21 +86,25 @@ typedef struct {
     float eps, scale;
 } stack_dims_t;
 
-static void project(const stack_ops_t *ops, const proj_t *p, const float *x, int64_t T, float *out) {
+/* out = x @ W^T (+ bias), then the step's LoRA deltas, as backend/lora/step.py's lora_project:
+   0, or nonzero if the caller's deltas failed. */
+static int project(const stack_ops_t *ops, const proj_t *p, int64_t layer, int64_t which, const float *x,
+                   int64_t T, float *out) {
     if (p->parts == 1) {
         ops->qgemm(p->w[0], x, T, p->bias, out, p->N);
-        return;
+    } else {
+        for (int64_t i = 0; i < p->parts; i++) ops->qgemm(p->w[i], x, T, NULL, out + p->col[i], p->N);
+        if (p->bias)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];
     }
-    for (int64_t i = 0; i < p->parts; i++) ops->qgemm(p->w[i], x, T, NULL, out + p->col[i], p->N);
-    if (p->bias)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];
+    return ops->delta ? ops->delta(layer, which, x, T, out) : 0;
 }
 
 /* x [T, hidden]: the embeddings (overwritten); out [T, hidden]: the final norm of the last layer's
    output plus the residual stream, as after the Python loop (its call of that norm was 1-2% of a
    batch-1 step). slots [groups, T] int64; tables [groups, T, MB] int32; seq_lens [T] int32.
-   0 on success, -1 if out of memory, -2 if a caller's MLP failed. */
+   0 on success, -1 if out of memory, -2 if a caller's MLP or LoRA deltas failed. */
 int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_layer_t *layers, int64_t L,
                  int64_t T, const int64_t *positions, const int64_t *slots, const int32_t *tables,
                  const int32_t *seq_lens, float *x, const float *final_norm, float *out) {
@@ -114,7 +124,7 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
         const stack_layer_t *ly = &layers[l];
         /* layer 0 has no residual yet: rmsnorm(x), and the residual is x itself */
         ops->rms_norm(x, l ? residual : NULL, ly->input_norm, h, residual, T, hidden, d->eps);
-        project(ops, &ly->qkv, h, T, wide);
+        if (project(ops, &ly->qkv, l, QKV, h, T, wide)) goto failed;
         const float *q = wide, *k = wide + q_size, *v = wide + q_size + kv_size;
         int64_t q_stride = qkv_n, k_stride = qkv_n;
         if (ly->q_norm) { /* each head's RMSNorm over head_dim, on contiguous copies (as torch reshapes) */
@@ -130,7 +140,7 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
         ops->store_kv(k_rot, kv_size, v, qkv_n, ly->k_cache, ly->v_cache, slots + ly->group * T, T, kv_size);
         ops->attention(q_rot, ly->k_cache, ly->v_cache, tables + ly->group * T * d->table_width, seq_lens, attn,
                        T, H, G, D, d->block_size, d->table_width, d->scale, ly->window);
-        project(ops, &ly->o, attn, T, tmp);
+        if (project(ops, &ly->o, l, O, attn, T, tmp)) goto failed;
         if (ly->pre_ff_norm) { /* Gemma: the attention output's own norm, then the pre-feedforward one */
             ops->rms_norm(tmp, NULL, ly->post_attn_norm, scratch, h, T, hidden, d->eps);
             ops->rms_norm(scratch, residual, ly->pre_ff_norm, h, residual, T, hidden, d->eps);
@@ -139,18 +149,18 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
         }
         float *mlp_out = ly->post_ff_norm ? tmp : x;
         if (ly->gate_up.parts == 0) {
-            if (ops->mlp(l, h, T, mlp_out)) {
-                free(buf);
-                return -2;
-            }
+            if (ops->mlp(l, h, T, mlp_out)) goto failed;
         } else {
-            project(ops, &ly->gate_up, h, T, wide);
+            if (project(ops, &ly->gate_up, l, GATE_UP, h, T, wide)) goto failed;
             ops->act_mul(wide, act, T, d->intermediate);
-            project(ops, &ly->down, act, T, mlp_out);
+            if (project(ops, &ly->down, l, DOWN, act, T, mlp_out)) goto failed;
         }
         if (ly->post_ff_norm) ops->rms_norm(tmp, NULL, ly->post_ff_norm, x, scratch, T, hidden, d->eps);
     }
     ops->rms_norm(x, residual, final_norm, out, residual, T, hidden, d->eps);
     free(buf);
     return 0;
+failed:
+    free(buf);
+    return -2;
 }
