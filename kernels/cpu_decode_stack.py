@@ -183,8 +183,7 @@ class DecodeStack:
         if len(dense) < len(layers):
             self._ops.mlp = _address(self._mlp_callback)
         self._delta_address = _address(self._delta_callback)
-        self._shapes = ((self.hidden, q_size + 2 * kv_size), (q_size, self.hidden),
-                        (self.hidden, 2 * self.intermediate), (self.intermediate, self.hidden))
+        self._shapes = tuple(widths.values())  # (K, N) by decode_stack.c's QKV, O, GATE_UP, DOWN
         self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P),
                                        restype=ctypes.c_int)
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)

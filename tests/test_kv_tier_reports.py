@@ -54,14 +54,20 @@ def test_openai_usage_shows_cached_tokens_when_the_model_reports_them():
     assert "prompt_tokens_details" not in usage([older], 1)
 
 
-def test_tier_metrics_follow_the_engine_stats(monkeypatch):
+def _model_metrics(monkeypatch, module_name: str):
+    """model.py loaded under a fake Triton (none of its metric families made yet) and the Metrics
+    it gives an instance llm_0_0 on the CPU."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
     _MetricFamily.created = []
-    spec = importlib.util.spec_from_file_location("inflight_tier_metrics_model", MODEL_PY)
+    spec = importlib.util.spec_from_file_location(module_name, MODEL_PY)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     labels = {"model": "llm", "version": "1", "instance": "llm_0_0", "device": "cpu"}
-    metrics = module.Metrics(labels, module.pb_utils.MetricFamily)
+    return module.Metrics(labels, module.pb_utils.MetricFamily)
+
+
+def test_tier_metrics_follow_the_engine_stats(monkeypatch):
+    metrics = _model_metrics(monkeypatch, "inflight_tier_metrics_model")
     base = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_blocks_total": 8, "kv_blocks_used": 0}
     metrics.update({**base, "kv_tiers": TIER_STATS})
     later = {t: dict(f) for t, f in TIER_STATS.items()}
@@ -89,13 +95,7 @@ def test_an_update_counts_the_tokens_before_it_shows_the_requests_gone(monkeypat
     """A scrape in the middle of an update must not see no request running beside counters that
     miss the last tokens (a clean-clone run read 3,839 of 3,840 generated tokens that way): the
     counters move before the gauges."""
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
-    _MetricFamily.created = []
-    spec = importlib.util.spec_from_file_location("inflight_update_order_model", MODEL_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    labels = {"model": "llm", "version": "1", "instance": "llm_0_0", "device": "cpu"}
-    metrics = module.Metrics(labels, module.pb_utils.MetricFamily)
+    metrics = _model_metrics(monkeypatch, "inflight_update_order_model")
     base = {"num_requests_waiting": 0, "kv_blocks_total": 8, "kv_blocks_used": 0}
     metrics.update({**base, "num_requests_running": 1, "generation_tokens_total": 479})
     order = []
