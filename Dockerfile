@@ -56,12 +56,13 @@ COPY backend/ backend/
 COPY kernels/ kernels/
 COPY client/ client/
 COPY openai_server/ openai_server/
+COPY serving/ serving/
 COPY templates/ templates/
 COPY model_repository/ model_repository/
 # The project and its dependencies (the image has its own tritonserver: no nvidia-pytriton), and
 # transformers, the oracle of `inflight gpu-check` (its greedy check), at the test extra's pin.
 RUN python3 -m pip install /opt/inflight "transformers==5.24.0" \
-    && python3 -c "import torch, transformers, backend, client.cli, openai_server.app"
+    && python3 -c "import torch, transformers, backend, client.cli, serving.triton_launcher, openai_server.app"
 
 # The entrypoint and the health check are files (hadolint does not parse COPY heredocs).
 COPY deploy/docker/entrypoint.sh /usr/local/bin/inflight-entrypoint

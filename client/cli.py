@@ -16,17 +16,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _make_model(argv: list[str]) -> int:
-    from backend.make_model import main
+    from backend.models.make_model import main
     return main(argv) or 0
 
 
 def _bench(argv: list[str]) -> int:
     try:
-        bench = importlib.import_module("client.tools.bench")
+        bench = importlib.import_module("client.tools.benchmarks.bench")
     except ModuleNotFoundError as exc:
-        if exc.name != "client.tools.bench":
+        if exc.name != "client.tools.benchmarks.bench":
             raise
-        print("inflight bench: not yet available in this checkout (client/tools/bench.py is missing)",
+        print("inflight bench: not yet available in this checkout (client/tools/benchmarks/bench.py is missing)",
               file=sys.stderr)
         return 2
     return bench.main(argv) or 0
@@ -38,13 +38,13 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from openai_server.launcher import OpenAIServer, OpenAIServerError
-    from client.tools.server import MODEL_NAME, ServerError, TritonServer
+    from serving.openai_launcher import OpenAIServer, OpenAIServerError
+    from serving.triton_launcher import MODEL_NAME, ServerError, TritonServer
     from templates.render import DEFAULT_OUTPUT, read_parameters, write_config
 
     params = dict(args.param)
     if args.speculative_config is not None:  # checked now: a bad value is refused before Triton starts
-        from backend.spec.config import parse_speculative_config, resolve_draft_path
+        from backend.core.speculative_config import parse_speculative_config, resolve_draft_path
         try:
             parse_speculative_config(args.speculative_config)
         except ValueError as exc:
@@ -130,7 +130,7 @@ def lora_params(entries: list[str], params: dict[str, str]) -> dict[str, str]:
     folders (the server runs elsewhere), and enable_lora on."""
     import json
 
-    from backend.lora.sources import parse_lora_modules
+    from backend.core.lora import parse_lora_modules
 
     modules = parse_lora_modules(params.get("lora_modules"))
     modules.update({name: str(Path(path).expanduser().resolve()) for name, path in parse_lora_modules(entries).items()})
@@ -277,11 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", add_help=False, help="benchmark a running server (see `inflight bench --help`)")
 
-    # -- import-gguf (backend/gguf/importer.py parses its own arguments) --
+    # -- import-gguf (backend/models/gguf/importer.py parses its own arguments) --
     sub.add_parser("import-gguf", add_help=False,
                    help="convert a GGUF file into a checkpoint folder (see `inflight import-gguf --help`)")
 
-    # -- gpu-check (client/tools/gpu_check.py parses its own arguments) --
+    # -- gpu-check (client/tools/gpu_check/run.py parses its own arguments) --
     sub.add_parser("gpu-check", add_help=False,
                    help="the GPU acceptance script, or its CPU rehearsal (see `inflight gpu-check --help`)")
     return parser
@@ -294,10 +294,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
     if argv and argv[0] == "import-gguf":  # FILE --out DIR [--dtype] [--force]
-        from backend.gguf.importer import main as import_gguf_main
+        from backend.models.gguf.importer import main as import_gguf_main
         return import_gguf_main(argv[1:])
     if argv and argv[0] == "gpu-check":  # [--dry-run] [--out DIR]
-        from client.tools.gpu_check import main as gpu_check_main
+        from client.tools.gpu_check.run import main as gpu_check_main
         return gpu_check_main(argv[1:])
     args = build_parser().parse_args(argv)
     return {"config": _config, "serve": _serve, "generate": _generate}[args.command](args)

@@ -5,7 +5,7 @@
 No GPU is needed: the `triton` wheel's compiler (with its bundled ptxas) builds cubins for a target
 that is not present, and it refuses code that the CPU interpreter runs (e.g. a `tl.dot` with a tile
 dimension under 16). For each model shape below, in bf16 and fp16, this builds engine-like CPU
-tensors (the layouts and index dtypes of backend/runner.py and backend/models/llama.py), asks each
+tensors (the layouts and index dtypes of backend/worker/runner.py and backend/models/llama.py), asks each
 wrapper's `plan_*` function for its launches, the same function the wrapper itself launches, with
 the GPU's configuration, and compiles them through Triton's own argument specialization (so
 strides of 1 and 16-byte alignment specialize as at a real launch). The launches are planned at
@@ -35,9 +35,9 @@ if os.environ.pop("TRITON_INTERPRET", None) == "1" and "triton" in sys.modules:
     raise RuntimeError("kernels.aot: triton was imported under TRITON_INTERPRET=1; run "
                        "`python -m kernels.aot` in a process without it")
 
-from kernels.aot_launches import (  # noqa: E402, F401  (after the check above; model_launches for the tests)
+from kernels.gpu.aot_launches import (  # noqa: E402, F401  (after the check above; model_launches for the tests)
     DEFAULT_BLOCK_SIZE, DTYPES, MODELS, ModelShape, dtype_variants, model_launches)
-from kernels.launch import Launch  # noqa: E402
+from kernels.gpu.launch import Launch  # noqa: E402
 
 DEFAULT_DTYPES = ["bf16", "fp16"]   # what a GPU deployment serves; fp32 on request (--dtypes fp32)
 # Shared memory per block with the opt-in attribute (cudaDevAttrMaxSharedMemoryPerBlockOptin):

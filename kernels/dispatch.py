@@ -1,6 +1,6 @@
 """Pick the kernel implementations for a device and an `attention_backend` setting.
 
-auto: the Triton kernels on CUDA; on CPU the C kernels (kernels/csrc, built on first use) with
+auto: the Triton kernels on CUDA; on CPU the C kernels (kernels/cpu/csrc, built on first use) with
       torch's SDPA for prefill attention, or the references alone when the model is not float32
       or no C compiler is there.
 triton: the Triton kernels everywhere (on CPU they need TRITON_INTERPRET=1, set before triton loads).
@@ -41,18 +41,20 @@ TORCH_OPS = KernelOps("torch", reference.store_kv, reference.decode_attention,
 
 
 def triton_ops() -> KernelOps:
-    from kernels import triton_ops as t  # imported lazily: triton is heavy and GPU-oriented
+    from kernels.gpu import triton_ops as t  # imported lazily: triton is heavy and GPU-oriented
     return KernelOps("triton", t.store_kv, t.decode_attention, t.prefill_attention, t.rms_norm,
                      t.rotary_embedding, t.silu_mul, t.gelu_tanh_mul, t.fused_moe)
 
 
 def cpu_ops(dtype: torch.dtype) -> KernelOps:
-    """The CPU engine's kernels for float32: C (kernels/csrc, built on first use) for decode
+    """The CPU engine's kernels for float32: C (kernels/cpu/csrc, built on first use) for decode
     attention, the cache store, RMSNorm, RoPE, SiLU·mul and GELU(tanh)·mul; torch's SDPA
-    reference for prefill. (The C decode stack, backend/native_decode.py, calls these same kernels.)"""
+    reference for prefill. (The C decode stack, backend/worker/native_decode.py, calls these same kernels.)"""
     if dtype != torch.float32:
         return TORCH_OPS
-    from kernels import cpu_build, cpu_decode_attention as attn, cpu_elementwise as ew
+    from kernels.cpu import build as cpu_build
+    from kernels.cpu import decode_attention as attn
+    from kernels.cpu import elementwise as ew
     try:
         cpu_build.load("decode_attention")
         cpu_build.load("elementwise")

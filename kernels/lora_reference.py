@@ -1,7 +1,7 @@
 """Segmented LoRA products (punica's SGMV, vLLM's lora shrink/expand): the torch reference, which is
 also the CPU engine's path. Nothing here imports triton.
 
-A step's rows are grouped by adapter into segments (contiguous row ranges, backend/lora/segments.py);
+A step's rows are grouped by adapter into segments (contiguous row ranges, backend/worker/lora/segments.py);
 each resident adapter has a slot in two weight banks per fused projection:
   a_bank [slots, shards * R, K]  lora_A of each shard (q, k, v / gate, up / one), rank padded to R
   b_bank [slots, N, R]           lora_B x scaling, the shards' output rows one after another

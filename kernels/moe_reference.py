@@ -1,6 +1,6 @@
 """Mixture-of-experts in torch: the router, the token -> expert sort, and the experts' computation.
 
-These are the oracle of the fused-MoE Triton kernel (kernels/fused_moe.py, same signature) and the
+These are the oracle of the fused-MoE Triton kernel (kernels/gpu/fused_moe.py, same signature) and the
 CPU engine's path (docs/design.md, "Mixture of experts").
 
 Shapes (T tokens, H hidden, E experts, I an expert's intermediate size, K experts per token):
@@ -13,14 +13,14 @@ A (token, slot) pair is numbered t * K + k: the flat index into topk_ids.
 - `moe_align_block_size`: the pairs sorted by expert (stable: token order within an expert), each
   expert's run padded to a multiple of the kernel's row block, so that every block of rows belongs
   to one expert. Device-side torch ops on fixed-size outputs, no value read on the host: it runs
-  inside a CUDA graph (the decode steps' graphs, backend/cuda_graphs.py).
+  inside a CUDA graph (the decode steps' graphs, backend/worker/cuda_graphs.py).
 - `grouped_moe`: gathers each expert's tokens and runs one GEMM per *active* expert (the CPU
   path; the expert weights may be stacked tensors or per-expert linear layers, float or packed).
 - `expert_gemm`: rows sorted by expert, each against its own expert's weight: the oracle of the
-  CPU's one-call C kernel (kernels/cpu_moe.py), in float64.
+  CPU's one-call C kernel (kernels/cpu/moe.py), in float64.
 - `dense_moe`: every expert on every token, weighted by a [T, E] matrix that is zero off the
   chosen experts. No host read, so it is the references' GPU branch; and the baseline of
-  client/tools/moe_bench.py.
+  client/tools/benchmarks/moe.py.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ AWQ packing, and `linear_reference`, the product every quantized GEMM must repro
 | GGUF types (Q4_0 ... Q6_K, Q8_0) | docs/quantization.md | kernels/quant_reference.py `dequantize` |
 | `INT8` | qweight int8 [N, K], scales float [N, K / G] | scales[n, k // G] * qweight[n, k] |
 | `FP8` | qweight float8_e4m3fn [N, K], scales float32 [N, 1] | scales[n, 0] * qweight[n, k] |
-| `AWQ` | qweight int32 [K, N / 8], qzeros int32 [K / G, N / 8], scales float16 [K / G, N] | (q - z) * scales (kernels/quant_awq_gemm.py) |
+| `AWQ` | qweight int32 [K, N / 8], qzeros int32 [K / G, N / 8], scales float16 [K / G, N] | (q - z) * scales (kernels/gpu/quant_awq_gemm.py) |
 
 Everything is computed in float32.
 """

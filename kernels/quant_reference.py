@@ -6,7 +6,7 @@ equals llama.cpp's dequantized weights to the bit (tests/test_quant_layout.py ch
 `gguf` package). It works on any subset of rows (the arrays are row-major, whole rows), which the
 quantized embedding uses to look up a step's tokens.
 
-`quantize_activations` and `qmatmul` are what the CPU kernels compute (kernels/cpu_quant.py): the
+`quantize_activations` and `qmatmul` are what the CPU kernels compute (kernels/cpu/quant.py): the
 activations quantized per row in groups of 32 to int8 with a float scale, as llama.cpp quantizes
 them (Q8_0/Q8_1), then integer dot products per group, scaled. Their result differs from
 `x @ dequantize(w).T` by the activations' rounding, which the tests bound.

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from backend.input_guard import lone_surrogate
+from backend.core.input_guard import lone_surrogate
 from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.responses import ChoiceState, Reply, sse
 from openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
@@ -97,7 +97,7 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         return _error(exc)
 
     # The door's backstop: what a hostile body makes Python raise past the checks that name the
-    # field (backend/input_guard.py) is still the client's fault, never a 500.
+    # field (backend/core/input_guard.py) is still the client's fault, never a 500.
     @app.exception_handler(RecursionError)
     @app.exception_handler(OverflowError)
     @app.exception_handler(UnicodeError)

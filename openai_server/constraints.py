@@ -1,5 +1,5 @@
 """What an OpenAI request asks its output to follow -> the engine's `structured_outputs` (vLLM's
-StructuredOutputsParams, backend/structured/spec.py), sent in sampling_parameters.
+StructuredOutputsParams, backend/core/structured.py), sent in sampling_parameters.
 
 Three ways to ask, at most one per request:
 - OpenAI's `response_format`: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
@@ -8,7 +8,7 @@ Three ways to ask, at most one per request:
 - vLLM's extra fields: `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | ...}) and
   the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, ...;
 - `tool_choice` "required" or a named function (tools.py): a structural tag over the call format.
-The shape is checked here, naming the parameter, and so are schemas (backend/structured/schema_check.py);
+The shape is checked here, naming the parameter, and so are schemas (backend/core/schema_check.py);
 compiling (a grammar xgrammar refuses, one no token can start) is the engine's, off the request
 path: its 400 names `structured_outputs.<kind>`.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from backend.structured.spec import FIELD, KINDS, LEGACY_KEYS, StructuredOutputs, fold_legacy_keys
+from backend.core.structured import FIELD, KINDS, LEGACY_KEYS, StructuredOutputs, fold_legacy_keys
 
 if TYPE_CHECKING:
     from openai_server.tools import ToolCalling

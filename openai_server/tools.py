@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from backend.structured.schema_check import check_schema
+from backend.core.schema_check import check_schema
 from openai_server.constraints import FieldError
 from openai_server.tool_parsers import HERMES_CLOSE, HERMES_OPEN, LLAMA3_SEPARATOR, PARSERS
 

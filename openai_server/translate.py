@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from backend.request import SamplingParams
+from backend.core.request import SamplingParams
 from openai_server.constraints import FIELDS as STRUCTURED_FIELDS, FieldError, structured_outputs
 from openai_server.tools import ToolCalling, check_tool_messages, prepare_messages
 

@@ -14,7 +14,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
-from backend.lora.served import configured_adapters
+from backend.models.lora.served import configured_adapters
 from openai_server.responses import Piece, pieces
 from templates.tensors import QUEUE_INFO_OUTPUTS
 from openai_server.translate import APIError

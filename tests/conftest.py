@@ -27,7 +27,7 @@ pytest_plugins = ["tiers", "pytester"]
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory):
     """The embedded default model (what `inflight make-model` writes), made once per session."""
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
     return make_model(tmp_path_factory.mktemp("default-model"))
 
 
@@ -40,5 +40,5 @@ def packed_folders_stay_packed(request, monkeypatch):
     if request.module.__name__.endswith("test_cpu_weight_choice"):
         return
     from backend.models import cpu_weight_choice
-    from kernels import cpu_quant
+    from kernels.cpu import quant as cpu_quant
     monkeypatch.setattr(cpu_weight_choice, "FAST_BUILDS", (*cpu_quant.BUILDS, None))

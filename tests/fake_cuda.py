@@ -2,17 +2,17 @@
 
 `FakeCuda.install(monkeypatch)` patches the `torch.cuda` functions the engine calls (availability,
 device count, current/set device with torch's own refusal of an index-less device, capability,
-properties, free memory, the allocator's statistics, synchronize) and `backend.device.
+properties, free memory, the allocator's statistics, synchronize) and `backend.worker.device.
 tensor_device_for`, so an engine that selects, binds and sizes `cuda:1` computes on CPU tensors.
 Each GPU has its own memory figures, so using the wrong device shows in the numbers. Every call is
 recorded with the device it named (`calls`).
 
-Streams and events (the KV tiers' copies, backend/kv_tiers/copier.py) are recorded in order in
+Streams and events (the KV tiers' copies, backend/worker/kv_copier.py) are recorded in order in
 `timeline`: ("wait_stream", waiter, waited), ("record", event, stream), ("wait_event", stream,
 event), ("enter", stream) / ("exit", stream) for `torch.cuda.stream(...)`. Work on the CPU is done
 when it is issued, so an event completes when recorded, unless `hold_events` is set: then it stays
 pending (query() is False) until `release_events()`, which is how a test keeps a copy "in flight".
-Host memory asked for pinned (backend.device.host_empty) is recorded in `pinned` (its bytes).
+Host memory asked for pinned (backend.worker.device.host_empty) is recorded in `pinned` (its bytes).
 """
 from __future__ import annotations
 
@@ -190,15 +190,15 @@ class FakeCuda:
                  "current_stream", "stream")
 
     def install(self, monkeypatch) -> "FakeCuda":
-        import backend.device
+        import backend.worker.device
 
         for name in self.FUNCTIONS:
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
         for cls in self.stream_and_event_classes():
             monkeypatch.setattr(torch.cuda, cls.__name__, cls)
-        monkeypatch.setattr(backend.device, "tensor_device_for",
+        monkeypatch.setattr(backend.worker.device, "tensor_device_for",
                             lambda device: torch.device("cpu") if device.type == "cuda" else device)
-        monkeypatch.setattr(backend.device, "host_empty", self.host_empty)
+        monkeypatch.setattr(backend.worker.device, "host_empty", self.host_empty)
         return self
 
     def devices_used(self, *names: str) -> set[int]:

@@ -13,5 +13,5 @@ if __name__ == "__main__":
     gpus = [FakeGpu(2 * GIB, 512 * MIB if i % 2 else 768 * MIB, 32 * MIB, 48 * MIB)
             for i in range(int(os.environ["FAKE_CUDA_GPUS"]))]
     FakeCuda(gpus=gpus).install(pytest.MonkeyPatch())
-    from backend.parallel.worker import main
+    from backend.worker.parallel.worker import main
     sys.exit(main())

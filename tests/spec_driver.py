@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from backend.sched.step import Sampled
+from backend.core.step import Sampled
 
 
 def speculative_step(sched, rng: random.Random, k: int, eos: int, eos_rate: float = 0.0, now: float = 0.0,

@@ -5,8 +5,8 @@ import time
 import pytest
 
 from backend import LLM, EngineConfig, SamplingParams
-from backend.async_engine import AsyncEngine
-from backend.errors import QueueFullError
+from backend.engine.async_engine import AsyncEngine
+from backend.core.errors import QueueFullError
 
 
 class Collector:
@@ -150,8 +150,7 @@ def test_shutdown_finishes_every_request(default_model_dir):
 def test_the_engine_is_built_on_the_thread_that_steps_it(default_model_dir, monkeypatch):
     # torch keeps an OpenMP pool per calling thread: a model loaded on one thread and stepped on
     # another ran every step about 2x slower on 2 cores (docs/performance.md).
-    from backend import engine as engine_module
-
+    from backend.engine import llm_engine as engine_module
     threads = {}
     build, step = engine_module.LLMEngine.__init__, engine_module.LLMEngine.step
 

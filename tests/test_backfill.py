@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig
-from backend.sched.step import Sampled
-from backend.request import Request, RequestStatus, SamplingParams
+from backend.kv.block_manager import BlockManager
+from backend.core.config import EngineConfig
+from backend.core.step import Sampled
+from backend.core.request import Request, RequestStatus, SamplingParams
 from backend.sched.scheduler import Scheduler
 from spec_driver import speculative_step
 
@@ -304,8 +304,8 @@ def test_worst_case_finish_counts_the_prompt_work_of_requests_served_first():
 
 @pytest.mark.slow
 def test_the_strict_vs_backfill_bench_reports_heads_and_no_late_admission(default_model_dir):
-    from client.tools.backfill_bench import run_once
-    from client.tools.workloads import make_workload
+    from client.tools.benchmarks.backfill import run_once
+    from client.tools.benchmarks.workloads import make_workload
     items = make_workload("hol", 12, seed=1)
     strict = run_once(str(default_model_dir), False, items, kv_tokens=1024, block_size=16)
     backfill = run_once(str(default_model_dir), True, items, kv_tokens=1024, block_size=16)

@@ -12,12 +12,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from backend import LLM, EngineConfig, SamplingParams
-from backend.sched.step import Sampled
-from backend.block_manager import BlockManager
-from backend.async_engine import AsyncEngine
-from backend.request import Request
+from backend.core.step import Sampled
+from backend.kv.block_manager import BlockManager
+from backend.engine.async_engine import AsyncEngine
+from backend.core.request import Request
 from backend.sched.factory import make_scheduler
-from backend.sched.step import ScheduledSeq, SchedulerOutput
+from backend.core.step import ScheduledSeq, SchedulerOutput
 
 EOS = 0
 
@@ -248,7 +248,7 @@ def test_padding_rows_never_write_the_cache(default_model_dir):
     assert engine.runner.run(out) == {}
     for (k0, v0), (k1, v1) in zip(before, engine.runner.kv_caches):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
-    from backend.step_inputs import build_step
+    from backend.worker.step_inputs import build_step
     slots = build_step(out, engine.runner.tables, 0).slot_mapping
     assert (slots == -1).all()
 

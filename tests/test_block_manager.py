@@ -5,8 +5,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from backend.block_manager import BlockManager
-from backend.errors import NoFreeBlocksError
+from backend.kv.block_manager import BlockManager
+from backend.core.errors import NoFreeBlocksError
 
 
 def test_grow_maps_tokens_to_slots_and_free_returns_blocks():
@@ -124,7 +124,7 @@ def test_prefix_keys_are_sha256_chained_over_parent_and_tokens():
     import hashlib
     from array import array
 
-    from backend.block_manager import block_hashes
+    from backend.kv.block_manager import block_hashes
     tokens = list(range(40, 52))
     keys = block_hashes(tokens, 4)
     want, parent = [], b""

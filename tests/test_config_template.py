@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from backend.config import EngineConfig
+from backend.core.config import EngineConfig
 from templates import render as R
 
 FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}

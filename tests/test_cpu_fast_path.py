@@ -105,7 +105,7 @@ def test_both_paths_decode_the_same_greedy_tokens(llama_dir):
 
 PIN_SCRIPT = """
 import os, sys, torch
-from backend.cpu.affinity import allowed_cores, pin_omp_threads
+from backend.worker.cpu_affinity import allowed_cores, pin_omp_threads
 n = int(sys.argv[1])
 torch.set_num_threads(n)
 placed = pin_omp_threads(n)
@@ -122,7 +122,7 @@ def test_two_threads_are_pinned_one_per_core():
 
 
 def test_pinning_more_threads_than_cores_is_refused():
-    from backend.cpu.affinity import allowed_cores, pin_omp_threads
+    from backend.worker.cpu_affinity import allowed_cores, pin_omp_threads
     with pytest.raises(ValueError, match="cannot pin"):
         pin_omp_threads(len(allowed_cores()) + 1)
 
@@ -130,8 +130,8 @@ def test_pinning_more_threads_than_cores_is_refused():
 def test_a_pinned_thread_still_counts_every_core(monkeypatch):
     """Pinning narrows the engine thread to one core; a second engine built on that thread (the
     step probe builds several) must still get one thread per core but one, not one thread."""
-    from backend import runner
-    from backend.cpu import affinity as cpu_affinity
+    from backend.worker import runner
+    from backend.worker import cpu_affinity
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu_affinity, "_ALLOWED", list(range(8)))  # as first seen, before pinning
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # the thread as pinning left it
@@ -141,7 +141,7 @@ def test_a_pinned_thread_still_counts_every_core(monkeypatch):
 FAULT_SCRIPT = """
 import resource, sys, torch
 from backend import LLM
-LLM(sys.argv[1])  # a CPU engine sets the malloc thresholds as it starts (backend/cpu/memory.py)
+LLM(sys.argv[1])  # a CPU engine sets the malloc thresholds as it starts (backend/worker/cpu_memory.py)
 def steps(n):  # the activations of a 4,096-row prefill step come and go: 50 MB and 12 MB tensors
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(n):

@@ -1,13 +1,11 @@
-"""client.tools.cpu_quant_bench (docs/performance.md's AVX2 table): every build computes the same
+"""client.tools.benchmarks.cpu_quant (docs/performance.md's AVX2 table): every build computes the same
 layer, the report has a row per format and row count, and bad arguments are refused by name."""
 import json
 
 import pytest
 
-from client.tools import cpu_quant_bench
-from kernels import cpu_build
-
-
+from client.tools.benchmarks import cpu_quant as cpu_quant_bench
+from kernels.cpu import build as cpu_build
 def test_a_tiny_run_reports_every_build(tmp_path, capsys):
     builds = ("avx2_autovec,avx2" if "avx2" in cpu_build._cpu_flags().split() else "portable,portable") + ",float32"
     out = tmp_path / "q.json"

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.gguf.importer import import_gguf
-from backend.make_model import make_model
+from backend.models.gguf.importer import import_gguf
+from backend.models.make_model import make_model
 from backend.models import cpu_weight_choice
 from backend.models.cpu_weight_choice import StepTimes, choose, measure_steps, measured_matrices
 from backend.models.packed_linear import PackedLinear
 from backend.models.quant_linear import QuantLinear
-from kernels import cpu_quant
-from kernels.quant_bench import random_parts
+from kernels.cpu import quant as cpu_quant
+from kernels.gpu.quant_bench import random_parts
 from gguf_files import write_gguf
 
 SMALL = dict(cpu_kv_cache_tokens=512, max_model_len=256)
@@ -150,13 +150,13 @@ def test_tensor_parallel_ranks_keep_packed_weights_without_measuring(packed_fold
     # each rank loads its own shard: measured apart, ranks could choose differently
     from types import SimpleNamespace
 
-    from backend.config import EngineConfig
-    from backend.loader import load_model_config
+    from backend.core.config import EngineConfig
+    from backend.models.loader import load_model_config
     from backend.models.weights import load_model
 
     monkeypatch.setattr(cpu_quant, "chosen_isa", lambda: "portable")
     monkeypatch.setattr(cpu_weight_choice, "measure_steps", lambda *a, **k: DEQUANTIZED_FASTER)
-    monkeypatch.setattr("backend.parallel.layers.parallelize", lambda *a: None)
+    monkeypatch.setattr("backend.models.parallel.layers.parallelize", lambda *a: None)
     unsharded = SimpleNamespace(plan=SimpleNamespace(shard_weights=lambda weights: weights))
     config, model_cfg = EngineConfig(model_path=str(packed_folder)), load_model_config(str(packed_folder))
     cpu = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Decode steps through the CUDA graphs' static buffers (backend/cuda_graphs.py). On the CPU the
+"""Decode steps through the CUDA graphs' static buffers (backend/worker/cuda_graphs.py). On the CPU the
 buffers run eagerly (no capture), with the real Triton kernels under the interpreter: the tokens
 must be exactly the eager engine's, greedy and seeded-random, for batches that are not one of the
 padded sizes (empty rows fill them), while prefill and mixed steps stay eager. The tiny Gemma 3 too:
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from backend import LLM, SamplingParams
-from backend.cuda_graphs import batch_sizes
+from backend.worker.cuda_graphs import batch_sizes
 from hf_checkpoints import make_checkpoint
 
 

@@ -221,7 +221,7 @@ def test_the_pickers_configuration_names_metrics_inflight_serves():
 
 
 def test_the_pods_publish_kv_events_where_the_picker_subscribes():
-    from backend.config import EngineConfig
+    from backend.core.config import EngineConfig
 
     raw = ENV["INFLIGHT_KV_EVENTS_CONFIG"].replace("$(POD_IP)", "10.1.2.3")
     names = [e["name"] for e in CONTAINER["env"]]
@@ -262,7 +262,7 @@ def test_the_leaderworkerset_group_fits_together():
     assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
     assert 'MASTER_ADDR="$LWS_LEADER_ADDRESS"' in leader["args"][0] and "inflight-entrypoint" in leader["args"][0]
     assert 'MASTER_ADDR="$LWS_LEADER_ADDRESS"' in worker["args"][0]
-    assert 'backend.parallel.worker --rank "$LWS_WORKER_INDEX"' in worker["args"][0]
+    assert 'backend.worker.parallel.worker --rank "$LWS_WORKER_INDEX"' in worker["args"][0]
     worker_env = {e["name"]: e.get("value") for e in worker["env"]}
     rendezvous = {p["name"]: p["containerPort"] for p in leader["ports"]}["rendezvous"]
     assert int(env["MASTER_PORT"]) == int(worker_env["MASTER_PORT"]) == rendezvous

@@ -58,7 +58,7 @@ def test_the_group_fits_together():
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert int(env["MASTER_PORT"]) == ports["rendezvous"] == headless["spec"]["ports"][0]["port"]
     script = container["args"][0]
-    assert "inflight-entrypoint" in script and "python3 -m backend.parallel.worker --rank" in script
+    assert "inflight-entrypoint" in script and "python3 -m backend.worker.parallel.worker --rank" in script
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     mount = next(m for m in container["volumeMounts"] if m["name"] == "checkpoint")
     assert params["model_path"].startswith(mount["mountPath"] + "/")               # both ranks read the same folder

@@ -1,9 +1,9 @@
-"""Which device and dtype the engine runs on (backend/device.py), on a 2-GPU machine as torch.cuda
+"""Which device and dtype the engine runs on (backend/worker/device.py), on a 2-GPU machine as torch.cuda
 would describe it (tests/fake_cuda.py)."""
 import pytest
 import torch
 
-from backend.device import resolve_device, resolve_dtype
+from backend.worker.device import resolve_device, resolve_dtype
 from fake_cuda import FakeCuda
 
 

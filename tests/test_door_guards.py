@@ -91,7 +91,7 @@ class _RefusingEngine:
         self.kind = kind
 
     def add_request(self, rid, prompt, params, on_output, priority=0, **kw):
-        from backend.outputs import RequestOutput
+        from backend.core.outputs import RequestOutput
         on_output(RequestOutput(rid, [], [], [], "", "", True, "error", "structured_outputs.regex: cannot be compiled",
                                 error_kind=self.kind))
 

@@ -1,5 +1,5 @@
-"""A draft model's KV cache and weights share the target's memory budget (backend/spec/draft_sizing.py,
-backend/kv_sizing.py): sized one after the other, the target took 90% and the draft's cache did
+"""A draft model's KV cache and weights share the target's memory budget (backend/kv/sizing.py and backend/worker/memory.py,
+backend/kv/sizing.py): sized one after the other, the target took 90% and the draft's cache did
 not fit in what was left. Checked with the real shapes of two published pairs on a simulated H200
 (141 GB), and through the engine on a fake GPU (tests/fake_cuda.py), where the two runners' caches
 and the draft's weights must fit the budget together."""
@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from backend import kv_sizing
-from backend.kv_sizing import CacheShare, GpuMemory, blocks_that_fit, kv_bytes_per_token
-from backend.loader import load_model_config
-from backend.spec.draft_sizing import checkpoint_bytes, draft_cache_share
+from backend.kv import sizing as kv_sizing
+from backend.kv.sizing import CacheShare, GpuMemory, blocks_that_fit, kv_bytes_per_token
+from backend.models.loader import load_model_config
+from backend.worker import memory
+from backend.worker.memory import checkpoint_bytes, draft_cache_share
 from fake_cuda import GIB, MIB, FakeCuda, FakeGpu
 
 H200 = 141 * 10**9
@@ -76,7 +77,7 @@ def test_target_and_draft_fit_one_budget_on_an_h200(pairs, pair):
 def test_checkpoint_bytes_reads_the_headers_in_the_dtype_the_draft_runs(tmp_path):
     from safetensors.torch import load_file
 
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
 
     model = make_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
@@ -88,7 +89,7 @@ def test_the_engine_sizes_target_and_draft_from_one_budget(monkeypatch, tmp_path
     """The real engine on a fake GPU with 40 MiB free: the target's cache, the draft's (the same
     tokens) and the draft's weights together stay within the fraction of free minus activations."""
     from backend import LLM
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
 
     shape = dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
     target = make_model(tmp_path / "target", hidden_size=128, num_hidden_layers=3, **shape)
@@ -113,4 +114,4 @@ def test_the_engine_sizes_target_and_draft_from_one_budget(monkeypatch, tmp_path
     assert runner.num_blocks < alone
     out = llm.generate([[5, 6, 7, 8, 9]], None)
     assert out[0].token_ids
-    assert kv_sizing.lock_path("GPU-fake-0").exists()
+    assert memory.lock_path("GPU-fake-0").exists()

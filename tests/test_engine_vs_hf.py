@@ -11,7 +11,7 @@ from hf_checkpoints import SHAPES, hf_greedy, make_checkpoint
 
 BLOCK = 16
 CACHE_TOKENS = 1024  # 64 blocks; the 32 prompts alone hold ~4900 tokens
-# Gemma 3's local layers keep only their window (backend/kv_groups.py): the same memory holds far
+# Gemma 3's local layers keep only their window (backend/kv/groups.py): the same memory holds far
 # more of its requests, so its cache is cut to a third. Even so its unchunked run does not preempt:
 # a whole-prompt prefill holds its prompt in every group until the step ends, so admission (which
 # waits for the step to fit) leaves the decodes that follow room; its chunked run preempts.

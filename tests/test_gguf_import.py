@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.gguf.packed import supported_types
-from backend.gguf.importer import GGUFImportError, import_gguf
-from backend.loader import load_model_config
-from backend.make_model import make_model
+from backend.models.gguf.packed import supported_types
+from backend.models.gguf.importer import GGUFImportError, import_gguf
+from backend.models.loader import load_model_config
+from backend.models.make_model import make_model
 from backend.text.tokenizer import Tokenizer
 from gguf_files import (ALL_TYPES, CHAT_TEMPLATE, K_SHAPE, K_TYPES, SHAPE, llama_cpp_rope_factors,
                         write_gguf, write_sentencepiece_gguf)
@@ -88,8 +88,8 @@ def test_random_gguf_matches_transformers(tmp_path, tiny_tokenizer_json, arch, n
 
 
 def test_large_models_are_written_in_shards_with_an_index(tmp_path, tiny_tokenizer_json, monkeypatch):
-    import backend.gguf.importer as gi
-    from backend.loader import iter_weights
+    import backend.models.gguf.importer as gi
+    from backend.models.loader import iter_weights
     path = tmp_path / "model.gguf"
     write_gguf(path, tiny_tokenizer_json, types=("Q8_0",))
     whole = load_file(str(import_gguf(path, tmp_path / "whole", dequantize=True, log=lambda *_: None) / "model.safetensors"))

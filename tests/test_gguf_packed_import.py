@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.gguf.importer import LAYOUT, import_gguf
-from backend.make_model import make_model
+from backend.models.gguf.importer import LAYOUT, import_gguf
+from backend.models.make_model import make_model
 from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES, write_gguf
 from kernels.quant_reference import ARRAYS, dequantize
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from backend import LLM, SamplingParams
-from backend.gguf.importer import GGUFImportError, import_gguf
-from backend.loader import load_model_config
+from backend.models.gguf.importer import GGUFImportError, import_gguf
+from backend.models.loader import load_model_config
 from gguf_files import finish, tokenizer_metadata, write_gguf_from_hf
 from hf_checkpoints import hf_greedy, make_checkpoint
 from kernels.quant_reference import ARRAYS, dequantize

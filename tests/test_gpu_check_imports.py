@@ -18,10 +18,10 @@ PROJECT = ("backend", "kernels", "client", "templates", "openai_server")
 IMAGE = {"torch", "triton", "transformers", "peft", "numpy", "safetensors", "tokenizers", "jinja2", "psutil",
          "tqdm", "huggingface_hub", "accelerate", "yaml", "packaging", "filelock", "fsspec", "regex", "sympy",
          "networkx", "typing_extensions"}
-ENTRY = ["client.tools.gpu_check", "client.tools.gpu_check_plan", "client.tools.gpu_check_report",
-         "client.tools.gpu_check_compile", "client.tools.gpu_check_greedy", "client.tools.gpu_check_engine",
-         "client.tools.gpu_check_structured", "client.tools.gpu_check_tp", "client.tools.gpu_check_served",
-         "client.tools.kernel_bench", "client.cli"]
+ENTRY = ["client.tools.gpu_check.run", "client.tools.gpu_check.plan", "client.tools.gpu_check.report",
+         "client.tools.gpu_check.compile", "client.tools.gpu_check.greedy", "client.tools.gpu_check.engine",
+         "client.tools.gpu_check.structured", "client.tools.gpu_check.tp", "client.tools.gpu_check.served",
+         "client.tools.benchmarks.kernel_bench", "client.cli"]
 
 
 def path_of(module: str) -> Path | None:
@@ -93,11 +93,11 @@ def test_the_scan_finds_a_module_level_import_of_a_missing_package(tmp_path, mon
     """A module-level `import tritonclient` in a project file gpu-check loads would be reported;
     one inside a function or under TYPE_CHECKING would not."""
     fake = tmp_path / "client" / "tools"
-    fake.mkdir(parents=True)
-    (fake / "gpu_check.py").write_text("import torch\nfrom client.tools import helper\n")
+    (fake / "gpu_check").mkdir(parents=True)
+    (fake / "gpu_check" / "run.py").write_text("import torch\nfrom client.tools import helper\n")
     (fake / "helper.py").write_text("import tritonclient.grpc\nfrom typing import TYPE_CHECKING\n"
                                     "if TYPE_CHECKING:\n    import fastapi\ndef f():\n    import gguf\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    monkeypatch.setattr(sys.modules[__name__], "ENTRY", ["client.tools.gpu_check"])
-    assert external_imports_at_load() == {"torch": {"client/tools/gpu_check.py"},
+    monkeypatch.setattr(sys.modules[__name__], "ENTRY", ["client.tools.gpu_check.run"])
+    assert external_imports_at_load() == {"torch": {"client/tools/gpu_check/run.py"},
                                           "tritonclient": {"client/tools/helper.py"}}

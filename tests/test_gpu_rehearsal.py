@@ -8,7 +8,7 @@ What runs is the real code: the adapter's instance-kind rule, device selection a
 dtype rule, the per-GPU lock, the warm-up (a prefill, decode steps and the sampler, through the
 Triton kernels under the interpreter), the KV sizing from that device's memory, the decode path
 through the static buffers, and the metrics. Only the tensors stay on the CPU
-(backend.device.tensor_device_for) and torch.cuda's answers are the fake's.
+(backend.worker.device.tensor_device_for) and torch.cuda's answers are the fake's.
 """
 import fcntl
 import importlib.util
@@ -99,8 +99,8 @@ def rehearsal(monkeypatch, tmp_path, default_model_dir):
 @pytest.mark.slow
 def test_a_kind_gpu_instance_on_gpu_1_selects_sizes_and_reports_cuda_1(rehearsal, tmp_path):
     cuda, module, args = rehearsal
-    import backend.runner as runner_module
-    from backend.kv_sizing import kv_bytes_per_token, lock_path
+    import backend.worker.runner as runner_module
+    from backend.kv.sizing import kv_bytes_per_token, lock_path
 
     held_while_sizing = []
     measure = runner_module.measure
@@ -141,7 +141,7 @@ def test_a_kind_gpu_instance_on_gpu_1_selects_sizes_and_reports_cuda_1(rehearsal
         series = [m for f in _MetricFamily.created for m in f.metrics]
         assert series and all(m.labels["device"] == "cuda:1" and m.labels["instance"] == "llm_0_1" for m in series)
         # a request goes through (its tokens mean nothing: bfloat16 under the Triton interpreter)
-        from backend.request import SamplingParams
+        from backend.core.request import SamplingParams
 
         done = threading.Event()
         outputs = []

@@ -1,4 +1,4 @@
-"""gpu-check's greedy tolerance (client/tools/gpu_check_greedy.py) cannot fail a correct bf16
+"""gpu-check's greedy tolerance (client/tools/gpu_check/greedy.py) cannot fail a correct bf16
 engine and still fails a wrong one: a simulation of the check over 10,240 positions at the logit
 magnitudes of the check's model (make_model's LM head, 32000 tokens: top logits ~22-37, where a bf16
 step is 0.125-0.25).
@@ -15,7 +15,7 @@ with the reference's logits, as on the GPU.
 import pytest
 import torch
 
-from client.tools.gpu_check_greedy import judge, merge, tolerance, ulp, ulps
+from client.tools.gpu_check.greedy import judge, merge, tolerance, ulp, ulps
 
 VOCAB, HIDDEN, LAYERS, POSITIONS, CHUNK = 32000, 128, 16, 10240, 1024
 LM_HEAD_STD = 0.2 * (1024 / HIDDEN) ** 0.5   # the logits' std of make_model's LM head at the check's hidden size (6.4)

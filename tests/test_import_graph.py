@@ -1,6 +1,7 @@
 """The import graph of backend/, computed from the source (every import statement, including those
-under TYPE_CHECKING and inside functions): no cycle, no file over 300 lines, the model runner takes
-only the step contract from scheduling, and scheduling imports nothing above it."""
+under TYPE_CHECKING and inside functions): packages by layer, imports one way (LAYERS), no cycle, no
+file over 300 lines, no package reaching into another's private names, and every package saying
+what it owns; and outside backend/, nothing that serves imports a tool."""
 from __future__ import annotations
 
 import ast
@@ -9,9 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND = ROOT / "backend"
 MAX_LINES = 300
-# What scheduling may build on: the data and bookkeeping below it, never the engine above it.
-BELOW_SCHEDULING = {"backend.config", "backend.request", "backend.errors", "backend.block_manager", "backend.block_pool",
-                    "backend.kv_groups", "backend.outputs"}
+# backend's packages, lowest first: a module may import its own package and those before it
+# (docs/design.md, "Map"). text (tokenizers) sits just above core; models below the worker that
+# runs them; speculative decoding between the worker it drives and the engine that owns it.
+LAYERS = ("core", "text", "kv", "sched", "models", "worker", "speculative", "engine")
 
 
 def module_name(path: Path) -> str:
@@ -91,35 +93,85 @@ def test_no_backend_file_is_over_300_lines():
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
-def test_the_runner_imports_only_the_step_contract_from_scheduling():
-    edges = graph()
-    assert {m for m in edges["backend.runner"] if m.startswith("backend.sched")} == {"backend.sched.step"}
-    assert {m for m in edges["backend.sampler"] if m.startswith("backend.sched")} <= {"backend.sched.step"}
-    assert {m for m in edges["backend.warmup"] if m.startswith("backend.sched")} <= {"backend.sched.step"}
+def layer_of(module: str) -> int:
+    return LAYERS.index(module.split(".")[1])
 
 
-def test_scheduling_imports_nothing_above_it():
-    """The step contract is data (no backend import at run time beyond the request type); the rest
-    of scheduling builds on the config, requests, errors, the block managers (KV-cache groups) and the
-    output type."""
-    edges = graph()
-    sched = {m for m in edges if m.startswith("backend.sched")}
-    assert edges["backend.sched.step"] <= {"backend.request"}
-    for m in sched:
-        above = {t for t in edges[m] if not t.startswith("backend.sched") and t not in BELOW_SCHEDULING}
-        assert not above, f"{m} imports {above}"
-    users = {m for m, targets in edges.items() if m not in sched and targets & sched}
-    # who uses scheduling: the engine (the factory, and the queue reports it makes from the
-    # scheduler's state), the runner, its warm-up and the sampler (the step contract), and
-    # speculative decoding (the step contract only)
-    assert users <= {"backend.engine", "backend.queue_report", "backend.runner", "backend.sampler",
-                     "backend.warmup", "backend.spec.rejection", "backend.spec.draft", "backend.spec.speculator"}, users
-    for m in ("backend.spec.rejection", "backend.spec.draft", "backend.spec.speculator"):
-        assert {t for t in edges[m] if t.startswith("backend.sched")} <= {"backend.sched.step"}, m
+def test_backend_root_holds_only_its_init_and_the_layer_packages():
+    assert sorted(p.name for p in BACKEND.glob("*.py")) == ["__init__.py"]
+    packages = {p.name for p in BACKEND.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(LAYERS), packages ^ set(LAYERS)
+
+
+def test_imports_go_one_way():
+    """core < text < kv < sched < models < worker < speculative < engine: no module imports a
+    package above its own. `backend/__init__.py` (the public API, exported lazily) is the one
+    exception, the top of everything."""
+    wrong = {}
+    for m, targets in graph().items():
+        if m == "backend":
+            continue
+        up = sorted(t for t in targets if t != "backend" and layer_of(t) > layer_of(m))
+        if up:
+            wrong[m] = up
+    assert not wrong, "imports against the layers: " + "; ".join(f"{m} -> {', '.join(t)}" for m, t in wrong.items())
+
+
+def test_the_layer_check_catches_an_upward_import():
+    assert layer_of("backend.worker.runner") > layer_of("backend.sched.scheduler") > layer_of("backend.core.step")
+    edges = {"backend.sched.scheduler": {"backend.worker.runner"}}
+    assert [m for m, t in edges.items() if any(layer_of(x) > layer_of(m) for x in t)] == ["backend.sched.scheduler"]
+
+
+def private_imports(path: Path, modules: dict[str, Path]) -> list[str]:
+    """`from backend.<pkg>... import _name` where <pkg> is not the file's own package."""
+    own = module_name(path).split(".")[1] if module_name(path) != "backend" else ""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("backend."):
+            if node.module.split(".")[1] != own:
+                found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_no_package_imports_another_packages_private_names():
+    modules = backend_modules()
+    bad = {str(p.relative_to(ROOT)): names for p in BACKEND.rglob("*.py") if (names := private_imports(p, modules))}
+    assert not bad, bad
+
+
+def test_every_package_says_what_it_owns():
+    """Each package's __init__ opens with a docstring naming what it owns (a sentence at least)."""
+    for init in BACKEND.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc.split()) >= 8, f"{init.relative_to(ROOT)} says too little of what it owns: {doc!r}"
+
+
+def test_nothing_that_serves_imports_a_tool():
+    """client/tools/ builds on everything; nothing outside client/ may import it (the server, the
+    OpenAI door, the engine, the kernels, the model repository's code)."""
+    offenders = []
+    for top in ("backend", "kernels", "serving", "openai_server", "templates", "model_repository"):
+        for path in (ROOT / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(n == "client.tools" or n.startswith("client.tools.") for n in names):
+                    offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, offenders
+
+
+def test_the_kernels_import_nothing_of_the_engine():
+    for path in (ROOT / "kernels").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("backend"):
+                raise AssertionError(f"{path.relative_to(ROOT)} imports {node.module}")
+            if isinstance(node, ast.Import) and any(a.name.startswith("backend") for a in node.names):
+                raise AssertionError(f"{path.relative_to(ROOT)} imports backend")
 
 
 def test_the_graph_sees_every_kind_of_import():
     """A mutation check of the reader itself: a TYPE_CHECKING import and a function-local one count."""
     modules = backend_modules()
-    assert "backend.request" in imports_of(BACKEND / "sched" / "step.py", modules)  # under TYPE_CHECKING
-    assert "backend.sched.factory" in imports_of(BACKEND / "engine.py", modules)
+    assert "backend.core.request" in imports_of(BACKEND / "core" / "step.py", modules)  # under TYPE_CHECKING
+    assert "backend.sched.factory" in imports_of(BACKEND / "engine" / "llm_engine.py", modules)

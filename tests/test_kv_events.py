@@ -1,4 +1,4 @@
-"""KV-cache events (kv_events_config, backend/kv_events.py): the engine publishes vLLM's
+"""KV-cache events (kv_events_config, backend/kv/events.py): the engine publishes vLLM's
 BlockStored / BlockRemoved / AllBlocksCleared batches, msgpack over ZMQ, and a subscriber of our own
 (pyzmq + msgpack, as the llm-d indexer reads them) checks them against the truth:
 
@@ -22,10 +22,11 @@ import msgpack
 import pytest
 import zmq
 
-from backend.block_manager import BlockListener, BlockManager, block_hashes
-from backend.config import EngineConfig
-from backend.kv_events import cbor, parse_kv_events_config
-from client.tools.server import free_port
+from backend.kv.block_manager import BlockListener, BlockManager, block_hashes
+from backend.core.config import EngineConfig
+from backend.core.kv_events_config import parse_kv_events_config
+from backend.kv.events import cbor
+from serving.triton_launcher import free_port
 
 BS = 8
 TOPIC = "kv@10.0.0.7:9000@tiny"
@@ -88,7 +89,7 @@ def run(tmp_path_factory, monkeypatch_module):
     """Prompt A; prompt B sharing A's first two blocks; a late subscriber joins; prompt C, which
     evicts. Returns everything the tests look at."""
     from backend import LLM, SamplingParams
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
 
     monkeypatch_module.delenv("PYTHONHASHSEED", raising=False)  # vLLM's fixed seed, then
     path = make_model(tmp_path_factory.mktemp("kv-events"), num_hidden_layers=1)
@@ -216,7 +217,7 @@ def test_events_match_what_the_engine_stored_and_evicted(run):
 
 
 def test_the_hashes_follow_pythonhashseed_when_it_is_set(monkeypatch):
-    from backend.kv_events import VllmEventEncoder
+    from backend.kv.events import VllmEventEncoder
 
     tokens = list(range(3, 3 + 2 * BS + 3))
     keys = block_hashes(tokens, BS)
@@ -227,7 +228,7 @@ def test_the_hashes_follow_pythonhashseed_when_it_is_set(monkeypatch):
 
 
 def test_a_lora_adapters_blocks_name_it_and_hash_it_as_an_extra_key():
-    from backend.kv_events import VllmEventEncoder, sha256_cbor
+    from backend.kv.events import VllmEventEncoder, sha256_cbor
 
     tokens = list(range(10, 10 + BS))
     event = VllmEventEncoder(BS, "GPU", capacity=4, seed="s").events(
@@ -286,7 +287,7 @@ def test_the_block_listener_hears_runs_evictions_and_clears():
 
 
 def test_a_full_queue_drops_the_batch_and_the_next_one_clears_first(tmp_path):
-    from backend.kv_event_publisher import KVEventPublisher
+    from backend.kv.event_publisher import KVEventPublisher
 
     config = parse_kv_events_config('{"enable_kv_cache_events": true, "endpoint": "ipc://%s/pub"}' % tmp_path)
     publisher = KVEventPublisher(config, BS, 4, "CPU")
@@ -328,7 +329,7 @@ def test_events_need_the_prefix_cache_and_default_as_vllm():
 
 
 def test_events_off_load_neither_zmq_nor_msgpack():
-    code = ("import sys, backend.kv_events, backend.kv_event_publisher, backend.config\n"
+    code = ("import sys, backend.kv.events, backend.kv.event_publisher, backend.core.config\n"
             "print(sorted(m for m in ('zmq', 'msgpack', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -338,7 +339,7 @@ def test_each_model_instance_publishes_on_its_own_ports(tmp_path):
     """Instance i of a config with several (Triton's llm_0_<i>) is data-parallel rank i: its tcp
     ports move up by i, as vLLM's ranks' do, and its batches carry i."""
     from adapter_module import load_adapter
-    from backend.kv_event_publisher import rank_endpoint
+    from backend.kv.event_publisher import rank_endpoint
 
     raw = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5559"}'
     params = {"model_path": str(tmp_path), "enable_kv_cache_reuse": "true", "kv_events_config": raw}

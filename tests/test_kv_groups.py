@@ -1,4 +1,4 @@
-"""KV-cache groups (backend/kv_groups.py): the layout of a model's layers into groups, local groups
+"""KV-cache groups (backend/kv/groups.py): the layout of a model's layers into groups, local groups
 giving back the blocks that left the window, what a sequence may hold, prefix hits every group
 accepts, the n completions' sharing; a hypothesis state machine of sequences over three groups
 checked against a fake cache's contents; and the engine on a tiny Gemma 3 whose request fits only
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from backend.block_pool import NULL_BLOCK, block_hashes
-from backend.kv_groups import KVCacheGroups, kv_layout
+from backend.kv.block_pool import NULL_BLOCK, block_hashes
+from backend.kv.groups import KVCacheGroups, kv_layout
 
 
 # -- layout ---------------------------------------------------------------------------------------
@@ -221,13 +221,13 @@ def test_a_long_request_fits_because_the_local_layers_slide(gemma):
 
 
 def test_the_cache_figure_of_one_8k_request():
-    """client/tools/kv_cache_figure.py (docs/performance.md): a Gemma-3-270M-shaped model (18 layers,
+    """client/tools/benchmarks/kv_cache_figure.py (docs/performance.md): a Gemma-3-270M-shaped model (18 layers,
     five local of window 512 to each global) and a Llama of its dimensions, one request of 8,192
     tokens in chunks of 512. The Llama holds all 512 blocks in all 18 layers; the Gemma-shaped
     model its 3 global layers' 512 and, once decoding, 33 blocks in each of its 15 local layers
     (512 tokens span at most 33 blocks of 16); while prefilling, a local layer holds the window and
     a chunk: 65."""
-    from client.tools.kv_cache_figure import figure
+    from client.tools.benchmarks.kv_cache_figure import figure
     result = figure(tokens=8192, window=512, layers=18, pattern=6, block_size=16, chunk=512, max_tokens=16)
     llama, gemma = result["layer_blocks"]["llama"], result["layer_blocks"]["gemma3"]
     assert llama["reserved_at_admission"] == llama["used_at_end"] == 18 * 512
@@ -238,7 +238,7 @@ def test_the_cache_figure_of_one_8k_request():
 
 
 def test_the_gpu_warm_up_and_sizing_of_a_model_of_several_groups(gemma):
-    """What a CUDA start runs before sizing the cache (backend/runner.py's _warm_up): its steps, whose
+    """What a CUDA start runs before sizing the cache (backend/worker/runner.py's _warm_up): its steps, whose
     rows carry one table, on a throwaway cache through every group; and a pool block's bytes: a
     group's layers (one here), not the model's three."""
     from backend import LLM
@@ -280,10 +280,10 @@ def test_drafts_and_the_n_completions_of_a_prompt_on_a_model_of_several_groups(g
 
 
 def test_kv_cache_events_describe_the_first_group():
-    """The KV-event listeners (backend/kv_events.py) hear the first group, a model's global layers:
+    """The KV-event listeners (backend/kv/events.py) hear the first group, a model's global layers:
     its stored and evicted keys, once; a local group's blocks, which come and go with the window,
     say nothing; reset_prefix_cache clears every group, only while nothing is held."""
-    from backend.block_manager import BlockListener
+    from backend.kv.block_manager import BlockListener
 
     class Recorder(BlockListener):
         def __init__(self):

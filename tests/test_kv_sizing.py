@@ -1,4 +1,4 @@
-"""KV-cache sizing on a GPU (backend/kv_sizing.py): the documented formula, the measurement order
+"""KV-cache sizing on a GPU (backend/kv/sizing.py): the documented formula, the measurement order
 (no cached memory handed back between the warm-up and the read of free memory), and engines on
 one GPU sizing one after another (two processes, the real lock)."""
 import json
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend import kv_sizing
-from backend.device import DeviceEnv
+from backend.kv import sizing as kv_sizing
+from backend.worker import memory
+from backend.worker.device import DeviceEnv
 from fake_cuda import MIB, FakeCuda
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def test_free_memory_is_read_before_the_warm_up_and_its_peak_after(monkeypatch):
     cuda = FakeCuda().install(monkeypatch)
     env = DeviceEnv.for_device(torch.device("cuda", 1))
     ran = []
-    mem = kv_sizing.measure(env, lambda: ran.append(len(cuda.calls)))
+    mem = memory.measure(env, lambda: ran.append(len(cuda.calls)))
     names = [name for name, _ in cuda.calls]
     warm_up_at = ran[0]
     assert names[:warm_up_at] == ["synchronize", "empty_cache", "mem_get_info", "reset_peak_memory_stats",
@@ -46,14 +47,15 @@ def test_free_memory_is_read_before_the_warm_up_and_its_peak_after(monkeypatch):
 
 SIZER = textwrap.dedent("""
     import json, sys, time, torch
-    from backend import kv_sizing
-    from backend.device import DeviceEnv
+    from backend.kv import sizing as kv_sizing
+    from backend.worker import memory
+    from backend.worker.device import DeviceEnv
     state = sys.argv[1]
     class Env(DeviceEnv):            # one GPU shared by the processes: its free memory is a file
         def identity(self):
             return "GPU-shared"
     env = Env(torch.device("cuda", 0), torch.device("cpu"))
-    with kv_sizing.one_engine_at_a_time(env):
+    with memory.one_engine_at_a_time(env):
         free = json.load(open(state))["free"]
         time.sleep(0.5)              # loading and warming up: the other engine starts meanwhile
         blocks = kv_sizing.blocks_that_fit(kv_sizing.GpuMemory(free, 2**31, 0), 0.5, 2**20, "cuda:0")
@@ -89,12 +91,12 @@ def test_the_lock_is_per_gpu_and_released_when_the_holder_exits(tmp_path, monkey
             return self.name
 
     start = time.monotonic()
-    with kv_sizing.one_engine_at_a_time(Env("GPU-a")):
-        with kv_sizing.one_engine_at_a_time(Env("GPU-b")):   # another GPU: no wait
+    with memory.one_engine_at_a_time(Env("GPU-a")):
+        with memory.one_engine_at_a_time(Env("GPU-b")):   # another GPU: no wait
             pass
     assert time.monotonic() - start < 5
-    assert kv_sizing.lock_path("GPU-a").exists() and kv_sizing.lock_path("GPU-a").parent == tmp_path
-    with kv_sizing.one_engine_at_a_time(DeviceEnv(torch.device("cpu"), torch.device("cpu"))):
+    assert memory.lock_path("GPU-a").exists() and memory.lock_path("GPU-a").parent == tmp_path
+    with memory.one_engine_at_a_time(DeviceEnv(torch.device("cpu"), torch.device("cpu"))):
         pass                                                  # the CPU takes no lock
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inflight-gpu-GPU-a.lock", "inflight-gpu-GPU-b.lock"]
 
@@ -103,10 +105,10 @@ def test_the_warm_up_runs_the_largest_prefill_decode_steps_and_the_sampler(monke
     """What the activation peak is measured over: a prefill of the whole token budget, decode steps
     of max_num_seqs rows and of one, and the sampler on max_num_seqs rows with every option on;
     all between the peak reset and the peak read, on the engine's GPU."""
-    from backend import runner as runner_module
-    from backend.config import EngineConfig
-    from backend.loader import load_model_config
-    from backend.request import MAX_LOGPROBS
+    from backend.worker import runner as runner_module
+    from backend.core.config import EngineConfig
+    from backend.models.loader import load_model_config
+    from backend.core.request import MAX_LOGPROBS
 
     cuda = FakeCuda().install(monkeypatch)
     monkeypatch.setenv("INFLIGHT_LOCK_DIR", str(tmp_path))

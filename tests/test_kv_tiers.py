@@ -10,8 +10,8 @@ import time
 import pytest
 
 from backend import LLM, EngineConfig, SamplingParams
-from backend.kv_tiers.disk import DiskStore
-from backend.kv_tiers.index import HostIndex
+from backend.kv.tiers.disk import DiskStore
+from backend.kv.tiers.index import HostIndex
 from hf_checkpoints import hf_greedy, make_checkpoint
 
 BLOCK_BYTES = 4096  # the llama checkpoint: 2 layers x K,V x 16 tokens x 2 kv heads x 8 dims x 4 bytes

@@ -107,10 +107,10 @@ def test_a_load_given_up_mid_copy_is_waited_for_before_its_blocks_are_written(gp
 
 @pytest.mark.slow
 def test_the_gpu_check_of_the_tiers_passes_its_cpu_rehearsal(tmp_path):
-    """client/tools/gpu_check_tiers.py, the check a GPU session runs first, rehearsed on the CPU."""
+    """client/tools/gpu_check/kv_tiers.py, the check a GPU session runs first, rehearsed on the CPU."""
     import json
 
-    from client.tools.gpu_check_tiers import main
+    from client.tools.gpu_check.kv_tiers import main
 
     assert main(["--dry-run", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "kv_tiers.json").read_text())

@@ -4,7 +4,7 @@ import sys
 
 
 def test_no_client_module_shadows_another_top_level_module():
-    """Tools that run a file in client/ by path (locust -f client/tools/locustfile.py, python
+    """Tools that run a file in client/ by path (locust -f client/tools/load/locustfile.py, python
     client/x.py) put client/ first on sys.path: a client/grpc.py or client/http.py would then be
     imported in place of grpc or the standard library's http."""
     import importlib.util
@@ -27,9 +27,9 @@ def test_engine_seams_import_neither_torch_nor_triton():
     bad config.pbtxt is refused before the heavy libraries load (and these stay testable alone)."""
     import subprocess
 
-    modules = ["backend.config", "backend.request", "backend.sched.factory", "backend.block_manager",
-               "backend.sched.step", "backend.errors", "backend.parent_watch", "backend.kv_sizing",
-               "backend.warmup", "backend", "backend.spec.config", "backend.sched.speculation"]
+    modules = ["backend.core.config", "backend.core.request", "backend.sched.factory", "backend.kv.block_manager",
+               "backend.core.step", "backend.core.errors", "backend.worker.parent_watch", "backend.kv.sizing",
+               "backend.worker.warmup", "backend", "backend.core.speculative_config", "backend.sched.speculation"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
             "heavy = sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules)\n"
             "print(','.join(heavy))\n")
@@ -41,7 +41,7 @@ def test_the_ngram_proposer_loads_no_torch():
     """Prompt lookup is plain token matching (numpy): it must not pull torch in."""
     import subprocess
 
-    code = "import sys, backend.spec.ngram\nprint('torch' in sys.modules)\n"
+    code = "import sys, backend.speculative.ngram\nprint('torch' in sys.modules)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend import LLM, SamplingParams
-from backend.loader import load_model_config
+from backend.models.loader import load_model_config
 
 
 def test_sharded_checkpoint_gives_the_same_tokens(default_model_dir, tmp_path):

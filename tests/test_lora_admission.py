@@ -10,13 +10,13 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig
-from backend.lora.sources import cache_salt
-from backend.request import Request, SamplingParams
+from backend.kv.block_manager import BlockManager
+from backend.core.config import EngineConfig
+from backend.core.lora import cache_salt
+from backend.core.request import Request, SamplingParams
 from backend.sched.factory import make_scheduler
 from backend.sched.lora_slots import adapters_of
-from backend.sched.step import Sampled
+from backend.core.step import Sampled
 
 EOS = 0
 

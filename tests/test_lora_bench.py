@@ -1,4 +1,4 @@
-"""client/tools/lora_bench.py, the command behind docs/performance.md's LoRA figures, on the tiny
+"""client/tools/benchmarks/lora.py, the command behind docs/performance.md's LoRA figures, on the tiny
 model: every timed step really runs the adapter count it is filed under (dealt round robin over
 one running batch), the `--loop-too` steps run the loop over segments and the others the batched
 CPU path, and the engine's batching rule is left as it was."""
@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from backend.lora import cpu_sgmv
-from backend.lora.manager import LoRAManager
-from client.tools import lora_bench
-
-
+from backend.worker.lora import cpu_sgmv
+from backend.worker.lora.manager import LoRAManager
+from client.tools.benchmarks import lora as lora_bench
 def test_each_figure_times_steps_of_its_adapter_count_and_path(default_model_dir, monkeypatch):
     seen: Counter = Counter()
     inner_step, inner_plan = LoRAManager.step, cpu_sgmv.gather_plan
@@ -28,7 +26,7 @@ def test_each_figure_times_steps_of_its_adapter_count_and_path(default_model_dir
         return planned[-1]
 
     monkeypatch.setattr(LoRAManager, "step", step)
-    monkeypatch.setattr("backend.lora.step.gather_plan", plan)
+    monkeypatch.setattr("backend.worker.lora.step.gather_plan", plan)
     waste = cpu_sgmv.MAX_WASTE
     report = lora_bench.run(str(default_model_dir), batch=6, counts=[0, 1, 3], rank=4, context=11, steps=2,
                             rounds=1, seed=0, loop_too=True)

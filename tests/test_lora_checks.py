@@ -1,6 +1,6 @@
-"""Adapters that do not fit are refused naming the adapter and the module (backend/lora/peft_format.py),
+"""Adapters that do not fit are refused naming the adapter and the module (backend/models/lora/peft_format.py),
 never unpickled; where adapters come from (multi_lora.json, lora_modules, --lora-modules) and the
-config keys (backend/lora/sources.py, EngineConfig)."""
+config keys (backend/core/lora.py, EngineConfig)."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.loader import load_model_config
-from backend.lora.peft_format import load_adapter
-from backend.lora.sources import adapter_sources, parse_lora_modules, read_multi_lora
-from backend.make_model import make_model
+from backend.core.config import EngineConfig
+from backend.models.loader import load_model_config
+from backend.models.lora.peft_format import load_adapter
+from backend.core.lora import adapter_sources, parse_lora_modules, read_multi_lora
+from backend.models.make_model import make_model
 from hf_checkpoints import make_checkpoint
 from lora_adapters import AdapterSpec, make_adapter
 

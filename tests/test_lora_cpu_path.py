@@ -1,4 +1,4 @@
-"""The batched CPU path (backend/lora/cpu_sgmv.py) against the torch reference's loop over segments
+"""The batched CPU path (backend/worker/lora/cpu_sgmv.py) against the torch reference's loop over segments
 (kernels/lora_reference.py): equal segments (a decode step dealt round robin), unequal ones
 (padded), slots with no row between used ones, an adapter with two runs (its decode rows and its
 prefill chunk), rows of the base model in between; and the plan declines where the loop is cheaper
@@ -6,7 +6,7 @@ prefill chunk), rows of the base model in between; and the plan declines where t
 import pytest
 import torch
 
-from backend.lora.cpu_sgmv import gather_plan, lora_add_batched
+from backend.worker.lora.cpu_sgmv import gather_plan, lora_add_batched
 from kernels.lora_reference import Segments, lora_add
 
 BOUNDS = (0, 40, 56, 72)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from backend import LLM, LoRARequest, SamplingParams
-from backend.make_model import make_model
+from backend.models.make_model import make_model
 from lora_adapters import AdapterSpec, make_adapter, merged_oracle, record_steps
 
 MAX_TOKENS = 10
@@ -143,14 +143,14 @@ def test_multi_lora_json_in_the_checkpoint_folder_is_loaded(tiny, tmp_path):
 @pytest.mark.slow
 def test_the_triton_kernels_path_gives_the_same_tokens(tiny):
     """attention_backend=triton (the interpreter here, CUDA on a GPU): the segmented kernels
-    (kernels/lora_sgmv.py), warmed up at start, give the reference path's tokens on a mixed batch."""
+    (kernels/gpu/lora_sgmv.py), warmed up at start, give the reference path's tokens on a mixed batch."""
     base, adapters = tiny
     prompts = prompts_for(4, seed=5)
     names = ["a", None, "b", "c"]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     modules = ",".join(f"{n}={p}" for n, p in adapters.items())
     want = LLM(str(base), enable_lora=True, max_loras=3, lora_modules=modules).generate(prompts, params, lora_request=names)
-    from kernels import launch
+    from kernels.gpu import launch
     with launch.recording() as warm:
         llm = LLM(str(base), enable_lora=True, max_loras=3, lora_modules=modules, attention_backend="triton")
     assert sorted({w.name for w in warm if w.name.startswith("lora")}) == ["lora_expand_kernel", "lora_shrink_kernel"]

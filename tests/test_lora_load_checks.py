@@ -1,7 +1,7 @@
 """Hostile or damaged LoRA adapters are refused at load with one line naming the adapter, its folder
-and the problem (backend/lora/peft_format.py), never a ZeroDivisionError, IndexError, re.error or
+and the problem (backend/models/lora/peft_format.py), never a ZeroDivisionError, IndexError, re.error or
 SafetensorError from deep inside; at start the model refuses to start, or starts with the good
-adapters under skip_invalid_lora_adapters (backend/lora/manager.py)."""
+adapters under skip_invalid_lora_adapters (backend/worker/lora/manager.py)."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend import LLM
-from backend.loader import load_model_config
-from backend.lora.peft_format import load_adapter
-from backend.make_model import make_model
+from backend.models.loader import load_model_config
+from backend.models.lora.peft_format import load_adapter
+from backend.models.make_model import make_model
 from lora_adapters import AdapterSpec, make_adapter
 
 pytestmark = pytest.mark.slow  # PEFT writes the adapters: seconds of set-up
@@ -124,9 +124,9 @@ def test_the_model_refuses_to_start_on_a_bad_adapter_or_starts_with_the_good_one
 
 
 def test_the_openai_server_lists_only_the_adapters_the_engine_loads(base, good, tmp_path):
-    """/v1/models lists a configured engine's adapters (backend/lora/served.py): all of them when a
+    """/v1/models lists a configured engine's adapters (backend/models/lora/served.py): all of them when a
     bad one stops the start, and under skip_invalid_lora_adapters only those the engine loads."""
-    from backend.lora.served import configured_adapters
+    from backend.models.lora.served import configured_adapters
     bad = tmp_path / "nan"
     shutil.copytree(good, bad)
     _tensors(_poison(float("nan")))(bad)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from backend import LLM, LoRARequest
-from backend.make_model import make_model
-from backend.parallel.plan import ShardPlan
+from backend.models.make_model import make_model
+from backend.models.parallel.plan import ShardPlan
 from lora_adapters import AdapterSpec, make_adapter
 from tp_helpers import greedy, random_prompts, tp_workers
 

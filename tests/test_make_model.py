@@ -1,4 +1,4 @@
-"""backend.make_model: the embedded default checkpoint is exact HF format, deterministic and fast,
+"""backend.models.make_model: the embedded default checkpoint is exact HF format, deterministic and fast,
 and its random logits are well separated (greedy decoding must not hinge on float rounding)."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from backend import make_model as mm  # noqa: E402
-from backend.make_model import main, make_model  # noqa: E402
+from backend.models import make_model as mm  # noqa: E402
+from backend.models.make_model import main, make_model  # noqa: E402
 from backend.text.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_deterministic_across_processes(tmp_path, ckpt):
     """Tokenizer training runs Rust hash maps with per-process seeds: a fresh process (through the
     CLI entry point) must still write byte-identical files."""
     out = tmp_path / "cli"
-    code = ("import sys; from backend.make_model import main; "
+    code = ("import sys; from backend.models.make_model import main; "
             f"sys.exit(main(['--out', {str(out)!r}, '--seed', '0']))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
@@ -227,7 +227,7 @@ def test_cli_main(tmp_path, capsys):
 
 
 def test_backend_does_not_import_transformers():
-    code = ("import sys, backend.make_model, backend.text.tokenizer; "
+    code = ("import sys, backend.models.make_model, backend.text.tokenizer; "
             "sys.exit(1 if 'transformers' in sys.modules else 0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)

@@ -1,5 +1,5 @@
 """Sizes that cannot fit the memory there is are refused at start naming the key, the size asked and
-what is available (backend/memory_checks.py), not by the allocator: the KV cache (cpu_kv_cache_tokens,
+what is available (backend/kv/sizing.py), not by the allocator: the KV cache (cpu_kv_cache_tokens,
 max_tokens_in_paged_kv_cache, kv_block_size), max_num_seqs' block tables, the draft model's cache."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 import pytest
 
 from backend import LLM, EngineConfig
-from backend import memory_checks
-
+from backend.kv import sizing
+from backend.worker import memory
 HUGE = 10 ** 13
 
 
@@ -28,7 +28,7 @@ def test_a_size_past_the_memory_is_refused_naming_the_key(default_model_dir, ove
 
 
 def test_a_block_too_large_for_the_memory_names_kv_block_size(default_model_dir, monkeypatch):
-    monkeypatch.setattr(memory_checks, "available_bytes", lambda env: (1 << 20, "host memory available"))
+    monkeypatch.setattr(memory, "available_bytes", lambda env: (1 << 20, "host memory available"))
     with pytest.raises(ValueError, match=r"^kv_block_size: one block of 1024 tokens of KV cache \(1 blocks of 1024 "
                                          r"tokens\) take [\d.]+ MiB; 1.0 MiB of host memory available"):
         LLM(str(default_model_dir), max_model_len=256, kv_block_size=1024, cpu_kv_cache_tokens=512)
@@ -50,10 +50,10 @@ def test_sizes_the_config_can_refuse_alone():
 
 
 def test_the_block_tables_count_every_kv_cache_group(monkeypatch):
-    """A model with sliding-window layers keeps a block table per KV-cache group (backend/kv_groups.py)."""
+    """A model with sliding-window layers keeps a block table per KV-cache group (backend/kv/groups.py)."""
     config = EngineConfig(max_num_seqs=1000)
-    monkeypatch.setattr(memory_checks, "available_bytes", lambda env: (1000 * 64 * 4 * 3, "host memory available"))
-    memory_checks.check_block_tables(config, 64, None, groups=3)   # three groups' tables fit exactly
+    available = (1000 * 64 * 4 * 3, "host memory available")
+    sizing.check_block_tables(config, 64, available, groups=3)   # three groups' tables fit exactly
     with pytest.raises(ValueError, match=r"^max_num_seqs: 1000 sequences' block tables \(64 blocks of 16 tokens "
                                          r"each in each of 4 KV-cache groups\) take 1.0 MiB; 0.7 MiB"):
-        memory_checks.check_block_tables(config, 64, None, groups=4)
+        sizing.check_block_tables(config, 64, available, groups=4)

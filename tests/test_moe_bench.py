@@ -1,13 +1,11 @@
-"""client.tools.moe_bench (docs/performance.md's MoE figure): both paths compute the same layer on
+"""client.tools.benchmarks.moe (docs/performance.md's MoE figure): both paths compute the same layer on
 the same routed batch, every format, and the report says so; bad arguments are refused by name."""
 import json
 
 import pytest
 import torch
 
-from client.tools import moe_bench
-
-
+from client.tools.benchmarks import moe as moe_bench
 def test_a_tiny_run_reports_both_paths_equal(tmp_path, capsys):
     out = tmp_path / "moe.json"
     assert moe_bench.main(["--tokens", "3,7", "--hidden", "64", "--intermediate", "96", "--repeats", "1",

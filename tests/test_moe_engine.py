@@ -67,7 +67,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(oracle, backend, chunked)
     moe_layers = [i for i, b in enumerate(blocks) if isinstance(b, SparseMoeBlock)]
     assert moe_layers == ([0, 1] if arch == "mixtral" else [0, 2])     # Qwen3-MoE's mlp_only_layers: [1]
     experts = blocks[0].experts
-    if runner.ops.name == "cpu":   # the C kernel's panels (kernels/cpu_moe.py), only experts with tokens run
+    if runner.ops.name == "cpu":   # the C kernel's panels (kernels/cpu/moe.py), only experts with tokens run
         assert experts.w13_panels is not None and experts.gate_up is None and not hasattr(experts, "w13")
     else:                          # stacked for ops.fused_moe: the reference, or the Triton kernel
         assert experts.gate_up is None and experts.w13.shape == (8, 2 * experts.intermediate, 64)
@@ -88,8 +88,8 @@ def test_lora_reaches_a_moe_models_attention_and_refuses_its_experts(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from backend import LoRARequest
-    from backend.lora.peft_format import load_adapter
-    from backend.loader import load_model_config
+    from backend.models.lora.peft_format import load_adapter
+    from backend.models.loader import load_model_config
     from lora_adapters import AdapterSpec, make_adapter, merged_oracle
 
     base = make_checkpoint("qwen3_moe", tmp_path / "base", seed=5)

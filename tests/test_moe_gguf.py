@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from backend import LLM, SamplingParams
-from backend.gguf import importer
-from backend.make_model import make_model
+from backend.models.gguf import importer
+from backend.models.make_model import make_model
 from backend.models.quant_linear import QuantLinear
 from gguf_files import write_moe_gguf
 from hf_checkpoints import make_checkpoint

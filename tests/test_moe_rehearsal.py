@@ -20,7 +20,7 @@ def test_a_moe_instance_on_a_gpu_counts_its_experts_and_serves_decode_from_the_g
         runner = model.engine.engine.runner
         assert runner.ops.name == "triton" and runner.graphs is not None
         assert runner.expert_load.counts.sum() == 0          # the warm-up's routing is forgotten
-        from backend.request import SamplingParams
+        from backend.core.request import SamplingParams
 
         prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23, 24]]
         finished = []

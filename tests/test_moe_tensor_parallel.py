@@ -1,4 +1,4 @@
-"""Mixture-of-experts models under tensor parallelism (backend/parallel/plan.py): each of 2 ranks
+"""Mixture-of-experts models under tensor parallelism (backend/models/parallel/plan.py): each of 2 ranks
 holds half of every expert's intermediate dimension and the router whole; greedy tokens and
 log-probabilities equal one rank's, with no collective beyond the dense model's."""
 import numpy as np
@@ -43,8 +43,8 @@ def test_tp2_on_packed_experts_matches_one_rank(tmp_path):
     all-reduce's rounding may move a logprob slightly and flip a near tie (docs/parallelism.md):
     tokens agree up to such a tie, and the log-probabilities where they agree stay close; a wrong
     cut moves them by whole units."""
-    from backend.gguf.importer import import_gguf
-    from backend.make_model import make_model
+    from backend.models.gguf.importer import import_gguf
+    from backend.models.make_model import make_model
     from backend.models.quant_linear import QuantLinear
     from gguf_files import write_moe_gguf
 

@@ -1,5 +1,5 @@
-"""The CPU engine's decode steps through one C call for the layer stack (backend/native_decode.py,
-kernels/cpu_decode_stack.py) give exactly the Python layers' results: the same greedy tokens and
+"""The CPU engine's decode steps through one C call for the layer stack (backend/worker/native_decode.py,
+kernels/cpu/decode_stack.py) give exactly the Python layers' results: the same greedy tokens and
 the same log-probabilities, to the bit, on every model shape it takes (GQA, q/k/v biases, Qwen3's
 head norms, a sliding window shorter than the contexts, Gemma 3's GeGLU, sandwich norms and two
 KV-cache groups, fused projections of mixed packed types, K-quants, float32 and bfloat16 caches,
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend import native_decode
+from backend.worker import native_decode
 from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES
 from hf_checkpoints import make_checkpoint
 from test_quantized_engine import packed_folder
@@ -25,7 +25,7 @@ PARAMS = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer_json(tmp_path_factory):
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
     return make_model(tmp_path_factory.mktemp("tok")) / "tokenizer.json"
 
 
@@ -89,7 +89,7 @@ def llama(tmp_path_factory, tiny_tokenizer_json):
     ("PackedLinear weights, not packed ones", "mixtral", {}),  # float attention beside the experts
 ])
 def test_models_it_does_not_take_keep_the_python_layers_and_say_why(why, arch, args, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="backend.native_decode"):
+    with caplog.at_level(logging.INFO, logger="backend.worker.native_decode"):
         llm = LLM(str(make_checkpoint(arch, tmp_path / arch, seed=3)), kv_block_size=16, max_model_len=64, **args)
     assert llm.engine.runner.model.decode_stack is None
     assert any(why in r.getMessage() and "the Python layers" in r.getMessage() for r in caplog.records)

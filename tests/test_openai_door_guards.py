@@ -10,7 +10,7 @@ import shutil
 import pytest
 from fastapi.testclient import TestClient
 
-from client.tools.server import free_port
+from serving.triton_launcher import free_port
 from openai_server.app import create_app
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from openai_server.app import MAX_BODY_BYTES
-from openai_server.launcher import OpenAIServer
-from client.tools.server import free_port
+from serving.openai_launcher import OpenAIServer
+from serving.triton_launcher import free_port
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content + '' }}\n{% endfor %}[assistant]"
 

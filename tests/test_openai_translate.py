@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from backend.request import SamplingParams
+from backend.core.request import SamplingParams
 from openai_server.app import ChatRenderer
 from openai_server.responses import ChoiceState, Reply, parse_logprobs, pieces, usage
 from openai_server.translate import (DEFAULT_CHAT_MAX_TOKENS, APIError, parse_chat, parse_completion,
@@ -199,7 +199,7 @@ def test_chunks_and_bodies_have_openai_shapes():
 
 def test_error_status_of_the_engines_messages(default_model_dir):
     from backend import LLM
-    from backend.errors import QueueFullError
+    from backend.core.errors import QueueFullError
 
     llm = LLM(str(default_model_dir), max_queue_size=1)
     llm.engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))

@@ -1,4 +1,4 @@
-"""backend/parent_watch.py's outside watcher: a process whose every thread is starved of the GIL (as
+"""backend/worker/parent_watch.py's outside watcher: a process whose every thread is starved of the GIL (as
 a stub blocked in an IPC call to a dead tritonserver is) still dies with its parent, and the
 watcher leaves with the process it watched."""
 import subprocess
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SPINNER = f"""
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
-from backend.parent_watch import kill_when_orphaned
+from backend.worker.parent_watch import kill_when_orphaned
 kill_when_orphaned(os.getpid(), os.getppid(), 0.1)
 print(os.getpid(), flush=True)
 if sys.argv[1] == "spin":

@@ -5,8 +5,7 @@ import json
 
 from client.tools.peers import __main__ as peers
 from client.tools.peers.machine import describe, machine_report
-from kernels import cpu_quant
-
+from kernels.cpu import quant as cpu_quant
 ZEN3 = ("processor\t: 0\nmodel name\t: AMD EPYC 7763 64-Core Processor\n"
         "flags\t\t: fpu sse2 ssse3 sse4_2 avx fma f16c bmi2 avx2\n\nprocessor\t: 1\n")
 CACHE = ("// a cmake cache\nGGML_NATIVE:BOOL=OFF\nGGML_AVX2:BOOL=ON\nGGML_AVX512:BOOL=OFF\n"

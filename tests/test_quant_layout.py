@@ -1,12 +1,12 @@
 """The packed layout of docs/quantization.md against the `gguf` package's own dequantization (an
 oracle we did not write): ggml blocks of every packed type, with random codes and scales, split by
-backend/gguf/packed.py and dequantized by kernels/quant_reference.py, equal gguf's floats to the bit.
+backend/models/gguf/packed.py and dequantized by kernels/quant_reference.py, equal gguf's floats to the bit.
 """
 import numpy as np
 import pytest
 import torch
 
-from backend.gguf.packed import BLOCK_SIZES, PACKED_TYPES, TYPE_IDS, pack
+from backend.models.gguf.packed import BLOCK_SIZES, PACKED_TYPES, TYPE_IDS, pack
 from kernels.quant_reference import ARRAYS, codes, dequantize
 
 # byte offsets of the float16 fields (d, m / dmin) inside each type's block

@@ -8,7 +8,7 @@ import pytest
 
 from backend import LLM, SamplingParams
 from backend.text.tokenizer import Tokenizer
-from client.tools.perplexity import TEXT, perplexity
+from client.tools.quality.perplexity import TEXT, perplexity
 from smollm2 import smollm2_packed_dir
 from test_smollm2 import CHATS, PLAIN
 

@@ -1,7 +1,7 @@
 """The engine on quantized weights (docs/quantization.md): packed GGUF folders load as they are
 (`quantization` auto/gguf), or dequantized (none); float checkpoints quantize at load (int8); the
 results stay close to the same weights in float32, measured by teacher-forced log-probabilities
-(client/tools/perplexity.py); and what cannot be done is refused by name.
+(client/tools/quality/perplexity.py); and what cannot be done is refused by name.
 """
 import json
 import logging
@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.gguf.importer import import_gguf
-from backend.make_model import make_model
+from backend.models.gguf.importer import import_gguf
+from backend.models.make_model import make_model
 from backend.models.packed_linear import PackedLinear
 from backend.models.quant_linear import ConcatLinear, QuantEmbedding, QuantLinear, quantize_q8_0
-from kernels import cpu_build, cpu_quant
+from kernels.cpu import build as cpu_build
+from kernels.cpu import quant as cpu_quant
 from kernels.quant_reference import dequantize
-from client.tools.perplexity import window_logprobs
+from client.tools.quality.perplexity import window_logprobs
 from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES, write_gguf
 
 QUIET = dict(log=lambda *_: None)
@@ -158,7 +159,7 @@ def test_bf16_weights_run_bf16_gemms_beside_float32_activations(default_model_di
 
 @pytest.mark.parametrize("types,shape", [(ALL_TYPES[3:], None), (K_TYPES, K_SHAPE)])
 def test_greedy_tokens_are_the_same_with_the_avx2_build_forced(tmp_path, tiny_tokenizer_json, monkeypatch, types, shape):
-    # INFLIGHT_CPU_ISA picks the build (kernels/cpu_quant.py); the portable C one runs on any CPU and
+    # INFLIGHT_CPU_ISA picks the build (kernels/cpu/quant.py); the portable C one runs on any CPU and
     # computes the same integer sums: the AVX2 and AVX-VNNI intrinsics (quant_gemm_avx2.h) must
     # give its tokens.
     flags = set(cpu_build._cpu_flags().split())

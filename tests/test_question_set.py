@@ -1,13 +1,11 @@
-"""client/tools/question_set.py: the question file, the lenient match, and one measuring run of two
+"""client/tools/quality/question_set.py: the question file, the lenient match, and one measuring run of two
 storages of the tiny random-weight model (given a chat template of its own)."""
 import json
 import shutil
 
 import pytest
 
-from client.tools import question_set as qs
-
-
+from client.tools.quality import question_set as qs
 def test_the_checked_in_question_file_has_twenty_or_more_answerable_questions():
     questions = qs.load_questions()
     assert len(questions) >= 20

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.loader import load_model_config
+from backend.models.loader import load_model_config
 from hf_checkpoints import GEMMA3_WINDOW, hf_greedy, make_checkpoint
 
 ARCHS = {"qwen3": ("qwen3", False), "gemma3": ("gemma3", False), "gemma3-multimodal": ("gemma3", True)}

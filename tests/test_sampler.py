@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from backend.request import Request, SamplingParams
-from backend.sampler import sample
+from backend.core.request import Request, SamplingParams
+from backend.worker.sampler import sample
 
 
 def tokens_of(logits, requests):
@@ -80,7 +80,7 @@ def test_top_k_minus_one_is_off_like_zero():
 def test_greedy_tokens_are_torchs_argmax_ties_nan_and_banned_rows_included():
     """The CPU's numpy argmax (greedy_tokens) picks what torch's does: the first of equal maxima, a
     NaN over any number, index 0 of a row all -inf; on random rows of a real vocabulary's width."""
-    from backend.sampler import greedy_tokens
+    from backend.worker.sampler import greedy_tokens
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(7, 49_153, generator=gen)
     logits[1, [10, 400, 49_000]] = 99.0          # a tie: the first wins

@@ -5,8 +5,8 @@ same calls would be device transfers on a GPU."""
 import pytest
 import torch
 
-from backend import sampler
-from backend.request import Request, SamplingParams
+from backend.worker import sampler
+from backend.core.request import Request, SamplingParams
 
 TO = torch.Tensor.to
 READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "to")  # numpy() refuses GPU tensors

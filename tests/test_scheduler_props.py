@@ -9,10 +9,10 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from backend.sched.step import Sampled
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig
-from backend.request import Request, SamplingParams
+from backend.core.step import Sampled
+from backend.kv.block_manager import BlockManager
+from backend.core.config import EngineConfig
+from backend.core.request import Request, SamplingParams
 from backend.sched.scheduler import Scheduler
 from spec_driver import speculative_step
 

@@ -1,4 +1,4 @@
-"""backend/structured/schema_check.py against xgrammar 0.2.8 itself: every keyword refused as
+"""backend/core/schema_check.py against xgrammar 0.2.8 itself: every keyword refused as
 unenforced has an instance that breaks it and that xgrammar's grammar still accepts (so the
 refusal is needed), every keyword let through is one xgrammar enforces; and the checks of
 nesting, invalid and unsatisfiable schemas, each naming the place in the schema."""
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from backend.structured.schema_check import check_schema
+from backend.core.schema_check import check_schema
 
 I, N, S = {"type": "integer"}, {"type": "number"}, {"type": "string"}
 AB = {"type": "object", "properties": {"a": I, "b": I}}

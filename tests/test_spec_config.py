@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.spec.config import parse_speculative_config
-from backend.spec.ngram import NgramProposer
+from backend.core.config import EngineConfig
+from backend.core.speculative_config import parse_speculative_config
+from backend.speculative.ngram import NgramProposer
 
 
 def test_vllm_keys_and_defaults():

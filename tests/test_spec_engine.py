@@ -173,7 +173,7 @@ def test_batching_mode_none_speculates_too(default_model_dir):
 
 
 def test_a_draft_with_another_vocabulary_is_refused_naming_both_sizes(default_model_dir, tmp_path):
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
 
     other = make_model(tmp_path / "wide", vocab_size=2048)
     with pytest.raises(ValueError, match="the draft's vocabulary has 2048 tokens, the target's 2000"):

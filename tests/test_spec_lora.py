@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backend import LLM, SamplingParams
-from backend.make_model import make_model
+from backend.models.make_model import make_model
 from lora_adapters import AdapterSpec, make_adapter, merged_oracle
 from test_lora_engine import prompts_for
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.gguf.importer import import_gguf
-from backend.make_model import make_model
+from backend.models.gguf.importer import import_gguf
+from backend.models.make_model import make_model
 from gguf_files import write_gguf
 from test_spec_engine import NGRAM, prompts, run
 

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from backend import LLM, SamplingParams
-from backend.make_model import DEFAULT_CONFIG, make_weights
-from backend.sampler import inverse_transform
-from backend.spec import rejection
-from backend.spec.rejection import _rejection_sample
+from backend.models.make_model import DEFAULT_CONFIG, make_weights
+from backend.worker.sampler import inverse_transform
+from backend.worker import rejection
+from backend.worker.rejection import _rejection_sample
 
 VOCAB = 8
 ALPHA = 1e-3

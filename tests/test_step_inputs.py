@@ -1,4 +1,4 @@
-"""Block tables kept on the device from step to step (backend/step_inputs.py): a step writes only
+"""Block tables kept on the device from step to step (backend/worker/step_inputs.py): a step writes only
 what changed, rows are reused, and whatever the history the device table holds every scheduled
 sequence's current table. Also the step's inputs: two transfers, each part 16-byte aligned."""
 import random
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backend.request import Request, SamplingParams
-from backend.sched.step import ScheduledSeq, SchedulerOutput
-from backend.block_pool import NULL_BLOCK
-from backend.step_inputs import BlockTables, build_step
+from backend.core.request import Request, SamplingParams
+from backend.core.step import ScheduledSeq, SchedulerOutput
+from backend.kv.block_pool import NULL_BLOCK
+from backend.worker.step_inputs import BlockTables, build_step
 
 
 def seq(seq_id: str, table: list[int], *group_tables: list[int]):
@@ -84,7 +84,7 @@ def test_random_histories_keep_the_device_table_right():
 
 def test_the_step_inputs_cross_in_two_transfers_with_aligned_parts(monkeypatch):
     calls = []
-    import backend.step_inputs as si
+    import backend.worker.step_inputs as si
     real = si.to_device
     monkeypatch.setattr(si, "to_device", lambda a, d: (calls.append(a.dtype), real(a, d))[1])
     tables = BlockTables(4, 8, 4, torch.device("cpu"))
@@ -107,7 +107,7 @@ def test_the_step_inputs_cross_in_two_transfers_with_aligned_parts(monkeypatch):
 
 
 def test_every_kv_cache_group_gets_its_table_and_slots():
-    """A model of several KV-cache groups (backend/kv_groups.py): a table per group in each row,
+    """A model of several KV-cache groups (backend/kv/groups.py): a table per group in each row,
     written only where it changed, a local group's given-back entries written as block 0 (never
     read), and a slot mapping per group."""
     tables = BlockTables(2, 8, 4, torch.device("cpu"), groups=3)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from client.tools import step_probe
+from client.tools.benchmarks import step_probe
 from client.tools.peers.common import write_result
 from hf_checkpoints import make_checkpoint
 
@@ -57,7 +57,7 @@ def test_read_bandwidth_counts_the_bytes_of_the_buffer(monkeypatch):
 
 
 def test_bench_dispatches_step_probe(llama_dir, tmp_path, capsys):
-    from client.tools.bench import main
+    from client.tools.benchmarks.bench import main
     out = tmp_path / "probe.json"
     assert main(["--step-probe", "--model-path", str(llama_dir), "--batch-sizes", "1", "--steps", "1",
                  "--context", "4", "--output-json", str(out)]) == 0
@@ -102,8 +102,8 @@ def test_the_floor_counts_the_weights_as_held(llama_dir, tmp_path):
     """Float weights: 4 bytes each; packed GGUF weights: what the kernel holds (Q4_0: 18 bytes per
     32 weights, tiles of 16 rows padded), so GB/s is of the bytes really read."""
     from backend import LLM
-    from backend.gguf.importer import import_gguf
-    from backend.make_model import make_model
+    from backend.models.gguf.importer import import_gguf
+    from backend.models.make_model import make_model
     from gguf_files import write_gguf
     floats = LLM(str(llama_dir)).engine.runner.model
     nbytes, count = step_probe.step_weights(floats)

@@ -1,4 +1,4 @@
-"""Constraints compile off the request path (backend/structured/compile_pool.py, waitlist.py): a
+"""Constraints compile off the request path (backend/engine/structured/compile_pool.py, waitlist.py): a
 request with a new constraint waits, holding no KV and blocking nobody, while a worker process
 compiles it; one that compiles past structured_outputs_compile_timeout_s is refused (its worker
 killed) while a plain request beside it runs at its usual speed; a schema too deep is refused at
@@ -13,11 +13,11 @@ from concurrent.futures import Future
 import pytest
 
 from backend import LLM, EngineConfig, SamplingParams
-from backend.async_engine import AsyncEngine
-from backend.request import RequestStatus
-from backend.structured.compile_pool import CompileFailed, CompileJob, CompilePool, GrammarCompilerBusy, shared_pool
-from backend.structured.compiler import ConstraintCompiler
-from backend.structured.spec import StructuredOutputs
+from backend.engine.async_engine import AsyncEngine
+from backend.core.request import RequestStatus
+from backend.engine.structured.compile_pool import CompileFailed, CompileJob, CompilePool, GrammarCompilerBusy, shared_pool
+from backend.engine.structured.compiler import ConstraintCompiler
+from backend.core.structured import StructuredOutputs
 
 pytestmark = pytest.mark.slow  # a grammar worker process starts (and is killed): seconds
 

@@ -204,7 +204,7 @@ def test_the_constraint_modules_load_without_torch_or_xgrammar():
     import subprocess
     import sys
 
-    code = ("import sys\nimport backend.request, backend.structured, backend.structured.compiler\n"
+    code = ("import sys\nimport backend.core.request, backend.core.structured, backend.engine.structured.compiler\n"
             "import openai_server.constraints, openai_server.tools\n"
             "print(','.join(m for m in ('torch', 'xgrammar', 'transformers') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from backend import LLM
-from backend.config import EngineConfig
-from backend.loader import load_model_config
-from backend.parallel.plan import ShardPlan
+from backend.core.config import EngineConfig
+from backend.models.loader import load_model_config
+from backend.models.parallel.plan import ShardPlan
 from fake_cuda import FakeCuda, FakeGpu, GIB
 from tp_helpers import greedy, tp_workers
 
@@ -98,10 +98,10 @@ def test_the_vocabulary_split_pads_the_last_rank_and_row_parallel_biases_are_add
 
 
 def test_a_step_travels_as_one_header_and_one_flat_payload(default_model_dir):
-    from backend.parallel.step_message import HEADER_LEN, StepMessage, decode, encode
-    from backend.request import Request
-    from backend.sched.step import ScheduledSeq, SchedulerOutput
-    from backend.step_inputs import BlockTables, build_step
+    from backend.worker.parallel.step_message import HEADER_LEN, StepMessage, decode, encode
+    from backend.core.request import Request
+    from backend.core.step import ScheduledSeq, SchedulerOutput
+    from backend.worker.step_inputs import BlockTables, build_step
 
     tables = BlockTables(4, 8, 16, torch.device("cpu"))
     prefill = Request("p", list(range(1, 38)), greedy(4), (2,))
@@ -115,7 +115,7 @@ def test_a_step_travels_as_one_header_and_one_flat_payload(default_model_dir):
     assert header.shape == (HEADER_LEN,) and payload.dtype == np.int64 and payload.ndim == 1
     message = decode(header, payload.copy())
     follower = BlockTables(1, 8, 16, torch.device("cpu"))       # a worker's table grows to rank 0's
-    from backend.step_inputs import place_step
+    from backend.worker.step_inputs import place_step
     placed = place_step(message.host, follower)
     for name in ("ids", "positions", "slot_mapping", "decode_rows", "decode_seq_lens", "prefill_rows",
                  "prefill_cu_seqlens_q", "prefill_seq_lens", "sample_index"):
@@ -134,7 +134,7 @@ def test_tensor_parallel_size_0_is_refused_by_config_and_cli(tmp_path):
 
 
 def test_more_ranks_than_gpus_is_refused_at_load_naming_the_devices(monkeypatch):
-    from backend.parallel.rendezvous import local_devices
+    from backend.worker.parallel.rendezvous import local_devices
 
     FakeCuda(gpus=[FakeGpu(GIB, GIB // 2) for _ in range(4)]).install(monkeypatch)
     assert local_devices(torch.device("cuda", 2), 2) == {1: "cuda:3"}
@@ -155,7 +155,7 @@ def test_kind_model_instances_take_disjoint_device_groups(monkeypatch, tmp_path,
     """instance_group [{count: 2 kind: KIND_MODEL}] with tensor_parallel_size 2 on 4 GPUs: llm_0_0
     on cuda:0 (+ cuda:1), llm_0_1 on cuda:2 (+ cuda:3); without GPUs both on the CPU."""
     from adapter_module import load_adapter
-    from backend.parallel.rendezvous import local_devices
+    from backend.worker.parallel.rendezvous import local_devices
 
     adapter = load_adapter()
     params = {"model_path": str(default_model_dir), "tensor_parallel_size": "2"}
@@ -173,8 +173,9 @@ def test_kind_model_instances_take_disjoint_device_groups(monkeypatch, tmp_path,
 
 
 def test_gpu_check_runs_tp2_only_with_two_gpus_and_says_when_it_skipped(monkeypatch):
-    from client.tools import gpu_check_plan, gpu_check_report, gpu_check_tp
-
+    from client.tools.gpu_check import plan as gpu_check_plan
+    from client.tools.gpu_check import report as gpu_check_report
+    from client.tools.gpu_check import tp as gpu_check_tp
     FakeCuda(gpus=[FakeGpu(GIB, GIB // 2)]).install(monkeypatch)
     part = gpu_check_tp.tensor_parallel(gpu_check_plan.FULL, ROOT / "unused")
     assert part == {"ok": True, "skipped": "the TP=2 run (NCCL) needs two GPUs; this machine has 1"}
@@ -190,7 +191,7 @@ def test_gpu_check_runs_tp2_only_with_two_gpus_and_says_when_it_skipped(monkeypa
 
 def test_the_split_is_planned_without_torch():
     """plan.py checks a config before any heavy library loads (and stays testable alone)."""
-    code = ("import sys, backend.parallel.plan\n"
+    code = ("import sys, backend.models.parallel.plan\n"
             "print(','.join(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == ""

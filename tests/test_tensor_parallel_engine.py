@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from backend import LLM
-from backend.config import EngineConfig
-from client.tools.server import free_port
+from backend.core.config import EngineConfig
+from serving.triton_launcher import free_port
 from tp_helpers import NATURAL_PROMPTS, greedy, random_prompts, tp_workers
 
 from test_tensor_parallel import ROOT
@@ -90,8 +90,8 @@ def test_tp3_on_packed_smollm2_differs_from_one_rank_only_at_near_ties():
 
 @pytest.mark.slow
 def test_a_killed_worker_fails_the_running_requests_and_the_engine_refuses_new_ones(default_model_dir):
-    from backend.async_engine import AsyncEngine
-    from backend.errors import EngineDeadError
+    from backend.engine.async_engine import AsyncEngine
+    from backend.core.errors import EngineDeadError
 
     engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_model_len=512, tensor_parallel_size=2))
     finals, done, first = {}, threading.Event(), threading.Event()
@@ -137,7 +137,7 @@ def test_a_taken_rendezvous_port_is_an_error_at_load_naming_rank_0(default_model
 
 def _start_worker(rank: int, port: int, *args: str) -> subprocess.Popen:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return subprocess.Popen([sys.executable, "-m", "backend.parallel.worker", "--rank", str(rank), *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "backend.worker.parallel.worker", "--rank", str(rank), *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -178,7 +178,7 @@ def test_ranks_started_elsewhere_join_through_the_environment(default_model_dir,
 
 @pytest.mark.slow
 def test_rank_0_failing_at_load_leaves_no_worker_and_a_new_group_can_form(default_model_dir, monkeypatch):
-    import backend.runner as runner_module
+    import backend.worker.runner as runner_module
 
     def broken(*args, **kwargs):
         raise MemoryError("rank 0 ran out of memory loading its shard")
@@ -194,9 +194,8 @@ def test_rank_0_failing_at_load_leaves_no_worker_and_a_new_group_can_form(defaul
 
 @pytest.mark.slow
 def test_tp_bench_measures_the_pair_and_the_share_of_the_collectives(capsys):
-    """client/tools/tp_bench.py, the command behind docs/performance.md's table, on the tiny model."""
-    from client.tools import tp_bench
-
+    """client/tools/benchmarks/tp.py, the command behind docs/performance.md's table, on the tiny model."""
+    from client.tools.benchmarks import tp as tp_bench
     assert tp_bench.main(["--model", "tiny", "--tp", "2", "--batches", "1", "--steps", "3", "--rounds", "1"]) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1].strip("| ").split(" | ")
     assert row[0] == "1" and all(float(row[i]) > 0 for i in (1, 2, 6)), row

@@ -29,5 +29,5 @@ def test_tp2_matches_one_rank(arch, tmp_path):
 
 
 def one_rank_windows(path):
-    from backend.loader import load_model_config
+    from backend.models.loader import load_model_config
     return load_model_config(path).layer_windows

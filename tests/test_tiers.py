@@ -115,7 +115,7 @@ def test_a_fast_test_reaching_smollm2_or_a_tritonserver_at_run_time_fails_naming
     files = {
         "helpers.py": """
             from smollm2 import smollm2_dir as fetch          # hidden from the collection-time look
-            from client.tools.server import TritonServer as Server
+            from serving.triton_launcher import TritonServer as Server
 
             def model():
                 return fetch()
@@ -135,7 +135,7 @@ def test_a_fast_test_reaching_smollm2_or_a_tritonserver_at_run_time_fails_naming
 
             @pytest.mark.slow
             def test_marked_may_start_it(tmp_path, monkeypatch):
-                from client.tools import server
+                from serving import triton_launcher as server
                 monkeypatch.setattr(server, "find_tritonserver", lambda: 1 / 0)   # stop right after the guard
                 with pytest.raises(ZeroDivisionError):
                     helpers.start(tmp_path)

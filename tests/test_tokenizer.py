@@ -1,7 +1,7 @@
 """backend.text.tokenizer: encoding parity with transformers' AutoTokenizer, and streaming detokenization.
 
 The reference for encoding is transformers (test-only). Tokenizers are built locally: the default
-model's byte-level BPE (backend.make_model) and, to cover SentencePiece-style "▁" tokenizers, BPE and
+model's byte-level BPE (backend.models.make_model) and, to cover SentencePiece-style "▁" tokenizers, BPE and
 Unigram models trained here on the shipped corpus in the Llama-2 (Prepend/Replace normalizer, byte
 fallback, Strip decoder) and Metaspace layouts.
 """
@@ -21,7 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 from tokenizers import Tokenizer as RawTokenizer  # noqa: E402
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 
-from backend.make_model import CORPUS_PATH, make_model  # noqa: E402
+from backend.models.make_model import CORPUS_PATH, make_model  # noqa: E402
 from backend.text.detokenizer import IncrementalDetokenizer  # noqa: E402
 from backend.text.tokenizer import Tokenizer  # noqa: E402
 

@@ -37,7 +37,7 @@ def kind_model_args(model_dir: Path, repo: Path, instance: int) -> dict[str, str
 
 @pytest.fixture
 def four_gpus(monkeypatch, tmp_path):
-    import backend.parallel.launcher as launcher
+    import backend.worker.parallel.launcher as launcher
 
     # rank 1's GPU (odd) has less free memory than rank 0's: the group must size to the smaller
     gpus = [FakeGpu(2 * GIB, 512 * MIB if i % 2 else 768 * MIB, 32 * MIB, 48 * MIB) for i in range(4)]
@@ -56,8 +56,8 @@ def four_gpus(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_two_kind_model_instances_with_tp2_take_disjoint_pairs_of_gpus(four_gpus, tmp_path, default_model_dir):
-    from backend.kv_sizing import kv_bytes_per_token
-    from backend.request import SamplingParams
+    from backend.kv.sizing import kv_bytes_per_token
+    from backend.core.request import SamplingParams
 
     cuda, module = four_gpus
     for instance in (1, 0):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from backend.outputs import Logprob, RequestOutput
+from backend.core.outputs import Logprob, RequestOutput
 
 from adapter_module import load_adapter
 

@@ -150,7 +150,7 @@ def test_queue_info_streams_while_waiting_and_rides_on_every_response(frontend, 
     monotonic times as Unix nanoseconds; not streaming, only the answer (with the last ones)."""
     import time
 
-    from backend.outputs import QueueInfo
+    from backend.core.outputs import QueueInfo
 
     rid, sender = submit(frontend, stream=one(stream, np.bool_), **flags("return_queue_info", "return_num_output_tokens"))
     engine = frontend.engine

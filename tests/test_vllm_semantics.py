@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.make_model import make_model
-from backend.request import Request
-from backend.sampler import _apply_penalties, sample
+from backend.models.make_model import make_model
+from backend.core.request import Request
+from backend.worker.sampler import _apply_penalties, sample
 
 PROMPTS = [[1, 5 + i, 6, 9 + 2 * i] for i in range(12)]
 

@@ -3,7 +3,7 @@
 
 Without a GPU, in a process where the kernels are real `@triton.jit` functions: torch.cuda is
 patched as a GPU (tests/fake_cuda.py), the launches are recorded instead of run
-(kernels.launch.recording), and each is keyed the way Triton keys its compiled binaries
+(kernels.gpu.launch.recording), and each is keyed the way Triton keys its compiled binaries
 (kernels.aot.specialize: argument types, integer and alignment specializations, constexprs,
 options). The engine's warm-up, then a serving session (prompts of many lengths, chunked
 prefills, decode batches of every size, eager and through the graphs' buffers) are compared with
@@ -28,16 +28,17 @@ import json, os, random, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 import torch
-from kernels import aot, launch           # the real kernels: TRITON_INTERPRET is unset at import
+from kernels import aot           # the real kernels: TRITON_INTERPRET is unset at import
+from kernels.gpu import launch
 os.environ["TRITON_INTERPRET"] = "1"     # only so the wrappers accept CPU tensors; nothing is launched
 import pytest
 from fake_cuda import FakeCuda
 FakeCuda().install(pytest.MonkeyPatch())
 from backend import LLM, SamplingParams
-from backend.make_model import make_model
+from backend.models.make_model import make_model
 from lora_adapters import make_adapter
 from backend.models import quant_linear
-from kernels.quant_dispatch import quant_linear as gpu_quant_linear
+from kernels.gpu.quant_dispatch import quant_linear as gpu_quant_linear
 # the fake GPU's tensors stay on the CPU: packed weights go to the GPU GEMMs, as on CUDA tensors
 # (no C kernel for them, x.is_cuda true)
 quant_linear.cpu_kernel = lambda qtype, parts: None

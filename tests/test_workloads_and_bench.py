@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from client.tools import bench
-from client.tools.workloads import FIRST_ID, make_workload, write_jsonl
+from client.tools.benchmarks import bench
+from client.tools.benchmarks.workloads import FIRST_ID, make_workload, write_jsonl
 
 
 def test_mixed_follows_the_design_distribution_and_is_reproducible():

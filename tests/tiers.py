@@ -295,7 +295,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     try:
-        from client.tools.server import TritonServer
+        from serving.triton_launcher import TritonServer
     except ImportError:   # pragma: no cover (the project is not installed: nothing to guard)
         return
     start = TritonServer.start
@@ -310,7 +310,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     try:
-        from client.tools.server import TritonServer
+        from serving.triton_launcher import TritonServer
     except ImportError:   # pragma: no cover
         return
     TritonServer.start = getattr(TritonServer.start, "unguarded", TritonServer.start)

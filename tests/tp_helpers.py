@@ -8,7 +8,7 @@ from typing import Optional
 import psutil
 
 from backend import SamplingParams
-from backend.parallel.launcher import worker_processes
+from backend.worker.parallel.launcher import worker_processes
 
 # SmolLM2's greedy comparisons: text it continues sensibly, so that its top tokens are far apart
 NATURAL_PROMPTS = [

@@ -1,5 +1,5 @@
 """quantization=auto on a packed GGUF checkpoint on the CPU: keep the weights packed (the C integer
-kernels, kernels/cpu_quant.py) or dequantize them at load (oneDNN GEMMs in the engine's dtype, as
+kernels, kernels/cpu/quant.py) or dequantize them at load (oneDNN GEMMs in the engine's dtype, as
 quantization=none), whichever is faster on this CPU.
 
 Where the AVX512-VNNI build runs, packed is faster for every format and batch size that matters
@@ -160,8 +160,7 @@ def choose_for_checkpoint(items: Sequence[tuple[str, object]], model_cfg, dtype:
     CPU, measuring its own matrices; logs the choice."""
     import psutil
 
-    from kernels import cpu_quant
-
+    from kernels.cpu import quant as cpu_quant
     layers, tied = model_cfg.num_layers, model_cfg.tie_word_embeddings
     choice = choose(cpu_quant.chosen_isa(), lambda: measure_steps(measured_matrices(items, layers, tied), dtype),
                     dequantized_bytes, psutil.virtual_memory().available)

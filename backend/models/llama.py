@@ -1,7 +1,7 @@
 """The decoder of every architecture inflight serves (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 3;
 the mixtures of experts Mixtral and Qwen3-MoE), over a flat batch with no padding.
 
-Differences between them are configuration (backend/loader.py's ModelConfig), not code: Qwen2 has
+Differences between them are configuration (backend/models/loader.py's ModelConfig), not code: Qwen2 has
 q/k/v biases and often tied embeddings; Llama 3 adds llama3 rope scaling; Mistral slides a window
 over every layer; Qwen3 RMS-normalizes each head of q and k before RoPE (`qk_norm`), with a head_dim
 apart from hidden / heads; Gemma 3 adds to that local sliding-window layers between global ones,
@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from backend.attention import AttentionContext
-from backend.loader import ModelConfig
-from backend.lora.step import LoRAStep, lora_project
+from backend.models.attention import AttentionContext
+from backend.models.loader import ModelConfig
+from backend.models.lora.project import LoRADeltas, lora_project
 from backend.models.moe import ExpertLoader, SparseMoeBlock, checkpoint_name
 from backend.models.rope import RopeTables
 from kernels.dispatch import KernelOps
@@ -77,7 +77,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.activation = f"{cfg.activation}_mul"  # the KernelOps entry: silu_mul or gelu_tanh_mul
 
-    def forward(self, h: torch.Tensor, ops: KernelOps, lora: Optional[LoRAStep] = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ops: KernelOps, lora: Optional[LoRADeltas] = None, layer: int = 0) -> torch.Tensor:
         act = getattr(ops, self.activation)(lora_project(lora, layer, "gate_up_proj", self.gate_up_proj, h))
         return lora_project(lora, layer, "down_proj", self.down_proj, act)
 
@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         # weights, backend/models/weights.py); None: the embedding's.
         self.compute_dtype: torch.dtype | None = None
         # The CPU engine's decode steps through one C call for all layers, where the runner found
-        # it applies (backend/native_decode.py): (x, positions, ctx, rope) -> the normed hidden states.
+        # it applies (backend/worker/native_decode.py): (x, positions, ctx, rope) -> the normed hidden states.
         self.decode_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,

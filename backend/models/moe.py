@@ -11,13 +11,13 @@ oneDNN-packed layer per expert where that serves better (bf16 on AMX); packed GG
 an import keeps them (`install_packed_experts`, one QuantLinear each) and int8 quantizes them
 (`quantize_experts`), both also gathered into one int8 C call per projection (`quant_experts`).
 The block's forward is the same either way: `ops.fused_moe` (kernels/dispatch.py) on stacked
-tensors, kernels/cpu_moe.py `sorted_moe` (one call per projection for every active expert) on
+tensors, kernels/cpu/moe.py `sorted_moe` (one call per projection for every active expert) on
 panels and packed experts, kernels/moe_reference.py's grouped path on other per-expert layers:
 only the experts that have tokens run (docs/design.md, "Mixture of experts").
 
 Checkpoint names: Mixtral's `block_sparse_moe.{gate, experts.N.w1/w3/w2}`, Qwen3-MoE's
 `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`; an imported GGUF's packed experts arrive
-stacked, without the N (backend/gguf/mapping.py).
+stacked, without the N (backend/models/gguf/mapping.py).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from backend.loader import ModelConfig
-from kernels import cpu_moe
+from backend.models.loader import ModelConfig
+from kernels.cpu import moe as cpu_moe
 from kernels.moe_reference import grouped_moe, route
 
 # expert weight -> (stacked parameter, shard of w13: 0 gate, 1 up; None: w2)
@@ -54,7 +54,7 @@ class Experts(nn.Module):
         # one layer per expert, once they replace w13 and w2
         self.gate_up: Optional[nn.ModuleList] = None
         self.down: Optional[nn.ModuleList] = None
-        # or w13 and w2 in the CPU kernel's panels (kernels/cpu_moe.py), once they replace them
+        # or w13 and w2 in the CPU kernel's panels (kernels/cpu/moe.py), once they replace them
         self.register_buffer("w13_panels", None, persistent=False)
         self.register_buffer("w2_panels", None, persistent=False)
         # per-expert layers that are all the int8 C kernel's, of one type: also as one call each
@@ -95,7 +95,7 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The MLP of a mixture-of-experts layer; called like the dense MLP (backend/models/llama.py).
-    LoRA adapters do not reach the experts (backend/lora/peft_format.py refuses them)."""
+    LoRA adapters do not reach the experts (backend/models/lora/peft_format.py refuses them)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -114,12 +114,12 @@ class SparseMoeBlock(nn.Module):
 
 
 def quant_experts(gate_up: nn.ModuleList, down: nn.ModuleList) -> Optional[tuple]:
-    """Packed per-expert layers (QuantLinear on the C kernel) as kernels/cpu_quant.py
+    """Packed per-expert layers (QuantLinear on the C kernel) as kernels/cpu/quant.py
     CpuQuantExperts, (gate/up, down); None where any layer is something else (a ConcatLinear of
     mixed types, the torch reference where no compiler exists, a float layer) or the types differ:
     those run one GEMM pair per active expert."""
     from backend.models.quant_linear import QuantLinear
-    from kernels.cpu_quant import CpuQuantExperts
+    from kernels.cpu.quant import CpuQuantExperts
     layers = [*gate_up, *down]
     if not all(isinstance(m, QuantLinear) and m.kernel is not None and m.bias is None for m in layers):
         return None
@@ -191,7 +191,7 @@ def pack_experts(model: nn.Module, make_linear: Optional[Callable[[torch.Tensor]
     projection), or oneDNN-packed per expert where the kernel cannot be built or is the slower
     (`cpu_moe.panels_serve`: bfloat16 where oneDNN runs AMX); with `make_linear` one layer per
     expert, `make_linear(weight [N, K])` (int8: Q8_0 QuantLinears; the old float path,
-    `onednn_linear`, for client/tools/moe_bench.py)."""
+    `onednn_linear`, for client/tools/benchmarks/moe.py)."""
     blocks = [b for b in moe_blocks(model) if b.experts.gate_up is None and b.experts.w13_panels is None]
     if blocks and make_linear is None and cpu_moe.panels_serve(blocks[0].experts.w13.dtype) and cpu_moe.available():
         for block in blocks:

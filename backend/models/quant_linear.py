@@ -1,6 +1,6 @@
 """Linear layers and embeddings whose weights stay quantized (docs/quantization.md).
 
-`QuantLinear` holds one packed matrix. On CPU it runs the C kernel (kernels/cpu_quant.py: the
+`QuantLinear` holds one packed matrix. On CPU it runs the C kernel (kernels/cpu/quant.py: the
 matrix re-laid once into the kernel's tiles, activations quantized per row, integer dot products);
 where no C compiler exists, and on GPU until the Triton kernels land, it runs the torch reference,
 which dequantizes the matrix for each call (slow; correct). `QuantEmbedding` looks a step's tokens
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 def cpu_kernel(qtype: str, parts: Mapping[str, torch.Tensor]):
     """The C kernel's weight for CPU tensors, or None where it cannot be built (no compiler)."""
-    from kernels import cpu_build, cpu_quant
+    from kernels.cpu import build as cpu_build
+    from kernels.cpu import quant as cpu_quant
     try:
         return cpu_quant.CpuQuantWeight(qtype, parts)
     except cpu_build.CpuKernelUnavailable as exc:
@@ -40,10 +41,10 @@ def cpu_kernel(qtype: str, parts: Mapping[str, torch.Tensor]):
 def packed_matmul(x: torch.Tensor, qtype: str, parts: Mapping[str, torch.Tensor],
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) for a packed matrix W (``parts``: its arrays, docs/quantization.md)
-    on a device without the C kernel: on CUDA the Triton GEMMs (kernels/quant_dispatch.py, the
+    on a device without the C kernel: on CUDA the Triton GEMMs (kernels/gpu/quant_dispatch.py, the
     arrays read as they are); elsewhere the torch reference, which dequantizes W for the call."""
     if x.is_cuda:
-        from kernels.quant_dispatch import quant_linear  # triton loads with the first CUDA call
+        from kernels.gpu.quant_dispatch import quant_linear  # triton loads with the first CUDA call
         return quant_linear(x, qtype, parts, bias)
     return quant_formats.linear_reference(x, qtype, parts, bias)
 

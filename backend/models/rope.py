@@ -1,6 +1,6 @@
 """RoPE cos/sin caches, built the way HF transformers computes `inv_freq` (default, "linear" and
 "llama3" rope types), so a model's positions match HF's exactly. Plain torch: applying the rotation
-is a kernel (kernels/rope.py and its reference), building the table is model code."""
+is a kernel (kernels/gpu/rope.py and its reference), building the table is model code."""
 from __future__ import annotations
 
 import math

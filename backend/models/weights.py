@@ -4,7 +4,7 @@ quantized as a GGUF import packed them (docs/quantization.md), or quantized at l
 The runner calls `load_model` once; everything about weight formats lives here, so the runner only
 sees a model, the rows a step is padded to and what the weights cost. On CPU the activations are
 float32 whatever the weights are (`compute_dtype`): bf16 weights run oneDNN's bf16 GEMMs on the
-float32 activations cast at each GEMM, packed weights the C kernels of kernels/cpu_quant.py, and the
+float32 activations cast at each GEMM, packed weights the C kernels of kernels/cpu/quant.py, and the
 norms, RoPE and attention stay the float32 C kernels either way.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from backend.config import EngineConfig
-from backend.loader import ModelConfig, iter_weights
+from backend.core.config import EngineConfig
+from backend.models.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
 from backend.models.cpu_weight_choice import choose_for_checkpoint
 from backend.models.moe import (SparseMoeBlock, checkpoint_name, dequantized_experts, install_packed_experts,
@@ -28,7 +28,7 @@ from backend.models.quant_linear import (ConcatLinear, QuantEmbedding, QuantLine
 from kernels.quant_reference import ARRAYS, QK, dequantize
 
 log = logging.getLogger(__name__)
-FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper (kernels/quant_w8_gemm.py)
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper (kernels/gpu/quant_w8_gemm.py)
 PACKED_ARRAYS = {name for names in ARRAYS.values() for name in names}
 
 
@@ -60,7 +60,7 @@ def kv_cache_dtype(setting: str, dtype: torch.dtype, device: torch.device, quant
     if setting in ("fp8", "fp8_e4m3"):
         require_fp8_gpu(f"kv_cache_dtype={setting}", device, on_cpu=", where bfloat16 halves the cache",
                         instead="bfloat16 or auto")
-        return torch.float8_e4m3fn  # e4m3, values saturated to +-448, no scale (kernels/store_kv.py)
+        return torch.float8_e4m3fn  # e4m3, values saturated to +-448, no scale (kernels/gpu/store_kv.py)
     return KV_DTYPES[setting]
 
 
@@ -273,7 +273,7 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
         if quantization == "none" and ops_name == "cpu":
             rows = padded_rows  # each step padded once to oneDNN's row buckets
     if tp is not None:
-        from backend.parallel.layers import parallelize
+        from backend.models.parallel.layers import parallelize
         parallelize(model, tp.plan, tp)
     weight_bytes = _weight_bytes(model)
     float32_bytes, name = _float32_bytes(model_cfg), str(dtype).removeprefix("torch.")

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from backend.block_manager import block_hashes
-from backend.config import EngineConfig
-from backend.request import Request
+from backend.kv.block_manager import block_hashes
+from backend.core.config import EngineConfig
+from backend.core.request import Request
 from backend.sched.backfill import Backfill, Window
 from backend.sched.batching import BatchingGate
 from backend.sched.lora_slots import LoRASlots
 from backend.sched.pool import RequestPool
-from backend.sched.step import SchedulerOutput
+from backend.core.step import SchedulerOutput
 
 
 class Reservation(NamedTuple):

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from backend.kv_groups import KVCacheGroups
-from backend.request import Request
+from backend.kv.groups import KVCacheGroups
+from backend.core.request import Request
 from backend.sched.policies import GuaranteedNoEvict
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from backend.config import EngineConfig
-from backend.request import Request
+from backend.core.config import EngineConfig
+from backend.core.request import Request
 
 UNLIMITED = 1 << 30
 

@@ -1,8 +1,8 @@
 """`make_scheduler`: the scheduler for a config, kept apart from the classes it chooses among."""
 from __future__ import annotations
 
-from backend.kv_groups import KVCacheGroups
-from backend.config import EngineConfig
+from backend.kv.groups import KVCacheGroups
+from backend.core.config import EngineConfig
 from backend.sched.batching import make_gate
 from backend.sched.padded import PaddedScheduler
 from backend.sched.policies import make_policy

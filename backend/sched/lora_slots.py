@@ -1,5 +1,5 @@
 """LoRA slots in admission: at most `max_loras` adapters among the running requests, so every step's
-rows fit in the device's adapter slots (backend/lora/bank.py). No torch here.
+rows fit in the device's adapter slots (backend/worker/lora/bank.py). No torch here.
 
 A waiting request whose adapter is running, or that finds a slot free, may start (the capacity
 policy still decides on blocks). One whose adapter would need a slot beyond `max_loras` waits in
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from backend.request import Request
+from backend.core.request import Request
 
 
 class LoRASlots:

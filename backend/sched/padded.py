@@ -20,12 +20,12 @@ import dataclasses
 import time
 from typing import Iterable
 
-from backend.outputs import RequestOutput, merge_outputs
-from backend.request import Request, RequestStatus, seq_id_of
+from backend.core.outputs import RequestOutput, merge_outputs
+from backend.core.request import Request, RequestStatus, seq_id_of
 from backend.sched.admission import Admission, chunk
 from backend.sched.pool import RequestPool
 from backend.sched.scheduler import Scheduler
-from backend.sched.step import ScheduledSeq, SchedulerOutput
+from backend.core.step import ScheduledSeq, SchedulerOutput
 
 _ENDS_NORMALLY = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 

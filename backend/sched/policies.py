@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from backend.kv_groups import KVCacheGroups
-from backend.request import Request
+from backend.kv.groups import KVCacheGroups
+from backend.core.request import Request
 
 
 class CapacityPolicy:
@@ -76,7 +76,7 @@ class GuaranteedNoEvict(CapacityPolicy):
 
     What a request holds at once is all its blocks for a model whose layers all attend globally;
     a local (sliding-window) layer's group holds only the window and a step's tokens
-    (backend/kv_groups.py), fewer once the prompt is computed and steps are decode steps: need(r)
+    (backend/kv/groups.py), fewer once the prompt is computed and steps are decode steps: need(r)
     is kept per request and falls then (`refresh`), freeing reservation for others."""
     name = "guaranteed_no_evict"
 

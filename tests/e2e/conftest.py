@@ -52,7 +52,7 @@ def grpc_error(server, tensors, request_id: str = "", timeout: float = 30) -> st
 
 def _has_tritonserver() -> bool:
     try:
-        from client.tools.server import find_tritonserver
+        from serving.triton_launcher import find_tritonserver
         find_tritonserver()
         return True
     except Exception:
@@ -65,7 +65,7 @@ requires_tritonserver = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory) -> Path:
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
 
     path = tmp_path_factory.mktemp("models") / "default"
     make_model(path)
@@ -91,7 +91,7 @@ def model_repository(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(model_repository, model_path):
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
 
     with TritonServer(model_repository, params=SERVER_PARAMS, model_path=str(model_path)) as srv:
         yield srv

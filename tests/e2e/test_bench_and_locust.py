@@ -7,8 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from client.tools import bench
-
+from client.tools.benchmarks import bench
 from .conftest import REPO_ROOT, requires_tritonserver
 
 pytestmark = requires_tritonserver

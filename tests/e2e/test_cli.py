@@ -12,7 +12,7 @@ import pytest
 
 from client.cli import main
 from client.grpc_client import GrpcClient
-from client.tools.server import free_port
+from serving.triton_launcher import free_port
 
 from .conftest import requires_tritonserver
 

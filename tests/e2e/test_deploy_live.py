@@ -58,7 +58,7 @@ def test_healthcheck_passes_on_a_live_server(server):
 
 
 def test_healthcheck_fails_where_nothing_answers():
-    from client.tools.server import free_port
+    from serving.triton_launcher import free_port
 
     proc = run_healthcheck(f"http://127.0.0.1:{free_port()}")
     assert proc.returncode == 1 and "inflight healthcheck:" in proc.stderr
@@ -70,8 +70,8 @@ def test_healthcheck_fails_when_the_stub_is_dead_though_triton_reads_ready(model
     import os
     import signal
 
-    from client.tools.server import TritonServer
-    from client.tools.soak import server_processes
+    from serving.triton_launcher import TritonServer
+    from client.tools.load.soak import server_processes
 
     with TritonServer(model_repository, params={"max_model_len": "512"}, model_path=str(model_path),
                       exit_timeout=2) as server:

@@ -19,7 +19,7 @@ import threading
 
 import pytest
 
-from openai_server.launcher import OpenAIServer
+from serving.openai_launcher import OpenAIServer
 from openai_server.metrics import aggregate, parse_exposition
 
 from .conftest import MODEL_DIR, requires_tritonserver, wait_until
@@ -38,7 +38,7 @@ ADAPTERS = [None, "sql", None, "poet", None]   # five requests for two slots
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory, model_path):
     """tritonserver (two instances, fault injection armed) and the OpenAI server beside it."""
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
     from lora_adapters import AdapterSpec, checkpoint_with_adapters
     from templates.render import write_config
 
@@ -203,7 +203,7 @@ def test_a_silent_triton_metrics_port_fails_the_scrape_and_says_why(gateway):
     import urllib.error
     import urllib.request
 
-    from client.tools.server import free_port
+    from serving.triton_launcher import free_port
 
     triton, _, _ = gateway
     with socket.socket() as silent:                     # accepts connections, never answers

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from client.tools.server import free_port
+from serving.triton_launcher import free_port
 
 from .conftest import inflight_serve, requires_tritonserver, stop_serve
 

@@ -26,7 +26,7 @@ def ask(server, prompt):
 
 def test_the_first_request_after_a_restart_finds_its_prefix_on_disk(model_repository, model_path, llm, tmp_path):
     from backend import SamplingParams
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
 
     params = {**SERVER_PARAMS, "kv_host_cache_bytes": str(1 << 20), "kv_disk_cache_dir": str(tmp_path),
               "kv_disk_cache_bytes": str(64 << 20)}

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from openai_server.launcher import OpenAIServer
+from serving.openai_launcher import OpenAIServer
 
 from .conftest import MODEL_DIR, requires_tritonserver, wait_until
 from .raw_requests import array, grpc_stream
@@ -35,7 +35,7 @@ def lora_setup(tmp_path_factory, model_path):
 
 @pytest.fixture(scope="module")
 def lora_server(lora_setup, tmp_path_factory):
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
     from templates.render import write_config
 
     folder, adapters = lora_setup

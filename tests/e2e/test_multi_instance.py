@@ -43,7 +43,7 @@ def per_instance(series, name: str, **match) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def two_instance_server(tmp_path_factory, model_path):
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
     from templates.render import write_config
 
     repo = tmp_path_factory.mktemp("two_instances")

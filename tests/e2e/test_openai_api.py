@@ -5,8 +5,8 @@ import urllib.request
 
 import pytest
 
-from openai_server.launcher import OpenAIServer
-from client.tools.server import free_port
+from serving.openai_launcher import OpenAIServer
+from serving.triton_launcher import free_port
 
 from .conftest import MAX_MODEL_LEN, inflight_serve, requires_tritonserver, stop_serve, wait_until
 
@@ -165,7 +165,7 @@ def test_a_disconnected_streaming_client_frees_its_kv_blocks(api, server):
 
 @pytest.fixture(scope="module")
 def smollm2_api(model_repository):
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
     from smollm2 import smollm2_dir
 
     path = smollm2_dir()  # fetched and imported as `make model` does (once; reused afterwards)

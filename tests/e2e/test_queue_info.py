@@ -25,7 +25,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True, exclude_input_in_output=True)
 
 @pytest.fixture(scope="module")
 def small_server(model_repository, model_path):
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
 
     with TritonServer(model_repository, params=PARAMS, model_path=str(model_path)) as srv:
         yield srv
@@ -93,7 +93,7 @@ def test_a_non_streaming_answer_carries_the_outputs_once(small_server):
 
 def test_the_openai_server_passes_it_through_when_asked(small_server, model_path):
     openai = pytest.importorskip("openai")
-    from openai_server.launcher import OpenAIServer
+    from serving.openai_launcher import OpenAIServer
 
     with OpenAIServer(small_server.grpc_url, model_path) as api_server:
         api = openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="unused", max_retries=0, timeout=120)

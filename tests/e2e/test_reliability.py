@@ -29,7 +29,7 @@ from backend import EngineConfig, SamplingParams
 from client.grpc_client import AsyncGrpcClient, GrpcClient
 from client.http_client import AsyncHttpClient, HttpClient
 from client.protocol import GenerationError
-from client.tools.soak import rss_mb, scrape, server_processes
+from client.tools.load.soak import rss_mb, scrape, server_processes
 
 from .conftest import grpc_error, load_adapter, requires_tritonserver, wait_until
 
@@ -343,7 +343,7 @@ def test_closing_an_http_generate_does_not_cancel_it_but_stop_does(server):
 def small_server(model_repository, model_path, tmp_path_factory):
     """max_num_seqs 2, max_queue_size 4, a 768-token KV cache under a max_model_len of 1024, and
     the fault injector armed (tests only)."""
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
 
     fault_file = tmp_path_factory.mktemp("faults") / "fault"
     env = dict(os.environ, INFLIGHT_FAULT_INJECTION="1", INFLIGHT_FAULT_FILE=str(fault_file))
@@ -530,7 +530,7 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
     no answer at all (only the client's timeout ends it; in some runs gRPC cuts its stream with
     "Stream removed"); in some runs tritonserver itself aborts (SIGABRT) instead. Either way a
     restart restores service. README.md ("When the Python stub crashes") tells users the same."""
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
 
     params = {"max_model_len": "512"}
     server = TritonServer(model_repository, params=params, model_path=str(model_path), exit_timeout=2)
@@ -603,10 +603,10 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
 def test_the_stubs_exit_when_tritonserver_is_killed(model_repository, model_path):
     """kill -9 of tritonserver itself: each model's stub (llm, and llm_trtllm's) sees its parent gone
     and exits within a second or two, instead of living on as an orphan holding the model
-    (~550 MB for the default model; backend/parent_watch.py)."""
+    (~550 MB for the default model; backend/worker/parent_watch.py)."""
     import psutil
 
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
 
     server = TritonServer(model_repository, params={"max_model_len": "512"}, model_path=str(model_path))
     with server:
@@ -643,7 +643,7 @@ class FakeEngine:
 
     def add_request(self, rid, prompt, params, on_output, priority=0):
         if len(self.callbacks) >= 8:
-            from backend.errors import QueueFullError
+            from backend.core.errors import QueueFullError
             raise QueueFullError("queue full: 8 requests are waiting (max_queue_size); retry later")
         self.callbacks[rid] = on_output
 
@@ -674,7 +674,7 @@ def slow_respond(sender, tensors, error, final):
 
 
 def _emit(engine, rid, step, n, finished=False):
-    from backend.outputs import RequestOutput
+    from backend.core.outputs import RequestOutput
     ids = list(range(step + 1))
     engine.callbacks[rid](RequestOutput(rid, [1], [step], ids, chr(ord("a") + step % 26),
                                         "".join(chr(ord("a") + i % 26) for i in ids), finished,
@@ -764,7 +764,7 @@ def test_size_limits_are_checked_before_anything_is_decoded():
 
 
 def test_the_derived_input_byte_limit_never_refuses_a_prompt_that_fits(default_model_dir):
-    from backend.engine import LLMEngine
+    from backend.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_path=str(default_model_dir), max_model_len=256))
     vocab = engine.tokenizer.backend.get_vocab(with_added_tokens=True)
@@ -788,7 +788,7 @@ def test_the_derived_input_byte_limit_never_refuses_a_prompt_that_fits(default_m
 def test_abort_takes_effect_before_the_next_step(default_model_dir):
     """An abort is applied at the top of the engine loop, before the next step is scheduled: the
     aborted request is in no later batch and holds no block when that step runs."""
-    from backend.async_engine import AsyncEngine
+    from backend.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=4,
                                       max_tokens_in_paged_kv_cache=2048))
@@ -825,7 +825,7 @@ def test_abort_takes_effect_before_the_next_step(default_model_dir):
 
 
 def test_a_fault_outside_the_model_run_fails_the_batch_and_the_engine_carries_on(default_model_dir, monkeypatch):
-    from backend.async_engine import AsyncEngine
+    from backend.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=1,
                                       max_tokens_in_paged_kv_cache=2048))
@@ -863,8 +863,8 @@ def test_a_fault_outside_the_model_run_fails_the_batch_and_the_engine_carries_on
 
 
 def test_an_unrecoverable_engine_answers_everyone_and_refuses_new_requests(default_model_dir, monkeypatch):
-    from backend.async_engine import AsyncEngine
-    from backend.errors import EngineDeadError
+    from backend.engine.async_engine import AsyncEngine
+    from backend.core.errors import EngineDeadError
 
     engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=1,
                                       max_tokens_in_paged_kv_cache=2048))
@@ -927,7 +927,7 @@ def test_the_adapter_logs_no_prompt_or_output(caplog):
         fe.submit("secret-2", {"text_input": np.array([SECRET_PROMPT.encode()], np.object_),
                                "top_p": np.array([9.0], np.float32)}, SlowSender())
         (rid,) = engine.callbacks
-        from backend.outputs import RequestOutput
+        from backend.core.outputs import RequestOutput
         engine.callbacks[rid](RequestOutput(rid, [1], [3], [3], "SECRET-OUTPUT", "SECRET-OUTPUT", False, None))
         engine.callbacks[rid](RequestOutput(rid, [1], [], [3], "", "SECRET-OUTPUT", True, "error", "boom"))
         wait_until(lambda: s.responses and s.responses[-1][2])

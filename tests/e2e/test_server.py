@@ -328,7 +328,7 @@ def test_the_inter_token_histogram_counts_every_token(server, stream):
     ({"no_such_key": "1"}, "unknown parameter 'no_such_key'; allowed parameters: "),
 ])
 def test_a_bad_config_parameter_fails_the_load_naming_the_key(model_repository, model_path, params, message):
-    from client.tools.server import ServerError, TritonServer, _group_alive
+    from serving.triton_launcher import ServerError, TritonServer, _group_alive
 
     server = TritonServer(model_repository, params=params, model_path=str(model_path))
     try:

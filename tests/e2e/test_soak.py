@@ -4,8 +4,7 @@ not cancelled may fail, every request must be accounted for, the KV blocks must 
 resident memory must not grow by 10% from the first to the last window."""
 import json
 
-from client.tools import soak
-
+from client.tools.load import soak
 from .conftest import requires_tritonserver
 
 pytestmark = requires_tritonserver

@@ -52,7 +52,7 @@ def reference(path: str, prompts: list, max_tokens: int) -> list:
 
 @pytest.fixture(scope="module", params=CONFIGS)
 def spec_server(request, model_repository, model_path):
-    from client.tools.server import TritonServer
+    from serving.triton_launcher import TritonServer
     from smollm2 import smollm2_dir
 
     model, proposer = request.param.split(", ")
@@ -127,7 +127,7 @@ def test_inflight_serve_takes_speculative_config(model_path, tmp_path):
     import subprocess
     import sys
 
-    from client.tools.server import free_port
+    from serving.triton_launcher import free_port
 
     bad = subprocess.run([sys.executable, "-m", "client.cli", "serve", "--model-path", str(model_path),
                           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],

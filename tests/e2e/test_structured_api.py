@@ -16,7 +16,7 @@ from typing import Literal
 import jsonschema
 import pytest
 
-from client.tools.server import free_port
+from serving.triton_launcher import free_port
 
 from .conftest import inflight_serve, requires_tritonserver, stop_serve, wait_until
 from .raw_requests import array, grpc_stream, http_generate

@@ -18,7 +18,7 @@ import pytest
 
 from client.grpc_client import GrpcClient
 from client.protocol import GenerationError
-from client.tools.server import TritonServer, free_port
+from serving.triton_launcher import TritonServer, free_port
 from tp_helpers import NATURAL_PROMPTS, greedy, random_prompts, tp_workers
 
 from .conftest import MAX_MODEL_LEN, inflight_serve, requires_tritonserver, stop_serve, wait_until

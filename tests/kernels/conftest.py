@@ -4,9 +4,7 @@ often zero-filled). Scratch buffers (split-K partials) are poisoned the same way
 import pytest
 import torch
 
-from kernels import _common
-
-
+from kernels import checks as _common
 def _poisoned_alloc(shape, dtype, device):
     t = torch.empty(tuple(shape), dtype=dtype, device=device)
     if dtype.is_floating_point:

@@ -10,7 +10,7 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 # bfloat16 is only checked on a GPU: the Triton interpreter (numpy underneath) mishandles bf16,
 # e.g. a plain load/x2/store is off by up to ~6 and tl.dot by orders of magnitude (docs/design.md).
-# So bf16 cases exist only where they can run (client/tools/kernel_bench.py checks bf16 on the GPU too).
+# So bf16 cases exist only where they can run (client/tools/benchmarks/kernel_bench.py checks bf16 on the GPU too).
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
 # Tolerances against the fp32-math references, which round their result to the input dtype once.

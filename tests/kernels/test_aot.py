@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import decode_attention as decode_mod
+from kernels.gpu import decode_attention as decode_mod
 from kernels import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"store_kv_kernel", "decode_attention_kernel", "decode_merge_kernel", "prefill_attention_kernel",
            "rms_norm_kernel", "rotary_kernel", "gated_act_kernel",
            "gguf_gemm_kernel", "w8_gemm_kernel", "awq_gemm_kernel", "split_k_reduce_kernel",  # kernels/quant_*.py
-           "lora_shrink_kernel", "lora_expand_kernel",  # kernels/lora_sgmv.py
-           "fused_moe_kernel"}  # kernels/fused_moe.py: the MoE models only
+           "lora_shrink_kernel", "lora_expand_kernel",  # kernels/gpu/lora_sgmv.py
+           "fused_moe_kernel"}  # kernels/gpu/fused_moe.py: the MoE models only
 CACHE_KERNELS = {"store_kv_kernel", "decode_attention_kernel", "prefill_attention_kernel"}
 
 
@@ -74,7 +74,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_in_bf16_and_fp16_and_with_an_fp
     assert "0 failed" in output
 
 
-BREAK_BLOCK_N = "import kernels.decode_attention as d\nd.DEFAULT_BLOCK_N = 8"  # P@V's K becomes 8
+BREAK_BLOCK_N = "import kernels.gpu.decode_attention as d\nd.DEFAULT_BLOCK_N = 8"  # P@V's K becomes 8
 
 
 @pytest.mark.slow
@@ -124,7 +124,7 @@ def test_command_line_refuses_unknown_names(tmp_path):
 
 def test_plan_uses_the_gpu_configuration_when_asked():
     """The prefill plan the AOT compiles is the GPU's tile choice, not the interpreter's."""
-    from kernels.prefill_attention import plan_prefill_attention
+    from kernels.gpu.prefill_attention import plan_prefill_attention
 
     q = torch.zeros(4, 8, 128, dtype=torch.float16)
     cache = torch.zeros(2, 16, 2, 128, dtype=torch.float16)

@@ -3,9 +3,9 @@ decode attention reads bfloat16 caches (float32 queries) as the reference does."
 import pytest
 import torch
 
-from kernels import cpu_elementwise as ew
+from kernels.cpu import elementwise as ew
 from kernels import reference
-from kernels.cpu_decode_attention import decode_attention
+from kernels.cpu.decode_attention import decode_attention
 from kernel_testutil import build_paged_cache, seed_for
 
 

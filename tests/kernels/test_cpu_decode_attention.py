@@ -1,4 +1,4 @@
-"""The C decode attention (kernels/csrc/decode_attention.c, the CPU engine's path) against the torch
+"""The C decode attention (kernels/cpu/csrc/decode_attention.c, the CPU engine's path) against the torch
 reference on shuffled paged caches whose unused slots hold poison, and its argument checks."""
 import random
 import re
@@ -6,8 +6,10 @@ import re
 import pytest
 import torch
 
-from kernels import cpu_build, dispatch, reference
-from kernels.cpu_decode_attention import decode_attention
+from kernels import dispatch, reference
+
+from kernels.cpu import build as cpu_build
+from kernels.cpu.decode_attention import decode_attention
 from kernel_testutil import build_paged_cache, seed_for
 
 

@@ -1,10 +1,12 @@
-"""The C elementwise kernels (kernels/csrc/elementwise.c) against their torch references, on random
+"""The C elementwise kernels (kernels/cpu/csrc/elementwise.c) against their torch references, on random
 inputs with sizes that are not vector multiples, strided rows as the fused qkv split leaves them,
 and rows both below and above the size where the OpenMP team is woken."""
 import pytest
 import torch
 
-from kernels import cpu_elementwise as ew, reference
+from kernels import reference
+
+from kernels.cpu import elementwise as ew
 from kernel_testutil import seed_for
 
 TOL = dict(atol=2e-6, rtol=2e-6)

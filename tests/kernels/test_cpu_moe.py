@@ -1,5 +1,5 @@
 """The CPU's grouped experts, every active expert in one C call per projection: the float kernel
-(kernels/csrc/moe_gemm.c on pack_panels' layout) against kernels/moe_reference.py `expert_gemm`
+(kernels/cpu/csrc/moe_gemm.c on pack_panels' layout) against kernels/moe_reference.py `expert_gemm`
 (float64 sums) and `grouped_moe` (one GEMM pair per expert), float32 and bfloat16 weights, in every
 build this CPU runs (native, AVX2, portable); the packed-quantized one (quant_gemm.c
 `qgemm_experts`) against the per-expert int8 kernel, row for row. Odd row counts, experts with no
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from backend.models.quant_linear import quantize_q8_0
-from kernels import cpu_build, cpu_moe, cpu_quant
+from kernels.cpu import build as cpu_build
+from kernels.cpu import moe as cpu_moe
+from kernels.cpu import quant as cpu_quant
 from kernels.moe_reference import expert_gemm, grouped_moe, route
 from kernels.reference import silu_mul
 from test_cpu_quant import builds as quant_builds

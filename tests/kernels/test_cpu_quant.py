@@ -1,4 +1,4 @@
-"""The quantized GEMM on the CPU (kernels/csrc/quant_gemm.c) against its torch reference
+"""The quantized GEMM on the CPU (kernels/cpu/csrc/quant_gemm.c) against its torch reference
 (kernels/quant_reference.py `qmatmul`: activations quantized per group of 32, exact integer dot
 products, then scaled), for every packed type, in both builds (AVX512-VNNI where this CPU runs it,
 and the portable C one); and the choice of build, which must fall back, saying why, when the CPU
@@ -10,8 +10,9 @@ import subprocess
 import pytest
 import torch
 
-from backend.gguf.packed import BLOCK_SIZES, PACKED_TYPES, TYPE_IDS, pack
-from kernels import cpu_build, cpu_quant
+from backend.models.gguf.packed import BLOCK_SIZES, PACKED_TYPES, TYPE_IDS, pack
+from kernels.cpu import build as cpu_build
+from kernels.cpu import quant as cpu_quant
 from kernels.quant_reference import dequantize, qmatmul
 from test_quant_layout import random_blocks
 
@@ -155,7 +156,7 @@ def test_a_cpu_without_vnni_falls_back_with_one_line(fresh_choice, monkeypatch, 
     if expected == "avx2" and "avx2" not in builds():
         pytest.skip("this CPU cannot run the AVX2 build's probe")
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + flags)
-    with caplog.at_level(logging.INFO, logger="kernels.cpu_quant"):
+    with caplog.at_level(logging.INFO, logger="kernels.cpu.quant"):
         assert cpu_quant.chosen_isa() == expected
         assert cpu_quant.chosen_isa() == expected
     assert [(r.levelno, says in r.getMessage()) for r in caplog.records] == [(level, True)]
@@ -184,7 +185,7 @@ def test_a_probe_that_dies_falls_back(fresh_choice, monkeypatch, caplog, tmp_pat
     assert not ok and "its probe died (exit status -4" in why
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + " ".join(cpu_quant.VNNI_FLAGS))
     monkeypatch.setattr(cpu_quant, "_probe_runs", lambda isa: cpu_quant.probe_library(lib))
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_quant"):
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu.quant"):
         assert cpu_quant.chosen_isa() == "portable"
     assert "its probe died" in caplog.text
 
@@ -199,7 +200,7 @@ def test_a_build_that_does_not_compile_falls_back(fresh_choice, monkeypatch, cap
         pytest.skip("this CPU cannot run the AVX2 build")
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : " + " ".join(cpu_quant.AVX_VNNI_FLAGS))
     monkeypatch.setattr(cpu_build, "build", build)
-    with caplog.at_level(logging.INFO, logger="kernels.cpu_quant"):
+    with caplog.at_level(logging.INFO, logger="kernels.cpu.quant"):
         assert cpu_quant.chosen_isa() == "avx2"
     assert "avx_vnni: it did not compile (gcc: error: unrecognized command-line option '-mavxvnni')" in caplog.text
 

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.tools import gpu_check, gpu_check_plan
-from client.tools.gpu_check_plan import DRY
-from client.tools.gpu_check_report import verdict
-from client.tools.gpu_check_served import device_check, kv_check, scrape, tokens_by_instance
+from client.tools.gpu_check import run as gpu_check
+
+from client.tools.gpu_check import plan as gpu_check_plan
+from client.tools.gpu_check.plan import DRY
+from client.tools.gpu_check.report import verdict
+from client.tools.gpu_check.served import device_check, kv_check, scrape, tokens_by_instance
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,7 +127,7 @@ def test_a_dry_run_whose_device_check_passed_is_refused():
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
-    from backend.make_model import make_model
+    from backend.models.make_model import make_model
 
     root = tmp_path_factory.mktemp("gpu-check-models")
     return [make_model(root / f"seed{seed}", seed=seed, **DRY["model"]) for seed in (3, 4)]
@@ -136,7 +138,7 @@ def test_greedy_check_fails_when_the_engine_and_transformers_disagree(two_checkp
     """transformers is handed other weights than the engine ran: the check must notice."""
     from transformers import AutoModelForCausalLM
 
-    from client.tools.gpu_check_greedy import greedy
+    from client.tools.gpu_check.greedy import greedy
 
     load = AutoModelForCausalLM.from_pretrained.__func__
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
@@ -168,9 +170,10 @@ def test_the_dry_run_skips_the_tensor_parallel_run_and_says_so(dry_run):
 
 CUT_RUN = """
 import sys
-from client.tools import gpu_check as g, gpu_check_plan as plan
+from client.tools.gpu_check import run as g
 
 # the kernels part gets one second (it cannot finish), the greedy part enough to be under way
+from client.tools.gpu_check import plan
 plan.budget = lambda part, dry_run: 1 if part.name == "kernels" else 600
 g.PARTS = tuple(p for p in plan.PARTS if p.name in ("kernels", "greedy"))
 sys.exit(g.main(["--dry-run", "--out", sys.argv[1]]))
@@ -204,7 +207,7 @@ def test_a_part_over_its_budget_is_cut_and_sigterm_prints_the_table(tmp_path):
 
 
 def test_graph_replayed_tokens_must_equal_eager_ones():
-    from client.tools.gpu_check_engine import compare_tokens
+    from client.tools.gpu_check.engine import compare_tokens
 
     eager = {1: [[5, 6, 7]], 16: [[1, 2], [3, 4]]}
     assert compare_tokens({1: [[5, 6, 7]], 16: [[1, 2], [3, 4]]}, eager) == dict(

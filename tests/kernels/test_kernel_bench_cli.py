@@ -1,4 +1,4 @@
-"""client.tools.kernel_bench: the GPU benchmark script. Its GPU run cannot happen here, so check that it
+"""client.tools.benchmarks.kernel_bench: the GPU benchmark script. Its GPU run cannot happen here, so check that it
 imports without a GPU, that its command line parses, and rehearse the whole script on the CPU
 (tiny shapes, the Triton interpreter) so a broken code path fails here rather than on the GPU."""
 import json
@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from client.tools import kernel_bench as bench
-
+from client.tools.benchmarks import kernel_bench as bench
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_help_runs_without_a_gpu():
-    out = subprocess.run([sys.executable, "-m", "client.tools.kernel_bench", "--help"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "client.tools.benchmarks.kernel_bench", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--out" in out.stdout and "copy bandwidth" in out.stdout
@@ -36,7 +35,7 @@ def test_parse_args():
 def test_dry_run_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "client.tools.kernel_bench", "--dry-run-cpu", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "client.tools.benchmarks.kernel_bench", "--dry-run-cpu", "--out", str(out),
                            "--batches", "1,2", "--contexts", "40", "--engine-contexts", "20", "--skip-reference"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -48,7 +47,7 @@ def test_dry_run_on_cpu(tmp_path):
     assert len(res["decode_attention"]) == 2 and res["decode_tuning"]
     assert [(r["batch"], r["context"]) for r in res["engine_decode_step"]] == [(1, 20), (2, 20)]
     assert res["copy_bandwidth_gbs"] > 0
-    assert res["quant_checks"] and all(c["ok"] for c in res["quant_checks"]) and res["quant_linear"]  # kernels/quant_bench.py
+    assert res["quant_checks"] and all(c["ok"] for c in res["quant_checks"]) and res["quant_linear"]  # kernels/gpu/quant_bench.py
     assert res["partial"] is False and not (tmp_path / "bench.json.tmp").exists()
 
 
@@ -82,8 +81,10 @@ def test_the_fp8_cache_checks_run_and_pass_their_attention_rows(monkeypatch):
     powers of two: tests/kernels/test_kernel_fp8_kv.py), so here it is only seen to run."""
     import torch
 
-    from kernels import reference, triton_ops
+    from kernels import reference
 
+
+    from kernels.gpu import triton_ops
     monkeypatch.setattr(bench, "P", bench.DRY)
     rows = bench.fp8_cache_checks(triton_ops, reference, 16, dtype=torch.float16)
     assert [r["kernel"] for r in rows] == ["decode_attention", "decode_attention", "prefill_attention", "store_kv"]

@@ -13,7 +13,7 @@ NAMES = ["store_kv", "decode_attention", "prefill_attention", "rms_norm", "rotar
 
 @pytest.mark.parametrize("name", NAMES)
 def test_signature_extends_reference(name):
-    from kernels import triton_ops
+    from kernels.gpu import triton_ops
     kw = inspect.Parameter.KEYWORD_ONLY
     ref = inspect.signature(getattr(reference, name)).parameters
     ours = inspect.signature(getattr(triton_ops, name)).parameters
@@ -30,7 +30,7 @@ def test_signature_extends_reference(name):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="needs the interpreter or CUDA")
 def test_dispatch_triton_backend_returns_the_kernels():
-    from kernels import triton_ops
+    from kernels.gpu import triton_ops
     ops = dispatch.get_ops("triton", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     assert ops.name == "triton"
     for name in NAMES:

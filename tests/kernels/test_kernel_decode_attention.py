@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels import triton_ops
-from kernels.decode_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, choose_num_splits
+from kernels.gpu import triton_ops
+from kernels.gpu.decode_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, choose_num_splits
 from kernel_testutil import DEVICE, DTYPES, TOL, assert_close, build_paged_cache, seed_for
 
 

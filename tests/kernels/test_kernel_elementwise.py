@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels import triton_ops
+from kernels.gpu import triton_ops
 from backend.models.rope import rope_cos_sin, rope_inv_freq
 from kernel_testutil import DEVICE, DTYPES, TOL_ELEMENTWISE, assert_close, seed_for
 

@@ -1,4 +1,4 @@
-"""The fused-MoE kernel (kernels/fused_moe.py) against its torch reference (kernels/moe_reference.py),
+"""The fused-MoE kernel (kernels/gpu/fused_moe.py) against its torch reference (kernels/moe_reference.py),
 and the reference against a per-token loop in float64: several token and expert counts, experts
 that get no token, top-1 to top-4, shapes that are not tile multiples, fp32 and fp16 (bf16 on a
 GPU only). The sort by expert is checked against its definition, and the wrapper's host side is
@@ -6,8 +6,8 @@ checked to read no device value (it runs inside a CUDA graph)."""
 import pytest
 import torch
 
-from kernels import fused_moe as fm
-from kernels import launch as launch_mod
+from kernels.gpu import fused_moe as fm
+from kernels.gpu import launch as launch_mod
 from kernels import moe_reference as ref
 from kernel_testutil import DEVICE, DTYPES, TOL, assert_close, seed_for
 from test_reference_syncs import gpu_branch

@@ -1,4 +1,4 @@
-"""The segmented LoRA kernels (kernels/lora_sgmv.py) against their torch reference
+"""The segmented LoRA kernels (kernels/gpu/lora_sgmv.py) against their torch reference
 (kernels/lora_reference.py), and the reference against a per-row loop of plain matmuls: segments
 of several lengths (not multiples of the 16-row tile), rows of no adapter between them, padded
 segment tables (slot -1), fused shards (q | k | v of unequal widths), fp32 and fp16."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import lora_reference as ref
-from kernels import lora_sgmv
+from kernels.gpu import lora_sgmv
 from kernel_testutil import DEVICE, DTYPES, assert_close, seed_for
 
 QKV = (0, 40, 56, 72)  # q 40, k 16, v 16 output columns: shards of unequal width

@@ -6,8 +6,10 @@ fails; lengths and windows are not block multiples, and the GQA ratios are 1, 4 
 import pytest
 import torch
 
-from kernels import reference, triton_ops
-from kernels.cpu_decode_attention import decode_attention as cpu_decode_attention
+from kernels import reference
+
+from kernels.gpu import triton_ops
+from kernels.cpu.decode_attention import decode_attention as cpu_decode_attention
 from kernel_testutil import DEVICE, POISON, TOL, assert_close, build_paged_cache, seed_for
 
 

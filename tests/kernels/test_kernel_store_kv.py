@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels import triton_ops
+from kernels.gpu import triton_ops
 from kernel_testutil import DEVICE, DTYPES, seed_for
 
 

@@ -22,7 +22,7 @@ def compile_first(kernel, target, **config):
             ok, shared, error, _ = aot._compile(jobs[k])
             return dict(ok=ok, shared=shared, error=error)
 import torch
-from kernels.quant_dispatch import aot_launches
+from kernels.gpu.quant_dispatch import aot_launches
 launch = next(l for l in aot_launches({"o": (4096, 4096, False)}, torch.bfloat16) if l.constexprs.get("FP8"))
 fp8_sm80 = (launch.kernel.fn.__module__, launch.kernel.fn.__name__, 80, *aot.specialize(launch, 80))
 print(json.dumps(dict(rows=[r for r, _ in quant],

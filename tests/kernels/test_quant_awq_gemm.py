@@ -1,11 +1,11 @@
 """AWQ: the packing order against the documented one (AutoAWQ's GEMM format as vLLM loads it), and
-kernels/quant_awq_gemm.py against the dequantized reference under the Triton interpreter, fp32 and
+kernels/gpu/quant_awq_gemm.py against the dequantized reference under the Triton interpreter, fp32 and
 fp16: groups of 128, 64 and 32, N a multiple of 8 but not of the tiles, decode, split-K, prefill."""
 import pytest
 import torch
 
 from kernel_testutil import DEVICE, DTYPES, seed_for
-from kernels.quant_awq_gemm import awq_linear
+from kernels.gpu.quant_awq_gemm import awq_linear
 from kernels.quant_formats import dequantize_awq, linear_reference, logical_shape, pack_awq, quantize_awq, unpack_awq
 from quant_testutil import assert_quant_close
 

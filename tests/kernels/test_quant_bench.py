@@ -1,14 +1,14 @@
-"""kernels/quant_bench.py, the quantized GEMMs' part of `inflight gpu-check`, rehearsed on the CPU
+"""kernels/gpu/quant_bench.py, the quantized GEMMs' part of `inflight gpu-check`, rehearsed on the CPU
 (interpreter, tiny shapes): its checks pass on the kernels and catch results off by 1% of their
-scale; a failed one fails `python -m client.tools.kernel_bench`; its benchmark rows carry the bandwidth floor."""
+scale; a failed one fails `python -m client.tools.benchmarks.kernel_bench`; its benchmark rows carry the bandwidth floor."""
 import json
 
 import pytest
 import torch
 
-from kernels import quant_bench, quant_dispatch
+from kernels.gpu import quant_bench
 
-
+from kernels.gpu import quant_dispatch
 def test_checks_pass_on_the_kernels_and_cover_every_interpretable_qtype():
     rows = quant_bench.checks("cpu", dry=True)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
@@ -49,8 +49,8 @@ def test_bench_rows_and_table():
 
 
 def test_a_failed_quantized_check_fails_the_kernel_benchmark(monkeypatch, tmp_path):
-    """client.tools.kernel_bench (what gpu-check runs) counts the quantized checks among its failures."""
-    from client.tools import kernel_bench as bench
+    """client.tools.benchmarks.kernel_bench (what gpu-check runs) counts the quantized checks among its failures."""
+    from client.tools.benchmarks import kernel_bench as bench
     bad = dict(kernel="quant_linear", dtype="float16", detail="Q4_0 M=5", max_abs_err=1.0, bound_ratio=9.0, ok=False)
     monkeypatch.setattr(quant_bench, "checks", lambda device, dry=False: [bad])
     monkeypatch.setattr(quant_bench, "bench", lambda *args, **kwargs: [])

@@ -1,4 +1,4 @@
-"""kernels/quant_dispatch.py `quant_linear`, the engine's one call for a quantized linear layer on the
+"""kernels/gpu/quant_dispatch.py `quant_linear`, the engine's one call for a quantized linear layer on the
 GPU, on what `inflight import-gguf` writes: a GGUF file from the `gguf` package's writer (every
 packed type), imported to the packed folder, each matrix read back from its safetensors and
 multiplied by the Triton kernels (interpreter, fp16) against the dequantized reference."""
@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.gguf.importer import import_gguf
-from backend.make_model import make_model
+from backend.models.gguf.importer import import_gguf
+from backend.models.make_model import make_model
 from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES, write_gguf
 from kernel_testutil import DEVICE
-from kernels import quant_dispatch
-from kernels.quant_dispatch import QTYPES, quant_linear
+from kernels.gpu import quant_dispatch
+from kernels.gpu.quant_dispatch import QTYPES, quant_linear
 from kernels.quant_formats import linear_reference, logical_shape
 from quant_testutil import assert_quant_close
 

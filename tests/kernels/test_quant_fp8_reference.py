@@ -1,5 +1,5 @@
 """`quantization=fp8` on CPU: kernels/quant_formats.py `quantize_fp8` (the loader's quantizer) and the
-FP8 reference the GPU kernel is checked against (kernels/quant_bench.py on a GPU; the interpreter
+FP8 reference the GPU kernel is checked against (kernels/gpu/quant_bench.py on a GPU; the interpreter
 cannot run e4m3). The oracle here is the e4m3 value grid itself: all 256 byte patterns."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""kernels/quant_gguf_gemm.py against the dequantized reference (kernels/quant_reference.py, ggml's
+"""kernels/gpu/quant_gguf_gemm.py against the dequantized reference (kernels/quant_reference.py, ggml's
 floats bit for bit) under the Triton interpreter, fp32 and fp16 (bf16 only on a GPU): every packed
 4/5/6-bit type, batches of 1 (decode), 5 and 17 (K split among programs, the last split shorter), 70
 (the prefill tiles), N and K that are not tile multiples, bias, strided rows and activations."""
@@ -7,8 +7,8 @@ import torch
 
 from kernel_testutil import DEVICE, DTYPES, seed_for
 from kernels.quant_formats import linear_reference
-from kernels.quant_gguf_gemm import QTYPES, gguf_linear
-from kernels.quant_tiles import plan_tiles
+from kernels.gpu.quant_gguf_gemm import QTYPES, gguf_linear
+from kernels.gpu.quant_tiles import plan_tiles
 from quant_testutil import assert_quant_close, gguf_matrix
 
 # (M, N, split_k, bias): N not a multiple of the 64/128 output tiles; split 3 of 11 or 24 K-groups

@@ -1,13 +1,13 @@
-"""kernels/quant_w8_gemm.py (W8A16) against the dequantized reference under the Triton interpreter,
+"""kernels/gpu/quant_w8_gemm.py (W8A16) against the dequantized reference under the Triton interpreter,
 fp32 and fp16: Q8_0 as the importer packs it, INT8 with one scale per output channel (K not a
 multiple of anything) and per group of 64; decode, split-K and prefill batches, bias. FP8 runs
-only on a GPU (the interpreter cannot cast e4m3): its check is in kernels/quant_bench.py."""
+only on a GPU (the interpreter cannot cast e4m3): its check is in kernels/gpu/quant_bench.py."""
 import pytest
 import torch
 
 from kernel_testutil import DEVICE, DTYPES, seed_for
 from kernels.quant_formats import linear_reference
-from kernels.quant_w8_gemm import w8_linear
+from kernels.gpu.quant_w8_gemm import w8_linear
 from quant_testutil import assert_quant_close, gguf_matrix
 
 CASES = [(1, 40, None, False), (6, 72, 3, True), (70, 33, None, True)]   # (M, N, split_k, bias)

@@ -16,14 +16,14 @@ import tempfile
 from pathlib import Path
 
 from client.tools.peers.machine import describe, machine_report
-from client.tools.workloads import make_workload
+from client.tools.benchmarks.workloads import make_workload
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 # engine -> (venv under --peers-dir, or None for this interpreter; the runner; which model it reads:
 # "model" the --model-path folder, "float" --float-model-path (float weights), "gguf" --gguf)
 ENGINES = {"inflight": (None, "client.tools.peers.run_inflight", "model"),
-           # the same engine with its decode steps through the Python layers (backend/native_decode.py)
+           # the same engine with its decode steps through the Python layers (backend/worker/native_decode.py)
            "inflight-python-layers": (None, "client.tools.peers.run_inflight", "model"),
            "inflight-float32": (None, "client.tools.peers.run_inflight", "float"),
            "inflight-bf16": (None, "client.tools.peers.run_inflight", "float"),
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     if unknown:
         print(f"bench-peers: unknown --engines {unknown}; known: {', '.join(ENGINES)}", file=sys.stderr)
         return 2
-    from backend.loader import load_model_config
+    from backend.models.loader import load_model_config
     machine = machine_report(args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server")
     print(describe(machine))
     report = []

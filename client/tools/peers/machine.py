@@ -1,6 +1,6 @@
 """What a peer comparison ran on, printed above its figures and written into its JSON: the CPU model,
 the instruction sets that decide both engines' kernels, the build of inflight's packed GEMM this
-process picks (kernels/cpu_quant.py `chosen_isa`; the runners inherit its environment, so
+process picks (kernels/cpu/quant.py `chosen_isa`; the runners inherit its environment, so
 INFLIGHT_CPU_ISA too), and the x86 options llama.cpp's build was configured with (`make
 peers-llamacpp` passes LLAMACPP_ISA, derived from /proc/cpuinfo; cmake keeps them in the build's
 CMakeCache.txt, read here so a build left from another machine or another LLAMACPP_ISA shows as it
@@ -32,7 +32,8 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
 
 
 def inflight_quant_build() -> str:
-    from kernels import cpu_build, cpu_quant
+    from kernels.cpu import build as cpu_build
+    from kernels.cpu import quant as cpu_quant
     try:
         return cpu_quant.chosen_isa()
     except cpu_build.CpuKernelUnavailable as exc:

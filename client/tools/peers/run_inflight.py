@@ -16,8 +16,8 @@ def main() -> int:
     args = parse_runner_args(sys.argv[1:])
     import torch
     from backend import LLM, SamplingParams
-    from backend.loader import load_model_config
-    from backend.kv_sizing import kv_bytes_per_token
+    from backend.models.loader import load_model_config
+    from backend.kv.sizing import kv_bytes_per_token
     items = load_workload(args.workload)
     longest = max(len(p) for p, _ in items)
     cfg = load_model_config(args.model_path)
@@ -35,7 +35,7 @@ def main() -> int:
     elapsed = time.perf_counter() - t0
     weights = llm.engine.runner.weights
     name = f"inflight ({weights.quantization}, {str(llm.engine.runner.dtype).removeprefix('torch.')})"
-    if os.environ.get("INFLIGHT_NATIVE_DECODE") == "0":  # the C decode stack turned off (backend/native_decode.py)
+    if os.environ.get("INFLIGHT_NATIVE_DECODE") == "0":  # the C decode stack turned off (backend/worker/native_decode.py)
         name = name[:-1] + ", Python layers)"
     write_result(args.out, name, elapsed, [len(o.token_ids) for o in outs], items)
     return 0

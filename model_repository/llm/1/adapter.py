@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from backend.outputs import merge_outputs
+from backend.core.outputs import merge_outputs
 from fault_injection import FAULT_ENV, FaultInjector
 from instance_config import engine_config
 from live_request import Live, NullMetrics, Respond, _Entry

@@ -6,8 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
-from backend.config import EngineConfig
-from backend.kv_events import for_instance
+from backend.core.config import EngineConfig
+from backend.core.kv_events_config import for_instance
 
 
 def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int | str,
@@ -38,7 +38,7 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
     if disk_dir and not Path(disk_dir).is_absolute():  # the KV tiers' disk folder, found like model_path
         overrides["kv_disk_cache_dir"] = str((Path(repo_root) / disk_dir).resolve())
     if str(params.get("speculative_config", "")).strip():  # its draft `model` is found like model_path
-        from backend.spec.config import resolve_draft_path
+        from backend.core.speculative_config import resolve_draft_path
         overrides["speculative_config"] = resolve_draft_path(str(params["speculative_config"]), repo_root)
     config = EngineConfig.from_params(params, **overrides)
     index = int(instance_name.rsplit("_", 1)[-1]) if instance_name.rsplit("_", 1)[-1].isdigit() else 0

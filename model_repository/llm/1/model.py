@@ -24,7 +24,7 @@ from triton_metrics import Metrics  # noqa: E402
 
 INPUTS = adapter.INPUT_NAMES
 
-STOP_FILE = ".inflight-stopping"  # client/tools/server.py creates it in its run copy before stopping Triton
+STOP_FILE = ".inflight-stopping"  # serving/triton_launcher.py creates it in its run copy before stopping Triton
 
 
 def triton_error(error):
@@ -48,7 +48,7 @@ def respond(sender, tensors, error, final):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from backend.parent_watch import exit_with_parent
+        from backend.worker.parent_watch import exit_with_parent
         exit_with_parent()  # a tritonserver killed abruptly must not leave this stub behind
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
@@ -62,7 +62,7 @@ class TritonPythonModel:
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"config.pbtxt: {exc}") from None
 
-        from backend.async_engine import AsyncEngine  # torch loads here, after the config is known good
+        from backend.engine.async_engine import AsyncEngine  # torch loads here, after the config is known good
 
         try:
             self.engine = AsyncEngine(engine_config)

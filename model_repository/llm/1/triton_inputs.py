@@ -21,9 +21,9 @@ from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
-from backend.errors import EngineDeadError, QueueFullError
-from backend.input_guard import check_text, guarded, int32
-from backend.request import MAX_BAD_WORDS, MAX_STOP_STRINGS, SamplingParams
+from backend.core.errors import EngineDeadError, QueueFullError
+from backend.core.input_guard import check_text, guarded, int32
+from backend.core.request import MAX_BAD_WORDS, MAX_STOP_STRINGS, SamplingParams
 from templates.tensors import INPUTS, RETURN_FLAGS
 
 DEFAULT_MAX_TOKENS = 16
@@ -191,7 +191,7 @@ def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Option
     run before anything is decoded: `max_input_bytes` on text_input, 1 MiB on the sampling JSON.
     `max_model_len` only goes into the message of the first; `vocab_size` bounds end_id. What
     hostile JSON makes Python raise (nesting, 1e400, lone surrogates) is a ValueError too
-    (backend/input_guard.py)."""
+    (backend/core/input_guard.py)."""
     with guarded("the request's inputs and parameters"):
         return _parse(inputs, parameters, max_input_bytes, max_model_len, vocab_size)
 

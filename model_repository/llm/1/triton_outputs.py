@@ -87,7 +87,7 @@ def _unix_ns(t: Optional[float]) -> int:
 
 
 def queue_tensors(q: Any) -> dict[str, np.ndarray]:
-    """The `return_queue_info` outputs of a backend.outputs.QueueInfo."""
+    """The `return_queue_info` outputs of a backend.core.outputs.QueueInfo."""
     def one(value, dtype):
         return np.array([value], dtype=dtype)
     return {

@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from backend.parent_watch import exit_with_parent  # noqa: E402
+from backend.worker.parent_watch import exit_with_parent  # noqa: E402
 from templates.tensors import INPUTS, OUTPUTS  # noqa: E402
 
 TARGET = "llm"

@@ -1,0 +1,256 @@
+"""EngineConfig: every engine setting, validated in one place.
+
+Field names are a contract: they are the `parameters` keys of `config.pbtxt` (docs/design.md), named after
+TensorRT-LLM's backend where it has one. `from_params` maps the strings Triton hands us into typed
+fields; `validate` is the single place a bad value is refused, with the key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from backend.core.kv_events_config import KVEventsConfig, parse_kv_events_config
+from backend.core.lora import parse_lora_modules
+from backend.core.speculative_config import SpeculativeConfig, parse_speculative_config
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+BATCHING_MODES = ("inflight", "dynamic", "static", "none")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")  # docs/quantization.md
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+MAX_COMPILE_TIMEOUT_S = 600.0
+MAX_KV_BLOCK_SIZE = 1024  # tokens per block; vLLM's largest is 256 (a block is the unit of prefix reuse)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass
+class EngineConfig:
+    model_path: str = ""
+    # auto: float32 on CPU; on CUDA the checkpoint's half type, float32 checkpoints in bfloat16
+    # (float16 before compute capability 8.0), as vLLM (backend/worker/device.py)
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    kv_block_size: int = 16
+    # Explicit KV capacity: the memory of that many tokens in every layer (a model with sliding-window
+    # layers holds more tokens in it, backend/kv/groups.py); 0 sizes it from
+    # kv_cache_free_gpu_mem_fraction on CUDA and from cpu_kv_cache_tokens (same meaning) on CPU.
+    max_tokens_in_paged_kv_cache: int = 0
+    # Share of the GPU memory free after the weights and the largest step's activations that the KV
+    # cache takes; the rest is headroom (CUDA graphs, cuBLAS, fragmentation): backend/kv/sizing.py.
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    cpu_kv_cache_tokens: int = 65536
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
+    # Longest text prompt in UTF-8 bytes, checked before tokenizing. 0: derived from max_model_len and
+    # the tokenizer (a text past it could never fit in max_model_len tokens); N: this many bytes.
+    max_input_bytes: int = 0
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    enable_chunked_context: bool = True
+    # Prefix caching, on by default as vLLM's and SGLang's (TRT-LLM's default is off): a no-reuse
+    # workload runs as fast with it (docs/performance.md, "Prefix reuse by default").
+    enable_kv_cache_reuse: bool = True
+    # guaranteed_no_evict: let later requests start ahead of one that does not fit when they cannot
+    # delay it past its reservation (docs/design.md, "Scheduling"). false: strict order, as TRT-LLM.
+    enable_backfill: bool = True
+    batching_mode: str = "inflight"
+    max_queue_size: int = 1024  # waiting requests beyond this are refused at once; 0: unbounded
+    max_queue_delay_microseconds: int = 50000  # static/dynamic: longest wait for a batch to fill
+    executor_static_batch_size: int = -1  # -1: off; N: static batches of N (forces batching_mode=static)
+    dynamic_padding_threshold: float = 1.1  # dynamic: a batch holds lengths within this factor
+    attention_backend: str = "auto"
+    # true: no CUDA graphs, every decode step launches its kernels one by one (vLLM's enforce_eager).
+    # false: decode steps replay graphs captured at start-up per padded batch size (Triton kernels, CUDA).
+    enforce_eager: bool = False
+    seed: int = 0
+    # Streaming (the server): a response carries at least this many new tokens (the first token and
+    # the last response go out at once), as vLLM's --stream-interval. 1: a response per step.
+    stream_interval: int = 1
+    # Quantized weights and KV cache (docs/quantization.md). quantization: auto = the checkpoint's
+    # (gguf for a packed `inflight import-gguf` folder, else none); none = float weights (a packed
+    # folder is dequantized at load); gguf = packed weights as they are; int8 = float weights
+    # quantized at load (int8, a scale per 32 values); fp8 = e4m3 weights (CUDA only).
+    quantization: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: dtype's | float32 | bfloat16 | fp8 = fp8_e4m3 (CUDA sm_89+)
+    # Multi-LoRA (docs/lora.md), vLLM's names and defaults: PEFT adapters from the checkpoint
+    # folder's multi_lora.json and `lora_modules` (JSON {name: folder} or NAME=PATH,...), at most
+    # max_loras of them in one step (requests of others wait), ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: str = "{}"
+    # An adapter of multi_lora.json / lora_modules that fails its checks at start stops the model's
+    # start (false, as vLLM); true: the model starts with the others and logs one line per bad one.
+    skip_invalid_lora_adapters: bool = False
+    # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
+    # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
+    speculative_config: str = ""
+    # Ranks one engine runs on (tensor parallelism, docs/parallelism.md): each holds 1/N of every
+    # layer's heads and MLP columns, of the vocabulary and of the KV cache; rank 0 schedules and
+    # samples, ranks 1..N-1 are processes it starts (NCCL on GPU: devices cuda:i*N .. cuda:i*N+N-1
+    # for instance i; gloo on CPU).
+    tensor_parallel_size: int = 1
+    # KV-cache events for prefix-aware routing (backend/kv/events.py, docs/gateway.md): JSON with
+    # vLLM's --kv-events-config keys ("" is off); needs enable_kv_cache_reuse. The Python API takes a dict.
+    kv_events_config: str = ""
+    # KV-cache tiers (backend/kv_tiers/, docs/design.md "KV-cache tiers"): cached prefix blocks that
+    # leave the KV cache are kept in host memory (at most kv_host_cache_bytes; 0 is off) and written
+    # to files under kv_disk_cache_dir (at most kv_disk_cache_bytes; "" is off), and copied back on a
+    # prefix hit instead of being computed again. Both need enable_kv_cache_reuse; the disk tier
+    # stages its blocks through the host tier, so it needs kv_host_cache_bytes too.
+    kv_host_cache_bytes: int = 0
+    kv_disk_cache_dir: str = ""
+    kv_disk_cache_bytes: int = 0
+    # Structured outputs (backend/structured/): the longest a constraint new to the engine may compile
+    # (in a worker process, off the request path) before it is refused with a 400 and its worker is
+    # killed; also the longest it may wait for a free worker before it is refused as busy.
+    structured_outputs_compile_timeout_s: float = 5.0
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
+        """Build from config.pbtxt string parameters; unknown keys and bad values raise ValueError."""
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in params.items():
+            if key not in types:
+                raise ValueError(
+                    f"unknown parameter '{key}'; allowed parameters: {', '.join(sorted(types))}")
+            values[key] = _parse(key, str(raw).strip(), types[key])
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def typed_overrides(cls, params: Mapping[str, str]) -> dict[str, Any]:
+        """config.pbtxt strings (a tool's `--param KEY=VALUE`s) -> those keys' typed values, checked
+        as from_params checks them: keyword arguments for `LLM(model_path, **overrides)`."""
+        typed = cls.from_params(params)
+        return {key: getattr(typed, key) for key in params}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, Mapping):
+            self.speculative_config = json.dumps(dict(self.speculative_config))
+        if isinstance(self.kv_events_config, Mapping):
+            self.kv_events_config = json.dumps(dict(self.kv_events_config))
+        if self.executor_static_batch_size not in (-1, 0) and self.executor_static_batch_size > 0:
+            self.batching_mode = "static"
+        self.validate()
+
+    def validate(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("batch_scheduler_policy", self.batch_scheduler_policy, POLICIES)
+        _choice("batching_mode", self.batching_mode, BATCHING_MODES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("quantization", self.quantization, QUANTIZATIONS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
+        if not 1 <= self.kv_block_size <= MAX_KV_BLOCK_SIZE:  # sizes against memory: backend/kv/sizing.py
+            raise ValueError(f"kv_block_size must be in [1, {MAX_KV_BLOCK_SIZE}] tokens; got {self.kv_block_size}")
+        _at_least("max_tokens_in_paged_kv_cache", self.max_tokens_in_paged_kv_cache, 0)
+        _at_least("cpu_kv_cache_tokens", self.cpu_kv_cache_tokens, 1)
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction < 1.0:
+            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1): the rest of the free memory is "
+                             "headroom for CUDA graphs, cuBLAS workspaces and fragmentation; got "
+                             f"{self.kv_cache_free_gpu_mem_fraction}")
+        _at_least("max_num_seqs", self.max_num_seqs, 1)
+        _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _at_least("max_model_len", self.max_model_len, 0)
+        _at_least("max_input_bytes", self.max_input_bytes, 0)
+        _at_least("max_queue_size", self.max_queue_size, 0)
+        _at_least("max_queue_delay_microseconds", self.max_queue_delay_microseconds, 0)
+        _at_least("stream_interval", self.stream_interval, 1)
+        _at_least("max_loras", self.max_loras, 1)
+        _at_least("max_lora_rank", self.max_lora_rank, 1)
+        if parse_lora_modules(self.lora_modules) and not self.enable_lora:  # its syntax too, before anything loads
+            raise ValueError("lora_modules needs enable_lora=true")
+        _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if not 0.0 < self.structured_outputs_compile_timeout_s <= MAX_COMPILE_TIMEOUT_S:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be in (0, {MAX_COMPILE_TIMEOUT_S:g}] seconds; "
+                             f"got {self.structured_outputs_compile_timeout_s}")
+        if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
+            raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
+                             f"got {self.executor_static_batch_size}")
+        if self.dynamic_padding_threshold < 1.0:
+            raise ValueError("dynamic_padding_threshold must be >= 1.0; "
+                             f"got {self.dynamic_padding_threshold}")
+        events = self.kv_events
+        if events is not None and events.enable_kv_cache_events and not self.enable_kv_cache_reuse:
+            raise ValueError("kv_events_config: enable_kv_cache_events needs enable_kv_cache_reuse=true (the "
+                             "events tell a router what the prefix cache holds)")
+        self._validate_kv_tiers()
+        if self.speculative is not None and self.batching_mode in ("static", "dynamic"):
+            raise ValueError(f"speculative_config needs batching_mode inflight or none; got '{self.batching_mode}' "
+                             "(padded batches run every member to the longest: nothing to speculate on)")
+
+    def _validate_kv_tiers(self) -> None:
+        _at_least("kv_host_cache_bytes", self.kv_host_cache_bytes, 0)
+        _at_least("kv_disk_cache_bytes", self.kv_disk_cache_bytes, 0)
+        disk = bool(self.kv_disk_cache_dir.strip())
+        if disk and self.kv_disk_cache_bytes == 0:
+            raise ValueError("kv_disk_cache_dir needs kv_disk_cache_bytes > 0 (the disk tier's size in bytes)")
+        if self.kv_disk_cache_bytes and not disk:
+            raise ValueError("kv_disk_cache_bytes needs kv_disk_cache_dir (the folder of the disk tier)")
+        if not (self.kv_host_cache_bytes or disk):
+            return
+        key = "kv_host_cache_bytes" if self.kv_host_cache_bytes else "kv_disk_cache_dir"
+        if disk and not self.kv_host_cache_bytes:
+            raise ValueError("kv_disk_cache_dir needs kv_host_cache_bytes > 0: blocks reach the disk and come back "
+                             "through the host tier")
+        if not self.enable_kv_cache_reuse:
+            raise ValueError(f"{key} needs enable_kv_cache_reuse=true (the tiers keep cached prefix blocks)")
+        if self.batching_mode in ("static", "dynamic"):
+            raise ValueError(f"{key} needs batching_mode inflight or none; got '{self.batching_mode}' (padded "
+                             "batches start whole and cannot wait for a prefix to come back)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"{key} is not supported with tensor_parallel_size > 1 yet (every rank would have to "
+                             "copy its own shard in the same steps)")
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        """speculative_config, parsed and checked (ValueError naming the key)."""
+        return parse_speculative_config(self.speculative_config)
+
+    @property
+    def kv_events(self) -> "KVEventsConfig | None":
+        """kv_events_config, parsed and checked (ValueError naming the key)."""
+        return parse_kv_events_config(self.kv_events_config)
+
+    @property
+    def static_batch_size(self) -> int:
+        return self.executor_static_batch_size if self.executor_static_batch_size > 0 else self.max_num_seqs
+
+
+def _parse(key: str, raw: str, typ: Any) -> Any:
+    name = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    try:
+        if name == "bool":
+            low = raw.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError
+        if name == "int":
+            return int(raw)
+        if name == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"parameter '{key}' must be {_KIND[name]}; got '{raw}'") from None
+    return raw
+
+
+_KIND = {"bool": "true or false", "int": "an integer", "float": "a number"}
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {', '.join(allowed)}; got '{value}'")
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{key} must be >= {low}; got {value}")

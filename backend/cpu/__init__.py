@@ -1,1 +1,0 @@
-"""Helpers of the CPU engine: OpenMP thread pinning, glibc's memory thresholds."""

@@ -1,0 +1,275 @@
+"""``inflight import-gguf FILE.gguf --out DIR``: a GGUF file (llama.cpp, Ollama) to a Hugging Face
+checkpoint folder that the engine loads.
+
+The folder gets ``config.json`` (with ``architectures``), the weights under HF names
+(``model.safetensors``, or 2 GiB shards with ``model.safetensors.index.json`` for large models),
+``tokenizer.json`` + ``tokenizer_config.json`` (with the chat template) and
+``generation_config.json``. Quantized tensors stay packed, in the layout of docs/quantization.md
+(backend/models/gguf/packed.py); ``--dequantize`` writes float weights instead (kernels/quant_reference.py
+dequantizes, to ggml's values exactly). Only the ``gguf`` reader, numpy, safetensors, tokenizers
+and torch (to write) are used: nothing downloaded, nothing executed from the file.
+
+Nothing in the file is trusted before backend/models/gguf/checks.py has checked it: a hostile or broken
+file ends in one line naming what is wrong (exit status 2), never a traceback or a huge allocation.
+The meaning of names and keys is backend/models/gguf/mapping.py. The file is memory-mapped and converted
+one shard at a time. tests/test_gguf_import.py checks the result against transformers' GGUF loader.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from backend.models.gguf.checks import check_config, check_shapes, scan
+from backend.models.gguf.mapping import (GEMMA_NORM_SHIFT, MOE_TENSORS, PERMUTED_ARCHITECTURES, ROPE_FREQS,
+                                  GGUFImportError, hf_architecture, hf_config, hf_tensor_name,
+                                  llama3_rope_scaling, read_metadata, unpermute_rows)
+from backend.models.gguf.packed import (FLOAT_TYPES, PACKED_TYPES, TYPE_NAMES, float_array, pack,
+                                 supported_types, type_name)
+from backend.models.gguf.tokenizer import build_tokenizer, tokenizer_config
+
+__all__ = ["GGUFImportError", "import_gguf", "main", "LAYOUT"]
+
+OUTPUT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # --dequantize: bytes per value
+SHARD_BYTES = 2 << 30
+LAYOUT = "inflight-gguf-packed/1"  # docs/quantization.md; the loader refuses other layouts
+
+
+def _numpy_shape(tensor) -> tuple[int, ...]:
+    return tuple(reversed([int(s) for s in tensor.shape]))  # GGUF lists dimensions innermost first
+
+
+def _tensor_arrays(tensor, config: dict[str, Any], arch: str,
+                   dequantize_to: Optional[str]) -> dict[str, Any]:
+    """One GGUF tensor as the folder's tensors: ``P.weight`` (float), or ``P.qweight``... (packed);
+    stacked experts [E, N, K] packed as one [E, ...] module, or float as E per-expert tensors."""
+    name, ggml_type, shape = hf_tensor_name(tensor.name, arch), int(tensor.tensor_type), _numpy_shape(tensor)
+    experts = len(shape) == 3 and tensor.name.rsplit(".", 2)[-2] in MOE_TENSORS
+    try:
+        if ggml_type not in PACKED_TYPES:
+            arrays = {"weight": float_array(tensor.data, ggml_type, shape)}
+        elif len(shape) == 2 or experts:   # experts: the E matrices as one of E * N rows, then apart
+            arrays = pack(tensor.data, ggml_type, (math.prod(shape[:-1]), shape[-1]))
+            arrays = {k: v.reshape(*shape[:-1], -1) for k, v in arrays.items()}
+        else:
+            raise ValueError(f"a quantized tensor of {len(shape)} dimensions (only matrices and stacked "
+                             "experts are)")
+    except ValueError as exc:
+        raise GGUFImportError(f"tensor {tensor.name}: {exc}") from None
+    if experts and (ggml_type not in PACKED_TYPES or dequantize_to is not None):
+        return _expert_tensors(name, arrays, ggml_type, dequantize_to)
+    heads = ("num_attention_heads" if ".q_proj." in name else
+             "num_key_value_heads" if ".k_proj." in name else None)
+    if arch in PERMUTED_ARCHITECTURES and heads:
+        arrays = {k: unpermute_rows(v, config[heads]) for k, v in arrays.items()}
+    prefix = name.rsplit(".", 1)[0]
+    if ggml_type not in PACKED_TYPES:
+        tensor_ = _torch(arrays["weight"], ggml_type, dequantize_to)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stored 1 + w (mapping.py)
+            tensor_ = (tensor_.float() - GEMMA_NORM_SHIFT).to(tensor_.dtype)
+        return {name: tensor_}
+    if dequantize_to is None:
+        return {f"{prefix}.{k}": _torch(v) for k, v in arrays.items()}
+    from kernels.quant_reference import dequantize
+    parts = {k: _torch(v) for k, v in arrays.items()}
+    return {name: _to_dtype(dequantize(PACKED_TYPES[ggml_type], parts), dequantize_to)}
+
+
+def _expert_tensors(name: str, arrays: dict[str, np.ndarray], ggml_type: int,
+                    dequantize_to: Optional[str]) -> dict[str, Any]:
+    """Stacked experts written as float per-expert tensors, ``...experts.{e}.w1.weight`` (a float
+    file's, or --dequantize)."""
+    if ggml_type in PACKED_TYPES:
+        from kernels.quant_reference import dequantize
+        parts = {k: _torch(v).flatten(0, 1) for k, v in arrays.items()}
+        count, rows = arrays["qweight"].shape[:2]
+        stacked = _to_dtype(dequantize(PACKED_TYPES[ggml_type], parts), dequantize_to).unflatten(0, (count, rows))
+    else:
+        stacked = _torch(arrays["weight"], ggml_type, dequantize_to)
+    base, _, part = name.removesuffix(".weight").rpartition(".")
+    return {f"{base}.{e}.{part}.weight": stacked[e].contiguous() for e in range(stacked.shape[0])}
+
+
+def _torch(array: np.ndarray, ggml_type: Optional[int] = None, dtype: Optional[str] = None):
+    import torch
+    if ggml_type is not None and FLOAT_TYPES.get(ggml_type) == "BF16":  # numpy has no bfloat16
+        tensor = torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
+    else:  # a view of the read-only file map is copied (torch wants writable memory)
+        tensor = torch.from_numpy(array if array.flags.writeable else np.array(array))
+    return tensor if dtype is None else _to_dtype(tensor.float(), dtype)
+
+
+def _to_dtype(tensor, dtype: str):
+    import torch
+    return tensor.to(getattr(torch, dtype)).contiguous()
+
+
+def _shards(tensors: list, nbytes) -> list[list]:
+    """Tensors grouped in file order into shards of at most SHARD_BYTES (a bigger one alone)."""
+    shards: list[list] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + nbytes(tensor) > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += nbytes(tensor)
+    return shards
+
+
+def _save(tensors: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # safetensors creates the file owner-only; a server user must read it
+
+
+def write_weights(reader, config: dict[str, Any], arch: str, folder: Path,
+                  dequantize_to: Optional[str]) -> dict[str, str]:
+    """Every tensor into ``folder`` under HF names, one shard at a time; returns the quantized
+    modules (HF name without ``.weight`` -> GGUF type) that stay packed."""
+    weights = [t for t in reader.tensors if t.name != ROPE_FREQS]
+    if dequantize_to is None:
+        nbytes = lambda t: int(t.data.nbytes)  # noqa: E731  (packed: about the file's bytes)
+    else:
+        nbytes = lambda t: int(np.prod(_numpy_shape(t))) * OUTPUT_DTYPES[dequantize_to]  # noqa: E731
+    shards = _shards(weights, nbytes)
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(shards, 1):
+        file = ("model.safetensors" if len(shards) == 1
+                else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
+        tensors: dict[str, Any] = {}
+        for t in shard:
+            tensors.update(_tensor_arrays(t, config, arch, dequantize_to))
+        _save(tensors, folder / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+    if len(shards) > 1:
+        _write_json(folder / "model.safetensors.index.json",
+                    {"metadata": {"total_size": sum(nbytes(t) for t in weights)}, "weight_map": weight_map})
+    if dequantize_to is not None:
+        return {}
+    return {hf_tensor_name(t.name, arch).rsplit(".", 1)[0]: PACKED_TYPES[int(t.tensor_type)]
+            for t in weights if int(t.tensor_type) in PACKED_TYPES}
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _open(gguf_path: Path):
+    """The checked file's reader and metadata (backend/models/gguf/checks.py first, then gguf's reader)."""
+    from gguf import GGUFReader
+
+    infos = scan(gguf_path)
+    unreadable = sorted({type_name(t.ggml_type) for t in infos if t.ggml_type not in TYPE_NAMES})
+    if unreadable:  # before any work: a Q2_K file fails at once, naming the types
+        raise GGUFImportError(f"GGUF tensor type(s) {', '.join(unreadable)} not supported; "
+                              f"supported: {', '.join(supported_types())}")
+    try:
+        reader = GGUFReader(str(gguf_path))
+        return reader, read_metadata(reader)
+    except (ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:  # what survives the scan
+        raise GGUFImportError(f"{gguf_path.name}: unreadable GGUF metadata: {exc}") from None
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32",
+                dequantize: bool = False, force: bool = False, log=print) -> Path:
+    """Convert ``gguf_path`` into the checkpoint folder ``out_dir`` and return it.
+
+    Quantized tensors stay packed unless ``dequantize`` (then every weight is written in ``dtype``).
+    The folder is written beside ``out_dir`` and renamed into place at the end, so ``out_dir``
+    exists only once it is complete. An existing non-empty ``out_dir`` is replaced only with
+    ``force``.
+    """
+    if dtype not in OUTPUT_DTYPES:
+        raise GGUFImportError(f"dtype {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {gguf_path}")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise FileExistsError(f"{out_dir} exists and is not empty (pass --force to replace it)")
+    start = time.monotonic()
+    reader, meta = _open(gguf_path)
+    arch, _ = hf_architecture(meta)
+    shapes = {t.name: _numpy_shape(t) for t in reader.tensors}
+    types = sorted({type_name(t.tensor_type) for t in reader.tensors})
+    log(f"import-gguf: {gguf_path.name}: {arch}, {len(reader.tensors)} tensors ({', '.join(types)})")
+    config = hf_config(meta, shapes, dtype if dequantize else "bfloat16")
+    check_config(config, arch, head_dim_given=meta.get(f"{arch}.attention.key_length") is not None)
+    check_shapes({n: s for n, s in shapes.items() if n != ROPE_FREQS}, config, arch)
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:  # derived data, kept as config parameters
+            factors = _torch(float_array(tensor.data, int(tensor.tensor_type), _numpy_shape(tensor)),
+                             int(tensor.tensor_type), "float32").numpy()
+            config["rope_scaling"] = llama3_rope_scaling(factors.astype(np.float64), config)
+        else:
+            hf_tensor_name(tensor.name, arch)  # refuse unknown tensors before writing anything
+
+    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        modules = write_weights(reader, config, arch, staging, dtype if dequantize else None)
+        if modules:
+            config["quantization_config"] = {"quant_method": "gguf", "layout": LAYOUT, "group_size": 32,
+                                             "source": gguf_path.name, "modules": modules}
+        elif not dequantize:  # a float file: its matrices' own dtype
+            floats = {FLOAT_TYPES[int(t.tensor_type)] for t in reader.tensors if len(t.shape) == 2}
+            config["torch_dtype"] = {"F16": "float16", "BF16": "bfloat16"}.get(
+                floats.pop() if len(floats) == 1 else "F32", "float32")
+        _write_json(staging / "config.json", config)
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                      if k in config}
+        _write_json(staging / "generation_config.json", generation)
+        try:
+            build_tokenizer(meta).save(str(staging / "tokenizer.json"))
+            _write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
+        except ValueError as exc:  # weights still serve requests sent as input_ids
+            log(f"import-gguf: no tokenizer written: {exc}")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    kept = f"{dtype}, dequantized" if dequantize else (
+        f"{len(modules)} matrices packed" if modules else "float, nothing quantized")
+    log(f"import-gguf: wrote {out_dir} ({kept}) in {time.monotonic() - start:.1f} s")
+    return out_dir
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="inflight import-gguf",
+        description="Convert a GGUF file (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE) into a "
+                    "Hugging Face checkpoint folder, "
+                    "its quantized weights kept packed (docs/quantization.md).")
+    parser.add_argument("file", help="the .gguf file")
+    parser.add_argument("--out", required=True, help="the checkpoint folder to write")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="write float weights instead of packed ones (--dtype)")
+    parser.add_argument("--dtype", default=None, choices=OUTPUT_DTYPES,
+                        help="with --dequantize: the weights' dtype (default float32: the values exactly)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    args = parser.parse_args(argv)
+    if args.dtype and not args.dequantize:
+        print("inflight import-gguf: --dtype applies to --dequantize (a packed import keeps every "
+              "tensor's own type)", file=sys.stderr)
+        return 2
+    try:
+        import_gguf(args.file, args.out, dtype=args.dtype or "float32", dequantize=args.dequantize,
+                    force=args.force)
+    except (GGUFImportError, FileNotFoundError, FileExistsError) as exc:
+        print(f"inflight import-gguf: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

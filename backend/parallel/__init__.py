@@ -1,6 +1,0 @@
-"""Tensor parallelism: one engine on N ranks over torch.distributed (docs/parallelism.md).
-
-plan.py (the split, torch-free), step_message.py (a step as one message), group.py (the process
-group, its collectives, a lost rank), rendezvous.py (forming the group), launcher.py (rank 0's
-worker processes), worker.py (a rank other than 0), layers.py (the model's parallel seams).
-"""

@@ -1,0 +1,127 @@
+"""The CPU engine's decode steps through one C call for the whole layer stack (issue 37).
+
+At a small decode batch on the CPU, a step's matmuls were half its time on SmolLM2-135M: the rest
+was the Python around ~12 kernel calls a layer (module calls, wrappers' checks, ctypes). The
+CPU's answer to CUDA graphs is to leave Python for the whole stack: kernels/cpu/decode_stack.py
+runs every layer in C, calling the very kernels the Python layers call, in the same order, so a
+step's hidden states are bit for bit those of the Python path (tests/test_native_decode.py), only
+sooner (docs/performance.md). A compiled graph (torch.compile's C++ wrapper) was the other way
+the issue names; it cannot reach inside the ctypes kernels these layers are made of, so each
+would remain a call back into Python.
+
+It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu/quant.py) and the
+C kernels (attention_backend auto, float32 activations), dense MLPs (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), pure decode steps (empty and
+verify rows included). Two things stay Python's, called back from the C loop (ctypes callbacks on
+its buffers, so the results stay the Python path's): a mixture-of-experts layer's MLP (Mixtral,
+Qwen3-MoE: the block's router and experts as ever), and in a step with an adapter's rows the LoRA
+deltas of each projection (LoRAStep.add, right after the projection, as lora_project adds them).
+Other steps (prefills), and models outside that (float or bf16 attention weights, tensor
+parallelism), run the Python layers; the log says which models and why, once.
+INFLIGHT_NATIVE_DECODE=0 turns it off (the A/B of the benchmarks).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from backend.models.attention import AttentionContext
+from backend.models.llama import MLP, LlamaForCausalLM
+from backend.models.moe import SparseMoeBlock
+from backend.models.quant_linear import ConcatLinear, QuantLinear
+from backend.models.rope import RopeTables
+
+log = logging.getLogger(__name__)
+
+
+def _projection(module) -> Optional[object]:
+    """The packed matrices of a projection as the C loop takes them (kernels/cpu/decode_stack.py
+    Projection), or None where it is not made of them: a QuantLinear on the C kernel, or a
+    ConcatLinear of such parts (llama.cpp's mixed types) whose bias, if any, is added after."""
+    from kernels.cpu.decode_stack import Projection
+    concat = isinstance(module, ConcatLinear)
+    parts = list(module.parts) if concat else [module]
+    if not all(isinstance(p, QuantLinear) and p.kernel is not None for p in parts):
+        return None
+    if concat and any(p.bias is not None for p in parts):
+        return None
+    return Projection([p.kernel for p in parts], None if module.bias is None else module.bias.detach().float())
+
+
+def unsupported(model: LlamaForCausalLM, ops_name: str, tp) -> Optional[str]:
+    """Why this model's decode steps cannot run in C, or None when they can (LoRA or not: a step's
+    adapter deltas are called back)."""
+    cfg = model.cfg
+    if os.environ.get("INFLIGHT_NATIVE_DECODE", "1") == "0":
+        return "INFLIGHT_NATIVE_DECODE=0"
+    if ops_name != "cpu":
+        return f"the kernels are {ops_name}'s, not the CPU's C kernels"
+    if tp is not None:
+        return "tensor parallelism"
+    if cfg.activation not in ("silu", "gelu_tanh"):
+        return f"{cfg.activation} MLPs"
+    for i, layer in enumerate(model.layers):
+        if not isinstance(layer.mlp, (MLP, SparseMoeBlock)):
+            return f"layer {i}'s MLP is a {type(layer.mlp).__name__}"
+        dense = (layer.mlp.gate_up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, MLP) else ()
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *dense):
+            if _projection(module) is None:
+                return f"layer {i} has {type(module).__name__} weights, not packed ones (quantization)"
+    return None
+
+
+class NativeDecode:
+    """The model's layers as a kernels.cpu.decode_stack.DecodeStack, remade when the KV caches or
+    the RoPE tables it points into are replaced."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self._stack, self._made_for = None, None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                 rope: RopeTables) -> torch.Tensor:
+        """The hidden states after the final norm (LlamaForCausalLM.forward's result)."""
+        caches = ctx.kv_caches
+        key = (id(caches), caches[0][0].data_ptr(), id(rope), ctx.scale, ctx.layer_windows, ctx.layer_groups)
+        if key != self._made_for:
+            self._stack, self._made_for = self._make(ctx, rope), key
+        return self._stack(x, positions.contiguous(), ctx.slot_mapping.contiguous(),
+                           ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous(), ctx.lora)
+
+    def _make(self, ctx: AttentionContext, rope: RopeTables):
+        from kernels.cpu.decode_stack import DecodeStack, StackLayer
+        cfg, layers = self.model.cfg, []
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            cos, sin = rope.for_layer(attn.window)  # as the Python layer picks its table
+            k_cache, v_cache = ctx.kv_caches[i]
+            dense = isinstance(mlp, MLP)
+            layers.append(StackLayer(
+                qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj),
+                gate_up=_projection(mlp.gate_up_proj) if dense else None,
+                down=_projection(mlp.down_proj) if dense else None,
+                # a mixture of experts: the block itself, as DecoderLayer calls it (the stack passes lora)
+                mlp=None if dense else functools.partial(mlp, ops=ctx.ops, layer=attn.layer),
+                input_norm=layer.input_layernorm.weight.detach(),
+                post_attn_norm=layer.post_attention_layernorm.weight.detach(), k_cache=k_cache, v_cache=v_cache,
+                cos=cos, sin=sin, q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
+                k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
+                pre_ff_norm=layer.pre_feedforward_layernorm.weight.detach() if layer.sandwich else None,
+                post_ff_norm=layer.post_feedforward_layernorm.weight.detach() if layer.sandwich else None,
+                group=ctx.group_of(i), window=ctx.window_of(i)))
+        return DecodeStack(layers, final_norm=self.model.norm.weight.detach(), heads=cfg.num_heads,
+                           kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+                           scale=ctx.scale, activation=cfg.activation)
+
+
+def attach(model: LlamaForCausalLM, ops_name: str, tp=None) -> None:
+    """Give the model its native decode path where it applies (model.decode_stack), and say so."""
+    why = unsupported(model, ops_name, tp)
+    model.decode_stack = None if why else NativeDecode(model)
+    if ops_name == "cpu":
+        log.info("decode steps: %s", "the layer stack in one C call (backend/worker/native_decode.py)" if why is None
+                 else f"the Python layers ({why})")

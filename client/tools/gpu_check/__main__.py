@@ -1,0 +1,5 @@
+import sys
+
+from client.tools.gpu_check.run import main
+
+sys.exit(main())

@@ -1,0 +1,141 @@
+"""Build the CPU kernels in kernels/cpu/csrc/ with the machine's C compiler, once, and load them.
+
+They are compiled where they run, for that CPU (-march=native), into a cache keyed by the source,
+the flags, the compiler and the CPU's feature flags, so a second process (or a second run) loads
+the library in milliseconds. No torch headers, no Python API: plain C functions over raw pointers,
+called through ctypes by their wrappers.
+
+OpenMP: the library names libgomp.so.1, the soname torch already loaded, so the dynamic loader
+hands it torch's copy and the kernels run in the same thread team as torch's own ops (one runtime,
+no second pool of spinning threads).
+
+-ffast-math is given when compiling only: it lets the float reductions vectorize, and with gnu11
+(not strict c11) glibc's math.h declares its vector expf (libmvec), so exp loops run 16 lanes
+wide. The kernels never feed it inf or NaN (softmax subtracts the row's max first). It is left off
+the link, since linking with it would add crtfastmath.o, which turns on flush-to-zero for the
+whole process.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+CSRC = Path(__file__).resolve().parent / "csrc"
+BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-Wall", "-Werror"]
+COMPILE_FLAGS = BASE_FLAGS[:1] + ["-march=native"] + BASE_FLAGS[1:]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+# Builds for a named instruction set instead of -march=native, for kernels that are picked at run
+# time by what the CPU really runs (kernels/cpu/quant.py): a VM may list flags (AMX, say) whose
+# instructions it kills the process for, so no build may assume more than its own set.
+ISA_FLAGS = {
+    "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
+                    "-mfma", "-DQUANT_AVX512"],
+    "avx_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DQUANT_AVX2", "-DQUANT_AVXVNNI"],  # 256-bit VNNI
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DQUANT_AVX2"],  # AVX2 intrinsics (AMD Zen 1-3, most laptops)
+    # The portable C code vectorized by the compiler for AVX2: what the avx2 build was before its
+    # intrinsics. Never chosen at run time; benches time it (client/tools/benchmarks/cpu_quant.py).
+    "avx2_autovec": ["-mavx2", "-mfma", "-mf16c"],
+    "portable": [],  # the compiler's baseline for the machine (x86-64: SSE2)
+}
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """No C compiler, or the build failed: the caller uses the torch reference instead."""
+
+
+def cache_dir() -> Path:
+    """INFLIGHT_CACHE_DIR, else ~/.cache/inflight; a temporary folder when that cannot be made (a
+    container run with --user and no writable home)."""
+    root = os.environ.get("INFLIGHT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inflight")
+    path = Path(root) / "cpu_kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        path = Path(tempfile.gettempdir()) / f"inflight-cpu-kernels-{os.getuid()}"
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> Optional[str]:
+    chosen = os.environ.get("CC")
+    return shutil.which(chosen) if chosen else shutil.which("gcc") or shutil.which("cc")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cc: str) -> str:
+    """First line of `cc --version`: part of every library's cache key (one run per process)."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CpuKernelUnavailable(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}")
+
+
+def build(name: str, isa: Optional[str] = None) -> Path:
+    """Compile kernels/cpu/csrc/<name>.c into the cache (if not there yet); the library's path. With
+    ``isa`` (a key of ISA_FLAGS) it is built for that instruction set, not -march=native."""
+    cc = _compiler()
+    if cc is None:
+        raise CpuKernelUnavailable(f"no C compiler: CC={os.environ.get('CC')!r} is not runnable"
+                                   if os.environ.get("CC") else "no C compiler (gcc or cc) on PATH; set CC")
+    try:
+        source = (CSRC / f"{name}.c").read_bytes()
+    except OSError as e:  # an install that left the C sources out
+        raise CpuKernelUnavailable(f"no source for CPU kernel '{name}': {e}") from e
+    flags = COMPILE_FLAGS if isa is None else BASE_FLAGS + ISA_FLAGS[isa]
+    headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]  # what the sources #include
+    key = hashlib.sha256(b"\0".join([source, *headers, " ".join(flags + LINK_FLAGS).encode(),
+                                     _compiler_version(cc).encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    stem = name if isa is None else f"{name}-{isa}"
+    target = cache_dir() / f"{stem}-{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders never clash
+        obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
+        _run([cc, *flags, "-c", str(CSRC / f"{name}.c"), "-o", str(obj)])
+        _run([cc, str(obj), "-o", str(lib), *LINK_FLAGS])
+        os.replace(lib, target)  # atomic: a reader sees no library or a whole one
+    log.info("built CPU kernel %s -> %s", stem, target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def function(library: str, name: str, argtypes: tuple, isa: Optional[str] = None,
+             restype=None) -> ctypes._CFuncPtr:
+    """One C function of a kernel library, bound once with its argument and result types (the
+    wrappers call it every layer of every step: binding it per call cost more than a small kernel)."""
+    fn = getattr(load(library, isa), name)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str, isa: Optional[str] = None) -> ctypes.CDLL:
+    """The compiled library (built on first use). torch is imported first, so that libgomp.so.1
+    resolves to torch's copy."""
+    import torch  # noqa: F401  (see above)
+    return ctypes.CDLL(str(build(name, isa)))

@@ -1,0 +1,272 @@
+"""A decode step's layer stack in one C call (kernels/cpu/csrc/decode_stack.c), for the CPU engine.
+
+`DecodeStack(layers, ...)` takes every layer's packed weights (kernels/cpu/quant.py), norms, KV
+caches and RoPE tables once, checks them, and lays them out as the C structs; a call then runs
+all the layers for one step's decode rows. The C loop calls the kernels the Python path calls
+(the quantized GEMM of the build chosen for this CPU, elementwise.c, decode_attention.c) in the
+same order, so its oracle is that path, bit for bit (tests/kernels/test_cpu_decode_stack.py).
+
+Every check the per-kernel wrappers make once a step (index bounds of the positions, slots, block
+tables and lengths) is made here once a step; the C code checks nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from kernels import checks as _common
+
+from kernels.cpu import build as cpu_build
+
+from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.cpu.quant import NAME as QUANT, CpuQuantWeight
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAX_PARTS = 4  # decode_stack.c's: a fused projection of up to four differently typed parts
+CACHE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("w", _P * MAX_PARTS), ("col", _I * MAX_PARTS), ("parts", _I), ("N", _I), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("input_norm", _P), ("post_attn_norm", _P), ("pre_ff_norm", _P), ("post_ff_norm", _P),
+                ("q_norm", _P), ("k_norm", _P),
+                ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P), ("group", _I), ("window", _I)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
+                ("block_size", _I), ("table_width", _I), ("eps", _F), ("scale", _F)]
+
+
+class _Ops(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("qgemm", "rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp",
+                                        "delta")]
+
+
+# decode_stack.c's mlp_fn (layer, h, T, out) and delta_fn (layer, which, x, T, out): 0, or nonzero
+# if the caller's MLP or LoRA deltas failed
+_MLP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+_DELTA_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                             ctypes.c_void_p)
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # decode_stack.c's QKV, O, GATE_UP, DOWN
+
+
+@dataclass
+class Projection:
+    """A fused projection: one packed matrix, or several side by side (ConcatLinear's parts)."""
+    parts: Sequence[CpuQuantWeight]
+    bias: Optional[torch.Tensor] = None
+
+
+@dataclass
+class StackLayer:
+    qkv: Projection
+    o: Projection
+    gate_up: Optional[Projection]  # [gate | up], the activation·mul between it and down
+    down: Optional[Projection]
+    input_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    k_cache: torch.Tensor  # [NB, BS, G, D] float32 or bfloat16
+    v_cache: torch.Tensor
+    cos: torch.Tensor  # this layer's RoPE table [max_pos, D/2]
+    sin: torch.Tensor
+    q_norm: Optional[torch.Tensor] = None  # per-head norms (Qwen3, Gemma 3)
+    k_norm: Optional[torch.Tensor] = None
+    pre_ff_norm: Optional[torch.Tensor] = None  # Gemma's sandwich norms around the MLP
+    post_ff_norm: Optional[torch.Tensor] = None
+    group: int = 0  # its KV-cache group (the row of slots and tables it reads)
+    window: int = 0  # its sliding window, 0: full attention
+    # A mixture of experts in place of gate_up and down: (h [T, hidden], lora) -> [T, hidden], the
+    # Python block itself, called back from the C loop (its router and experts are torch's and C's)
+    mlp: Optional[Callable[..., torch.Tensor]] = None
+
+
+def _rows(address: int, t: int, width: int) -> torch.Tensor:
+    """The C loop's buffer at `address` as a float32 [t, width] tensor, in place."""
+    return torch.frombuffer((ctypes.c_float * (t * width)).from_address(address), dtype=torch.float32).view(t, width)
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _f32(name: str, t: torch.Tensor, shape: tuple) -> int:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
+        raise ValueError(f"decode_stack: {name} must be a contiguous float32 CPU tensor {list(shape)}; got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return t.data_ptr()
+
+
+class DecodeStack:
+    def __init__(self, layers: Sequence[StackLayer], *, final_norm: torch.Tensor, heads: int, kv_heads: int,
+                 head_dim: int, eps: float, scale: float, activation: str = "silu"):
+        """final_norm: the model's norm after the last layer [hidden]; activation: "silu" or
+        "gelu_tanh" (GeGLU), the MLP's, as elementwise.c computes it."""
+        if not layers:
+            raise ValueError("decode_stack: no layers")
+        first = layers[0]
+        dense = [layer for layer in layers if layer.mlp is None]
+        self.hidden = first.input_norm.shape[0]
+        self.intermediate = dense[0].down.parts[0].in_features if dense else 0
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        nb, bs, g, d = first.k_cache.shape
+        if (g, d) != (kv_heads, head_dim) or heads % kv_heads:
+            raise ValueError(f"decode_stack: caches [.., {g}, {d}] against {heads} heads, "
+                             f"{kv_heads} kv heads of {head_dim}")
+        self.cache_dtype, self.num_blocks, self.block_size = first.k_cache.dtype, nb, bs
+        if self.cache_dtype not in CACHE_SUFFIX:
+            raise ValueError(f"decode_stack: caches must be float32 or bfloat16; got {self.cache_dtype}")
+        self.max_pos = first.cos.shape[0]
+        self.groups = 1 + max(layer.group for layer in layers)
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        widths = {"qkv": (self.hidden, q_size + 2 * kv_size), "o": (q_size, self.hidden),
+                  "gate_up": (self.hidden, 2 * self.intermediate), "down": (self.intermediate, self.hidden)}
+        isas = {w.isa for layer in layers for name in widths if getattr(layer, name) is not None
+                for w in getattr(layer, name).parts}
+        if len(isas) != 1:
+            raise ValueError(f"decode_stack: every packed matrix must use one build of {QUANT}; got {sorted(isas)}")
+        self.isa = isas.pop()
+        self._keep = list(layers)  # the tensors the structs point into
+        self._layers = (_Layer * len(layers))()
+        for i, (layer, out) in enumerate(zip(layers, self._layers)):
+            if (layer.mlp is None) == (layer.gate_up is None or layer.down is None):
+                raise ValueError(f"decode_stack: layer {i} needs gate_up and down, or an mlp, not both")
+            for name, (k, n) in widths.items():
+                if getattr(layer, name) is not None:  # a caller's MLP leaves gate_up.parts 0
+                    self._projection(f"layer {i} {name}", getattr(layer, name), k, n, getattr(out, name))
+            out.input_norm = _f32(f"layer {i} input_norm", layer.input_norm, (self.hidden,))
+            out.post_attn_norm = _f32(f"layer {i} post_attn_norm", layer.post_attn_norm, (self.hidden,))
+            if (layer.q_norm is None) != (layer.k_norm is None):
+                raise ValueError(f"decode_stack: layer {i} has one of q_norm and k_norm")
+            if layer.q_norm is not None:
+                out.q_norm = _f32(f"layer {i} q_norm", layer.q_norm, (head_dim,))
+                out.k_norm = _f32(f"layer {i} k_norm", layer.k_norm, (head_dim,))
+            if (layer.pre_ff_norm is None) != (layer.post_ff_norm is None):
+                raise ValueError(f"decode_stack: layer {i} has one of pre_ff_norm and post_ff_norm")
+            if layer.pre_ff_norm is not None:
+                out.pre_ff_norm = _f32(f"layer {i} pre_ff_norm", layer.pre_ff_norm, (self.hidden,))
+                out.post_ff_norm = _f32(f"layer {i} post_ff_norm", layer.post_ff_norm, (self.hidden,))
+            for name in ("k_cache", "v_cache"):
+                t = getattr(layer, name)
+                if t.dtype != self.cache_dtype or tuple(t.shape) != (nb, bs, g, d) or not t.is_contiguous():
+                    raise ValueError(f"decode_stack: layer {i} {name} must be a contiguous {self.cache_dtype} "
+                                     f"{[nb, bs, g, d]}; got {t.dtype} {tuple(t.shape)}")
+                setattr(out, name, t.data_ptr())
+            out.cos = _f32(f"layer {i} cos", layer.cos, (self.max_pos, head_dim // 2))
+            out.sin = _f32(f"layer {i} sin", layer.sin, (self.max_pos, head_dim // 2))
+            if layer.window < 0 or layer.group < 0:
+                raise ValueError(f"decode_stack: layer {i} window {layer.window}, group {layer.group}")
+            out.group, out.window = layer.group, layer.window
+        self.final_norm = final_norm
+        _f32("final_norm", final_norm, (self.hidden,))
+        self.eps, self.scale = float(eps), float(scale)
+        _common.check_paged_attention("decode_stack", torch.empty(0, heads, head_dim), "[S, H, D]",
+                                      first.k_cache, first.v_cache, torch.empty(0, 1, dtype=torch.int32),
+                                      torch.empty(0, dtype=torch.int32), scale, cache_dtype_may_differ=True)
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"decode_stack: activation must be silu or gelu_tanh; got {activation!r}")
+        suffix = CACHE_SUFFIX[self.cache_dtype]
+        self._ops = _Ops(_address(cpu_build.load(QUANT, self.isa).qgemm),
+                         _address(cpu_build.load("elementwise").rms_norm_f32),
+                         _address(cpu_build.load("elementwise").rotary_f32),
+                         _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
+                         _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
+                         _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]),
+                         None, None)
+        self._failure: Optional[BaseException] = None
+        self._lora = None  # the step's backend.worker.lora.step.LoRAStep, while a call with one runs
+        # kept on self: C calls them as long as the stack lives
+        self._mlp_callback, self._delta_callback = _MLP_FN(self._caller_mlp), _DELTA_FN(self._lora_deltas)
+        if len(dense) < len(layers):
+            self._ops.mlp = _address(self._mlp_callback)
+        self._delta_address = _address(self._delta_callback)
+        self._shapes = tuple(widths.values())  # (K, N) by decode_stack.c's QKV, O, GATE_UP, DOWN
+        self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P),
+                                       restype=ctypes.c_int)
+        self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 seq_lens: torch.Tensor, lora=None) -> torch.Tensor:
+        """Every layer on T decode rows: x [T, hidden] float32 (the embeddings), positions [T]
+        int64, slots [groups, T] int64 (-1: not stored), tables [groups, T, MB] int32, seq_lens [T]
+        int32 (the row's own token included; 0: an empty row) -> the hidden states [T, hidden]
+        after the final norm, as the model's forward returns them. `lora`: the step's LoRAStep when
+        a row has an adapter; its deltas are added after each projection, as lora_project does."""
+        t = x.shape[0]
+        _f32("x", x, (t, self.hidden))
+        for name, v, dtype, shape in (("positions", positions, torch.int64, (t,)),
+                                      ("slots", slots, torch.int64, (self.groups, t)),
+                                      ("seq_lens", seq_lens, torch.int32, (t,))):
+            if v.dtype != dtype or tuple(v.shape) != shape or not v.is_contiguous():
+                raise ValueError(f"decode_stack: {name} must be contiguous {dtype} {list(shape)}; got "
+                                 f"{v.dtype} {tuple(v.shape)}")
+        if tables.dtype != torch.int32 or tables.dim() != 3 or tuple(tables.shape[:2]) != (self.groups, t) \
+                or not tables.is_contiguous():
+            raise ValueError(f"decode_stack: tables must be contiguous int32 [{self.groups}, {t}, MB]; got "
+                             f"{tables.dtype} {tuple(tables.shape)}")
+        width = tables.shape[2]
+        check = _common.bounds_checked.once
+        check("stack_positions", positions, 0, self.max_pos, "decode_stack: positions")
+        check("stack_slots", slots, -1, self.num_blocks * self.block_size, "decode_stack: slots")
+        check("stack_seq_lens", seq_lens, 0, width * self.block_size + 1,
+              f"decode_stack: seq_lens (the tables hold {width} blocks of {self.block_size})")
+        check("stack_tables", tables, 0, self.num_blocks, "decode_stack: block ids")
+        x = x.clone()  # the stack's running activations
+        out = torch.empty_like(x)
+        self._dims.table_width = width
+        self._lora, self._ops.delta = lora, None if lora is None else self._delta_address
+        status = t and self._run(ctypes.byref(self._ops), ctypes.byref(self._dims), self._layers, len(self._keep),
+                                 t, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+                                 x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr())
+        self._lora = None
+        if status == -2:
+            failure, self._failure = self._failure, None
+            raise failure
+        if status:
+            raise MemoryError(f"decode_stack: no memory for the scratch of {t} rows")
+        return out
+
+    def _caller_mlp(self, layer: int, h: int, t: int, out: int) -> int:
+        """decode_stack.c's mlp_fn: layer `layer`'s own MLP on the C loop's buffers, viewed in place.
+        An exception cannot cross the C frames: it is kept, and __call__ raises it once C returns."""
+        try:
+            _rows(out, t, self.hidden).copy_(self._keep[layer].mlp(_rows(h, t, self.hidden), lora=self._lora))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 (raised again in __call__)
+            self._failure = exc
+            return 1
+
+    def _lora_deltas(self, layer: int, which: int, x: int, t: int, out: int) -> int:
+        """decode_stack.c's delta_fn: the step's adapter deltas of one projection, added to its
+        output in place (LoRAStep.add, as backend/worker/lora/step.py's lora_project adds them)."""
+        try:
+            k, n = self._shapes[which]
+            y = _rows(out, t, n)
+            added = self._lora.add(y, _rows(x, t, k), layer, PROJECTIONS[which])
+            if added.data_ptr() != y.data_ptr():
+                y.copy_(added)
+            return 0
+        except BaseException as exc:  # noqa: BLE001 (raised again in __call__)
+            self._failure = exc
+            return 1
+
+    def _projection(self, what: str, p: Projection, k: int, n: int, out: _Proj) -> None:
+        if not 1 <= len(p.parts) <= MAX_PARTS:
+            raise ValueError(f"decode_stack: {what} has {len(p.parts)} parts; 1 to {MAX_PARTS}")
+        col = 0
+        for i, w in enumerate(p.parts):
+            if not isinstance(w, CpuQuantWeight) or w.in_features != k:
+                raise ValueError(f"decode_stack: {what} part {i} must be a packed matrix [.., {k}]")
+            out.w[i], out.col[i] = ctypes.addressof(w._struct), col
+            col += w.out_features
+        if col != n:
+            raise ValueError(f"decode_stack: {what} has {col} outputs; expected {n}")
+        out.parts, out.N = len(p.parts), n
+        out.bias = None if p.bias is None else _f32(f"{what} bias", p.bias, (n,))

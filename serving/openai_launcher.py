@@ -1,0 +1,114 @@
+"""Start and stop the OpenAI server as its own process beside tritonserver: what `inflight serve`
+runs (port 9000 by default) and what the tests start.
+
+    with OpenAIServer(triton.grpc_url, model_path, port=0) as api:   # 0: a free loopback port
+        print(api.url)                                              # http://127.0.0.1:PORT/v1/...
+
+Its own process keeps the HTTP event loop off the interpreter that watches tritonserver, and it
+dies with the process that started it (Linux), like tritonserver itself.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from serving.triton_launcher import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class OpenAIServerError(RuntimeError):
+    """The OpenAI server exited or did not answer in time."""
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class OpenAIServer:
+    def __init__(self, grpc_url: str, model_path: Optional[str | Path] = None, *, host: str = "127.0.0.1",
+                 port: int = 0, log_to_console: bool = False, tool_call_parser: str = "hermes",
+                 metrics_url: Optional[str] = None):
+        self.grpc_url = grpc_url
+        self.model_path = str(model_path) if model_path else None
+        self.host = host
+        self.port = port or free_port()
+        self.log_to_console = log_to_console
+        self.tool_call_parser = tool_call_parser
+        self.metrics_url = metrics_url  # Triton's, re-served on /metrics (None: the gRPC host, port 8002)
+        self.process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def check_port(self) -> None:
+        """Raise OpenAIServerError unless the port is free (an answer on a port someone else holds
+        would pass for ours in start())."""
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.host, self.port))
+            except OSError as exc:
+                raise OpenAIServerError(f"port {self.port} on {self.host} is not free for the OpenAI "
+                                        f"server ({exc.strerror})") from None
+
+    def start(self, timeout: float = 60.0) -> "OpenAIServer":
+        self.check_port()
+        cmd = [sys.executable, "-m", "openai_server", "--grpc-url", self.grpc_url,
+               "--host", self.host, "--port", str(self.port), "--tool-call-parser", self.tool_call_parser]
+        if self.model_path:
+            cmd += ["--model-path", self.model_path]
+        if self.metrics_url:
+            cmd += ["--metrics-url", self.metrics_url]
+        out = None if self.log_to_console else subprocess.DEVNULL
+        self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stdin=subprocess.DEVNULL,
+                                        stderr=None if self.log_to_console else subprocess.PIPE,
+                                        preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while not self.is_up():
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                raise OpenAIServerError(f"the OpenAI server exited with code {self.process.returncode}"
+                                        + (f":\n{err[-2000:]}" if err else ""))
+            if time.monotonic() > deadline:
+                self.stop()
+                raise OpenAIServerError(f"the OpenAI server did not answer on {self.url} in {timeout:.0f}s")
+            time.sleep(0.1)
+        return self
+
+    def is_up(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()  # uvicorn closes its connections, which cancels their Triton requests
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> "OpenAIServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,411 @@
+"""Start and stop the real `tritonserver` binary that the nvidia-pytriton wheel ships.
+
+`TritonServer` is both what `inflight serve` runs and a context manager for tests and benchmarks:
+
+    with TritonServer(params={"max_num_seqs": "8"}) as server:   # free loopback ports
+        print(server.grpc_url, server.http_url, server.metrics_url)
+
+The server always runs on a *run copy* of the model repository, made in a temporary folder: the
+repository's own `llm/config.pbtxt` (the rendered file, hand edits and all) with only the
+`--param`/`--model-path` overrides applied, and `llm/1` linked to the repository's code. So the
+user's `config.pbtxt` stays the source of truth for everything that is not overridden, and is
+never rewritten by a run.
+
+Running Triton locally needs three things the wheel leaves to us (docs/design.md, "Running Triton
+locally"): the Python backend stub for the running interpreter's version in `backends/python/`,
+the interpreter's own `libpython` first on `LD_LIBRARY_PATH`, then the wheel's bundled libraries.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+MODEL_NAME = "llm"
+STOP_FILE = ".inflight-stopping"  # model.py aborts its running requests when this appears
+
+
+class ServerError(RuntimeError):
+    """tritonserver could not be started, or the model did not become ready."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path
+    lib_dirs: tuple[Path, ...]
+
+
+def find_tritonserver() -> TritonInstall:
+    """Locate the tritonserver binary, its backends and its bundled libraries in nvidia-pytriton."""
+    try:
+        import pytriton  # noqa: F401  (only its location is needed)
+    except ImportError as exc:
+        system = Path(shutil.which("tritonserver") or "/opt/tritonserver/bin/tritonserver")
+        if system.is_file():  # NVIDIA's tritonserver image: its own server, backends and stub
+            return TritonInstall(binary=system, backend_dir=system.resolve().parents[1] / "backends", lib_dirs=())
+        raise ServerError("the local tritonserver comes with nvidia-pytriton: "
+                          "run `make setup` (or pip install -e '.[server]')") from exc
+    pkg = Path(pytriton.__file__).resolve().parent
+    root = pkg / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    if not binary.is_file():
+        raise ServerError(f"no tritonserver binary at {binary}")
+    libs = pkg.parent / "nvidia_pytriton.libs"
+    return TritonInstall(binary=binary, backend_dir=root / "backends",
+                         lib_dirs=tuple(p for p in (libs,) if p.is_dir()))
+
+
+def ensure_python_stub(install: TritonInstall) -> Path:
+    """Put the running interpreter's Python-backend stub in backends/python/ (once).
+
+    Returns the backend directory to pass to tritonserver. When site-packages is read-only, the
+    Python backend is copied into a user cache folder with the stub beside it.
+    """
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = install.backend_dir.parent / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.parent.parent.is_dir() and (install.backend_dir / "python" / stub.name).is_file():
+        return install.backend_dir  # a server built for this Python (the tritonserver image)
+    if not stub.is_file():
+        raise ServerError(f"nvidia-pytriton ships no Python backend stub for Python {version} ({stub})")
+    target = install.backend_dir / "python" / stub.name
+    if _same_file(stub, target):
+        return install.backend_dir
+    try:
+        _copy_executable(stub, target)
+        return install.backend_dir
+    except OSError:
+        pass
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "inflight" / f"backends-py{version}"
+    if not _same_file(stub, cache / "python" / stub.name):
+        shutil.copytree(install.backend_dir / "python", cache / "python", dirs_exist_ok=True)
+        _copy_executable(stub, cache / "python" / stub.name)
+    return cache
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+
+
+def _copy_executable(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    tmp.chmod(0o755)
+    os.replace(tmp, dst)  # atomic: a concurrent start never sees half a stub
+
+
+def server_env(install: TritonInstall, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment tritonserver and its stubs need: libpython first, then the wheel's libs.
+
+    The stub embeds libpython and ignores PYTHONPATH; like `python3` it finds its prefix (and so a
+    venv's site-packages, through pyvenv.cfg) from `python3` on PATH. So the running interpreter's
+    folder goes first on PATH: the stub then sees this very environment (torch, the editable
+    install of this repository).
+    """
+    env = dict(os.environ if base is None else base)
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ld = [d for d in [libdir, *map(str, install.lib_dirs)] if d]
+    if env.get("LD_LIBRARY_PATH"):
+        ld.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(ld)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bindir] + [p for p in env.get("PATH", "").split(os.pathsep)
+                                              if p and p != bindir])
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_run_repository(dest: Path, model_repository: Path = DEFAULT_MODEL_REPOSITORY,
+                        params: Optional[Mapping[str, str]] = None,
+                        model_path: Optional[str] = None) -> Path:
+    """Write a run copy of the model repository into `dest`, with parameter overrides applied.
+
+    `llm/config.pbtxt` must exist in `model_repository` (`inflight config` renders it). Only the
+    overridden parameters change; the rest of the file is the user's.
+    """
+    from templates.render import apply_overrides
+
+    src = Path(model_repository).resolve() / MODEL_NAME
+    config = src / "config.pbtxt"
+    if not config.is_file():
+        raise ServerError(f"{config} does not exist: render it first with `inflight config`")
+    overrides = dict(params or {})
+    if model_path is not None:
+        overrides["model_path"] = str(Path(model_path).resolve())
+    text = apply_overrides(config.read_text(), overrides)
+    model_dir = Path(dest) / MODEL_NAME
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(text)
+    for version in sorted(p for p in src.iterdir() if p.is_dir() and p.name.isdigit()):
+        link = model_dir / version.name
+        if not link.exists():
+            link.symlink_to(version.resolve(), target_is_directory=True)
+    _add_trtllm_model(Path(dest))
+    return Path(dest)
+
+
+def _add_trtllm_model(dest: Path) -> None:
+    """`llm_trtllm` beside `llm`: the same model in the TensorRT-LLM request format ([1, 1]
+    shapes), which forwards to `llm` (model_repository/llm_trtllm/1/model.py)."""
+    from templates.render import TRTLLM_MODEL, render_trtllm
+
+    model_dir = dest / TRTLLM_MODEL
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(render_trtllm())
+    link = model_dir / "1"
+    if not link.exists():
+        link.symlink_to((DEFAULT_MODEL_REPOSITORY / TRTLLM_MODEL / "1").resolve(), target_is_directory=True)
+
+
+class TritonServer:
+    """One tritonserver process serving the `llm` model; a context manager.
+
+    Ports default to free loopback ports (tests, benchmarks); `inflight serve` passes 8000/8001/8002
+    and its --host (127.0.0.1 unless told otherwise: tritonserver's --http-address, --grpc-address
+    and --metrics-address all get it; tritonserver's own default is every interface). The server log goes to a temporary file (`log_text()`, `last_log` after
+    `stop()`), and the reason a model failed to load goes into the error `wait_ready` raises;
+    `log_to_console=True` shows the log live instead. tritonserver gets SIGTERM if the process
+    that started it dies (Linux), so call `start()` from a thread that outlives the server.
+    """
+
+    def __init__(self, model_repository: Path | str = DEFAULT_MODEL_REPOSITORY, *,
+                 params: Optional[Mapping[str, str]] = None, model_path: Optional[str] = None,
+                 host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0,
+                 metrics_port: int = 0, log_verbose: int = 0, log_to_console: bool = False,
+                 exit_timeout: int = 5,
+                 extra_args: tuple[str, ...] = (), env: Optional[Mapping[str, str]] = None):
+        self.model_repository = Path(model_repository)
+        self.params = {k: str(v) for k, v in (params or {}).items()}
+        self.model_path = model_path
+        self.host = host
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_verbose = log_verbose
+        self.log_to_console = log_to_console
+        self.exit_timeout = exit_timeout  # on stop, seconds in-flight requests get to finish
+        self.extra_args = tuple(extra_args)
+        self._env = env
+        self.process: Optional[subprocess.Popen] = None
+        self._repository: Optional[Path] = None
+        self._tmp: Optional[tempfile.TemporaryDirectory] = None
+        self.log_path: Optional[Path] = None
+        self.last_log = ""  # the whole log of the last run, kept after stop()
+        self._log = None
+
+    # -- addresses ---------------------------------------------------------------------------
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._client_host}:{self.metrics_port}/metrics"
+
+    # -- life cycle --------------------------------------------------------------------------
+    def command(self, repository: Path, backend_dir: Path, binary: Path) -> list[str]:
+        return [
+            str(binary),
+            f"--model-repository={repository}",
+            f"--backend-directory={backend_dir}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+            "--strict-readiness=true", "--exit-on-error=true", "--disable-auto-complete-config",
+            # Every model loads at start as in the default mode, and a model whose engine stopped
+            # serving can unload itself so that Triton reports it not ready (model.py).
+            "--model-control-mode=explicit", "--load-model=*",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            f"--log-verbose={self.log_verbose}",
+            *self.extra_args,
+        ]
+
+    def start(self) -> "TritonServer":
+        if self.process is not None:
+            raise ServerError("already started")
+        install = find_tritonserver()
+        backend_dir = ensure_python_stub(install)
+        self._tmp = tempfile.TemporaryDirectory(prefix="inflight-triton-")
+        tmp = Path(self._tmp.name)
+        repository = make_run_repository(tmp / "repository", self.model_repository,
+                                         self.params, self.model_path)
+        self._repository = repository
+        cmd = self.command(repository, backend_dir, install.binary)
+        if self.log_to_console:
+            out = None
+        else:
+            self.log_path = tmp / "tritonserver.log"
+            self._log = open(self.log_path, "wb")
+            out = self._log
+        # Its own session: Ctrl-C in a terminal reaches only us, and we stop it in order; and every
+        # stub it forks stays in its process group, so nothing is left behind.
+        self.process = subprocess.Popen(cmd, env=server_env(install, self._env), stdout=out,
+                                        stderr=subprocess.STDOUT if out else None,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                    f"http://{self.http_url}/v2/models/{MODEL_NAME}/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 300.0) -> "TritonServer":
+        if self.process is None:
+            raise ServerError("not started")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"tritonserver exited with code {code} before the model was ready"
+                                  + self._log_excerpt())
+            if self.is_ready():
+                return self
+            time.sleep(0.25)
+        raise ServerError(f"model '{MODEL_NAME}' not ready after {timeout:.0f}s" + self._log_excerpt())
+
+    def log_text(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        if self._log:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def load_errors(self) -> list[str]:
+        """The reasons Triton gave for models that failed to load, tracebacks cut off."""
+        return load_errors(self.log_text() or self.last_log)
+
+    def _log_excerpt(self, lines: int = 15) -> str:
+        text = self.log_text()
+        if not text:
+            return ""
+        errors = load_errors(text)
+        head = "".join(f"\n{e}" for e in errors)
+        kept = [line for line in text.splitlines() if line and line[0] not in "|+"]  # no tables
+        tail = "\n".join(kept[-lines:])
+        return f"{head}\n--- tritonserver log (last {lines} lines, tables left out) ---\n{tail}"
+
+    def stop(self, timeout: float = 30.0) -> Optional[int]:
+        """Abort the running requests, SIGTERM (Triton unloads the model: `finalize` runs), then make
+        sure nothing is left.
+
+        Triton unloads a decoupled model only after every request it holds is answered, so a long
+        stream would hold the exit up to its timeout; the stop file makes the model abort them all
+        (each gets its FINAL response) first.
+        """
+        proc = self.process
+        if proc is None:
+            return None
+        code = None
+        try:
+            if proc.poll() is None:
+                if self._repository is not None:
+                    (self._repository / MODEL_NAME / STOP_FILE).touch()
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    code = proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    _killpg(proc.pid, signal.SIGKILL)
+                    code = proc.wait(10)
+            else:
+                code = proc.returncode
+            # A stub whose parent went away too early would linger in the group: end it.
+            _killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            _killpg(proc.pid, signal.SIGKILL)
+        finally:
+            self.process = None
+            if self._log:
+                self._log.close()
+                self._log = None
+            if self._tmp is not None:
+                if self.log_path is not None and self.log_path.exists():
+                    self.last_log = self.log_path.read_text(errors="replace")
+                self._tmp.cleanup()
+                self._tmp = None
+                self.log_path = None
+        return code
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+_LOAD_ERROR = re.compile(r"failed to load '([^']+)' version (\d+): (.*)")
+
+
+def load_errors(log: str) -> list[str]:
+    """'model load failed: <reason>' for each model-load error in a tritonserver log."""
+    found = []
+    for line in log.splitlines():
+        m = _LOAD_ERROR.search(line)
+        if m:
+            reason = m.group(3).rstrip('"').replace("\\n", "\n").replace('\\"', '"')
+            reason = reason.split("\n\nAt:")[0].strip()
+            found.append(f"model '{m.group(1)}' failed to load: {reason}")
+    return list(dict.fromkeys(found))
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when our process dies, however it dies (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
