@@ -529,7 +529,7 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
     requests fail at once with "Stub process 'llm_0_0' is not healthy.", a request in flight gets
     no answer at all (only the client's timeout ends it; in some runs gRPC cuts its stream with
     "Stream removed"); in some runs tritonserver itself aborts (SIGABRT) instead. Either way a
-    restart restores service. README.md ("When the Python stub crashes") tells users the same."""
+    restart restores service. docs/reliability.md ("A crashed Python stub") tells users the same."""
     from serving.triton_launcher import TritonServer
 
     params = {"max_model_len": "512"}
@@ -564,7 +564,7 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
         # Under load the first calls right after the kill may find gRPC's connection reset while
         # Triton notices the dead stub; a new connection then gets the stub's error. In some runs
         # tritonserver itself aborts (SIGABRT) instead: two clean-clone runs of the whole suite saw
-        # it, runs of this test alone never did; the README says both.
+        # it, runs of this test alone never did; docs/reliability.md says both.
         deadline = time.monotonic() + 30
         while server.process.poll() is None:
             with GrpcClient(server.grpc_url, timeout=30) as client, pytest.raises(GenerationError) as err:
@@ -587,8 +587,8 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
         # Canary: Triton 2.51's HTTP server crashes (SIGSEGV) on a POST body of about 4 MB or more sent
         # as application/x-www-form-urlencoded (what `curl -d` and urllib send unless told otherwise),
         # before any model sees it; the same body as application/json is fine (the 10 MB case of
-        # the matrix). Upstream: triton-inference-server/server#5840. docs/reliability.md and the
-        # README's security section say to keep untrusted clients off HTTP or behind a proxy with a
+        # the matrix). Upstream: triton-inference-server/server#5840. docs/reliability.md and
+        # docs/security.md say to keep untrusted clients off HTTP or behind a proxy with a
         # body limit. If this starts failing, the Triton in use no longer has the bug.
         try:
             http_post(restarted, "generate", {"text_input": "a" * (8 << 20)}, timeout=30,
