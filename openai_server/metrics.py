@@ -5,20 +5,14 @@ routes to for the protocol's metrics, under vLLM's names by default. The engines
 Python-backend stubs and export their gauges on Triton's metrics port, one series per model instance;
 this process is a separate translator. So each scrape here reads Triton's /metrics afresh (scrapes
 that arrive together share one read), sums the model's instances into one pod's figures, and serves
-them under our names and vLLM's:
-
-| protocol metric          | ours (type)                                | vLLM's                       |
-| queued requests          | inflight_num_requests_waiting (gauge)      | vllm:num_requests_waiting    |
-| running requests         | inflight_num_requests_running (gauge)      | vllm:num_requests_running    |
-| KV-cache utilisation 0-1 | inflight_kv_cache_usage_ratio (gauge)      | vllm:kv_cache_usage_perc     |
-| LoRA adapters            | inflight_lora_requests_info (info gauge)   | vllm:lora_requests_info      |
-| block size, block count  | inflight_cache_config_info (info gauge)    | vllm:cache_config_info       |
+them under our names and vLLM's: the series, their help texts and vLLM's names are templates/metrics.py's
+GATEWAY table (docs/metrics.md), each keyed by the figure it shows; the Triton series read are its
+TRITON table's, by the engine's stats() key.
 
 Summing: requests and blocks add up; utilisation is the summed used blocks over the summed total
 (instances may differ in size); num_gpu_blocks and max_lora add up (a pod of two engines holds both
 caches and twice the adapter slots); the LoRA lists are the instances' latest lists joined, and the
 info gauge's value is the latest change (vLLM's: a Unix time, so a reader takes the newest series).
-Also `inflight_kv_blocks{state}` and `inflight_model_instances` (engines summed).
 
 When Triton does not answer within the timeout, or has no inflight series for the model (not
 loaded, or unloaded after a failure), the scrape fails with 503 and says why: zeros would tell a
@@ -37,11 +31,21 @@ from typing import Optional
 
 from fastapi.responses import PlainTextResponse
 
+from templates import metrics as table
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _ESCAPED = re.compile(r'\\[\\"n]')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+_TRITON = table.by_key(table.TRITON)  # Triton's series, by the engine's stats() key
+_RUNNING, _WAITING = _TRITON["num_requests_running"].name, _TRITON["num_requests_waiting"].name
+_BLOCKS, _CACHE, _LORA = _TRITON["kv_blocks_used"], _TRITON["cache_config"].name, _TRITON["lora_info"].name
+_GATEWAY = table.by_key(table.GATEWAY)  # the OpenAI port's series, by the figure each shows
+_BLOCK_STATES = _GATEWAY["used"].keys  # the pod's inflight_kv_blocks: used, free, total -> {"state": ...}
+_TYPES = {table.GAUGE: "gauge", table.INFO: "gauge"}  # an info gauge is a gauge on the wire
 
 
 class MetricsUnavailable(RuntimeError):
@@ -89,24 +93,24 @@ class PodFigures:
 
 def aggregate(samples: list[Sample], model: str) -> PodFigures:
     """Triton's samples -> the model's figures, every instance summed (MetricsUnavailable if none)."""
-    mine = [s for s in samples if s.labels.get("model") == model and s.name.startswith("inflight_")]
-    instances = {s.labels.get("instance") for s in mine if s.name == "inflight_num_requests_running"}
+    mine = [s for s in samples if s.labels.get("model") == model and s.name.startswith(table.PREFIX)]
+    instances = {s.labels.get("instance") for s in mine if s.name == _RUNNING}
     if not instances:
-        raise MetricsUnavailable(f"no inflight_* series for model '{model}' (is the model loaded and ready?)")
+        raise MetricsUnavailable(f"no {table.PREFIX}* series for model '{model}' (is the model loaded and ready?)")
 
     def total(name: str, **match: str) -> float:
         return sum(s.value for s in mine if s.name == name and all(s.labels.get(k) == v for k, v in match.items()))
 
-    blocks = {state: total("inflight_kv_blocks", state=state) for state in ("used", "free", "total")}
-    figures = PodFigures(len(instances), total("inflight_num_requests_running"), total("inflight_num_requests_waiting"),
-                         blocks["used"], blocks["total"], blocks=blocks)
-    cache = [s for s in mine if s.name == "inflight_cache_config_info"]
+    blocks = {state: total(_BLOCKS.name, **_BLOCKS.keys[f"kv_blocks_{state}"]) for state in _BLOCK_STATES}
+    figures = PodFigures(len(instances), total(_RUNNING), total(_WAITING), blocks["used"], blocks["total"],
+                         blocks=blocks)
+    cache = [s for s in mine if s.name == _CACHE]
     if cache:
         figures.block_size = cache[0].labels.get("block_size")
         figures.blocks["num_gpu_blocks"] = sum(int(s.labels.get("num_gpu_blocks", 0)) for s in cache)
     latest: dict = {}  # instance -> its newest lora_requests_info series
     for s in mine:
-        if s.name == "inflight_lora_requests_info":
+        if s.name == _LORA:
             key = s.labels.get("instance")
             if key not in latest or s.value > latest[key].value:
                 latest[key] = s
@@ -121,37 +125,28 @@ def aggregate(samples: list[Sample], model: str) -> PodFigures:
 
 
 def render(figures: PodFigures, model_name: str) -> str:
-    """The figures in the text exposition format, under our names and vLLM's."""
-    base = {"model_name": model_name}
-    lines: list[str] = []
-
-    def family(names: tuple[str, ...], doc: str, series: list[tuple[dict, float]]) -> None:
-        for name in names:
-            lines.append(f"# HELP {name} {doc}")
-            lines.append(f"# TYPE {name} gauge")
-            for labels, value in series:
-                lines.append(f"{name}{_labels({**base, **labels})} {_number(value)}")
-
-    family(("inflight_num_requests_running", "vllm:num_requests_running"),
-           "Requests in the running batches (all engines of this server)", [({}, figures.running)])
-    family(("inflight_num_requests_waiting", "vllm:num_requests_waiting"),
-           "Requests waiting for admission (all engines of this server)", [({}, figures.waiting)])
-    family(("inflight_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
-           "Used share of the KV-cache blocks, 0-1 (1 = full)", [({}, figures.usage)])
-    family(("inflight_kv_blocks",), "KV-cache blocks by state (all engines)",
-           [({"state": state}, figures.blocks[state]) for state in ("used", "free", "total")])
-    family(("inflight_model_instances",), "Engine instances summed into these figures", [({}, figures.instances)])
+    """The figures in the text exposition format, under our names and vLLM's: each GATEWAY series
+    whose figure the pod has (cache_config once Triton reports it, lora_info with LoRA on)."""
+    base = dict(zip(table.GATEWAY_LABELS, (model_name,)))
+    values: dict[str, list[tuple[dict, float]]] = {
+        "running": [({}, figures.running)], "waiting": [({}, figures.waiting)], "usage": [({}, figures.usage)],
+        "instances": [({}, figures.instances)],
+        **{state: [(fixed, figures.blocks[state])] for state, fixed in _BLOCK_STATES.items()}}
     if figures.block_size is not None:
-        family(("inflight_cache_config_info", "vllm:cache_config_info"),
-               "KV-cache configuration in the labels: block_size (tokens), num_gpu_blocks (all engines)",
-               [({"block_size": figures.block_size, "num_gpu_blocks": str(figures.blocks["num_gpu_blocks"])}, 1)])
+        values["cache_config"] = [({"block_size": figures.block_size,
+                                    "num_gpu_blocks": str(figures.blocks["num_gpu_blocks"])}, 1)]
     if figures.lora is not None:
         lora = figures.lora
-        family(("inflight_lora_requests_info", "vllm:lora_requests_info"),
-               "LoRA adapters with running and waiting requests, and max_lora, in the labels; value: "
-               "the Unix time they last changed",
-               [({"max_lora": str(lora["max_lora"]), "running_lora_adapters": ",".join(lora["running"]),
-                  "waiting_lora_adapters": ",".join(lora["waiting"])}, lora["updated"])])
+        values["lora_info"] = [({"max_lora": str(lora["max_lora"]), "running_lora_adapters": ",".join(lora["running"]),
+                                 "waiting_lora_adapters": ",".join(lora["waiting"])}, lora["updated"])]
+    lines: list[str] = []
+    for metric in table.GATEWAY:
+        series = [one for key in metric.keys for one in values.get(key, ())]
+        for name in (n for n in (metric.name, metric.vllm) if n and series):
+            lines.append(f"# HELP {name} {metric.help}")
+            lines.append(f"# TYPE {name} {_TYPES[metric.kind]}")
+            for labels, value in series:
+                lines.append(f"{name}{_labels({**base, **labels})} {_number(value)}")
     return "\n".join(lines) + "\n"
 
 
