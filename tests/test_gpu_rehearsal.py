@@ -99,11 +99,12 @@ def rehearsal(monkeypatch, tmp_path, default_model_dir):
 @pytest.mark.slow
 def test_a_kind_gpu_instance_on_gpu_1_selects_sizes_and_reports_cuda_1(rehearsal, tmp_path):
     cuda, module, args = rehearsal
-    import backend.worker.runner as runner_module
-    from backend.kv.sizing import kv_bytes_per_token, lock_path
+    from backend.kv.sizing import kv_bytes_per_token
+    from backend.worker import memory as memory_module
+    from backend.worker.memory import lock_path
 
     held_while_sizing = []
-    measure = runner_module.measure
+    measure = memory_module.measure
 
     def measure_checking_the_lock(env, warm_up):
         fd = os.open(lock_path(env.identity()), os.O_RDONLY | os.O_CREAT)
@@ -116,7 +117,7 @@ def test_a_kind_gpu_instance_on_gpu_1_selects_sizes_and_reports_cuda_1(rehearsal
             os.close(fd)
         return measure(env, warm_up)
 
-    runner_module.measure = measure_checking_the_lock
+    memory_module.measure = measure_checking_the_lock
     model = module.TritonPythonModel()
     try:
         model.initialize(args)
@@ -150,7 +151,7 @@ def test_a_kind_gpu_instance_on_gpu_1_selects_sizes_and_reports_cuda_1(rehearsal
         assert done.wait(120)
         assert len(outputs[-1].token_ids) == 3 and runner.graphs.replays >= 2
     finally:
-        runner_module.measure = measure
+        memory_module.measure = measure
         model.finalize()
 
 

@@ -45,7 +45,7 @@ from typing import Optional
 from client.tools.benchmarks.report import machine
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-LOCUSTFILE = REPO_ROOT / "client" / "tools" / "soak_locustfile.py"
+LOCUSTFILE = REPO_ROOT / "client" / "tools" / "load" / "soak_locustfile.py"
 GROWTH_LIMIT = 0.10
 MMAP_THRESHOLD = 16 << 20  # see run()
 
