@@ -10,7 +10,7 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "backend.engine.llm",
-    "SamplingParams": "backend.core.request",
+    "SamplingParams": "backend.core.sampling_params",
     "EngineConfig": "backend.core.config",
     "RequestOutput": "backend.core.outputs",
     "LoRARequest": "backend.core.lora",

@@ -29,7 +29,8 @@ SHOWN = ("return_finish_reason", "return_num_input_tokens", "return_num_output_t
 
 @dataclass
 class Options:
-    """Per-request options; None leaves the server's default (max_tokens 16, temperature 1.0, ...).
+    """Per-request options; None leaves the server's default (max_tokens: MAX_TOKENS of
+    backend/core/defaults.py; temperature 1.0, ...).
     `n`, `logprobs` and `lora_name` travel as request parameters (they have no input tensor); asking for
     logprobs also asks for the logprobs and cumulative_logprob outputs."""
     max_tokens: Optional[int] = None

@@ -15,14 +15,15 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from backend.core.request import SamplingParams
+from backend.core import defaults
+from backend.core.sampling_params import SamplingParams
 from openai_server.constraints import FIELDS as STRUCTURED_FIELDS, FieldError, structured_outputs
 from openai_server.tools import ToolCalling, check_tool_messages, prepare_messages
 
 # A chat request that gives no max_tokens / max_completion_tokens gets this many (OpenAI: until the
 # model stops). Bounded, because guaranteed_no_evict reserves KV blocks for all of them up front.
 DEFAULT_CHAT_MAX_TOKENS = 512
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+DEFAULT_COMPLETION_MAX_TOKENS = defaults.MAX_TOKENS  # as OpenAI's legacy completions endpoint
 MAX_CHOICES = 64  # prompts x n of one call
 
 Prompt = Union[str, list[int]]

@@ -4,6 +4,7 @@ client library builds requests from (`client/protocol.py`). Plain data: no numpy
 
 Names and types are those of Triton's vLLM backend and of the TensorRT-LLM ensemble, so their
 clients (the vLLM backend's samples, Triton's OpenAI frontend, genai-perf) work unchanged.
+The defaults a doc names come from backend/core/defaults.py (which imports nothing).
 `key` is the vLLM `sampling_parameters` key an input sets (an explicit input tensor wins over the
 JSON and over request parameters); `None` for inputs that are not sampling settings.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from backend.core import defaults
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ INPUTS: tuple[Tensor, ...] = (
            "add where it stands (queue_position ... seconds_since_arrival); streaming, also a response "
            "(no tokens) whenever its place or reservation changes while it waits"),
     # -- sampling settings --
-    Tensor("max_tokens", "INT32", (1,), "default 16; >= 1", "max_tokens"),
+    Tensor("max_tokens", "INT32", (1,), f"default {defaults.MAX_TOKENS}; >= 1", "max_tokens"),
     Tensor("temperature", "FP32", (1,), "default 1.0; >= 0, below 1e-5 is greedy", "temperature"),
     Tensor("top_k", "INT32", (1,), "default 0; -1 or 0: off (vLLM's -1); else >= 1", "top_k"),
     Tensor("top_p", "FP32", (1,), "default 1.0; (0, 1]", "top_p"),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -36,10 +35,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+    from kernels.cpuinfo import cpu_model
+    return cpu_model()
 
 
 def token_prompts(n: int, seed: int, vocab: int = 2000, repeat: bool = False) -> list[list[int]]:

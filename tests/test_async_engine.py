@@ -112,16 +112,16 @@ def test_duplicate_request_id_and_queue_full(default_model_dir):
 
 def test_a_failing_step_fails_only_its_requests(engine, monkeypatch):
     runner = engine.engine.runner
-    real_run = runner.run
+    real_run = runner.execute
     calls = {"n": 0}
 
-    def flaky(out):
-        calls["n"] += 1
+    def flaky(plan):
+        calls["n"] += not plan.is_empty
         if calls["n"] == 2:
             raise RuntimeError("injected fault")
-        return real_run(out)
+        return real_run(plan)
 
-    monkeypatch.setattr(runner, "run", flaky)
+    monkeypatch.setattr(runner, "execute", flaky)
     sink = Collector()
     sink.expected = 1
     engine.add_request("victim", "x", SamplingParams(max_tokens=50, ignore_eos=True), sink)
@@ -152,7 +152,7 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(default_model_dir, monk
     # another ran every step about 2x slower on 2 cores (docs/performance.md).
     from backend.engine import llm_engine as engine_module
     threads = {}
-    build, step = engine_module.LLMEngine.__init__, engine_module.LLMEngine.step
+    build, step = engine_module.LLMEngine.__init__, engine_module.LLMEngine.core_step
 
     def recording_build(self, config):
         threads["build"] = threading.current_thread().name
@@ -163,7 +163,7 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(default_model_dir, monk
         return step(self)
 
     monkeypatch.setattr(engine_module.LLMEngine, "__init__", recording_build)
-    monkeypatch.setattr(engine_module.LLMEngine, "step", recording_step)
+    monkeypatch.setattr(engine_module.LLMEngine, "core_step", recording_step)
     eng = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_tokens_in_paged_kv_cache=512))
     try:
         got = Collector()
@@ -176,3 +176,59 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(default_model_dir, monk
     # a build that fails raises in the caller, with the engine's own message
     with pytest.raises(ValueError, match="model_path is required"):
         AsyncEngine(EngineConfig(model_path=""))
+
+
+def test_the_engine_thread_never_detokenizes_and_a_stop_string_costs_at_most_one_step(default_model_dir, monkeypatch):
+    """Text is made on the output thread (backend/engine/output_processor.py); a stop string found
+    there ends its sequence in the scheduler before the step after next (the engine thread never
+    runs ahead of more than one step of outputs being made text)."""
+    from backend.engine import core as core_module
+    from backend.text import detokenizer
+
+    reference = LLM(str(default_model_dir)).generate(
+        ["a story about the sea"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    stop = reference.text[len(reference.text) // 3:len(reference.text) // 3 + 4]
+    assert stop.strip() and stop in reference.text
+    threads = set()
+    add = detokenizer.IncrementalDetokenizer.add
+
+    def recording_add(self, ids):
+        threads.add(threading.current_thread().name)
+        return add(self, ids)
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "add", recording_add)
+    from backend.engine.output_processor import OutputProcessor
+    process = OutputProcessor.process
+
+    def slow_process(self, outputs):  # making text slower than a step: the engine must not run ahead
+        time.sleep(0.02)
+        return process(self, outputs)
+
+    monkeypatch.setattr(OutputProcessor, "process", slow_process)
+    eng = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_num_seqs=8))
+    ended = []
+    finish = eng.engine.scheduler.finish
+
+    def recording_finish(req, status):
+        ended.append((req.request_id, status, len(req.output_token_ids)))
+        finish(req, status)
+
+    eng.engine.scheduler.finish = recording_finish
+    try:
+        sink = Collector()
+        sink.expected = 6
+        for i in range(5):  # company: steps of several rows
+            eng.add_request(f"other{i}", f"filler {i}", SamplingParams(max_tokens=60, ignore_eos=True, seed=i), sink)
+        eng.add_request("s", "a story about the sea", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                                     stop=[stop]), sink)
+        assert sink.all_done.wait(60)
+        wait_idle(eng)
+    finally:
+        eng.shutdown()
+    out = sink.done["s"]
+    assert out.finish_reason == "stop" and out.text == reference.text[:reference.text.index(stop)]
+    delivered = len(out.token_ids)
+    (rid, status, generated), = [e for e in ended if e[0] == "s"]
+    assert status is core_module.RequestStatus.FINISHED_STOPPED
+    assert delivered <= generated <= delivered + 1, (delivered, generated)  # at most one step more
+    assert threads == {"inflight-output"}, threads

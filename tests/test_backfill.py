@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from backend.kv.block_manager import BlockManager
 from backend.core.config import EngineConfig
 from backend.core.step import Sampled
-from backend.core.request import Request, RequestStatus, SamplingParams
+from backend.core.sampling_params import SamplingParams
+from backend.core.request import Request, RequestStatus
 from backend.sched.scheduler import Scheduler
 from spec_driver import speculative_step
 

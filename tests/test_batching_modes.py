@@ -17,7 +17,7 @@ from backend.kv.block_manager import BlockManager
 from backend.engine.async_engine import AsyncEngine
 from backend.core.request import Request
 from backend.sched.factory import make_scheduler
-from backend.core.step import ScheduledSeq, SchedulerOutput
+from backend.core.step import Row, StepPlan
 
 EOS = 0
 
@@ -242,15 +242,14 @@ def test_padding_rows_never_write_the_cache(default_model_dir):
     r = engine.add_request("ctx", PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0))
     engine.step()  # prefill: its context is in the cache
     before = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
-    table = engine.blocks.block_table(r.seq_id)
-    out = SchedulerOutput(padding=[ScheduledSeq(r, r.num_computed_tokens, 1, padding=True, block_table=table),
-                                   ScheduledSeq(r, 10, 25, padding=True, block_table=table)])
-    assert engine.runner.run(out) == {}
+    plan = StepPlan(padding=[Row(r.seq_id, r.num_computed_tokens, 1, samples=False, padding=True),
+                             Row(r.seq_id, 10, 25, samples=False, padding=True)])
+    from backend.worker.step_inputs import build_step
+    slots = build_step(plan, engine.runner.batch, 0).slot_mapping
+    assert (slots == -1).all()
+    assert engine.runner.execute(plan).sampled == {}
     for (k0, v0), (k1, v1) in zip(before, engine.runner.kv_caches):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
-    from backend.worker.step_inputs import build_step
-    slots = build_step(out, engine.runner.tables, 0).slot_mapping
-    assert (slots == -1).all()
 
 
 def test_static_server_answers_each_member_once_when_the_batch_ends(default_model_dir, reference):

@@ -137,19 +137,19 @@ def test_a_kind_gpu_instance_on_gpu_1_selects_sizes_and_reports_cuda_1(rehearsal
         assert runner.num_blocks < int(FRACTION * gpu.free) // per_block     # the peak was not handed out
         assert held_while_sizing == [True]                                    # sized under the GPU's lock
         # the warm-up ran the kernels' paths and the graphs' static buffers serve decode steps
-        assert runner.ops.name == "triton" and runner.graphs is not None
+        assert runner.ops.name == "triton" and runner.decode_path.graphs is not None
         # every metric series says where the instance runs
         series = [m for f in _MetricFamily.created for m in f.metrics]
         assert series and all(m.labels["device"] == "cuda:1" and m.labels["instance"] == "llm_0_1" for m in series)
         # a request goes through (its tokens mean nothing: bfloat16 under the Triton interpreter)
-        from backend.core.request import SamplingParams
+        from backend.core.sampling_params import SamplingParams
 
         done = threading.Event()
         outputs = []
         model.engine.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
                                  lambda o: (outputs.append(o), o.finished and done.set()))
         assert done.wait(120)
-        assert len(outputs[-1].token_ids) == 3 and runner.graphs.replays >= 2
+        assert len(outputs[-1].token_ids) == 3 and runner.decode_path.graphs.replays >= 2
     finally:
         memory_module.measure = measure
         model.finalize()

@@ -7,47 +7,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BACKEND = ROOT / "backend"
+from client.tools.docs.import_map import (  # the one reading of the graph, shared with docs/design.md's map
+    BACKEND, LAYERS, ROOT, backend_modules, graph, imports_of, module_name)
+
 MAX_LINES = 300
-# backend's packages, lowest first: a module may import its own package and those before it
-# (docs/design.md, "Map"). text (tokenizers) sits just above core; models below the worker that
-# runs them; speculative decoding between the worker it drives and the engine that owns it.
-LAYERS = ("core", "text", "kv", "sched", "models", "worker", "speculative", "engine")
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def backend_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in BACKEND.rglob("*.py")}
-
-
-def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The backend modules a file imports (`from backend.x import y` is backend.x.y when that is a
-    module, else backend.x)."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the file's package
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-        else:
-            continue
-        found.update(t for t in targets if t in modules and t != name)
-    return found
-
-
-def graph() -> dict[str, set[str]]:
-    modules = backend_modules()
-    return {name: imports_of(path, modules) for name, path in modules.items()}
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str]:
@@ -173,5 +136,5 @@ def test_the_kernels_import_nothing_of_the_engine():
 def test_the_graph_sees_every_kind_of_import():
     """A mutation check of the reader itself: a TYPE_CHECKING import and a function-local one count."""
     modules = backend_modules()
-    assert "backend.core.request" in imports_of(BACKEND / "core" / "step.py", modules)  # under TYPE_CHECKING
-    assert "backend.sched.factory" in imports_of(BACKEND / "engine" / "llm_engine.py", modules)
+    assert "backend.core.sampling_params" in imports_of(BACKEND / "core" / "step.py", modules)  # under TYPE_CHECKING
+    assert "backend.sched.factory" in imports_of(BACKEND / "engine" / "wiring.py", modules)

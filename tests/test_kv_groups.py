@@ -248,7 +248,7 @@ def test_the_gpu_warm_up_and_sizing_of_a_model_of_several_groups(gemma):
     per_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * runner.kv_dtype.itemsize
     assert runner._bytes_per_block() == 16 * per_layer_token * runner.kv_layout.slots == 16 * per_layer_token
     runner._warm_up()
-    assert runner.kv_caches == [] and runner.tables.table.abs().sum() == 0   # left as it found them
+    assert runner.kv_caches == [] and runner.batch.tables.table.abs().sum() == 0 and not runner.batch.seqs   # left as it found them
 
 
 def test_drafts_and_the_n_completions_of_a_prompt_on_a_model_of_several_groups(gemma):

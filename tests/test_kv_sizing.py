@@ -108,23 +108,24 @@ def test_the_warm_up_runs_the_largest_prefill_decode_steps_and_the_sampler(monke
     from backend.worker import runner as runner_module
     from backend.core.config import EngineConfig
     from backend.models.loader import load_model_config
-    from backend.core.request import MAX_LOGPROBS
+    from backend.core.sampling_params import MAX_LOGPROBS
 
     cuda = FakeCuda().install(monkeypatch)
     monkeypatch.setenv("INFLIGHT_LOCK_DIR", str(tmp_path))
     steps, sampled = [], []
-    run, sample = runner_module.ModelRunner.run, runner_module.sample
+    from backend.worker import sample_step as sample_module
+    run, sample = runner_module.ModelRunner.execute, sample_module.sample
 
-    def recording_run(self, out):
-        steps.append((len(cuda.calls), [s.num_new_tokens for s in out.prefills], len(out.decodes)))
-        return run(self, out)
+    def recording_run(self, plan):
+        steps.append((len(cuda.calls), [r.num_new_tokens for r in plan.prefills], len(plan.decodes)))
+        return run(self, plan)
 
-    def recording_sample(logits, requests):
+    def recording_sample(logits, requests, masks=None):
         sampled.append(requests)
-        return sample(logits, requests)
+        return sample(logits, requests, masks)
 
-    monkeypatch.setattr(runner_module.ModelRunner, "run", recording_run)
-    monkeypatch.setattr(runner_module, "sample", recording_sample)
+    monkeypatch.setattr(runner_module.ModelRunner, "execute", recording_run)
+    monkeypatch.setattr(sample_module, "sample", recording_sample)
     config = EngineConfig(model_path=str(default_model_dir), device="cuda:1", attention_backend="torch",
                           max_num_seqs=6, max_num_batched_tokens=40, max_tokens_in_paged_kv_cache=512)
     runner = runner_module.ModelRunner(config, load_model_config(str(default_model_dir)), 128)

@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 from backend.kv.block_manager import BlockManager
 from backend.core.config import EngineConfig
 from backend.core.lora import cache_salt
-from backend.core.request import Request, SamplingParams
+from backend.core.sampling_params import SamplingParams
+from backend.core.request import Request
 from backend.sched.factory import make_scheduler
 from backend.sched.lora_slots import adapters_of
 from backend.core.step import Sampled

@@ -72,7 +72,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(oracle, backend, chunked)
     else:                          # stacked for ops.fused_moe: the reference, or the Triton kernel
         assert experts.gate_up is None and experts.w13.shape == (8, 2 * experts.intermediate, 64)
     if backend == "triton":        # decode steps ran through the graphs' static buffers
-        assert runner.graphs is not None and runner.graphs.replays > 0
+        assert runner.decode_path.graphs is not None and runner.decode_path.graphs.replays > 0
     # every computed token (the prompt, each output fed back) went to top_k experts per MoE layer;
     # the rows steps are padded with (oneDNN's buckets, graph sizes) did not count
     computed = sum(len(p) + len(o.token_ids) - 1 for p, o in zip(prompts, outputs))

@@ -18,9 +18,9 @@ def test_a_moe_instance_on_a_gpu_counts_its_experts_and_serves_decode_from_the_g
     try:
         model.initialize(triton_args(model_dir, tmp_path / "model_repository" / "llm"))
         runner = model.engine.engine.runner
-        assert runner.ops.name == "triton" and runner.graphs is not None
+        assert runner.ops.name == "triton" and runner.decode_path.graphs is not None
         assert runner.expert_load.counts.sum() == 0          # the warm-up's routing is forgotten
-        from backend.core.request import SamplingParams
+        from backend.core.sampling_params import SamplingParams
 
         prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23, 24]]
         finished = []
@@ -31,7 +31,7 @@ def test_a_moe_instance_on_a_gpu_counts_its_experts_and_serves_decode_from_the_g
         while len(finished) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(finished) == 3
-        assert runner.graphs.replays >= 2                    # decode steps through the static buffers
+        assert runner.decode_path.graphs.replays >= 2                    # decode steps through the static buffers
         stats = model.engine.engine.stats()
         # three decode rows run at the graphs' size 4 (a padding row); real rows only, each counted
         # top_k times in each of the 2 layers: the prompts and the 3 tokens each fed back

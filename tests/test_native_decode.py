@@ -63,14 +63,14 @@ def run(llm: LLM) -> list:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_c_stack_gives_the_python_layers_results_bit_for_bit(case, tmp_path, tiny_tokenizer_json):
     llm = engine(case, tmp_path, tiny_tokenizer_json)
-    model = llm.engine.runner.model
-    stack = model.decode_stack
-    assert stack is not None, native_decode.unsupported(model, llm.engine.runner.ops.name, None)
+    runner = llm.engine.runner
+    stack = runner.decode_path.native
+    assert stack is not None, native_decode.unsupported(runner.model, runner.ops.name, None)
     calls = []
-    model.decode_stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    runner.decode_path.native = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
     native = run(llm)
     assert len(calls) >= PARAMS.max_tokens - 1 and max(calls) == len(PROMPTS)  # every decode step, batched
-    model.decode_stack = None
+    runner.decode_path.native = None
     python = run(llm)
     assert native == python
     assert llm.engine.blocks.num_held == 0
@@ -89,20 +89,20 @@ def llama(tmp_path_factory, tiny_tokenizer_json):
     ("PackedLinear weights, not packed ones", "mixtral", {}),  # float attention beside the experts
 ])
 def test_models_it_does_not_take_keep_the_python_layers_and_say_why(why, arch, args, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="backend.worker.native_decode"):
+    with caplog.at_level(logging.INFO, logger="backend.worker.fast_paths"):
         llm = LLM(str(make_checkpoint(arch, tmp_path / arch, seed=3)), kv_block_size=16, max_model_len=64, **args)
-    assert llm.engine.runner.model.decode_stack is None
+    assert llm.engine.runner.decode_path.native is None
     assert any(why in r.getMessage() and "the Python layers" in r.getMessage() for r in caplog.records)
     assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids
 
 
 def test_it_can_be_turned_off(tmp_path, tiny_tokenizer_json, monkeypatch):
     monkeypatch.setenv("INFLIGHT_NATIVE_DECODE", "0")
-    assert engine("llama (GQA 4:1), bf16 cache", tmp_path, tiny_tokenizer_json).engine.runner.model.decode_stack is None
+    assert engine("llama (GQA 4:1), bf16 cache", tmp_path, tiny_tokenizer_json).engine.runner.decode_path.native is None
 
 
 def test_bad_step_tensors_are_refused_by_name(llama):
-    stack = llama.engine.runner.model.decode_stack._stack
+    stack = llama.engine.runner.decode_path.native._stack
     t, hidden, blocks = 2, stack.hidden, stack.num_blocks
     x = torch.zeros(t, hidden)
     positions = torch.tensor([3, 4])
@@ -131,10 +131,10 @@ def test_with_lora_on_steps_with_adapter_rows_run_in_c_with_their_deltas_called_
     adapter = make_adapter(base, tmp_path / "a", seed=1, spec=AdapterSpec(r=8, alpha=16, b_std=0.1))
     llm = LLM(str(base), quantization="int8", kv_block_size=16, max_num_seqs=4, max_model_len=128,
               enable_kv_cache_reuse=False, enable_lora=True, max_loras=1, lora_modules=f"a={adapter}")
-    model = llm.engine.runner.model
-    stack, calls = model.decode_stack, []
+    path = llm.engine.runner.decode_path
+    stack, calls = path.native, []
     assert stack is not None
-    model.decode_stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    path.native = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
     mixed = [None, "a", None]
 
     def both():
@@ -143,7 +143,7 @@ def test_with_lora_on_steps_with_adapter_rows_run_in_c_with_their_deltas_called_
                                                                          logprobs=0), lora_request=mixed)])
     native = both()
     assert len(calls) >= 2 * (9 - 1) and max(calls) == len(PROMPTS)  # both batches decoded in C
-    model.decode_stack = None
+    path.native = None
     python = both()
     assert native == python
     base_answer, adapter_answer = native[0][1][0][:9], native[1][1][0]
@@ -155,7 +155,7 @@ def test_an_error_in_a_called_back_moe_block_is_raised_by_the_stack(tmp_path, ti
     once C returns; the next call runs normally."""
     llm = engine("mixtral (8 experts, top 2: the MoE block called back from C)", tmp_path, tiny_tokenizer_json)
     run(llm)  # the stack is made at the first decode step
-    stack = llm.engine.runner.model.decode_stack._stack
+    stack = llm.engine.runner.decode_path.native._stack
     args = (torch.zeros(2, stack.hidden), torch.tensor([3, 4]), torch.tensor([[3, 4]]),
             torch.zeros(1, 2, 2, dtype=torch.int32), torch.tensor([4, 5], dtype=torch.int32))
     good = stack(*args)

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from backend.core.request import Request, SamplingParams
+from backend.core.sampling_params import SamplingParams
+from seq_states import seq_state
 from backend.worker.sampler import sample
 
 
@@ -37,7 +38,7 @@ def test_draws_follow_the_filtered_softmax(temperature, top_k, top_p):
     row = rng.normal(0, 1.5, VOCAB).astype(np.float32)
     params = [SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=i)
               for i in range(DRAWS)]
-    requests = [Request(f"r{i}", [1], p) for i, p in enumerate(params)]
+    requests = [seq_state(f"r{i}", [1], p) for i, p in enumerate(params)]
     tokens = tokens_of(torch.from_numpy(np.tile(row, (DRAWS, 1))), requests)
     want = _expected(row, temperature, top_k, top_p)
     got = np.bincount(tokens, minlength=VOCAB) / DRAWS
@@ -56,14 +57,14 @@ def test_each_request_draws_from_its_own_seeded_stream():
     seeded = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=42)
 
     def draws(batch_rows: list, seeded_row: int, n: int = 20) -> list[int]:
-        reqs = [Request(f"other{i}", [1], SamplingParams(max_tokens=4, seed=i)) for i in range(len(batch_rows))]
-        reqs[seeded_row] = Request("mine", [1], seeded)
+        reqs = [seq_state(f"other{i}", [1], SamplingParams(max_tokens=4, seed=i)) for i in range(len(batch_rows))]
+        reqs[seeded_row] = seq_state("mine", [1], seeded)
         return [tokens_of(logits[batch_rows].clone(), reqs)[seeded_row] for _ in range(n)]
 
     alone = draws([0], 0)
     assert draws([1, 0, 2], 1) == alone  # other rows, another position: the same tokens
     assert len(set(alone)) > 1
-    g = tokens_of(logits.clone(), [Request(f"g{i}", [1], greedy) for i in range(3)])
+    g = tokens_of(logits.clone(), [seq_state(f"g{i}", [1], greedy) for i in range(3)])
     assert g == logits.argmax(-1).tolist()
 
 
@@ -71,7 +72,7 @@ def test_top_k_minus_one_is_off_like_zero():
     """vLLM's -1 and our 0 both keep the whole vocabulary: the same draws from the same seeds."""
     rng = np.random.default_rng(5)
     logits = torch.from_numpy(rng.normal(0, 1, (64, VOCAB)).astype(np.float32))
-    draws = {k: tokens_of(logits.clone(), [Request(f"r{i}", [1], SamplingParams(max_tokens=4, top_k=k, seed=i))
+    draws = {k: tokens_of(logits.clone(), [seq_state(f"r{i}", [1], SamplingParams(max_tokens=4, top_k=k, seed=i))
                                            for i in range(64)]) for k in (-1, 0, 3)}
     assert draws[-1] == draws[0]
     assert draws[3] != draws[0], "top_k 3 filters (the check can tell a filter from none)"
@@ -104,7 +105,7 @@ def test_a_greedy_row_takes_the_argmax_after_its_penalties(penalty):
     logits[:, 7], logits[:, 9] = 3.0, 2.5
     rows = []
     for i, params in enumerate(({}, penalty)):
-        req = Request(f"p{i}", [1, 2], SamplingParams(max_tokens=9, temperature=0.0, **params))
+        req = seq_state(f"p{i}", [1, 2], SamplingParams(max_tokens=9, temperature=0.0, **params))
         req.output_token_ids = [7, 7]
         rows.append(req)
     assert tokens_of(logits, rows) == [7, 9]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from backend.worker import sampler
-from backend.core.request import Request, SamplingParams
+from backend.core.sampling_params import SamplingParams
+from seq_states import seq_state
 
 TO = torch.Tensor.to
 READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "to")  # numpy() refuses GPU tensors
@@ -30,7 +31,7 @@ def transfers(monkeypatch):
     return counts
 
 
-def _requests(n: int) -> list[Request]:
+def _requests(n: int) -> list:
     """Every kind of row: greedy, random with top-k/top-p, penalties, bans (min_tokens, bad words),
     logprobs, in a mix that grows with n."""
     out = []
@@ -40,7 +41,7 @@ def _requests(n: int) -> list[Request]:
                            top_p=0.8 if kind == 1 else 1.0, repetition_penalty=1.3 if kind == 2 else 1.0,
                            frequency_penalty=0.5 if kind == 2 else 0.0, presence_penalty=0.25 if kind == 2 else 0.0,
                            logprobs=3 if kind in (0, 3) else None, min_tokens=4 if kind == 3 else 0, seed=i)
-        req = Request(f"r{i}", [3, 4, 5, 4, 9 + i], p, eos_token_ids=(2,))
+        req = seq_state(f"r{i}", [3, 4, 5, 4, 9 + i], p, eos_token_ids=(2,))
         req.output_token_ids = [7, 7, 8][: 1 + i % 3]
         req.bad_words_ids = [[7, 11]] if kind == 1 else []
         out.append(req)
@@ -61,9 +62,9 @@ def test_a_step_of_plain_greedy_rows_reads_back_once_and_sends_nothing(transfers
     logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(6))
     logits[1, [5, 9]] = 10.0  # a tie: the first wins
     logits[4, 17] = float("nan")
-    plain = [Request(f"g{i}", [3, 4, 5], SamplingParams(max_tokens=9, temperature=0.0), eos_token_ids=(2,))
+    plain = [seq_state(f"g{i}", [3, 4, 5], SamplingParams(max_tokens=9, temperature=0.0), eos_token_ids=(2,))
              for i in range(6)]
-    asking = [Request(f"l{i}", [3, 4, 5], SamplingParams(max_tokens=9, temperature=0.0, logprobs=1 if i == 0 else None),
+    asking = [seq_state(f"l{i}", [3, 4, 5], SamplingParams(max_tokens=9, temperature=0.0, logprobs=1 if i == 0 else None),
                       eos_token_ids=(2,)) for i in range(6)]
     general = [o.token for o in sampler.sample(logits.clone(), asking)]
     transfers.update(to_host=0, to_device=0)

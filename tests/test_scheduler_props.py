@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 from backend.core.step import Sampled
 from backend.kv.block_manager import BlockManager
 from backend.core.config import EngineConfig
-from backend.core.request import Request, SamplingParams
+from backend.core.sampling_params import SamplingParams
+from backend.core.request import Request
 from backend.sched.scheduler import Scheduler
 from spec_driver import speculative_step
 

@@ -98,31 +98,42 @@ def test_the_vocabulary_split_pads_the_last_rank_and_row_parallel_biases_are_add
 
 
 def test_a_step_travels_as_one_header_and_one_flat_payload(default_model_dir):
+    """Rank 0 sends the step plan itself (deltas by sequence id, pickled); a rank that applies it to
+    its own persistent batch builds exactly rank 0's inputs and block tables. Draft distributions
+    (only rank 0 samples) do not travel."""
+    from backend.core.step import NewSeq, Row, SeqUpdate, StepPlan
+    from backend.worker.input_batch import BlockTables, InputBatch
     from backend.worker.parallel.step_message import HEADER_LEN, StepMessage, decode, encode
-    from backend.core.request import Request
-    from backend.core.step import ScheduledSeq, SchedulerOutput
-    from backend.worker.step_inputs import BlockTables, build_step
+    from backend.worker.step_inputs import build_step
 
-    tables = BlockTables(4, 8, 16, torch.device("cpu"))
-    prefill = Request("p", list(range(1, 38)), greedy(4), (2,))
-    decode_req = Request("d", [5, 6, 7], greedy(4), (2,))
-    decode_req.output_token_ids = [9]
-    out = SchedulerOutput(decodes=[ScheduledSeq(decode_req, 3, 1, block_table=[4])],
-                          prefills=[ScheduledSeq(prefill, 0, 37, block_table=[1, 2, 3])])
-    sent = []
-    step = build_step(out, tables, 3, send=sent.append)
-    header, payload = encode(StepMessage(1, 8, sent[0]))
-    assert header.shape == (HEADER_LEN,) and payload.dtype == np.int64 and payload.ndim == 1
-    message = decode(header, payload.copy())
-    follower = BlockTables(1, 8, 16, torch.device("cpu"))       # a worker's table grows to rank 0's
-    from backend.worker.step_inputs import place_step
-    placed = place_step(message.host, follower)
-    for name in ("ids", "positions", "slot_mapping", "decode_rows", "decode_seq_lens", "prefill_rows",
-                 "prefill_cu_seqlens_q", "prefill_seq_lens", "sample_index"):
-        assert torch.equal(getattr(placed, name), getattr(step, name)), name
-    assert (placed.num_decode_rows, placed.decode_max_seq_len, placed.prefill_max_q_len, placed.pure_decode) == \
-        (step.num_decode_rows, step.decode_max_seq_len, step.prefill_max_q_len, False) and message.graph_size == 8
-    assert torch.equal(follower.table, tables.table)
+    def new(sid, prompt, table, computed):
+        return NewSeq(sid, prompt, [], greedy(4), 7, 0, (2,), [], None, (table,), computed)
+
+    plans = [StepPlan(new_seqs=[new("p", list(range(1, 38)), [1, 2, 3], 0), new("d", [5, 6, 7], [4], 2)],
+                      decodes=[Row("d", 2, 1)], prefills=[Row("p", 0, 37)]),
+             StepPlan(updates=[SeqUpdate("p", 37, [9], blocks=((3, [6]),)), SeqUpdate("d", 3, [8])],
+                      decodes=[Row("d", 3, 1)], prefills=[Row("p", 37, 3, draft_token_ids=[4, 4],
+                                                               draft_probs=torch.ones(2, 5))],
+                      finished_ids=["gone"])]
+    leader = InputBatch(BlockTables(4, 8, 16, torch.device("cpu")))
+    follower = InputBatch(BlockTables(1, 8, 16, torch.device("cpu")))   # grows as rank 0's did
+    for plan in plans:
+        leader.apply(plan)
+        step = build_step(plan, leader, 3)
+        header, payload = encode(StepMessage(1, 8, plan, ([(3, 4, 0)], [(0, 11)])))
+        assert header.shape == (HEADER_LEN,) and payload.dtype == np.int64 and payload.ndim == 1
+        message = decode(header, payload.copy())
+        assert message.graph_size == 8 and message.lora == ([(3, 4, 0)], [(0, 11)])
+        assert all(r.draft_probs is None for r in message.plan.prefills)
+        follower.apply(message.plan)
+        placed = build_step(message.plan, follower, 3)
+        for name in ("ids", "positions", "slot_mapping", "decode_rows", "decode_seq_lens", "prefill_rows",
+                     "prefill_cu_seqlens_q", "prefill_seq_lens", "sample_index"):
+            assert torch.equal(getattr(placed, name), getattr(step, name)), name
+        assert (placed.num_decode_rows, placed.decode_max_seq_len, placed.prefill_max_q_len) == \
+            (step.num_decode_rows, step.decode_max_seq_len, step.prefill_max_q_len)
+        assert torch.equal(follower.tables.table[:, :2], leader.tables.table[:, :2])
+    assert follower["p"].all_token_ids == leader["p"].all_token_ids == list(range(1, 38)) + [9]
 
 
 def test_tensor_parallel_size_0_is_refused_by_config_and_cli(tmp_path):

@@ -57,7 +57,7 @@ def four_gpus(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_two_kind_model_instances_with_tp2_take_disjoint_pairs_of_gpus(four_gpus, tmp_path, default_model_dir):
     from backend.kv.sizing import kv_bytes_per_token
-    from backend.core.request import SamplingParams
+    from backend.core.sampling_params import SamplingParams
 
     cuda, module = four_gpus
     for instance in (1, 0):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from adapter_module import load_adapter
-from backend.core.request import SamplingParams
+from backend.core.sampling_params import SamplingParams
 from templates import tensors as T
 
 adapter = load_adapter()

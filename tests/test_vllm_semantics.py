@@ -8,7 +8,7 @@ import torch
 
 from backend import LLM, SamplingParams
 from backend.models.make_model import make_model
-from backend.core.request import Request
+from seq_states import seq_state
 from backend.worker.sampler import _apply_penalties, sample
 
 PROMPTS = [[1, 5 + i, 6, 9 + 2 * i] for i in range(12)]
@@ -114,7 +114,7 @@ def test_penalties_follow_vllms_formulas(rep, pres, freq):
     prompt, output = [3, 5, 5, 9], [5, 11, 11, 11, 2]
     params = SamplingParams(max_tokens=20, temperature=0, repetition_penalty=rep, presence_penalty=pres,
                             frequency_penalty=freq)
-    req = Request("p", prompt, params)
+    req = seq_state("p", prompt, params)
     req.output_token_ids = list(output)
     got = torch.from_numpy(logits.copy())
     _apply_penalties(got, req)
@@ -147,7 +147,7 @@ def test_n_completions_compute_the_prompt_once(default_model_dir):
     while eng.has_work():
         batch = eng.scheduler.schedule(0.0)
         computed += batch.num_batched_tokens
-        sampled = eng.runner.run(batch)
+        sampled = eng.runner.execute(eng.scheduler.plan(batch)).sampled
         eng.scheduler.postprocess(batch, sampled, 0.0)
         eng.scheduler.check_integrity()
     # 37 prompt tokens once, then each of the two others recomputes only its last partial block
@@ -249,7 +249,7 @@ def test_logprobs_are_of_the_raw_logits_before_penalties_and_bans():
     eos, bad, seen = int(order[0]), int(order[1]), int(order[2])
     params = SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.8, presence_penalty=1.5,
                             min_tokens=5, logprobs=5)
-    req = Request("p", [seen, 3], params, eos_token_ids=(eos,))
+    req = seq_state("p", [seen, 3], params, eos_token_ids=(eos,))
     req.output_token_ids = [seen, 7]
     req.bad_words_ids = [[bad]]
     got = sample(torch.from_numpy(logits.copy())[None], [req])[0]

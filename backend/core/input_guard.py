@@ -72,12 +72,3 @@ def int32(value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not INT32_MIN <= value <= INT32_MAX:
         raise ValueError(f"{field} must be an integer in [{INT32_MIN}, {INT32_MAX}]; got {value!r}")
     return value
-
-
-def derived_max_input_bytes(tokenizer, max_model_len: int) -> int:
-    """4 x max_model_len x the longest token in bytes: each token covers at most that many bytes of
-    text, so a longer text cannot fit in max_model_len tokens (x4 leaves room for normalizers
-    that shrink text). It lets a 10 MB prompt be refused before it is tokenized."""
-    vocab = tokenizer.backend.get_vocab(with_added_tokens=True) if tokenizer is not None else {}
-    longest = max((len(t.encode("utf-8")) for t in vocab), default=16)
-    return 4 * max_model_len * max(longest, 1)

@@ -1,4 +1,6 @@
-"""What the engine hands back per request and step, and stop-string handling on the text stream."""
+"""What the engine hands back per request and step: `CoreOutput` (tokens, from the engine thread)
+and `RequestOutput` (text, built from them on the delivery side by backend/engine/output_processor.py),
+and stop-string handling on the text stream."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +36,41 @@ class QueueInfo:
     first_scheduled_time: Optional[float]
     first_token_time: Optional[float]
     finished_time: Optional[float]
+
+
+@dataclass
+class CoreOutput:
+    """One sequence's news of one engine step, as the engine thread makes it: tokens and numbers,
+    no text (detokenizing, stop strings and logprob texts are the delivery side's)."""
+    request_id: str
+    index: int = 0  # which of the request's n completions
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # per new token, when the request asked for logprobs: (logprob, rank, top [(token, logprob)])
+    new_logprobs: Optional[list[tuple[float, int, list]]] = None
+    finish_reason: Optional[str] = None  # stop | length | abort | error once finished
+    stop_token_id: Optional[int] = None  # the EOS or stop token that ended it (never in its text)
+    error: Optional[str] = None
+    error_kind: Optional[str] = None  # "invalid" | "unavailable": the whole request refused after arrival
+    num_cached_tokens: int = 0
+    queue_seconds: Optional[float] = None  # on its first output: arrival to first scheduled
+    queue: Optional[QueueInfo] = None  # only for a request added with queue_info=True
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def merge_core_outputs(first: Optional[CoreOutput], then: CoreOutput) -> CoreOutput:
+    """One output carrying `first`'s new tokens followed by `then`'s, with `then`'s state (outputs
+    held back, then sent as one: a padded batch's)."""
+    if first is None:
+        return then
+    logprobs = None
+    if first.new_logprobs is not None or then.new_logprobs is not None:
+        logprobs = list(first.new_logprobs or []) + list(then.new_logprobs or [])
+    queued = first.queue_seconds if then.queue_seconds is None else then.queue_seconds
+    return dataclasses.replace(then, new_token_ids=first.new_token_ids + then.new_token_ids, new_logprobs=logprobs,
+                               queue_seconds=queued, queue=then.queue or first.queue)
 
 
 @dataclass

@@ -1,74 +1,100 @@
-"""The step contract: what the scheduler hands the model runner, and what the runner hands back.
+"""The step contract: what the scheduler sends the worker each step (`StepPlan`), and what the worker
+answers (`StepResult`). Data only, by sequence id: no live request crosses it, so it can be
+pickled and sent as it is to every tensor-parallel rank (backend/worker/parallel/step_message.py).
 
-Data only: the runner imports this module and nothing else of scheduling, so it never depends on
-how batches are formed. No torch, no logic beyond reading its own fields.
+A sequence is described in full once, when the worker first meets it (`NewSeq`: its prompt, its
+sampling settings and random seed, its adapter, its block tables, its computed count); afterwards
+the plan carries only what changed since the worker last saw it (`SeqUpdate`: the tokens appended,
+the computed count, the block-table entries written). The worker keeps every sequence it was told
+of (backend/worker/input_batch.py) until the plan lists it as finished; a preempted sequence
+keeps its tokens and random stream there, loses its blocks, and comes back as `resumed`.
+After vLLM v1's SchedulerOutput (new requests once, then deltas by id) and its persistent batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from backend.core.request import Request
+    from backend.core.sampling_params import SamplingParams
+
+BlockDelta = tuple[int, list[int]]  # (first entry written, the entries from there on): a table's new tail
 
 
 @dataclass
-class ScheduledSeq:
-    request: "Request"
-    start: int  # first position computed this step
+class NewSeq:
+    """A sequence the worker has not seen: everything it needs to run and sample it."""
+    seq_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: "SamplingParams"
+    seed: int  # its random stream (core/request.py `sampling_stream`, with `index`)
+    index: int  # which of its request's n completions
+    eos_token_ids: tuple[int, ...]
+    bad_words_ids: list[list[int]]
+    lora_name: Optional[str]
+    block_tables: tuple[list[int], ...]  # one per KV-cache group (backend/kv/groups.py)
+    num_computed_tokens: int
+
+
+@dataclass
+class SeqUpdate:
+    """What changed of a sequence the worker holds, since the plan that last named it."""
+    seq_id: str
+    num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)  # appended to its tokens
+    tokens_from: int = -1  # >= 0: its tokens are cut to this many before the new ones (a draft runner's)
+    blocks: tuple[BlockDelta, ...] = ()  # per KV-cache group; () when no table changed
+    resumed: bool = False  # back after a preemption: its tables are new (their deltas start at 0)
+
+
+@dataclass
+class Row:
+    """One row of the step's flat batch: `num_new_tokens` of a sequence from position `start`."""
+    seq_id: str
+    start: int
     num_new_tokens: int
-    padding: bool = False  # a padding row: computed for its cost only, never stored nor sampled
-    block_table: list[int] = field(default_factory=list)  # the sequence's blocks, for the runner
-    # the tables of the other KV-cache groups (backend/kv/groups.py), when the model has several
-    group_tables: tuple[list[int], ...] = ()
+    samples: bool = True  # the row reaches the end of the known tokens: a token is sampled
+    padding: bool = False  # a padded batch's row: computed for its cost, never stored nor sampled
     # Speculative decoding: a verify row computes its last token and these drafts after it
     # (num_new_tokens = 1 + len(drafts)); logits are kept at each of those positions.
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: Optional[object] = None  # the draft's q per draft ([k, V] on the device); None: point masses
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
-        return not self.padding and self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+    draft_probs: Optional[Any] = None  # the draft's q per draft ([k, V] on the device); None: point masses
 
 
 @dataclass
-class SchedulerOutput:
-    """One step's batch: everything the runner needs (tokens come from the requests, blocks from
-    each row's `block_table` and `group_tables`), so the runner never asks the block manager."""
-    decodes: list[ScheduledSeq] = field(default_factory=list)  # one query token each
-    prefills: list[ScheduledSeq] = field(default_factory=list)  # chunks of several tokens
-    preempted: list["Request"] = field(default_factory=list)
-    # Padded batches only: rows computed for their cost, attending to their member's cached context
-    # from `start` on; never stored (slot -1), never sampled.
-    padding: list[ScheduledSeq] = field(default_factory=list)
-    spare_tokens: int = 0  # the token budget left after forming the batch: drafts may use it
+class GrammarMasks:
+    """Structured outputs: the token bitmask of each constrained row that samples this step
+    (xgrammar's layout, int32 words [rows, ceil(vocab / 32)]), in `seq_ids` order."""
+    seq_ids: list[str]
+    bitmask: Any  # numpy int32
+
+
+@dataclass
+class StepPlan:
+    """One step for the worker (and every tensor-parallel rank)."""
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    updates: list[SeqUpdate] = field(default_factory=list)
+    decodes: list[Row] = field(default_factory=list)  # one query token each
+    prefills: list[Row] = field(default_factory=list)  # chunks of several tokens, verify rows
+    padding: list[Row] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # the worker forgets these
+    preempted_ids: list[str] = field(default_factory=list)  # their blocks are gone; state kept
+    grammar: Optional[GrammarMasks] = None
+    kv_copies: Optional[Any] = None  # the KV tiers' TierPlan (backend/kv/tiers/plan.py), made first
 
     @property
-    def seqs(self) -> list[ScheduledSeq]:
+    def rows(self) -> list[Row]:
         """The real rows (padding excluded)."""
         return self.decodes + self.prefills
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs + self.padding)
+        return sum(r.num_new_tokens for r in self.decodes + self.prefills + self.padding)
 
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills and not self.padding
-
-    def add(self, req: "Request", n: int) -> None:
-        """A row computing req's next n tokens: a decode row for one, a prefill chunk for more."""
-        seq = ScheduledSeq(req, req.num_computed_tokens, n)
-        (self.decodes if n == 1 else self.prefills).append(seq)
-
-    def drop(self, req: "Request") -> int:
-        """Remove req's rows (it was preempted after they were formed); returns their tokens."""
-        freed = 0
-        for rows in (self.decodes, self.prefills):
-            freed += sum(s.num_new_tokens for s in rows if s.request is req)
-            rows[:] = [s for s in rows if s.request is not req]
-        return freed
 
 
 @dataclass
@@ -86,3 +112,11 @@ class Sampled:
     def tokens(self) -> list["Sampled"]:
         """Every token the row produced, in order: the accepted drafts, then the last."""
         return [*self.accepted, self] if self.accepted else [self]
+
+
+@dataclass
+class StepResult:
+    """The worker's answer: what each sampling sequence produced, by seq_id, and the handle of the
+    step's KV-tier copies (None: done already, as on the CPU)."""
+    sampled: dict[str, Sampled] = field(default_factory=dict)
+    kv_copies: Optional[Any] = None

@@ -1,19 +1,30 @@
-"""`AsyncEngine`: an `LLMEngine` on its own thread, for the server. Requests arrive from any thread,
-outputs leave through per-request callbacks, aborts take effect before the next step."""
+"""`AsyncEngine`: an `LLMEngine` on threads of its own, for the server. Requests arrive from any
+thread, outputs leave through per-request callbacks, aborts take effect before the next step.
+
+Two threads: the engine thread runs the core's steps (schedule -> run -> update: token ids only)
+and hands each step's outputs to the output thread, which makes them text (detokenizing, stop
+strings, logprob texts: output_processor.py) and calls the callbacks while the next step runs. A
+stop string ends its sequence there at once; the engine thread is told, and finishes it in the
+scheduler before the step after next at the latest: it never starts a step while the outputs of
+more than one step are still being made text. So the engine thread never detokenizes, and a
+sequence a stop string ended costs at most one step more.
+"""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
 from typing import Callable, Optional, Union
 
 from backend.core.config import EngineConfig
-from backend.engine.llm_engine import LLMEngine, Prompt
 from backend.core.errors import EngineDeadError
 from backend.core.lora import LoRALike
-from backend.core.outputs import RequestOutput
-from backend.core.request import Request, RequestStatus, SamplingParams
+from backend.core.outputs import CoreOutput, RequestOutput
+from backend.core.sampling_params import SamplingParams
+from backend.core.request import Request, RequestStatus
+from backend.engine.llm_engine import LLMEngine, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -21,18 +32,22 @@ OutputCallback = Callable[[RequestOutput], None]
 
 
 class AsyncEngine:
-    """LLMEngine on its own thread. add_request validates in the caller's thread (raising
-    ValueError or QueueFullError) and queues; the loop admits, steps and calls back."""
+    """LLMEngine on its own threads. add_request validates in the caller's thread (raising
+    ValueError or QueueFullError) and queues; the engine thread admits and steps; the output
+    thread makes text and calls back."""
 
     def __init__(self, config: EngineConfig):
         self._lock = threading.Condition()
-        self._new: deque[tuple[Request, OutputCallback]] = deque()
+        self._new: deque[Request] = deque()
         self._aborts: deque[str] = deque()
+        self._stops: deque[tuple[str, int]] = deque()  # sequences a stop string ended (output thread)
         self._callbacks: dict[str, OutputCallback] = {}
         self._open: dict[str, int] = {}
         self._stopped = False
         self._broken: Optional[str] = None  # why the loop stopped after a fault it could not recover from
         self._lost: Optional[str] = None  # a tensor-parallel rank died (reported from its watch thread)
+        self._delivery: queue.Queue = queue.Queue()  # the engine thread's outputs, for the output thread
+        self._posted = self._processed = 0  # steps' outputs handed to the output thread, and made text
         # The engine is built on its own thread, the one that runs every step: torch keeps an OpenMP
         # thread pool per calling thread, and a model loaded on one thread and stepped on another
         # leaves two pools contending for the cores (each step took about 2x as long on 2 cores).
@@ -40,12 +55,13 @@ class AsyncEngine:
         self._stats: dict[str, Union[int, float]]  # a consistent snapshot, taken between steps
         self._build_error: Optional[BaseException] = None
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(config, ready),
-                                        name="inflight-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(config, ready), name="inflight-engine", daemon=True)
+        self._output_thread = threading.Thread(target=self._output_loop, name="inflight-output", daemon=True)
         self._thread.start()
         ready.wait()
         if self._build_error is not None:
             raise self._build_error
+        self._output_thread.start()
 
     tokenizer = property(lambda self: self.engine.tokenizer)
     vocab_size = property(lambda self: self.engine.vocab_size)
@@ -69,7 +85,8 @@ class AsyncEngine:
             self.engine.check_queue(len(self._new))
             self._callbacks[request_id] = on_output
             self._open[request_id] = params.n  # completions still to finish
-            self._new.append((request, on_output))
+            self.engine.outputs.add(request)  # before the engine can output for it
+            self._new.append(request)
             self._lock.notify()
 
     def abort(self, request_id: str) -> bool:
@@ -87,16 +104,18 @@ class AsyncEngine:
         return self._broken
 
     def stats(self) -> dict[str, Union[int, float]]:
-        """The engine's figures as of the end of its last step (never half-way through one)."""
-        return self._stats
+        """The engine's figures as of the end of its last step (never half-way through one), and
+        the tokens delivered so far."""
+        return {**self._stats, "generation_tokens_total": self.engine.outputs.generation_tokens_total}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._stopped = True
             self._lock.notify()
         self._thread.join(timeout)
+        self._output_thread.join(timeout)
 
-    # -- the loop -------------------------------------------------------------------------------
+    # -- the engine thread ------------------------------------------------------------------------
     def _run(self, config: EngineConfig, ready: threading.Event) -> None:
         try:
             self.engine = LLMEngine(config)
@@ -114,6 +133,7 @@ class AsyncEngine:
             self._loop()
         finally:
             self.engine.close()
+            self._delivery.put(None)  # the output thread ends once it has delivered everything
 
     def _wake(self) -> None:
         with self._lock:
@@ -128,19 +148,24 @@ class AsyncEngine:
         while True:
             with self._lock:
                 # A request whose grammar still compiles is no work yet: its compile's end wakes us.
-                while (not self._stopped and not self._new and not self._aborts
+                while (not self._stopped and not self._new and not self._aborts and not self._stops
                        and not self.engine.has_runnable_work() and self._lost is None):
+                    self._lock.wait()
+                # at most one step's outputs still being made text: a stop string they hold is known
+                # before the step after next
+                while self._processed < self._posted - 1 and not self._stopped and self._lost is None:
                     self._lock.wait()
                 if self._stopped:
                     break
                 lost = self._lost
                 new, self._new = list(self._new), deque()
                 aborts, self._aborts = list(self._aborts), deque()
+                stops, self._stops = list(self._stops), deque()
             if lost is not None:  # no step can run any more: answer everyone, refuse new requests
                 self._die(lost)
                 return
             try:
-                outputs = self._iterate(new, aborts)
+                outputs = self._iterate(new, aborts, stops)
             except Exception as exc:  # the state is unsound: answer everyone, refuse new requests
                 log.exception("the engine cannot recover; every request is failed")
                 self._die(f"{type(exc).__name__}: {exc}")
@@ -148,15 +173,17 @@ class AsyncEngine:
             self._stats = self.engine.stats()
             if self.engine.idle and not outputs and self.engine.scheduler.has_work:
                 time.sleep(0.001)  # a batching gate is holding requests back; poll gently
-            self._deliver(outputs)
+            if outputs:
+                self._posted += 1
+                self._delivery.put(outputs)
         self._drain()
 
-    def _iterate(self, new: list[tuple[Request, OutputCallback]], aborts: list[str]) -> list[RequestOutput]:
-        """One turn of the loop. A failed model run is handled inside step() (its requests fail); any
-        other exception in a step fails the running batch here, and the loop carries on as long as
-        the block and queue state checks out afterwards."""
-        outputs = []
-        for request, _ in new:
+    def _iterate(self, new: list[Request], aborts: list[str], stops: list[tuple[str, int]]) -> list[CoreOutput]:
+        """One turn of the loop. A failed model run is handled inside the step (its requests fail);
+        any other exception in a step fails the running batch here, and the loop carries on as long
+        as the block and queue state checks out afterwards."""
+        outputs = self.engine.stop(stops) if stops else []
+        for request in new:
             try:
                 self.engine.add(request)
             except Exception as exc:
@@ -165,11 +192,11 @@ class AsyncEngine:
                 request.status = RequestStatus.FINISHED_ERROR
                 with self._lock:
                     self._open[request.request_id] = 1  # this one output ends it
-                outputs.append(self.engine.outputs.closing(request))
+                outputs.append(self.engine.final_output(request))
         for rid in aborts:
-            outputs += self.engine.abort(rid)
+            outputs += self.engine.core_abort(rid)
         try:
-            outputs += self.engine.step()
+            outputs += self.engine.core_step()
         except Exception as exc:
             log.exception("engine step failed; failing the running requests")
             outputs += self.engine.fail_running(f"engine step failed: {exc!r}")
@@ -182,43 +209,65 @@ class AsyncEngine:
             callbacks, self._callbacks = dict(self._callbacks), {}
             self._open.clear()
             self._new.clear()
-        for request_id, callback in callbacks.items():
-            try:
-                callback(RequestOutput(request_id, [], [], [], "", "", True, "error",
-                                       f"the engine failed: {reason}"))
-            except Exception:
-                log.exception("output callback for %s failed", request_id)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            callback = self._callbacks.get(output.request_id)
-            if output.finished:
-                with self._lock:  # the request ends with its last completion (a refusal ends them all)
-                    left = 0 if output.error_kind else self._open.get(output.request_id, 1) - 1
-                    if left > 0:
-                        self._open[output.request_id] = left
-                    else:
-                        self._open.pop(output.request_id, None)
-                        self._callbacks.pop(output.request_id, None)
-            if callback is None:
-                continue
-            try:
-                callback(output)
-            except Exception:  # a broken client must not take the loop down
-                log.exception("output callback for %s failed; aborting it", output.request_id)
-                if not output.finished:
-                    self.abort(output.request_id)
+        self._delivery.put(("die", callbacks, reason))
 
     def _drain(self) -> None:
         """On shutdown every request still known gets a final 'abort' output."""
         with self._lock:
             new = list(self._new)
             self._new.clear()
-        for request, _ in new:
+        for request in new:
             self.engine.add(request)
         outputs = []
         held = [r.request_id for r in self.engine.waitlist] + [r.request_id for r in self.engine.scheduler.iter_requests()]
         for request_id in dict.fromkeys(held):  # compiling ones included
-            outputs += self.engine.abort(request_id)
+            outputs += self.engine.core_abort(request_id)
         self._stats = self.engine.stats()
-        self._deliver(outputs)
+        if outputs:
+            self._delivery.put(outputs)
+
+    # -- the output thread ------------------------------------------------------------------------
+    def _output_loop(self) -> None:
+        while True:
+            item = self._delivery.get()
+            if item is None:
+                return
+            if isinstance(item, tuple):  # the engine died
+                _, callbacks, reason = item
+                for request_id, callback in callbacks.items():
+                    self._call(callback, RequestOutput(request_id, [], [], [], "", "", True, "error",
+                                                       f"the engine failed: {reason}"))
+                continue
+            try:
+                results, stopped = self.engine.outputs.process(item)
+            except Exception:
+                log.exception("making outputs failed")
+                results, stopped = [], []
+            with self._lock:
+                self._stops.extend(stopped)
+                self._processed += 1
+                self._lock.notify()
+            self._deliver(results)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            with self._lock:
+                callback = self._callbacks.get(output.request_id)
+                if output.finished:  # the request ends with its last completion (a refusal ends them all)
+                    left = 0 if output.error_kind else self._open.get(output.request_id, 1) - 1
+                    if left > 0:
+                        self._open[output.request_id] = left
+                    else:
+                        self._open.pop(output.request_id, None)
+                        self._callbacks.pop(output.request_id, None)
+            if callback is not None and not self._call(callback, output) and not output.finished:
+                self.abort(output.request_id)
+
+    @staticmethod
+    def _call(callback: OutputCallback, output: RequestOutput) -> bool:
+        try:
+            callback(output)
+            return True
+        except Exception:  # a broken client must not take the loop down
+            log.exception("output callback for %s failed; aborting it", output.request_id)
+            return False

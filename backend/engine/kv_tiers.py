@@ -1,8 +1,10 @@
-"""The KV tiers of one engine: built from its config, and written down to disk when it closes.
+"""The KV tiers of one engine: built from its config over the worker's copier, and written down to
+disk when it closes.
 
-`attach_kv_tiers` returns what the engine calls (`move` each step, `figures`, `close`): the
-tiers, or `NoKVTiers` when kv_host_cache_bytes is 0. The block manager's listener hook and the
-admission (which also polls them as each step is scheduled) get the tiers themselves.
+`make_kv_tiers` returns the tiers, or `NoKVTiers` when kv_host_cache_bytes is 0. The engine gives
+their `listener` (the tiers themselves, or None) to the KV-cache groups as a BlockListener and to the
+scheduler, which polls them as each step is scheduled, claims prefixes for admission and puts each
+step's copies in its plan; `figures` and `close` are the engine's.
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Union
 
-from backend.kv.groups import KVCacheGroups
 from backend.core.config import EngineConfig
 from backend.kv.tiers.disk import DiskStore
 from backend.kv.tiers.fingerprint import model_fingerprint
@@ -26,9 +27,7 @@ PERSIST_SECONDS = 8.0
 class NoKVTiers:
     """The tiers when they are off: every call does nothing."""
     idle = True
-
-    def move(self, idle: bool = False) -> None:
-        pass
+    listener = None
 
     def figures(self) -> dict:
         return {}
@@ -40,6 +39,10 @@ class NoKVTiers:
 class EngineKVTiers(KVTiers):
     """The tiers as the engine holds them: their stats under one key, and a close that first writes
     the device's cached blocks down (`persist_kv_tiers`) so that a restarted engine finds them."""
+
+    @property
+    def listener(self) -> "EngineKVTiers":
+        return self
 
     def figures(self) -> dict:
         return {"kv_tiers": self.stats()}
@@ -56,9 +59,8 @@ class EngineKVTiers(KVTiers):
             super().close()
 
 
-def attach_kv_tiers(config: EngineConfig, blocks: KVCacheGroups, runner, admission) -> Union[EngineKVTiers, NoKVTiers]:
-    """The host pool (the runner's copier), the disk store and the bookkeeping, listening to
-    `blocks`, consulted by `admission`."""
+def make_kv_tiers(config: EngineConfig, runner) -> Union[EngineKVTiers, NoKVTiers]:
+    """The host pool (the runner's copier), the disk store and the bookkeeping."""
     if not config.kv_host_cache_bytes:
         return NoKVTiers()
     groups = runner.kv_layout.num_groups  # (the tiers follow one group's blocks; a window's come and go with it)
@@ -82,8 +84,6 @@ def attach_kv_tiers(config: EngineConfig, blocks: KVCacheGroups, runner, admissi
                              f"file ({disk.file_bytes} bytes)")
     tiers = EngineKVTiers(copier, config.kv_block_size, disk, capacity)
     tiers.loads_at_once = not runner.env.is_cuda
-    blocks.listeners.append(tiers)
-    admission.tiers = tiers
     log.info("KV tiers: host %d blocks (%.1f MiB%s)%s", copier.num_slots, copier.num_slots * copier.block_bytes / 2**20,
              ", pinned" if runner.env.is_cuda else "",
              f"; disk {capacity} blocks in {disk.folder} ({len(tiers.disk_index)} there already)" if disk else "")
@@ -106,7 +106,7 @@ def persist_kv_tiers(tiers: KVTiers, seconds: float = PERSIST_SECONDS) -> int:
             break
         batch = todo[i:i + step]
         tiers.blocks_removed([b for b, _ in batch], [k for _, k in batch])  # staged through host slots
-        tiers.move()
+        _copy_now(tiers)
         while tiers.copies_in_flight and time.monotonic() < deadline:
             tiers.poll()
         queued += len(batch)
@@ -116,3 +116,14 @@ def persist_kv_tiers(tiers: KVTiers, seconds: float = PERSIST_SECONDS) -> int:
     tiers.poll()
     log.info("KV tiers: %d blocks queued for %s at shutdown", queued, tiers.disk.folder)
     return queued
+
+
+def _copy_now(tiers: KVTiers) -> None:
+    """The tiers' next plan of copies, made at once by their copier (at close no step runs them)."""
+    plan = tiers.take_plan()
+    try:
+        handle = tiers.copier.execute(plan) if plan else None
+    except BaseException:
+        tiers.abandon()
+        raise
+    tiers.issued(handle)

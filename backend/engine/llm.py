@@ -9,7 +9,7 @@ from backend.core.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine, Prompt
 from backend.core.outputs import RequestOutput
 from backend.core.lora import LoRALike
-from backend.core.request import SamplingParams
+from backend.core.sampling_params import SamplingParams
 
 
 class LLM:

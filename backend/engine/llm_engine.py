@@ -1,79 +1,53 @@
-"""The engine: one step is schedule -> run -> postprocess -> outputs.
+"""`LLMEngine`: requests in, outputs out. The engine core (core.py: schedule -> run -> update on the
+engine thread) with its front: tokenizing and checking each request before it is queued, and the
+delivery side's text (output_processor.py).
 
-`LLMEngine` is single-threaded and synchronous (the offline `LLM` drives it directly). `AsyncEngine`
-(async_engine.py) runs it on its own thread for the server. Who runs is the scheduler's (backend/sched/);
-the model run is the runner's (runner.py, the only device-facing layer); text, stop strings and logprobs
-are the output processor's, which returns the requests a stop string ended for the scheduler to finish.
+`LLMEngine.step()` is the offline API's: one core step, then its outputs made text on the caller's
+thread, and a sequence a stop string ended finished at once. The server's `AsyncEngine`
+(async_engine.py) runs the core's steps on the engine thread and the text on its output thread.
 """
 from __future__ import annotations
 
 import logging
 import random
-import time
 from typing import Optional, Union
 
-from backend.kv.groups import KVCacheGroups
 from backend.core.config import EngineConfig
 from backend.core.errors import QueueFullError
-from backend.core.input_guard import check_text, derived_max_input_bytes, int32
-from backend.kv.event_publisher import attach_publisher
-from backend.engine.kv_tiers import attach_kv_tiers
-from backend.models.loader import load_model_config
-from backend.engine.loras import EngineLoRAs
+from backend.core.input_guard import check_text, int32
 from backend.core.lora import LoRALike
+from backend.core.outputs import CoreOutput, RequestOutput
+from backend.core.sampling_params import SamplingParams
+from backend.core.request import Request
+from backend.engine.core import EngineCore
 from backend.engine.output_processor import OutputProcessor
-from backend.engine.queue_report import QueueReporter
-from backend.core.outputs import RequestOutput
-from backend.core.request import Request, RequestStatus, SamplingParams
-from backend.worker.runner import ModelRunner
-from backend.sched.factory import make_scheduler
-from backend.speculative.speculator import Speculator
-from backend.engine.structured.compiler import ConstraintCompiler
-from backend.sched.grammar_waitlist import GrammarWaitlist
-from backend.text.tokenizer import Tokenizer
+from backend.engine.wiring import build_core
+from backend.models.loader import load_model_config
+from backend.text.tokenizer import Tokenizer, max_input_bytes
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
 
 
-class LLMEngine:
+class LLMEngine(EngineCore):
     def __init__(self, config: EngineConfig):
         if not config.model_path:
             raise ValueError("model_path is required (a Hugging Face checkpoint directory)")
-        self.config = config
         self.model_config = load_model_config(config.model_path)
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = self._max_model_len(config)
         self.tokenizer = Tokenizer.from_dir(config.model_path)
-        self.max_input_bytes = config.max_input_bytes or derived_max_input_bytes(self.tokenizer, self.max_model_len)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
-        self.blocks = KVCacheGroups(self.runner.num_blocks, config.kv_block_size, self.runner.kv_layout.group_windows,
-                                    enable_prefix_caching=config.enable_kv_cache_reuse,
-                                    max_prefill_tokens=config.max_num_batched_tokens, max_decode_tokens=1 + drafts)
-        self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
-        # speculative decoding (backend/spec/): None when speculative_config is empty
-        self.speculator = Speculator.create(config, self.scheduler, self.vocab_size, self.max_model_len,
-                                            self.runner.num_blocks * config.kv_block_size)
+        self.max_input_bytes = config.max_input_bytes or max_input_bytes(self.tokenizer, self.max_model_len)
+        build_core(self, config, self.model_config, self.max_model_len, self.tokenizer, self._eos_token_ids())
         self.outputs = OutputProcessor(self.tokenizer)
-        self.loras = EngineLoRAs(self.runner.lora, self.scheduler)  # adapters by name (docs/lora.md)
-        self.queue = QueueReporter(self.scheduler)  # where requests that asked stand
-        self.kv_events = attach_publisher(config.kv_events, self.blocks, self.runner.device, self.loras.name_of_salt)
-        self.grammars = ConstraintCompiler(self.tokenizer, self.vocab_size, self._eos_token_ids(),
-                                           timeout=config.structured_outputs_compile_timeout_s)
-        self.waitlist = GrammarWaitlist()  # requests whose constraint compiles (off the request path)
-        self.kv_tiers = attach_kv_tiers(config, self.blocks, self.runner, self.scheduler.admission)  # backend/kv_tiers/
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
-        self.idle = True  # the last step ran nothing (a batching gate is holding requests back)
-        self.prompt_tokens_total = self.generation_tokens_total = 0
 
-    def _max_model_len(self) -> int:
+    def _max_model_len(self, config: EngineConfig) -> int:
         limit = self.model_config.max_position_embeddings  # (sliding windows: the attention's, per layer)
-        if self.config.max_model_len == 0:
+        if config.max_model_len == 0:
             return limit
-        if self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds what the model "
-                             f"supports ({limit})")
-        return self.config.max_model_len
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds what the model supports ({limit})")
+        return config.max_model_len
 
     @property
     def vocab_size(self) -> int:
@@ -153,142 +127,31 @@ class LLMEngine:
         if limit and len(self.scheduler.waiting) + len(self.waitlist) + pending >= limit:
             raise QueueFullError(f"queue full: {limit} requests are waiting (max_queue_size); retry later")
 
-    def add(self, request: Request) -> None:
-        """Queue a made request and, when it asks for n > 1, its n - 1 sibling completions (the
-        scheduler checks each as it queues it; all share the prompt and params, so the first
-        refusal comes before any is queued). A request whose constraint compiles waits in the
-        waitlist instead, and is queued by the step that finds its grammar ready."""
-        if request.pending_grammar is not None:
-            self.waitlist.add(request, request.pending_grammar)
-            return
-        family = [request] + [Request(request.request_id, request.prompt_token_ids, request.params,
-                                      request.eos_token_ids, request.arrival_time, seed=self._seeds.getrandbits(63),
-                                      priority=request.priority, index=i) for i in range(1, request.params.n)]
-        for seq in family:
-            seq.bad_words_ids = request.bad_words_ids
-            seq.lora_name, seq.cache_salt = request.lora_name, request.cache_salt
-            if seq is not request and request.grammar is not None:
-                seq.grammar = request.grammar.sibling()  # each completion follows the grammar on its own
-            self.scheduler.add(seq)
-            self.outputs.add(seq)
-            self.queue.follow(seq)
-        self.prompt_tokens_total += request.num_prompt_tokens
-
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
                     queue_info: bool = False, lora_request: LoRALike = None) -> Request:
         self.check_queue()
         request = self.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info,
                                     lora_request=lora_request)
+        self.outputs.add(request)
         self.add(request)
         return request
 
+    # -- steps, with their text -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One core step, its outputs made text here; a sequence a stop string ended is finished
+        in the scheduler before this returns."""
+        return self.deliver(self.core_step())
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort every completion of the request; their final outputs (none if it is unknown)."""
-        compiling = self.waitlist.remove(request_id)
-        if compiling is not None:
-            return self._deliver([self._end(compiling, RequestStatus.FINISHED_ABORTED)])
-        return self._deliver([self.outputs.ended(r) for r in self.scheduler.abort(request_id)])
+        return self.deliver(self.core_abort(request_id))
 
-    def has_work(self) -> bool:  # anything unfinished, compiling constraints included
-        return self.scheduler.has_work or len(self.waitlist) > 0
-
-    def has_runnable_work(self) -> bool:
-        """Something a step can do now: a request to schedule, or a compile that has ended."""
-        return self.scheduler.has_work or self.waitlist.has_ready()
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Queue the requests whose grammar is ready; end those whose constraint was refused."""
-        ready, refused = self.waitlist.take_compiled(self.grammars)
-        for request in ready:
-            self.add(request)
-        return [self._end(request, RequestStatus.FINISHED_ERROR) for request in refused]
-
-    def _end(self, request: Request, status: RequestStatus) -> RequestOutput:  # one that never reached the scheduler
-        request.status, request.finished_time = status, time.monotonic()
-        return self.outputs.closing(request)
-
-    # -- one step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        refused = self._admit_compiled() if len(self.waitlist) else []
-        batch = self.scheduler.schedule(time.monotonic())
-        self.kv_tiers.move(idle=batch.is_empty)  # the KV tiers' copies schedule() decided, before the model run
-        self.idle = batch.is_empty
-        if batch.is_empty:
-            return self._deliver(refused)
-        if self.speculator is not None:  # decode rows may become verify rows: drafts from the spare budget
-            self.speculator.propose(batch)
-        try:
-            sampled = self.runner.run(batch)
-        except Exception as exc:  # a failed step fails its own requests, not the engine
-            log.exception("model step failed")
-            return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}", refused)
-        self.scheduler.postprocess(batch, sampled, time.monotonic())
-        outputs, stopped = self.outputs.step_outputs([s.request for s in batch.seqs], sampled)
-        outputs = refused + outputs
-        self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
-        for req in stopped:
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        if self.speculator is not None:
-            self.speculator.after_step(batch, sampled)
-        return self._deliver(outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """What to hand out: the step's outputs with where followed requests stand, held back
-        while a padded batch runs. Every way out of the engine passes here: the draft model's state
-        of the requests that ended (stopped, aborted, failed) is dropped here too."""
-        if self.speculator is not None:
-            self.speculator.release_finished()
-        self.kv_events.end_step()  # the step's changes to the prefix cache, as one batch of KV-cache events
-        return self.scheduler.deliver(self.queue.report(outputs))
-
-    def _fail(self, requests: list[Request], message: str, earlier: list[RequestOutput] = ()) -> list[RequestOutput]:
-        for req in requests:
-            if not req.status.finished:
-                req.error = message
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return self._deliver(list(earlier) + [self.outputs.ended(req) for req in requests])
-
-    def fail_running(self, message: str) -> list[RequestOutput]:
-        """After an unexpected exception in a step outside the model run (in scheduling or
-        postprocessing): fail the requests of the batch (those holding blocks), keep the waiting
-        ones, and check that the block and queue state is still sound (raises if it is not)."""
-        results = []
-        for req in self.scheduler.holders():
-            req.error = message
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            results.append(self.outputs.closing(req))
-        self.check_integrity()
-        return self._deliver(results)
+    def deliver(self, outputs: list[CoreOutput]) -> list[RequestOutput]:
+        """The core's outputs as the callers see them (the delivery side, on this thread)."""
+        results, stopped = self.outputs.process(outputs)
+        if stopped:
+            self.outputs.process(self.stop(stopped))  # the engine's final outputs of them: nothing new
+        return results
 
     def stats(self) -> dict[str, Union[int, float]]:
-        b = self.blocks
-        return {
-            # members of a padded batch that finished still hold their slot until the batch ends
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": len(self.scheduler.waiting) + len(self.waitlist),
-            "num_requests_compiling": len(self.waitlist),  # of the waiting: their constraint compiles
-            "kv_blocks_total": b.num_blocks,
-            "kv_blocks_used": b.num_used_blocks,
-            "kv_blocks_free": b.num_free_blocks,
-            "kv_cache_usage_ratio": b.num_used_blocks / b.num_blocks,
-            "kv_blocks_reserved": self.scheduler.policy.reserved_blocks(),  # a tally, kept as requests start and end
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_backfilled": self.scheduler.num_backfilled,
-            "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-            "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
-            **(self.speculator.stats() if self.speculator else {}), **self.runner.moe_stats(), **self.kv_tiers.figures(),
-        }
-
-    def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
-        for r in self.waitlist:
-            assert self.blocks.num_blocks_of(r.seq_id) == 0, f"{r.seq_id} holds blocks while its grammar compiles"
-        if self.speculator is not None:
-            self.speculator.check_integrity()
-
-    def close(self) -> None:
-        """Release what outlives the object: the tensor-parallel ranks, the KV-event publisher, the KV tiers."""
-        for part in (self.kv_events, self.kv_tiers, self.runner):
-            part.close()
+        return {**super().stats(), "generation_tokens_total": self.outputs.generation_tokens_total}

@@ -1,130 +1,151 @@
-"""From sampled tokens to what callers see (vLLM's OutputProcessor pattern): incremental
-detokenizing, stop strings, logprobs, and the building of every `RequestOutput`. The engine's step
-ends by handing its results here; what the processor finds (a stop string that completed) it
-returns to the engine, which finishes those requests in the scheduler."""
+"""From the engine thread's tokens to what callers see (vLLM's OutputProcessor, on the delivery side):
+incremental detokenizing, stop strings, logprob texts, and the building of every `RequestOutput`.
+
+The engine core steps on its own thread and hands out `CoreOutput`s (token ids and numbers, no text,
+backend/core/outputs.py); this turns them into `RequestOutput`s wherever they are delivered: on the
+caller's thread for `LLMEngine.step()` (the offline API), on the server's output thread for
+`AsyncEngine`, so the engine thread never detokenizes. A stop string that completes ends the
+sequence here at once (its output says `stop`, the tokens after it are dropped) and `process`
+returns it, for the engine to finish in the scheduler at its next step; outputs the engine made for
+it meanwhile are dropped here.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
-from backend.core.outputs import Logprob, RequestOutput, StopStringMatcher, TokenLogprobs
-from backend.core.request import Request, RequestStatus
+from backend.core.outputs import CoreOutput, Logprob, RequestOutput, StopStringMatcher, TokenLogprobs
+from backend.core.sampling_params import SamplingParams
+from backend.core.request import Request
 from backend.text.detokenizer import IncrementalDetokenizer
 from backend.text.tokenizer import Tokenizer
 
+StopMessage = tuple[str, int]  # (request id, completion index): a stop string ended it
 
-class _State:
-    """One sequence's text state; `seen`: its output tokens handled so far."""
-    __slots__ = ("detok", "stops", "seen")
 
-    def __init__(self, detok: Optional[IncrementalDetokenizer], stops: StopStringMatcher):
-        self.detok, self.stops, self.seen = detok, stops, 0
+@dataclass
+class _Request:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    open: int  # completions whose final output has not come
+
+
+class _Text:
+    """One sequence's delivered text: its tokens, detokenizer, stop strings and logprobs so far."""
+    __slots__ = ("detok", "stops", "token_ids", "logprobs", "cumulative", "done")
+
+    def __init__(self, detok: Optional[IncrementalDetokenizer], stops: StopStringMatcher, logprobs: bool):
+        self.detok, self.stops = detok, stops
+        self.token_ids: list[int] = []
+        self.logprobs: Optional[list[TokenLogprobs]] = [] if logprobs else None
+        self.cumulative: Optional[float] = 0.0 if logprobs else None
+        self.done = False  # its final output was made (a stop string may end it before the engine knows)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Optional[Tokenizer]):
         self.tokenizer = tokenizer
-        self._states: dict[str, _State] = {}
+        self._requests: dict[str, _Request] = {}
+        self._texts: dict[tuple[str, int], _Text] = {}
+        self.generation_tokens_total = 0  # tokens delivered (after stop strings)
 
-    def add(self, req: Request) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) if self.tokenizer else None
-        self._states[req.seq_id] = _State(detok, StopStringMatcher(req.params.stop))
+    def add(self, request: Request) -> None:
+        """Follow a request (every completion of it) before the engine may output for it."""
+        self._requests[request.request_id] = _Request(request.prompt_token_ids, request.params, request.params.n)
 
-    # -- after a step ---------------------------------------------------------------------------
-    def step_outputs(self, requests: list[Request], sampled: dict) -> tuple[list[RequestOutput], list[Request]]:
-        """Outputs for the requests that sampled a token this step (`sampled`: seq_id -> Sampled),
-        and the requests a stop string ended (the caller finishes them as FINISHED_STOPPED; their
-        outputs already say so)."""
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[StopMessage]]:
+        """The callers' outputs of the engine's, and the sequences a stop string ended."""
         results, stopped = [], []
-        for req in requests:
-            s = sampled.get(req.seq_id)
-            if s is not None:
-                # a verify row's tokens (its accepted drafts, then the last), as many as the
-                # scheduler recorded: an EOS or a length limit may have ended it before the last
-                tokens = s.tokens[:len(req.output_token_ids) - self._states[req.seq_id].seen]
-                output, stop = self._output(req, [t.token for t in tokens],
-                                            [self._logprobs(t) for t in tokens] if s.logprob is not None else None)
-                results.append(output)
-                if stop:
-                    stopped.append(req)
+        for o in outputs:
+            key = (o.request_id, o.index)
+            req = self._requests.get(o.request_id)
+            text = self._texts.get(key)
+            if text is None:
+                if req is None:  # never followed (a refusal at the door): its output as it is
+                    results.append(RequestOutput(o.request_id, [], [], [], "", "", o.finished, o.finish_reason,
+                                                 o.error, index=o.index, error_kind=o.error_kind))
+                    continue
+                text = self._texts[key] = self._new_text(req)
+            if text.done:  # ended by a stop string: the engine's outputs since then are dropped
+                self._forget(key, o)
+                continue
+            result, stop = self._output(o, req, text)
+            results.append(result)
+            if stop and not o.finished:
+                stopped.append(key)
+            self._forget(key, o)
         return results, stopped
 
-    def _logprobs(self, s) -> TokenLogprobs:
-        entries = {tok: Logprob(lp, rank + 1, self._piece(tok)) for rank, (tok, lp) in enumerate(s.top)}
-        entries[s.token] = Logprob(s.logprob, s.rank, self._piece(s.token))
+    def _new_text(self, req: _Request) -> _Text:
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) if self.tokenizer else None
+        return _Text(detok, StopStringMatcher(req.params.stop), req.params.logprobs is not None)
+
+    def _forget(self, key: tuple[str, int], o: CoreOutput) -> None:
+        """The engine's final output of a sequence: nothing more comes for it."""
+        if not o.finished:
+            return
+        self._texts.pop(key, None)
+        req = self._requests.get(o.request_id)
+        if req is not None:
+            req.open -= 1
+            if req.open <= 0 or o.error_kind:  # (a refusal ends every completion at once)
+                del self._requests[o.request_id]
+
+    def _output(self, o: CoreOutput, req: _Request, text: _Text) -> tuple[RequestOutput, bool]:
+        """Detokenize the new tokens, apply stop strings, and package what the caller sees; True
+        when a stop string ended the sequence here."""
+        new_ids = list(o.new_token_ids)
+        new_logprobs = [self._logprobs(t, lp) for t, lp in zip(new_ids, o.new_logprobs)] if o.new_logprobs else None
+        min_tokens = req.params.min_tokens
+        before = len(text.token_ids)
+        stop = False
+        if text.detok is not None:
+            # vLLM v1: the EOS or stop token that ended a request is in its token ids, not its text
+            text_ids = new_ids[:-1] if new_ids and o.stop_token_id is not None else new_ids
+            if len(new_ids) > 1 and text.stops.stops:
+                # several tokens at once (a verify row's, a padded batch's): each is checked as if it
+                # came alone; one that completes a stop string ends the output there
+                for i, token in enumerate(text_ids):
+                    if text.stops.feed(text.detok.add([token]), check=before + i + 1 > min_tokens):
+                        new_ids = new_ids[:i + 1]
+                        new_logprobs = new_logprobs[:i + 1] if new_logprobs else new_logprobs
+                        stop = True
+                        break
+                if not stop and o.finished:
+                    stop = text.stops.feed(text.detok.flush(), check=before + len(new_ids) > min_tokens)
+            else:
+                delta = text.detok.add(text_ids) if text_ids else ""
+                if o.finished:
+                    delta += text.detok.flush()
+                # vLLM checks stop strings only once more than min_tokens tokens were generated
+                stop = text.stops.feed(delta, check=before + len(new_ids) > min_tokens)
+        finish = o.finish_reason
+        if stop and finish in (None, "length", "stop"):
+            finish = "stop"  # also when it completed on the last allowed token
+        else:
+            stop = False
+        text.token_ids += new_ids
+        self.generation_tokens_total += len(new_ids)
+        if new_logprobs:
+            text.logprobs.extend(new_logprobs)
+            text.cumulative += sum(lp[t].logprob for lp, t in zip(new_logprobs, new_ids))
+        finished = finish is not None
+        text.done = finished
+        new_text = text.stops.emit(final=finished)
+        return RequestOutput(o.request_id, req.prompt_token_ids, new_ids, list(text.token_ids), new_text,
+                             text.stops.emitted, finished, finish, o.error, index=o.index,
+                             new_logprobs=new_logprobs, logprobs=text.logprobs, cumulative_logprob=text.cumulative,
+                             queue_seconds=o.queue_seconds, queue=o.queue, num_cached_tokens=o.num_cached_tokens,
+                             error_kind=o.error_kind), stop
+
+    def _logprobs(self, token: int, raw: tuple[float, int, list]) -> TokenLogprobs:
+        logprob, rank, top = raw
+        entries = {tok: Logprob(lp, r + 1, self._piece(tok)) for r, (tok, lp) in enumerate(top)}
+        entries[token] = Logprob(logprob, rank, self._piece(token))
         return entries
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else ""
 
-    def _output(self, req: Request, new_ids: list[int],
-                new_logprobs: Optional[list[TokenLogprobs]] = None) -> tuple[RequestOutput, bool]:
-        """Detokenize new tokens, apply stop strings, and package what the caller sees; True when a
-        stop string ended the request here."""
-        state = self._states[req.seq_id]
-        if len(new_ids) > 1 and state.detok is not None and state.stops.stops:
-            stop, new_ids, new_logprobs = self._stop_within(req, state, new_ids, new_logprobs)
-        else:
-            delta = ""
-            if state.detok is not None:
-                # vLLM v1: the EOS or stop token that ended a request is in its token ids, not its text
-                text_ids = new_ids[:-1] if new_ids and req.stop_token_id is not None else new_ids
-                delta = state.detok.add(text_ids) if text_ids else ""
-                if req.status.finished:
-                    delta += state.detok.flush()
-            # vLLM checks stop strings only once more than min_tokens tokens were generated
-            stop = state.stops.feed(delta, check=len(req.output_token_ids) > req.params.min_tokens)
-        state.seen = len(req.output_token_ids)
-        status = req.status
-        if stop and (not status.finished or status is RequestStatus.FINISHED_LENGTH):
-            status = RequestStatus.FINISHED_STOPPED  # also when it completed on the last allowed token
-        else:
-            stop = False
-        if new_logprobs:
-            req.logprobs.extend(new_logprobs)
-            req.cumulative_logprob += sum(lp[t].logprob for lp, t in zip(new_logprobs, new_ids))
-        if status.finished:
-            del self._states[req.seq_id]
-        new_text = state.stops.emit(final=status.finished)
-        queued = None
-        if len(req.output_token_ids) == len(new_ids) and new_ids and req.admitted_time is not None:
-            queued = max(0.0, req.admitted_time - req.arrival_time)  # its first token: report the wait once
-        return RequestOutput(req.request_id, req.prompt_token_ids, new_ids, list(req.output_token_ids),
-                             new_text, state.stops.emitted, status.finished,
-                             status.value if status.finished else None, req.error,
-                             index=req.index, new_logprobs=new_logprobs,
-                             logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
-                             queue_seconds=queued, num_cached_tokens=req.num_cached_tokens), stop
-
-    def _stop_within(self, req: Request, state: _State, new_ids: list[int],
-                     new_logprobs: Optional[list[TokenLogprobs]]) -> tuple[bool, list[int], Optional[list]]:
-        """Several tokens of one step (a verify row's): each is detokenized and checked for stop
-        strings as if it came alone, and a stop string that completes before the last ends the
-        output there: the tokens after it are dropped from the request (which the engine then
-        finishes), so speculation never returns more than one-by-one decoding would."""
-        before = len(req.output_token_ids) - len(new_ids)
-        text_ids = new_ids[:-1] if req.stop_token_id is not None else new_ids
-        for i, token in enumerate(text_ids):
-            if state.stops.feed(state.detok.add([token]), check=before + i + 1 > req.params.min_tokens):
-                if i + 1 < len(new_ids):
-                    del req.output_token_ids[before + i + 1:]
-                    req.stop_token_id = None  # the EOS after it (if any) is dropped with the rest
-                return True, new_ids[:i + 1], new_logprobs[:i + 1] if new_logprobs else new_logprobs
-        if req.status.finished:
-            state.stops.feed(state.detok.flush(), check=len(req.output_token_ids) > req.params.min_tokens)
-        return state.stops.stopped, new_ids, new_logprobs
-
-    # -- requests that end outside a step --------------------------------------------------------
-    def ended(self, req: Request) -> RequestOutput:
-        """The final output of a request that was aborted or failed (already finished by the
-        scheduler)."""
-        if req.seq_id not in self._states:  # it had finished (and waited for its padded batch to end)
-            return self.closing(req)
-        return self._output(req, [])[0]
-
-    def closing(self, req: Request) -> RequestOutput:
-        """The final output of a finished request, whatever state its detokenizer is in."""
-        self._states.pop(req.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt_token_ids, [], list(req.output_token_ids), "", "",
-                             True, req.finish_reason, req.error, index=req.index,
-                             logprobs=req.logprobs, cumulative_logprob=req.cumulative_logprob,
-                             num_cached_tokens=req.num_cached_tokens, error_kind=req.error_kind)
+    def __len__(self) -> int:
+        return len(self._texts)

@@ -63,10 +63,6 @@ class BlockManager(PoolCounts, PrefixCache):
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 
-    def attach_tables(self, seq) -> None:
-        """Give a ScheduledSeq its table for the runner."""
-        seq.block_table, seq.group_tables = self.block_table(seq.request.seq_id), ()
-
     def table_tokens(self, seq_id: str) -> int:
         """The positions seq_id's table reaches (given-back entries included)."""
         return len(self._tables.get(seq_id, ())) * self.block_size

@@ -85,6 +85,18 @@ class KVEventPublisher:
             log.warning("KV events: the publisher is %d batches behind; a batch was dropped (%d so far), "
                         "subscribers will be told to clear this engine's blocks", self._queue.qsize(), self.num_dropped)
 
+    @property
+    def listener(self) -> KVEventCollector:
+        """The BlockListener the KV-cache groups are made with (their first group's)."""
+        return self.collector
+
+    def started(self, blocks) -> None:
+        """The cache it listens to exists: the first batch is AllBlocksCleared (the cache is empty,
+        and a subscriber that kept blocks of an earlier process on this topic, a restarted pod keeps
+        its name, drops them)."""
+        blocks.reset_prefix_cache()
+        self.end_step()
+
     def end_step(self) -> None:
         """The engine's step ended: its records go out as one batch."""
         self.collector.end_step()
@@ -158,6 +170,10 @@ class KVEventPublisher:
 
 class NoPublisher:
     """kv_events_config off: the engine's calls cost a no-op, and the block manager has no listener."""
+    listener = None
+
+    def started(self, blocks) -> None:
+        pass
 
     def end_step(self) -> None:
         pass
@@ -166,16 +182,11 @@ class NoPublisher:
         pass
 
 
-def attach_publisher(config: Optional[KVEventsConfig], blocks: BlockManager, device: Any,
-                     lora_name_of: Callable[[bytes], Optional[str]]) -> "KVEventPublisher | NoPublisher":
-    """Start publishing `blocks`' prefix cache (a NoPublisher when kv_events_config does not
-    publish). The first batch is AllBlocksCleared: the cache is empty, and a subscriber that kept
-    blocks of an earlier process on this topic (a restarted pod keeps its name) drops them."""
+def make_publisher(config: Optional[KVEventsConfig], block_size: int, num_blocks: int, device: Any,
+                   lora_name_of: Callable[[bytes], Optional[str]]) -> "KVEventPublisher | NoPublisher":
+    """The publisher of a cache of `num_blocks` blocks (a NoPublisher when kv_events_config does not
+    publish); its `listener` is given to the KV-cache groups as they are made, then `started`."""
     if config is None or not config.publishes:
         return NoPublisher()
     medium = "GPU" if getattr(device, "type", str(device)) == "cuda" else "CPU"
-    publisher = KVEventPublisher(config, blocks.block_size, blocks.num_blocks, medium, lora_name_of)
-    blocks.listeners.append(publisher.collector)
-    blocks.reset_prefix_cache()
-    publisher.end_step()
-    return publisher
+    return KVEventPublisher(config, block_size, num_blocks, medium, lora_name_of)

@@ -62,19 +62,21 @@ def kv_layout(layer_windows: Sequence[int], num_layers: int) -> KVLayout:
 class KVCacheGroups(PoolCounts):
     def __init__(self, num_blocks: int, block_size: int, group_windows: Sequence[int] = (0,),
                  enable_prefix_caching: bool = False, max_prefill_tokens: Optional[int] = None,
-                 max_decode_tokens: int = 1):
+                 max_decode_tokens: int = 1, listeners: Sequence = ()):
         """`max_prefill_tokens`: the most tokens a prefill step computes for one sequence
         (max_num_batched_tokens; None: unbounded); `max_decode_tokens`: a decode step's (1 +
-        speculative drafts)."""
+        speculative drafts); `listeners`: BlockListeners of the first group's prefix cache (the KV
+        tiers, the KV-event collector)."""
         self.pool = BlockPool(num_blocks)
         self.groups = [BlockManager(num_blocks, block_size, enable_prefix_caching, window, self.pool,
                                     max_prefill_tokens, max_decode_tokens) for window in group_windows]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # KV-cache events (backend/kv/events.py) describe the first group: a model's global layers,
-        # whose blocks say where a prefix lives (a local group's come and go with the window)
+        # KV-cache events (backend/kv/events.py) and the KV tiers follow the first group: a model's
+        # global layers, whose blocks say where a prefix lives (a local group's come and go with the window)
         self.listeners = self.groups[0].listeners
+        self.listeners.extend(listeners)
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -93,10 +95,6 @@ class KVCacheGroups(PoolCounts):
     def block_tables(self, seq_id: str) -> list[list[int]]:
         return [g.block_table(seq_id) for g in self.groups]
 
-    def attach_tables(self, seq) -> None:
-        """Give a ScheduledSeq its tables for the runner: `block_table` and `group_tables`."""
-        seq.block_table, *rest = self.block_tables(seq.request.seq_id)
-        seq.group_tables = tuple(rest)
 
     def num_blocks_of(self, seq_id: str) -> int:
         return sum(g.num_blocks_of(seq_id) for g in self.groups)

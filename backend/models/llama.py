@@ -131,21 +131,20 @@ class LlamaForCausalLM(nn.Module):
         # The activations' dtype when it is not the weights' (CPU: float32 beside bf16 or packed
         # weights, backend/models/weights.py); None: the embedding's.
         self.compute_dtype: torch.dtype | None = None
-        # The CPU engine's decode steps through one C call for all layers, where the runner found
-        # it applies (backend/worker/native_decode.py): (x, positions, ctx, rope) -> the normed hidden states.
-        self.decode_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                rope: RopeTables) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+                rope: RopeTables, decode_stack=None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. `decode_stack`: the layers as one call,
+        (x, positions, ctx, rope) -> the normed hidden states, which the worker passes for a decode
+        step when it chose the CPU's C stack (backend/worker/fast_paths.py)."""
         x = self.embed_tokens(input_ids)
         if self.cfg.embedding_scale != 1.0:
             # as HF's Gemma: sqrt(hidden) rounded to the embedding's dtype (25.25 for 640 in bf16)
             x = x * float(torch.tensor(self.cfg.embedding_scale, dtype=x.dtype))
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        if self.decode_stack is not None and ctx.num_decode_tokens == x.shape[0]:
-            return self.decode_stack(x, positions, ctx, rope)  # every layer and the final norm in C
+        if decode_stack is not None:
+            return decode_stack(x, positions, ctx, rope)  # every layer and the final norm in C
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, ctx, rope)

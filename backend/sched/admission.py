@@ -24,7 +24,7 @@ from backend.sched.backfill import Backfill, Window
 from backend.sched.batching import BatchingGate
 from backend.sched.lora_slots import LoRASlots
 from backend.sched.pool import RequestPool
-from backend.core.step import SchedulerOutput
+from backend.sched.batch import SchedulerOutput
 
 
 class Reservation(NamedTuple):
@@ -42,7 +42,7 @@ def chunk(req: Request, budget: int, config: EngineConfig) -> int:
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, pool: RequestPool, gate: BatchingGate):
+    def __init__(self, config: EngineConfig, pool: RequestPool, gate: BatchingGate, tiers=None):
         self.config = config
         self.pool = pool
         self.blocks = pool.blocks
@@ -55,9 +55,9 @@ class Admission:
         self._reserved_priority = 0
         self.backfill: Optional[Backfill] = None
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None  # lora_slots.py
-        # The KV tiers (backend/kv_tiers/manager.KVTiers), set by the engine when they are on: a
-        # prefix found there comes back into the request's blocks before it runs a row.
-        self.tiers = None
+        # The KV tiers (backend/kv/tiers/manager.KVTiers) when they are on: a prefix found there comes
+        # back into the request's blocks before it runs a row.
+        self.tiers = tiers
         c = config
         if (c.enable_backfill and c.batch_scheduler_policy == "guaranteed_no_evict" and c.batching_mode == "inflight"
                 and Backfill.usable(c.enable_chunked_context, c.max_num_batched_tokens, c.max_num_seqs)):

@@ -9,9 +9,10 @@ from backend.sched.policies import make_policy
 from backend.sched.scheduler import Scheduler
 
 
-def make_scheduler(config: EngineConfig, blocks: KVCacheGroups, max_model_len: int) -> Scheduler:
-    """The in-flight scheduler, or the padded request-level batches (static, dynamic)."""
+def make_scheduler(config: EngineConfig, blocks: KVCacheGroups, max_model_len: int, tiers=None) -> Scheduler:
+    """The in-flight scheduler, or the padded request-level batches (static, dynamic). `tiers`: the
+    KV tiers when they are on (padded batches refuse them: backend/engine/kv_tiers.py)."""
     gate = make_gate(config)
     if gate.pads:
         return PaddedScheduler(config, blocks, max_model_len, gate, make_policy(config.batch_scheduler_policy, blocks))
-    return Scheduler(config, blocks, max_model_len, gate)
+    return Scheduler(config, blocks, max_model_len, gate, tiers=tiers)

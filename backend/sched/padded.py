@@ -20,12 +20,12 @@ import dataclasses
 import time
 from typing import Iterable
 
-from backend.core.outputs import RequestOutput, merge_outputs
+from backend.core.outputs import CoreOutput, merge_core_outputs
 from backend.core.request import Request, RequestStatus, seq_id_of
 from backend.sched.admission import Admission, chunk
 from backend.sched.pool import RequestPool
 from backend.sched.scheduler import Scheduler
-from backend.core.step import ScheduledSeq, SchedulerOutput
+from backend.sched.batch import ScheduledSeq, SchedulerOutput
 
 _ENDS_NORMALLY = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
@@ -52,6 +52,7 @@ class PaddedPool(RequestPool):
                 self.lingering.remove(request)
                 self.policy.released(request)
                 request.status = status
+                self.left.append(request)
             else:
                 super().finish(request, status)
             self.blocks.free(request.seq_id)
@@ -72,6 +73,7 @@ class PaddedPool(RequestPool):
             self.blocks.free(r.seq_id)
             self.pad_pending.pop(r.seq_id, None)
         self.released.extend(self.lingering)
+        self.left.extend(self.lingering)
         self.lingering.clear()
 
     def pop_released(self) -> list[Request]:
@@ -140,7 +142,7 @@ class PaddedScheduler(Scheduler):
     def __init__(self, config, blocks, max_model_len, gate, policy):
         pool = PaddedPool(blocks, policy)
         super().__init__(config, blocks, max_model_len, gate, pool, PaddedAdmission(config, pool, gate))
-        self._held: dict[str, RequestOutput] = {}
+        self._held: dict[str, CoreOutput] = {}
 
     def _use_leftover_budget(self, out: SchedulerOutput, budget: int) -> None:
         """Padding rows within what is left of the token budget: first the prompt padding still
@@ -165,7 +167,7 @@ class PaddedScheduler(Scheduler):
         self.pool.end_batch_if_done()
         return finished
 
-    def deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def deliver(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
         """Hold each member's outputs, merged, until its batch ends; aborts and errors answer at
         once (a member that had already finished answers with what it held and the new reason)."""
         ready = []
@@ -174,8 +176,8 @@ class PaddedScheduler(Scheduler):
             held = self._held.pop(key, None)
             if o.finished and o.finish_reason in ("abort", "error"):
                 ready.append(dataclasses.replace(held, finish_reason=o.finish_reason, error=o.error)
-                             if held is not None and held.finished else merge_outputs(held, o))
+                             if held is not None and held.finished else merge_core_outputs(held, o))
             else:
-                self._held[key] = merge_outputs(held, o)
+                self._held[key] = merge_core_outputs(held, o)
         ready.extend(self._held.pop(r.seq_id) for r in self.pool.pop_released() if r.seq_id in self._held)
         return ready

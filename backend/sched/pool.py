@@ -13,7 +13,7 @@ from typing import Iterable
 from backend.kv.groups import KVCacheGroups
 from backend.core.request import Request, RequestStatus
 from backend.sched.policies import CapacityPolicy
-from backend.core.step import SchedulerOutput
+from backend.sched.batch import SchedulerOutput
 from backend.sched.waiting_queue import WaitingQueue
 
 
@@ -24,6 +24,9 @@ class RequestPool:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # since the last step plan (step_plan.py): the sequences that left, and those preempted
+        self.left: list[Request] = []
+        self.preempted: list[Request] = []
 
     # -- moves ----------------------------------------------------------------------------------
     def start(self, req: Request, num_tokens: int, now: float, step: int) -> None:
@@ -46,6 +49,7 @@ class RequestPool:
             return
         request.status = status
         request.finished_time = time.monotonic()
+        self.left.append(request)
         if request in self.running:
             self.running.remove(request)
             self.policy.released(request)
@@ -65,6 +69,7 @@ class RequestPool:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted.append(req)
         self.waiting.push(req)
 
     @staticmethod
@@ -83,6 +88,12 @@ class RequestPool:
     def least_urgent(self) -> Request:
         """The running request to preempt: the least urgent, the newest among equals (vLLM)."""
         return max(reversed(self.running), key=lambda r: r.priority)
+
+    def take_changes(self) -> tuple[list[Request], list[Request]]:
+        """(the requests that left, those preempted) since the last call: the step plan's news."""
+        changes = self.left, self.preempted
+        self.left, self.preempted = [], []
+        return changes
 
     # -- views ----------------------------------------------------------------------------------
     def holders(self) -> list[Request]:

@@ -9,7 +9,9 @@ Each step, `schedule()` forms one flat batch within the token budget:
      that does not fit (the head) no longer stops admission: later ones may start when they cannot
      delay the head past its reservation (backfill.py). Without it, admission stops at the head,
      as TensorRT-LLM.
-`postprocess()` appends the sampled tokens, detects the end of each request and frees its blocks.
+`plan()` turns the batch into the step plan the worker runs (step_plan.py: deltas by sequence id,
+the grammar bitmask, the KV tiers' copies); `postprocess()` appends the sampled tokens, detects the
+end of each request and frees its blocks.
 
 Capacity (who may hold blocks) is the policy's; who waits and runs is the pool's (pool.py); which
 waiting requests start is the admission's; batch forming (who computes how many tokens) is this
@@ -27,22 +29,29 @@ from backend.sched.admission import Admission, chunk
 from backend.sched.batching import BatchingGate, make_gate
 from backend.sched.policies import make_policy
 from backend.sched.pool import RequestPool
+from backend.core.step import StepPlan
+from backend.sched.batch import ScheduledSeq, SchedulerOutput
+from backend.sched.grammar import step_masks
 from backend.sched.speculation import attach_drafts, draft_room
-from backend.core.step import ScheduledSeq, SchedulerOutput
+from backend.sched.step_plan import WorkerView
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: KVCacheGroups, max_model_len: int,
                  gate: Optional[BatchingGate] = None, pool: Optional[RequestPool] = None,
-                 admission: Optional[Admission] = None):
-        """The in-flight scheduler; padded batches pass their own gate, pool and admission."""
+                 admission: Optional[Admission] = None, tiers=None):
+        """The in-flight scheduler; padded batches pass their own gate, pool and admission.
+        `tiers`: the KV tiers (backend/kv/tiers/manager.KVTiers) when they are on: admission brings
+        a prefix back from them, and each plan carries their copies."""
         self.config = config
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.gate = gate or make_gate(config)
         self.pool = pool or RequestPool(blocks, make_policy(config.batch_scheduler_policy, blocks))
         self.policy = self.pool.policy
-        self.admission = admission or Admission(config, self.pool, self.gate)
+        self.tiers = tiers
+        self.admission = admission or Admission(config, self.pool, self.gate, tiers)
+        self.worker_view = WorkerView(blocks)  # what the worker knows of each sequence (step_plan.py)
 
     # What the engine, its metrics and the tests read.
     waiting = property(lambda self: self.pool.waiting)
@@ -102,8 +111,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self.admission.steps += 1
-        if self.admission.tiers is not None:  # KV tiers: loads that landed let their requests run now
-            self.admission.tiers.poll()
+        if self.tiers is not None:  # KV tiers: loads that landed let their requests run now
+            self.tiers.poll()
         budget = self.config.max_num_batched_tokens
         held = self.admission.held_token()
         budget -= held
@@ -131,8 +140,6 @@ class Scheduler:
             budget = self.admission.admit(out, budget, now)
         out.spare_tokens = budget
         self._use_leftover_budget(out, budget)
-        for s in out.seqs + out.padding:
-            self.blocks.attach_tables(s)
         return out
 
     def _use_leftover_budget(self, out: SchedulerOutput, budget: int) -> None:
@@ -155,6 +162,14 @@ class Scheduler:
         self.blocks.grow(req.seq_id, num_tokens)
         return True, refund, earlier
 
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        """The step plan of a formed batch (drafts attached): what the worker runs. The sequences
+        that left or were preempted since the last plan are named; a constrained row that samples
+        gets its grammar bitmask (grammar.py); the KV tiers' copies ride along."""
+        left, preempted = self.pool.take_changes()
+        copies = self.tiers.take_plan() if self.tiers is not None else None
+        return self.worker_view.plan(out, left, preempted, step_masks(out.seqs), copies)
+
     # -- speculative decoding (speculation.py): drafts get what the formed batch left ----------
     def draft_room(self, out: SchedulerOutput, rows: list[ScheduledSeq], k: int) -> dict[str, int]:
         return draft_room(out, self.blocks, rows, k, self.max_model_len)
@@ -175,9 +190,11 @@ class Scheduler:
             req.num_computed_tokens = seq.start + seq.num_new_tokens - len(seq.draft_token_ids)
             result = sampled.get(req.seq_id)
             status = None
+            seq.taken = 0
             for i, token in enumerate(s.token for s in (result.tokens if result is not None else ())):
                 req.num_computed_tokens += i > 0  # the token before it was an accepted draft: its KV is stored
                 req.output_token_ids.append(token)
+                seq.taken += 1
                 if req.first_token_time is None:
                     req.first_token_time = now
                 # structured outputs: the grammar takes every token, and may end the request (a stop
@@ -211,5 +228,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.config.max_num_seqs)
-        if self.admission.tiers is not None:
-            self.admission.tiers.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Mapping, Optional, Sequence
 
 from backend.kv.groups import KVCacheGroups
-from backend.core.step import ScheduledSeq, SchedulerOutput
+from backend.sched.batch import ScheduledSeq, SchedulerOutput
 
 
 def draft_room(out: SchedulerOutput, blocks: KVCacheGroups, rows: Sequence[ScheduledSeq], k: int,
@@ -63,7 +63,6 @@ def attach_drafts(out: SchedulerOutput, blocks: KVCacheGroups, room: Mapping[str
         s.draft_token_ids = tokens
         s.draft_probs = probs
         s.num_new_tokens = 1 + len(tokens)
-        blocks.attach_tables(s)
         out.decodes.remove(s)
         out.prefills.append(s)
         attached += len(tokens)

@@ -21,39 +21,72 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from typing import Optional, Sequence
 
 import torch
 
+from backend.core.config import EngineConfig
+from backend.core.request import Request
+from backend.core.speculative_config import SpeculativeConfig
+from backend.core.step import NewSeq, Row, SeqUpdate, StepPlan
 from backend.kv.block_manager import BlockManager
 from backend.kv.groups import kv_layout
-from backend.core.config import EngineConfig
-from backend.models.loader import load_model_config
 from backend.kv.sizing import TooLargeForMemory
-from backend.core.request import Request
+from backend.models.loader import load_model_config
 from backend.worker.runner import ModelRunner
 from backend.worker.sampler import UNIFORM, filtered_probs, greedy_tokens, inverse_transform, prepare
-from backend.core.step import ScheduledSeq, SchedulerOutput
-from backend.core.speculative_config import SpeculativeConfig
-from backend.worker.rejection import DraftPosition
 
 log = logging.getLogger(__name__)
 
 
-class _DraftSeq:
-    """A sequence as the draft runner reads it: its tokens so far, drafts included."""
-    __slots__ = ("seq_id", "tokens", "request")
-    lora_name = None  # the draft runs no adapter (the target verifies with the request's own)
+class _DraftView:
+    """What the draft runner holds of each sequence (its tokens, drafts included, and its block
+    table), and the plans that tell it the rest: a sequence new to it is sent whole, then only its
+    token edits (the tail past the tokens it shares with the target's) and its table's new entries."""
 
-    def __init__(self, request: Request, tokens: list[int]):
-        self.seq_id, self.tokens, self.request = request.seq_id, tokens, request
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, tuple] = {}
+        self.dropped: list[str] = []
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
+    def describe(self, req: Request, tokens: list[int], computed: int, plan: StepPlan) -> None:
+        sid, table = req.seq_id, self.blocks.block_table(req.seq_id)
+        held = self.tables.get(sid)
+        self.tables[sid] = (table, len(table), table[-1] if table else None)
+        sent = self.tokens.get(sid)
+        self.tokens[sid] = list(tokens)
+        if sent is None:
+            # its own random stream, apart from the target's: the verification's uniform numbers
+            # must not be the ones the draft drew with
+            base = req.params.seed if req.params.seed is not None else req.seed
+            params = dataclasses.replace(req.params, logprobs=None, seed=None)
+            plan.new_seqs.append(NewSeq(sid, list(req.prompt_token_ids), tokens[req.num_prompt_tokens:], params,
+                                        random.Random(f"draft:{base}").getrandbits(63), req.index, req.eos_token_ids,
+                                        req.bad_words_ids, None, (list(table),), computed))
+            return
+        same = min(len(sent), len(tokens))
+        for i in range(req.num_prompt_tokens, same):
+            if sent[i] != tokens[i]:
+                same = i
+                break
+        start = 0
+        if held is not None and held[0] is table and held[1] <= len(table) and (
+                held[1] == 0 or table[held[1] - 1] == held[2]):
+            start = held[1]
+        blocks = ((start, table[start:]),) if len(table) > start or start == 0 else ()
+        plan.updates.append(SeqUpdate(sid, computed, tokens[same:], same if same < len(sent) else -1, blocks))
 
-    def token_ids(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
+    def drop(self, sid: str) -> None:
+        if self.tokens.pop(sid, None) is not None:
+            self.dropped.append(sid)
+        self.tables.pop(sid, None)
+
+    def plan(self) -> StepPlan:
+        plan = StepPlan(finished_ids=self.dropped)
+        self.dropped = []
+        return plan
 
 
 class DraftProposer:
@@ -91,15 +124,15 @@ class DraftProposer:
         self.live: dict[str, Request] = {}
         self.last_used: dict[str, int] = {}
         self.clock = 0
-        self._params: dict[str, tuple] = {}  # seq_id -> (request params, the draft's copy without logprobs)
+        self.view = _DraftView(self.blocks)  # what the draft runner holds (its persistent batch)
 
     # -- one step -------------------------------------------------------------------------------
     def propose(self, rows: Sequence[tuple[Request, int]]) -> dict[str, tuple[list[int], Optional[torch.Tensor]]]:
         self.clock += 1
         active = {req.seq_id for req, _ in rows}
         caps: dict[str, int] = {}
-        seqs: dict[str, _DraftSeq] = {}
-        first = SchedulerOutput()
+        seqs: dict[str, tuple[Request, list[int]]] = {}
+        plan = self.view.plan()
         budget = self.budget
         for req, cap in rows:
             sid, length = req.seq_id, req.num_tokens
@@ -110,34 +143,34 @@ class DraftProposer:
             self.live[sid], self.last_used[sid] = req, self.clock
             n = min(length - start, budget)
             budget -= n
-            seq = _DraftSeq(req, req.all_token_ids)
-            row = ScheduledSeq(seq, start, n, block_table=self.blocks.block_table(sid))
-            (first.decodes if n == 1 else first.prefills).append(row)
+            tokens = req.all_token_ids
+            self.view.describe(req, tokens, start, plan)
+            (plan.decodes if n == 1 else plan.prefills).append(Row(sid, start, n, samples=start + n == length))
             self.computed[sid] = start + n
             if start + n == length:
-                caps[sid], seqs[sid] = cap, seq
+                caps[sid], seqs[sid] = cap, (req, tokens)
         drafts: dict[str, list[int]] = {sid: [] for sid in caps}
         probs: dict[str, list[torch.Tensor]] = {sid: [] for sid in caps}
-        out = first
-        while out.seqs:
-            self._draft_once(out, drafts, probs)
-            out = SchedulerOutput()
-            for sid, seq in seqs.items():
+        while plan.rows:
+            self._draft_once(plan, drafts, probs)
+            plan = self.view.plan()
+            for sid, (req, tokens) in seqs.items():
                 if len(drafts[sid]) < caps[sid]:  # feed the last draft, to draft the next
-                    seq.tokens.append(drafts[sid][-1])
-                    out.decodes.append(ScheduledSeq(seq, len(seq.tokens) - 1, 1, block_table=self.blocks.block_table(sid)))
-                    self.computed[sid] = len(seq.tokens)
+                    tokens.append(drafts[sid][-1])
+                    self.view.describe(req, tokens, len(tokens) - 1, plan)
+                    plan.decodes.append(Row(sid, len(tokens) - 1, 1))
+                    self.computed[sid] = len(tokens)
+        if plan.finished_ids:  # (sequences dropped while drafting: told with the next plan)
+            self.view.dropped = plan.finished_ids + self.view.dropped
         return {sid: (d, torch.stack(probs[sid]) if probs[sid] else None) for sid, d in drafts.items()}
 
     @torch.inference_mode()
-    def _draft_once(self, out: SchedulerOutput, drafts: dict, probs: dict) -> None:
+    def _draft_once(self, plan: StepPlan, drafts: dict, probs: dict) -> None:
         """One draft forward pass; each row that reached its end drafts one more token."""
-        logits, step = self.runner.forward(out)
+        logits, step = self.runner.forward(plan)
         if logits is None:
             return
-        views = [DraftPosition(seq.request, drafts[seq.seq_id], self._draft_params(seq.request))
-                 for seq in step.sampling]
-        prep = prepare(logits, views)
+        prep = prepare(logits, step.sampling)  # (a draft sequence's tokens hold its drafts so far)
         tokens = greedy_tokens(logits)
         q = None
         if self.probabilistic and prep.plan.random_rows:
@@ -145,18 +178,11 @@ class DraftProposer:
             q = filtered_probs(logits[rows], prep.settings[rows], prep.plan)
             q = q / q.sum(-1, keepdim=True)
             tokens[rows] = inverse_transform(q, prep.settings[rows, UNIFORM])
-        random = set(prep.plan.random_rows)
+        random_rows = set(prep.plan.random_rows)
         for i, (seq, token) in enumerate(zip(step.sampling, tokens.tolist())):
             drafts[seq.seq_id].append(token)
-            if q is not None and i in random:
+            if q is not None and i in random_rows:
                 probs[seq.seq_id].append(q[prep.plan.random_rows.index(i)])
-
-    def _draft_params(self, req: Request):
-        """The request's sampling settings without logprobs (the draft's are never reported)."""
-        kept = self._params.get(req.seq_id)
-        if kept is None or kept[0] is not req.params:
-            kept = self._params[req.seq_id] = (req.params, dataclasses.replace(req.params, logprobs=None))
-        return kept[1]
 
     def _make_room(self, sid: str, num_tokens: int, active: set) -> bool:
         """Blocks for sid's first num_tokens draft tokens, evicting idle sequences' draft state."""
@@ -171,7 +197,7 @@ class DraftProposer:
         return True
 
     # -- after the target's step ----------------------------------------------------------------
-    def after_step(self, out: SchedulerOutput) -> None:
+    def after_step(self, out) -> None:
         """Keep only the draft KV of verified tokens: a rejected draft's slot is written again."""
         for s in out.prefills:  # verify rows (other rows only appended tokens: the draft's KV stays valid)
             sid = s.request.seq_id
@@ -191,7 +217,8 @@ class DraftProposer:
 
     def _drop(self, sid: str) -> None:
         self.blocks.free(sid)
-        for table in (self.computed, self.live, self.last_used, self._params):
+        self.view.drop(sid)
+        for table in (self.computed, self.live, self.last_used):
             table.pop(sid, None)
 
     def check_integrity(self) -> None:

@@ -18,7 +18,7 @@ import logging
 from typing import Mapping, Optional, Sequence
 
 from backend.core.request import Request
-from backend.core.step import SchedulerOutput
+from backend.sched.batch import SchedulerOutput
 from backend.core.speculative_config import SpeculativeConfig
 from backend.speculative.ngram import NgramProposer
 

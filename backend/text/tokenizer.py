@@ -181,3 +181,12 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, "
                 f"bos={self.bos_token_id}, eos={self.eos_token_id})")
+
+
+def max_input_bytes(tokenizer: Optional["Tokenizer"], max_model_len: int) -> int:
+    """4 x max_model_len x the longest token in bytes: each token covers at most that many bytes of
+    text, so a longer text cannot fit in max_model_len tokens (x4 leaves room for normalizers
+    that shrink text). It lets a 10 MB prompt be refused before it is tokenized."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True) if tokenizer is not None else {}
+    longest = max((len(t.encode("utf-8")) for t in vocab), default=16)
+    return 4 * max_model_len * max(longest, 1)

@@ -8,6 +8,9 @@ thread), so `pin_omp_threads` must run on the thread that steps the engine.
 How: libgomp's own entry point for `#pragma omp parallel` (GOMP_parallel) is called through ctypes
 with a Python callback; each team member runs it once and sets its own affinity. The libgomp is
 the one torch loaded (torch/lib/libgomp.so.1), so the pinned threads are the ones torch's ops use.
+
+The cores, as they were before any thread was pinned, are kernels/cpuinfo.py's `allowed_cores`
+(importable from here too).
 """
 from __future__ import annotations
 
@@ -17,17 +20,10 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kernels.cpuinfo import allowed_cores  # the cores as before any pinning (also runner.py's name)
+
+__all__ = ["allowed_cores", "pin_omp_threads"]
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_ALLOWED: list[int] = []  # the cores this process could use before any thread was pinned
-
-
-def allowed_cores() -> list[int]:
-    """The cores this process may run on, as first seen (pinning narrows the calling thread's own
-    affinity to one core, which os.sched_getaffinity(0) would then report)."""
-    if not _ALLOWED:
-        _ALLOWED.extend(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                        else range(os.cpu_count() or 1))
-    return list(_ALLOWED)
 
 
 def _libgomp() -> Optional[ctypes.CDLL]:

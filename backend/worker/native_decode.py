@@ -116,12 +116,3 @@ class NativeDecode:
         return DecodeStack(layers, final_norm=self.model.norm.weight.detach(), heads=cfg.num_heads,
                            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
                            scale=ctx.scale, activation=cfg.activation)
-
-
-def attach(model: LlamaForCausalLM, ops_name: str, tp=None) -> None:
-    """Give the model its native decode path where it applies (model.decode_stack), and say so."""
-    why = unsupported(model, ops_name, tp)
-    model.decode_stack = None if why else NativeDecode(model)
-    if ops_name == "cpu":
-        log.info("decode steps: %s", "the layer stack in one C call (backend/worker/native_decode.py)" if why is None
-                 else f"the Python layers ({why})")

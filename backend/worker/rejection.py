@@ -29,62 +29,63 @@ from typing import Sequence
 
 import torch
 
-from backend.core.request import Request
-from backend.worker.sampler import UNIFORM, filtered_probs, greedy_tokens, inverse_transform, prepare
-from backend.core.step import Sampled, ScheduledSeq
+from backend.core.step import Row, Sampled
+from backend.worker.sampler import UNIFORM, Masks, filtered_probs, greedy_tokens, inverse_transform, prepare
 
 
 class DraftPosition:
-    """A request as it stands at position j of its verify row: its output followed by the first j
-    drafts. The sampler reads it as it reads the request (the prompt, the stop and ban settings
-    and the random stream are the request's own); constrained rows never speculate."""
-    __slots__ = ("request", "params", "prompt_token_ids", "output_token_ids", "eos_token_ids",
-                 "bad_words_ids", "rng", "grammar")
+    """A sequence as it stands at position j of its verify row: its output followed by the first j
+    drafts. The sampler reads it as it reads the sequence (the prompt, the stop and ban settings
+    and the random stream are the sequence's own); constrained rows never speculate."""
+    __slots__ = ("seq", "params", "prompt_token_ids", "output_token_ids", "eos_token_ids", "bad_words_ids", "rng")
 
-    def __init__(self, request: Request, drafts: list[int], params=None):
-        self.request = request
-        self.params = params or request.params
-        self.prompt_token_ids = request.prompt_token_ids
-        self.output_token_ids = request.output_token_ids + drafts
-        self.eos_token_ids = request.eos_token_ids
-        self.bad_words_ids = request.bad_words_ids
-        self.rng = request.rng
-        self.grammar = None
+    def __init__(self, seq, drafts: list[int], params=None):
+        self.seq = seq
+        self.params = params or seq.params
+        self.prompt_token_ids = seq.prompt_token_ids
+        self.output_token_ids = seq.output_token_ids + drafts
+        self.eos_token_ids = seq.eos_token_ids
+        self.bad_words_ids = seq.bad_words_ids
+        self.rng = seq.rng
+
+    def unique_prompt(self):
+        return self.seq.unique_prompt()
 
 
-def verify(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> dict[str, Sampled]:
+def verify(logits: torch.Tensor, rows: Sequence[Row], seqs: Sequence, masks: Masks = None) -> dict[str, Sampled]:
     """logits [P, V] (modified in place): each sampling row's positions in order, 1 + its drafts
-    for a verify row. Returns each row's result by seq_id: its last token, after the drafts it
+    for a verify row; `seqs`: the rows' sequences (input_batch.SeqState); `masks`: grammar masks
+    by position. Returns each row's result by seq_id: its last token, after the drafts it
     accepted (`Sampled.accepted`)."""
     views: list = []
     checks: list[int] = []  # per position: the draft it checks, -1 at a row's last position
-    for s in seqs:
-        drafts = s.draft_token_ids
-        views.append(s.request)
-        views += [DraftPosition(s.request, drafts[:j]) for j in range(1, len(drafts) + 1)]
+    for r, seq in zip(rows, seqs):
+        drafts = r.draft_token_ids
+        views.append(seq)
+        views += [DraftPosition(seq, drafts[:j]) for j in range(1, len(drafts) + 1)]
         checks += drafts + [-1]
-    prep = prepare(logits, views)
+    prep = prepare(logits, views, masks)
     dev = logits.device
     drafted = torch.tensor(checks, dtype=torch.int64, device=dev)
     tokens = greedy_tokens(logits)
     accept = tokens == drafted  # temperature 0: the draft is the argmax
     if prep.plan.random_rows:
-        rows = prep.random_rows
-        settings = prep.settings[rows]
-        probs = filtered_probs(logits[rows], settings, prep.plan)
-        q = _draft_distributions(seqs, prep.plan.random_rows, drafted[rows], probs.shape[-1], dev)
-        tokens[rows], accept[rows] = _rejection_sample(probs, drafted[rows], q, settings[:, UNIFORM])
+        random = prep.random_rows
+        settings = prep.settings[random]
+        probs = filtered_probs(logits[random], settings, prep.plan)
+        q = _draft_distributions(rows, prep.plan.random_rows, drafted[random], probs.shape[-1], dev)
+        tokens[random], accept[random] = _rejection_sample(probs, drafted[random], q, settings[:, UNIFORM])
     results, tail = prep.read_back(tokens, [accept])
     out: dict[str, Sampled] = {}
     pos = 0
-    for s in seqs:
-        k = len(s.draft_token_ids)
+    for r in rows:
+        k = len(r.draft_token_ids)
         m = 0
         while m < k and tail[pos + m] > 0.5:
             m += 1
         last = results[pos + m]
         last.accepted, last.num_drafts = results[pos:pos + m], k
-        out[s.request.seq_id] = last
+        out[r.seq_id] = last
         pos += k + 1
     return out
 
@@ -107,7 +108,7 @@ def _rejection_sample(probs: torch.Tensor, drafted: torch.Tensor, q: torch.Tenso
     return torch.where(accepted, drafted, token), accepted
 
 
-def _draft_distributions(seqs: Sequence[ScheduledSeq], random_positions: list[int], drafted: torch.Tensor,
+def _draft_distributions(rows: Sequence[Row], random_positions: list[int], drafted: torch.Tensor,
                          vocab: int, dev: torch.device) -> torch.Tensor:
     """q [R, V] for the random positions: the draft model's distribution where a row carries one
     (probabilistic drafts), else a point mass on the draft (n-gram, greedy drafts)."""
@@ -116,9 +117,9 @@ def _draft_distributions(seqs: Sequence[ScheduledSeq], random_positions: list[in
     q[has, drafted[has]] = 1.0
     local = {p: i for i, p in enumerate(random_positions)}
     pos = 0
-    for s in seqs:
-        k = len(s.draft_token_ids)
-        if s.draft_probs is not None and k and pos in local:
-            q[local[pos]:local[pos] + k] = s.draft_probs[:k].double()
+    for r in rows:
+        k = len(r.draft_token_ids)
+        if r.draft_probs is not None and k and pos in local:
+            q[local[pos]:local[pos] + k] = r.draft_probs[:k].double()
         pos += k + 1
     return q

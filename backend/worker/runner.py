@@ -1,48 +1,48 @@
-"""The model runner: the only layer that touches torch devices.
+"""The model runner: the worker's one object, the only one that touches torch devices.
 
-It loads the weights, owns the paged KV cache tensors, turns a SchedulerOutput into flat inputs
-(backend/worker/step_inputs.py), runs the model (decode steps through CUDA graphs where it can,
-backend/worker/cuda_graphs.py) and samples. On CUDA it binds its device to the engine thread, and while
-it holds the GPU's lock (backend/worker/memory.py) it loads the weights, runs the warm-up, sizes and
-allocates the KV cache and captures the graphs.
+It loads the weights, owns the paged KV cache tensors and the persistent batch of the sequences
+it was told of (input_batch.py), and runs each step's plan (backend/core/step.py): its deltas
+applied to the batch, the KV tiers' copies made, the flat inputs built (step_inputs.py), the model
+run (decode steps through the fast path fast_paths.py chose: CUDA graphs or the CPU's C stack),
+and the rows sampled (sample_step.py). On CUDA it binds its device to the engine thread, and while
+it holds the GPU's lock (memory.py) it loads the weights, runs the warm-up, sizes and allocates
+the KV cache and captures the graphs.
 
-With tensor_parallel_size N (backend/parallel/) the runner of rank 0 starts the group: it holds its
-shard of every layer and of the KV cache, sends each step's inputs to the other ranks as one
-message (`run`), and samples from the gathered logits; the runner of every other rank loads its
-own shard the same way and computes the steps rank 0 sends (`follow`).
+With tensor_parallel_size N (worker/parallel/) the runner of rank 0 starts the group: it holds its
+shard of every layer and of the KV cache, sends each step's plan to the other ranks as one message
+(`forward`), and samples from the gathered logits; the runner of every other rank loads its own
+shard the same way, applies the same plans to its own batch and computes the same steps (`follow`).
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import os
 from typing import Optional
 
 import torch
 
-from backend.models.attention import AttentionContext
 from backend.core.config import EngineConfig
+from backend.core.step import StepPlan, StepResult
+from backend.kv.groups import kv_layout
+from backend.kv.sizing import blocks_that_fit, check_block_tables, check_kv_cache, kv_bytes_per_token
+from backend.models.expert_load import ExpertLoad
+from backend.models.llama import LlamaForCausalLM
+from backend.models.loader import ModelConfig
+from backend.models.rope import rope_tables
+from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
+from backend.worker import fast_paths, memory
+from backend.worker.attention_metadata import AttentionMetadata
 from backend.worker.cpu_affinity import allowed_cores, pin_omp_threads
 from backend.worker.cpu_memory import keep_freed_memory
 from backend.worker.cuda_graphs import DecodeGraphs
-from backend.worker import memory
 from backend.worker.device import DeviceEnv, resolve_device, resolve_dtype
-from backend.kv.groups import kv_layout
-from backend.kv.sizing import blocks_that_fit, check_block_tables, check_kv_cache, kv_bytes_per_token
+from backend.worker.input_batch import BlockTables, InputBatch
 from backend.worker.kv_copier import KVCopier
-from backend.models.loader import ModelConfig
-from backend.worker import native_decode
 from backend.worker.lora.manager import make_lora_manager
-from backend.models.llama import LlamaForCausalLM
-from backend.models.expert_load import ExpertLoad
-from backend.models.moe import reads_counts_on_host
-from backend.models.rope import rope_tables
-from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.worker.parallel.rendezvous import start_group
-from backend.worker.sampler import sample
-from backend.core.step import Sampled, SchedulerOutput
-from backend.worker.rejection import verify
-from backend.worker.step_inputs import BlockTables, StepInputs, build_step, place_step
+from backend.worker.sample_step import sample_step
+from backend.worker.step_inputs import StepInputs, build_step
 from backend.worker.warmup import prefill_tokens, warm_up_steps
 from kernels.dispatch import get_ops
 
@@ -88,14 +88,17 @@ class ModelRunner:
             cores = allowed_cores()[(self.tp.rank if self.tp else 0) * threads:][:threads]  # each rank its own
             if 1 < threads == len(cores) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
                 log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads, cores))
-            keep_freed_memory()  # no page faults on every step's fresh activations (cpu/memory.py)
+            keep_freed_memory()  # no page faults on every step's fresh activations (cpu_memory.py)
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
         self.ops = get_ops(config.attention_backend, self.device, compute_dtype(self.dtype, self.device))
         self.block_size = config.kv_block_size
         self.kv_layout = kv_layout(model_cfg.layer_windows, model_cfg.num_layers)  # backend/kv/groups.py
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.graphs: Optional[DecodeGraphs] = None
+        self.decode_path = fast_paths.DecodePath()
         self.kv_copier: Optional[KVCopier] = None  # the KV tiers' host pool and copies, when on
+        self._unsent: list[StepPlan] = []  # tensor parallelism: empty plans the other ranks have not seen
+        self.metadata = AttentionMetadata(self.ops, model_cfg, self.kv_layout, max_model_len, self.block_size,
+                                          self.env.tensor_device)
         with memory.one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
@@ -103,21 +106,21 @@ class ModelRunner:
             self.rope = rope_tables(model_cfg, max_model_len, self.env.tensor_device)
             width = -(-max_model_len // self.block_size)
             check_block_tables(config, width, memory.available_bytes(self.env), self.kv_layout.num_groups)
-            self.tables = BlockTables(config.max_num_seqs, width, self.block_size, self.env.tensor_device,
-                                      groups=self.kv_layout.num_groups)
+            self.batch = InputBatch(BlockTables(config.max_num_seqs, width, self.block_size, self.env.tensor_device,
+                                                groups=self.kv_layout.num_groups))
             self.num_blocks = self._num_kv_blocks()
             if self.tp:  # the scheduler sees one engine: the group holds what its smallest rank holds
                 self.num_blocks = self.tp.smallest(self.num_blocks)
             if not (self.env.is_cuda and config.max_tokens_in_paged_kv_cache == 0):  # else sized to what is free
                 check_kv_cache(config, self.num_blocks, self._bytes_per_block(), memory.available_bytes(self.env))
             self.kv_caches = self._allocate_kv(self.num_blocks)
-            self.graphs = self._decode_graphs()
-            native_decode.attach(self.model, self.ops.name, self.tp)  # CPU: one C call a decode step
+            self.decode_path = fast_paths.choose(config, self.model, self.ops.name, self.tp, self.lora, self._graphs)
         if self.expert_load is not None:
             self.expert_load.reset()
+        graphs = self.decode_path.graphs
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; kernels: %s; CUDA graphs: %s", self.num_blocks,
                  self.block_size, self.num_blocks * self._bytes_per_block() / 2**20, self.device, self.ops.name,
-                 bool(self.graphs and self.graphs.graphs))
+                 bool(graphs and graphs.graphs))
 
     # -- weights (the one place they are loaded) -------------------------------------------------
     def _load_model(self) -> LlamaForCausalLM:
@@ -160,121 +163,104 @@ class ModelRunner:
         return [pairs[slot] for slot in layout.layer_slot]
 
     def _warm_up(self) -> None:
-        """backend/worker/warmup.py's steps through run(), on a throwaway cache."""
+        """backend/worker/warmup.py's steps through execute(), on a throwaway cache."""
         cfg = self.config
         n = prefill_tokens(cfg.max_num_batched_tokens, self.max_model_len)
         self.kv_caches = self._allocate_kv(-(-n // self.block_size) + 1)
         try:
-            for out in warm_up_steps(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len,
-                                     self.block_size, self.model_cfg.vocab_size):
-                for s in out.seqs:  # a throwaway cache: every group may write the same blocks
-                    s.group_tables = (s.block_table,) * (self.kv_layout.num_groups - 1)
-                self.run(out)
+            for plan in warm_up_steps(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len,
+                                      self.block_size, self.model_cfg.vocab_size, self.kv_layout.num_groups):
+                self.execute(plan)
         finally:
             self.kv_caches = []
-            self.tables.reset()
+            self.batch.reset()
 
-    # -- KV tiers (backend/kv_tiers/): the host pool, and a step's copies before its model run ------
+    def _graphs(self) -> DecodeGraphs:
+        return DecodeGraphs(self.env, self.config.max_num_seqs, self.batch.tables.width,
+                            self.metadata.for_graphs(self.kv_caches, self.batch.tables.table), self.model, self.rope,
+                            groups=self.kv_layout.num_groups)
+
+    # -- KV tiers (backend/kv/tiers/): the host pool, and a step's copies before its model run ----
     def attach_kv_copier(self, host_bytes: int) -> KVCopier:
-        """The host pool and its copies to and from this runner's KV cache (backend/worker/kv_copier.py):
-        the KV tiers' bookkeeping makes each step's copies through it before the step's model run."""
+        """The host pool and its copies to and from this runner's KV cache (kv_copier.py): each
+        step's plan carries the tiers' copies, made before the step's model run."""
         self.kv_copier = KVCopier(self.env, self.kv_caches, host_bytes)
         return self.kv_copier
 
-    # -- CUDA graphs -----------------------------------------------------------------------------
-    def _decode_graphs(self) -> Optional[DecodeGraphs]:
-        """Decode steps through static buffers (graphs captured on CUDA) unless enforce_eager, or
-        with kernels other than Triton's (the references size their work from the lengths)."""
-        if self.config.enforce_eager or self.ops.name != "triton" or self.lora is not None:
-            return None  # (LoRA steps run eagerly: docs/lora.md)
-        if reads_counts_on_host(self.model):
-            log.info("CUDA graphs off: the experts run one GEMM per active expert (packed or int8 experts), "
-                     "which reads their token counts on the host")
-            return None
-        empty_i32 = torch.zeros(1, dtype=torch.int32, device=self.env.tensor_device)
-        make_context = functools.partial(
-            self._context, kv_caches=self.kv_caches, prefill_block_tables=self.tables.table[:, :0],
-            prefill_cu_seqlens_q=empty_i32, prefill_seq_lens=empty_i32[:0], decode_max_seq_len=self.max_model_len)
-        graphs = DecodeGraphs(self.env, self.config.max_num_seqs, self.tables.width, make_context, self.model, self.rope,
-                              groups=self.kv_layout.num_groups)
-        graphs.capture()
-        return graphs
+    def prefill_context(self, num_tokens: int):
+        """The context of one sequence's prefill of num_tokens tokens on a throwaway cache of its own
+        (client/tools/quality/perplexity.py scores texts this way)."""
+        blocks = -(-num_tokens // self.block_size) * self.kv_layout.num_groups
+        return self.metadata.for_prefill(num_tokens, self._allocate_kv(blocks))
 
     # -- one step --------------------------------------------------------------------------------
-    def _context(self, **fields) -> AttentionContext:
-        cfg = self.model_cfg
-        groups = self.kv_layout.layer_group if self.kv_layout.num_groups > 1 else ()
-        return AttentionContext(ops=self.ops, scale=cfg.attention_scale, layer_windows=cfg.layer_windows,
-                                layer_groups=groups, **fields)
-
-    def prefill_context(self, num_tokens: int) -> AttentionContext:
-        """The context of one sequence's prefill of num_tokens tokens from position 0 on a
-        throwaway cache of its own (client/tools/quality/perplexity.py scores texts this way)."""
-        blocks, groups, dev = -(-num_tokens // self.block_size), self.kv_layout.num_groups, self.env.tensor_device
-        table = torch.arange(groups * blocks, dtype=torch.int32, device=dev).view(groups, 1, blocks)  # a group each
-        positions = torch.arange(num_tokens, device=dev)
-        slots = (table[:, 0, positions // self.block_size] * self.block_size + positions % self.block_size).long()
-        lens = torch.tensor([num_tokens], dtype=torch.int32, device=dev)
-        return self._context(kv_caches=self._allocate_kv(groups * blocks), slot_mapping=slots, num_decode_tokens=0,
-                             decode_block_tables=table[:, :0], decode_seq_lens=lens[:0], prefill_block_tables=table,
-                             prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-                             prefill_seq_lens=lens, prefill_max_q_len=num_tokens)
-
-    def _step_context(self, step: StepInputs) -> AttentionContext:
-        table = self.tables.table
-        # The Triton kernel's split count follows the batch and this bound only, so an eager decode
-        # and a graph replay of the same batch launch the same; the references pad to the real max.
-        max_seq_len = self.max_model_len if self.ops.name == "triton" else step.decode_max_seq_len
-        return self._context(
-            kv_caches=self.kv_caches, slot_mapping=step.slot_mapping, num_decode_tokens=step.num_decode_rows,
-            decode_block_tables=table[:, :, :step.decode_width].index_select(1, step.decode_rows),
-            decode_seq_lens=step.decode_seq_lens,
-            prefill_block_tables=table[:, :, :step.prefill_width].index_select(1, step.prefill_rows),
-            prefill_cu_seqlens_q=step.prefill_cu_seqlens_q, prefill_seq_lens=step.prefill_seq_lens,
-            decode_max_seq_len=max_seq_len, prefill_max_q_len=step.prefill_max_q_len,
-            lora=self.lora.step(step.lora_runs, step.lora_writes, step.ids.shape[0]) if self.lora is not None else None)
-
-    def _graph_size(self, out) -> Optional[int]:
-        if self.graphs is None or out.prefills or any(s.num_new_tokens > 1 for s in out.padding):
-            return None
-        return self.graphs.size_for(len(out.decodes) + len(out.padding))
-
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> dict[str, Sampled]:
-        """Run one step (a SchedulerOutput); returns what every sequence that reached its end
-        sampled, by seq_id (a verify row's drafts checked by backend/worker/rejection.py). On a
-        tensor-parallel rank other than 0 (the warm-up's steps) it computes the step rank 0 sends
-        instead."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step's plan; returns what every sampling sequence produced, by seq_id, and the
+        handle of the step's KV-tier copies. On a tensor-parallel rank other than 0 (the warm-up's
+        steps) it computes the step rank 0 sends instead."""
         if self.tp and self.tp.rank:
             self.follow()
-            return {}
-        logits, step = self.forward(out)
+            return StepResult()
+        copies = self.kv_copier.execute(plan.kv_copies) if plan.kv_copies else None
+        if plan.is_empty:  # no row: only what the worker holds changes
+            self.batch.apply(plan)
+            if self.tp and (plan.finished_ids or plan.preempted_ids):
+                self._unsent.append(plan)  # the other ranks learn it with the next step they run
+            return StepResult(kv_copies=copies)
+        logits, step = self.forward(plan)
         if logits is None or not step.sampling:
-            return {}
-        if step.has_drafts:
-            return verify(logits, step.sampled_seqs)
-        return {r.seq_id: s for r, s in zip(step.sampling, sample(logits, step.sampling))}
+            return StepResult(kv_copies=copies)
+        return StepResult(sample_step(logits, step, plan.grammar), copies)
 
     @torch.inference_mode()
-    def forward(self, out: SchedulerOutput) -> tuple[Optional[torch.Tensor], StepInputs]:
-        """The model run of a step: the logits of the positions that sample (None if none does)."""
-        size = self._graph_size(out)
-        if size is not None:
-            empty = size - len(out.decodes) - len(out.padding)
-        else:
-            tokens = out.num_batched_tokens
-            empty = self.padded_rows(tokens) - tokens
-        send = self.tp and (lambda host: self.tp.send_step(host, size or 0))  # noqa: E731
-        step = build_step(out, self.tables, empty, verify_as_decode=self.ops.name == "cpu", send=send, lora=self.lora)
+    def forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], StepInputs]:
+        """The model run of a plan: the logits of the positions that sample (None if none does)."""
+        self.batch.apply(plan)
+        size = self.decode_path.graph_size(plan)
+        lora_plan = None
+        if self.tp:  # every rank applies the same plan; the LoRA slots are rank 0's choice
+            lora_plan = self._lora_plan(plan, size)
+            self.tp.send_step(self._with_unsent(plan), size or 0, lora_plan)
+        step = build_step(plan, self.batch, self._empty_rows(plan, size), verify_as_decode=self.ops.name == "cpu",
+                          lora=self.lora, lora_plan=lora_plan)
         return self._compute(step, size), step
+
+    def _with_unsent(self, plan: StepPlan) -> StepPlan:
+        """The plan for the other ranks, with what empty plans since the last sent one changed."""
+        if not self._unsent:
+            return plan
+        earlier, self._unsent = self._unsent, []
+        return dataclasses.replace(plan, finished_ids=[i for p in earlier for i in p.finished_ids] + plan.finished_ids,
+                                   preempted_ids=[i for p in earlier for i in p.preempted_ids] + plan.preempted_ids)
+
+    def _empty_rows(self, plan: StepPlan, graph_size: Optional[int]) -> int:
+        if graph_size is not None:
+            return graph_size - len(plan.decodes) - len(plan.padding)
+        tokens = plan.num_batched_tokens
+        return self.padded_rows(tokens) - tokens
+
+    def _lora_plan(self, plan: StepPlan, graph_size: Optional[int]) -> tuple:
+        """Rank 0's LoRA runs by slot and slot writes for a plan (the other ranks follow them)."""
+        if self.lora is None:
+            return [], []
+        from backend.worker.lora.segments import adapter_runs
+        from backend.worker.step_inputs import step_rows
+        decodes, prefills = step_rows(plan, self.batch, self.ops.name == "cpu")
+        return self.lora.assign(adapter_runs(self._empty_rows(plan, graph_size), decodes + prefills,
+                                             lambda r: self.batch.seqs[r.seq_id].lora_name))
 
     @torch.inference_mode()
     def follow(self) -> bool:
         """A rank other than 0: compute the next step rank 0 sends; False when it says stop."""
         message = self.tp.receive_step()
-        if message.host is None:
+        if message.plan is None:
             return False
-        self._compute(place_step(message.host, self.tables), message.graph_size or None)
+        plan, size = message.plan, message.graph_size or None
+        self.batch.apply(plan)
+        step = build_step(plan, self.batch, self._empty_rows(plan, size), verify_as_decode=self.ops.name == "cpu",
+                          lora=self.lora, lora_plan=message.lora)
+        self._compute(step, size)
         return True
 
     def _compute(self, step: StepInputs, graph_size: Optional[int]) -> Optional[torch.Tensor]:
@@ -282,9 +268,12 @@ class ModelRunner:
         if self.expert_load is not None:
             self.expert_load.mark_rows(step.slot_mapping[0])  # any group: a padding row is -1 in all
         if graph_size is not None:
-            hidden = self.graphs.run(step, self.tables.table)
+            hidden = self.decode_path.graphs.run(step, self.batch.tables.table)
         else:
-            hidden = self.model(step.ids, step.positions, self._step_context(step), self.rope)
+            lora = self.lora.step(step.lora_runs, step.lora_writes, step.ids.shape[0]) if self.lora is not None else None
+            ctx = self.metadata.for_step(step, self.batch.tables.table, self.kv_caches, lora)
+            stack = self.decode_path.stack_for(step.num_decode_rows, step.ids.shape[0])
+            hidden = self.model(step.ids, step.positions, ctx, self.rope, decode_stack=stack)
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards

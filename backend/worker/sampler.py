@@ -1,12 +1,12 @@
-"""Turn logits into tokens: penalties, bad words, min_tokens, greedy, temperature, top-k, top-p,
-and the logprobs a request asked for. Stateless: every per-request state (its random stream, its
-tokens) lives on the `Request`.
+"""Turn logits into tokens: grammar masks, penalties, bad words, min_tokens, greedy, temperature,
+top-k, top-p, and the logprobs a request asked for. Stateless: every per-sequence state (its random
+stream, its tokens, its settings) lives on the worker's `SeqState` (input_batch.py), which this
+reads as it would a request; a step's grammar bitmask comes with its plan (backend/core/step.py).
 
 The rows that sample are handled together, as tensors (temperature, top-k, top-p per row), and each
-draws its token by inverse transform from one uniform number taken from the request's own seeded
-`random.Random`, advanced once per generated token, so a request's tokens do not depend on which
-other requests share the batch. Logprobs are vLLM v1's: log_softmax of the raw logits, before
-penalties and temperature.
+draws its token by inverse transform from one uniform number of the sequence's own seeded stream,
+so its tokens do not depend on its batch. Logprobs are vLLM v1's: log_softmax of the raw logits,
+before penalties and temperature.
 
 On a GPU a step's sampling costs the host two transfers to the device (the per-row settings as one
 array, every (row, token) index of the penalties and bans as another) and one back (the tokens and
@@ -14,24 +14,24 @@ logprobs of every row, packed in one tensor): no read per row, no tensor built p
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from backend.worker.device import to_device
 from backend.core.step import Sampled
-from backend.core.request import Request
-from backend.sched.grammar import apply_grammar_masks
+from backend.worker.device import to_device
+
+# A step's grammar masks as the sampler takes them: (the rows of its logits they apply to, their
+# bitmask rows, int32 words [len(rows), ceil(vocab / 32)])
+Masks = Optional[tuple[list[int], np.ndarray]]
 
 # Per-row settings, the columns of one float64 array: temperature, top_k (vocab when off), top_p,
 # the row's uniform number (UNIFORM: the draw the rejection sampler and the draft reuse), repetition,
 # frequency and presence penalties.
 _TEMP, _TOP_K, _TOP_P, _U, _REP, _FREQ, _PRES = range(7)
 UNIFORM = _U
-_prompt_tokens: "weakref.WeakKeyDictionary[Request, np.ndarray]" = weakref.WeakKeyDictionary()
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -45,14 +45,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[Sampled]:
-    """logits [N, V] float32, one row per request (modified in place); returns N results."""
+def sample(logits: torch.Tensor, requests: Sequence, masks: Masks = None) -> list[Sampled]:
+    """logits [N, V] float32, one row per sequence (modified in place); returns N results.
+    `masks`: the step's grammar masks of its constrained rows."""
     vocab = logits.shape[-1]
-    if all(_argmax_of_raw_logits(r, vocab) for r in requests):
+    if masks is None and all(_argmax_of_raw_logits(r, vocab) for r in requests):
         # The common step (every row plain greedy) skips the plan, its two transfers and the packed
         # read back, which cost ~10x the argmax itself: 2-3% of a batch-1 CPU decode step.
         return [Sampled(t) for t in greedy_tokens(logits).tolist()]
-    prep = prepare(logits, requests)
+    prep = prepare(logits, requests, masks)
     tokens = greedy_tokens(logits)
     if prep.plan.random_rows:
         rows = prep.random_rows
@@ -61,11 +62,12 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[Sampled]:
     return prep.read_back(tokens)[0]
 
 
-def _argmax_of_raw_logits(req: Request, vocab: int) -> bool:
+def _argmax_of_raw_logits(req, vocab: int) -> bool:
     """Whether this row's token is its logits' argmax as they stand: greedy, asking no logprobs,
-    with no penalties, no grammar and nothing banned at this step (what prepare() would change)."""
+    with no penalties and nothing banned at this step (what prepare() would change; a grammar
+    mask is the step's, checked by the caller)."""
     p = req.params
-    return p.greedy and p.logprobs is None and not p.penalized and req.grammar is None and not _banned(req, vocab)
+    return p.greedy and p.logprobs is None and not p.penalized and not _banned(req, vocab)
 
 
 @dataclass
@@ -95,16 +97,17 @@ class Prepared:
         return plan.unpack(host[:len(host) - tail]), host[len(host) - tail:]
 
 
-def prepare(logits: torch.Tensor, requests: Sequence) -> Prepared:
+def prepare(logits: torch.Tensor, requests: Sequence, masks: Masks = None) -> Prepared:
     """Raw logprobs, then grammar masks, penalties and bans on logits [N, V] in place, one row per
-    request (or per position of a speculating row: backend/worker/rejection.py)."""
+    sequence (or per position of a speculating row: backend/worker/rejection.py)."""
     n, vocab = logits.shape
     plan = _Plan.build(requests, vocab)
     dev = logits.device
     settings = to_device(plan.settings, dev)
     index = to_device(plan.index, dev)
     raw = torch.log_softmax(logits[plan.logprob_rows].float(), dim=-1) if plan.logprob_rows else None
-    apply_grammar_masks(logits, requests)  # structured outputs: after the raw logprobs, before everything else
+    if masks is not None:  # structured outputs: after the raw logprobs, before everything else
+        apply_masks(logits, *masks)
     if plan.rep_count:
         _repetition(logits, index[plan.rep_slice], settings)
     if plan.freq_rows:
@@ -133,7 +136,7 @@ class _Plan:
     bounds: np.ndarray            # where each segment of `index` starts and ends
 
     @classmethod
-    def build(cls, requests: Sequence[Request], vocab: int) -> "_Plan":
+    def build(cls, requests: Sequence, vocab: int) -> "_Plan":
         n = len(requests)
         settings = np.zeros((n, 7), dtype=np.float64)
         rep_rows: list[np.ndarray] = []
@@ -147,7 +150,7 @@ class _Plan:
             if p.penalized:
                 settings[i, _REP:] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
                 if p.repetition_penalty != 1.0:
-                    toks = np.concatenate([_unique_prompt(req), np.asarray(req.output_token_ids, dtype=np.int64)])
+                    toks = np.concatenate([req.unique_prompt(), np.asarray(req.output_token_ids, dtype=np.int64)])
                     rep_rows.append(np.full(len(toks), i, dtype=np.int64))
                     rep_toks.append(toks)
                 if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
@@ -198,14 +201,16 @@ class _Plan:
         return out
 
 
-def _unique_prompt(req: Request) -> np.ndarray:
-    """The prompt's distinct tokens, worked out once per request (the prompt never changes; a
-    position of a speculating row, backend/worker/rejection.py, shares its request's)."""
-    req = getattr(req, "request", req)
-    toks = _prompt_tokens.get(req)
-    if toks is None:
-        toks = _prompt_tokens[req] = np.unique(np.asarray(req.prompt_token_ids, dtype=np.int64))
-    return toks
+def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Mask, in place and in one batched operation, logits [N, V] of `rows` to the tokens their
+    grammar allows next (xgrammar's bitmask rows, one per entry of `rows`)."""
+    import xgrammar as xgr
+
+    words = -(-logits.shape[-1] // 32)
+    full = np.full((logits.shape[0], words), -1, dtype=np.int32)  # every token allowed
+    n = min(words, bitmask.shape[1])
+    full[rows, :n] = bitmask[:, :n]
+    xgr.apply_token_bitmask_inplace(logits, to_device(full, logits.device), indices=rows)
 
 
 def _repetition(logits: torch.Tensor, pairs: torch.Tensor, settings: torch.Tensor) -> None:
@@ -229,7 +234,7 @@ def _frequency_presence(logits: torch.Tensor, pairs: torch.Tensor, rows: torch.T
     logits[rows] = sub
 
 
-def _apply_penalties(row: torch.Tensor, req: Request) -> None:
+def _apply_penalties(row: torch.Tensor, req) -> None:
     """One row's penalties in place (the batched path on a batch of one)."""
     plan = _Plan.build([req], row.shape[-1])
     settings, index = to_device(plan.settings, row.device), to_device(plan.index, row.device)
@@ -240,7 +245,7 @@ def _apply_penalties(row: torch.Tensor, req: Request) -> None:
         _frequency_presence(logits, index[plan.freq_slice], index[plan.counted_slice], settings)
 
 
-def _banned(req: Request, vocab: int) -> list[int]:
+def _banned(req, vocab: int) -> list[int]:
     """Tokens this request may not sample now: EOS and stop tokens before min_tokens, and the last
     token of every bad word whose other tokens the output ends with."""
     banned = []

@@ -1,4 +1,5 @@
-"""One step's flat inputs, built on the host and sent to the device in two transfers.
+"""One step's flat inputs, built on the host from the persistent batch and sent to the device in
+two transfers.
 
 The flat batch is [empty rows][decode rows][prefill chunks]. Empty rows pad the step to a size the
 device path wants (a GEMM bucket on the CPU fast path, a captured CUDA graph's batch size): decode
@@ -7,129 +8,24 @@ give zeros), never sampled. Padding rows of padded batches (static, dynamic) go 
 like the others, one-token rows with the decodes and longer ones with the prefills; they read
 their member's cache but are never stored nor sampled.
 
-Block tables live in `BlockTables`, a device tensor with a row per scheduled sequence that is kept
-from step to step: a step writes only what changed (a new sequence's table, the blocks a sequence
-gained), instead of rebuilding every table from Python lists (2.7 ms at 256 sequences of 8k
-tokens). Each step gathers its rows from it on the device. A model whose layers form several
-KV-cache groups (backend/kv/groups.py: local sliding-window layers beside global ones) has a table
-per group for each sequence and a slot mapping per group: both carry the group first.
+Everything a row needs comes from its sequence's state (input_batch.py): its tokens, its block
+tables' host mirror (the slots), its row of the device tables (gathered on the device). The
+step's table writes (input_batch.BlockTables) travel in the same two transfers. The decode rows,
+most of a step's rows, are computed with numpy over the batch at once; prefill chunks one by one.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
 
-from backend.kv.block_pool import NULL_BLOCK
+from backend.core.step import StepPlan
 from backend.worker.device import to_device
+from backend.worker.input_batch import InputBatch
 from backend.worker.lora.segments import adapter_runs, order_by_adapter
 
-log = logging.getLogger(__name__)
 PAD_TOKEN_ID = 0  # what padding and empty rows feed the model; their results are discarded
-
-
-class BlockTables:
-    """Every scheduled sequence's block tables, a row each, in one int32 device tensor
-    [groups, rows, width]: a table per KV-cache group.
-
-    A sequence keeps its row while it is scheduled; a row whose sequence was not in the last step
-    is given to a new one. A row remembers, per group, the table it was written from (the block
-    manager's list, which only grows by appending or gives back entries before the window,
-    NULL_BLOCK; any other change gives the sequence a new list) and how many entries it wrote, so
-    the next step writes only the new ones. Entries past a sequence's length, and given-back ones
-    (written as block 0), are stale but valid block ids: the kernels never read them, and the
-    torch references only gather them for positions they mask."""
-
-    def __init__(self, rows: int, width: int, block_size: int, device: torch.device, groups: int = 1):
-        self.width = width
-        self.block_size = block_size
-        self.device = device
-        self.groups = groups
-        self.table = torch.zeros((groups, max(rows, 1), width), dtype=torch.int32, device=device)
-        self._row_of: dict[str, int] = {}
-        # per row: None, or per group (the list it was written from, entries written, the last one)
-        self._held: list[Optional[list]] = [None] * self.table.shape[1]
-
-    @property
-    def rows(self) -> int:
-        return self.table.shape[1]
-
-    def reset(self) -> None:
-        """Forget every sequence (after the warm-up) and zero the table."""
-        self._row_of.clear()
-        self._held = [None] * self.rows
-        self.table.zero_()
-
-    def assign(self, seqs: list) -> tuple[list[int], list[int], list[int], list[int]]:
-        """The rows of `seqs` (ScheduledSeqs, in order) and the writes the step must make:
-        (rows, update rows of the [groups * rows, width] view, update columns, update values)."""
-        rows = [-1] * len(seqs)
-        claimed = set()
-        for i, s in enumerate(seqs):
-            row = self._row_of.get(s.request.seq_id)
-            if row is not None:
-                rows[i] = row
-                claimed.add(row)
-        if -1 in rows:
-            self._give_rows(seqs, rows, claimed)
-        ur: list[int] = []
-        uc: list[int] = []
-        uv: list[int] = []
-        height = self.rows
-        for row, s in zip(rows, seqs):
-            tables = (s.block_table, *s.group_tables)
-            if len(tables) != self.groups:
-                raise ValueError(f"{s.request.seq_id} has {len(tables)} block tables for {self.groups} KV-cache groups")
-            held = self._held[row] or [None] * self.groups
-            for g, table in enumerate(tables):
-                n = len(table)
-                if n > self.width:
-                    raise ValueError(f"a block table of {n} blocks exceeds the {self.width} that max_model_len allows")
-                start = 0
-                if held[g] is not None and held[g][0] is table and held[g][1] <= n and (
-                        held[g][1] == 0 or table[held[g][1] - 1] == held[g][2]):
-                    start = held[g][1]
-                if n > start:
-                    ur += [g * height + row] * (n - start)
-                    uc += range(start, n)
-                    uv += [b if b != NULL_BLOCK else 0 for b in table[start:n]]
-                held[g] = (table, n, table[n - 1] if n else None)
-            self._held[row] = held
-        return rows, ur, uc, uv
-
-    def _give_rows(self, seqs: list, rows: list[int], claimed: set) -> None:
-        for seq_id in [sid for sid, row in self._row_of.items() if row not in claimed]:
-            self._held[self._row_of.pop(seq_id)] = None   # its sequence left the batch
-        free = [r for r, held in enumerate(self._held) if held is None and r not in claimed]
-        free.reverse()
-        for i, s in enumerate(seqs):
-            if rows[i] != -1:
-                continue
-            seq_id = s.request.seq_id
-            if seq_id in self._row_of:               # listed twice in one step: one row
-                rows[i] = self._row_of[seq_id]
-                continue
-            if not free:
-                free = self._grow()
-            rows[i] = self._row_of[seq_id] = free.pop()
-            self._held[rows[i]] = None
-
-    def grow_to(self, rows: int) -> None:
-        """At least `rows` rows (a tensor-parallel rank follows the growth of rank 0's table)."""
-        while self.rows < rows:
-            self._grow()
-
-    def _grow(self) -> list[int]:
-        old = self.rows
-        table = torch.zeros((self.groups, 2 * old, self.width), dtype=torch.int32, device=self.device)
-        table[:, :old] = self.table
-        self.table = table
-        self._held += [None] * old
-        log.info("block tables grown to %d rows", 2 * old)
-        return list(range(2 * old - 1, old - 1, -1))
 
 
 @dataclass
@@ -150,12 +46,11 @@ class StepInputs:
     decode_max_seq_len: int
     prefill_max_q_len: int
     pure_decode: bool                 # no prefill rows: a decode step (graphable)
-    # Rank 0's alone (tensor parallelism's other ranks compute the step, rank 0 samples it):
-    sampling: list = field(default_factory=list)      # the Requests that sample, in sample_index order
-    sampled_seqs: list = field(default_factory=list)  # their ScheduledSeqs (a verify row has 1 + drafts rows in sample_index)
-    has_drafts: bool = False          # some row verifies drafts (backend/worker/rejection.py samples the step)
-    # LoRA (every rank): the adapter runs (first row, end row, slot) and the slot writes (slot, load
-    # id) rank 0 made for them (backend/worker/lora/manager.py)
+    sampling: list = field(default_factory=list)      # the SeqStates that sample, in sample_index order
+    sampled_rows: list = field(default_factory=list)  # their plan Rows (a verify row has 1 + drafts rows in sample_index)
+    has_drafts: bool = False          # some row verifies drafts (rejection.py samples the step)
+    # LoRA: the adapter runs (first row, end row, slot) and the slot writes (slot, load id) rank 0
+    # made for them (backend/worker/lora/manager.py)
     lora_runs: list = field(default_factory=list)
     lora_writes: list = field(default_factory=list)
 
@@ -163,11 +58,9 @@ class StepInputs:
 @dataclass
 class HostStep:
     """A step's integers packed on the host (one int64 and one int32 array, parts 16-byte aligned)
-    with the facts the launches need: what build_step places on the device, and what tensor
-    parallelism's rank 0 sends every other rank (backend/worker/parallel/step_message.py)."""
+    with the facts the launches need: what `place_step` puts on the device."""
     int64: np.ndarray
-    int64_sizes: list[int]   # ids, positions, slots (per group), decode rows, prefill rows, sample index, table writes (row, col),
-    #                          LoRA runs (first row, end row, slot)..., LoRA slot writes (slot, load id)...
+    int64_sizes: list[int]   # ids, positions, slots (per group), decode rows, prefill rows, sample index, table writes (row, col)
     int32: np.ndarray
     int32_sizes: list[int]   # decode lengths, prefill cu_seqlens, prefill lengths, table writes (value)
     num_decode_rows: int
@@ -176,81 +69,109 @@ class HostStep:
     decode_max_seq_len: int
     prefill_max_q_len: int
     pure_decode: bool
-    table_rows: int          # the BlockTables rows its row numbers assume
 
 
-def build_step(out, tables: BlockTables, empty_rows: int, verify_as_decode: bool = False, send=None,
-               lora=None) -> StepInputs:
-    """SchedulerOutput -> StepInputs: the host work of a step, then two host-to-device copies (the
-    int64 and the int32 arrays) and the block-table writes. Each part is grouped by LoRA adapter,
-    so an adapter's rows are row ranges in every layer. `verify_as_decode`: a verify row's
+def step_rows(plan: StepPlan, batch: InputBatch, verify_as_decode: bool) -> tuple[list, list]:
+    """The plan's rows in the flat batch's order: (decode rows, prefill rows), each grouped by LoRA
+    adapter so an adapter's rows are row ranges in every layer. `verify_as_decode`: a verify row's
     1 + k queries attend as 1 + k decode rows of one sequence (lengths start + 1 .. start + 1 + k:
-    causal, its K/V stored first like every row's) rather than as a prefill chunk; the CPU's
-    decode kernel reads the cache where it lies, where prefill attention copies the context.
-    `send(host_step)`, when given, gets the packed step before it is placed (tensor parallelism:
-    rank 0 sends it to the other ranks). `lora`: the LoRAManager that gives the adapter runs their
-    slots (its `assign`), when LoRA is on."""
-    verify = [s for s in out.prefills if s.draft_token_ids] if verify_as_decode else []
-    decodes = order_by_adapter(out.decodes + [s for s in out.padding if s.num_new_tokens == 1] + verify)
-    prefills = order_by_adapter([s for s in out.prefills if not (verify and s.draft_token_ids)]
-                                + [s for s in out.padding if s.num_new_tokens > 1])
-    seqs = decodes + prefills
-    rows, ur, uc, uv = tables.assign(seqs)
-    ids: list[int] = [PAD_TOKEN_ID] * empty_rows
-    positions: list[int] = [0] * empty_rows
-    slots: list[list[int]] = [[-1] * empty_rows for _ in range(tables.groups)]  # per KV-cache group
-    bs = tables.block_size
-    sample_index: list[int] = []
-    sampling = []
-    sampled_seqs = []
-    end = empty_rows
-    for s in seqs:  # plain ints: most rows are one decode token, where numpy costs more
-        start, n = s.start, s.num_new_tokens
-        positions += range(start, start + n)
-        end += n
-        if s.padding:
-            ids += [PAD_TOKEN_ID] * n
-            for group_slots in slots:
-                group_slots += [-1] * n
+    causal, its K/V stored first like every row's) rather than as a prefill chunk; the CPU's decode
+    kernel reads the cache where it lies, where prefill attention copies the context."""
+    verify = [r for r in plan.prefills if r.draft_token_ids] if verify_as_decode else []
+    lora_of = (lambda r: batch.seqs[r.seq_id].lora_name)  # noqa: E731
+    decodes = order_by_adapter(plan.decodes + [r for r in plan.padding if r.num_new_tokens == 1] + verify, lora_of)
+    prefills = order_by_adapter([r for r in plan.prefills if not (verify and r.draft_token_ids)]
+                                + [r for r in plan.padding if r.num_new_tokens > 1], lora_of)
+    return decodes, prefills
+
+
+def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_decode: bool = False,
+               lora=None, lora_plan=None) -> StepInputs:
+    """A plan (already applied to `batch`) -> StepInputs: the host work of a step, then two
+    host-to-device copies (the int64 and the int32 arrays, the table writes among them). `lora`:
+    the LoRAManager that gives the adapter runs their slots (its `assign`); `lora_plan`: the runs
+    and writes rank 0 made (a tensor-parallel rank follows them)."""
+    decodes, prefills = step_rows(plan, batch, verify_as_decode)
+    seqs = batch.seqs
+    tables = batch.tables
+    bs, groups = tables.block_size, tables.groups
+    sampling, sampled_rows = [], []
+    # -- decode rows, at once: one query each (a verify row's k + 1 queries are k + 1 decode rows)
+    d_states = [seqs[r.seq_id] for r in decodes]
+    d_rows = np.array([s.row for s, r in zip(d_states, decodes) for _ in range(r.num_new_tokens)], dtype=np.int64)
+    d_pos = np.array([r.start + i for r in decodes for i in range(r.num_new_tokens)], dtype=np.int64)
+    d_ids: list[int] = []
+    for s, r in zip(d_states, decodes):
+        if r.padding:
+            d_ids += [PAD_TOKEN_ID] * r.num_new_tokens
+        else:
+            d_ids += s.token_ids(r.start, r.start + r.num_new_tokens - len(r.draft_token_ids))
+            d_ids += r.draft_token_ids
+    nd = len(d_pos)
+    d_slots = tables.host[:, d_rows, d_pos // bs].astype(np.int64) * bs + d_pos % bs if nd else np.zeros((groups, 0), np.int64)
+    pad_mask = np.array([r.padding for r in decodes for _ in range(r.num_new_tokens)], dtype=bool)
+    if pad_mask.any():
+        d_slots[:, pad_mask] = -1
+    # -- prefill chunks, one by one
+    p_ids: list[int] = []
+    p_pos: list[int] = []
+    p_slots: list[np.ndarray] = []
+    for r in prefills:
+        s, start, n = seqs[r.seq_id], r.start, r.num_new_tokens
+        pos = np.arange(start, start + n, dtype=np.int64)
+        p_pos.append(pos)
+        if r.padding:
+            p_ids += [PAD_TOKEN_ID] * n
+            p_slots.append(np.full((groups, n), -1, dtype=np.int64))
             continue
-        drafts = s.draft_token_ids  # a verify row: its last token, then its drafts
-        ids += s.request.token_ids(start, start + n - len(drafts))
-        ids += drafts
-        for group_slots, table in zip(slots, (s.block_table, *s.group_tables)):
-            group_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        if s.samples:
-            sample_index += range(end - 1 - len(drafts), end)  # a verify row keeps every position's logits
-            sampling.append(s.request)
-            sampled_seqs.append(s)
-    nd = len(decodes)
-    d_lens = [0] * empty_rows + [s.start + 1 + i for s in decodes for i in range(s.num_new_tokens)]
-    d_rows = [0] * empty_rows + [row for row, s in zip(rows, decodes) for _ in range(s.num_new_tokens)]
-    q_lens = [s.num_new_tokens for s in prefills]
-    p_lens = [s.start + s.num_new_tokens for s in prefills]
+        p_ids += s.token_ids(start, start + n - len(r.draft_token_ids))
+        p_ids += r.draft_token_ids
+        p_slots.append(tables.host[:, s.row, pos // bs].astype(np.int64) * bs + pos % bs)
+    # -- which logits are sampled: every sampling row's last position (a verify row's k + 1)
+    sample_index: list[int] = []
+    end = empty_rows
+    for r in decodes + prefills:
+        end += r.num_new_tokens
+        if r.samples and not r.padding:
+            k = len(r.draft_token_ids)
+            sample_index += range(end - 1 - k, end)
+            sampling.append(seqs[r.seq_id])
+            sampled_rows.append(r)
+    ids = np.concatenate([np.full(empty_rows, PAD_TOKEN_ID, dtype=np.int64), np.asarray(d_ids, dtype=np.int64)]
+                         + ([np.asarray(p_ids, dtype=np.int64)] if p_ids else []))
+    positions = np.concatenate([np.zeros(empty_rows, dtype=np.int64), d_pos, *p_pos])
+    slots = np.concatenate([np.full((groups, empty_rows), -1, dtype=np.int64), d_slots, *p_slots], axis=1)
+    d_lens = np.concatenate([np.zeros(empty_rows, dtype=np.int64), d_pos + 1])
+    d_rows_all = np.concatenate([np.zeros(empty_rows, dtype=np.int64), d_rows])
+    p_rows = [seqs[r.seq_id].row for r in prefills]
+    q_lens = [r.num_new_tokens for r in prefills]
+    p_lens = [r.start + r.num_new_tokens for r in prefills]
     cu = np.zeros(len(prefills) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
-    blocks = lambda n_tokens: min(-(-n_tokens // bs), tables.width)  # noqa: E731
-    lora_runs, lora_writes = lora.assign(adapter_runs(empty_rows, seqs)) if lora is not None else ([], [])
-    int64, int64_sizes = _pack([ids, positions, [x for group_slots in slots for x in group_slots], d_rows, rows[nd:],
-                                sample_index, ur, uc,
+    ur, uc, uv = tables.take_writes()
+    if lora_plan is not None:
+        lora_runs, lora_writes = lora_plan
+    elif lora is not None:
+        lora_runs, lora_writes = lora.assign(adapter_runs(empty_rows, decodes + prefills, lambda r: seqs[r.seq_id].lora_name))
+    else:
+        lora_runs, lora_writes = [], []
+    int64, int64_sizes = _pack([ids, positions, slots.reshape(-1), d_rows_all, p_rows, sample_index, ur, uc,
                                 [v for run in lora_runs for v in run], [v for w in lora_writes for v in w]], np.int64)
     int32, int32_sizes = _pack([d_lens, cu, p_lens, uv], np.int32)
+    width = tables.width
+    max_d = int(d_lens.max()) if d_lens.size else 0
     host = HostStep(int64, int64_sizes, int32, int32_sizes, num_decode_rows=len(d_lens),
-                    decode_width=max([1] + [blocks(n) for n in d_lens]),
-                    prefill_width=max([1] + [blocks(n) for n in p_lens]),
-                    decode_max_seq_len=max(d_lens, default=0), prefill_max_q_len=max(q_lens, default=0),
-                    pure_decode=not prefills, table_rows=tables.rows)
-    if send is not None:
-        send(host)
+                    decode_width=max(1, min(-(-max_d // bs), width)),
+                    prefill_width=max([1] + [min(-(-n // bs), width) for n in p_lens]),
+                    decode_max_seq_len=max_d, prefill_max_q_len=max(q_lens, default=0), pure_decode=not prefills)
     step = place_step(host, tables)
-    step.sampling, step.sampled_seqs = sampling, sampled_seqs
-    step.has_drafts = any(s.draft_token_ids for s in sampled_seqs)
+    step.sampling, step.sampled_rows = sampling, sampled_rows
+    step.has_drafts = any(r.draft_token_ids for r in sampled_rows)
     return step
 
 
-def place_step(host: HostStep, tables: BlockTables) -> StepInputs:
+def place_step(host: HostStep, tables) -> StepInputs:
     """A packed step on the device (two copies), its block-table writes made."""
-    tables.grow_to(host.table_rows)
     lp = _place(host.int64, host.int64_sizes, tables.device)
     ip = _place(host.int32, host.int32_sizes, tables.device)
     if ip[3].shape[0]:

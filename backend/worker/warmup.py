@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from backend.core.request import MAX_LOGPROBS, Request, SamplingParams
-from backend.core.step import ScheduledSeq, SchedulerOutput
+from backend.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from backend.core.step import NewSeq, Row, StepPlan
 
 # Every sampler option on: the costliest sampling a step can ask for.
 PARAMS = dict(max_tokens=2, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
@@ -38,18 +38,22 @@ def decode_rows(max_num_seqs: int) -> list[int]:
 
 
 def warm_up_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-                  vocab_size: int) -> Iterator[SchedulerOutput]:
-    """The warm-up's SchedulerOutputs; their block tables use blocks 0 .. the prefill's count - 1."""
+                  vocab_size: int, groups: int = 1) -> Iterator[StepPlan]:
+    """The warm-up's step plans, each of sequences of its own (the previous step's are finished in
+    the next). Their block tables use blocks 0 .. the prefill's count - 1, the same in every
+    KV-cache group (a throwaway cache: every group may write the same blocks)."""
     n = prefill_tokens(max_num_batched_tokens, max_model_len)
     eos = (vocab_size - 1,)   # banned by min_tokens
     params = SamplingParams(**PARAMS)
     prompt = [1 + i % (vocab_size - 2) for i in range(n)]
-    request = Request("warm-up-prefill", prompt, params, eos)
-    yield SchedulerOutput(prefills=[ScheduledSeq(request, 0, n, block_table=list(range(-(-n // block_size))))])
+    table = list(range(-(-n // block_size)))
+    held = ["warm-up-prefill"]
+    yield StepPlan(new_seqs=[NewSeq(held[0], prompt, [], params, 0, 0, eos, [], None, (table,) * groups, 0)],
+                   prefills=[Row(held[0], 0, n)])
     for rows in decode_rows(max_num_seqs):
-        decodes = []
-        for i in range(rows):
-            request = Request(f"warm-up-{i}", [1, 2], params, eos, seed=i)
-            request.output_token_ids = [3]
-            decodes.append(ScheduledSeq(request, 2, 1, block_table=[0] * -(-3 // block_size)))
-        yield SchedulerOutput(decodes=decodes)
+        ids = [f"warm-up-{rows}-{i}" for i in range(rows)]
+        table = [0] * -(-3 // block_size)
+        yield StepPlan(new_seqs=[NewSeq(sid, [1, 2], [3], params, i, 0, eos, [], None, (table,) * groups, 2)
+                                 for i, sid in enumerate(ids)],
+                       decodes=[Row(sid, 2, 1) for sid in ids], finished_ids=held)
+        held = ids

@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from kernels import cpuinfo
+
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-Wall", "-Werror"]
@@ -67,15 +69,12 @@ def cache_dir() -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=None)
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """The CPU's feature flags, space-separated (kernels/cpuinfo.py), in every library's cache key
+    and read by the kernels that choose a build (tests patch it to play another CPU); where none
+    are listed, platform.processor()."""
+    flags = cpuinfo.cpu_flags()
+    return " ".join(sorted(flags)) if flags else platform.processor()
 
 
 def _compiler() -> Optional[str]:

@@ -26,7 +26,8 @@ from backend.engine.structured.compile_pool import CompileFailed, CompileJob, Co
 from backend.core.structured import FIELD, CompiledConstraint, StructuredOutputs
 
 if TYPE_CHECKING:
-    from backend.core.request import Request, SamplingParams
+    from backend.core.sampling_params import SamplingParams
+    from backend.core.request import Request
     from backend.sched.grammar import GrammarState
     from backend.text.tokenizer import Tokenizer
 

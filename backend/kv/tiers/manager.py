@@ -4,7 +4,8 @@ tiers"). No torch here: it decides which blocks move, the model runner moves the
 - saves: cached blocks the block manager hands out again (`blocks_removed`, its listener hook; their
   KV is intact until the step's model run) go to host slots, and with a disk tier on to files;
 - loads: admission `probe`s, `claim`s and `start_load`s the blocks after a request's device prefix;
-- each step `poll` takes in what landed and `move` has the runner copy the plan before the model run.
+- each step `poll` takes in what landed; `take_plan` gives the step's copies to its plan (the worker
+  makes them before the step's model run, backend/worker/kv_copier.py) and `issued` takes their handle.
 """
 from __future__ import annotations
 
@@ -165,30 +166,27 @@ class KVTiers(BlockListener):
         self._loads.remove(load)
         return load.retire(self.host)
 
-    def move(self, idle: bool = False) -> None:
-        """The step's copies by the runner's copier, before the model run (`idle`: none runs, so wait a
-        little for a disk read). If they fail, the saves are forgotten and the loads bring nothing."""
-        plan = self.take_plan()
-        try:
-            handle = self.copier.execute(plan) if plan else None
-        except BaseException:
-            saved, loads = self._issuing
-            for slot, key in saved:
-                self.host.forget(key)
-            for load in loads:
-                for slot in load.slots[:load.num_loaded]:
-                    self.host.unpin(slot)
-                load.num_loaded = 0
-            self.issued(None)
-            raise
-        self.issued(handle)
-        if idle and self.disk is not None and any(load.reads_pending for load in self._loads):
-            self.disk.wait(0.005)
+    def abandon(self) -> None:
+        """The plan taken was not carried out (its step failed): its saves are forgotten and its
+        loads bring nothing."""
+        if self._issuing is None:
+            return
+        saved, loads = self._issuing
+        for slot, key in saved:
+            self.host.forget(key)
+        for load in loads:
+            for slot in load.slots[:load.num_loaded]:
+                self.host.unpin(slot)
+            load.num_loaded = 0
+        self.issued(None)
 
     copies_in_flight = property(lambda self: bool(self._inflight))
 
-    def issued(self, handle: Any) -> None:
-        """The runner started the plan's copies; `handle` is None when they are done already."""
+    def issued(self, handle: Any, idle: bool = False) -> None:
+        """The worker started the plan's copies; `handle` is None when they are done already.
+        `idle`: the step ran nothing, so wait a little for a disk read."""
+        if self._issuing is None:  # abandoned
+            return
         (saved, loads), self._issuing = self._issuing, None
         self.counts.host["bytes_stored"] += len(saved) * self.block_bytes
         self.counts.host["bytes_loaded"] += sum(load.num_loaded for load in loads) * self.block_bytes
@@ -198,6 +196,8 @@ class KVTiers(BlockListener):
             self._copies_landed(saved, loads)
         else:
             self._inflight.append((handle, saved, loads))
+        if idle and self.disk is not None and any(load.reads_pending for load in self._loads):
+            self.disk.wait(0.005)
 
     def _copies_landed(self, saved: list[tuple[int, bytes]], loads: list[KVLoad]) -> None:
         for slot, key in saved:

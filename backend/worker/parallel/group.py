@@ -92,9 +92,9 @@ class TensorParallelGroup:
         return int(t.item())
 
     # -- the step message --------------------------------------------------------------------------
-    def send_step(self, host, graph_size: int = 0) -> None:
-        """Rank 0: the step every rank runs next (backend/step_inputs.HostStep)."""
-        self._send(StepMessage(STEP, graph_size, host))
+    def send_step(self, plan, graph_size: int = 0, lora: tuple = ((), ())) -> None:
+        """Rank 0: the step every rank runs next (its plan, backend/core/step.py)."""
+        self._send(StepMessage(STEP, graph_size, plan, lora))
 
     def receive_step(self) -> StepMessage:
         """Ranks 1..N-1: the next step (or STOP) rank 0 sends."""

@@ -31,7 +31,8 @@ def measure(waiting: int, steps: int, reuse: bool) -> dict:
     """In this interpreter: median schedule() ms with and without `waiting` requests queued."""
     from backend.kv.block_manager import BlockManager
     from backend.core.config import EngineConfig
-    from backend.core.request import Request, SamplingParams
+    from backend.core.sampling_params import SamplingParams
+    from backend.core.request import Request
     import backend
 
     if (Path(backend.__file__).parent / "sched").is_dir():

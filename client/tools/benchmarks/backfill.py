@@ -25,7 +25,7 @@ from client.tools.benchmarks.workloads import HOL, make_workload
 def run_once(model_path: str, backfill: bool, items, kv_tokens: int, block_size: int) -> dict:
     from backend.core.config import EngineConfig
     from backend.engine.llm_engine import LLMEngine
-    from backend.core.request import SamplingParams
+    from backend.core.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_path=model_path, enable_backfill=backfill, max_num_seqs=32,
                                     max_tokens_in_paged_kv_cache=kv_tokens, kv_block_size=block_size))

@@ -137,7 +137,9 @@ class DecodeBatch:
     def __init__(self, batch: int, context: int, sampling: str, steps: int, seed: int = 0):
         import random
 
-        from backend.core.request import Request, SamplingParams
+        from backend.core.sampling_params import SamplingParams
+
+        from backend.core.request import Request
 
         self.ScheduledSeq, self.SchedulerOutput = _sched_types()
         rng = random.Random(seed)

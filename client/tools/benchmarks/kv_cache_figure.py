@@ -25,7 +25,8 @@ def simulate(layer_windows: Sequence[int], num_layers: int, tokens: int, max_tok
     """Run one request of `tokens` tokens to its end; the reservation and the use, in layer-blocks."""
     from backend.core.config import EngineConfig
     from backend.kv.groups import KVCacheGroups, kv_layout
-    from backend.core.request import Request, SamplingParams
+    from backend.core.sampling_params import SamplingParams
+    from backend.core.request import Request
     from backend.sched.factory import make_scheduler
     from backend.core.step import Sampled
 

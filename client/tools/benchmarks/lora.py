@@ -85,9 +85,10 @@ def run(model_path: str, batch: int, counts: Sequence[int], rank: int, context: 
     times: dict[tuple[int, str], list[float]] = {k: [] for k in kinds}
     for _ in range(rounds * steps):
         for count, path in order:
-            # the same running batch, dealt `count` adapters for this step (what the runner reads)
+            # the same running batch, dealt `count` adapters for this step (what the worker reads: its
+            # sequences' adapters, backend/worker/input_batch.py)
             for i, req in enumerate(requests):
-                req.lora_name = names[i % count] if count else None
+                engine.runner.batch[req.seq_id].lora_name = names[i % count] if count else None
             cpu_sgmv.MAX_WASTE = batched_waste if path == "batched" else float("-inf")  # -inf: never batched
             t0 = time.perf_counter()
             engine.step()

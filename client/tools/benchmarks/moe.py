@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from typing import Optional
@@ -41,10 +40,12 @@ from backend.worker.cpu_memory import keep_freed_memory
 from backend.models.loader import ModelConfig
 from backend.models.moe import SparseMoeBlock, onednn_linear, pack_experts
 from backend.models.quant_linear import QuantLinear, quantize_q8_0
+from kernels import cpuinfo
 from kernels.cpu import build as cpu_build
 from kernels.cpu import elementwise as cpu_elementwise
 from kernels.cpu import moe as cpu_moe
 from kernels.cpu import quant as cpu_quant
+from kernels.cpuinfo import cpu_model  # also cpu_quant.py's, from here
 from kernels.moe_reference import dense_moe, grouped_moe, route
 from kernels.gpu.quant_bench import random_parts
 from kernels.quant_reference import QK, QK_K, dequantize
@@ -184,22 +185,10 @@ def gemm_scaling(cfg: ModelConfig, tokens: int, repeats: int, isa=None) -> dict:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def isa() -> str:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
+    if cpuinfo.this_cpu() is None:
         return "unknown"
+    flags = cpuinfo.cpu_flags()
     return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "neither AVX2 nor AVX-512"
 
 

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from client.tools.benchmarks.measure import METRIC_KEYS, MODES
+from kernels.cpuinfo import cpu_model
 
 CSV_KEYS = ("target", "mode", "concurrency", "repeat", "rate", "num_requests", "completed", "failed", "duration_s",
             "output_tokens", *METRIC_KEYS, "kv_usage_peak", "kv_usage_mean", "running_mean", "preemptions", "cpu_s",
@@ -131,14 +132,7 @@ def plot(results: Sequence[dict], path: Path, title: str = "") -> None:
 def machine() -> str:
     import psutil
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     gpu = "no GPU"
     try:
         import torch

@@ -24,7 +24,8 @@ def run(seed: int) -> str:
     import backend
     from backend.kv.block_manager import BlockManager
     from backend.core.config import EngineConfig
-    from backend.core.request import Request, SamplingParams
+    from backend.core.sampling_params import SamplingParams
+    from backend.core.request import Request
     if (Path(backend.__file__).parent / "sched").is_dir():
         from backend.sched.factory import make_scheduler
         from backend.core.step import Sampled

@@ -42,7 +42,7 @@ class InProcessTarget:
 
     def run(self, items: Sequence[WorkItem], concurrency: int, progress: bool = False,
             timeout: float = 3600.0) -> dict[str, Any]:
-        from backend.core.request import SamplingParams
+        from backend.core.sampling_params import SamplingParams
 
         self._runs += 1
         records = [Record(item) for item in items]
@@ -119,7 +119,7 @@ class OfflineTarget:
 
     def run(self, items: Sequence[WorkItem], concurrency: int, progress: bool = False,
             timeout: float = 3600.0) -> dict[str, Any]:
-        from backend.core.request import SamplingParams
+        from backend.core.sampling_params import SamplingParams
 
         params = [SamplingParams(max_tokens=w.max_tokens, temperature=0.0, ignore_eos=w.ignore_eos) for w in items]
         before = self.llm.stats()["num_preemptions"]

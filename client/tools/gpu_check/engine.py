@@ -80,7 +80,7 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
             rows.append(dict(batch=b, context=ctx, graphs=graphs, weights=quantization, weight_gb=weight_bytes / 1e9,
                              engine_ms=ms, floor_ms=floor_ms,
                              pct_of_floor=100 * floor_ms / ms, tokens_per_s=b / ms * 1e3,
-                             captured=bool(engine.runner.graphs and engine.runner.graphs.graphs)))
+                             captured=bool(engine.runner.decode_path.graphs and engine.runner.decode_path.graphs.graphs)))
         if quantization == "none":
             replayed[graphs] = _graph_check_tokens(llm, plan["graph_check"], cfg.vocab_size)
         llm.close()

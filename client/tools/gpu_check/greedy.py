@@ -107,7 +107,7 @@ def greedy(plan: dict, model_dir: Path, device: str) -> dict:
     runner = llm.engine.runner
     dtype = str(runner.dtype).replace("torch.", "")
     engine_info = dict(device=str(runner.device), dtype=dtype, kernels=runner.ops.name,
-                       graphs=bool(runner.graphs and runner.graphs.graphs), kv_blocks=runner.num_blocks,
+                       graphs=bool(runner.decode_path.graphs and runner.decode_path.graphs.graphs), kv_blocks=runner.num_blocks,
                        start_s=round(time.monotonic() - start, 1))
     vocab, layers = llm.engine.vocab_size, llm.engine.model_config.num_layers
     runs = []

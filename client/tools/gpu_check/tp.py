@@ -38,7 +38,7 @@ def tensor_parallel(plan: dict, model_dir: Path) -> dict:
             load_s = time.monotonic() - start
             outs = llm.generate(prompts, params)
             runs[tp] = dict(outs=outs, load_s=round(load_s, 1), step_ms=_decode_step_ms(llm, prompts),
-                            graphs=bool(llm.engine.runner.graphs and llm.engine.runner.graphs.graphs),
+                            graphs=bool(llm.engine.runner.decode_path.graphs and llm.engine.runner.decode_path.graphs.graphs),
                             tp_stats=llm.engine.runner.tp.stats() if llm.engine.runner.tp else None)
         finally:
             llm.close()

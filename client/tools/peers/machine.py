@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from kernels import cpuinfo as kernels_cpuinfo
+
 # the /proc/cpuinfo flags reported, those that choose kernels: AVX2 (+FMA, F16C), AVX-512 (F, BW,
 # VNNI, BF16), AVX-VNNI on 256 bits, AMX
 REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
@@ -20,15 +22,13 @@ REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "
 _GGML_OPTION = re.compile(r"^GGML_(NATIVE|SSE42|AVX\w*|FMA|F16C|BMI2|AMX_\w+):BOOL=(\w+)$", re.M)
 
 
-def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, set[str]]:
-    """(model name, flags) of the first processor listed; ("unknown", set()) where unreadable."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
+def cpu_info(cpuinfo: Optional[Path] = None) -> tuple[str, set[str]]:
+    """(model name, flags) of the first processor listed in a cpuinfo file (default: this machine's,
+    kernels/cpuinfo.py); ("unknown", set()) where unreadable."""
+    info = kernels_cpuinfo.this_cpu() if cpuinfo is None else kernels_cpuinfo.read(cpuinfo)
+    if info is None:
         return "unknown", set()
-    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-    flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
-    return (model.group(1).strip() if model else "unknown"), set(flags.group(1).split() if flags else ())
+    return info.model or "unknown", set(info.flags)
 
 
 def inflight_quant_build() -> str:
@@ -52,7 +52,7 @@ def llamacpp_build_options(llama_server: Optional[Path]) -> Optional[dict[str, s
         return None
 
 
-def machine_report(llama_server: Optional[Path], cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+def machine_report(llama_server: Optional[Path], cpuinfo: Optional[Path] = None) -> dict:
     model, flags = cpu_info(cpuinfo)
     return {"cpu_model": model, "isa_flags": {f: f in flags for f in REPORTED_FLAGS},
             "inflight_quant_build": inflight_quant_build(),

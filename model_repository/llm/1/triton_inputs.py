@@ -21,12 +21,13 @@ from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
+from backend.core import defaults
 from backend.core.errors import EngineDeadError, QueueFullError
 from backend.core.input_guard import check_text, guarded, int32
-from backend.core.request import MAX_BAD_WORDS, MAX_STOP_STRINGS, SamplingParams
+from backend.core.sampling_params import MAX_BAD_WORDS, MAX_STOP_STRINGS, SamplingParams
 from templates.tensors import INPUTS, RETURN_FLAGS
 
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = defaults.MAX_TOKENS  # where neither the JSON nor a tensor names max_tokens
 MAX_SAMPLING_PARAMETERS_BYTES = 1 << 20  # the sampling_parameters JSON, and the request parameters
 INPUT_NAMES = tuple(t.name for t in INPUTS)
 # Request parameters Triton itself may attach: never sampling settings.

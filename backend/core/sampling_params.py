@@ -1,0 +1,194 @@
+"""A request's sampling parameters, checked once, and each sequence's random stream. No torch here.
+
+`SamplingParams` is the one place a request's settings are checked: the Triton adapter, the OpenAI
+server and the Python API all build one (from tensors, JSON or keywords) and its `validate` names
+the field and the limit of anything out of range.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Optional
+
+from backend.core import defaults
+from backend.core.input_guard import lone_surrogate
+from backend.core.structured import LEGACY_KEYS, OBJECT_KEYS, StructuredOutputs, fold_legacy_keys
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 64
+MAX_N = 64
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy decoding
+
+
+@dataclass
+class SamplingParams:
+    """vLLM-style sampling settings. A temperature below 1e-5 means greedy."""
+    max_tokens: int = defaults.MAX_TOKENS
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off (vLLM's -1)
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1  # completions of the same prompt (its KV computed once)
+    logprobs: Optional[int] = None  # None: none; 0: the sampled token's; k: also the top k
+    repetition_penalty: float = 1.0  # > 0; above 1 discourages tokens of the prompt and the output
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    bad_words: list[str] = field(default_factory=list)  # words that are never generated
+    # JSON schema, regex, choice, grammar... (backend/structured/): compiled at arrival by the engine
+    structured_outputs: Optional[StructuredOutputs] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
+        self.validate()
+
+    def validate(self) -> None:
+        _int_range("max_tokens", self.max_tokens, 1)
+        _number("temperature", self.temperature, 0.0)
+        _int_range("top_k", self.top_k, -1, hint=" (-1 or 0 disables it)")
+        if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}]; got {self.min_tokens}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2^63); got {self.seed}")
+        _int_range("n", self.n, 1, MAX_N)
+        if self.logprobs is not None:
+            _int_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, exclusive=True)  # vLLM: any > 0
+        _number("presence_penalty", self.presence_penalty, -2.0, high=2.0)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, high=2.0)
+        _strings("stop_words", self.stop, MAX_STOP_STRINGS, "stop strings")
+        _strings("bad_words", self.bad_words, MAX_BAD_WORDS, "bad words")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids; got {len(self.stop_token_ids)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs (a dict of its fields is converted "
+                             f"when SamplingParams is made); got {type(self.structured_outputs).__name__}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """stop_token_ids against the model's vocabulary: -1 or 10**12 would stop nothing."""
+        bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    # -- from JSON (the vLLM backend's sampling_parameters, request parameters) -------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SamplingParams":
+        """Settings from a JSON object whose values may be strings ("0.5", "true"), as the vLLM
+        backend accepts them. `stop_words` is an alias of `stop`. Unknown keys are refused."""
+        kwargs: dict[str, Any] = {}
+        for key, value in fold_legacy_keys(data).items():
+            name = "stop" if key == "stop_words" else key
+            kind = _KINDS.get(name)
+            if kind is None:
+                raise ValueError(f"unknown sampling parameter '{key}'; allowed: {', '.join(KEYS)}")
+            try:
+                kwargs[name] = kind(value)
+            except (TypeError, ValueError, OverflowError):  # OverflowError: float(10**400)
+                raise ValueError(f"sampling parameter '{key}': bad value {_shown(value)}") from None
+        return cls(**kwargs)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError
+    return int(value)
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true"):
+        return True
+    if text in ("0", "false"):
+        return False
+    raise ValueError
+
+
+def _to_strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError
+    return list(value)
+
+
+def _to_ints(value: Any) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError
+    return [_to_int(v) for v in value]
+
+
+def _optional_int(value: Any) -> Optional[int]:
+    return None if value is None else _to_int(value)
+
+
+_KINDS = {"max_tokens": _to_int, "temperature": float, "top_k": _to_int, "top_p": float,
+          "seed": _optional_int, "stop": _to_strings, "stop_token_ids": _to_ints, "ignore_eos": _to_bool,
+          "min_tokens": _to_int, "n": _to_int, "logprobs": _optional_int, "repetition_penalty": float,
+          "presence_penalty": float, "frequency_penalty": float, "bad_words": _to_strings,
+          "structured_outputs": StructuredOutputs.parse}
+assert set(_KINDS) == {f.name for f in fields(SamplingParams)}
+KEYS = tuple(_KINDS) + ("stop_words",) + tuple(k for k in OBJECT_KEYS + tuple(LEGACY_KEYS) if k not in _KINDS)
+SamplingParams.KEYS = KEYS
+
+
+def _int_range(name: str, value: Any, low: int, high: Optional[int] = None, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        limit = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {limit}{hint}; got {value}")
+
+
+def _number(name: str, value: Any, low: float, exclusive: bool = False, high: Optional[float] = None) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if exclusive else value >= low) and (high is None or value <= high)
+    if not ok:
+        limit = f"{'>' if exclusive else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+        raise ValueError(f"{name} must be a finite number {limit}; got {value}")
+
+
+def _strings(name: str, values: list[str], most: int, what: str) -> None:
+    if len(values) > most:
+        raise ValueError(f"{name}: at most {most} {what}; got {len(values)}")
+    for s in values:
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"{name}: each entry must be a string of 1..{MAX_STOP_STRING_CHARS} characters")
+        if lone_surrogate(s, name) is not None:  # "\ud800" would never match any text (and breaks encoders)
+            raise ValueError(f"{name}: each entry must be valid Unicode text; {s!a} holds a lone surrogate")
+
+
+def sampling_stream(params: SamplingParams, seed: int, index: int = 0) -> random.Random:
+    """A sequence's own random stream: one uniform number per sampled token (a request's tokens do
+    not depend on its batch). Seeded by the request's `seed`, else by `seed` (the engine's draw for
+    it); the index-th of its n completions gets a stream of its own, derived from that seed."""
+    rng = random.Random(params.seed if params.seed is not None else seed)
+    if index:
+        rng = random.Random(f"{rng.getrandbits(63)}:{index}")
+    return rng
