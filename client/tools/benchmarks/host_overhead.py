@@ -122,28 +122,19 @@ def counting(counts: Counts) -> Iterator[None]:
             counts.triton += len(launches)
 
 
-def _sched_types():
-    try:
-        from backend.sched import ScheduledSeq, SchedulerOutput   # after the scheduler's move
-    except ImportError:
-        from backend.scheduler import ScheduledSeq, SchedulerOutput
-    return ScheduledSeq, SchedulerOutput
-
-
 class DecodeBatch:
-    """`batch` sequences decoding at `context` cached tokens, their block tables growing in place
-    as the scheduler's do; `sampling` mixes in the settings that cost the sampler work."""
+    """`batch` sequences decoding at `context` cached tokens, as the scheduler's plans describe them
+    (backend/core/step.py): whole in the first plan, then each step's new token and, when a table
+    grew, its new blocks; `sampling` mixes in the settings that cost the sampler work."""
 
     def __init__(self, batch: int, context: int, sampling: str, steps: int, seed: int = 0):
         import random
 
         from backend.core.sampling_params import SamplingParams
 
-        from backend.core.request import Request
-
-        self.ScheduledSeq, self.SchedulerOutput = _sched_types()
         rng = random.Random(seed)
         self.seqs = []
+        self.introduced = False
         for i in range(batch):
             params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
             if sampling == "mixed":    # a quarter each: plain random, top-p/k, penalties, logprobs
@@ -154,27 +145,31 @@ class DecodeBatch:
                                         frequency_penalty=0.2 if kind == 2 else 0.0,
                                         logprobs=2 if kind == 3 else None)
             tokens = [rng.randrange(3, MODEL["vocab_size"]) for _ in range(context + steps + 2)]
-            req = Request(f"r{i}", tokens[:context - 8], params, seed=i)
-            req.output_token_ids = tokens[context - 8:context]    # some output for the penalties
             blocks = [rng.randrange(KV_BLOCKS) for _ in range(-(-len(tokens) // BLOCK_SIZE))]
-            self.seqs.append([req, tokens, blocks, []])
-        self.grow()
-
-    def grow(self) -> None:
-        """The sequences' tables cover their tokens (appended in place, like BlockManager.grow)."""
-        for req, _, blocks, table in self.seqs:
-            table.extend(blocks[len(table):-(-req.num_tokens // BLOCK_SIZE)])
+            # id, params, all its tokens, its blocks, its length, its table's length, the length the worker holds
+            self.seqs.append([f"{id(self)}-{i}", params, tokens, blocks, context, 0, 0])
 
     def step_done(self) -> None:
         """Each sequence sampled one more token."""
-        for req, tokens, _, _ in self.seqs:
-            req.output_token_ids.append(tokens[req.num_tokens])
-        self.grow()
+        for seq in self.seqs:
+            seq[4] += 1
 
     def output(self):
-        out = self.SchedulerOutput()
-        out.decodes = [self.ScheduledSeq(req, req.num_tokens - 1, 1, block_table=table) for req, _, _, table in self.seqs]
-        return out
+        from backend.core.step import NewSeq, Row, SeqUpdate, StepPlan
+        plan = StepPlan()
+        for seq in self.seqs:
+            sid, params, tokens, blocks, length, table_len, held = seq
+            need = -(-length // BLOCK_SIZE)
+            if not self.introduced:
+                plan.new_seqs.append(NewSeq(sid, tokens[:length - 8], tokens[length - 8:length], params, 0, 0, (), [],
+                                            None, (blocks[:need],), length - 1))
+            else:
+                grown = ((table_len, blocks[table_len:need]),) if need > table_len else ()
+                plan.updates.append(SeqUpdate(sid, length - 1, tokens[held:length], blocks=grown))
+            seq[5], seq[6] = need, length
+            plan.decodes.append(Row(sid, length - 1, 1))
+        self.introduced = True
+        return plan
 
 
 def build_runner(model_dir: Path, max_num_seqs: int, max_model_len: int, graphs: bool):
@@ -203,18 +198,18 @@ def measure(runner, batch: int, context: int, sampling: str, steps: int, graphs:
     with torch.inference_mode(), skip:
         with launch.recording():
             for _ in range(2):                      # warm: first-use caches, rows filled
-                runner.run(work.output())
+                runner.execute(work.output())
                 work.step_done()
         for _ in range(COUNTED_STEPS):
             with counting(counts):
-                runner.run(work.output())
+                runner.execute(work.output())
             work.step_done()
         times = []
         with launch.recording():
             for _ in range(steps):
                 out = work.output()
                 start = time.perf_counter()
-                runner.run(out)
+                runner.execute(out)
                 times.append(time.perf_counter() - start)
                 work.step_done()
     row = dict(batch=batch, context=context, sampling=sampling, graphs=graphs,
@@ -227,7 +222,7 @@ def measure(runner, batch: int, context: int, sampling: str, steps: int, graphs:
 @contextlib.contextmanager
 def _skip_replay(runner) -> Iterator[None]:
     """The graphed forward as a no-op: on a GPU it is one replay the host only issues."""
-    graphs = runner.graphs
+    graphs = runner.decode_path.graphs
     original = graphs.forward_static
     outputs: dict = {}
     hidden = runner.model_cfg.hidden_size
@@ -250,7 +245,7 @@ def compare(ref: str, argv: list[str], rounds: int) -> int:
         before.mkdir()
         archive = subprocess.run(["git", "archive", ref], cwd=root, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
-        (before / "client" / "tools" / "host_overhead.py").write_bytes(Path(__file__).read_bytes())
+        (before / "client" / "tools" / "benchmarks" / "host_overhead.py").write_bytes(Path(__file__).read_bytes())
         for i, who in enumerate(["before", "after", "after", "before"] * rounds):
             out = Path(tmp) / f"{i}.json"
             subprocess.run([sys.executable, "-m", "client.tools.benchmarks.host_overhead", *argv, "--json", str(out)], check=True,

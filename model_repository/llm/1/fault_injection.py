@@ -69,12 +69,13 @@ class FaultInjector:
         """Wrap the model run of an AsyncEngine (or LLMEngine) so that armed steps raise."""
         core = getattr(engine, "engine", engine)
         runner = core.runner
-        real_run = runner.run
+        real_run = runner.execute
 
-        def run(*args, **kwargs):
-            self.stall()
-            if self.take("model_step"):
-                raise InjectedFault("injected fault in the model step (INFLIGHT_FAULT_INJECTION)")
-            return real_run(*args, **kwargs)
+        def run(plan):
+            if not plan.is_empty:  # (a plan of no row only tells the worker what left)
+                self.stall()
+                if self.take("model_step"):
+                    raise InjectedFault("injected fault in the model step (INFLIGHT_FAULT_INJECTION)")
+            return real_run(plan)
 
-        runner.run = run
+        runner.execute = run
