@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from backend.worker.device import DeviceEnv
 from backend.core.errors import RankLostError
+from backend.worker.parallel import shm
 from backend.worker.parallel.launcher import LocalWorkers
 from backend.models.parallel.plan import ShardPlan
 from backend.worker.parallel.step_message import HEADER_LEN, STEP, STOP, StepMessage, decode, encode, payload_length
@@ -40,6 +41,7 @@ from backend.worker.parallel.step_message import HEADER_LEN, STEP, STOP, StepMes
 log = logging.getLogger(__name__)
 FAILED_KEY = "inflight/failed/"  # + rank: why a rank that had joined could not go on
 LEFT_KEY = "inflight/left/"  # + rank: the rank has left the process group after STOP
+SHM_KEY = "inflight/shm"  # the shared-memory segment of the ranks' collectives ("" when gloo carries them)
 LEAVE_TIMEOUT = 10.0  # seconds rank 0 waits for the ranks on other machines to leave
 # Waiting for the next step is not a fault: an idle server's workers wait in a broadcast for hours.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -67,18 +69,46 @@ class TensorParallelGroup:
         dist.init_process_group(self.backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=size,
                                 timeout=timeout, **kwargs)
         self.cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if self.backend == "nccl" else None
+        self.shm = self._shared_memory()
         if workers is not None:
             threading.Thread(target=self._watch, name="inflight-tp-watch", daemon=True).start()
+
+    def _shared_memory(self) -> Optional[shm.ShmCollectives]:
+        """On the CPU with every rank on rank 0's machine: the collectives through shared memory
+        (shm.py; INFLIGHT_TP_SHM=0 keeps gloo). Rank 0 decides and says so in the store."""
+        if self.backend != "gloo":
+            return None
+        if self.rank == 0:
+            local = self.workers is not None and len(self.workers.procs) == self.size - 1
+            on = local and shm.usable() and os.environ.get("INFLIGHT_TP_SHM", "1") != "0"
+            name = shm.new_segment_name() if on else ""
+            segment = shm.ShmCollectives(name, 0, self.size, lambda: self.failure, create=True) if on else None
+            self.store.set(SHM_KEY, name)
+            if segment is not None:  # every rank maps it, then its file goes
+                self.store.wait([f"{SHM_KEY}/{r}" for r in range(1, self.size)])
+                segment.unlink()
+            return segment
+        name = self.store.get(SHM_KEY).decode()
+        segment = shm.ShmCollectives(name, self.rank, self.size, lambda: self.failure) if name else None
+        if segment is not None:
+            self.store.set(f"{SHM_KEY}/{self.rank}", "")
+        return segment
 
     # -- the model's collectives -------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place (a row-parallel layer's partial outputs)."""
         with self._timed("all_reduce"):
-            dist.all_reduce(tensor)
+            if self.shm is not None and self.shm.fits(tensor):
+                self.shm.all_reduce(tensor)
+            else:
+                dist.all_reduce(tensor)
         return tensor
 
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` side by side along the last dimension (the vocabulary shards)."""
+        if self.shm is not None and self.shm.fits(tensor):
+            with self._timed("all_gather"):
+                return self.shm.all_gather_last(tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         with self._timed("all_gather"):
             dist.all_gather(parts, tensor.contiguous())
@@ -202,6 +232,8 @@ class TensorParallelGroup:
             except Exception:
                 log.warning("could not send STOP to the tensor-parallel ranks; ending them")
         self._closed = True
+        if self.shm is not None:
+            self.shm.close()
         if self.workers is not None:
             self.workers.stop(LEAVE_TIMEOUT if graceful else 0.0)
         if self.rank == 0 and self.failure is None and graceful:
