@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from backend.kv import sizing as kv_sizing
 from backend.kv.sizing import CacheShare, GpuMemory, blocks_that_fit, kv_bytes_per_token
 from backend.models.loader import load_model_config
 from backend.worker import memory

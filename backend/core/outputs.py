@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -60,19 +60,6 @@ class CoreOutput:
         return self.finish_reason is not None
 
 
-def merge_core_outputs(first: Optional[CoreOutput], then: CoreOutput) -> CoreOutput:
-    """One output carrying `first`'s new tokens followed by `then`'s, with `then`'s state (outputs
-    held back, then sent as one: a padded batch's)."""
-    if first is None:
-        return then
-    logprobs = None
-    if first.new_logprobs is not None or then.new_logprobs is not None:
-        logprobs = list(first.new_logprobs or []) + list(then.new_logprobs or [])
-    queued = first.queue_seconds if then.queue_seconds is None else then.queue_seconds
-    return dataclasses.replace(then, new_token_ids=first.new_token_ids + then.new_token_ids, new_logprobs=logprobs,
-                               queue_seconds=queued, queue=then.queue or first.queue)
-
-
 @dataclass
 class RequestOutput:
     request_id: str
@@ -97,19 +84,23 @@ class RequestOutput:
     error_kind: Optional[str] = None
 
 
-def merge_outputs(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:
-    """One output that carries `first`'s new tokens and text followed by `then`'s, and `then`'s
-    totals and state (finished, finish_reason, error): outputs held back, then sent as one.
-    With no `first`, `then` itself."""
+Output = Union[CoreOutput, "RequestOutput"]
+
+
+def merge_outputs(first: Optional[Output], then: Output) -> Output:
+    """One output that carries `first`'s new tokens (and text) followed by `then`'s, and `then`'s
+    totals and state (finished, finish_reason, error): outputs held back, then sent as one (a
+    padded batch's CoreOutputs, a stream's RequestOutputs past its backlog). With no `first`,
+    `then` itself."""
     if first is None:
         return then
     logprobs = None
     if first.new_logprobs is not None or then.new_logprobs is not None:
         logprobs = list(first.new_logprobs or []) + list(then.new_logprobs or [])
     queued = first.queue_seconds if then.queue_seconds is None else then.queue_seconds
+    text = {"new_text": first.new_text + then.new_text} if isinstance(then, RequestOutput) else {}
     return dataclasses.replace(then, new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
-                               new_text=first.new_text + then.new_text, new_logprobs=logprobs,
-                               queue_seconds=queued, queue=then.queue or first.queue)
+                               new_logprobs=logprobs, queue_seconds=queued, queue=then.queue or first.queue, **text)
 
 
 class StopStringMatcher:

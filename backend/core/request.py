@@ -9,6 +9,7 @@ import time
 from typing import Optional
 
 from backend.core.sampling_params import SamplingParams
+from backend.core.tokens import TokenSequence
 
 
 def seq_id_of(request_id: str, index: int) -> str:
@@ -30,7 +31,7 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.WAITING_FOR_GRAMMAR)
 
 
-class Request:
+class Request(TokenSequence):
     """One sequence: its tokens, how many of them have KV in the cache, and its state.
 
     A request with n > 1 completions is n sequences: `index` tells them apart and `seq_id` names
@@ -77,27 +78,6 @@ class Request:
         # the root of its prefix-cache keys (the adapter's; b"" for the base model)
         self.lora_name: Optional[str] = None
         self.cache_salt = b""
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without copying the rest (the runner asks for one token per step)."""
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def max_total_tokens(self) -> int:

@@ -25,7 +25,6 @@ import threading
 from collections import deque
 from typing import Any, Callable, Optional
 
-from backend.kv.block_manager import BlockManager
 from backend.core.kv_events_config import KVEventsConfig
 from backend.kv.events import KVEventCollector, VllmEventEncoder
 

@@ -1,12 +1,15 @@
-"""Scheduling: who runs each engine step, and with how many tokens. No torch here.
+"""sched: who runs each engine step, with how many tokens, and the plan the worker gets of it. No
+torch at import.
 
-- `step.py`: the step contract (`ScheduledSeq`, `SchedulerOutput`, `Sampled`), data only: all the
-  model runner imports from here;
-- `scheduler.py`: batch forming for in-flight batching (`Scheduler`), composed of
-  `pool.py` (who waits and who runs, and every move between them), `admission.py` (which waiting
-  requests start; `backfill.py` for the head's reservation), `policies.py` (capacity: who may hold
-  KV blocks) and `batching.py` (the `batching_mode` gates);
-- `padded.py`: request-level padded batches (static, dynamic), all of them;
-- `factory.py`: `make_scheduler`, which picks one.
-See docs/design.md, "Scheduling and admission".
+- `scheduler.py`: batch forming for in-flight batching (`Scheduler`), composed of `pool.py` (who
+  waits and who runs, and every move between them), `admission.py` (which waiting requests start;
+  `backfill.py` for the head's reservation), `policies.py` (capacity: who may hold KV blocks) and
+  `batching.py` (the `batching_mode` gates); `batch.py`, its batch of one step over live requests;
+- `step_plan.py`: the step plan made of a batch (backend/core/step.py): what the worker does not
+  know yet of each sequence, by id; with the grammar bitmask of the constrained rows (`grammar.py`:
+  each sequence's grammar state, advanced by the update) and the KV tiers' copies;
+- `speculation.py`: room for drafts in a formed batch; `lora_slots.py`: adapters per step;
+  `grammar_waitlist.py`: requests whose constraint compiles, out of the queue until it is ready;
+- `padded.py`: request-level padded batches (static, dynamic), all of them; `factory.py` picks one.
+May import core, text and kv. See docs/design.md, "Scheduling and admission".
 """

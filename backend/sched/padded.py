@@ -20,7 +20,7 @@ import dataclasses
 import time
 from typing import Iterable
 
-from backend.core.outputs import CoreOutput, merge_core_outputs
+from backend.core.outputs import CoreOutput, merge_outputs
 from backend.core.request import Request, RequestStatus, seq_id_of
 from backend.sched.admission import Admission, chunk
 from backend.sched.pool import RequestPool
@@ -176,8 +176,8 @@ class PaddedScheduler(Scheduler):
             held = self._held.pop(key, None)
             if o.finished and o.finish_reason in ("abort", "error"):
                 ready.append(dataclasses.replace(held, finish_reason=o.finish_reason, error=o.error)
-                             if held is not None and held.finished else merge_core_outputs(held, o))
+                             if held is not None and held.finished else merge_outputs(held, o))
             else:
-                self._held[key] = merge_core_outputs(held, o)
+                self._held[key] = merge_outputs(held, o)
         ready.extend(self._held.pop(r.seq_id) for r in self.pool.pop_released() if r.seq_id in self._held)
         return ready

@@ -15,7 +15,7 @@ from typing import Optional
 from backend.core.request import Request
 from backend.core.step import GrammarMasks, NewSeq, Row, SeqUpdate, StepPlan
 from backend.kv.groups import KVCacheGroups
-from backend.sched.batch import ScheduledSeq, SchedulerOutput
+from backend.sched.batch import SchedulerOutput
 
 
 class _Sent:

@@ -22,12 +22,13 @@ import torch
 
 from backend.core.sampling_params import sampling_stream
 from backend.core.step import NewSeq, StepPlan
+from backend.core.tokens import TokenSequence
 from backend.kv.block_pool import NULL_BLOCK
 
 log = logging.getLogger(__name__)
 
 
-class SeqState:
+class SeqState(TokenSequence):
     """A sequence as the worker holds it (what the sampler reads of a request)."""
     __slots__ = ("seq_id", "prompt_token_ids", "output_token_ids", "params", "eos_token_ids", "bad_words_ids",
                  "rng", "lora_name", "num_computed_tokens", "row", "_unique_prompt")
@@ -44,23 +45,6 @@ class SeqState:
         self.num_computed_tokens = new.num_computed_tokens
         self.row = -1  # its row of the block tables; -1: none (preempted)
         self._unique_prompt: Optional[np.ndarray] = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without copying the rest (a decode row asks for one token)."""
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     def set_tokens(self, tokens_from: int, new: list[int]) -> None:
         """Its tokens cut to `tokens_from` (-1: kept whole), then `new` appended."""

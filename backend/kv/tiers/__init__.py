@@ -1,11 +1,12 @@
-"""KV-cache tiers: cached prefix blocks that leave the KV cache go to host memory and to disk, and
-come back on a prefix hit instead of being computed again (docs/design.md, "KV-cache tiers").
+"""KV-cache tiers' bookkeeping: cached prefix blocks that leave the KV cache go to host memory and to
+disk, and come back on a prefix hit instead of being computed again (docs/design.md, "KV-cache
+tiers"). No torch here: the bytes move in the worker (worker/kv_copier.py), the engine builds it
+all (engine/kv_tiers.py).
 
-- `index.py`: which keys the host slots and the disk files hold, LRU order, pins (no torch);
-- `manager.py`: `KVTiers`, the bookkeeping on the engine thread: saves, claims, loads, the step's
-  plan of copies, stats, `check_integrity` (no torch);
-- `disk.py`: the files (fingerprint, checksum) and the thread that reads and writes them (no torch);
-- `fingerprint.py`: what a file must have been written for (no torch);
-- `copier.py`: the host pool and the copies (the model runner's; torch, a CUDA stream on a GPU);
-- `attach.py`: building all of it for an engine.
+- `index.py`: which keys the host slots and the disk files hold, LRU order, pins;
+- `manager.py`: `KVTiers`, the bookkeeping on the engine thread: saves, claims, loads, each step's
+  plan of copies (carried to the worker by the step plan), stats, `check_integrity`;
+- `plan.py`: a step's copies, a claim, a load in flight, the per-tier counts;
+- `disk.py`: the files (fingerprint, checksum) and the thread that reads and writes them;
+- `fingerprint.py`: what a file must have been written for.
 """

@@ -1,6 +1,6 @@
 """The model's fingerprint: what a disk-tier file must have been written for to be loaded. No torch here.
 
-A block's key (backend/block_manager.block_key) names its tokens, not the numbers that computed
+A block's key (backend/kv/block_pool.block_key) names its tokens, not the numbers that computed
 its KV: the same tokens under other weights, another dtype or KV dtype, another block size or
 another tensor-parallel shard give other bytes. The fingerprint covers all of them, so a file
 written by another model or setting is never loaded (backend/kv/tiers/disk.py).

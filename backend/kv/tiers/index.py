@@ -1,6 +1,6 @@
 """What the host pool's slots and the disk tier's files hold, least recently used first. No torch here.
 
-Both tiers are keyed by the prefix cache's chained block keys (backend/block_manager.block_key), so
+Both tiers are keyed by the prefix cache's chained block keys (backend/kv/block_pool.block_key), so
 a key names one block's KV for one model: the same key is the same contents wherever it lies.
 
 A host slot is in exactly one state:

@@ -236,21 +236,12 @@ def _skip_replay(runner) -> Iterator[None]:
 def compare(ref: str, argv: list[str], rounds: int) -> int:
     """This probe on git REF's engine and on this one, in separate processes, A B B A per round (a
     shared machine's drift hits both alike); the medians per configuration, as a markdown table."""
-    import subprocess
+    from client.tools.benchmarks.interleave import ab_runs
 
-    root = Path(__file__).resolve().parents[3]
     results: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        before = Path(tmp) / "before"
-        before.mkdir()
-        archive = subprocess.run(["git", "archive", ref], cwd=root, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
-        (before / "client" / "tools" / "benchmarks" / "host_overhead.py").write_bytes(Path(__file__).read_bytes())
-        for i, who in enumerate(["before", "after", "after", "before"] * rounds):
-            out = Path(tmp) / f"{i}.json"
-            subprocess.run([sys.executable, "-m", "client.tools.benchmarks.host_overhead", *argv, "--json", str(out)], check=True,
-                           cwd=before if who == "before" else root, stdout=subprocess.DEVNULL)
-            for row in json.loads(out.read_text())["rows"]:
+    for who, runs in ab_runs(ref, "client.tools.benchmarks.host_overhead", argv, rounds).items():
+        for run in runs:
+            for row in run["rows"]:
                 key = (row["sampling"], row["context"], row["batch"])
                 name = who if who == "before" else ("graphs" if row["graphs"] else "eager")
                 results.setdefault(key, {}).setdefault(name, []).append(row)

@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -148,25 +145,8 @@ def measure_streams(model_path: str, streams: int, tokens: int) -> dict:
 
 
 def compare(ref: str, argv: list[str], rounds: int) -> int:
-    root = Path(__file__).resolve().parents[3]
-    results: dict[str, list] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        before = Path(tmp) / "before"
-        before.mkdir()
-        archive = subprocess.run(["git", "archive", ref], cwd=root, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
-        here = before / "client" / "tools" / "benchmarks"
-        here.mkdir(parents=True, exist_ok=True)
-        (here / "__init__.py").touch()
-        (here / "host_step.py").write_bytes(Path(__file__).read_bytes())
-        for i, who in enumerate(["before", "after", "after", "before"] * rounds):
-            out = Path(tmp) / f"{i}.json"
-            tree = before if who == "before" else root
-            env = dict(os.environ, PYTHONPATH=str(tree))
-            subprocess.run([sys.executable, "-m", "client.tools.benchmarks.host_step", *argv, "--json", str(out)],
-                           check=True, cwd=tree, env=env, stdout=subprocess.DEVNULL)
-            results[who].append(json.loads(out.read_text()))
-    print(json.dumps(summary(results), indent=1))
+    from client.tools.benchmarks.interleave import ab_runs
+    print(json.dumps(summary(ab_runs(ref, "client.tools.benchmarks.host_step", argv, rounds)), indent=1))
     return 0
 
 
