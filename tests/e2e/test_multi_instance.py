@@ -76,8 +76,18 @@ def test_per_instance_metrics_sum_to_the_server_totals(two_instance_server):
     try:
         # All eight admitted at once (plenty of KV, max_num_seqs 64): the running gauges of the two
         # instances must then sum to eight, with some on each engine.
-        running = wait_until(lambda: (lambda r: r if sum(r.values()) == REQUESTS else None)(
-            per_instance(scrape(server), "inflight_num_requests_running")), timeout=60, interval=0.02)
+        seen = []  # what the gauges said, for the message of a failure
+
+        def all_running():
+            r = per_instance(scrape(server), "inflight_num_requests_running")
+            if not seen or seen[-1] != r:
+                seen.append(r)
+            return r if sum(r.values()) == REQUESTS else None
+        try:
+            running = wait_until(all_running, timeout=60, interval=0.02)
+        except AssertionError:
+            raise AssertionError(f"never all {REQUESTS} running at once; the gauges said, in turn: {seen[-40:]}; "
+                                 f"done: {sum(r is not None for r in results)}") from None
     finally:
         for t in threads:
             t.join(timeout=120)

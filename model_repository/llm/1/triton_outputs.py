@@ -104,6 +104,9 @@ def queue_tensors(q: Any) -> dict[str, np.ndarray]:
     }
 
 
+FLUSH_AT_ONCE = 256  # histogram samples written between two updates of the gauges
+
+
 class MetricsWriter:
     """Every metric IPC, on a thread of its own: histogram samples (queued by the responder) and
     the engine's gauges and counters (every `interval`, and at once when poked). Each observation
@@ -128,9 +131,12 @@ class MetricsWriter:
         """The engine's figures changed (a request arrived or ended): write them now."""
         self._wake.set()
 
-    def flush(self) -> None:
-        while self._pending:
+    def flush(self, most: Optional[int] = None) -> None:
+        """Write the queued histogram samples (at most `most` of them)."""
+        done = 0
+        while self._pending and (most is None or done < most):
             kind, seconds, count = self._pending.popleft()
+            done += 1
             try:
                 for _ in range(count):
                     self.metrics.observe(kind, seconds)
@@ -141,12 +147,17 @@ class MetricsWriter:
         while not self._closed:
             self._wake.wait(self.interval)
             self._wake.clear()
-            self.flush()
+            # the gauges first, then a bounded share of the samples: under load the samples (one IPC
+            # each, one per token for the inter-token histogram) fall behind, and the gauges a
+            # scraper or an autoscaler reads must not wait behind them
             if self.stats is not None:
                 try:
                     self.metrics.update(self.stats())
                 except Exception:
                     log.exception("metrics update failed")
+            self.flush(FLUSH_AT_ONCE)
+            if self._pending:
+                self._wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
