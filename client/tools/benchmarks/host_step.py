@@ -107,7 +107,10 @@ def measure_streams(model_path: str, streams: int, tokens: int) -> dict:
     """`streams` streaming requests through AsyncEngine on the real model: the engine thread's time
     per step and the detokenizer's time per step on each thread."""
     from backend import EngineConfig, SamplingParams
-    from backend.engine.async_engine import AsyncEngine
+    try:
+        from backend.engine.async_engine import AsyncEngine
+    except ImportError:  # versions before the packages by layer
+        from backend.async_engine import AsyncEngine
     clock = _DetokClock()
     eng = AsyncEngine(EngineConfig(model_path=model_path, max_num_seqs=streams,
                                    cpu_kv_cache_tokens=streams * (PROMPT_TOKENS + tokens + 32)))
