@@ -43,8 +43,8 @@ def step(view: WorkerView, batch: InputBatch, reqs: list, gone=(), preempted=())
 
 
 def check(tables: Tables, batch: InputBatch, scheduled=None) -> None:
-    """The tables of every sequence the last plan scheduled (default: every held one), on the host
-    mirror and the device, where they are not given back."""
+    """The tables of every sequence the last plan scheduled (default: every held one), as the
+    sequence's state holds them and on the device, where they are not given back."""
     bt = batch.tables
     bt.table.view(-1, bt.width)[torch.tensor(bt._ur, dtype=torch.long), torch.tensor(bt._uc, dtype=torch.long)] = \
         torch.tensor(bt._uv, dtype=torch.int32)
@@ -53,7 +53,7 @@ def check(tables: Tables, batch: InputBatch, scheduled=None) -> None:
         if state.row < 0 or (scheduled is not None and sid not in scheduled):
             continue
         for g, table in enumerate(tables.block_tables(sid)):
-            for got in (bt.host[g, state.row, :len(table)].tolist(), bt.table[g, state.row, :len(table)].tolist()):
+            for got in (state.tables[g][:len(table)], bt.table[g, state.row, :len(table)].tolist()):
                 # a given-back entry (NULL_BLOCK) may hold any block id: no kernel reads it
                 assert [x for x, b in zip(got, table) if b != NULL_BLOCK] == [b for b in table if b != NULL_BLOCK]
 

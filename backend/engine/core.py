@@ -106,7 +106,7 @@ class EngineCore:
             if sampled is None or s.taken < 0:  # (it ended while the step ran: its final output is out)
                 continue
             req = s.request
-            taken = sampled.tokens[:s.taken]
+            taken = sampled.tokens[:s.taken] if sampled.accepted else ([sampled] if s.taken else [])
             first = len(req.output_token_ids) == s.taken and taken and req.admitted_time is not None
             outputs.append(CoreOutput(
                 req.request_id, req.index, [t.token for t in taken],

@@ -172,7 +172,7 @@ class KVCacheGroups(PoolCounts):
             return 0
         return [g.reuse_prefix(seq_id, hashes=hashes, length=length) for g in self.groups][0]
 
-    def register_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
+    def register_computed(self, seq_id: str, token_ids, num_computed: int,
                           root: bytes = ROOT_KEY) -> None:
         for g in self.groups:
             g.register_computed(seq_id, token_ids, num_computed, root)

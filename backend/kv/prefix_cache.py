@@ -109,15 +109,19 @@ class PrefixCache:
         self._hashed[seq_id] = (length, hashes[length - 1])
         return length * self.block_size
 
-    def register_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int,
-                          root: bytes = ROOT_KEY) -> None:
+    def register_computed(self, seq_id: str, token_ids, num_computed: int, root: bytes = ROOT_KEY) -> None:
         """Publish seq_id's newly completed full blocks so later sequences can share them; `root`
-        as in block_hashes (the sequence's cache salt)."""
+        as in block_hashes (the sequence's cache salt). `token_ids`: its tokens, a list or a
+        sequence's TokenSequence (core/tokens.py: sliced only when a block completes)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(seq_id, [])
         done, parent = self._hashed.get(seq_id, (0, root))
         full = min(num_computed // self.block_size, len(table))
+        if full <= done:
+            return
+        if hasattr(token_ids, "token_ids"):
+            token_ids = token_ids.token_ids(0, full * self.block_size)
         bs = self.block_size
         stored: Optional[list[tuple[int, bytes, bytes]]] = [] if self.listeners else None
         for i in range(done, full):

@@ -204,7 +204,7 @@ class Scheduler:
                 if status is not None:
                     break
             if self.blocks.enable_prefix_caching:  # only verified tokens: num_computed_tokens
-                self.blocks.register_computed(req.seq_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
+                self.blocks.register_computed(req.seq_id, req, req.num_computed_tokens, req.cache_salt)
             if status is not None:
                 self.finish(req, status)
                 finished.append(req)

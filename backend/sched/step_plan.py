@@ -4,8 +4,7 @@ The scheduler forms each step's batch over live requests (batch.py); `WorkerView
 plan the worker runs: a sequence it has not seen is sent whole (`NewSeq`), once; one it holds gets
 only what changed since (`SeqUpdate`: the tokens appended since it last ran, its computed count, the
 block-table entries written since). A block table that only grew sends its new entries; one that
-changed otherwise (trimmed after rejected drafts, a new list) is sent from the first entry that may
-differ. The sequences that left the scheduler since the last plan are named once (`finished_ids`),
+changed otherwise (trimmed after rejected drafts, a new list) is sent whole again. The sequences that left the scheduler since the last plan are named once (`finished_ids`),
 the preempted too (their blocks are gone; they come back `resumed`, tables whole).
 """
 from __future__ import annotations
@@ -25,15 +24,6 @@ class _Sent:
 
     def __init__(self, tokens: int, tables: Optional[list]):
         self.tokens, self.tables = tokens, tables
-
-
-def _table_delta(held: Optional[tuple], table: list[int]) -> Optional[tuple[int, list[int]]]:
-    """(first entry to write, entries) for a table the worker holds as `held` (None: nothing)."""
-    n = len(table)
-    start = 0
-    if held is not None and held[0] is table and held[1] <= n and (held[1] == 0 or table[held[1] - 1] == held[2]):
-        start = held[1]
-    return (start, table[start:]) if n > start or start == 0 else None
 
 
 class WorkerView:
@@ -66,22 +56,36 @@ class WorkerView:
     def _describe(self, req: Request, plan: StepPlan) -> None:
         tables = self.blocks.block_tables(req.seq_id)
         sent = self.known.get(req.seq_id)
+        num_tokens = req.num_tokens
         if sent is None:
             plan.new_seqs.append(NewSeq(req.seq_id, list(req.prompt_token_ids), list(req.output_token_ids), req.params,
                                         req.seed, req.index, req.eos_token_ids, req.bad_words_ids, req.lora_name,
                                         tuple(list(t) for t in tables), req.num_computed_tokens))
-            self.known[req.seq_id] = _Sent(req.num_tokens, [(t, len(t), t[-1] if t else None) for t in tables])
+            self.known[req.seq_id] = _Sent(num_tokens, [(t, len(t), t[-1] if t else None) for t in tables])
             return
-        resumed = sent.tables is None
-        held = sent.tables or [None] * len(tables)
-        deltas = [_table_delta(h, t) for h, t in zip(held, tables)]
-        blocks = ()
-        if any(d is not None for d in deltas):
-            blocks = tuple(d if d is not None else (len(t), []) for d, t in zip(deltas, tables))
-        new = req.token_ids(sent.tokens, req.num_tokens) if req.num_tokens > sent.tokens else []
+        new = req.token_ids(sent.tokens, num_tokens) if num_tokens > sent.tokens else []
+        sent.tokens = num_tokens
+        held, resumed = sent.tables, sent.tables is None
+        if resumed:
+            blocks = tuple((0, list(t)) for t in tables)
+            sent.tables = [(t, len(t), t[-1] if t else None) for t in tables]
+        else:
+            blocks = ()
+            for g, t in enumerate(tables):
+                table, n_sent, last = held[g]
+                n = len(t)
+                if table is t and n_sent <= n and (n_sent == 0 or t[n_sent - 1] == last):
+                    if n == n_sent:
+                        continue  # unchanged (entries given back before the window are never read)
+                    start = n_sent
+                else:
+                    start = 0  # another list (trimmed, or a new one): from the first entry
+                if not blocks:
+                    blocks = [(len(x), []) for x in tables]
+                blocks[g] = (start, t[start:])
+                held[g] = (t, n, t[-1] if t else None)
+            blocks = tuple(blocks)
         plan.updates.append(SeqUpdate(req.seq_id, req.num_computed_tokens, new, -1, blocks, resumed))
-        sent.tokens = req.num_tokens
-        sent.tables = [(t, len(t), t[-1] if t else None) for t in tables]
 
     def forget(self) -> list[str]:
         """Everything the worker holds (the worker was reset): the ids it should drop."""

@@ -7,10 +7,11 @@ sequence's tokens never depend on its batch), its adapter, its computed count an
 block tables. The sampler and the rejection sampler read it as they read a request. A preempted
 sequence keeps its state (tokens, random stream) and gives up its row; a finished one is dropped.
 
-Block tables live in `BlockTables`, a device tensor with a row per held sequence and its host
-mirror: a plan's table deltas are written to both, and the device's writes of a step go with its
-inputs in the same two transfers (step_inputs.py). A model whose layers form several KV-cache
-groups (backend/kv/groups.py) has a table per group for each sequence.
+Block tables live in `BlockTables`, a device tensor with a row per held sequence; each sequence
+keeps its own tables as lists too (the slots of its rows are computed from them on the host). A
+plan's table deltas are written to both, the device's writes of a step going with its inputs in the
+same two transfers (step_inputs.py). A model whose layers form several KV-cache groups
+(backend/kv/groups.py) has a table per group for each sequence.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 class SeqState(TokenSequence):
     """A sequence as the worker holds it (what the sampler reads of a request)."""
     __slots__ = ("seq_id", "prompt_token_ids", "output_token_ids", "params", "eos_token_ids", "bad_words_ids",
-                 "rng", "lora_name", "num_computed_tokens", "row", "_unique_prompt")
+                 "rng", "lora_name", "num_computed_tokens", "row", "tables", "_unique_prompt")
 
     def __init__(self, new: NewSeq):
         self.seq_id = new.seq_id
@@ -44,6 +45,7 @@ class SeqState(TokenSequence):
         self.lora_name = new.lora_name
         self.num_computed_tokens = new.num_computed_tokens
         self.row = -1  # its row of the block tables; -1: none (preempted)
+        self.tables: list[list[int]] = [[] for _ in new.block_tables]  # per group, as the device holds them
         self._unique_prompt: Optional[np.ndarray] = None
 
     def set_tokens(self, tokens_from: int, new: list[int]) -> None:
@@ -67,11 +69,10 @@ class SeqState(TokenSequence):
 
 class BlockTables:
     """Every held sequence's block tables, a row each, in one int32 device tensor [groups, rows,
-    width] and its host mirror. Writes are made to the mirror at once and queued for the device
-    (`take_writes`: rows of the [groups * rows, width] view, columns, values). Entries past a
-    sequence's length, and given-back ones (NULL_BLOCK, written as block 0), are stale but valid
-    block ids: the kernels never read them, and the torch references only gather them for
-    positions they mask."""
+    width]. Writes are queued for the device (`take_writes`: rows of the [groups * rows, width]
+    view, columns, values). Entries past a sequence's length, and given-back ones (NULL_BLOCK,
+    written as block 0), are stale but valid block ids: the kernels never read them, and the torch
+    references only gather them for positions they mask."""
 
     def __init__(self, rows: int, width: int, block_size: int, device: torch.device, groups: int = 1):
         self.width = width
@@ -80,7 +81,6 @@ class BlockTables:
         self.groups = groups
         rows = max(rows, 1)
         self.table = torch.zeros((groups, rows, width), dtype=torch.int32, device=device)
-        self.host = np.zeros((groups, rows, width), dtype=np.int32)
         self._free = list(range(rows - 1, -1, -1))
         self._ur: list[int] = []
         self._uc: list[int] = []
@@ -94,7 +94,6 @@ class BlockTables:
         """Give every row back and zero the tables (after the warm-up)."""
         self._free = list(range(self.rows - 1, -1, -1))
         self.table.zero_()
-        self.host[:] = 0
         self.take_writes()
 
     def take_row(self) -> int:
@@ -113,7 +112,6 @@ class BlockTables:
         if not entries:
             return
         values = [b if b != NULL_BLOCK else 0 for b in entries]
-        self.host[group, row, start:end] = values
         self._ur += [group * self.rows + row] * len(values)
         self._uc += range(start, end)
         self._uv += values
@@ -127,11 +125,9 @@ class BlockTables:
         old = self.rows
         table = torch.zeros((self.groups, 2 * old, self.width), dtype=torch.int32, device=self.device)
         table[:, :old] = self.table
-        host = np.zeros((self.groups, 2 * old, self.width), dtype=np.int32)
-        host[:, :old] = self.host
         # queued writes name rows of the old [groups * rows, width] view: renumber them
         self._ur = [(r // old) * 2 * old + r % old for r in self._ur]
-        self.table, self.host = table, host
+        self.table = table
         self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
         log.info("block tables grown to %d rows", 2 * old)
 
@@ -161,7 +157,7 @@ class InputBatch:
             state = self.seqs[new.seq_id] = SeqState(new)
             state.row = self.tables.take_row()
             for group, table in enumerate(new.block_tables):
-                self.tables.write(state.row, group, 0, table)
+                self._write(state, group, 0, table)
         for update in plan.updates:
             state = self.seqs[update.seq_id]
             state.set_tokens(update.tokens_from, update.new_token_ids)
@@ -169,7 +165,16 @@ class InputBatch:
             if update.resumed and state.row < 0:
                 state.row = self.tables.take_row()
             for group, (start, entries) in enumerate(update.blocks):
-                self.tables.write(state.row, group, start, entries)
+                self._write(state, group, start, entries)
+
+    def _write(self, state: SeqState, group: int, start: int, entries: list[int]) -> None:
+        """A sequence's table of `group` from entry `start` on is `entries`, on the device and in
+        its own list (stale entries past its end kept, as on the device)."""
+        self.tables.write(state.row, group, start, entries)
+        table = state.tables[group]
+        if start > len(table):
+            table.extend([0] * (start - len(table)))
+        table[start:start + len(entries)] = entries
 
     def __getitem__(self, seq_id: str) -> SeqState:
         return self.seqs[seq_id]

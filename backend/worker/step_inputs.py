@@ -9,9 +9,9 @@ like the others, one-token rows with the decodes and longer ones with the prefil
 their member's cache but are never stored nor sampled.
 
 Everything a row needs comes from its sequence's state (input_batch.py): its tokens, its block
-tables' host mirror (the slots), its row of the device tables (gathered on the device). The
-step's table writes (input_batch.BlockTables) travel in the same two transfers. The decode rows,
-most of a step's rows, are computed with numpy over the batch at once; prefill chunks one by one.
+tables (the slots), its row of the device tables (gathered on the device). The step's table writes
+(input_batch.BlockTables) travel in the same two transfers. Plain ints throughout: most rows are
+one decode token, where numpy costs more than it saves.
 """
 from __future__ import annotations
 
@@ -92,62 +92,44 @@ def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_dec
     the LoRAManager that gives the adapter runs their slots (its `assign`); `lora_plan`: the runs
     and writes rank 0 made (a tensor-parallel rank follows them)."""
     decodes, prefills = step_rows(plan, batch, verify_as_decode)
-    seqs = batch.seqs
-    tables = batch.tables
+    seqs, tables = batch.seqs, batch.tables
     bs, groups = tables.block_size, tables.groups
-    sampling, sampled_rows = [], []
-    # -- decode rows, at once: one query each (a verify row's k + 1 queries are k + 1 decode rows)
-    d_states = [seqs[r.seq_id] for r in decodes]
-    d_rows = np.array([s.row for s, r in zip(d_states, decodes) for _ in range(r.num_new_tokens)], dtype=np.int64)
-    d_pos = np.array([r.start + i for r in decodes for i in range(r.num_new_tokens)], dtype=np.int64)
-    d_ids: list[int] = []
-    for s, r in zip(d_states, decodes):
-        if r.padding:
-            d_ids += [PAD_TOKEN_ID] * r.num_new_tokens
-        else:
-            d_ids += s.token_ids(r.start, r.start + r.num_new_tokens - len(r.draft_token_ids))
-            d_ids += r.draft_token_ids
-    nd = len(d_pos)
-    d_slots = tables.host[:, d_rows, d_pos // bs].astype(np.int64) * bs + d_pos % bs if nd else np.zeros((groups, 0), np.int64)
-    pad_mask = np.array([r.padding for r in decodes for _ in range(r.num_new_tokens)], dtype=bool)
-    if pad_mask.any():
-        d_slots[:, pad_mask] = -1
-    # -- prefill chunks, one by one
-    p_ids: list[int] = []
-    p_pos: list[int] = []
-    p_slots: list[np.ndarray] = []
-    for r in prefills:
-        s, start, n = seqs[r.seq_id], r.start, r.num_new_tokens
-        pos = np.arange(start, start + n, dtype=np.int64)
-        p_pos.append(pos)
-        if r.padding:
-            p_ids += [PAD_TOKEN_ID] * n
-            p_slots.append(np.full((groups, n), -1, dtype=np.int64))
-            continue
-        p_ids += s.token_ids(start, start + n - len(r.draft_token_ids))
-        p_ids += r.draft_token_ids
-        p_slots.append(tables.host[:, s.row, pos // bs].astype(np.int64) * bs + pos % bs)
-    # -- which logits are sampled: every sampling row's last position (a verify row's k + 1)
+    ids: list[int] = [PAD_TOKEN_ID] * empty_rows
+    positions: list[int] = [0] * empty_rows
+    slots: list[list[int]] = [[-1] * empty_rows for _ in range(groups)]  # per KV-cache group
+    d_lens: list[int] = [0] * empty_rows
+    d_rows: list[int] = [0] * empty_rows
     sample_index: list[int] = []
+    sampling, sampled_rows = [], []
     end = empty_rows
-    for r in decodes + prefills:
-        end += r.num_new_tokens
-        if r.samples and not r.padding:
-            k = len(r.draft_token_ids)
-            sample_index += range(end - 1 - k, end)
-            sampling.append(seqs[r.seq_id])
-            sampled_rows.append(r)
-    ids = np.concatenate([np.full(empty_rows, PAD_TOKEN_ID, dtype=np.int64), np.asarray(d_ids, dtype=np.int64)]
-                         + ([np.asarray(p_ids, dtype=np.int64)] if p_ids else []))
-    positions = np.concatenate([np.zeros(empty_rows, dtype=np.int64), d_pos, *p_pos])
-    slots = np.concatenate([np.full((groups, empty_rows), -1, dtype=np.int64), d_slots, *p_slots], axis=1)
-    d_lens = np.concatenate([np.zeros(empty_rows, dtype=np.int64), d_pos + 1])
-    d_rows_all = np.concatenate([np.zeros(empty_rows, dtype=np.int64), d_rows])
-    p_rows = [seqs[r.seq_id].row for r in prefills]
+    for r in decodes + prefills:  # plain ints: most rows are one decode token, where numpy costs more
+        s = seqs[r.seq_id]
+        start, n = r.start, r.num_new_tokens
+        positions += range(start, start + n)
+        end += n
+        if r.padding:
+            ids += [PAD_TOKEN_ID] * n
+            for group_slots in slots:
+                group_slots += [-1] * n
+        else:
+            drafts = r.draft_token_ids  # a verify row: its last token, then its drafts
+            ids += s.token_ids(start, start + n - len(drafts))
+            ids += drafts
+            for group_slots, table in zip(slots, s.tables):
+                group_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if r.samples:
+                sample_index += range(end - 1 - len(drafts), end)  # a verify row keeps every position's logits
+                sampling.append(s)
+                sampled_rows.append(r)
+    for r in decodes:  # each query of a decode row (a verify row's k + 1) reads its sequence's context so far
+        row = seqs[r.seq_id].row
+        d_lens += range(r.start + 1, r.start + 1 + r.num_new_tokens)
+        d_rows += [row] * r.num_new_tokens
     q_lens = [r.num_new_tokens for r in prefills]
     p_lens = [r.start + r.num_new_tokens for r in prefills]
-    cu = np.zeros(len(prefills) + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
+    cu = [0] * (len(prefills) + 1)
+    for i, q in enumerate(q_lens):
+        cu[i + 1] = cu[i] + q
     ur, uc, uv = tables.take_writes()
     if lora_plan is not None:
         lora_runs, lora_writes = lora_plan
@@ -155,11 +137,12 @@ def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_dec
         lora_runs, lora_writes = lora.assign(adapter_runs(empty_rows, decodes + prefills, lambda r: seqs[r.seq_id].lora_name))
     else:
         lora_runs, lora_writes = [], []
-    int64, int64_sizes = _pack([ids, positions, slots.reshape(-1), d_rows_all, p_rows, sample_index, ur, uc,
+    int64, int64_sizes = _pack([ids, positions, [x for group_slots in slots for x in group_slots], d_rows,
+                                [seqs[r.seq_id].row for r in prefills], sample_index, ur, uc,
                                 [v for run in lora_runs for v in run], [v for w in lora_writes for v in w]], np.int64)
     int32, int32_sizes = _pack([d_lens, cu, p_lens, uv], np.int32)
     width = tables.width
-    max_d = int(d_lens.max()) if d_lens.size else 0
+    max_d = max(d_lens, default=0)
     host = HostStep(int64, int64_sizes, int32, int32_sizes, num_decode_rows=len(d_lens),
                     decode_width=max(1, min(-(-max_d // bs), width)),
                     prefill_width=max([1] + [min(-(-n // bs), width) for n in p_lens]),
