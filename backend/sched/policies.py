@@ -84,6 +84,7 @@ class GuaranteedNoEvict(CapacityPolicy):
         super().__init__(blocks)
         self.need_total = 0  # sum of need() over the holders
         self._needs: dict[str, int] = {}  # each holder's need, as counted in need_total
+        self._decoding: set[str] = set()  # holders past their prompt: their need no longer changes
 
     def need(self, request: Request) -> int:
         decoding = request.num_tokens - request.num_computed_tokens <= 1  # a decode step next
@@ -98,12 +99,15 @@ class GuaranteedNoEvict(CapacityPolicy):
 
     def released(self, request: Request) -> None:
         self.need_total -= self._needs.pop(request.seq_id)
+        self._decoding.discard(request.seq_id)
 
     def refresh(self, request: Request) -> None:
         old = self._needs.get(request.seq_id)
-        if old is not None:
+        if old is not None and request.seq_id not in self._decoding:  # a decoding request's need stays
             self._needs[request.seq_id] = self.need(request)
             self.need_total += self._needs[request.seq_id] - old
+            if request.num_tokens - request.num_computed_tokens <= 1:
+                self._decoding.add(request.seq_id)
 
     def reserved_blocks(self) -> int:
         return self.blocks.num_used_blocks + self.need_total - self.blocks.num_held

@@ -149,6 +149,8 @@ class Scheduler:
         """Give req the blocks for num_tokens, preempting the least urgent running requests while
         they are short (max_utilization). Returns (req still runs, budget given back by victims
         already scheduled this step, how many of those were before req in the running list)."""
+        if not self.blocks.extra_blocks_needed(req.seq_id, num_tokens):
+            return True, 0, 0  # its last block has room (most decode steps)
         refund = earlier = 0
         running = self.pool.running
         while not self.blocks.can_grow(req.seq_id, num_tokens):

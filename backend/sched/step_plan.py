@@ -49,8 +49,8 @@ class WorkerView:
                 if req.seq_id not in seen:
                     seen.add(req.seq_id)
                     self._describe(req, plan)
-                into.append(Row(req.seq_id, s.start, s.num_new_tokens, s.samples, s.padding,
-                                list(s.draft_token_ids), s.draft_probs))
+                into.append(Row(req.seq_id, s.start, s.num_new_tokens, s.samples, s.padding, s.draft_token_ids,
+                                s.draft_probs))
         return plan
 
     def _describe(self, req: Request, plan: StepPlan) -> None:

@@ -1,16 +1,15 @@
 """Turn logits into tokens: grammar masks, penalties, bad words, min_tokens, greedy, temperature,
-top-k, top-p, and the logprobs a request asked for. Stateless: every per-sequence state (its random
-stream, its tokens, its settings) lives on the worker's `SeqState` (input_batch.py), which this
-reads as it would a request; a step's grammar bitmask comes with its plan (backend/core/step.py).
+top-k, top-p, and the logprobs a request asked for. Stateless: every per-sequence state (random
+stream, tokens, settings) is the worker's `SeqState` (input_batch.py); a step's grammar bitmask
+comes with its plan (backend/core/step.py).
 
 The rows that sample are handled together, as tensors (temperature, top-k, top-p per row), and each
 draws its token by inverse transform from one uniform number of the sequence's own seeded stream,
 so its tokens do not depend on its batch. Logprobs are vLLM v1's: log_softmax of the raw logits,
 before penalties and temperature.
 
-On a GPU a step's sampling costs the host two transfers to the device (the per-row settings as one
-array, every (row, token) index of the penalties and bans as another) and one back (the tokens and
-logprobs of every row, packed in one tensor): no read per row, no tensor built per row.
+On a GPU a step's sampling costs the host two transfers (the per-row settings; every (row, token)
+index of the penalties and bans) and one read back (tokens and logprobs, packed): none per row.
 """
 from __future__ import annotations
 
@@ -23,13 +22,11 @@ import torch
 from backend.core.step import Sampled
 from backend.worker.device import to_device
 
-# A step's grammar masks as the sampler takes them: (the rows of its logits they apply to, their
-# bitmask rows, int32 words [len(rows), ceil(vocab / 32)])
+# A step's grammar masks: (the logits rows they apply to, their bitmask rows [len(rows), words])
 Masks = Optional[tuple[list[int], np.ndarray]]
 
-# Per-row settings, the columns of one float64 array: temperature, top_k (vocab when off), top_p,
-# the row's uniform number (UNIFORM: the draw the rejection sampler and the draft reuse), repetition,
-# frequency and presence penalties.
+# Per-row settings, the columns of one float64 array: temperature, top_k (vocab when off), top_p, the
+# uniform number (UNIFORM: reused by the rejection sampler and the draft), the three penalties.
 _TEMP, _TOP_K, _TOP_P, _U, _REP, _FREQ, _PRES = range(7)
 UNIFORM = _U
 
@@ -46,8 +43,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, requests: Sequence, masks: Masks = None) -> list[Sampled]:
-    """logits [N, V] float32, one row per sequence (modified in place); returns N results.
-    `masks`: the step's grammar masks of its constrained rows."""
+    """logits [N, V] float32, a row per sequence (modified in place); N results. `masks`: grammar's."""
     vocab = logits.shape[-1]
     if masks is None and all(_argmax_of_raw_logits(r, vocab) for r in requests):
         # The common step (every row plain greedy) skips the plan, its two transfers and the packed
@@ -63,11 +59,15 @@ def sample(logits: torch.Tensor, requests: Sequence, masks: Masks = None) -> lis
 
 
 def _argmax_of_raw_logits(req, vocab: int) -> bool:
-    """Whether this row's token is its logits' argmax as they stand: greedy, asking no logprobs,
-    with no penalties and nothing banned at this step (what prepare() would change; a grammar
-    mask is the step's, checked by the caller)."""
+    """Whether this row's token is its logits' argmax as they stand: greedy, no logprobs, no
+    penalties, nothing banned now (what prepare() would change; a step's grammar mask aside)."""
     p = req.params
-    return p.greedy and p.logprobs is None and not p.penalized and not _banned(req, vocab)
+    if not p.greedy or p.logprobs is not None or p.penalized:
+        return False
+    if not req.bad_words_ids and (len(req.output_token_ids) >= p.min_tokens
+                                  or not (req.eos_token_ids or p.stop_token_ids)):
+        return True  # (the common case, without building the list of bans)
+    return not _banned(req, vocab)
 
 
 @dataclass

@@ -41,7 +41,7 @@ def _stub_model(engine, rows: int) -> None:
     cfg = model.cfg
     table = torch.randn(rows, cfg.vocab_size, generator=torch.Generator().manual_seed(0))
     model.forward = lambda ids, positions, ctx, rope, **kw: torch.zeros(ids.shape[0], cfg.hidden_size)
-    model.logits = lambda hidden: table[:hidden.shape[0]].clone()
+    model.logits = lambda hidden: table[:hidden.shape[0]]  # (plain greedy rows: the sampler reads it only)
 
 
 class _DetokClock:
