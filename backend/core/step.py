@@ -116,7 +116,9 @@ class Sampled:
 
 @dataclass
 class StepResult:
-    """The worker's answer: what each sampling sequence produced, by seq_id, and the handle of the
-    step's KV-tier copies (None: done already, as on the CPU)."""
+    """The worker's answer: what each sampling sequence produced, by seq_id, the handle of the
+    step's KV-tier copies (None: done already, as on the CPU), and a mixture of experts' tally
+    (tokens per expert, the load imbalance since the last one; {} for a dense model)."""
     sampled: dict[str, Sampled] = field(default_factory=dict)
     kv_copies: Optional[Any] = None
+    expert_tally: dict = field(default_factory=dict)

@@ -90,6 +90,8 @@ class EngineCore:
             return self._fail([s.request for s in batch.seqs], f"model step failed: {exc!r}", refused)
         if self.scheduler.tiers is not None:
             self.scheduler.tiers.issued(result.kv_copies, idle=batch.is_empty)
+        if result.expert_tally:
+            self.expert_tally = result.expert_tally
         if batch.is_empty:
             return self._deliver(refused)
         self.scheduler.postprocess(batch, result.sampled, time.monotonic())
@@ -177,7 +179,7 @@ class EngineCore:
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
-            **(self.speculator.stats() if self.speculator else {}), **self.runner.moe_stats(), **self.kv_tiers.figures(),
+            **(self.speculator.stats() if self.speculator else {}), **self.expert_tally, **self.kv_tiers.figures(),
         }
 
     def check_integrity(self) -> None:

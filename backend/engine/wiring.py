@@ -48,4 +48,5 @@ def build_core(core, config: EngineConfig, model_config: ModelConfig, max_model_
         core.runner.close()
         raise
     core.idle = True  # the last step ran nothing (a batching gate is holding requests back)
+    core.expert_tally = {}  # a mixture of experts' tokens per expert, as the worker's last step said
     core.prompt_tokens_total = 0

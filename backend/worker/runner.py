@@ -194,11 +194,17 @@ class ModelRunner:
         return self.metadata.for_prefill(num_tokens, self._allocate_kv(blocks))
 
     # -- one step --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step's plan; returns what every sampling sequence produced, by seq_id, and the
-        handle of the step's KV-tier copies. On a tensor-parallel rank other than 0 (the warm-up's
-        steps) it computes the step rank 0 sends instead."""
+        """Run one step's plan; returns what every sampling sequence produced, by seq_id, the handle
+        of the step's KV-tier copies and, for a mixture of experts, its tally. On a tensor-parallel
+        rank other than 0 (the warm-up's steps) it computes the step rank 0 sends instead."""
+        result = self._execute(plan)
+        if self.expert_load is not None and not plan.is_empty:  # (read outside inference mode: it keeps them)
+            result.expert_tally = self.expert_load.snapshot()
+        return result
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         if self.tp and self.tp.rank:
             self.follow()
             return StepResult()
@@ -277,10 +283,6 @@ class ModelRunner:
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards
-
-    def moe_stats(self) -> dict:
-        """Tokens per expert and the last interval's load imbalance (MoE models; else nothing)."""
-        return self.expert_load.snapshot() if self.expert_load is not None else {}
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank)."""
