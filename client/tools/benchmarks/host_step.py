@@ -183,13 +183,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="with --before: rounds of A B B A")
     args = p.parse_args(argv)
     if args.before:
-        rest = [a for a in (argv if argv is not None else sys.argv[1:])]
-        i = rest.index("--before")
-        del rest[i:i + 2]
-        if "--rounds" in rest:
-            j = rest.index("--rounds")
-            del rest[j:j + 2]
-        return compare(args.before, rest, args.rounds)
+        return compare(args.before, ["--model-path", args.model_path, "--batches", args.batches, "--steps",
+                                     str(args.steps), "--streams", str(args.streams), "--stream-tokens",
+                                     str(args.stream_tokens)], args.rounds)
     report = {"model": args.model_path, "rows": measure_steps(args.model_path, [int(b) for b in args.batches.split(",")],
                                                                 args.steps)}
     if args.streams:
