@@ -15,8 +15,9 @@ from .conftest import MODEL_DIR, SERVER_PARAMS, requires_tritonserver, wait_unti
 pytestmark = requires_tritonserver
 
 REQUESTS = 8
-MAX_TOKENS = 480     # ~3 s: all eight must be seen running at once (gauges refresh every 0.1 s); 120 took 0.8 s
-KV_TOKENS = 4096      # per engine; small, so the test is quick to start
+MAX_TOKENS = 960     # all eight must be seen running at once (gauges refresh every 0.1 s): 480 lasted ~1 s on a
+                     # quiet machine once steps got faster, less than eight connections took to open on a busy one
+KV_TOKENS = 8192      # per engine: all eight fit in one (8 x 972 tokens); small, so the test is quick to start
 BLOCK_SIZE = 16
 SERIES = re.compile(r'^(inflight_[a-z0-9_]+)\{([^}]*)\}\s+(\S+)$')
 
@@ -49,7 +50,8 @@ def two_instance_server(tmp_path_factory, model_path):
     repo = tmp_path_factory.mktemp("two_instances")
     write_config(repo / "llm" / "config.pbtxt", gpus=[], count=2)
     (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
-    params = {**SERVER_PARAMS, "cpu_kv_cache_tokens": str(KV_TOKENS), "kv_block_size": str(BLOCK_SIZE)}
+    params = {**SERVER_PARAMS, "cpu_kv_cache_tokens": str(KV_TOKENS), "kv_block_size": str(BLOCK_SIZE),
+              "max_model_len": str(MAX_TOKENS + 64)}
     with TritonServer(repo, params=params, model_path=str(model_path)) as server:
         yield server
 
@@ -62,9 +64,16 @@ def test_per_instance_metrics_sum_to_the_server_totals(two_instance_server):
     results: list = [None] * REQUESTS
     errors: list = []
 
+    # Every client connected first, then all eight sent at once: on a loaded machine setting up a
+    # connection took longer than a request runs, and the requests ran one or two at a time.
+    clients = [GrpcClient(server.grpc_url) for _ in range(REQUESTS)]
+    assert all(c.is_ready() for c in clients)
+    start = threading.Barrier(REQUESTS)
+
     def send(i):
         try:
-            with GrpcClient(server.grpc_url) as client:
+            with clients[i] as client:
+                start.wait(timeout=60)
                 results[i] = client.generate(prompts[i], stream=True, max_tokens=MAX_TOKENS, ignore_eos=True,
                                              temperature=0.0)
         except Exception as exc:  # reported by the assertion below
@@ -87,7 +96,7 @@ def test_per_instance_metrics_sum_to_the_server_totals(two_instance_server):
             running = wait_until(all_running, timeout=60, interval=0.02)
         except AssertionError:
             raise AssertionError(f"never all {REQUESTS} running at once; the gauges said, in turn: {seen[-40:]}; "
-                                 f"done: {sum(r is not None for r in results)}") from None
+                                 f"done: {sum(r is not None for r in results)}; errors: {errors[:2]}") from None
     finally:
         for t in threads:
             t.join(timeout=120)
