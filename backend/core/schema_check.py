@@ -8,7 +8,8 @@ Three kinds of refusal, each a ValueError naming the field:
   than `MAX_JSON_DEPTH` JSON levels;
 - invalid or unsatisfiable: a keyword whose value has the wrong type, an unknown type name, bounds
   that exclude every value (minLength above maxLength, an integer range with no integer, an enum
-  none of whose values has the declared type), a required property the object cannot have;
+  none of whose values has the declared type), a required property the object cannot have, a
+  schema with no finite instance (a required recursion with no base case: backend/core/schema_finite.py);
 - not enforced: keywords xgrammar 0.2.8 accepts and ignores (`UNENFORCED`, checked against it by
   tests/test_schema_checks.py), so a "guaranteed" output could break them. These are listed in one
   message; a request may accept them unenforced (`allow_unenforced_keywords`, OpenAI's
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, Iterator
+
+from backend.core.schema_finite import check_finite
 
 MAX_SCHEMA_DEPTH = 32  # subschemas within subschemas (OpenAI's structured outputs allow 10)
 MAX_JSON_DEPTH = 128  # JSON nesting of the whole value, annotations and enums included
@@ -51,7 +54,9 @@ def check_schema(schema: Any, where: str, enforced: bool = True, allow_unenforce
     xgrammar mode); else it is only described to the model (tools with tool_choice auto)."""
     check_json_depth(schema, where)
     skipped: list[str] = []
+    nodes: list[tuple[Any, str]] = []
     for node, pointer in _subschemas(schema, where):
+        nodes.append((node, pointer))
         if isinstance(node, bool):
             continue
         _check_values(node, where, pointer)
@@ -61,6 +66,8 @@ def check_schema(schema: Any, where: str, enforced: bool = True, allow_unenforce
             skipped += [f"{key} at {pointer or '/'}" for key in _unenforced(node)]
     if schema is False:
         raise ValueError(f"{where}: the schema is false: no output can satisfy it")
+    if enforced:
+        check_finite(schema, where, nodes, lambda ref: _resolve(ref, schema))
     if skipped and not allow_unenforced:
         raise ValueError(f"{where}: xgrammar cannot enforce these JSON-schema keywords, so the output could break "
                          f"them: {', '.join(skipped)}; remove them, or accept them unenforced with "
@@ -233,6 +240,14 @@ def _check_ref(node: dict, root: Any, where: str, pointer: str) -> None:
     ref = node.get("$ref")
     if not isinstance(ref, str) or not ref.startswith("#"):
         return
+    if _resolve(ref, root) is None:
+        raise ValueError(f"{where}: {pointer}/$ref '{ref}' points at nothing in the schema")
+
+
+def _resolve(ref: str, root: Any) -> Any:
+    """A local $ref's target in `root`, or None."""
+    if not ref.startswith("#"):
+        return None
     target = root
     for part in [p for p in ref[1:].split("/") if p]:
         part = part.replace("~1", "/").replace("~0", "~")
@@ -241,4 +256,5 @@ def _check_ref(node: dict, root: Any, where: str, pointer: str) -> None:
         elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
             target = target[int(part)]
         else:
-            raise ValueError(f"{where}: {pointer}/$ref '{ref}' points at nothing in the schema")
+            return None
+    return target
