@@ -21,6 +21,9 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_BAD_WORDS = 64
 MAX_N = 64
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # entries of allowed_token_ids (a whole 256k vocabulary)
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy decoding
 
 
@@ -44,6 +47,15 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # words that are never generated
     # JSON schema, regex, choice, grammar... (backend/structured/): compiled at arrival by the engine
     structured_outputs: Optional[StructuredOutputs] = None
+    # vLLM's: tokens below min_p x the most likely one's probability (after temperature) are dropped
+    min_p: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[list[int]] = None  # only these tokens may be sampled
+    prompt_logprobs: Optional[int] = None  # None: none; k: each prompt token's logprob and the top k
+    include_stop_str_in_output: bool = False  # a stop string (or stop token's text) ends the text too
+    skip_special_tokens: bool = True  # special tokens are left out of the text
+    spaces_between_special_tokens: bool = True  # False: added tokens' texts are joined with nothing between
+    truncate_prompt_tokens: Optional[int] = None  # k: only the prompt's last k tokens; -1: max_model_len
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,15 +86,44 @@ class SamplingParams:
         _strings("bad_words", self.bad_words, MAX_BAD_WORDS, "bad words")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids; got {len(self.stop_token_ids)}")
+        _number("min_p", self.min_p, 0.0, high=1.0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for tok, bias in self.logit_bias.items():
+                _int_range("logit_bias", tok, 0, hint=" (token ids as keys)")
+                _number("logit_bias", bias, -MAX_BIAS, high=MAX_BIAS)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must list 1..{MAX_ALLOWED_TOKEN_IDS} token ids")
+            for tok in ids:
+                _int_range("allowed_token_ids", tok, 0)
+        if self.prompt_logprobs is not None:
+            _int_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean; got {getattr(self, name)!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len); got {t}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs must be a StructuredOutputs (a dict of its fields is converted "
                              f"when SamplingParams is made); got {type(self.structured_outputs).__name__}")
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """stop_token_ids against the model's vocabulary: -1 or 10**12 would stop nothing."""
-        bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        """Token ids against the model's vocabulary: a stop token of -1 or 10**12 would stop nothing,
+        a bias or an allowed token past it would mean nothing."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def biased(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -150,11 +191,33 @@ def _optional_int(value: Any) -> Optional[int]:
     return None if value is None else _to_int(value)
 
 
+def _optional_ints(value: Any) -> Optional[list[int]]:
+    return None if value is None else _to_ints(value)
+
+
+def _to_bias(value: Any) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias: {"token id": bias}; the JSON's string keys become ints."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError
+    return {_to_int(k.strip() if isinstance(k, str) else k): _to_float(v) for k, v in value.items()}
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError
+    return float(value)
+
+
 _KINDS = {"max_tokens": _to_int, "temperature": float, "top_k": _to_int, "top_p": float,
           "seed": _optional_int, "stop": _to_strings, "stop_token_ids": _to_ints, "ignore_eos": _to_bool,
           "min_tokens": _to_int, "n": _to_int, "logprobs": _optional_int, "repetition_penalty": float,
           "presence_penalty": float, "frequency_penalty": float, "bad_words": _to_strings,
-          "structured_outputs": StructuredOutputs.parse}
+          "structured_outputs": StructuredOutputs.parse, "min_p": float, "logit_bias": _to_bias,
+          "allowed_token_ids": _optional_ints, "prompt_logprobs": _optional_int,
+          "include_stop_str_in_output": _to_bool, "skip_special_tokens": _to_bool,
+          "spaces_between_special_tokens": _to_bool, "truncate_prompt_tokens": _optional_int}
 assert set(_KINDS) == {f.name for f in fields(SamplingParams)}
 KEYS = tuple(_KINDS) + ("stop_words",) + tuple(k for k in OBJECT_KEYS + tuple(LEGACY_KEYS) if k not in _KINDS)
 SamplingParams.KEYS = KEYS

@@ -23,7 +23,8 @@ from backend.core.step import NewSeq, Row, StepPlan
 
 # Every sampler option on: the costliest sampling a step can ask for.
 PARAMS = dict(max_tokens=2, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
-              frequency_penalty=0.1, presence_penalty=0.1, min_tokens=2, logprobs=MAX_LOGPROBS, seed=0)
+              frequency_penalty=0.1, presence_penalty=0.1, min_tokens=2, logprobs=MAX_LOGPROBS, seed=0,
+              min_p=0.01, logit_bias={1: 0.5})
 
 
 def prefill_tokens(max_num_batched_tokens: int, max_model_len: int) -> int:
