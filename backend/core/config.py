@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from backend.core.kv_events_config import KVEventsConfig, parse_kv_events_config
-from backend.core.lora import parse_lora_modules
+from backend.core.lora import check_adapter_name, check_name, parse_lora_modules
 from backend.core.speculative_config import SpeculativeConfig, parse_speculative_config
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
@@ -86,6 +86,9 @@ class EngineConfig:
     # An adapter of multi_lora.json / lora_modules that fails its checks at start stops the model's
     # start (false, as vLLM); true: the model starts with the others and logs one line per bad one.
     skip_invalid_lora_adapters: bool = False
+    # The name clients give the base model (vLLM's --served-model-name; the OpenAI server's flag of that
+    # name should match): no LoRA adapter may be named like it, nor `llm`.
+    served_model_name: str = "llm"
     # Speculative decoding (backend/spec/): JSON with vLLM's speculative_config keys; "" is off.
     # The Python API also takes a dict. Runs where the in-flight scheduler does (inflight, none).
     speculative_config: str = ""
@@ -165,8 +168,12 @@ class EngineConfig:
         _at_least("stream_interval", self.stream_interval, 1)
         _at_least("max_loras", self.max_loras, 1)
         _at_least("max_lora_rank", self.max_lora_rank, 1)
-        if parse_lora_modules(self.lora_modules) and not self.enable_lora:  # its syntax too, before anything loads
+        check_name(self.served_model_name, "served_model_name")
+        modules = parse_lora_modules(self.lora_modules)  # its syntax too, before anything loads
+        if modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=true")
+        for name in modules:
+            check_adapter_name(name, "lora_modules", self.served_model_name)
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if not 0.0 < self.structured_outputs_compile_timeout_s <= MAX_COMPILE_TIMEOUT_S:
             raise ValueError(f"structured_outputs_compile_timeout_s must be in (0, {MAX_COMPILE_TIMEOUT_S:g}] seconds; "

@@ -43,6 +43,18 @@ def check_name(name: Any, source: str = "lora_name") -> str:
     return name
 
 
+def check_adapter_name(name: Any, source: str = "LoRA adapter", served_model_name: str = "llm") -> str:
+    """An adapter's name at load: a valid name, and not the served model's (`llm`, the Triton model,
+    or `served_model_name`): the OpenAI door would serve the base model under it and the Triton door
+    the adapter, different weights for one name."""
+    check_name(name, source)
+    taken = sorted({"llm", served_model_name})
+    if name in taken:
+        raise ValueError(f"{source}: LoRA adapter '{name}' is named like the served model ({' and '.join(taken)} "
+                         "name the base model); give the adapter a name of its own")
+    return name
+
+
 def parse_lora_modules(value: Union[str, Mapping[str, str], list, None]) -> dict[str, str]:
     """The `lora_modules` parameter (or the `--lora-modules` values) -> {name: path}. Accepts a JSON
     object, `NAME=PATH` entries separated by commas or given as a list, and vLLM's JSON entries

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Mapping, Union
 
 from backend.core.config import EngineConfig
-from backend.core.lora import adapter_sources, check_name
+from backend.core.lora import adapter_sources, check_adapter_name
 
 
 def configured_adapters(params: Mapping[str, str], repo_root: Union[str, Path, None] = None) -> dict[str, str]:
@@ -25,16 +25,16 @@ def configured_adapters(params: Mapping[str, str], repo_root: Union[str, Path, N
         from backend.models.loader import load_model_config
         model_cfg = load_model_config(model_path)
         sources = {name: path for name, path in sources.items()
-                   if _loads(name, path, model_cfg, config.max_lora_rank)}
+                   if _loads(name, path, model_cfg, config)}
     return sources
 
 
-def _loads(name: str, path: str, model_cfg, max_lora_rank: int) -> bool:
+def _loads(name: str, path: str, model_cfg, config: EngineConfig) -> bool:
     """Whether the engine's start would load this adapter (backend/worker/lora/manager.py: the same checks)."""
     from backend.models.lora.peft_format import load_adapter
     try:
-        check_name(name)
-        load_adapter(name, path, model_cfg, max_lora_rank)
+        check_adapter_name(name, "LoRA adapter", config.served_model_name)
+        load_adapter(name, path, model_cfg, config.max_lora_rank)
     except ValueError:
         return False
     return True

@@ -25,7 +25,7 @@ from backend.core.config import EngineConfig
 from backend.models.loader import ModelConfig
 from backend.worker.lora.bank import LoRABank
 from backend.models.lora.peft_format import LoRAAdapter, load_adapter
-from backend.core.lora import LoRALike, LoRARequest, adapter_sources, cache_salt, check_name
+from backend.core.lora import LoRALike, LoRARequest, adapter_sources, cache_salt, check_adapter_name, check_name
 from backend.worker.lora.step import LoRAStep
 from backend.worker.lora.tensor_parallel import AdapterDirectory, FollowedAdapters, shard_adapter
 
@@ -110,7 +110,7 @@ class LoRAManager:
     def load(self, name: str, path: str) -> LoadedLoRA:
         """Read, check and register an adapter (ValueError naming the adapter and the module when it
         does not fit the base model). Loading a name again with the same folder is a no-op."""
-        check_name(name)
+        check_adapter_name(name, "LoRA adapter", self.config.served_model_name)
         with self._lock:
             known = self._loaded.get(name)
         if known is not None:
