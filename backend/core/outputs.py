@@ -105,12 +105,15 @@ def merge_outputs(first: Optional[Output], then: Output) -> Output:
 
 class StopStringMatcher:
     """Accumulates the detokenized stream, ends it at the first stop string (which is not part of
-    the output, as in vLLM), and holds back just enough characters that a stop string arriving
-    split over several steps is never partly streamed."""
+    the output, as in vLLM, unless `include`: include_stop_str_in_output), and holds back just
+    enough characters that a stop string arriving split over several steps is never partly streamed
+    (nothing with `include`, as vLLM: the stop string is output either way)."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = list(stops)
-        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.include = include
+        self.holdback = 0 if include else max((len(s) for s in self.stops), default=1) - 1
+        self._search_back = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.emitted = ""
         self.stopped = False
@@ -120,13 +123,14 @@ class StopStringMatcher:
         only recorded (vLLM does not look for stop strings before min_tokens)."""
         if self.stopped or not delta:
             return False
-        search_from = max(0, len(self.text) - self.holdback)
+        search_from = max(0, len(self.text) - self._search_back)
         self.text += delta
         if not check:
             return False
-        hits = [i for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, len(s)) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            start, length = min(hits, key=lambda h: h[0])
+            self.text = self.text[:start + length if self.include else start]
             self.stopped = True
         return self.stopped
 

@@ -65,7 +65,7 @@ class LLMEngine(EngineCore):
         params.check_token_ids(self.vocab_size)
         priority = int32(priority, "priority")
         lora = self.loras.resolve(lora_request)
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
         self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
                           seed=self._seeds.getrandbits(63), priority=priority)
@@ -83,7 +83,9 @@ class LLMEngine(EngineCore):
             eos = (self.tokenizer.eos_token_id,)
         return tuple(eos)
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt, truncate: Optional[int] = None) -> list[int]:
+        """The prompt's token ids, checked; `truncate` (truncate_prompt_tokens): its last k tokens
+        only, -1 its last max_model_len (vLLM's left truncation)."""
         if isinstance(prompt, str):
             check_text(prompt, "prompt")  # a lone surrogate: no text the tokenizer can take
             if self.tokenizer is None:
@@ -94,12 +96,14 @@ class LLMEngine(EngineCore):
                                  f"{self.max_model_len} tokens)")
             ids = self.tokenizer.encode(prompt)
         else:
-            if len(prompt) > self.max_model_len:
+            if truncate is None and len(prompt) > self.max_model_len:
                 raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
             ids = [int(t) for t in prompt]
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if truncate is not None:
+            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
         if not ids:
             raise ValueError("the prompt is empty: send at least one token")
         if len(ids) > self.max_model_len:

@@ -77,8 +77,10 @@ class OutputProcessor:
         return results, stopped
 
     def _new_text(self, req: _Request) -> _Text:
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) if self.tokenizer else None
-        return _Text(detok, StopStringMatcher(req.params.stop), req.params.logprobs is not None)
+        p = req.params
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                                       p.spaces_between_special_tokens) if self.tokenizer else None
+        return _Text(detok, StopStringMatcher(p.stop, p.include_stop_str_in_output), p.logprobs is not None)
 
     def _forget(self, key: tuple[str, int], o: CoreOutput) -> None:
         """The engine's final output of a sequence: nothing more comes for it."""
@@ -101,7 +103,9 @@ class OutputProcessor:
         stop = False
         if text.detok is not None:
             # vLLM v1: the EOS or stop token that ended a request is in its token ids, not its text
-            text_ids = new_ids[:-1] if new_ids and o.stop_token_id is not None else new_ids
+            # (unless include_stop_str_in_output)
+            cut = o.stop_token_id is not None and not req.params.include_stop_str_in_output
+            text_ids = new_ids[:-1] if new_ids and cut else new_ids
             if len(new_ids) > 1 and text.stops.stops:
                 # several tokens at once (a verify row's, a padded batch's): each is checked as if it
                 # came alone; one that completes a stop string ends the output there

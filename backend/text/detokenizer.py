@@ -42,9 +42,14 @@ class IncrementalDetokenizer:
     max_hold_tokens = 16  # a tail still ending in U+FFFD after this many tokens is invalid bytes
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # vLLM's spaces_between_special_tokens=False: added tokens' texts and the text between them
+        # are joined with nothing (what a slow HF tokenizer's decode does with it); moot when they
+        # are skipped
+        self._added: dict[int, str] = {} if skip_special_tokens or spaces_between_special_tokens else {
+            i: t.content for i, t in tokenizer.backend.get_added_tokens_decoder().items()}
         prompt = [int(t) for t in prompt_token_ids]
         self._ids: list[int] = prompt[self._context_start(prompt):]
         self._num_output = 0
@@ -80,6 +85,8 @@ class IncrementalDetokenizer:
         return self._num_output
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._added:
+            return decode_joined(self.tokenizer, ids, self._added)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _emit(self, final: bool) -> str:
@@ -129,3 +136,20 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Return any held-back tail (call once the request has finished)."""
         return self._emit(final=True)
+
+
+def decode_joined(tokenizer: Tokenizer, ids: Sequence[int], added: dict[int, str]) -> str:
+    """Token ids to text with nothing between added tokens and their neighbours: each added token's
+    own text, each run of other tokens decoded alone (spaces_between_special_tokens=False)."""
+    parts, run = [], []
+    for t in ids:
+        if t in added:
+            if run:
+                parts.append(tokenizer.decode(run, skip_special_tokens=False))
+                run = []
+            parts.append(added[t])
+        else:
+            run.append(t)
+    if run:
+        parts.append(tokenizer.decode(run, skip_special_tokens=False))
+    return "".join(parts)
