@@ -124,9 +124,12 @@ TRITON: tuple[Metric, ...] = (
            {"bytes_loaded": {"direction": "load"}, "bytes_stored": {"direction": "store"}}, ("tier", "direction"),
            when=KV_TIERS, values={"tier": ("host", "disk")}),
     Metric("inflight_kv_tier_failures_total", COUNTER, "Blocks not kept (dropped: every host slot busy; rejected: a "
-           "torn or foreign file; write_failed)", {"dropped": {"kind": "dropped"}, "rejected": {"kind": "rejected"},
-                                                   "write_failures": {"kind": "write_failed"}}, ("tier", "kind"),
-           rule="host: dropped; disk: rejected, write_failed", when=KV_TIERS, values={"tier": ("host", "disk")}),
+           "torn or foreign file; write_failed; tampered: a file whose HMAC does not match; unreadable: a folder "
+           "entry skipped, a link or another user's file)",
+           {"dropped": {"kind": "dropped"}, "rejected": {"kind": "rejected"}, "write_failures": {"kind": "write_failed"},
+            "tampered": {"kind": "tampered"}, "unreadable": {"kind": "unreadable"}}, ("tier", "kind"),
+           rule="host: dropped; disk: rejected, write_failed, tampered, unreadable", when=KV_TIERS,
+           values={"tier": ("host", "disk")}),
     Metric("inflight_kv_tier_blocks", GAUGE, "KV tier fill in blocks (state: used, total)",
            _states("blocks_", "state", ("used", "total")), ("tier", "state"), when=KV_TIERS,
            values={"tier": ("host", "disk")}),

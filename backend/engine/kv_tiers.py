@@ -76,7 +76,7 @@ def make_kv_tiers(config: EngineConfig, runner) -> Union[EngineKVTiers, NoKVTier
                     "tp_size": runner.tp.size if runner.tp else 1}
         model_dir = Path(config.model_path)
         fingerprint = model_fingerprint(weight_files(model_dir), (model_dir / "config.json").read_bytes(), settings)
-        disk = DiskStore(config.kv_disk_cache_dir, fingerprint, copier.block_bytes)
+        disk = DiskStore(config.kv_disk_cache_dir, fingerprint, copier.block_bytes, config.kv_disk_cache_bytes)
         capacity = config.kv_disk_cache_bytes // disk.file_bytes
         if capacity < 1:
             disk.close()

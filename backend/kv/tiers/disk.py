@@ -1,44 +1,52 @@
 """The disk tier's files: one per block, read and written on a thread of its own. No torch here.
 
-A file is `<kv_disk_cache_dir>/<fingerprint>/<key>.kv`: a header (magic and format version, the
-model's fingerprint, the block's key, the payload's length, its CRC-32) and the block's bytes as
-the host pool lays them out. A file is loaded only when every field checks: a file torn by a crash
-(short, or its bytes not matching the checksum) or written for another model, dtype, block size or
-layout (another fingerprint, another key) is deleted and reported, and its block is computed
-again. Writes go to a temporary name and are renamed into place, so a reader never sees half a file
-under a key's name. The files' modification times keep the LRU order across restarts (a read
-touches its file).
+A file is `<kv_disk_cache_dir>/<fingerprint>/<key>.kv`, mode 0600 in 0700 folders (folder.py: the
+modes, the secret, the lock and the folder's one budget): a header (magic and format version, the
+model's fingerprint, the block's key, the payload's length), the block's bytes as the host pool lays
+them out, and an HMAC-SHA256 of both keyed by the folder's secret. A file is loaded only when every
+field checks: a file torn by a crash (short) or written for another model, dtype, block size or
+layout (another fingerprint, another key) is deleted and reported, so is one whose HMAC does not
+match (tampered: changed by someone without the folder's secret, or damaged), and its block is
+computed again. Files are opened with O_NOFOLLOW relative to the folder's descriptor: a link under a
+key's name is deleted, never read. Writes go to a temporary name (0600, O_EXCL) and are renamed into
+place under the folder's lock, so a reader never sees half a file under a key's name. The files'
+modification times keep the LRU order across restarts and engines (a read touches its file).
 
 The engine thread queues jobs and collects their results (`completed`); reads go before writes, so
-a prefix on its way back never waits behind the write-back of evictions.
+a prefix on its way back never waits behind the write-back of evictions. A write that made room in
+a full folder also reports the keys of this model's files it deleted (`("gone", key)`).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import struct
 import threading
-import time
-import zlib
 from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
+from backend.kv.tiers.folder import SUFFIX as FILE_SUFFIX
+from backend.kv.tiers.folder import DiskFolder, open_private
+
 log = logging.getLogger(__name__)
 
-MAGIC = b"INFKV\x00\x00\x01"  # the last bytes are the format's version
-HEADER = struct.Struct("<8s32s32sQI4x")  # magic, fingerprint, key, payload bytes, crc32
-FILE_SUFFIX = ".kv"
+MAGIC = b"INFKV\x00\x00\x02"  # the last bytes are the format's version (1: a CRC-32, no HMAC)
+HEADER = struct.Struct("<8s32s32sQ")  # magic, fingerprint, key, payload bytes
+TAG_BYTES = 32  # HMAC-SHA256 of the header and the payload, after the payload
 
 
 class DiskStore:
-    def __init__(self, root: str, fingerprint: bytes, block_bytes: int):
+    def __init__(self, root: str, fingerprint: bytes, block_bytes: int, budget: Optional[int] = None):
+        """`budget`: kv_disk_cache_bytes, for the whole folder (None: none, a store used alone).
+        A folder that cannot be used raises ValueError, one line naming kv_disk_cache_dir."""
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
-        self.file_bytes = HEADER.size + block_bytes
-        # a folder per fingerprint: another model's files never count against this one's budget
-        self.folder = Path(root) / fingerprint.hex()[:32]
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.file_bytes = HEADER.size + block_bytes + TAG_BYTES
+        self.dir = DiskFolder(root, fingerprint.hex()[:32], budget)  # a folder per fingerprint
+        self.folder = Path(self.dir.path)
         self._reads: deque = deque()
         self._others: deque = deque()
         self._done: deque = deque()
@@ -52,24 +60,13 @@ class DiskStore:
         return self.folder / f"{key.hex()}{FILE_SUFFIX}"
 
     def scan(self) -> list[bytes]:
-        """The keys of the files already here, least recently used first; leftovers of writes a crash
-        cut short (a minute old: another instance sharing the folder may be writing one now), and
-        files whose size is not a block's, are deleted."""
-        found, now = [], time.time()
-        for entry in os.scandir(self.folder):
-            name = entry.name
-            if name.endswith(".tmp") and now - entry.stat().st_mtime < 60:
-                continue
-            if not name.endswith(FILE_SUFFIX) or entry.stat().st_size != self.file_bytes:
-                _unlink(entry.path)
-                continue
-            try:
-                key = bytes.fromhex(name[:-len(FILE_SUFFIX)])
-            except ValueError:
-                _unlink(entry.path)
-                continue
-            found.append((entry.stat().st_mtime_ns, key))
-        return [key for _, key in sorted(found)]
+        """The keys of the files already here, least recently used first (folder.py)."""
+        return self.dir.scan(self.file_bytes)
+
+    @property
+    def unreadable(self) -> int:
+        """Entries of the folder skipped at the scan: links, subfolders, other names, others' files."""
+        return self.dir.unreadable
 
     # -- jobs (engine thread) -------------------------------------------------------------------
     def read(self, token: Any, key: bytes, dest: Any) -> None:
@@ -109,6 +106,8 @@ class DiskStore:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self.dir.close()
 
     def _queue(self, jobs: deque, job: tuple) -> None:
         with self._cond:
@@ -136,51 +135,58 @@ class DiskStore:
                 self._cond.notify_all()
 
     def _read(self, key: bytes, dest: Any) -> tuple[bool, str]:
-        path = self.path(key)
+        name = self.path(key).name
         try:
-            with open(path, "rb") as f:
-                head = f.read(HEADER.size)
-                if len(head) < HEADER.size:
-                    return self._reject(path, "torn: short header")
-                magic, fingerprint, file_key, length, crc = HEADER.unpack(head)
-                if magic != MAGIC or fingerprint != self.fingerprint or file_key != key or length != self.block_bytes:
-                    return self._reject(path, "foreign: another model, layout or format")
-                got = f.readinto(memoryview(dest))
-                if got != length or f.read(1):
-                    return self._reject(path, f"torn: {got} of {length} bytes")
+            fd = open_private(self.dir.fd, name, os.O_RDONLY)
         except FileNotFoundError:
-            return False, "missing"
-        if zlib.crc32(dest) != crc:
-            return self._reject(path, "torn: checksum mismatch")
-        os.utime(path)  # most recently used, also for the next process
+            return False, "missing"  # (another engine's write made room: a miss)
+        except OSError as exc:
+            return self._reject(name, f"unreadable: {exc.strerror or exc}")
+        with open(fd, "rb", closefd=True) as f:
+            head = f.read(HEADER.size)
+            if len(head) < HEADER.size:
+                return self._reject(name, "torn: short header")
+            magic, fingerprint, file_key, length = HEADER.unpack(head)
+            if magic != MAGIC or fingerprint != self.fingerprint or file_key != key or length != self.block_bytes:
+                return self._reject(name, "foreign: another model, layout or format")
+            got = f.readinto(memoryview(dest).cast("B"))
+            tag = f.read(TAG_BYTES + 1)
+            if got != length or len(tag) != TAG_BYTES:
+                return self._reject(name, f"torn: {got} of {length} bytes")
+            if not hmac.compare_digest(tag, self._tag(head, dest)):
+                return self._reject(name, "tampered: its HMAC does not match the folder's secret")
+            os.utime(f.fileno())  # most recently used, also for the next process and the other engines
         return True, ""
 
-    def _reject(self, path: Path, why: str) -> tuple[bool, str]:
-        log.warning("KV disk tier: %s ignored (%s); its block is computed again", path.name, why)
-        _unlink(path)
+    def _tag(self, head: bytes, payload: Any) -> bytes:
+        mac = hmac.new(self.dir.secret, head, hashlib.sha256)
+        mac.update(memoryview(payload).cast("B"))
+        return mac.digest()
+
+    def _reject(self, name: str, why: str) -> tuple[bool, str]:
+        log.warning("KV disk tier: %s ignored (%s); its block is computed again", name, why)
+        self.dir.delete(name)
         return False, why
 
     def _write(self, key: bytes, src: Any) -> tuple[bool, str]:
-        path = self.path(key)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        header = HEADER.pack(MAGIC, self.fingerprint, key, memoryview(src).nbytes, zlib.crc32(src))
+        name = self.path(key).name
+        tmp = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        head = HEADER.pack(MAGIC, self.fingerprint, key, memoryview(src).nbytes)
+        fd = open_private(self.dir.fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(memoryview(src))
-            os.replace(tmp, path)
+            with open(fd, "wb", closefd=True) as f:
+                f.write(head)
+                f.write(memoryview(src).cast("B"))
+                f.write(self._tag(head, src))
+            gone = self.dir.put(tmp, name, self.file_bytes)
         except BaseException:
-            _unlink(tmp)
+            self.dir.delete(tmp)
             raise
+        if gone:
+            with self._cond:
+                self._done.extend((("gone", k), True, "") for k in gone)
         return True, ""
 
     def _delete(self, key: bytes, _: Optional[Any]) -> tuple[bool, str]:
-        _unlink(self.path(key))
+        self.dir.delete(self.path(key).name)
         return True, ""
-
-
-def _unlink(path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -136,8 +136,9 @@ class DiskIndex:
                 evicted.append(old)
         return evicted
 
-    def discard(self, key: bytes) -> None:
-        self._keys.pop(key, None)
+    def discard(self, key: bytes, unless_reading: bool = False) -> None:
+        if not (unless_reading and self.reading.get(key)):  # (a read of it will say it is gone)
+            self._keys.pop(key, None)
 
     def pin(self, key: bytes) -> None:
         self.reading[key] = self.reading.get(key, 0) + 1

@@ -18,9 +18,8 @@ from backend.kv.tiers.plan import KVLoad, TierClaim, TierCounts, TierPlan
 
 class KVTiers(BlockListener):
     def __init__(self, copier, block_size: int, disk=None, disk_capacity: int = 0):
-        # The runner's KVCopier (copier.py): it moves the bytes (execute), says when a copy is done
-        # (done) and lends a slot's bytes to the disk's reads and writes (host_bytes_of).
-        self.copier = copier
+        # the runner's KVCopier (copier.py): moves the bytes (execute), tells a copy done (done), lends
+        self.copier = copier  # a slot's bytes to the disk's reads and writes (host_bytes_of)
         self.block_size = block_size
         self.block_bytes = copier.block_bytes
         self.host = HostIndex(copier.num_slots)
@@ -32,6 +31,7 @@ class KVTiers(BlockListener):
             for key in disk.scan():
                 for gone in self.disk_index.add(key):
                     disk.delete(gone)
+        self.counts = TierCounts(disk is not None, getattr(disk, "unreadable", 0))  # (entries the scan skipped)
         self.device: dict[int, bytes] = {}  # the device's prefix cache, block -> key, oldest first (for shutdown)
         self._saves: list[tuple[int, int, bytes]] = []  # (block, slot, key) for the next plan
         self._issuing: Optional[tuple[list, list]] = None  # the plan taken, until `issued`
@@ -39,7 +39,6 @@ class KVTiers(BlockListener):
         self._loads: list[KVLoad] = []  # not done yet
         self._writing: dict[bytes, int] = {}  # key -> host slot, queued for the disk
         self._salted: set[bytes] = set()  # keys under a LoRA adapter: never written to disk
-        self.counts = TierCounts(disk is not None)
         # Copies are done when issued (the CPU): a prefix all in host memory comes back before the
         # step's model run, so its request runs in the step it starts (admission.py).
         self.loads_at_once = False
@@ -136,8 +135,8 @@ class KVTiers(BlockListener):
                 self._copies_landed(entry[1], entry[2])
         self._inflight = still
         if self.disk is not None:
-            for token, ok, why in self.disk.completed():
-                (self._read_landed if token[0] == "read" else self._write_landed)(token, ok)
+            for token, ok, why in self.disk.completed():  # ("read" | "write" | "gone", ...)
+                getattr(self, f"_{token[0]}_landed")(token, ok, why)
         for load in [x for x in self._loads if x.cancelled and not x.issued and not x.reads_pending]:
             self._retire(load)  # its request left while reading: no step may come to give its slots back
 
@@ -216,7 +215,7 @@ class KVTiers(BlockListener):
         return (self.disk is not None and key not in self.disk_index and key not in self._writing
                 and key not in self._salted)
 
-    def _read_landed(self, token: tuple, ok: bool) -> None:
+    def _read_landed(self, token: tuple, ok: bool, why: str) -> None:
         _, load, i = token
         key, slot = load.keys[i], load.slots[i]
         self.disk_index.unpin(key)
@@ -228,10 +227,13 @@ class KVTiers(BlockListener):
             if self.host.slot(key) is None:
                 self.host.bind(key, slot)  # the host tier holds it from now on
         else:
-            self.counts.disk["rejected"] += 1
+            self.counts.refused(why)
             self.disk_index.discard(key)
 
-    def _write_landed(self, token: tuple, ok: bool) -> None:
+    def _gone_landed(self, token: tuple, ok: bool, why: str) -> None:  # a write made room in the folder (disk.py)
+        self.disk_index.discard(token[1], unless_reading=True)
+
+    def _write_landed(self, token: tuple, ok: bool, why: str) -> None:
         _, key, slot = token
         del self._writing[key]
         self.host.unpin(slot)

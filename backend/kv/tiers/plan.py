@@ -65,11 +65,19 @@ class TierCounts:
     """Per tier (device, host, disk): the prefix blocks that started requests asked it for and it
     held (`hits`) or not (`misses`); the bytes it took in and gave out; and its troubles."""
 
-    def __init__(self, disk: bool):
+    def __init__(self, disk: bool, unreadable: int = 0):
         self.device = {"hits": 0, "misses": 0}
         self.host = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "dropped": 0}
-        self.disk = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "rejected": 0, "write_failures": 0}
+        self.disk = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "rejected": 0, "write_failures": 0,
+                     "tampered": 0, "unreadable": unreadable}
         self.tiers = ("device", "host", "disk") if disk else ("device", "host")
+
+    def refused(self, why: str) -> None:
+        """A disk file not loaded, by the reason disk.py gave: tampered (its HMAC), unreadable (a link,
+        another user's), missing (another engine made room: a miss, no fault) or rejected (torn, foreign)."""
+        kind = why.split(":")[0]
+        if kind != "missing":
+            self.disk[kind if kind in ("tampered", "unreadable") else "rejected"] += 1
 
     def lookup(self, num_hashes: int, device_blocks: int, claim: Optional[TierClaim]) -> None:
         """A request started: of its `num_hashes` prefix blocks, where each was found (or not)."""
