@@ -29,18 +29,20 @@ MAX_CHOICES = 64  # prompts x n of one call
 Prompt = Union[str, list[int]]
 
 # OpenAI fields the engine cannot honour: refused with a 400 that names them (unless null/default).
-UNSUPPORTED = {"best_of": 1, "suffix": None, "logit_bias": None,
+UNSUPPORTED = {"best_of": 1, "suffix": None,
                "functions": None, "function_call": "none", "audio": None, "modalities": None, "prediction": None,
                "web_search_options": None}
 # Accepted and without effect on generation (bookkeeping fields of OpenAI's API).
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort")
 # vLLM's OpenAI server accepts these engine settings beside OpenAI's own; so do we (AIPerf sends
 # ignore_eos for fixed output lengths).
-ENGINE_EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids")
+ENGINE_EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids", "min_p",
+                 "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                 "spaces_between_special_tokens", "truncate_prompt_tokens")
 # Our own extension, off by default: where the request stands (return_queue_info, docs/triton.md).
 EXTENSIONS = ("return_queue_info",)
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-          "presence_penalty", "frequency_penalty", "logprobs") + ENGINE_EXTRAS + EXTENSIONS + IGNORED + STRUCTURED_FIELDS
+          "presence_penalty", "frequency_penalty", "logprobs", "logit_bias") + ENGINE_EXTRAS + EXTENSIONS + IGNORED + STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON + ("prompt", "echo")
 CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls")
@@ -124,7 +126,12 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
                               ("seed", integer, "an integer"), ("presence_penalty", number, "a number"),
                               ("frequency_penalty", number, "a number"), ("top_k", integer, "an integer"),
                               ("min_tokens", integer, "an integer"), ("ignore_eos", (bool,), "a boolean"),
-                              ("repetition_penalty", number, "a number")):
+                              ("repetition_penalty", number, "a number"), ("min_p", number, "a number"),
+                              ("include_stop_str_in_output", (bool,), "a boolean"),
+                              ("skip_special_tokens", (bool,), "a boolean"),
+                              ("spaces_between_special_tokens", (bool,), "a boolean"),
+                              ("truncate_prompt_tokens", integer, "an integer"),
+                              ("logit_bias", (dict,), "an object mapping token ids to biases")):
         value = _typed(body, name, kinds, what)
         if value is not None:
             sampling[name] = value
@@ -136,11 +143,16 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
             raise bad("stop", "stop must be a string or a list of strings")
         if stop:
             sampling["stop"] = stop
-    if body.get("stop_token_ids") is not None:
-        ids = body["stop_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise bad("stop_token_ids", "stop_token_ids must be a list of integers")
-        sampling["stop_token_ids"] = ids
+    bias = sampling.get("logit_bias")
+    if bias is not None and not all(isinstance(k, str) and k.strip().isdigit() and isinstance(v, (int, float))
+                                    and not isinstance(v, bool) for k, v in bias.items()):
+        raise bad("logit_bias", "logit_bias maps token ids (as strings, e.g. \"50256\") to numbers in [-100, 100]")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = body.get(name)
+        if ids is not None:
+            if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
+                raise bad(name, f"{name} must be a list of integers")
+            sampling[name] = ids
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     n = _typed(body, "n", integer, "an integer")

@@ -71,6 +71,9 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("len_penalty", "FP32", (1,), "TensorRT-LLM: beam search only; accepted, no effect at beam_width 1"),
     Tensor("length_penalty", "FP32", (1,), "TensorRT-LLM: beam search only; accepted, no effect at beam_width 1"),
     Tensor("return_log_probs", "BOOL", (1,), "TensorRT-LLM: refused when true (use return_logprobs)"),
+    Tensor("embedding_bias_words", "STRING", (-1,),
+           "TensorRT-LLM: words whose tokens get the weight of the same index (logit_bias)"),
+    Tensor("embedding_bias_weights", "FP32", (-1,), "TensorRT-LLM: one bias per embedding_bias_words entry"),
 )
 
 OUTPUTS: tuple[Tensor, ...] = (

@@ -105,7 +105,7 @@ class Frontend:
             parsed = parse_request(inputs, parameters,
                                    max_input_bytes=getattr(self.engine, "max_input_bytes", None),
                                    max_model_len=getattr(self.engine, "max_model_len", None),
-                                   vocab_size=getattr(self.engine, "vocab_size", None))
+                                   vocab_size=getattr(self.engine, "vocab_size", None), encode=self._encode)
             if parsed.stop:
                 self._stop(client_id, sender, parsed.returns)
                 return
@@ -293,6 +293,12 @@ class Frontend:
             self.respond(live.sender, None, Error(failed.error or "the engine failed this request", code), True)
         else:
             self.respond(live.sender, output_tensors(live, outs, self._detok), None, True)
+
+    def _encode(self, text: str) -> list[int]:
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None:
+            raise ValueError("embedding_bias_words needs a tokenizer: this checkpoint has no tokenizer.json")
+        return tok.encode(text, add_special_tokens=False)
 
     def _detok(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
 
 from backend.core import defaults
 from backend.core.errors import EngineDeadError, QueueFullError
 from backend.core.input_guard import check_text, guarded, int32
-from backend.core.sampling_params import MAX_BAD_WORDS, MAX_STOP_STRINGS, SamplingParams
+from backend.core.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
 from templates.tensors import INPUTS, RETURN_FLAGS
 
 DEFAULT_MAX_TOKENS = defaults.MAX_TOKENS  # where neither the JSON nor a tensor names max_tokens
@@ -40,14 +40,7 @@ _UNSUPPORTED_KEYS = {
     "best_of": "beam search and best_of are not supported (n is)",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "beam search is not supported",
-    "logit_bias": "logit_bias is not supported (use bad_words)",
-    "allowed_token_ids": "allowed_token_ids is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported (logprobs is)",
-    "min_p": "min_p is not supported (top_k and top_p are)",
-    "include_stop_str_in_output": "include_stop_str_in_output is not supported",
-    "skip_special_tokens": "skip_special_tokens is not supported",
-    "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
-    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
 }
 
 
@@ -98,7 +91,8 @@ def _text(name: str, value: Any) -> str:
 
 
 # The string-list inputs: SamplingParams' limit on each (checked here too, before decoding them).
-_LIST_LIMITS = {"stop_words": (MAX_STOP_STRINGS, "stop strings"), "bad_words": (MAX_BAD_WORDS, "bad words")}
+_LIST_LIMITS = {"stop_words": (MAX_STOP_STRINGS, "stop strings"), "bad_words": (MAX_BAD_WORDS, "bad words"),
+                "embedding_bias_words": (MAX_LOGIT_BIAS, "words")}
 
 
 def _strings(name: str, array: np.ndarray) -> list[str]:
@@ -183,22 +177,26 @@ def _request_parameters(raw: Optional[str]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in KNOWN_PARAMETERS and not k.startswith("triton_")}
 
 
+Encode = Callable[[str], list[int]]  # text -> token ids, no special tokens added
+
+
 def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str] = None,
                   max_input_bytes: Optional[int] = None, max_model_len: Optional[int] = None,
-                  vocab_size: Optional[int] = None) -> ParsedRequest:
+                  vocab_size: Optional[int] = None, encode: Optional[Encode] = None) -> ParsedRequest:
     """Convert one request's tensors and parameters. Raises ValueError naming the input and the rule.
 
     `parameters` is the request's parameters as Triton gives them (a JSON object). The byte caps
     run before anything is decoded: `max_input_bytes` on text_input, 1 MiB on the sampling JSON.
-    `max_model_len` only goes into the message of the first; `vocab_size` bounds end_id. What
+    `max_model_len` only goes into the message of the first; `vocab_size` bounds end_id; `encode`
+    tokenizes TensorRT-LLM's embedding_bias_words. What
     hostile JSON makes Python raise (nesting, 1e400, lone surrogates) is a ValueError too
     (backend/core/input_guard.py)."""
     with guarded("the request's inputs and parameters"):
-        return _parse(inputs, parameters, max_input_bytes, max_model_len, vocab_size)
+        return _parse(inputs, parameters, max_input_bytes, max_model_len, vocab_size, encode)
 
 
 def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str], max_input_bytes: Optional[int],
-           max_model_len: Optional[int], vocab_size: Optional[int]) -> ParsedRequest:
+           max_model_len: Optional[int], vocab_size: Optional[int], encode: Optional[Encode]) -> ParsedRequest:
     get = {k: v for k, v in inputs.items() if v is not None}
     request_params = _request_parameters(parameters)
     priority = request_params.pop("priority", 0)  # an argument of add_request, not a sampling key
@@ -233,6 +231,7 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
                 sampling.pop("stop_words", None)
             sampling[key] = value
     _trtllm_inputs(get, sampling, vocab_size)
+    _embedding_bias(get, sampling, encode)
     if "priority" in get:
         priority = _value("priority", get["priority"])
     priority = int32(priority, "priority")
@@ -283,6 +282,30 @@ def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any], voca
     for name in ("pad_id", "len_penalty", "length_penalty"):  # no effect at beam_width 1, as in TensorRT-LLM
         if name in get:
             _value(name, get[name])
+
+
+def _embedding_bias(get: Mapping[str, np.ndarray], sampling: dict[str, Any], encode: Optional[Encode]) -> None:
+    """TensorRT-LLM's embedding_bias_words / embedding_bias_weights: each word's tokens get its
+    weight (summed where words share a token), added to the request's logit_bias."""
+    words, weights = get.get("embedding_bias_words"), get.get("embedding_bias_weights")
+    if words is None and weights is None:
+        return
+    if words is None or weights is None:
+        raise ValueError("embedding_bias_words and embedding_bias_weights go together (one weight per word)")
+    words = _strings("embedding_bias_words", words)
+    if weights.dtype.kind not in "fiu" or weights.size != len(words):
+        raise ValueError(f"embedding_bias_weights must hold one FP32 weight per word ({len(words)}); "
+                         f"got {weights.size} of {weights.dtype}")
+    if encode is None:
+        raise ValueError("embedding_bias_words needs a tokenizer: this checkpoint has no tokenizer.json")
+    bias: dict[int, float] = {}
+    for word, weight in zip(words, weights.reshape(-1).tolist()):
+        for tok in encode(word):
+            bias[tok] = bias.get(tok, 0.0) + float(weight)
+    for tok, value in (sampling.get("logit_bias") or {}).items():
+        tok = int(tok)
+        bias[tok] = bias.get(tok, 0.0) + float(value)
+    sampling["logit_bias"] = bias
 
 
 # -- errors ----------------------------------------------------------------------------------------
