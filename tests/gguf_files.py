@@ -81,13 +81,16 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
                types: Sequence[str] = ALL_TYPES, name: Optional[str] = None, tied: bool = True,
                pre: str = "smollm", tensor_type_override: Optional[tuple[str, int]] = None,
                extra_tensors: Optional[dict] = None, shape: Optional[dict] = None,
-               metadata: Optional[dict] = None, skip_tensors: Sequence[str] = ()) -> dict:
+               metadata: Optional[dict] = None, skip_tensors: Sequence[str] = (),
+               raw_metadata: Optional[dict] = None) -> dict:
     """Write a random ``arch`` model; return its HF-named float32 weights (before quantization).
 
     ``tensor_type_override`` = (gguf tensor name, raw ggml type id) writes that tensor's bytes
     labelled with a type the importer may not read (zeros of the right size). ``shape`` replaces
     SHAPE (K_SHAPE for the K-quants); ``metadata`` replaces the values of the architecture keys it
-    names (``{"head_count": 0}``: hostile files); ``skip_tensors`` leaves GGUF tensors out."""
+    names (``{"head_count": 0}``: hostile files); ``skip_tensors`` leaves GGUF tensors out;
+    ``raw_metadata`` sets (or replaces) whole keys with values of any type (``{"llama.rope.freq_base":
+    "x"}``), a list as an array of its first item's type."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -107,6 +110,13 @@ def write_gguf(path: Path, tokenizer_json: Path, arch: str = "llama", seed: int 
         writer.add_rope_dimension_count(s["head_dim"])
     add_bpe_tokenizer(writer, tokens, merges, token_types, pre)
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (raw_metadata or {}).items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, int) and not isinstance(value, bool) and not -2**31 <= value < 2**31:
+            writer.add_key_value(key, value, gguf.GGUFValueType.INT64)
+        else:
+            writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
     matrices = 0
     for hf, w in weights.items():
         data = w

@@ -177,8 +177,8 @@ def test_sliding_windows_of_the_other_architectures(tmp_path):
 @pytest.mark.parametrize("key,value,match", [
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention"),
-    ("hidden_activation", "relu", "activation 'relu'"),
-    ("layer_types", ["sliding_attention"], "layer_types must list"),
+    ("hidden_activation", "relu", "hidden_activation is 'relu'"),
+    ("layer_types", ["sliding_attention"], "layer_types is"),
 ])
 def test_what_gemma3_configs_may_not_set_is_named(tmp_path, key, value, match):
     config = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2, key: value}

@@ -22,8 +22,9 @@ from torch import nn
 from backend.models.attention import AttentionContext
 from backend.models.loader import ModelConfig
 from backend.models.lora.project import LoRADeltas, lora_project
-from backend.models.moe import ExpertLoader, SparseMoeBlock, checkpoint_name
+from backend.models.moe import ExpertLoader, SparseMoeBlock
 from backend.models.rope import RopeTables
+from backend.models.weight_shapes import decoder_name
 from kernels.dispatch import KernelOps
 
 
@@ -169,21 +170,15 @@ class LlamaForCausalLM(nn.Module):
             return self.layers[0].self_attn.split
         return (self.cfg.intermediate_size,) * 2
 
-    # Where a checkpoint keeps the decoder's weights: Gemma3ForConditionalGeneration's text model sits
-    # under model.language_model. (transformers 5) or language_model.model. (the Hub's older files).
-    PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
-    SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
     def load_weights(self, weights) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; fail on missing or unknown names."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         experts = ExpertLoader(params)  # per-expert tensors into the stacked [E, ...] parameters
         for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name or hf_name.startswith(self.SKIPPED):
+            name = decoder_name(hf_name)  # (the vision tower of a multimodal Gemma 3 skipped: "")
+            if not name:
                 continue
-            prefix = next((p for p in self.PREFIXES if hf_name.startswith(p)), "")
-            name = checkpoint_name(hf_name[len(prefix):])
             if experts.take(name, tensor):
                 continue
             parts = name.split(".")

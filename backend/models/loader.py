@@ -11,17 +11,19 @@ from typing import Any, Iterator, Optional
 import torch
 from safetensors import safe_open
 
+from backend.models.checkpoint_config import (MOE_ARCHITECTURES, CheckpointConfigError, Reader, model_fields,
+                                               shown)
+from backend.models.weight_shapes import check_against_weights, header_shapes
+from kernels.quant_reference import ARRAYS
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # backend/models/moe.py
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Gemma3TextConfig's defaults: the Hub's multimodal Gemma 3 configs leave most of text_config to them
 GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
                        max_position_embeddings=131_072, query_pre_attn_scalar=256, sliding_window=4096,
                        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
-GEMMA3_PATTERN = 6  # sliding_window_pattern's default: five local layers, then a global one
-GATED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF name -> the kernel's
 
 
 @dataclass
@@ -84,49 +86,14 @@ class ModelConfig:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _as_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
-
-
-def _rope(params: Optional[dict], theta: Any, scaling: Optional[dict]) -> tuple[float, Optional[dict]]:
-    """(theta, scaling or None for the default rope) from HF's newer `rope_parameters` (one layer
-    kind's) or its older `rope_theta` + `rope_scaling`."""
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        if params.get("rope_type", params.get("type", "default")) != "default":
-            scaling = params
-    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        scaling = None
-    return float(theta or 10000.0), scaling
-
-
-def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int, ...]:
-    """Each layer's sliding window (0: global), as transformers decides it for `arch`."""
-    window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
-        window = None
-    if not window:
-        return ()
-    types = cfg.get("layer_types")
-    if arch == "MistralForCausalLM":  # every layer slides (HF's Mistral reads no layer_types)
-        types = ["sliding_attention"] * layers
-    elif types is None and arch.startswith("Gemma3"):
-        pattern = cfg.get("sliding_window_pattern", GEMMA3_PATTERN)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    elif types is None:  # Qwen2/3: the layers from max_window_layers on
-        first = cfg.get("max_window_layers", 28)
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"config.json: layer_types must list 'sliding_attention' or 'full_attention' for each "
-                         f"of the {layers} layers; got {types}")
-    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
-    return windows if any(windows) else ()
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the parser
+        raise CheckpointConfigError(f"{path.name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise CheckpointConfigError(f"{path.name} is {shown(value)}; it must be a JSON object")
+    return value
 
 
 def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -142,112 +109,74 @@ def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """config.json (and generation_config.json) of a checkpoint, every value checked
+    (backend/models/checkpoint_config.py) and its counts held to the weights' shapes
+    (backend/models/weight_shapes.py) before anything is allocated."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model_path '{model_dir}' has no config.json (expected a Hugging Face checkpoint directory)")
     cfg = _read_json(model_dir / "config.json")
     archs = cfg.get("architectures") or []
     known = SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES
-    arch = next((a for a in archs if a in known), None)
+    arch = next((a for a in archs if a in known), None) if isinstance(archs, list) else None
     if arch is None:
-        raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(known)}")
+        raise CheckpointConfigError(f"config.json: architectures is {shown(archs)}; it must list one of "
+                                    f"{', '.join(known)}")
     top = cfg
     if arch == "Gemma3ForConditionalGeneration":  # the text model; the vision tower is not loaded
-        cfg = dict(cfg.get("text_config") or {})
+        text = Reader(cfg).mapping("text_config")
+        cfg = dict(text.cfg) if text else {}
     gemma = arch.startswith("Gemma3")
     if gemma:
         cfg = _gemma3(cfg)
-    num_heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-    is_qwen2 = arch == "Qwen2ForCausalLM"
-    attention_bias = bool(cfg.get("attention_bias", False))
     gen_path = model_dir / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
-    eos = _as_ids(gen.get("eos_token_id", cfg.get("eos_token_id", top.get("eos_token_id"))))
-    rope = cfg.get("rope_parameters")
-    if gemma and isinstance(rope, dict) and "full_attention" in rope:  # one set per layer kind
-        rope_theta, rope_scaling = _rope(rope["full_attention"], 1_000_000.0, None)
-        local_theta, local_scaling = _rope(rope.get("sliding_attention"), 10_000.0, None)
-    else:
-        rope_theta, rope_scaling = _rope(rope, cfg.get("rope_theta", 1_000_000.0 if gemma else None),
-                                         cfg.get("rope_scaling"))
-        local_theta, local_scaling = float(cfg.get("rope_local_base_freq", 10_000.0)), None
-    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"config.json: activation {activation!r} is not supported; supported: "
-                         f"{', '.join(GATED_ACTIVATIONS)}")
-    layers = cfg["num_hidden_layers"]
-    return ModelConfig(
+    fields = model_fields(cfg, arch, top, gen)
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    attention_bias = fields.pop("attention_bias")
+    model_config = ModelConfig(
         quantized_modules=_quantized_modules(top, model_dir),
         architecture=arch,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=layers,
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or top.get("torch_dtype") or top.get("dtype")
                         or "float32"),
-        eos_token_ids=eos,
-        bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id", top.get("bos_token_id"))),
-        layer_windows=_layer_windows(cfg, arch, layers),
-        local_rope_theta=local_theta if gemma else None,
-        local_rope_scaling=local_scaling if gemma else None,
         qk_norm=gemma or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),  # Qwen3-MoE: Qwen3's attention
-        activation=GATED_ACTIVATIONS[activation],
         norm_weight_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
-        embedding_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
-        query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
-        # transformers caps the logits in Gemma3ForCausalLM only: its multimodal class ignores the
-        # text config's cap (real Gemma 3 checkpoints set none)
-        final_logit_softcapping=cfg.get("final_logit_softcapping") if arch == "Gemma3ForCausalLM" else None,
-        **_moe_fields(arch, cfg),
+        embedding_scale=fields["hidden_size"] ** 0.5 if gemma else 1.0,
+        **fields,
     )
+    files = _weight_files_if_any(model_dir)
+    if files:
+        check_against_weights(model_config, header_shapes(files))
+    return model_config
 
 
-def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a config.json (none for a dense architecture), checked."""
-    if arch not in MOE_ARCHITECTURES:
-        return {}
-    mixtral = arch == "MixtralForCausalLM"
-    experts = cfg.get("num_local_experts") if mixtral else (cfg.get("num_experts") or cfg.get("num_local_experts"))
-    fields = dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok"),
-                  moe_intermediate_size=cfg.get("intermediate_size" if mixtral else "moe_intermediate_size"),
-                  norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
-                  decoder_sparse_step=1 if mixtral else cfg.get("decoder_sparse_step", 1),
-                  mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()))
-    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
-        value = fields[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arch} config.json: {key} must be an integer >= 1; got {value!r}")
-    if fields["num_experts_per_tok"] > fields["num_experts"]:
-        raise ValueError(f"{arch} config.json: num_experts_per_tok {fields['num_experts_per_tok']} exceeds the "
-                         f"{fields['num_experts']} experts")
-    return fields
+def _weight_files_if_any(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files, or none (a folder of config files only: loading its weights
+    fails later, naming what is missing)."""
+    try:
+        return weight_files(model_dir)
+    except (FileNotFoundError, ValueError):
+        return []
 
 
 PACKED_LAYOUTS = ("inflight-gguf-packed/1",)  # docs/quantization.md
 
 
 def _quantized_modules(cfg: dict[str, Any], model_dir: Path) -> Optional[dict[str, str]]:
-    quant = cfg.get("quantization_config")
-    if not quant:
+    quant = Reader(cfg).mapping("quantization_config")
+    if quant is None or not quant.cfg:
         return None
-    method, layout = quant.get("quant_method"), quant.get("layout")
+    method, layout = quant.cfg.get("quant_method"), quant.cfg.get("layout")
     if method != "gguf" or layout not in PACKED_LAYOUTS:
-        raise ValueError(f"'{model_dir}': quantization_config {method!r} / layout {layout!r} is not one "
+        raise ValueError(f"'{model_dir}': quantization_config {shown(method)} / layout {shown(layout)} is not one "
                          f"inflight reads (gguf, {', '.join(PACKED_LAYOUTS)}: `inflight import-gguf` writes it)")
-    return dict(quant.get("modules") or {})
+    modules = quant.cfg.get("modules") or {}
+    if not isinstance(modules, dict) or any(not isinstance(t, str) or t not in ARRAYS for t in modules.values()):
+        quant.fail("modules", modules, f"an object of module name -> packed type ({', '.join(ARRAYS)})")
+    return dict(modules)
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

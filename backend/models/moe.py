@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from backend.models.loader import ModelConfig
+from backend.models.weight_shapes import checkpoint_name  # noqa: F401  (weights.py reads it here)
 from kernels.cpu import moe as cpu_moe
 from kernels.moe_reference import grouped_moe, route
 
@@ -37,12 +38,6 @@ EXPERT_PARTS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up
 _PARTS = "|".join(EXPERT_PARTS)
 _EXPERT = re.compile(rf"^(?P<layer>layers\.\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<part>{_PARTS})\.weight$")
 STACKED = re.compile(rf"^(?:model\.)?(?P<layer>layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<part>{_PARTS})$")
-
-
-def checkpoint_name(name: str) -> str:
-    """A checkpoint name (``model.`` removed) in the engine's terms: Mixtral's block_sparse_moe is
-    the layer's `mlp`."""
-    return name.replace(".block_sparse_moe.", ".mlp.", 1)
 
 
 class Experts(nn.Module):

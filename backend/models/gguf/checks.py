@@ -7,10 +7,12 @@ gives numpy errors that name nothing. So `scan` walks the header once on its own
 length and offset bounded by the bytes the file really has, and refuses the file with one line
 naming what is wrong. Only then does the importer hand the file to ``gguf.GGUFReader``.
 
-`check_config` and `check_shapes` then hold the metadata and the tensors to each other: positive
-head counts that divide what they must, a context length within `MAX_CONTEXT_LENGTH` (a file that
-claims 2^31 positions would otherwise size a 17 GB rope table at load), every layer's tensors
-present with the shapes the configuration implies.
+`check_config` then checks every value the metadata gives as a config.json's are checked
+(backend/models/checkpoint_config.py: positive head counts that divide what they must, finite
+numbers in range, a context length within `MAX_CONTEXT_LENGTH`: a file that claims 2^31 positions
+would otherwise size a 17 GB rope table at load), naming the GGUF keys, and `check_shapes` holds
+the metadata and the tensors to each other: every layer's tensors present with the shapes the
+configuration implies.
 """
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from backend.models.checkpoint_config import MAX_CONTEXT_LENGTH, model_fields
 from backend.models.gguf.mapping import GGUFImportError, moe_layer_shapes
 from backend.models.gguf.packed import BLOCK_SIZES, tensor_bytes, type_name
 
-MAX_CONTEXT_LENGTH = 1 << 20  # positions: above every published model (Qwen2.5-1M: 1,010,000)
+__all__ = ["MAX_CONTEXT_LENGTH", "check_config", "check_shapes", "scan"]  # the context cap: checkpoint_config's
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 MAX_KEY_BYTES = 1 << 16
 GGUF_MAGIC = b"GGUF"
@@ -158,42 +161,35 @@ def _scan(cur: _Cursor) -> list[TensorInfo]:
     return tensors
 
 
-def _positive(config: Mapping[str, Any], key: str, gguf_key: str) -> int:
-    value = config[key]
-    if not isinstance(value, int) or value <= 0:
-        raise GGUFImportError(f"{gguf_key} is {value}; it must be a positive integer")
-    return value
+def gguf_names(arch: str) -> dict[str, str]:
+    """config.json's keys -> the GGUF metadata keys they come from, for checkpoint_config's messages."""
+    a = arch
+    names = {"hidden_size": "embedding_length", "num_attention_heads": "attention.head_count",
+             "num_key_value_heads": "attention.head_count_kv", "intermediate_size": "feed_forward_length",
+             "num_hidden_layers": "block_count", "head_dim": "attention.key_length",
+             "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+             "max_position_embeddings": "context_length", "rope_scaling.factor": "rope.scaling.factor",
+             "rope_parameters.full_attention.rope_theta": "rope.freq_base",
+             "rope_parameters.full_attention.factor": "rope.scaling.factor",
+             "rope_parameters.sliding_attention.rope_theta": "rope.freq_base_swa",
+             "sliding_window": "attention.sliding_window", "final_logit_softcapping": "final_logit_softcapping",
+             "num_local_experts": "expert_count", "num_experts": "expert_count",
+             "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length"}
+    return {**{k: f"{a}.{v}" for k, v in names.items()}, "vocab_size": "the vocabulary size",
+            "eos_token_id": "tokenizer.ggml.eos_token_id", "bos_token_id": "tokenizer.ggml.bos_token_id"}
 
 
 def check_config(config: Mapping[str, Any], arch: str, head_dim_given: bool) -> None:
-    """The configuration derived from the metadata is one a model can have."""
-    hidden = _positive(config, "hidden_size", f"{arch}.embedding_length")
-    heads = _positive(config, "num_attention_heads", f"{arch}.attention.head_count")
-    kv_heads = _positive(config, "num_key_value_heads", f"{arch}.attention.head_count_kv")
-    _positive(config, "intermediate_size", f"{arch}.feed_forward_length")
-    _positive(config, "num_hidden_layers", f"{arch}.block_count")
-    _positive(config, "vocab_size", "the vocabulary size")
-    if not head_dim_given and hidden % heads:
+    """The configuration derived from the metadata is one a model can have: every value checked as a
+    config.json's is (backend/models/checkpoint_config.py), the GGUF keys named."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if not head_dim_given and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
         raise GGUFImportError(f"{arch}.embedding_length {hidden} is not a multiple of "
                               f"{arch}.attention.head_count {heads}")
-    head_dim = _positive(config, "head_dim", f"{arch}.attention.key_length")
-    if head_dim % 2:
-        raise GGUFImportError(f"the head size {head_dim} is odd; rotary embeddings need it even")
-    if heads % kv_heads:
-        raise GGUFImportError(f"{arch}.attention.head_count {heads} is not a multiple of "
-                              f"{arch}.attention.head_count_kv {kv_heads}")
-    if "num_experts_per_tok" in config:   # a mixture of experts
-        experts = _positive(config, "num_local_experts" if "num_local_experts" in config else "num_experts",
-                            f"{arch}.expert_count")
-        used = _positive(config, "num_experts_per_tok", f"{arch}.expert_used_count")
-        if used > experts:
-            raise GGUFImportError(f"{arch}.expert_used_count {used} exceeds {arch}.expert_count {experts}")
-        if "moe_intermediate_size" in config:
-            _positive(config, "moe_intermediate_size", f"{arch}.expert_feed_forward_length")
-    context = config["max_position_embeddings"]
-    if not isinstance(context, int) or not 0 < context <= MAX_CONTEXT_LENGTH:
-        raise GGUFImportError(f"{arch}.context_length {context} is outside 1..{MAX_CONTEXT_LENGTH} "
-                              "(inflight's limit on a model's positions)")
+    names = gguf_names(arch)
+    if not head_dim_given:  # the head size came from the rope's dimensions, or the hidden size per head
+        names["head_dim"] = f"{arch}.rope.dimension_count (or embedding_length / attention.head_count)"
+    model_fields(config, config["architectures"][0], where="", names=names)
 
 
 def expected_shapes(config: Mapping[str, Any], arch: str = "llama") -> dict[str, tuple[int, ...]]:

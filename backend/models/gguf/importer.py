@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from backend.models.checkpoint_config import CheckpointConfigError
 from backend.models.gguf.checks import check_config, check_shapes, scan
 from backend.models.gguf.mapping import (GEMMA_NORM_SHIFT, MOE_TENSORS, PERMUTED_ARCHITECTURES, ROPE_FREQS,
                                   GGUFImportError, hf_architecture, hf_config, hf_tensor_name,
@@ -265,7 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         import_gguf(args.file, args.out, dtype=args.dtype or "float32", dequantize=args.dequantize,
                     force=args.force)
-    except (GGUFImportError, FileNotFoundError, FileExistsError) as exc:
+    except (CheckpointConfigError, FileNotFoundError, FileExistsError) as exc:  # GGUFImportError is one
         print(f"inflight import-gguf: {exc}", file=sys.stderr)
         return 2
     return 0

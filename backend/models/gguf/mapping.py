@@ -32,10 +32,13 @@
 """
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+
+from backend.models.checkpoint_config import CheckpointConfigError, shown
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -74,7 +77,7 @@ ROPE_FREQS = "rope_freqs.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-class GGUFImportError(ValueError):
+class GGUFImportError(CheckpointConfigError):
     """A GGUF file this importer cannot convert (the message says what and why)."""
 
 
@@ -112,15 +115,22 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
     def integer(name: str, default: Any = None) -> int:
         value = key(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise GGUFImportError(f"GGUF metadata key {arch}.{name} is {value!r}, not an integer")
+            raise GGUFImportError(f"GGUF metadata key {arch}.{name} is {shown(value)}, not an integer")
         return int(value)
 
+    def number(name: str, default: Any = None) -> float:  # its range: checks.py, after the mapping
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise GGUFImportError(f"GGUF metadata key {arch}.{name} is {shown(value)}, not a number")
+        return float(value)
+
     hidden, heads = integer("embedding_length"), integer("attention.head_count")
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+    head_dim = next((integer(k) for k in ("attention.key_length", "rope.dimension_count")
+                     if meta.get(f"{arch}.{k}") is not None), None)
     tokens = meta.get("tokenizer.ggml.tokens")
     embedding = tensor_shapes.get("token_embd.weight")
-    vocab = (meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
-             or (embedding[0] if embedding else None))
+    vocab = (integer("vocab_size") if meta.get(f"{arch}.vocab_size") is not None else
+             len(tokens) if isinstance(tokens, list) and tokens else embedding[0] if embedding else None)
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": MODEL_TYPES[architecture],
@@ -131,10 +141,10 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
         "num_key_value_heads": integer("attention.head_count_kv", heads),
         # head_count 0 is refused by backend/models/gguf/checks.py, which reads this config
         "head_dim": int(head_dim or (hidden // heads if heads > 0 else 0)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
+        "rope_theta": number("rope.freq_base", 10000.0),
         "max_position_embeddings": integer("context_length", 4096),
-        "vocab_size": int(vocab) if vocab else None,
+        "vocab_size": int(vocab) if vocab else None,  # none: refused by checks.py, naming it
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
         "hidden_act": "silu",
         "torch_dtype": out_dtype,
@@ -147,23 +157,28 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
         config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_shapes)
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": "linear", "factor": number("rope.scaling.factor")}
     elif scaling not in (None, "none"):
         raise GGUFImportError(f"{arch}.rope.scaling.type {scaling!r} is not supported; supported: "
                               "none, linear (and Llama 3 scaling stored as rope_freqs)")
     if arch == "gemma3":
-        _gemma3_config(config, meta, integer)
+        _gemma3_config(config, meta, integer, number)
     if architecture in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
-        config.update(_moe_config(architecture, integer, meta.get(f"{arch}.expert_weights_norm"), tensor_shapes,
-                                  config["num_hidden_layers"]))
+        norm = meta.get(f"{arch}.expert_weights_norm")
+        if norm is not None and not isinstance(norm, bool):
+            raise GGUFImportError(f"GGUF metadata key {arch}.expert_weights_norm is {shown(norm)}, not true or false")
+        config.update(_moe_config(architecture, integer, norm, tensor_shapes, config["num_hidden_layers"]))
     for name, key_ in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("pad_token_id", "padding_token_id")):
-        if meta.get(f"tokenizer.ggml.{key_}") is not None:
-            config[name] = int(meta[f"tokenizer.ggml.{key_}"])
+        value = meta.get(f"tokenizer.ggml.{key_}")
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise GGUFImportError(f"GGUF metadata key tokenizer.ggml.{key_} is {shown(value)}, not an integer")
+            config[name] = int(value)  # within the vocabulary: checks.py
     return config
 
 
-def _gemma3_config(config: dict[str, Any], meta: dict[str, Any], integer) -> None:
+def _gemma3_config(config: dict[str, Any], meta: dict[str, Any], integer, number) -> None:
     """Gemma 3's own config.json keys, as llama.cpp runs a gemma3 file (the module's docstring)."""
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     if meta.get("gemma3.attn_logit_softcapping") is not None:
@@ -174,7 +189,10 @@ def _gemma3_config(config: dict[str, Any], meta: dict[str, Any], integer) -> Non
         if len(pattern) != layers:
             raise GGUFImportError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} flags for "
                                   f"{layers} layers")
-        local = [bool(p) for p in pattern]
+        if not all(isinstance(p, bool) for p in pattern):
+            raise GGUFImportError(f"gemma3.attention.sliding_window_pattern is {shown(pattern)}: one flag "
+                                  "(true or false) per layer, or a positive period")
+        local = list(pattern)
     elif isinstance(pattern, (int, np.integer)) and not isinstance(pattern, bool) and pattern > 0:
         local = [(i + 1) % int(pattern) != 0 for i in range(layers)]
     else:
@@ -182,14 +200,14 @@ def _gemma3_config(config: dict[str, Any], meta: dict[str, Any], integer) -> Non
                               "period or one flag per layer")
     global_rope = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
     global_rope.update(config.pop("rope_scaling", {}))
-    local_base = float(meta.get("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
+    local_base = number("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
     config.update({
         "layer_types": ["sliding_attention" if s else "full_attention" for s in local],
         "sliding_window": integer("attention.sliding_window"),
         "rope_parameters": {"full_attention": global_rope,
                             "sliding_attention": {"rope_type": "default", "rope_theta": local_base}},
         # llama.cpp's attention scale: 1 / sqrt(hidden / heads) for the 27B (62 layers), else head_dim's
-        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 else config["head_dim"],
+        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 and heads > 0 else config["head_dim"],
         "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping"),
         "hidden_activation": "gelu_pytorch_tanh",
     })
@@ -201,7 +219,8 @@ def _moe_config(architecture: str, integer, weights_norm, tensor_shapes, layers:
     experts, used = integer("expert_count"), integer("expert_used_count")
     if architecture == "MixtralForCausalLM":
         return {"num_local_experts": experts, "num_experts_per_tok": used}
-    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
+    # (a block count beyond the file's tensors is refused by checks.py: no longer list than they are)
+    dense = [i for i in range(min(layers, len(tensor_shapes))) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
     return {"num_experts": experts, "num_experts_per_tok": used, "decoder_sparse_step": 1, "mlp_only_layers": dense,
             "moe_intermediate_size": integer("expert_feed_forward_length"),
             "norm_topk_prob": True if weights_norm is None else bool(weights_norm), "attention_bias": False}
