@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from openai_server.reasoning import PARSERS as REASONING_PARSERS
 from openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from templates.render import parse_param, positive_int, tensor_parallel_problem
 
@@ -87,7 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.openai_port:
         openai_api = OpenAIServer(server.grpc_url, Path(args.model_path).resolve() if args.model_path else resolved,
                                   host=args.host, port=args.openai_port, log_to_console=True,
-                                  tool_call_parser=args.tool_call_parser, metrics_url=server.metrics_url)
+                                  tool_call_parser=args.tool_call_parser, metrics_url=server.metrics_url,
+                                  reasoning_parser=args.reasoning_parser)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -244,8 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "or '{\"model\": \"DRAFT_DIR\", \"num_speculative_tokens\": 3}' (the speculative_config parameter)")
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
-                   help="the tool-call format of the OpenAI server's chat (vLLM's name; default hermes: "
+                   help="the tool-call format of the OpenAI server's chat (vLLM's names; default hermes: "
                         "<tool_call> JSON)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="the OpenAI server's reasoning format (vLLM's names): thinking goes to reasoning, the "
+                        "answer to content (default: none)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) to serve beside the model's multi_lora.json, as vLLM's "
                         "flag: NAME=PATH or a JSON {\"name\": ..., \"path\": ...}; turns enable_lora on. "

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from openai_server.reasoning import PARSERS as REASONING_PARSERS
 from openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 
@@ -21,8 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default="llm",
                    help="the model name clients pass and /v1/models lists (default llm, the Triton model)")
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
-                   help="the format tool calls are written in and read from (vLLM's flag; default hermes: "
-                        "<tool_call> JSON; llama3_json: Llama 3's JSON calls)")
+                   help="the format tool calls are written in and read from (vLLM's flag and names; default "
+                        "hermes: <tool_call> JSON; llama3_json, qwen3_coder, mistral, pythonic, deepseek_v3)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="a reasoning model's format (vLLM's flag and names: qwen3, deepseek_r1): its thinking "
+                        "goes to the message's reasoning (and reasoning_content), the answer to content")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; the container's entrypoint passes 0.0.0.0)")
     p.add_argument("--port", type=int, default=9000)
@@ -39,7 +43,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from openai_server.app import create_app
 
-    app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser, args.metrics_url)
+    app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser, args.metrics_url,
+                     reasoning_parser=args.reasoning_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from backend.core.input_guard import lone_surrogate
 from openai_server.metrics import GatewayMetrics, default_metrics_url
+from openai_server.reasoning_request import parse_chat_request
 from openai_server.responses import ChoiceState, Reply, sse
-from openai_server.translate import (APIError, Generation, bad, parse_chat, parse_completion,
-                                            triton_tensors)
+from openai_server.translate import APIError, Generation, bad, parse_completion, triton_tensors
 from openai_server.triton_backend import TritonBackend
 
 MAX_BODY_BYTES = 8 << 20
@@ -79,7 +79,8 @@ def _error(exc: APIError) -> JSONResponse:
 
 
 def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm",
-               tool_call_parser: str = "hermes", metrics_url: Optional[str] = None) -> FastAPI:
+               tool_call_parser: str = "hermes", metrics_url: Optional[str] = None,
+               reasoning_parser: Optional[str] = None) -> FastAPI:
     triton = TritonBackend(grpc_url)
     gateway = GatewayMetrics(metrics_url or default_metrics_url(grpc_url), triton.model, served_model_name)
     render = ChatRenderer(model_path)
@@ -174,9 +175,10 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _body(request)
-        gen = _with_adapter(parse_chat(body, render, tool_call_parser), body)
+        gen, thinking = parse_chat_request(body, render, tool_call_parser, reasoning_parser)  # reasoning_request.py
+        gen = _with_adapter(gen, body)
         return await _answer(request, gen, Reply(f"chatcmpl-{gen.request_id}", body["model"], chat=True,
-                                                 tools=gen.tools))
+                                                 tools=gen.tools, thinking=thinking))
 
     async def _answer(request: Request, gen: Generation, reply: Reply):
         declared = await triton.declared_inputs()

@@ -8,15 +8,23 @@ Three ways to ask, at most one per request:
 - vLLM's extra fields: `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | ...}) and
   the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, ...;
 - `tool_choice` "required" or a named function (tools.py): a structural tag over the call format.
+With a reasoning parser (`--reasoning-parser`), the constraint holds for the answer only: the
+output is a think block (`<think>` unless the prompt opened it, free text, `</think>`), then the
+constraint (`answer_only`), as one xgrammar structural tag. The same think block carries a thinking
+budget (vLLM's `thinking_token_budget`): past that many tokens of thinking the grammar lets only
+`</think>` come, so it is forced, on the engine's structured path. A prompt that closed the thinking
+(Qwen3's `enable_thinking: false`) leaves the constraint as it was.
 The shape is checked here, naming the parameter, and so are schemas (backend/core/schema_check.py);
 compiling (a grammar xgrammar refuses, one no token can start) is the engine's, off the request
 path: its 400 names `structured_outputs.<kind>`.
 """
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Optional
 
 from backend.core.structured import FIELD, KINDS, LEGACY_KEYS, StructuredOutputs, fold_legacy_keys
+from openai_server.reasoning import THINK_CLOSE, THINK_OPEN
 
 if TYPE_CHECKING:
     from openai_server.tools import ToolCalling
@@ -65,6 +73,44 @@ def structured_outputs(body: dict[str, Any], tools: Optional["ToolCalling"] = No
     return spec
 
 
+def answer_only(spec: Optional[dict[str, Any]], param: str, reasoning_parser: Optional[str], prompt: str,
+                budget: Optional[int]) -> Optional[dict[str, Any]]:
+    """The constraint `spec` (None: none) moved after the thinking, with the thinking budget."""
+    if reasoning_parser is None or prompt == "closed" or (spec is None and budget is None):
+        return spec
+    begin = "" if prompt == "open" or reasoning_parser == "deepseek_r1" else THINK_OPEN
+    content: dict[str, Any] = {"type": "any_text", **({"max_tokens": budget} if budget is not None else {})}
+    think = {"type": "tag", "begin": begin, "content": content, "end": THINK_CLOSE}
+    newlines = {"type": "regex", "pattern": "\\n{0,2}"}  # what a model writes after </think>
+    answer, flags = ({"type": "any_text"}, {}) if spec is None else _as_format(spec, param)
+    return {"structural_tag": {"type": "structural_tag", "format": {"type": "sequence",
+                                                                    "elements": [think, newlines, answer]}}, **flags}
+
+
+def _as_format(spec: dict[str, Any], param: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A constraint as a structural tag's format (and the flags kept beside it)."""
+    flags = {k: v for k, v in spec.items() if k not in KINDS}
+    if "json" in spec or "json_object" in spec:
+        schema = spec["json"] if "json" in spec else {"type": "object"}
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        return {"type": "json_schema", "json_schema": schema}, flags
+    if "regex" in spec:
+        return {"type": "regex", "pattern": spec["regex"]}, flags
+    if "choice" in spec:
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in spec["choice"]]}, flags
+    if "grammar" in spec:
+        if "::=" not in spec["grammar"]:
+            raise FieldError(param, f"{param}: with a reasoning parser a grammar must be EBNF (a Lark grammar "
+                                    "cannot follow the thinking)")
+        return {"type": "grammar", "grammar": spec["grammar"]}, flags
+    tag = spec["structural_tag"]
+    tag = json.loads(tag) if isinstance(tag, str) else tag
+    if not isinstance(tag, dict) or "format" not in tag:
+        raise FieldError(param, f"{param}: with a reasoning parser a structural tag must be "
+                                '{"type": "structural_tag", "format": ...}')
+    return tag["format"], flags
+
+
 def as_json(spec: StructuredOutputs) -> dict[str, Any]:
     """A StructuredOutputs as the JSON object of its set fields."""
     out = {spec.kind: list(spec.choice) if spec.kind == "choice" else getattr(spec, spec.kind)}
@@ -99,4 +145,4 @@ def _response_format(value: Any) -> Optional[dict[str, Any]]:
                                         f"got {kind!r}")
 
 
-__all__ = ["FIELDS", "FieldError", "structured_outputs", "as_json", "KINDS"]
+__all__ = ["FIELDS", "FieldError", "structured_outputs", "answer_only", "as_json", "KINDS"]

@@ -5,10 +5,13 @@ The `logprobs` output follows the vLLM backend's additional-outputs contract: pe
 list with one object per new token, {token_id: {"logprob", "rank", "decoded_token"}}, the sampled
 token included.
 
-With tools (tools.py), a chat answer's text is read for tool calls in the server's format
-(tool_parsers.py): the message gets OpenAI's `tool_calls`, and a stream sends `delta.tool_calls`
-(the call's id and name first, then its `arguments` piece by piece); finish_reason is
-"tool_calls" when calls were made, except for a named tool_choice ("stop", as OpenAI).
+With a reasoning parser (`--reasoning-parser`, reasoning.py), a chat answer's thinking goes to the
+message's (and each delta's) `reasoning` and `reasoning_content`, the rest on. With tools
+(tools.py), the answer is read for tool calls in the server's format (tool_parsers.py): the message
+gets OpenAI's `tool_calls`, and a stream sends `delta.tool_calls` (the call's id and name first,
+then its `arguments` piece by piece); finish_reason is "tool_calls" when calls were made, except
+for a named tool_choice ("stop", as OpenAI). One parser (parse.OutputParser) reads both, streamed
+or whole, so the stream adds up to the whole answer.
 """
 from __future__ import annotations
 
@@ -20,9 +23,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from templates.tensors import QUEUE_INFO_OUTPUTS
-from openai_server.tool_parsers import ToolCallParser, openai_calls, parse_tool_calls
+from openai_server.parse import OutputParser, schemas_of
+from openai_server.reasoning import with_reasoning
+from openai_server.tool_parsers import openai_calls
 
 if TYPE_CHECKING:
+    from openai_server.reasoning_request import Thinking
     from openai_server.tools import ToolCalling
 
 # Engine reasons OpenAI has no word for are passed through (abort: the server stopped the request).
@@ -178,7 +184,8 @@ class Reply:
     chat: bool
     created: int = field(default_factory=lambda: int(time.time()))
     tools: Optional["ToolCalling"] = None
-    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # streaming: one per choice
+    thinking: Optional["Thinking"] = None  # the reasoning parser and the prompt's thinking state
+    _parsers: dict[int, OutputParser] = field(default_factory=dict)  # streaming: one per choice
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -211,8 +218,8 @@ class Reply:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             calls = False
-            if self.tools is not None and self.tools.parses:
-                calls = self._tool_delta(index, piece, delta)
+            if self._parser() is not None:
+                calls = self._delta(index, piece, delta)
             else:
                 delta["content"] = piece.text
             choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(lp) if want_logprobs else None,
@@ -229,26 +236,39 @@ class Reply:
             out["usage"] = None  # as OpenAI: null on every chunk but the last
         return out
 
-    # -- tool calls ------------------------------------------------------------------------------------
-    def _message(self, text: str) -> tuple[dict[str, Any], bool]:
-        if self.tools is None or not self.tools.parses:
-            return {"role": "assistant", "content": text}, False
-        content, calls = parse_tool_calls(text, self.tools.parser)
-        if not self.tools.parallel:
-            calls = calls[:1]
-        if not calls:
-            return {"role": "assistant", "content": text}, False
-        return {"role": "assistant", "content": content, "tool_calls": calls}, True
+    # -- reasoning and tool calls ---------------------------------------------------------------------
+    def _parser(self) -> Optional[OutputParser]:
+        """A new parser of this call's answers, or None when there is nothing to parse."""
+        reasoning = self.thinking.parser if self.thinking is not None else None
+        tools = self.tools.parser if self.tools is not None and self.tools.parses else None
+        if reasoning is None and tools is None:
+            return None
+        return OutputParser(reasoning, tools, schemas_of(self.tools.template_tools()) if tools else None,
+                            self.thinking.prompt if reasoning else "none")
 
-    def _tool_delta(self, index: int, piece: Piece, delta: dict[str, Any]) -> bool:
+    def _message(self, text: str) -> tuple[dict[str, Any], bool]:
+        parser = self._parser()
+        if parser is None:
+            return {"role": "assistant", "content": text}, False
+        thought, content, _ = parser.feed(text, final=True)
+        calls = openai_calls(parser.tool_calls)
+        if self.tools is not None and not self.tools.parallel:
+            calls = calls[:1]
+        message = with_reasoning({"role": "assistant"}, thought if parser.thought else None)
+        if not calls:
+            message["content"] = content if content or parser.reasoning is None else None
+            return message, False
+        message.update(content=content if content.strip() else None, tool_calls=calls)
+        return message, True
+
+    def _delta(self, index: int, piece: Piece, delta: dict[str, Any]) -> bool:
         """Fill a stream chunk's delta from the parser of choice `index`; whether it has made calls."""
-        parser = self._parsers.setdefault(index, ToolCallParser(self.tools.parser))
-        events = parser.feed(piece.text) + (parser.finish() if piece.finish_reason else [])
-        most = None if self.tools.parallel else 1
-        content = "".join(e[1] for e in events if e[0] == "content")
+        parser = self._parsers.get(index) or self._parsers.setdefault(index, self._parser())
+        thought, content, events = parser.feed(piece.text, final=bool(piece.finish_reason))
+        most = None if self.tools is None or self.tools.parallel else 1
         calls: list[dict[str, Any]] = []
         for event in events:
-            if event[0] == "content" or (most is not None and event[1] >= most):
+            if most is not None and event[1] >= most:
                 continue
             if event[0] == "call":
                 calls.append({"index": event[1], "id": event[2], "type": "function",
@@ -257,14 +277,16 @@ class Reply:
                 calls[-1]["function"]["arguments"] += event[2]
             else:
                 calls.append({"index": event[1], "function": {"arguments": event[2]}})
-        if content or not calls:
+        if thought:
+            with_reasoning(delta, thought)
+        if content or not (calls or thought):
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
-        return bool(openai_calls(parser.tool_calls))
+        return bool(parser.tool_calls)
 
     def _finish_reason(self, reason: Optional[str], calls: bool) -> Optional[str]:
-        if reason == "stop" and calls and not self.tools.named:
+        if reason == "stop" and calls and self.tools is not None and not self.tools.named:
             return "tool_calls"
         return reason
 

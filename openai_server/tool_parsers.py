@@ -1,4 +1,6 @@
-"""Tool calls read out of generated text, incrementally: the formats `--tool-call-parser` names.
+"""Tool calls read out of generated text, incrementally: the formats `--tool-call-parser` names
+(vLLM's): `hermes` and `llama3_json` here; `qwen3_coder` and `deepseek_v3` (tool_formats.py), `mistral`
+(tool_mistral.py) and `pythonic` (tool_pythonic.py), behind the same interface (`make_parser`).
 
 - `hermes`: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, any number of them,
   text allowed around them (Hermes, Qwen 2.5, and what the system-message default asks for);
@@ -16,17 +18,19 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from typing import Optional
+from typing import Any, Optional
 
-PARSERS = ("hermes", "llama3_json")
+from openai_server.reasoning import held_back
+from openai_server.tool_formats import DeepSeekV3Parser, Qwen3CoderParser, new_call_id
+from openai_server.tool_mistral import MistralParser
+from openai_server.tool_pythonic import PythonicParser
+
+FORMATS = {"qwen3_coder": Qwen3CoderParser, "deepseek_v3": DeepSeekV3Parser, "mistral": MistralParser,
+           "pythonic": PythonicParser}
+PARSERS = ("hermes", "llama3_json") + tuple(FORMATS)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA3_SEPARATOR = "; "
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class _CallObject:
@@ -99,7 +103,7 @@ class _CallObject:
 
 class ToolCallParser:
     def __init__(self, fmt: str = "hermes"):
-        if fmt not in PARSERS:
+        if fmt not in ("hermes", "llama3_json"):
             raise ValueError(f"tool call parser: one of {', '.join(PARSERS)}; got {fmt!r}")
         self.fmt = fmt
         self.buffer = ""  # text not handled yet
@@ -143,8 +147,7 @@ class ToolCallParser:
         if self.fmt == "hermes":
             at = self.buffer.find(HERMES_OPEN)
             if at < 0:  # hold back what may be the start of the tag
-                keep = next((k for k in range(len(HERMES_OPEN) - 1, 0, -1)
-                             if self.buffer.endswith(HERMES_OPEN[:k])), 0)
+                keep = held_back(self.buffer, HERMES_OPEN)
                 self._content(self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 return False
@@ -216,9 +219,19 @@ class ToolCallParser:
             self._events.append(("content", text))
 
 
-def parse_tool_calls(text: str, fmt: str) -> tuple[Optional[str], list[dict]]:
+def make_parser(fmt: str, schemas: Optional[dict[str, Any]] = None):
+    """The incremental parser of format `fmt`; `schemas` (function name -> its parameters schema)
+    type the values of formats that write them as text (qwen3_coder)."""
+    if fmt in FORMATS:
+        return FORMATS[fmt](schemas)
+    if fmt not in PARSERS:
+        raise ValueError(f"tool call parser: one of {', '.join(PARSERS)}; got {fmt!r}")
+    return ToolCallParser(fmt)
+
+
+def parse_tool_calls(text: str, fmt: str, schemas: Optional[dict[str, Any]] = None) -> tuple[Optional[str], list[dict]]:
     """A whole answer -> (its content, None when empty; its OpenAI tool_calls)."""
-    parser = ToolCallParser(fmt)
+    parser = make_parser(fmt, schemas)
     events = parser.feed(text) + parser.finish()
     content = "".join(e[1] for e in events if e[0] == "content")
     return (content if content.strip() else None), openai_calls(parser.tool_calls)

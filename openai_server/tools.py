@@ -22,13 +22,11 @@ from typing import Any, Optional
 
 from backend.core.schema_check import check_schema
 from openai_server.constraints import FieldError
-from openai_server.tool_parsers import HERMES_CLOSE, HERMES_OPEN, LLAMA3_SEPARATOR, PARSERS
+from openai_server.tool_grammar import calls_text, structural_tag
+from openai_server.tool_parsers import PARSERS
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
-# Whitespace characters in a row within enforced arguments: room for indented JSON, no endless runs
-# (a small model's failure mode when any whitespace is allowed).
-MAX_ARGUMENT_WHITESPACE = 16
 
 
 @dataclass
@@ -36,7 +34,7 @@ class ToolCalling:
     functions: list[dict[str, Any]]  # OpenAI's function objects: name, description, parameters
     choice: str  # "none" | "auto" | "required" | a function's name
     parallel: bool
-    parser: str  # the output format: "hermes" | "llama3_json"
+    parser: str  # the output format: tool_parsers.PARSERS
 
     @property
     def named(self) -> bool:
@@ -104,19 +102,7 @@ class ToolCalling:
         chosen = self.enforced
         if not chosen:
             return None
-        if self.parser == "hermes":
-            begin, key, end, separator = HERMES_OPEN + '\n{"name": "', '", "arguments": ', "}\n" + HERMES_CLOSE, "\n"
-        else:
-            begin, key, end, separator = '{"name": "', '", "parameters": ', "}", LLAMA3_SEPARATOR
-        tags = [{"type": "tag", "begin": begin + f["name"] + key,
-                 "content": {"type": "json_schema", "json_schema": f.get("parameters") or {"type": "object"},
-                             "max_whitespace_cnt": MAX_ARGUMENT_WHITESPACE},
-                 "end": end} for f in chosen]
-        if self.named:
-            return {"type": "structural_tag", "format": tags[0]}
-        return {"type": "structural_tag",
-                "format": {"type": "tags_with_separator", "tags": tags, "separator": separator,
-                           "at_least_one": True, "stop_after_first": not self.parallel}}
+        return structural_tag(self.parser, chosen, self.named, self.parallel)
 
     # -- the prompt of a template without tools ------------------------------------------------------
     def tools_in_system_message(self, messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
@@ -132,14 +118,15 @@ class ToolCalling:
 
     def system_prompt(self, tools: list[dict]) -> str:
         listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        if self.parser == "hermes":
-            how = (f"To call a function, answer with its name and arguments as a JSON object inside "
-                   f"{HERMES_OPEN}{HERMES_CLOSE} tags, one call per tag:\n"
-                   f'{HERMES_OPEN}\n{{"name": "function name", "arguments": {{"argument": "value"}}}}\n{HERMES_CLOSE}')
-        else:
+        example = calls_text(self.parser, [("function name", {"argument": "value"})])
+        if self.parser == "hermes":  # the wording the default model was tested with
+            how = ("To call a function, answer with its name and arguments as a JSON object inside "
+                   f"<tool_call></tool_call> tags, one call per tag:\n{example}")
+        elif self.parser == "llama3_json":
             how = ('To call a function, answer only with a JSON object of its name and parameters, '
-                   f'several separated by "{LLAMA3_SEPARATOR.strip()}":\n'
-                   '{"name": "function name", "parameters": {"argument": "value"}}')
+                   f'several separated by ";":\n{example}')
+        else:
+            how = f"To call a function, answer with the call written exactly so (several calls allowed):\n{example}"
         return (f"You can call these functions (JSON schemas):\n<tools>\n{listed}\n</tools>\n\n{how}\n"
                 "A function's result comes back in <tool_response></tool_response> tags.")
 
@@ -213,15 +200,7 @@ def _plain_turn(message: dict[str, Any], parser: str) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if message.get("role") != "assistant" or not calls:
         return message
-    written = []
-    for c in calls:
-        f = _with_object_arguments(c)["function"]
-        args = json.dumps(f.get("arguments", {}), ensure_ascii=False)
-        name = json.dumps(f.get("name", ""), ensure_ascii=False)
-        if parser == "hermes":
-            written.append(f'{HERMES_OPEN}\n{{"name": {name}, "arguments": {args}}}\n{HERMES_CLOSE}')
-        else:
-            written.append(f'{{"name": {name}, "parameters": {args}}}')
-    text = ("\n" if parser == "hermes" else LLAMA3_SEPARATOR).join(written)
+    text = calls_text(parser, [(c["function"].get("name", ""), c["function"].get("arguments", {}))
+                               for c in (_with_object_arguments(c) for c in calls)])
     content = message.get("content") or ""
     return {"role": "assistant", "content": f"{content}\n{text}" if content else text}

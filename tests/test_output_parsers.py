@@ -1,0 +1,83 @@
+"""Every reasoning and tool-call parser (openai_server/reasoning.py, tool_parsers.py, tool_formats.py,
+tool_pythonic.py) on recorded model outputs: the message each makes of the whole text is the one
+written here, and a stream cut anywhere (every single cut, every pair of cuts; every triple on the
+short ones, in the slow tier) adds up to exactly that message, so no tag and no half call ever reaches a field. The
+outputs are in the formats the models write (tests/data/parser_outputs.jsonl), including text that
+only looks like a tag, calls cut short by max_tokens, and blocks that are not calls."""
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from openai_server.parse import parse_output, parse_pieces
+
+DATA = Path(__file__).parent / "data" / "parser_outputs.jsonl"
+CASES = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _args(case):
+    return case.get("reasoning"), case.get("tool"), case.get("tools"), case.get("prompt_state", "none")
+
+
+def _expected(case):
+    want = {"content": case["content"], "tool_calls": case.get("calls", [])}
+    if "thinking" in case:
+        want["reasoning"] = want["reasoning_content"] = case["thinking"]
+    return want
+
+
+def _ids(case):
+    return f"{case.get('reasoning') or '-'}+{case.get('tool') or '-'}:{case['output'][:24]!r}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_the_whole_text_makes_the_recorded_message(case):
+    reasoning, tool, tools, state = _args(case)
+    got = parse_output(case["output"], reasoning, tool, tools, prompt=state)
+    assert got == _expected(case)
+
+
+def _check_cuts(case, cuts):
+    reasoning, tool, tools, state = _args(case)
+    text = case["output"]
+    whole = parse_output(text, reasoning, tool, tools, prompt=state)
+    for cut in cuts:
+        bounds = (0,) + cut + (len(text),)
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+        assert parse_pieces(pieces, reasoning, tool, tools, state) == whole, pieces
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_every_cut_of_the_stream_adds_up_to_the_whole_message(case):
+    """Every single cut; every pair of cuts on the outputs up to 60 characters (the rest: below)."""
+    n = len(case["output"])
+    _check_cuts(case, [(i,) for i in range(n + 1)] + (list(itertools.combinations(range(1, n), 2)) if n <= 60 else []))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_every_pair_and_triple_of_cuts_adds_up_to_the_whole_message(case):
+    n = len(case["output"])
+    _check_cuts(case, list(itertools.combinations(range(1, n), 2))
+                + (list(itertools.combinations(range(1, n), 3)) if n <= 70 else []))
+
+
+def test_one_character_at_a_time_through_the_command(tmp_path):
+    """`python -m openai_server.parse --jsonl --stream-chunk 1`: one message a line, the same as whole."""
+    lines = [json.dumps({"output": c["output"], "tools": c.get("tools")}) for c in CASES
+             if c.get("tool") == "qwen3_coder" and c.get("reasoning") == "qwen3" and c.get("prompt_state") is None]
+    assert lines
+    cmd = [sys.executable, "-m", "openai_server.parse", "--reasoning-parser", "qwen3", "--tool-call-parser",
+           "qwen3_coder", "--jsonl"]
+    whole = subprocess.run(cmd, input="\n".join(lines), capture_output=True, text=True, cwd=REPO, check=True)
+    streamed = subprocess.run(cmd + ["--stream-chunk", "1"], input="\n".join(lines), capture_output=True,
+                              text=True, cwd=REPO, check=True)
+    messages = [json.loads(line) for line in whole.stdout.splitlines()]
+    assert len(messages) == len(lines) and whole.stdout == streamed.stdout
+    assert any(m["tool_calls"] and m["reasoning"] for m in messages)
