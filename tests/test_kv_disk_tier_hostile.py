@@ -147,10 +147,12 @@ def test_cause8_links_and_subfolders_in_the_folder_are_skipped_and_counted(tmp_p
     (folder / f"{(b'd' * 32).hex()}.kv").symlink_to(tmp_path / "nowhere")  # dangling
     (folder / "sub").mkdir()
     (folder / f"{(b'e' * 32).hex()}.kv").mkdir()
+    (folder / "notes.txt").write_text("not the tier's")
     again = DiskStore(str(tmp_path), FP, BLOCK)
     assert again.scan() == [KEY]
-    assert again.unreadable == 3
+    assert again.unreadable == 4
     assert (folder / "sub").is_dir() and (folder / f"{(b'd' * 32).hex()}.kv").is_symlink()  # skipped, not deleted
+    assert (folder / "notes.txt").read_text() == "not the tier's"
     again.close()
 
 
@@ -158,18 +160,34 @@ CHURN = """
 import sys, time
 import numpy as np
 from backend.kv.tiers.disk import DiskStore
-store = DiskStore(sys.argv[1], b"F" * 32, 64)
-block, end, i = np.zeros(64, np.uint8), time.monotonic() + float(sys.argv[2]), 0
+root, seconds, budget, first = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
+store = DiskStore(root, b"F" * 32, 64, *([budget] if budget else []))
+block, end, i = np.zeros(64, np.uint8), time.monotonic() + seconds, first
 print("ready", flush=True)
 while time.monotonic() < end:
     store.write(None, i.to_bytes(32, "big"), block)
-    if i >= 4:
+    if not budget and i >= first + 4:  # an engine's own LRU deletes (without a folder budget)
         store.delete((i - 4).to_bytes(32, "big"))
     store.drain(5)
     i += 1
 store.close()
-print(i, flush=True)
+print(i - first, flush=True)
 """
+
+
+def churn(root: Path, seconds: float, budget: int = 0, first: int = 0) -> subprocess.Popen:
+    """An engine of the same model in another process, writing (temporary name, rename) and
+    deleting files as fast as it can."""
+    proc = subprocess.Popen([sys.executable, "-c", CHURN, str(root), str(seconds), str(budget), str(first)],
+                            cwd=REPO, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def finished(proc: subprocess.Popen) -> int:
+    written = int(proc.stdout.read().split()[-1])
+    assert proc.wait() == 0
+    return written
 
 
 @pytest.mark.slow  # 4 s of two processes racing
@@ -177,11 +195,9 @@ def test_cause8_starts_beside_an_engine_writing_and_deleting_in_the_same_folder_
     """Another engine of the same model writes (temporary name, rename) and evicts files all the time;
     engines starting meanwhile scan the folder. Before, a file gone between the listing and its stat
     failed the start (24 of 3,023 in the audit)."""
-    churn = subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), "4"], cwd=REPO, stdout=subprocess.PIPE,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
-    assert churn.stdout.readline().strip() == "ready"
+    other = churn(tmp_path, 4)
     starts, failures = 0, []
-    while churn.poll() is None:
+    while other.poll() is None:
         try:
             store = DiskStore(str(tmp_path), FP, BLOCK)
             store.scan()
@@ -189,9 +205,21 @@ def test_cause8_starts_beside_an_engine_writing_and_deleting_in_the_same_folder_
         except Exception as exc:  # noqa: BLE001 (what a start would have raised)
             failures.append(repr(exc))
         starts += 1
-    written = int(churn.stdout.read().split()[-1])
-    assert churn.returncode == 0 and written > 100, (churn.returncode, written)
+    assert finished(other) > 100
     assert starts > 50 and not failures, (starts, failures[:3], len(failures))
+
+
+@pytest.mark.slow  # 3 s of two processes racing
+def test_two_engines_writing_at_once_keep_the_folders_count_and_budget(tmp_path):
+    """Each put in place and each deletion changes the folder's count under its lock: however the
+    two interleave, the count is the folder's bytes and never passes the budget."""
+    file_bytes = 80 + BLOCK + 32
+    for budget in (1 << 40, 16 * file_bytes):  # never reached (every file counted), then passed all the time
+        DiskStore(str(tmp_path), FP, BLOCK, budget).close()
+        a, b = churn(tmp_path, 2, budget, 0), churn(tmp_path, 2, budget, 1 << 20)
+        assert finished(a) > 50 and finished(b) > 50
+        sizes = [f.stat().st_size for f in block_files(tmp_path)]
+        assert 0 < sum(sizes) <= budget and int((tmp_path / ".usage").read_text()) == sum(sizes), (len(sizes), budget)
 
 
 # -- cause 9: no link followed ---------------------------------------------------------------------
