@@ -187,3 +187,11 @@ def test_valid_edge_values_still_load(tiny, tmp_path):
     assert (cfg.rms_norm_eps, cfg.rope_scaling["factor"], cfg.eos_token_ids, cfg.layer_windows, cfg.rope_theta) == \
         (0.5, 1, (1999,), (1, 1), 1.0)
     assert math.isfinite(cfg.attention_scale)
+
+
+def test_an_unreadable_weights_header_is_one_line(tiny, tmp_path):
+    """The counts are read from the headers first, so a broken header is refused there, in one line."""
+    path = variant(tiny, tmp_path / "c")
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors").write_bytes(b"\xff" * 64)
+    refused(path, "model.safetensors is not a readable safetensors file")

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from backend.models.checkpoint_config import CheckpointConfigError
 
@@ -45,10 +45,13 @@ def header_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, by its decoder name, from the safetensors headers alone."""
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
-        with safe_open(str(path), framework="numpy") as f:
-            for name in f.keys():
-                if decoder_name(name):
-                    shapes[decoder_name(name)] = tuple(f.get_slice(name).get_shape())
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                for name in f.keys():
+                    if decoder_name(name):
+                        shapes[decoder_name(name)] = tuple(f.get_slice(name).get_shape())
+        except SafetensorError as exc:  # a broken or truncated header: one line, not the library's traceback
+            raise ValueError(f"{Path(path).name} is not a readable safetensors file: {exc}") from None
     return shapes
 
 
