@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from backend.core.kv_events_config import HOST_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "llm"
@@ -181,7 +183,8 @@ class TritonServer:
 
     Ports default to free loopback ports (tests, benchmarks); `inflight serve` passes 8000/8001/8002
     and its --host (127.0.0.1 unless told otherwise: tritonserver's --http-address, --grpc-address
-    and --metrics-address all get it; tritonserver's own default is every interface). The server log goes to a temporary file (`log_text()`, `last_log` after
+    and --metrics-address all get it, and the model's KV-event ports through INFLIGHT_HOST;
+    tritonserver's own default is every interface). The server log goes to a temporary file (`log_text()`, `last_log` after
     `stop()`), and the reason a model failed to load goes into the error `wait_ready` raises;
     `log_to_console=True` shows the log live instead. tritonserver gets SIGTERM if the process
     that started it dies (Linux), so call `start()` from a thread that outlives the server.
@@ -267,7 +270,8 @@ class TritonServer:
             out = self._log
         # Its own session: Ctrl-C in a terminal reaches only us, and we stop it in order; and every
         # stub it forks stays in its process group, so nothing is left behind.
-        self.process = subprocess.Popen(cmd, env=server_env(install, self._env), stdout=out,
+        env = {**server_env(install, self._env), HOST_ENV: self.host}  # KV-event ports bind it too
+        self.process = subprocess.Popen(cmd, env=env, stdout=out,
                                         stderr=subprocess.STDOUT if out else None,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)

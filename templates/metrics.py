@@ -87,6 +87,13 @@ TRITON: tuple[Metric, ...] = (
     Metric("inflight_spec_decode_num_failed_proposals_total", COUNTER,
            "Steps whose draft proposal raised and ran without drafts (speculative_config; the log has the error)",
            _one("spec_decode_num_failed_proposals")),
+    Metric("inflight_kv_events_dropped_batches_total", COUNTER, "KV-event batches not published: the publisher's "
+           "queue was full (the next batch tells subscribers to clear this engine's blocks) or it had stopped "
+           "(kv_events_config)", _one("kv_events_dropped")),
+    Metric("inflight_kv_events_publisher_failures_total", COUNTER, "Times the KV-event publisher stopped on an error: "
+           "no events until a restart (kv_events_config; the log has the error)", _one("kv_events_publisher_failures")),
+    Metric("inflight_kv_events_bad_requests_total", COUNTER, "Malformed requests to the KV-event replay socket, "
+           "ignored (logged at most once per 10 s)", _one("kv_events_bad_requests")),
     Metric("inflight_time_to_first_token_seconds", HISTOGRAM, "Time to first token", _one("ttft"),
            buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
            rule="observed by the responder: arrival to the first token"),

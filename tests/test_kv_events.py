@@ -347,3 +347,10 @@ def test_each_model_instance_publishes_on_its_own_ports(tmp_path):
     assert (first.data_parallel_rank, second.data_parallel_rank) == (0, 1)
     assert [rank_endpoint(e, 1) for e in (second.endpoint, second.replay_endpoint)] == ["tcp://*:5558", "tcp://*:5560"]
     assert rank_endpoint("ipc:///tmp/kv", 2) == "ipc:///tmp/kv_dp2" and rank_endpoint("tcp://h:1", 0) == "tcp://h:1"
+
+
+def test_the_engines_stats_carry_the_publishers_figures(run):
+    """inflight_kv_events_* (templates/metrics.py) read these stats() keys."""
+    stats = run["llm"].stats()
+    assert {k: stats[k] for k in ("kv_events_dropped", "kv_events_publisher_failures", "kv_events_bad_requests")} == \
+        {"kv_events_dropped": 0, "kv_events_publisher_failures": 0, "kv_events_bad_requests": 0}

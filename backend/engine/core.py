@@ -180,6 +180,7 @@ class EngineCore:
             "prompt_tokens_total": self.prompt_tokens_total,
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
             **(self.speculator.stats() if self.speculator else {}), **self.expert_tally, **self.kv_tiers.figures(),
+            **self.kv_events.figures(),  # the KV-event publisher's drops, failures, bad requests
         }
 
     def check_integrity(self) -> None:

@@ -4,15 +4,22 @@ says what the events are; docs/gateway.md how a router subscribes).
 
 - PUB socket (`endpoint`): three frames per batch, the topic, the batch's sequence number (8 bytes,
   big-endian, from 0 without gaps) and the msgpack payload [timestamp, [events...], data-parallel
-  rank]. An address with `*`, `::`, ipc:// or inproc:// is bound, any other connected to (vLLM's
-  rule); a data-parallel rank r > 0 moves a tcp port up by r (another address gets `_dp<r>`).
+  rank]. An address with `*`, `::`, ipc:// or inproc:// is bound (a `*` on `bind_host`, the
+  server's --host), any other connected to (vLLM's rule); a data-parallel rank r > 0 moves a tcp
+  port up by r (another address gets `_dp<r>`).
 - ROUTER socket (`replay_endpoint`, optional): a request [empty frame, 8-byte start sequence] (a
-  DEALER's, as the llm-d indexer sends it) is answered with [empty, topic, seq, payload] for every
-  buffered batch from that number on, then [empty, empty, -1 as 8 signed bytes, empty] (vLLM's
-  current replay frames). The last `buffer_steps` batches are kept.
+  DEALER's, as the llm-d indexer sends it) is answered with every buffered batch from that number
+  on (backend/kv/event_sockets.py: the frames, and the size limits on both sockets). The last
+  `buffer_steps` batches are kept.
 - The engine hands records over through a bounded queue and never waits on it: when it is full a
   step's batch is dropped, counted and logged, and the next batch that fits starts with
   AllBlocksCleared, so a subscriber forgets this engine's blocks rather than keep a stale view.
+- Publishing comes first: each round sends every queued batch, then at most
+  `REPLAY_FRAMES_PER_ROUND` frames of replay answers, so a flood of requests delays events by a
+  few frames' work at most (it held them 10 s before, issue 46).
+- A publisher that stops (an error its loop cannot survive) says so: one ERROR line, the failure
+  counted (`figures()`, inflight_kv_events_publisher_failures_total), and every later batch counted
+  as dropped rather than queued for a thread that is gone.
 
 pyzmq and msgpack load when the publisher starts (events on), never otherwise.
 """
@@ -26,24 +33,14 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from backend.core.kv_events_config import KVEventsConfig
+from backend.core.log_limit import LimitedLog
+from backend.kv.event_sockets import LOG_INTERVAL_S, ReplayServer, open_sockets, rank_endpoint
 from backend.kv.events import KVEventCollector, VllmEventEncoder
 
 log = logging.getLogger(__name__)
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def rank_endpoint(endpoint: Optional[str], rank: int) -> Optional[str]:
-    """The address of data-parallel rank `rank` (vLLM's offset_endpoint_port)."""
-    if not endpoint or rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.rpartition(":")
-        return f"{host}:{int(port) + rank}"
-    return f"{endpoint}_dp{rank}"
-
-
-def _binds(endpoint: str) -> bool:
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+REPLAY_FRAMES_PER_ROUND = 32  # replay frames sent between two looks at the queue of batches
+PUBLISH_PER_ROUND = 256  # batches sent before the replay socket gets its turn
+IDLE_WAIT_S = 0.02  # the longest a replay request waits while no batch comes
 
 
 class KVEventPublisher:
@@ -60,6 +57,10 @@ class KVEventPublisher:
         self._buffer: deque = deque(maxlen=config.buffer_steps)  # (seq, payload)
         self._seq = itertools.count()
         self.num_dropped = 0
+        self.num_failures = 0  # the publisher thread stopped on an error (at most 1)
+        self._replay: Optional[ReplayServer] = None
+        self._drop_log = LimitedLog(log, LOG_INTERVAL_S)
+        self._publish_log = LimitedLog(log, LOG_INTERVAL_S)
         self._lost = False  # a batch was dropped: the next one starts with AllBlocksCleared
         self._started = threading.Event()
         self._error: Optional[BaseException] = None
@@ -73,6 +74,9 @@ class KVEventPublisher:
 
     # -- the engine thread ----------------------------------------------------------------------
     def _submit(self, ts: float, records: list[tuple]) -> None:
+        if self.num_failures:  # nobody would read the queue: count, never hold the records
+            self.num_dropped += 1
+            return
         if self._lost:
             records = [("cleared",)] + records
         try:
@@ -81,8 +85,14 @@ class KVEventPublisher:
         except queue.Full:
             self.num_dropped += 1
             self._lost = True
-            log.warning("KV events: the publisher is %d batches behind; a batch was dropped (%d so far), "
-                        "subscribers will be told to clear this engine's blocks", self._queue.qsize(), self.num_dropped)
+            self._drop_log.warning("KV events: the publisher is %d batches behind; a batch was dropped (%d so far), "
+                                   "subscribers will be told to clear this engine's blocks", self._queue.qsize(),
+                                   self.num_dropped)
+
+    def figures(self) -> dict[str, int]:
+        """The engine's stats() keys of the events' metrics (templates/metrics.py)."""
+        return {"kv_events_dropped": self.num_dropped, "kv_events_publisher_failures": self.num_failures,
+                "kv_events_bad_requests": self._replay.num_bad if self._replay is not None else 0}
 
     @property
     def listener(self) -> KVEventCollector:
@@ -110,61 +120,61 @@ class KVEventPublisher:
     def _run(self) -> None:
         try:
             import msgpack
-            import zmq
 
-            context = zmq.Context()
-            pub = context.socket(zmq.PUB)
-            pub.set_hwm(self.config.hwm)
-            (pub.bind if _binds(self.endpoint) else pub.connect)(self.endpoint)
-            replay = None
-            if self.replay_endpoint:
-                replay = context.socket(zmq.ROUTER)
-                replay.bind(self.replay_endpoint)
+            topic = self.config.topic.encode("utf-8")  # checked by the config: UTF-8 carries it
+            context, pub, replay = open_sockets(self.config, self.endpoint, self.replay_endpoint)
         except BaseException as exc:  # raised again in __init__, on the engine's thread
             self._error = exc
             self._started.set()
             return
+        self._replay = ReplayServer(replay, topic) if replay is not None else None
         self._started.set()
-        topic = self.config.topic.encode("utf-8")
         try:
-            while True:
-                while replay is not None and replay.poll(0):
-                    self._serve_replay(replay)
-                try:
-                    ts, records = self._queue.get(timeout=0.02)
-                except queue.Empty:
-                    continue
-                if records is None:
-                    break
-                try:
-                    events = self.encoder.events(records)
-                    if not events:
-                        continue
-                    payload = msgpack.packb([ts, events, self.config.data_parallel_rank], use_bin_type=True)
-                    seq = next(self._seq)
-                    pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-                    self._buffer.append((seq, payload))
-                except Exception:  # one bad batch must not end publishing
-                    log.exception("KV events: publishing a batch failed")
+            self._serve(pub, topic, msgpack)
+        except BaseException as exc:  # surfaced: a line, a metric, and no more queueing
+            self.num_failures += 1
+            log.error("KV events: the publisher stopped (%s: %s); no more events go out until the engine restarts, "
+                      "and subscribers keep their last view of this engine's blocks", type(exc).__name__, exc,
+                      exc_info=True)
         finally:
             for sock in (pub, replay):
                 if sock is not None:
                     sock.close(linger=0)
             context.term()
 
-    def _serve_replay(self, replay) -> None:
-        frames = replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            log.warning("KV events: a replay request of %d frames was ignored (want: identity, empty, "
-                        "8-byte start sequence)", len(frames))
-            return
-        client, _, start = frames
-        first = int.from_bytes(start, "big")
-        topic = self.config.topic.encode("utf-8")
-        for seq, payload in list(self._buffer):
-            if seq >= first:
-                replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+    def _serve(self, pub, topic: bytes, msgpack) -> None:
+        """Rounds of: every queued batch (up to PUBLISH_PER_ROUND), then a few frames of replay answers."""
+        replay = self._replay
+        while True:
+            try:
+                item = self._queue.get(timeout=0 if replay is not None and replay.busy() else IDLE_WAIT_S)
+            except queue.Empty:
+                item = None
+            sent = 0
+            while item is not None:
+                ts, records = item
+                if records is None:
+                    return
+                self._publish(pub, topic, msgpack, ts, records)
+                sent += 1
+                try:
+                    item = self._queue.get_nowait() if sent < PUBLISH_PER_ROUND else None
+                except queue.Empty:
+                    item = None
+            if replay is not None:
+                replay.serve(self._buffer, REPLAY_FRAMES_PER_ROUND)
+
+    def _publish(self, pub, topic: bytes, msgpack, ts: float, records: list[tuple]) -> None:
+        try:
+            events = self.encoder.events(records)
+            if not events:
+                return
+            payload = msgpack.packb([ts, events, self.config.data_parallel_rank], use_bin_type=True)
+            seq = next(self._seq)
+            pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+        except Exception:  # one bad batch must not end publishing
+            self._publish_log.error("KV events: publishing a batch failed", exc_info=True)
 
 
 class NoPublisher:
@@ -176,6 +186,9 @@ class NoPublisher:
 
     def end_step(self) -> None:
         pass
+
+    def figures(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         pass

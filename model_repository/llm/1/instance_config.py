@@ -3,11 +3,12 @@ Free of Triton imports (unit-tested without a server); adapter.py re-exports `en
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from backend.core.config import EngineConfig
-from backend.core.kv_events_config import for_instance
+from backend.core.kv_events_config import HOST_ENV, for_instance
 
 
 def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int | str,
@@ -44,8 +45,9 @@ def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int 
     index = int(instance_name.rsplit("_", 1)[-1]) if instance_name.rsplit("_", 1)[-1].isdigit() else 0
     if instance_kind in ("MODEL", "KIND_MODEL") and device in ("", "auto") and _gpu_count():
         config = dataclasses.replace(config, device=f"cuda:{index * config.tensor_parallel_size}")
-    if index and config.kv_events_config:  # instance i publishes KV events on its own ports (vLLM's DP ranks)
-        config = dataclasses.replace(config, kv_events_config=for_instance(config.kv_events_config, index))
+    if config.kv_events_config:  # instance i publishes KV events on its own ports (vLLM's DP ranks), on --host
+        events = for_instance(config.kv_events_config, index, os.environ.get(HOST_ENV, ""))
+        config = dataclasses.replace(config, kv_events_config=events)
     if not config.model_path:
         raise ValueError("parameter 'model_path' is required: a Hugging Face checkpoint folder")
     if not Path(config.model_path).is_dir():
