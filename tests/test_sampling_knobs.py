@@ -1,7 +1,8 @@
 """min_p, logit_bias and allowed_token_ids (vLLM's SamplingParams), through the batched sampler,
-against a numpy sampler written from vLLM's definitions: the same fixed logits, the same seeded
-uniform number, the same token; composed with each other, with temperature / top-k / top-p, with
-penalties and with a grammar's mask."""
+against a numpy sampler written from vLLM's definitions (client/tools/gpu_check/sampling.py, which
+gpu-check runs on the GPU): the same fixed logits, the same seeded uniform number, the same token;
+composed with each other, with temperature / top-k / top-p, with penalties and with a grammar's
+mask."""
 import random
 
 import numpy as np
@@ -10,53 +11,13 @@ import torch
 
 from backend.core.sampling_params import SamplingParams
 from backend.worker.sampler import sample
+from client.tools.gpu_check.sampling import KNOB_CASES, OUTPUT, _near_tie, reference_token as _reference, sampler_check
 from seq_states import seq_state
 
 VOCAB = 64
 
 
-def _reference(logits: np.ndarray, p: SamplingParams, u: float, output=(), mask=None) -> int:
-    """One token, numpy, in vLLM v1's order: grammar mask, allowed tokens, logit bias, penalties;
-    greedy = argmax; else temperature, min_p (p < min_p * p_max dropped), top-k, top-p, then the
-    inverse transform of u."""
-    x = logits.astype(np.float64).copy()
-    if mask is not None:
-        x[~mask] = -np.inf
-    if p.allowed_token_ids is not None:
-        keep = np.zeros(len(x), dtype=bool)
-        keep[p.allowed_token_ids] = True
-        x[~keep] = -np.inf
-    for tok, bias in (p.logit_bias or {}).items():
-        x[tok] += bias
-    counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=len(x))
-    x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    if p.greedy:
-        return int(np.argmax(x))
-    x = x / p.temperature
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    x = np.where(probs < p.min_p * probs.max(), -np.inf, x)
-    if 0 < p.top_k < len(x):
-        x = np.where(x < np.sort(x)[::-1][p.top_k - 1], -np.inf, x)
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    if p.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        before = np.cumsum(probs[order]) - probs[order]  # the mass ranked above each token
-        outside = before >= p.top_p
-        outside[0] = False  # the most likely token always stays
-        probs[order[outside]] = 0.0
-    cdf = np.cumsum(probs)
-    return int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-
-
-KNOBS = [
-    dict(min_p=0.1), dict(min_p=0.3, temperature=0.7), dict(min_p=0.05, top_k=9, top_p=0.8),
-    dict(logit_bias={3: 5.0, 10: -100.0, 11: 2.5}), dict(logit_bias={7: 100.0}, temperature=0.0),
-    dict(allowed_token_ids=[2, 5, 9, 40, 63]), dict(allowed_token_ids=[2, 5, 9], temperature=0.0),
-    dict(allowed_token_ids=[1, 4, 8, 16, 32], logit_bias={4: 3.0, 8: -1.0}, min_p=0.2, top_k=4),
-    dict(logit_bias={0: 4.0, 1: 4.0}, min_p=0.5, frequency_penalty=1.5, presence_penalty=0.5),
-]
+KNOBS = KNOB_CASES
 
 
 @pytest.mark.parametrize("knobs", KNOBS, ids=[",".join(k) for k in KNOBS])
@@ -65,7 +26,7 @@ def test_each_knob_and_their_compositions_match_the_numpy_sampler(knobs):
     drawn with the same uniform number (the first of the sequence's seeded stream)."""
     rng = np.random.default_rng(7)
     logits = rng.normal(0, 2.0, (200, VOCAB)).astype(np.float32)
-    output = [0, 0, 1, 5]
+    output = OUTPUT
     rows, want = [], []
     for i in range(len(logits)):
         p = SamplingParams(max_tokens=8, seed=1000 + i, **knobs)
@@ -154,3 +115,21 @@ def test_from_dict_takes_the_json_forms_and_the_vocabulary_check_names_the_field
         SamplingParams(max_tokens=4, allowed_token_ids=[1, 99]).check_token_ids(VOCAB)
     with pytest.raises(ValueError, match="sampling parameter 'logit_bias': bad value"):
         SamplingParams.from_dict({"logit_bias": [1, 2]})
+
+
+@pytest.mark.slow
+def test_gpu_checks_sampler_check_passes_here_and_excuses_only_boundary_draws():
+    """What gpu-check runs on the device, on the CPU: every token exact; and its rounding excuse
+    does not cover a real difference (a token far from the one drawn)."""
+    res = sampler_check("cpu")
+    assert res["ok"] and res["exact"] == len(KNOB_CASES) * 200 and res["rounding"] == 0
+    rng = np.random.default_rng(7)
+    row = rng.normal(0, 2.0, VOCAB).astype(np.float32)
+    p = SamplingParams(max_tokens=4, seed=1, min_p=0.1)
+    u = random.Random(1).random()
+    want = _reference(row, p, u, OUTPUT)
+    far = next(t for t in range(VOCAB) if abs(t - want) > 3)
+    assert not _near_tie(row, p, u, far, want)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    top = _reference(row, greedy, 0.0, OUTPUT)
+    assert not _near_tie(row, greedy, 0.0, int(np.argsort(row)[-2]), top)

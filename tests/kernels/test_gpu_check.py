@@ -19,6 +19,7 @@ from client.tools.gpu_check import run as gpu_check
 
 from client.tools.gpu_check import plan as gpu_check_plan
 from client.tools.gpu_check.plan import DRY
+from client.tools.gpu_check.sampling import KNOB_CASES
 from client.tools.gpu_check.report import verdict
 from client.tools.gpu_check.served import device_check, kv_check, scrape, tokens_by_instance
 
@@ -66,6 +67,10 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     graphs = parts["decode"]["graph_vs_eager"]
     assert graphs["ok"] and graphs["requests"] == sum(DRY["graph_check"]["batches"])
     assert parts["structured"]["json"]["ok"] and parts["structured"]["choice"]["ok"]
+    knobs = parts["structured"]["knobs"]  # issue 43's sampling knobs: the sampler and the engine
+    assert knobs["ok"] and knobs["exact"] == len(KNOB_CASES) * 200 and parts["structured"]["knobs_engine"]["ok"]
+    assert set(parts["structured"]["knobs_engine"]["checks"]) == {
+        "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "with_structured_outputs"}
     served = parts["served"]
     assert served["kv"]["ok"] and served["requests"]["ok"] and served["throughput"]["ok"]
     for part in ("| kernels | PASS |", "| greedy | PASS |", "Greedy, teacher-forced", "Engine decode step",
