@@ -22,6 +22,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")  # docs/quantization.md
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
 MAX_COMPILE_TIMEOUT_S = 600.0
+MAX_INTER_TOKEN_TARGET_MS = 600_000.0
 MAX_KV_BLOCK_SIZE = 1024  # tokens per block; vLLM's largest is 256 (a block is the unit of prefix reuse)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -62,6 +63,15 @@ class EngineConfig:
     max_queue_delay_microseconds: int = 50000  # static/dynamic: longest wait for a batch to fill
     executor_static_batch_size: int = -1  # -1: off; N: static batches of N (forces batching_mode=static)
     dynamic_padding_threshold: float = 1.1  # dynamic: a batch holds lengths within this factor
+    # Prefill pacing (backend/sched/pacing.py, docs/configuration.md): while requests decode, a step's
+    # prompt tokens are capped so that it stays within this inter-token target, priced by the engine's
+    # own online model of its step time. -1: auto, inter_token_auto_factor x the decode rows' own step
+    # time; 0: off (a prompt takes up to max_num_batched_tokens a step); N > 0: N milliseconds.
+    inter_token_target_ms: float = -1.0
+    inter_token_auto_factor: float = 1.75
+    # vLLM's scheduler_delay_factor: while requests run, new prompts wait until the oldest waiting one
+    # has waited this many times the last step, so that they start together. 0: no wait.
+    scheduler_delay_factor: float = 0.0
     attention_backend: str = "auto"
     # true: no CUDA graphs, every decode step launches its kernels one by one (vLLM's enforce_eager).
     # false: decode steps replay graphs captured at start-up per padded batch size (Triton kernels, CUDA).
@@ -181,6 +191,14 @@ class EngineConfig:
         if self.executor_static_batch_size == 0 or self.executor_static_batch_size < -1:
             raise ValueError("executor_static_batch_size must be -1 (off) or >= 1; "
                              f"got {self.executor_static_batch_size}")
+        if not (self.inter_token_target_ms == -1 or 0 <= self.inter_token_target_ms <= MAX_INTER_TOKEN_TARGET_MS):
+            raise ValueError(f"inter_token_target_ms must be -1 (auto), 0 (off) or a target in (0, "
+                             f"{MAX_INTER_TOKEN_TARGET_MS:g}] milliseconds; got {self.inter_token_target_ms}")
+        if not 1.0 < self.inter_token_auto_factor <= 100.0:
+            raise ValueError("inter_token_auto_factor must be in (1, 100] (the paced step over the decode rows' own "
+                             f"step); got {self.inter_token_auto_factor}")
+        if not 0.0 <= self.scheduler_delay_factor <= 100.0:
+            raise ValueError(f"scheduler_delay_factor must be in [0, 100]; got {self.scheduler_delay_factor}")
         if self.dynamic_padding_threshold < 1.0:
             raise ValueError("dynamic_padding_threshold must be >= 1.0; "
                              f"got {self.dynamic_padding_threshold}")

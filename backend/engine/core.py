@@ -81,6 +81,7 @@ class EngineCore:
             self.speculator.propose(batch)
         plan = self.scheduler.plan(batch)
         self.idle = batch.is_empty
+        started = time.perf_counter()
         try:
             result = self.runner.execute(plan)
         except Exception as exc:  # a failed step fails its own requests, not the engine
@@ -94,6 +95,8 @@ class EngineCore:
             self.expert_tally = result.expert_tally
         if batch.is_empty:
             return self._deliver(refused)
+        if self.scheduler.pacer is not None:  # the step's cost on this device: the pacer's model learns
+            self.scheduler.pacer.observe_batch(batch, time.perf_counter() - started)
         self.scheduler.postprocess(batch, result.sampled, time.monotonic())
         if self.speculator is not None:
             self.speculator.after_step(batch, result.sampled)

@@ -32,6 +32,7 @@ from backend.sched.pool import RequestPool
 from backend.core.step import StepPlan
 from backend.sched.batch import ScheduledSeq, SchedulerOutput
 from backend.sched.grammar import step_masks
+from backend.sched.pacing import Pacer
 from backend.sched.speculation import attach_drafts, draft_room
 from backend.sched.step_plan import WorkerView
 
@@ -52,6 +53,12 @@ class Scheduler:
         self.tiers = tiers
         self.admission = admission or Admission(config, self.pool, self.gate, tiers)
         self.worker_view = WorkerView(blocks)  # what the worker knows of each sequence (step_plan.py)
+        # Prefill pacing (pacing.py): prompt chunks beside decode rows capped to an inter-token
+        # target. Only a chunked prompt can be paced; padded batches (padded.py) never are.
+        self.pacer = Pacer(config.inter_token_target_ms, config.inter_token_auto_factor) \
+            if config.enable_chunked_context and config.batching_mode == "inflight" else None
+        self.last_step_seconds = 0.0  # between the last two schedule() calls: scheduler_delay_factor's unit
+        self._last_schedule: Optional[float] = None
 
     # What the engine, its metrics and the tests read.
     waiting = property(lambda self: self.pool.waiting)
@@ -111,19 +118,24 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         self.admission.steps += 1
+        if self._last_schedule is not None:
+            self.last_step_seconds = now - self._last_schedule
+        self._last_schedule = now
         if self.tiers is not None:  # KV tiers: loads that landed let their requests run now
             self.tiers.poll()
         budget = self.config.max_num_batched_tokens
         held = self.admission.held_token()
         budget -= held
         running = self.pool.running
+        prompt_left = self._prompt_cap(running)  # None: not paced this step
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             if req.kv_load is not None and not self.admission.landed(req):
                 i += 1  # its prefix is still on its way back from a lower tier (backend/kv_tiers/)
                 continue
-            n = chunk(req, budget, self.config)
+            decoding = req.num_tokens - req.num_computed_tokens == 1
+            n = chunk(req, budget if decoding or prompt_left is None else min(budget, prompt_left), self.config)
             if n == 0:
                 i += 1
                 continue
@@ -134,13 +146,43 @@ class Scheduler:
                 continue  # req itself was preempted: the next running request is at i now
             out.add(req, n)
             budget -= n
+            if not decoding and prompt_left is not None:
+                prompt_left -= n
             i += 1
         budget += held
-        if not out.preempted:
-            budget = self.admission.admit(out, budget, now)
+        if not out.preempted and self._delay_passed(now):
+            room = budget if prompt_left is None else min(budget, max(prompt_left, self._head_floor()))
+            budget -= room - self.admission.admit(out, room, now)
         out.spare_tokens = budget
         self._use_leftover_budget(out, budget)
         return out
+
+    def _prompt_cap(self, running: list[Request]) -> Optional[int]:
+        """The pacer's cap on this step's prompt tokens (pacing.py), from its decode rows."""
+        if self.pacer is None or not self.pacer.enabled:
+            return None
+        rows, start = 0, 0
+        for req in running:
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1:
+                rows += 1
+            elif remaining > 1 and not start:
+                start = req.num_computed_tokens
+        return self.pacer.prefill_cap(rows, start)
+
+    def _head_floor(self) -> int:
+        """A paced step's room for new prompts is never below one token while a head holds a
+        reservation: backfill's promise (backfill.py) counts on the head starting once it fits."""
+        return 1 if self.admission.reservation is not None else 0
+
+    def _delay_passed(self, now: float) -> bool:
+        """scheduler_delay_factor (vLLM's): while requests run, new prompts wait until the oldest
+        waiting one has waited that factor times the last step, so that they start together."""
+        factor = self.config.scheduler_delay_factor
+        if factor <= 0 or not self.pool.running or not self.pool.waiting:
+            return True
+        earliest = min(r.arrival_time for r in self.pool.waiting)
+        return now - earliest >= factor * self.last_step_seconds
 
     def _use_leftover_budget(self, out: SchedulerOutput, budget: int) -> None:
         """In-flight batching leaves it unused (padded batches spend it on padding rows)."""

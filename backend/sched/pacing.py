@@ -1,0 +1,175 @@
+"""Prefill pacing: while requests decode, a step's prompt tokens are capped so that the step stays
+within an inter-token target (docs/design.md, "Scheduling"; issue 45). No torch here.
+
+A long prompt entering an in-flight batch used to take a whole `max_num_batched_tokens` chunk in
+one step, and every decoding stream waited for it (on this project's CPU, 2,048 prompt tokens of
+SmolLM2 are ~3 s: 3 s between two tokens of every stream). The pacer caps the prompt tokens of a
+step that has decode rows, from the engine's own measurements:
+
+- `StepCost`: an online least-squares model of a step's wall time on this engine's device,
+  t = base + per_row x decode rows + per_token x prompt tokens + per_pair x attention pairs / 1024
+  (a chunk of n prompt tokens starting at position s attends to n x (s + n/2) earlier positions),
+  fitted by least squares in relative error over the last steps the engine ran (`observe`).
+- `Pacer.prefill_cap(rows, start)`: the most prompt tokens a step with `rows` decode rows may take
+  so that its predicted time stays within the target. The target is `inter_token_target_ms` when
+  that is > 0; by default (-1, "auto") it is `inter_token_auto_factor` x the predicted time of the
+  decode rows alone, so that pacing means the same on every device; 0 turns pacing off.
+- The floor: whatever the target, a step with prompt work takes at least the prompt tokens that cost
+  `FLOOR_SHARE` of its decode rows' own time (and at least one), so a prompt always moves even when
+  the decodes alone exceed the target (no starvation). Steps without decode rows are not capped.
+
+Until the model has seen a step with prompt tokens it cannot price one, and does not cap (in an
+engine the decoding requests' own prompts were such steps). The no-evict guarantee is untouched: the pacer
+only says how many tokens run in a step, never who holds blocks.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from backend.sched.batch import SchedulerOutput
+
+FEATURES = 4              # 1, decode rows, prompt tokens, attention pairs / 1024
+WINDOW = 128              # the fit uses the last this many decode-only steps and as many steps with prompt tokens
+RIDGE = 1e-9              # relative to the normal matrix's trace: a direction no step has shown stays at 0
+FLOOR_SHARE = 0.25        # a paced step's prompt tokens cost at least this share of its decode rows' time
+PAIR_UNIT = 1024.0
+MIN_SECONDS = 1e-5        # a step's weight is capped at this (relative-error weighting)
+
+
+def step_features(decode_rows: int, prompt_tokens: int, pairs: float) -> list[float]:
+    return [1.0, float(decode_rows), float(prompt_tokens), pairs / PAIR_UNIT]
+
+
+def chunk_pairs(start: int, n: int) -> float:
+    """The attention pairs of a prompt chunk of n tokens from position start (causal)."""
+    return n * (start + (n + 1) / 2.0)
+
+
+class _Window:
+    """The last WINDOW observations' normal equations (sum of x x^T and of x y), kept as sums."""
+
+    def __init__(self):
+        self.rows: deque = deque()
+        self.a = [[0.0] * FEATURES for _ in range(FEATURES)]
+        self.b = [0.0] * FEATURES
+
+    def add(self, x: list[float], y: float) -> None:
+        self._apply(x, y, 1.0)
+        self.rows.append((x, y))
+        if len(self.rows) > WINDOW:
+            self._apply(*self.rows.popleft(), -1.0)
+
+    def _apply(self, x: list[float], y: float, sign: float) -> None:
+        for i in range(FEATURES):
+            self.b[i] += sign * x[i] * y
+            row = self.a[i]
+            for j in range(FEATURES):
+                row[j] += sign * x[i] * x[j]
+
+
+class StepCost:
+    """Least squares over `step_features` on a sliding window, in relative error: each step weighs
+    by 1/its seconds, since a step's noise grows with its length and a long prompt's chunk must not
+    drown a decode step's figure. Decode-only steps and steps with prompt tokens have a window each,
+    so a long run of decode steps never forgets what a prompt token costs. Pure Python: 4 x 4."""
+
+    def __init__(self):
+        self.decode_only, self.with_prompt = _Window(), _Window()
+        self.theta = [0.0] * FEATURES
+        self.steps = 0
+        self.prompt_steps = 0  # observed steps that had prompt tokens: the per-token cost is known after one
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x))
+
+    def observe(self, x: Sequence[float], seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        scale = 1.0 / max(seconds, MIN_SECONDS)
+        (self.with_prompt if x[2] > 0 else self.decode_only).add([v * scale for v in x], seconds * scale)
+        self.steps += 1
+        self.prompt_steps += x[2] > 0
+        self.theta = self._fit()
+
+    def _fit(self) -> list[float]:
+        a = [[p + q for p, q in zip(r1, r2)] for r1, r2 in zip(self.decode_only.a, self.with_prompt.a)]
+        b = [p + q for p, q in zip(self.decode_only.b, self.with_prompt.b)]
+        ridge = RIDGE * sum(a[i][i] for i in range(FEATURES)) + 1e-30
+        for i in range(FEATURES):
+            a[i][i] += ridge
+        return _solve(a, b)
+
+    def decode_seconds(self, rows: int) -> float:
+        return max(0.0, self.predict(step_features(rows, 0, 0.0)))
+
+    def token_seconds(self, start: int) -> float:
+        """The marginal cost of one more prompt token at position ~start (never below a nanosecond)."""
+        return max(1e-9, self.theta[2] + self.theta[3] * (start + 0.5) / PAIR_UNIT)
+
+
+class Pacer:
+    """How many prompt tokens a step may take beside its decode rows (see the module's docstring)."""
+
+    def __init__(self, target_ms: float, auto_factor: float, cost: Optional[StepCost] = None):
+        self.target_ms = target_ms
+        self.auto_factor = auto_factor
+        self.cost = cost or StepCost()
+        self.capped_steps = 0  # steps whose prompt tokens the pacer held below the budget
+
+    @property
+    def enabled(self) -> bool:
+        return self.target_ms != 0
+
+    def target_seconds(self, rows: int) -> float:
+        if self.target_ms > 0:
+            return self.target_ms / 1000.0
+        return self.auto_factor * self.cost.decode_seconds(rows)
+
+    def prefill_cap(self, rows: int, start: int) -> Optional[int]:
+        """The prompt-token cap of a step with `rows` decode rows whose first prompt chunk starts at
+        position `start`; None: no cap (pacing off, or nothing decoding)."""
+        if not self.enabled or rows == 0:
+            return None
+        if self.cost.prompt_steps == 0:
+            return None
+        decode = self.cost.decode_seconds(rows)
+        per_token = self.cost.token_seconds(start)
+        room = self.target_seconds(rows) - decode
+        floor = max(1, int(FLOOR_SHARE * decode / per_token))
+        return max(floor, int(room / per_token)) if room > 0 else floor
+
+    def observe(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float) -> None:
+        self.cost.observe(step_features(decode_rows, prompt_tokens, pairs), seconds)
+
+    def observe_batch(self, batch: "SchedulerOutput", seconds: float) -> None:
+        """A step the worker ran, and its wall time: decode rows (a verify row's drafts count as
+        prompt tokens: positions computed beside the row's own) and prompt chunks."""
+        rows = tokens = 0
+        pairs = 0.0
+        for s in batch.decodes:
+            rows += 1
+            tokens += s.num_new_tokens - 1
+        for s in batch.prefills:
+            tokens += s.num_new_tokens
+            pairs += chunk_pairs(s.start, s.num_new_tokens)
+        self.observe(rows, tokens, pairs, seconds)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (a is symmetric positive definite after the ridge)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[pivot] = m[pivot], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x

@@ -1,0 +1,259 @@
+"""Prefill pacing (backend/sched/pacing.py): the online step-cost model, the cap it puts on a step's
+prompt tokens beside decode rows, its floor (no prompt starves), the no-evict guarantee and
+backfill's promise kept with it on, and scheduler_delay_factor. The scheduler runs with no model:
+a synthetic device prices each step (time = base + per row x decode rows + per token x prompt
+tokens + per pair x attention pairs), and the engine-level test runs the real tiny model."""
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.core.config import EngineConfig
+from backend.core.request import Request
+from backend.core.sampling_params import SamplingParams
+from backend.kv.block_manager import BlockManager
+from backend.sched.pacing import FLOOR_SHARE, Pacer, StepCost, chunk_pairs, step_features
+from backend.sched.scheduler import Scheduler
+from test_backfill import SHAPES, make, seeded_run, step
+
+EOS = 0
+
+
+class Device:
+    """A synthetic device: a step's seconds from its rows, prompt tokens and attention pairs."""
+
+    def __init__(self, base=2e-3, row=5e-4, token=1e-3, pair=2e-6):
+        self.base, self.row, self.token, self.pair = base, row, token, pair
+
+    def seconds(self, batch) -> float:
+        rows = len(batch.decodes)
+        tokens = sum(s.num_new_tokens - 1 for s in batch.decodes) + sum(s.num_new_tokens for s in batch.prefills)
+        pairs = sum(chunk_pairs(s.start, s.num_new_tokens) for s in batch.prefills)
+        return self.base + self.row * rows + self.token * tokens + self.pair * pairs
+
+    def train(self, pacer: Pacer, seed=0, steps=200) -> None:
+        rng = random.Random(seed)
+        for _ in range(steps):
+            rows, tokens, start = rng.randint(0, 64), rng.choice([0, rng.randint(1, 2048)]), rng.randint(0, 4096)
+            pairs = chunk_pairs(start, tokens) if tokens else 0.0
+            t = self.base + self.row * rows + self.token * tokens + self.pair * pairs
+            pacer.observe(rows, tokens, pairs, t)
+
+
+def test_the_cost_model_recovers_a_devices_coefficients_through_noise():
+    device, cost, rng = Device(), StepCost(), random.Random(7)
+    for _ in range(400):
+        rows, tokens, start = rng.randint(0, 64), rng.choice([0, rng.randint(1, 2048)]), rng.randint(0, 4096)
+        pairs = chunk_pairs(start, tokens) if tokens else 0.0
+        t = device.base + device.row * rows + device.token * tokens + device.pair * pairs
+        cost.observe(step_features(rows, tokens, pairs), t * rng.uniform(0.97, 1.03))
+    assert cost.token_seconds(0) == pytest.approx(device.token, rel=0.05)
+    assert cost.token_seconds(3000) == pytest.approx(device.token + device.pair * 3000.5, rel=0.05)
+    for rows in (1, 6, 64):  # in relative error: a decode step's figure is not drowned by long prompts' noise
+        assert cost.decode_seconds(rows) == pytest.approx(device.base + rows * device.row, rel=0.05)
+
+
+def test_the_cost_model_follows_a_device_that_slows_down():
+    cost = StepCost()
+    for i in range(800):  # the cost doubles at step 300: after a window of each kind of step, the fit has followed
+        rows, tokens = 1 + i % 32, (i * 37) % 500 if i % 3 == 0 else 0  # most steps decode only
+        cost.observe(step_features(rows, tokens, 0.0), (2e-3 if i < 300 else 4e-3) * (1 + rows / 8 + tokens / 100))
+    assert cost.decode_seconds(8) == pytest.approx(4e-3 * 2, rel=0.01)
+    assert cost.token_seconds(0) == pytest.approx(4e-3 / 100, rel=0.01)
+
+
+def test_the_cap_keeps_a_paced_step_within_the_auto_target():
+    device, pacer = Device(), Pacer(-1, 1.75)
+    device.train(pacer)
+    for rows in (1, 6, 32):
+        decode = device.base + device.row * rows
+        cap = pacer.prefill_cap(rows, start=100)
+        step = decode + device.token * cap + device.pair * chunk_pairs(100, cap)
+        assert step <= 1.75 * decode * 1.01, (rows, cap)
+        assert step + device.token * 2 > 1.75 * decode * 0.99, (rows, cap)  # and not far below it
+
+
+def test_an_absolute_target_and_the_floor():
+    device = Device()
+    pacer = Pacer(10.0, 1.75)
+    device.train(pacer)
+    assert pacer.prefill_cap(6, 0) == pytest.approx((10e-3 - 5e-3) / device.token, abs=1)
+    # 32 decode rows alone take 18 ms, over the 10 ms target: prompts still move by the floor
+    floor = pacer.prefill_cap(32, 0)
+    assert floor >= 1 and floor == int(FLOOR_SHARE * (device.base + 32 * device.row) / device.token)
+
+
+def test_no_cap_without_decode_rows_without_a_priced_prompt_or_when_off():
+    device = Device()
+    on, off, cold = Pacer(-1, 1.75), Pacer(0, 1.75), Pacer(-1, 1.75)
+    device.train(on)
+    device.train(off)
+    cold.observe(8, 0, 0.0, 6e-3)  # decode steps only: a prompt token has no price yet
+    assert on.prefill_cap(0, 0) is None and on.prefill_cap(4, 0) is not None
+    assert off.prefill_cap(4, 0) is None and cold.prefill_cap(4, 0) is None
+
+
+def paced_scheduler(budget=2048, blocks=4096, max_seqs=16, target=-1.0, device=None):
+    cfg = EngineConfig(model_path="unused", kv_block_size=16, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                       inter_token_target_ms=target)
+    sched = Scheduler(cfg, BlockManager(blocks, 16), max_model_len=100_000)
+    (device or Device()).train(sched.pacer)
+    return sched
+
+
+def request(rid, prompt_len, max_tokens, seed=0):
+    rng = random.Random(seed)
+    return Request(rid, [rng.randrange(1, 1000) for _ in range(prompt_len)],
+                   SamplingParams(max_tokens=max_tokens, temperature=0), (EOS,), arrival_time=0.0)
+
+
+def run(sched, device, until, steps=100_000):
+    """Steps (observed by the pacer as the engine does) until `until()`; returns each step's
+    (decode rows, prompt tokens, seconds)."""
+    log = []
+    for _ in range(steps):
+        if until():
+            return log
+        out = step(sched, token=7)
+        seconds = device.seconds(out)
+        if sched.pacer is not None:
+            sched.pacer.observe_batch(out, seconds)
+        prompt = sum(max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens) - s.start) for s in out.seqs)
+        log.append((sum(s.start >= s.request.num_prompt_tokens - 1 for s in out.seqs), prompt, seconds))
+    raise AssertionError("did not finish")
+
+
+@pytest.mark.parametrize("target", [-1.0, 12.0])
+def test_decodes_keep_their_pace_while_a_long_prompt_arrives(target):
+    """Six streams decode; prompts of 3,001 and 1,003 tokens arrive together. Paced, every step stays
+    within the target and both prompts get their first token; unpaced, a step carries 2,048 prompt
+    tokens."""
+    device = Device()
+    logs = {}
+    for name, t in (("paced", target), ("unpaced", 0.0)):
+        sched = paced_scheduler(target=t, device=device)
+        streams = [request(f"s{i}", 13 + i, 10_000, seed=i) for i in range(6)]
+        for r in streams:
+            sched.add(r)
+        run(sched, device, lambda: all(r.output_token_ids for r in streams))
+        longs = [request("long", 3001, 2, seed=9), request("long2", 1003, 2, seed=10)]  # both at once
+        for r in longs:
+            sched.add(r)
+        logs[name] = run(sched, device, lambda: all(r.output_token_ids for r in longs))
+    def limit(rows):  # a prompt that reached its output decodes too
+        return 1.75 * (device.base + rows * device.row) if target < 0 else target / 1000
+
+    assert all(s <= limit(rows) * 1.01 for rows, _, s in logs["paced"] if rows)
+    assert max(tokens for _, tokens, _ in logs["unpaced"]) == 2048 - 6  # the budget less the decode rows'
+    assert max(s for _, _, s in logs["unpaced"]) > 5 * limit(6)
+    assert sum(tokens for _, tokens, _ in logs["paced"]) == 3001 + 1003
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32), streams=st.integers(0, 12), prompts=st.lists(st.integers(1, 900), max_size=6),
+       target=st.sampled_from([-1.0, 0.5, 3.0, 50.0]), token_cost=st.sampled_from([1e-5, 1e-3, 5e-2]))
+def test_no_prompt_starves_under_any_mix(seed, streams, prompts, target, token_cost):
+    """Whatever the target (some below the decode rows' own time), every prompt gets its first token
+    within its own prompt length of steps after the prompts before it, nothing is preempted, and
+    every block comes back."""
+    device = Device(token=token_cost)
+    sched = paced_scheduler(budget=256, blocks=2048, max_seqs=24, target=target, device=device)
+    rng = random.Random(seed)
+    for i in range(streams):
+        sched.add(request(f"s{i}", rng.randint(1, 40), rng.randint(1, 300), seed=i))
+    longs = [request(f"p{i}", n, rng.randint(1, 5), seed=100 + i) for i, n in enumerate(prompts)]
+    log = []
+    for r in longs:
+        sched.add(r)
+        log += run(sched, device, lambda: not sched.has_work or all(x.output_token_ids for x in longs[:1 + longs.index(r)]))
+    run(sched, device, lambda: not sched.has_work)
+    assert sched.num_preemptions == 0 and sched.blocks.num_used_blocks == 0
+    assert all(x.output_token_ids for x in longs)
+    assert len(log) <= sum(prompts) + 2 * len(prompts) + 1  # at least one prompt token every step
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backfill_keeps_its_promise_with_pacing_on(shape, monkeypatch):
+    """tests/test_backfill.py's seeded runs with a trained pacer on every scheduler, prompt tokens
+    priced high (caps of a few tokens): no head starts past its reservation."""
+    device = Device(token=2e-3)
+
+    def paced_make(*args, **kwargs):
+        sched = make(*args, **kwargs)
+        device.train(sched.pacer)
+        return sched
+
+    monkeypatch.setattr("test_backfill.make", paced_make)
+    late = [(seed, late) for seed in range(150) for late in [seeded_run(seed, SHAPES[shape])[0]] if late]
+    assert not late, f"heads started past their reservation: {late[:3]}"
+
+
+def test_delay_factor_holds_new_prompts_until_they_can_start_together():
+    cfg = EngineConfig(model_path="unused", kv_block_size=4, max_num_batched_tokens=256, max_num_seqs=8,
+                       scheduler_delay_factor=2.0, inter_token_target_ms=0)
+    sched = Scheduler(cfg, BlockManager(256, 4), max_model_len=10_000)
+    sched.add(request("running", 5, 100))
+    sched.schedule(0.0)
+    sched.schedule(0.010)  # the last step took 10 ms: new prompts wait until 20 ms after the first arrived
+    early = request("a", 7, 3)
+    early.arrival_time = 0.011
+    sched.add(early)
+    assert not any(s.request is early for s in sched.schedule(0.020).seqs)  # waited 9 ms < 2 x 10 ms
+    late = request("b", 9, 3)
+    late.arrival_time = 0.025
+    sched.add(late)
+    out = sched.schedule(0.031)  # the oldest has waited 20 ms (last step 11 ms: 22 ms needed): still waits
+    assert not any(s.request in (early, late) for s in out.seqs)
+    started = {s.request.request_id for s in sched.schedule(0.045).seqs}
+    assert {"a", "b"} <= started  # both at once
+
+
+def test_no_delay_when_nothing_runs_or_the_factor_is_zero():
+    for factor, running in ((2.0, False), (0.0, True)):
+        cfg = EngineConfig(model_path="unused", max_num_seqs=8, scheduler_delay_factor=factor)
+        sched = Scheduler(cfg, BlockManager(256, 16), max_model_len=10_000)
+        if running:
+            sched.add(request("running", 5, 100))
+            sched.schedule(0.0)
+        new = request("new", 7, 3)
+        new.arrival_time = 1.0
+        sched.add(new)
+        assert any(s.request is new for s in sched.schedule(1.0).seqs)
+
+
+@pytest.mark.parametrize("key,value", [("inter_token_target_ms", "-2"), ("inter_token_target_ms", "nan"),
+                                       ("inter_token_auto_factor", "1"), ("scheduler_delay_factor", "-1"),
+                                       ("scheduler_delay_factor", "inf")])
+def test_bad_values_are_refused_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=key):
+        EngineConfig.from_params({key: value})
+
+
+def test_padded_batches_and_unchunked_prompts_are_never_paced():
+    for params in ({"batching_mode": "static"}, {"enable_chunked_context": False}):
+        cfg = EngineConfig(model_path="unused", **params)
+        from backend.sched.factory import make_scheduler
+        assert make_scheduler(cfg, BlockManager(64, 16), 1000).pacer is None
+
+
+def test_the_engine_prices_its_steps_and_pacing_leaves_greedy_outputs_unchanged(tmp_path):
+    """The real tiny model: the engine core feeds the pacer every step it runs, and a paced run (an
+    absolute target below any step, so every step beside decodes takes the floor) gives the tokens
+    of an unpaced one."""
+    from backend import LLM, SamplingParams as Params
+    from backend.models.make_model import make_model
+
+    path = make_model(tmp_path / "m", seed=3)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 9, 77, 141)]
+    outputs, steps = {}, {}
+    for target in (0.0, 0.001):
+        llm = LLM(str(path), max_num_batched_tokens=64, kv_block_size=16, inter_token_target_ms=target)
+        outs = llm.generate(prompts, Params(max_tokens=12, temperature=0))
+        outputs[target] = [o.token_ids for o in outs]
+        cost = llm.engine.scheduler.pacer.cost
+        assert cost.steps > 0 and cost.prompt_steps > 0 and cost.decode_seconds(2) > 0
+        steps[target] = llm.engine.scheduler.steps
+    assert outputs[0.0] == outputs[0.001]
+    assert steps[0.001] > steps[0.0] + 10  # the prompts beside decodes went in small chunks
