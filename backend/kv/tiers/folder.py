@@ -14,23 +14,23 @@ opened relative to its folder's descriptor with O_NOFOLLOW: no symbolic link in 
 followed, and nothing outside it is read, written or deleted. An entry the tier does not make (a
 link, a subfolder, another name, a file of another user) is skipped and counted, never deleted.
 
-Several engines (a config's instances, other models) may share the folder, and `kv_disk_cache_bytes`
-is the whole folder's budget: under the lock each file put in place is added to `.usage` and each
-file deleted taken off; a file that would pass the budget first deletes the folder's least recently
-used files (any model's, by modification time: a read touches its file) down to 7/8 of it. `.usage`
-is counted again at every start (a process killed between a file and its count leaves it off by that
-file until then).
+Several engines (a config's instances, other models) may share the folder, `kv_disk_cache_bytes` the
+whole folder's budget: under the lock each file put in place is added to `.usage`, each one deleted
+taken off, and one that would pass the budget first deletes the folder's least recently used files
+(any model's, by mtime: a read touches its file) down to 7/8 of it. `.usage` is counted at each start.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import re
 import secrets
 import stat
+import threading
 import time
 from typing import Iterator, Optional
 
@@ -46,10 +46,7 @@ TMP_SECONDS = 60  # a temporary file younger than this may be another engine's w
 LOW_WATER = 7 / 8  # a full folder is emptied down to this share of its budget at once
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # (NONBLOCK: a FIFO put here never blocks an open)
-
-
-def _refused(why: str) -> OSError:
-    return OSError(errno.EPERM, why)
+_refused = functools.partial(OSError, errno.EPERM)  # a refusal of ours, as the OSError setup turns into one line
 
 
 def _own(fd: int, mode: int) -> os.stat_result:
@@ -83,6 +80,7 @@ class DiskFolder:
         self.path = os.path.join(self.root, name)
         self.unreadable = 0  # entries skipped: links, subfolders, other names, other users' files
         self.root_fd = self.lock_fd = self.usage_fd = self.fd = -1
+        self._mutex = threading.Lock()
         at = self.root
         try:
             self.root_fd = _open_root(self.root)
@@ -120,11 +118,13 @@ class DiskFolder:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        fcntl.flock(self.lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+        """The folder to this thread: the flock keeps other processes out (it is the open file's), the mutex threads."""
+        with self._mutex:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         for attr in ("fd", "usage_fd", "lock_fd", "root_fd"):
