@@ -54,6 +54,8 @@ class CoreOutput:
     num_cached_tokens: int = 0
     queue_seconds: Optional[float] = None  # on its first output: arrival to first scheduled
     queue: Optional[QueueInfo] = None  # only for a request added with queue_info=True
+    # with its first token, when it asked for prompt_logprobs: (logprob, rank, top) per prompt position 1..
+    prompt_logprobs: Optional[list[tuple[float, int, list]]] = None
 
     @property
     def finished(self) -> bool:
@@ -82,6 +84,9 @@ class RequestOutput:
     # A refusal after arrival, of the whole request (every completion): "invalid" (a 400) or
     # "unavailable" (retry later); None for every other output, failed ones included.
     error_kind: Optional[str] = None
+    # vLLM's prompt_logprobs, once known: None for the first prompt token, then per prompt token
+    # its logprob, rank and the top k; None unless asked
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
 
 
 Output = Union[CoreOutput, "RequestOutput"]
@@ -100,7 +105,8 @@ def merge_outputs(first: Optional[Output], then: Output) -> Output:
     queued = first.queue_seconds if then.queue_seconds is None else then.queue_seconds
     text = {"new_text": first.new_text + then.new_text} if isinstance(then, RequestOutput) else {}
     return dataclasses.replace(then, new_token_ids=list(first.new_token_ids) + list(then.new_token_ids),
-                               new_logprobs=logprobs, queue_seconds=queued, queue=then.queue or first.queue, **text)
+                               new_logprobs=logprobs, queue_seconds=queued, queue=then.queue or first.queue,
+                               prompt_logprobs=then.prompt_logprobs or first.prompt_logprobs, **text)
 
 
 class StopStringMatcher:

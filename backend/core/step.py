@@ -107,6 +107,9 @@ class Sampled:
     top: Optional[list[tuple[int, float]]] = None  # the top k (token, logprob), best first
     accepted: list["Sampled"] = field(default_factory=list)  # accepted drafts, in order, before `token`
     num_drafts: int = 0  # drafts the row verified
+    # With a request's first token, when it asked for prompt_logprobs: per prompt position 1..
+    # (logprob, rank, top) of that prompt token (backend/worker/prompt_logprobs.py)
+    prompt_logprobs: Optional[list] = None
 
     @property
     def tokens(self) -> list["Sampled"]:

@@ -32,7 +32,7 @@ class _Request:
 
 class _Text:
     """One sequence's delivered text: its tokens, detokenizer, stop strings and logprobs so far."""
-    __slots__ = ("detok", "stops", "token_ids", "logprobs", "cumulative", "done")
+    __slots__ = ("detok", "stops", "token_ids", "logprobs", "cumulative", "done", "prompt_logprobs")
 
     def __init__(self, detok: Optional[IncrementalDetokenizer], stops: StopStringMatcher, logprobs: bool):
         self.detok, self.stops = detok, stops
@@ -40,6 +40,7 @@ class _Text:
         self.logprobs: Optional[list[TokenLogprobs]] = [] if logprobs else None
         self.cumulative: Optional[float] = 0.0 if logprobs else None
         self.done = False  # its final output was made (a stop string may end it before the engine knows)
+        self.prompt_logprobs: Optional[list] = None
 
 
 class OutputProcessor:
@@ -135,12 +136,17 @@ class OutputProcessor:
             text.cumulative += sum(lp[t].logprob for lp, t in zip(new_logprobs, new_ids))
         finished = finish is not None
         text.done = finished
+        if o.prompt_logprobs is not None or (text.prompt_logprobs is None and new_ids and req.params.prompt_logprobs
+                                             is not None and o.index == 0):
+            # vLLM's shape: None for the first prompt token (nothing before it), then a dict per token
+            text.prompt_logprobs = [None] + [self._logprobs(t, raw) if raw else None for t, raw in
+                                             zip(req.prompt_token_ids[1:], o.prompt_logprobs or [])]
         new_text = text.stops.emit(final=finished)
         return RequestOutput(o.request_id, req.prompt_token_ids, new_ids, list(text.token_ids), new_text,
                              text.stops.emitted, finished, finish, o.error, index=o.index,
                              new_logprobs=new_logprobs, logprobs=text.logprobs, cumulative_logprob=text.cumulative,
                              queue_seconds=o.queue_seconds, queue=o.queue, num_cached_tokens=o.num_cached_tokens,
-                             error_kind=o.error_kind), stop
+                             error_kind=o.error_kind, prompt_logprobs=text.prompt_logprobs), stop
 
     def _logprobs(self, token: int, raw: tuple[float, int, list]) -> TokenLogprobs:
         logprob, rank, top = raw

@@ -41,6 +41,7 @@ from backend.worker.input_batch import BlockTables, InputBatch
 from backend.worker.kv_copier import KVCopier
 from backend.worker.lora.manager import make_lora_manager
 from backend.worker.parallel.rendezvous import start_group
+from backend.worker import prompt_logprobs
 from backend.worker.sample_step import sample_step
 from backend.worker.step_inputs import StepInputs, build_step
 from backend.worker.warmup import prefill_tokens, warm_up_steps
@@ -217,7 +218,10 @@ class ModelRunner:
         logits, step = self.forward(plan)
         if logits is None or not step.sampling:
             return StepResult(kv_copies=copies)
-        return StepResult(sample_step(logits, step, plan.grammar), copies)
+        sampled = sample_step(logits, step, plan.grammar)
+        if step.prompt_rows:
+            prompt_logprobs.hand_over(step.prompt_rows, sampled)
+        return StepResult(sampled, copies)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], StepInputs]:
@@ -280,6 +284,8 @@ class ModelRunner:
             ctx = self.metadata.for_step(step, self.batch.tables.table, self.kv_caches, lora)
             stack = self.decode_path.stack_for(step.num_decode_rows, step.ids.shape[0])
             hidden = self.model(step.ids, step.positions, ctx, self.rope, decode_stack=stack)
+            if step.prompt_rows:
+                prompt_logprobs.compute(step.prompt_rows, hidden, self.model.logits)
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards

@@ -24,6 +24,7 @@ from backend.core.step import StepPlan
 from backend.worker.device import to_device
 from backend.worker.input_batch import InputBatch
 from backend.worker.lora.segments import adapter_runs, order_by_adapter
+from backend.worker.prompt_logprobs import chunk_rows
 
 PAD_TOKEN_ID = 0  # what padding and empty rows feed the model; their results are discarded
 
@@ -49,6 +50,7 @@ class StepInputs:
     sampling: list = field(default_factory=list)      # the SeqStates that sample, in sample_index order
     sampled_rows: list = field(default_factory=list)  # their plan Rows (a verify row has 1 + drafts rows in sample_index)
     has_drafts: bool = False          # some row verifies drafts (rejection.py samples the step)
+    prompt_rows: list = field(default_factory=list)  # prompt_logprobs.py: the prompt positions to score
     # LoRA: the adapter runs (first row, end row, slot) and the slot writes (slot, load id) rank 0
     # made for them (backend/worker/lora/manager.py)
     lora_runs: list = field(default_factory=list)
@@ -100,7 +102,7 @@ def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_dec
     d_lens: list[int] = [0] * empty_rows
     d_rows: list[int] = [0] * empty_rows
     sample_index: list[int] = []
-    sampling, sampled_rows = [], []
+    sampling, sampled_rows, prompt_rows = [], [], []
     end = empty_rows
     for r in decodes + prefills:  # plain ints: most rows are one decode token, where numpy costs more
         s = seqs[r.seq_id]
@@ -117,6 +119,10 @@ def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_dec
             ids += drafts
             for group_slots, table in zip(slots, s.tables):
                 group_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if not drafts and s.params.prompt_logprobs is not None:
+                rows = chunk_rows(s, end - n, start, n)
+                if rows:
+                    prompt_rows.append(rows)
             if r.samples:
                 sample_index += range(end - 1 - len(drafts), end)  # a verify row keeps every position's logits
                 sampling.append(s)
@@ -150,6 +156,7 @@ def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_dec
     step = place_step(host, tables)
     step.sampling, step.sampled_rows = sampling, sampled_rows
     step.has_drafts = any(r.draft_token_ids for r in sampled_rows)
+    step.prompt_rows = prompt_rows
     return step
 
 

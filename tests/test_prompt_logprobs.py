@@ -1,0 +1,56 @@
+"""vLLM's prompt_logprobs against transformers' log_softmax of the prompt, on the tiny random
+model: whole prompts and chunked prefills (a budget below the prompt, lengths that are not block
+multiples), beside requests that do not ask, with the prefix cache on (a request for prompt
+logprobs computes its whole prompt), with n > 1, and a one-token prompt."""
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+
+PROMPT = [1] + [5 + (11 * i) % 60 for i in range(36)]  # 37 tokens: not a multiple of the block size
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+    def log_softmax(prompt):
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    return log_softmax
+
+
+def check(out, prompt, ref, k):
+    """vLLM's shape: None, then per prompt token a dict holding it and the top k, with ranks."""
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entries, row, token = out.prompt_logprobs[pos], ref[pos - 1], prompt[pos]
+        assert set(entries) == set(row.topk(k).indices.tolist()) | {token} if k else set(entries) == {token}
+        for tok, lp in entries.items():
+            assert abs(lp.logprob - float(row[tok])) < 1e-4, (pos, tok)
+            assert lp.rank == int((row > row[tok]).sum()) + 1
+
+
+@pytest.mark.parametrize("chunk", [None, 16, 7])
+def test_prompt_logprobs_equal_transformers(default_model_dir, reference, chunk):
+    extra = dict(max_num_batched_tokens=chunk, enable_chunked_context=True) if chunk else {}
+    llm = LLM(str(default_model_dir), max_num_seqs=4, max_model_len=128, enable_kv_cache_reuse=True, **extra)
+    ref = reference(PROMPT)
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0))[0]  # caches the prompt's blocks
+    assert plain.prompt_logprobs is None
+    outs = llm.generate([PROMPT, PROMPT[:20]], [SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=3),
+                                                SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0)])
+    check(outs[0], PROMPT, ref, 3)
+    check(outs[1], PROMPT[:20], ref, 0)
+    assert outs[0].token_ids == plain.token_ids  # the output itself unchanged
+    assert outs[0].num_cached_tokens == 0  # the cached prefix was not used
+
+
+def test_prompt_logprobs_with_n_and_a_one_token_prompt(default_model_dir, reference):
+    llm = LLM(str(default_model_dir), max_num_seqs=4, max_model_len=128)
+    out = llm.generate([PROMPT[:9]], SamplingParams(max_tokens=3, n=2, seed=1, prompt_logprobs=2))[0]
+    for sample in out.samples:
+        check(sample if sample.prompt_logprobs else out.samples[0], PROMPT[:9], reference(PROMPT[:9]), 2)
+    single = llm.generate([[1]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))[0]
+    assert single.prompt_logprobs == [None]
