@@ -43,6 +43,7 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("return_num_input_tokens", "BOOL", (1,), "add num_input_tokens"),
     Tensor("return_num_output_tokens", "BOOL", (1,), "add num_output_tokens"),
     Tensor("return_num_cached_tokens", "BOOL", (1,), "add num_cached_tokens"),
+    Tensor("return_prompt_logprobs", "BOOL", (1,), "add prompt_logprobs (needs the sampling key prompt_logprobs)"),
     Tensor("return_queue_info", "BOOL", (1,),
            "add where it stands (queue_position ... seconds_since_arrival); streaming, also a response "
            "(no tokens) whenever its place or reservation changes while it waits"),
@@ -102,6 +103,9 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("first_token_time_ns", "INT64", (1,), "if asked; Unix time in ns of its first token; 0 until then"),
     Tensor("finished_time_ns", "INT64", (1,), "if asked; Unix time in ns it finished; 0 until then"),
     Tensor("seconds_since_arrival", "FP64", (1,), "if asked; seconds from its arrival to this response"),
+    Tensor("prompt_logprobs", "STRING", (1,),
+           "if asked; vLLM's prompt_logprobs as JSON: null for the first prompt token, then per token {id: "
+           "{logprob, rank, decoded_token}}; with the first tokens (null in later streamed responses)"),
 )
 
 RETURN_FLAGS = tuple(t.name for t in INPUTS if t.name.startswith("return_") and t.name != "return_log_probs")

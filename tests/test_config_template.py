@@ -43,7 +43,8 @@ def test_rendered_config_is_a_valid_decoupled_triton_config():
                                                "logprobs", "num_input_tokens", "num_output_tokens",
                                                "num_cached_tokens", "queue_position", "reserved_step", "engine_step", "first_scheduled_step",
                                                "kv_blocks_reserved", "arrival_time_ns", "first_scheduled_time_ns",
-                                               "first_token_time_ns", "finished_time_ns", "seconds_since_arrival"]
+                                               "first_token_time_ns", "finished_time_ns", "seconds_since_arrival",
+                                                   "prompt_logprobs"]
 
 
 def test_instance_group_gpu_where_gpus_exist_cpu_where_none():

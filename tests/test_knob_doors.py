@@ -92,3 +92,33 @@ def test_openai_refuses_a_bias_out_of_range_naming_logit_bias():
         parse_completion({"model": "llm", "prompt": "hi", "logit_bias": {"3": 150}})
     assert err.value.status == 400 and err.value.param == "logit_bias"
     assert err.value.message.startswith("logit_bias must be a finite number >= -100.0 and <= 100.0")
+
+
+def test_prompt_logprobs_output_with_the_first_tokens_only():
+    """The Triton output: vLLM's shape as JSON (null first), in the response with the first tokens,
+    null in later streamed ones; the whole list in a non-streaming answer."""
+    load_adapter()
+    from live_request import Live
+    from triton_outputs import output_tensors
+
+    from backend.core.outputs import Logprob, RequestOutput
+    prompt = [None, {7: Logprob(-1.5, 2, "a"), 9: Logprob(-0.5, 1, "b")}]
+
+    def out(new, total):
+        return RequestOutput("r", [1, 7], new, total, "", "", False, None, prompt_logprobs=prompt)
+
+    live = Live("r", "", None, stream=True, exclude_input=True, prompt_text=None, arrival=0.0,
+                returns=frozenset({"return_prompt_logprobs"}))
+    first, later = out([5], [5]), out([6], [5, 6])
+    live.latest = {0: first}
+    got = json.loads(output_tensors(live, {0: first}, str)["prompt_logprobs"][0])
+    assert got == [None, {"7": {"logprob": -1.5, "rank": 2, "decoded_token": "a"},
+                          "9": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]
+    live.latest = {0: later}
+    assert output_tensors(live, {0: later}, str)["prompt_logprobs"][0] == b"null"
+    whole = Live("r", "", None, stream=False, exclude_input=True, prompt_text=None, arrival=0.0,
+                 returns=frozenset({"return_prompt_logprobs"}), latest={0: later})
+    assert json.loads(output_tensors(whole, {0: later}, str)["prompt_logprobs"][0]) == got
+    p = parse({"text_input": S("hi"), "return_prompt_logprobs": np.array([True]),
+               "sampling_parameters": S('{"prompt_logprobs": 2}')})
+    assert p.params.prompt_logprobs == 2 and "return_prompt_logprobs" in p.returns

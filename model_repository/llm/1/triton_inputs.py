@@ -40,7 +40,6 @@ _UNSUPPORTED_KEYS = {
     "best_of": "beam search and best_of are not supported (n is)",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "beam search is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported (logprobs is)",
 }
 
 

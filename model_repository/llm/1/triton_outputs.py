@@ -18,10 +18,12 @@ log = logging.getLogger("inflight.triton")
 
 def _logprobs_json(logprobs: Optional[list]) -> bytes:
     """The vLLM backend's `logprobs` output for one completion: per token, token id -> its
-    logprob, rank and text; `null` when the request did not ask for logprobs."""
+    logprob, rank and text; `null` when the request did not ask for logprobs. (Also the
+    `prompt_logprobs` output, whose first entry is null.)"""
     if logprobs is None:
         return b"null"
-    return json.dumps([{str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+    return json.dumps([None if step is None else
+                       {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
                         for tid, lp in step.items()} for step in logprobs]).encode("utf-8")
 
 
@@ -67,6 +69,11 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
         tensors["num_input_tokens"] = np.array([len(first.prompt_token_ids) if first else 0], dtype=np.uint32)
     if "return_num_output_tokens" in asked:
         tensors["num_output_tokens"] = np.array(new_counts, dtype=np.uint32)
+    if "return_prompt_logprobs" in asked:  # the request's (its first completion's), with its first tokens
+        first = outs.get(0) if live.stream else live.latest.get(0)
+        with_first = first is not None and (not live.stream or len(first.token_ids) == len(first.new_token_ids))
+        prompt = getattr(first, "prompt_logprobs", None) if with_first else None
+        tensors["prompt_logprobs"] = np.array([_logprobs_json(prompt)], dtype=np.object_)
     if "return_num_cached_tokens" in asked:
         first = live.latest.get(0)
         tensors["num_cached_tokens"] = np.array([first.num_cached_tokens if first else 0], dtype=np.uint32)
