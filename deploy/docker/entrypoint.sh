@@ -5,8 +5,9 @@
 # model_path; `make model` does the same outside Docker) and renders
 # model_repository/llm/config.pbtxt (KIND_GPU on the GPUs it sees) when they are missing. Then it
 # starts the OpenAI-compatible API on INFLIGHT_OPENAI_PORT (default 9000; 0 turns it off) beside
-# tritonserver (INFLIGHT_TOOL_CALL_PARSER: its --tool-call-parser, default hermes). Arguments go to
-# tritonserver (e.g. --log-verbose=1).
+# tritonserver (INFLIGHT_TOOL_CALL_PARSER: its --tool-call-parser, default hermes;
+# INFLIGHT_REASONING_PARSER: its --reasoning-parser, default none). Arguments go to tritonserver
+# (e.g. --log-verbose=1).
 set -euo pipefail
 cd "${INFLIGHT_HOME:-/workspace}"
 if [ ! -f model_repository/llm/1/model.py ]; then
@@ -42,7 +43,8 @@ if [ "$openai_port" != 0 ]; then
   # Its /metrics re-serves Triton's with the inference gateway's metrics (docs/gateway.md).
   python3 -m openai_server --grpc-url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \
     --host 0.0.0.0 --port "$openai_port" \
-    --model-path "$model_path" --tool-call-parser "${INFLIGHT_TOOL_CALL_PARSER:-hermes}" &
+    --model-path "$model_path" --tool-call-parser "${INFLIGHT_TOOL_CALL_PARSER:-hermes}" \
+    ${INFLIGHT_REASONING_PARSER:+--reasoning-parser "$INFLIGHT_REASONING_PARSER"} &
 fi
 # explicit + --load-model=*: every model loads at start, and a model whose engine stopped serving
 # (a lost tensor-parallel rank) unloads itself, so that its ready endpoint says so.
