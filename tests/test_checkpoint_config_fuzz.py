@@ -159,3 +159,30 @@ def test_gguf_metadata_is_refused_by_name_or_maps_to_a_valid_config(gguf_file, d
         event("mapped")
         fields = model_fields(config, config["architectures"][0], where="", names=gguf_names(gguf_arch))
         assert 0 < fields["rms_norm_eps"] < 1 and math.isfinite(fields["rope_theta"])
+
+
+TOKENIZER_KEYS = ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                  "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                  "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
+                  "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template"]
+
+
+@settings(FUZZ, max_examples=60)
+@given(data=st.data())
+def test_gguf_tokenizer_metadata_is_refused_by_name_or_builds(gguf_file, data):
+    """The importer's tokenizer keys: a ValueError naming one (the import then writes no tokenizer
+    and says why), or a tokenizer that encodes."""
+    from backend.models.gguf.tokenizer import build_tokenizer, tokenizer_config
+    meta, _ = gguf_file
+    if meta["general.architecture"] != "llama":
+        return  # the keys are the same in every file
+    changes = data.draw(st.dictionaries(st.sampled_from(TOKENIZER_KEYS), HOSTILE, min_size=1, max_size=2))
+    meta = {**meta, **changes}
+    try:
+        tokenizer, _ = build_tokenizer(meta), tokenizer_config(meta)
+    except ValueError as exc:
+        assert_names_one(str(exc), list(changes))
+        event("refused")
+    else:
+        assert isinstance(tokenizer.encode("hello world").ids, list)
+        event("built")

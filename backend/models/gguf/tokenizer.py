@@ -20,10 +20,13 @@ Control tokens become special added tokens (matched whole, skipped when decoding
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
 from tokenizers import pre_tokenizers, processors
+
+from backend.models.checkpoint_config import shown
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -55,6 +58,37 @@ def _byte_alphabet() -> dict[int, str]:
             chars[b] = chr(256 + extra)
             extra += 1
     return chars
+
+
+_LISTS = {"tokenizer.ggml.tokens": (str, "strings"), "tokenizer.ggml.merges": (str, "'left right' strings"),
+          "tokenizer.ggml.scores": (numbers.Real, "numbers"), "tokenizer.ggml.token_type": (numbers.Integral, "integers")}
+
+
+def check_metadata(meta: dict[str, Any]) -> None:
+    """The tokenizer keys read here are of their types, the ids within the token list; else a
+    ValueError naming the key (the importer then writes no tokenizer, and says why)."""
+    if meta.get("tokenizer.ggml.tokens") is None:
+        raise ValueError("tokenizer.ggml.tokens is missing: the file has no vocabulary")
+    for key, (kind, what) in _LISTS.items():
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, list) or not all(
+                isinstance(v, kind) and not isinstance(v, bool) and (kind is not str or key != "tokenizer.ggml.merges"
+                                                                     or " " in v) for v in value)):
+            raise ValueError(f"{key} is {shown(value)}; it must be a list of {what}")
+    tokens, scores = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.scores")
+    if scores is not None and len(scores) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries; it must have one per token ({len(tokens)})")
+    for key in _SPECIAL_ID_KEYS.values():
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                  or key == "unknown_token_id" and not 0 <= value < len(tokens)):
+            raise ValueError(f"tokenizer.ggml.{key} is {shown(value)}; it must be a token id in 0..{len(tokens) - 1}")
+    for key in ("tokenizer.ggml.add_space_prefix", "tokenizer.ggml.add_bos_token"):
+        if meta.get(key) is not None and not isinstance(meta[key], bool):
+            raise ValueError(f"{key} is {shown(meta[key])}; it must be true or false")
+    for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise ValueError(f"{key} is {shown(meta[key])}; it must be a string")
 
 
 def _merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
@@ -126,11 +160,15 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
 
     Raises ValueError naming ``tokenizer.ggml.model`` for a model other than gpt2 or llama.
     """
+    check_metadata(meta)
     kind = meta.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in meta or kind not in SUPPORTED_TOKENIZER_MODELS:
         raise ValueError(f"tokenizer.ggml.model {kind!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_TOKENIZER_MODELS)}")
-    tok = _byte_level(meta) if kind == "gpt2" else _sentencepiece(meta)
+    try:
+        tok = _byte_level(meta) if kind == "gpt2" else _sentencepiece(meta)
+    except Exception as exc:  # tokenizers' own errors are plain Exceptions (a merge of unknown tokens)
+        raise ValueError(f"tokenizer.ggml.tokens and tokenizer.ggml.merges make no BPE model: {exc}") from None
     types = list(meta.get("tokenizer.ggml.token_type") or [])
     tokens = meta["tokenizer.ggml.tokens"]
     letters = set(_byte_alphabet().values())
@@ -160,6 +198,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
 
 def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
     """``tokenizer_config.json``: the special tokens and the chat template."""
+    check_metadata(meta)
     config: dict[str, Any] = {k: v for k, v in special_tokens(meta).items() if v is not None}
     template = meta.get("tokenizer.chat_template")
     if template:
