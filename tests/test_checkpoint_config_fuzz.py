@@ -42,6 +42,7 @@ ARCHITECTURES = {  # base config.json keys over the tiny Llama's, per architectu
     "LlamaForCausalLM": {}, "MistralForCausalLM": {"sliding_window": 64},
     "Qwen2ForCausalLM": {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
     "Qwen3ForCausalLM": {}, "Gemma3ForCausalLM": {"sliding_window_pattern": 2, "sliding_window": 32},
+    "Gemma3ForConditionalGeneration": {"text_config": "the tiny Llama's config"},
     "MixtralForCausalLM": {"num_local_experts": 2, "num_experts_per_tok": 1},
     "Qwen3MoeForCausalLM": {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 64,
                             "mlp_only_layers": [1], "norm_topk_prob": True, "decoder_sparse_step": 1},
@@ -99,7 +100,10 @@ def test_config_json_values_are_refused_by_name_or_load_valid(tiny, tmp_path_fac
     for f in tiny.iterdir():
         if f.name not in ("config.json", "generation_config.json"):
             (folder / f.name).symlink_to(f)
-    cfg = {**json.loads((tiny / "config.json").read_text()), "architectures": [arch], **ARCHITECTURES[arch], **changes}
+    base = json.loads((tiny / "config.json").read_text())
+    cfg = {**base, "architectures": [arch], **ARCHITECTURES[arch], **changes}
+    if cfg.get("text_config") == "the tiny Llama's config":  # a multimodal Gemma 3: the text model inside
+        cfg["text_config"] = base
     gen = {**json.loads((tiny / "generation_config.json").read_text()), **generation}
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "generation_config.json").write_text(json.dumps(gen))
