@@ -54,6 +54,7 @@ class Piece:
     num_cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache or a KV tier
     logprobs: Optional[list[TokenLogprob]] = None
     queue_info: Optional[dict[str, Any]] = None  # return_queue_info's outputs, by name
+    prompt_logprobs: Optional[list] = None  # vLLM's prompt_logprobs (the prompt's, on each of its choices)
 
 
 def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> list[Piece]:
@@ -69,6 +70,8 @@ def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> 
     prompt_tokens = int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None
     cached_tokens = int(n_cached.reshape(-1)[0]) if n_cached is not None and n_cached.size else None
     queue_info = _queue_info(get)
+    prompt_lps = get("prompt_logprobs")
+    prompt_lps = json.loads(_str(prompt_lps.reshape(-1)[0])) if prompt_lps is not None and prompt_lps.size else None
     out = []
     for i in range(n):
         reason = _str(reasons.reshape(-1)[i]) if reasons is not None and reasons.size > i else ""
@@ -80,7 +83,7 @@ def pieces(get: Callable[[str], Optional[np.ndarray]], top_k: Optional[int]) -> 
                       num_input_tokens=prompt_tokens, num_cached_tokens=cached_tokens)
         if top_k is not None and lps is not None and lps.size > i and token_ids is not None:
             piece.logprobs = parse_logprobs(_str(lps.reshape(-1)[i]), token_ids, top_k)
-        piece.queue_info = queue_info
+        piece.queue_info, piece.prompt_logprobs = queue_info, prompt_lps
         out.append(piece)
     return out
 
@@ -121,6 +124,7 @@ class ChoiceState:
     finish_reason: Optional[str] = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     queue_info: Optional[dict[str, Any]] = None  # the newest
+    prompt_logprobs: Optional[list] = None
 
     def add(self, piece: Piece) -> bool:
         """Take one response's piece; True when it ends the choice. With n > 1 a finished
@@ -137,6 +141,8 @@ class ChoiceState:
             self.logprobs.extend(piece.logprobs)
         if piece.queue_info is not None:
             self.queue_info = piece.queue_info
+        if piece.prompt_logprobs is not None:
+            self.prompt_logprobs = piece.prompt_logprobs
         if piece.finish_reason:
             self.finish_reason = FINISH_REASONS.get(piece.finish_reason, piece.finish_reason)
             return True
@@ -207,8 +213,11 @@ class Reply:
                             "finish_reason": c.finish_reason})
             if c.queue_info is not None:  # an extension field, only when asked (return_queue_info)
                 out[-1]["queue_info"] = c.queue_info
+            if c.prompt_logprobs is not None and not self.chat:  # vLLM's field, only when asked
+                out[-1]["prompt_logprobs"] = c.prompt_logprobs
+        prompt = {"prompt_logprobs": choices[0].prompt_logprobs} if self.chat and choices[0].prompt_logprobs else {}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
-                "usage": usage(choices, n)}
+                "usage": usage(choices, n), **prompt}
 
     def chunk(self, index: int, piece: Piece, state: ChoiceState, first: bool, want_logprobs: bool,
               include_usage: bool, prefix: str = "") -> dict[str, Any]:
@@ -231,6 +240,8 @@ class Reply:
                       "finish_reason": reason}
         if piece.queue_info is not None:  # an extension field, only when asked (return_queue_info)
             choice["queue_info"] = piece.queue_info
+        if piece.prompt_logprobs is not None:  # vLLM's field, with the first tokens
+            choice["prompt_logprobs"] = piece.prompt_logprobs
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if include_usage:
             out["usage"] = None  # as OpenAI: null on every chunk but the last

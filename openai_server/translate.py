@@ -38,7 +38,7 @@ IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort")
 # ignore_eos for fixed output lengths).
 ENGINE_EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids", "min_p",
                  "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens", "truncate_prompt_tokens")
+                 "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs")
 # Our own extension, off by default: where the request stands (return_queue_info, docs/triton.md).
 EXTENSIONS = ("return_queue_info",)
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
@@ -131,6 +131,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
                               ("skip_special_tokens", (bool,), "a boolean"),
                               ("spaces_between_special_tokens", (bool,), "a boolean"),
                               ("truncate_prompt_tokens", integer, "an integer"),
+                              ("prompt_logprobs", integer, "an integer (the number of top logprobs)"),
                               ("logit_bias", (dict,), "an object mapping token ids to biases")):
         value = _typed(body, name, kinds, what)
         if value is not None:
@@ -316,6 +317,7 @@ def triton_tensors(gen: Generation, index: int, declared: frozenset[str]) -> dic
     sampling = json.dumps(gen.sampling).encode("utf-8")
     tensors["sampling_parameters"] = (np.array([sampling], dtype=np.object_), "BYTES")
     wanted = RETURN_INPUTS + (("return_logprobs",) if gen.logprobs is not None else ()) \
+        + (("return_prompt_logprobs",) if gen.sampling.get("prompt_logprobs") is not None else ()) \
         + (("return_queue_info",) if gen.queue_info else ())
     for name in wanted:
         if name in declared:
@@ -323,6 +325,8 @@ def triton_tensors(gen: Generation, index: int, declared: frozenset[str]) -> dic
     if gen.logprobs is not None and "return_logprobs" not in declared:
         raise APIError(400, "logprobs: the served model has no logprobs output (return_logprobs)",
                        "top_logprobs" if gen.chat else "logprobs")
+    if gen.sampling.get("prompt_logprobs") is not None and "return_prompt_logprobs" not in declared:
+        raise APIError(400, "prompt_logprobs: the served model has no prompt_logprobs output", "prompt_logprobs")
     if gen.queue_info and "return_queue_info" not in declared:
         raise APIError(400, "return_queue_info: the served model has no queue info outputs", "return_queue_info")
     return tensors

@@ -21,7 +21,7 @@ from openai_server.translate import APIError
 
 MODEL_NAME = "llm"
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
-           "num_cached_tokens", "logprobs", "cumulative_logprob") + QUEUE_INFO_OUTPUTS
+           "num_cached_tokens", "logprobs", "cumulative_logprob", "prompt_logprobs") + QUEUE_INFO_OUTPUTS
 
 
 def error_status(message: str) -> int:

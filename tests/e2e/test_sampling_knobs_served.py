@@ -114,3 +114,31 @@ def test_the_openai_sdk_gets_a_400_naming_a_bad_knob(api):
             assert err.value.body["param"] == param
         else:
             assert "allowed_token_ids: token id 1000000 is outside the vocabulary" in err.value.body["message"]
+
+
+def _same_prompt_logprobs(got, ref):
+    """The JSON shape (token ids as strings) against the engine's RequestOutput.prompt_logprobs."""
+    assert got[0] is None and ref[0] is None and len(got) == len(ref)
+    for entries, want in zip(got[1:], ref[1:]):
+        assert {int(k) for k in entries} == set(want)
+        for tok, lp in want.items():
+            assert entries[str(tok)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert entries[str(tok)]["rank"] == lp.rank and entries[str(tok)]["decoded_token"] == lp.decoded_token
+
+
+def test_prompt_logprobs_over_grpc_and_the_openai_sdk(server, api, llm):
+    sampling = {"temperature": 0.0, "max_tokens": 4, "prompt_logprobs": 2}
+    ref = _reference(llm, sampling)
+    assert len(ref.prompt_logprobs) == len(ref.prompt_token_ids) > 5
+    for stream in (True, False):
+        responses = grpc_stream(server.grpc_url, {"text_input": array(PROMPT), "stream": array(stream),
+                                                  "exclude_input_in_output": array(True),
+                                                  "sampling_parameters": array(json.dumps(sampling)),
+                                                  "return_prompt_logprobs": array(True)})
+        got = [json.loads(r["prompt_logprobs"][0]) for r in responses]
+        _same_prompt_logprobs(got[0], ref.prompt_logprobs)
+        assert all(g is None for g in got[1:])  # with the first tokens only
+    body = api.completions.create(model="llm", prompt=PROMPT, temperature=0, max_tokens=4,
+                                  extra_body={"prompt_logprobs": 2})
+    _same_prompt_logprobs(body.choices[0].model_extra["prompt_logprobs"], ref.prompt_logprobs)
+    assert body.choices[0].text == ref.text
