@@ -256,6 +256,19 @@ def test_cause9_a_link_under_a_keys_name_is_never_read_through(tmp_path):
     store.close()
 
 
+def test_a_fifo_under_a_keys_name_never_hangs_the_disk_thread(tmp_path):
+    """Opening a FIFO for reading waits for a writer: the disk thread would wait for ever."""
+    store = DiskStore(str(tmp_path / "kv"), FP, BLOCK)
+    os.mkfifo(store.path(KEY), 0o600)
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    store.read(3, KEY, out)
+    assert store.drain(5)
+    ((_, ok, why),) = store.completed()
+    assert not ok and why.startswith("unreadable"), why
+    assert not store.path(KEY).exists()
+    store.close()
+
+
 # -- cause 10: a folder that cannot be used is one line -------------------------------------------
 def _bad_folders(tmp_path):
     (tmp_path / "file").write_text("x")
@@ -277,6 +290,7 @@ def test_cause10_a_folder_that_cannot_be_used_is_one_line_naming_kv_disk_cache_d
         assert msg.startswith("kv_disk_cache_dir: ") and str(path) in msg and "\n" not in msg, (case, msg)
 
 
+@pytest.mark.slow  # an engine's load
 def test_cause10_the_engine_refuses_such_a_folder_in_one_line(default_model_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError) as err:
