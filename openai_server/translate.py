@@ -38,7 +38,7 @@ IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort")
 # ignore_eos for fixed output lengths).
 ENGINE_EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids", "min_p",
                  "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs")
+                 "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "bad_words")
 # Our own extension, off by default: where the request stands (return_queue_info, docs/triton.md).
 EXTENSIONS = ("return_queue_info",)
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
@@ -136,14 +136,15 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
         value = _typed(body, name, kinds, what)
         if value is not None:
             sampling[name] = value
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad("stop", "stop must be a string or a list of strings")
-        if stop:
-            sampling["stop"] = stop
+    for name in ("stop", "bad_words"):  # (vLLM's bad_words: words never generated)
+        words = body.get(name)
+        if words is not None:
+            if isinstance(words, str):
+                words = [words]
+            if not isinstance(words, list) or not all(isinstance(s, str) for s in words):
+                raise bad(name, f"{name} must be a string or a list of strings")
+            if words:
+                sampling[name] = words
     bias = sampling.get("logit_bias")
     if bias is not None and not all(isinstance(k, str) and k.strip().isdigit() and isinstance(v, (int, float))
                                     and not isinstance(v, bool) for k, v in bias.items()):

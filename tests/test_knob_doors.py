@@ -72,7 +72,7 @@ def test_tensorrt_llm_embedding_bias_becomes_logit_bias():
         parse({**inputs, "embedding_bias_weights": np.float32([90.0, 20.0, 1.0])}, encode=_encode)  # b: 110
 
 
-OPENAI = {"min_p": 0.2, "logit_bias": {"17": -5, "3": 2.5}, "allowed_token_ids": [3, 17, 40, 2],
+OPENAI = {"bad_words": ["zebra"], "min_p": 0.2, "logit_bias": {"17": -5, "3": 2.5}, "allowed_token_ids": [3, 17, 40, 2],
           "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
           "truncate_prompt_tokens": 12, "temperature": 0.8, "seed": 5, "max_tokens": 9,
           "structured_outputs": {"regex": "[a-z]+"}}
@@ -85,6 +85,10 @@ def test_openai_completions_and_chat_carry_every_knob():
     _same(parse({"text_input": S("hi"), "sampling_parameters": S(json.dumps(gen.sampling))}).params)
     chat = parse_chat({"model": "llm", "messages": [{"role": "user", "content": "hi"}], **OPENAI}, lambda m: "x")
     _same(SamplingParams.from_dict(chat.sampling))
+    assert gen.sampling["bad_words"] == chat.sampling["bad_words"] == ["zebra"]
+    with pytest.raises(APIError) as err:
+        parse_completion({"model": "llm", "prompt": "hi", "bad_words": [3]})
+    assert err.value.param == "bad_words"
 
 
 def test_openai_refuses_a_bias_out_of_range_naming_logit_bias():
