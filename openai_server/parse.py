@@ -75,7 +75,7 @@ def parse_pieces(pieces: Sequence[str], reasoning_parser: Optional[str], tool_ca
 
 def message(parser: OutputParser, thought: str, content: str) -> dict[str, Any]:
     calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in parser.tool_calls]
-    keep = content.strip() if parser.tools is not None else content
+    keep = content.strip() if calls else content  # as the server: blank text beside calls is none
     out: dict[str, Any] = {"content": content if keep else None}
     with_reasoning(out, thought if parser.thought else None)
     out["tool_calls"] = calls
