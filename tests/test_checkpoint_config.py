@@ -64,6 +64,7 @@ def refused(path, *words):
     ("rms_norm_eps", NAN, "config.json: rms_norm_eps is nan; it must be a finite number > 0"),
     ("rope_scaling", {"rope_type": "linear", "factor": 0}, "rope_scaling.factor is 0; it must be a finite number >= 1"),
     ("rope_theta", -10000.0, "rope_theta is -10000.0; it must be a finite number > 0"),
+    ("rope_theta", 0, "rope_theta is 0; it must be a finite number > 0"),  # once taken as the default 10,000
 ])
 def test_llama_numbers_that_would_compute_nan_are_refused(tiny, tmp_path, key, value, words):
     refused(variant(tiny, tmp_path / "c", **{key: value}), words)
@@ -173,6 +174,7 @@ def test_values_that_changed_the_model_are_refused(tiny, tmp_path, arch, changes
      "GGUF metadata key qwen3moe.expert_weights_norm is 'yes', not true or false"),
     ("llama", {"llama.rope.freq_base": NAN}, "llama.rope.freq_base is nan; it must be a finite number > 0"),
     ("llama", {"llama.rope.freq_base": -10000.0}, "llama.rope.freq_base is -10000.0; it must be a finite number > 0"),
+    ("llama", {"llama.rope.freq_base": 0.0}, "llama.rope.freq_base is 0.0; it must be a finite number > 0"),
     ("llama", {"tokenizer.ggml.eos_token_id": 10**12}, "tokenizer.ggml.eos_token_id is 1000000000000; it must be a token id"),
 ])
 def test_gguf_values_that_changed_the_model_are_refused(tmp_path, tokenizer_json, arch, raw, words):

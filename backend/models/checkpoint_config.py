@@ -124,7 +124,9 @@ def rope(cfg: Reader, key: Optional[str], theta: Any, scaling_key: Optional[str]
         where = params
         if params.rope_type() != "default":
             scaling = params
-    theta = where.number("rope_theta", where.cfg.get("rope_theta", theta) or 10000.0)
+    if where.cfg.get("rope_theta") is None:  # absent or null: the architecture's default (0 is refused)
+        where = Reader({"rope_theta": 10000.0 if theta is None else theta}, cfg.where, cfg.names, where.prefix)
+    theta = where.number("rope_theta")
     kind = scaling.rope_type() if scaling is not None else "default"
     if kind == "default":
         return theta, None
