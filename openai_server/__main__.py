@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="a reasoning model's format (vLLM's flag and names: qwen3, deepseek_r1): its thinking "
                         "goes to the message's reasoning (and reasoning_content), the answer to content")
+    p.add_argument("--max-chat-messages", type=int, metavar="N",
+                   help="a chat with more messages is a 400 naming the limit (default 10000)")
+    p.add_argument("--max-chat-rendered-chars", type=int, metavar="N",
+                   help="a chat whose rendered prompt is longer is a 400 naming the limit (default 4194304)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; the container's entrypoint passes 0.0.0.0)")
     p.add_argument("--port", type=int, default=9000)
@@ -43,8 +47,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from openai_server.app import create_app
 
+    limits = {k: v for k, v in (("max_chat_messages", args.max_chat_messages),
+                                ("max_chat_rendered_chars", args.max_chat_rendered_chars)) if v is not None}
     app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser, args.metrics_url,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, **limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

@@ -5,13 +5,22 @@ read as they stream back; their pieces are merged into one SSE stream (`stream: 
 A client that goes away cancels its Triton requests: leaving the SSE generator (Starlette cancels
 it on disconnect) or the disconnect watcher of a non-streaming call cancels the tasks, whose gRPC
 streams are then cancelled (triton.py).
+
+What costs CPU in proportion to a body never runs on the event loop (issue 46: four chats of 200k
+messages held a trivial completion 27 s): a large body is parsed and checked, and a chat rendered
+by its template and tokenized, on a small thread pool; a chat of more than `max_chat_messages`
+messages, or whose rendered prompt passes `max_chat_rendered_chars` characters, is a 400 naming
+the limit (`python -m openai_server --max-chat-messages N --max-chat-rendered-chars N`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-from typing import Any, AsyncIterator, Optional
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,6 +33,13 @@ from openai_server.translate import APIError, Generation, bad, parse_completion,
 from openai_server.triton_backend import TritonBackend
 
 MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_CHAT_MESSAGES = 10_000
+DEFAULT_MAX_CHAT_RENDERED_CHARS = 4 << 20  # ~1M tokens: past any context the server could serve
+OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on the pool, not the event loop
+PREPARE_THREADS = 2  # each holds the GIL part of the time: fewer leave more of it to the event loop
+# a lone surrogate can only come from a \ud800-\udfff escape or its raw CESU-8 bytes (json.loads
+# decodes bytes with surrogatepass): a body with neither needs no walk through its values
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 class ChatRenderer:
@@ -31,10 +47,11 @@ class ChatRenderer:
     text) because the template writes its own special tokens: the text must be encoded without the
     tokenizer's BOS, as vLLM and transformers encode a rendered chat."""
 
-    def __init__(self, model_path: Optional[str]):
+    def __init__(self, model_path: Optional[str], max_rendered_chars: int = DEFAULT_MAX_CHAT_RENDERED_CHARS):
         from backend.text.tokenizer import Tokenizer
 
         self.model_path = model_path
+        self.max_rendered_chars = max_rendered_chars
         self.tokenizer = Tokenizer.from_dir(model_path) if model_path else None
 
     def __call__(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
@@ -52,7 +69,12 @@ class ChatRenderer:
             raise bad("messages", str(exc)) from None
         except (TypeError, ValueError, LookupError, RuntimeError) as exc:  # the template on these messages
             raise bad("messages", f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        if len(text) > self.max_rendered_chars:
+            raise bad("messages", f"the rendered chat is {len(text)} characters; the limit is {self.max_rendered_chars} "
+                                  "(--max-chat-rendered-chars)")
+        # encode_batch lets go of the GIL while it tokenizes (encode holds it: 1.9 s on 50k messages),
+        # so the event loop runs beside a long prompt
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -74,21 +96,54 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     return b"".join(parts)
 
 
+def _same(obj: dict) -> dict:
+    """json.loads' object_hook: a Python call per object, where the thread can let go of the GIL (a
+    6 MiB body parsed in one C call held the event loop 0.3 s; with it, 0.07 s at most)."""
+    return obj
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body -> its JSON object, refused (400) when it is not one or holds a lone surrogate."""
+    try:
+        body = json.loads(raw, object_hook=_same)
+    except RecursionError:  # json's C scanner recurses once per nesting level
+        raise APIError(400, "the request body is nested too deeply to be a request") from None
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if not _MAYBE_SURROGATE.search(raw):
+        return body
+    for key, value in body.items():  # "\ud800" is valid JSON, and no text the model can take
+        where = lone_surrogate(value, key) or (key if lone_surrogate(key, key) else None)
+        if where is not None:
+            raise bad(key, f"{where} is not valid Unicode text: it holds a lone surrogate (an unpaired "
+                           "\\ud800-\\udfff escape), which UTF-8 cannot encode")
+    return body
+
+
 def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
 def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm",
                tool_call_parser: str = "hermes", metrics_url: Optional[str] = None,
-               reasoning_parser: Optional[str] = None) -> FastAPI:
+               reasoning_parser: Optional[str] = None, max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
+               max_chat_rendered_chars: int = DEFAULT_MAX_CHAT_RENDERED_CHARS) -> FastAPI:
     triton = TritonBackend(grpc_url)
     gateway = GatewayMetrics(metrics_url or default_metrics_url(grpc_url), triton.model, served_model_name)
-    render = ChatRenderer(model_path)
+    render = ChatRenderer(model_path, max_chat_rendered_chars)
+    pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="openai-prepare")
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the pool: the event loop serves other calls meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await triton.close()
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="inflight OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.triton = triton
@@ -125,8 +180,9 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        adapters = await triton.lora_adapters()
-        return {"object": "list", "data": [_card(n, adapters) for n in [served_model_name, *adapters]]}
+        adapters = await triton.lora_adapters()  # an adapter named like the base model is refused at load
+        return {"object": "list", "data": [_card(n, adapters) for n in
+                                           [served_model_name, *(a for a in adapters if a != served_model_name)]]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
@@ -144,19 +200,8 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         return name
 
     async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await read_body(request))
-        except RecursionError:  # json's C scanner recurses once per nesting level
-            raise APIError(400, "the request body is nested too deeply to be a request") from None
-        except ValueError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        for key, value in body.items():  # "\ud800" is valid JSON, and no text the model can take
-            where = lone_surrogate(value, key) or (key if lone_surrogate(key, key) else None)
-            if where is not None:
-                raise bad(key, f"{where} is not valid Unicode text: it holds a lone surrogate (an unpaired "
-                               "\\ud800-\\udfff escape), which UTF-8 cannot encode")
+        raw = await read_body(request)
+        body = await off_loop(parse_body, raw) if len(raw) > OFF_LOOP_BYTES else parse_body(raw)
         await _check_model(body.get("model"))
         return body
 
@@ -175,7 +220,12 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _body(request)
-        gen, thinking = parse_chat_request(body, render, tool_call_parser, reasoning_parser)  # reasoning_request.py
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > max_chat_messages:
+            raise bad("messages", f"messages has {len(messages)} entries; the limit is {max_chat_messages} "
+                                  "(--max-chat-messages)")
+        gen, thinking = await off_loop(parse_chat_request, body, render, tool_call_parser,  # reasoning_request.py
+                                       reasoning_parser)
         gen = _with_adapter(gen, body)
         return await _answer(request, gen, Reply(f"chatcmpl-{gen.request_id}", body["model"], chat=True,
                                                  tools=gen.tools, thinking=thinking))

@@ -39,7 +39,8 @@ def _die_with_parent() -> None:
 class OpenAIServer:
     def __init__(self, grpc_url: str, model_path: Optional[str | Path] = None, *, host: str = "127.0.0.1",
                  port: int = 0, log_to_console: bool = False, tool_call_parser: str = "hermes",
-                 metrics_url: Optional[str] = None, reasoning_parser: Optional[str] = None):
+                 metrics_url: Optional[str] = None, reasoning_parser: Optional[str] = None,
+                 extra_args: tuple[str, ...] = ()):
         self.grpc_url = grpc_url
         self.model_path = str(model_path) if model_path else None
         self.host = host
@@ -48,6 +49,7 @@ class OpenAIServer:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser  # None: answers are not split into reasoning and content
         self.metrics_url = metrics_url  # Triton's, re-served on /metrics (None: the gRPC host, port 8002)
+        self.extra_args = tuple(extra_args)  # more `python -m openai_server` flags (--max-chat-messages N)
         self.process: Optional[subprocess.Popen] = None
 
     @property
@@ -74,6 +76,7 @@ class OpenAIServer:
             cmd += ["--model-path", self.model_path]
         if self.metrics_url:
             cmd += ["--metrics-url", self.metrics_url]
+        cmd += list(self.extra_args)
         if self.reasoning_parser:
             cmd += ["--reasoning-parser", self.reasoning_parser]
         out = None if self.log_to_console else subprocess.DEVNULL
