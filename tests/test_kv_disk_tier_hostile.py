@@ -16,7 +16,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 import zlib
 from pathlib import Path
 
@@ -82,9 +81,12 @@ def test_cause1_the_folder_is_0700_and_its_files_0600_whatever_the_umask(tmp_pat
         assert roundtrip(store)[0]
         existing = tmp_path / "old"
         (existing / FP.hex()[:32]).mkdir(parents=True)
+        (existing / FP.hex()[:32] / f"{(b'o' * 32).hex()}.kv").write_bytes(b"format 1")
         for p in (existing, existing / FP.hex()[:32]):
-            os.chmod(p, 0o777)  # an earlier version's folder, opened wide
+            os.chmod(p, 0o755)  # an earlier version's folder (made under umask 022)
+        os.chmod(existing / FP.hex()[:32] / f"{(b'o' * 32).hex()}.kv", 0o644)
         again = DiskStore(str(existing), FP, BLOCK)
+        assert again.scan() == []  # the format-1 file (another size) deleted
         assert roundtrip(again)[0]
     finally:
         os.umask(old)
@@ -274,7 +276,12 @@ def _bad_folders(tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    cases = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "kv", "a link": tmp_path / "link"}
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o1777)  # as /tmp: never made private
+    (tmp_path / "home" / "notes").mkdir(parents=True)
+    os.chmod(tmp_path / "home", 0o755)  # holds more than the tier: not made private either
+    cases = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "kv", "a link": tmp_path / "link",
+             "others may write it": tmp_path / "shared", "wider, with other things": tmp_path / "home"}
     if os.geteuid() == 0:
         (tmp_path / "theirs").mkdir()
         os.chown(tmp_path / "theirs", OTHER_UID, OTHER_UID)
@@ -288,6 +295,8 @@ def test_cause10_a_folder_that_cannot_be_used_is_one_line_naming_kv_disk_cache_d
             DiskStore(str(path), FP, BLOCK)
         msg = str(err.value)
         assert msg.startswith("kv_disk_cache_dir: ") and str(path) in msg and "\n" not in msg, (case, msg)
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o1777  # refused, not changed
+    assert stat.S_IMODE((tmp_path / "home").stat().st_mode) == 0o755 and os.listdir(tmp_path / "home") == ["notes"]
 
 
 @pytest.mark.slow  # an engine's load

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from backend.kv.tiers.folder import SUFFIX as FILE_SUFFIX
-from backend.kv.tiers.folder import DiskFolder, open_private
+from backend.kv.tiers.folder import DiskFolder
+from backend.kv.tiers.nofollow import open_private
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """The disk tier's folder, `kv_disk_cache_dir`: who may read and write it, the secret its files are
 signed with, and the lock and the one budget of the engines that share it. No torch here.
 
-- the folder: 0700, the engine's user's (an existing one of that user is set to 0700; another
-  user's, or a symbolic link, is refused);
+- the folder: 0700, the engine's user's. An existing one is set to 0700 when it holds only the
+  tier's entries (an earlier version's 0755 folder); one others may write (/tmp), one holding other
+  things under a wider mode, another user's, or a symbolic link is refused, never changed;
 - `.lock` (0600): flock'd while the folder changes (a file put in place or deleted, the scan at start);
 - `.secret` (0600): 32 random bytes made at first use (written under a name of its own with O_EXCL,
   then linked into place), the HMAC-SHA256 key of every block file (disk.py);
@@ -10,8 +11,8 @@ signed with, and the lock and the one budget of the engines that share it. No to
 - `<fingerprint>/` (0700): one model's files, `<key>.kv`, 0600 (disk.py).
 
 Modes are given when a name is made and set again with fchmod, so no umask widens them. Every name is
-opened relative to its folder's descriptor with O_NOFOLLOW: no symbolic link in the folder is
-followed, and nothing outside it is read, written or deleted. An entry the tier does not make (a
+opened relative to its folder's descriptor with O_NOFOLLOW (nofollow.py): no symbolic link in the
+folder is followed, and nothing outside it is read, written or deleted. An entry the tier does not make (a
 link, a subfolder, another name, a file of another user) is skipped and counted, never deleted.
 
 Several engines (a config's instances, other models) may share the folder, `kv_disk_cache_bytes` the
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import logging
 import os
 import re
@@ -33,6 +33,8 @@ import stat
 import threading
 import time
 from typing import Iterator, Optional
+
+from backend.kv.tiers.nofollow import DIR_FLAGS, entries, open_private, own, refused, subfolder, unlink
 
 log = logging.getLogger(__name__)
 
@@ -44,31 +46,7 @@ TMP_NAME = re.compile(r"[0-9a-f]{64}\.kv\.[0-9]+\.[0-9]+\.tmp")
 MODEL_DIR_NAME = re.compile(r"[0-9a-f]{32}")
 TMP_SECONDS = 60  # a temporary file younger than this may be another engine's write in progress
 LOW_WATER = 7 / 8  # a full folder is emptied down to this share of its budget at once
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # (NONBLOCK: a FIFO put here never blocks an open)
-_refused = functools.partial(OSError, errno.EPERM)  # a refusal of ours, as the OSError setup turns into one line
-
-
-def _own(fd: int, mode: int) -> os.stat_result:
-    """The entry must be this process's user's; its mode is set to `mode` (files 0600, folders 0700)."""
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        raise _refused(f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}")
-    if stat.S_IMODE(st.st_mode) != mode:
-        os.fchmod(fd, mode)
-    return st
-
-
-def open_private(dir_fd: int, name: str, flags: int) -> int:
-    """A regular file of ours in the folder of dir_fd, never through a link, mode 0600."""
-    fd = os.open(name, flags | FILE_FLAGS, 0o600, dir_fd=dir_fd)
-    try:
-        if not stat.S_ISREG(_own(fd, 0o600).st_mode):
-            raise _refused("not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+TIER_NAMES = re.compile(r"\.lock|\.secret|\.usage|\.secret\.[0-9]+\.[0-9a-f]+\.tmp|[0-9a-f]{32}")
 
 
 class DiskFolder:
@@ -113,7 +91,7 @@ class DiskFolder:
             os.unlink(name, dir_fd=self.root_fd)
             os.mkdir(name, 0o700, dir_fd=self.root_fd)
             fd = os.open(name, DIR_FLAGS, dir_fd=self.root_fd)
-        _own(fd, 0o700)
+        own(fd, 0o700)
         return fd
 
     @contextlib.contextmanager
@@ -139,13 +117,13 @@ class DiskFolder:
         minute old are deleted; any other entry is skipped and counted (`unreadable`)."""
         found, now = [], time.time()
         with self.locked():
-            for name, st in _entries(self.fd):
+            for name, st in entries(self.fd):
                 if st is None or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                     self.unreadable += 1
                 elif BLOCK_NAME.fullmatch(name) and st.st_size == file_bytes:
                     found.append((st.st_mtime_ns, bytes.fromhex(name[:-len(SUFFIX)])))
                 elif BLOCK_NAME.fullmatch(name) or (TMP_NAME.fullmatch(name) and now - st.st_mtime >= TMP_SECONDS):
-                    _unlink(self.fd, name)
+                    unlink(self.fd, name)
                 elif not TMP_NAME.fullmatch(name):
                     self.unreadable += 1
             self._set_usage(sum(size for *_, size in self._all_files()))
@@ -173,7 +151,7 @@ class DiskFolder:
 
     def delete(self, name: str) -> None:
         with self.locked():
-            size = _unlink(self.fd, name)
+            size = _block_bytes(unlink(self.fd, name), name)
             if size:
                 self._set_usage(self._usage() - size)
 
@@ -189,21 +167,21 @@ class DiskFolder:
             if (folder, file) == (name, keep):
                 continue
             if folder == name:
-                freed = _unlink(self.fd, file)
+                freed = _block_bytes(unlink(self.fd, file), file)
                 gone.append(bytes.fromhex(file[:-len(SUFFIX)]))
             else:
-                with _dir(self.root_fd, folder) as fd:
-                    freed = _unlink(fd, file) if fd >= 0 else 0
+                with subfolder(self.root_fd, folder) as fd:
+                    freed = _block_bytes(unlink(fd, file), file) if fd >= 0 else 0
             usage -= freed
         return usage, gone
 
     def _all_files(self) -> Iterator[tuple[int, str, str, int]]:
         """(modification time, model folder, name, bytes) of every block file of the folder."""
-        for folder, st in _entries(self.root_fd):
+        for folder, st in entries(self.root_fd):
             if st is None or not stat.S_ISDIR(st.st_mode) or not MODEL_DIR_NAME.fullmatch(folder):
                 continue
-            with _dir(self.root_fd, folder) as fd:
-                for name, fst in _entries(fd) if fd >= 0 else ():
+            with subfolder(self.root_fd, folder) as fd:
+                for name, fst in entries(fd) if fd >= 0 else ():
                     if fst is not None and stat.S_ISREG(fst.st_mode) and BLOCK_NAME.fullmatch(name):
                         yield fst.st_mtime_ns, folder, name, fst.st_size
 
@@ -226,10 +204,17 @@ def _open_root(root: str) -> int:
     with contextlib.suppress(FileExistsError):
         os.mkdir(root, 0o700)
     if os.path.islink(root):
-        raise _refused("a symbolic link (the disk tier follows none: name the folder itself)")
+        raise refused("a symbolic link (the disk tier follows none: name the folder itself)")
     fd = os.open(root, DIR_FLAGS)
     try:
-        _own(fd, 0o700)
+        mode = stat.S_IMODE(own(fd, None).st_mode)
+        if mode & 0o022:  # /tmp, a shared folder: never made private under its other users
+            raise refused(f"mode {mode:o}: others may write it (give the tier a folder of its own: it is made 0700)")
+        strays = [name for name, _ in entries(fd) if not TIER_NAMES.fullmatch(name)]
+        if mode != 0o700 and strays:
+            raise refused(f"mode {mode:o}, and it holds more than the tier ({strays[0]}): give the tier a folder of "
+                          "its own (it is made 0700)")
+        own(fd, 0o700)  # an earlier version's 0755 folder
     except BaseException:
         os.close(fd)
         raise
@@ -261,40 +246,7 @@ def _secret(dir_fd: int) -> bytes:
     return key
 
 
-def _entries(dir_fd: int) -> Iterator[tuple[str, Optional[os.stat_result]]]:
-    """(name, lstat or None when it cannot be read) of a folder's entries; one deleted meanwhile
-    (another engine's) is left out."""
-    with os.scandir(dir_fd) as it:
-        for entry in it:
-            try:
-                yield entry.name, entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            except OSError:
-                yield entry.name, None
 
-
-@contextlib.contextmanager
-def _dir(dir_fd: int, name: str) -> Iterator[int]:
-    """A subfolder's descriptor, never through a link; -1 when it cannot be opened."""
-    try:
-        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
-    except OSError:
-        yield -1
-        return
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _unlink(dir_fd: int, name: str) -> int:
-    """Delete a name in the folder of dir_fd (a link itself, never its target); the bytes of the
-    block file deleted, 0 when none was."""
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) and BLOCK_NAME.fullmatch(name) else 0
-
+def _block_bytes(st: Optional[os.stat_result], name: str) -> int:
+    """The bytes of a block file deleted (what `.usage` counts), 0 for anything else."""
+    return st.st_size if st is not None and stat.S_ISREG(st.st_mode) and BLOCK_NAME.fullmatch(name) else 0
