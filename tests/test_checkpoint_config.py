@@ -197,3 +197,21 @@ def test_an_unreadable_weights_header_is_one_line(tiny, tmp_path):
     (path / "model.safetensors").unlink()
     (path / "model.safetensors").write_bytes(b"\xff" * 64)
     refused(path, "model.safetensors is not a readable safetensors file")
+
+
+@pytest.mark.parametrize("arch,raw,key", [
+    ("gemma3", {"gemma3.attention.sliding_window": 4, "gemma3.attention.sliding_window_pattern": ["x", "y"]},
+     "gemma3.attention.sliding_window_pattern"),
+    ("qwen3moe", {"qwen3moe.expert_count": 2, "qwen3moe.expert_used_count": 1, "qwen3moe.expert_feed_forward_length": 64,
+                  "qwen3moe.expert_weights_norm": "yes"}, "qwen3moe.expert_weights_norm"),
+])
+def test_gguf_strings_are_not_taken_as_true_flags(tmp_path, tokenizer_json, arch, raw, key):
+    """The mapping itself refuses them (it once made every layer local, or renormalized the experts'
+    weights, from a string's truth), before the tensors are looked at."""
+    from backend.models.gguf.importer import _numpy_shape, _open
+    from backend.models.gguf.mapping import hf_config
+    path = tmp_path / "x.gguf"
+    write_gguf(path, tokenizer_json, arch=arch, types=("F32",), raw_metadata=raw)
+    reader, meta = _open(path)
+    with pytest.raises(ValueError, match=key):
+        hf_config(meta, {t.name: _numpy_shape(t) for t in reader.tensors}, "float32")
