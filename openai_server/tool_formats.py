@@ -30,27 +30,42 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def json_end(text: str, start: int) -> Optional[int]:
-    """The index after the JSON object or array that opens at `start`, None while it is open."""
-    depth, in_string, escaped = 0, False, False
-    for j in range(start, len(text)):
-        c = text[j]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+class BracketScan:
+    """Where a bracketed value (JSON's, or Python's with `'` strings too) that opens at `start`
+    closes, read as far as the text goes and continued from there when more arrives (the text only
+    grows, so a stream is read once, not once per piece). `elements`: the index after each of its
+    elements that closed (depth back to 1)."""
+
+    def __init__(self, start: int, quotes: str):
+        self.pos, self.quotes = start, quotes
+        self.depth, self.quote, self.escaped = 0, "", False
+        self.end: Optional[int] = None
+        self.elements: list[int] = []
+
+    def read(self, text: str) -> Optional[int]:
+        j = self.pos
+        while self.end is None and j < len(text):
+            c = text[j]
+            j += 1
+            if self.quote:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == self.quote:
+                    self.quote = ""
+            elif c in self.quotes:
+                self.quote = c
+            elif c in "([{":
+                self.depth += 1
+            elif c in ")]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = j
+                elif self.depth == 1:
+                    self.elements.append(j)
+        self.pos = j
+        return self.end
 
 
 def blocks(text: str, open_tag: str, close_tag: str, final: bool):
@@ -82,9 +97,20 @@ class SnapshotParser:
         self.text = ""
         self.sent_content = ""
         self.tool_calls: list[dict] = []
+        self._scans: dict[tuple[int, str], BracketScan] = {}
 
     def scan(self, text: str, final: bool) -> list[tuple]:
         raise NotImplementedError
+
+    def bracket(self, tail: str, at: int = 0, quotes: str = '"') -> BracketScan:
+        """The scan of the value opening at index `at` of `tail`, an end of this parser's text (so
+        its place in the text is fixed), read up to the text's end; its indices are `tail`'s."""
+        offset = len(self.text) - len(tail)
+        scan = self._scans.get((offset + at, quotes))
+        if scan is None:
+            scan = self._scans[(offset + at, quotes)] = BracketScan(offset + at, quotes)
+        scan.read(self.text)
+        return _Relative(scan, offset)
 
     def feed(self, text: str) -> list[tuple]:
         self.text += text
@@ -116,6 +142,14 @@ class SnapshotParser:
                 events.append(("args", i, args[len(sent):]))
                 self.tool_calls[i]["function"]["arguments"] = args
         return events
+
+
+class _Relative:
+    """A BracketScan's indices, as seen from an end of the text that starts at `offset`."""
+
+    def __init__(self, scan: BracketScan, offset: int):
+        self.end = None if scan.end is None else scan.end - offset
+        self.elements = [e - offset for e in scan.elements]
 
 
 # -- qwen3_coder --------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import json
 import re
 
 from openai_server.reasoning import held_back
-from openai_server.tool_formats import ARGS_STRIP, SnapshotParser, json_end
+from openai_server.tool_formats import ARGS_STRIP, SnapshotParser
 
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]*")
@@ -41,7 +41,7 @@ class MistralParser(SnapshotParser):
                 at += 1
             if at < len(rest) and rest[at] == "]":
                 return items + [("text", rest[at + 1:])]
-            end = json_end(rest, at) if at < len(rest) and rest[at] == "{" else None
+            end = self.bracket(rest, at).end if at < len(rest) and rest[at] == "{" else None
             if end is None:  # at the end, an object cut short after whole calls is dropped
                 if (final and not items) or (at < len(rest) and rest[at] != "{"):
                     items.append(("text", MISTRAL_CALLS + rest if not items else rest[at:]))
@@ -72,7 +72,7 @@ class MistralParser(SnapshotParser):
                 return items + [("text", MISTRAL_CALLS + raw)]
             body = after[len(MISTRAL_ARGS):]
             stripped = body.lstrip()
-            end = json_end(stripped, 0) if stripped.startswith(("{", "[")) else None
+            end = self.bracket(stripped).end if stripped.startswith(("{", "[")) else None
             if end is None:
                 if stripped and not stripped.startswith(("{", "[")):
                     return items + [("text", MISTRAL_CALLS + raw)]

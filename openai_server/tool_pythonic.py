@@ -21,32 +21,6 @@ _HEAD = re.compile(r"\[\s*[A-Za-z_][\w.]*")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
-def python_end(text: str, start: int, calls_done: Optional[list[int]] = None) -> Optional[int]:
-    """The index after the bracketed expression opening at `start`, None while it is open;
-    `calls_done` gets the index after each of its elements that closed (depth back to 1)."""
-    depth, quote, escaped = 0, "", False
-    for j in range(start, len(text)):
-        c = text[j]
-        if quote:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == quote:
-                quote = ""
-        elif c in "'\"":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-            if depth == 1 and calls_done is not None:
-                calls_done.append(j + 1)
-    return None
-
-
 def _literal(node: ast.AST) -> Any:
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
@@ -96,8 +70,8 @@ class PythonicParser(SnapshotParser):
         if not body.startswith("[") or (head is None and body[1:].strip()) or (
                 head is not None and body[head.end():].strip() and not body[head.end():].lstrip().startswith("(")):
             return [("text", text)]  # not a list of calls
-        done: list[int] = []
-        end = python_end(body, 0, done)
+        scan = self.bracket(body, 0, "'\"")
+        end, done = scan.end, scan.elements
         if end is None:  # at the end, the calls before one cut short (max_tokens) are kept
             calls = parse_call_list(body[:done[-1]] + "]") if final and done else None
             if not final:
