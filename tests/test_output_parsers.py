@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from openai_server.parse import parse_output, parse_pieces
+from openai_server.tool_parsers import PARSERS
 
 DATA = Path(__file__).parent / "data" / "parser_outputs.jsonl"
 CASES = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -81,3 +82,19 @@ def test_one_character_at_a_time_through_the_command(tmp_path):
     messages = [json.loads(line) for line in whole.stdout.splitlines()]
     assert len(messages) == len(lines) and whole.stdout == streamed.stdout
     assert any(m["tool_calls"] and m["reasoning"] for m in messages)
+
+
+@pytest.mark.parametrize("fmt", PARSERS)
+def test_what_the_server_writes_in_a_format_its_parser_reads_back(fmt):
+    """tool_grammar.calls_text (earlier calls in a prompt, the system message's example) in each
+    format, read back by that format's parser: the same calls, no content."""
+    from openai_server.tool_grammar import calls_text
+
+    schemas = {"f": {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"},
+                                                      "l": {"type": "array"}}}}
+    calls = [("f", {"n": 3, "s": 'a "q" <b>\n', "l": [1, None, True]}), ("f", {})]
+    text = calls_text(fmt, calls)
+    got = parse_output(text, None, fmt, [{"type": "function", "function": {"name": "f", "parameters": schemas["f"]}}])
+    assert got["content"] is None, text
+    assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == \
+        [(n, {**a, "s": a["s"].strip()} if fmt == "qwen3_coder" and "s" in a else a) for n, a in calls], text
