@@ -50,8 +50,9 @@ def check_adapter_name(name: Any, source: str = "LoRA adapter", served_model_nam
     check_name(name, source)
     taken = sorted({"llm", served_model_name})
     if name in taken:
-        raise ValueError(f"{source}: LoRA adapter '{name}' is named like the served model ({' and '.join(taken)} "
-                         "name the base model); give the adapter a name of its own")
+        raise ValueError(f"{source}: LoRA adapter '{name}' is named like the served model (the base model's "
+                         f"name{'s are' if len(taken) > 1 else ' is'} {' and '.join(taken)}); give the adapter a "
+                         "name of its own")
     return name
 
 
