@@ -215,3 +215,15 @@ def test_gguf_strings_are_not_taken_as_true_flags(tmp_path, tokenizer_json, arch
     reader, meta = _open(path)
     with pytest.raises(ValueError, match=key):
         hf_config(meta, {t.name: _numpy_shape(t) for t in reader.tensors}, "float32")
+
+
+def test_sliding_window_is_read_by_the_architectures_transformers_reads_it_for(tmp_path):
+    """Llama reads none (it once slid the layers from the 28th on, as Qwen's default does); Mixtral
+    slides every layer, as Mistral (it once did so from the 28th on too)."""
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4, vocab_size=100,
+                sliding_window=4096, num_local_experts=2, num_experts_per_tok=1)
+    for arch, windows in (("LlamaForCausalLM", ()), ("MixtralForCausalLM", (4096,) * 30)):
+        folder = tmp_path / arch
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(dict(base, architectures=[arch])))
+        assert load_model_config(folder).layer_windows == windows, arch

@@ -140,13 +140,13 @@ def rope(cfg: Reader, key: Optional[str], theta: Any, scaling_key: Optional[str]
 
 def layer_windows(cfg: Reader, arch: str, layers: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: global), as transformers decides it for `arch`."""
-    if arch in QWEN_ARCHITECTURES and not cfg.flag("use_sliding_window", False):
-        return ()
+    if arch == "LlamaForCausalLM" or arch in QWEN_ARCHITECTURES and not cfg.flag("use_sliding_window", False):
+        return ()  # (transformers' Llama reads no sliding_window)
     window = cfg.integer("sliding_window", None, optional=True)
     if window is None:
         return ()
     types = cfg.value("layer_types", None)
-    if arch == "MistralForCausalLM":  # every layer slides (HF's Mistral reads no layer_types)
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # every layer slides (HF's read no layer_types)
         types = ["sliding_attention"] * layers
     elif types is None and arch.startswith("Gemma3"):
         pattern = cfg.integer("sliding_window_pattern", GEMMA3_PATTERN)
