@@ -170,7 +170,7 @@ def typed_value(value: str, schema: Any) -> Any:
         return None
     try:
         parsed = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # a value nested past what json reads is text
         return value
     if "string" in kinds and not isinstance(parsed, str) and not kinds & {"integer", "number", "boolean",
                                                                          "object", "array", "null"}:

@@ -48,7 +48,7 @@ class MistralParser(SnapshotParser):
                 return items
             try:
                 obj = json.loads(rest[at:end])
-            except ValueError:
+            except (ValueError, RecursionError):
                 obj = None
             args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or args is None:

@@ -93,7 +93,7 @@ class _CallObject:
         """(name, arguments JSON) of a complete object whose name did not come first."""
         try:
             obj = json.loads(self.text[:self.end])
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or args is None:

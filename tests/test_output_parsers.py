@@ -98,3 +98,18 @@ def test_what_the_server_writes_in_a_format_its_parser_reads_back(fmt):
     assert got["content"] is None, text
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == \
         [(n, {**a, "s": a["s"].strip()} if fmt == "qwen3_coder" and "s" in a else a) for n, a in calls], text
+
+
+@pytest.mark.parametrize("fmt, template", [
+    ("mistral", '[TOOL_CALLS][{{"name": "f", "arguments": {{"a": {}}}}}]'),
+    ("hermes", '<tool_call>\n{{"name": "f", "arguments": {{"a": {}}}}}\n</tool_call>'),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n{}\n</parameter>\n</function>\n</tool_call>"),
+    ("pythonic", "[f(a={})]"),
+])
+def test_a_value_nested_past_what_python_reads_is_text_not_a_crash(fmt, template):
+    """json.loads and ast raise RecursionError on 100,000 brackets (an output a prompt can ask
+    for): the parser answers anyway."""
+    text = template.format("[" * 100_000 + "]" * 100_000)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "array"}}}}}]
+    got = parse_output(text, None, fmt, tools)
+    assert got["content"] == text or (got["tool_calls"][0]["name"] == "f" and got["content"] is None)
