@@ -21,35 +21,39 @@ EOS = 0
 
 
 class Device:
-    """A synthetic device: a step's seconds from its rows, prompt tokens and attention pairs."""
+    """A synthetic device: a step's seconds from its rows, prompt tokens and attention pairs, and a
+    fixed price for having prompt rows at all (the CPU's Python layers instead of the C stack)."""
 
-    def __init__(self, base=2e-3, row=5e-4, token=1e-3, pair=2e-6):
-        self.base, self.row, self.token, self.pair = base, row, token, pair
+    def __init__(self, base=2e-3, row=5e-4, token=1e-3, pair=2e-6, fixed=0.0):
+        self.base, self.row, self.token, self.pair, self.fixed = base, row, token, pair, fixed
+
+    def price(self, rows, tokens, pairs) -> float:
+        return self.base + self.row * rows + (self.fixed if tokens else 0.0) + self.token * tokens + self.pair * pairs
 
     def seconds(self, batch) -> float:
         rows = len(batch.decodes)
         tokens = sum(s.num_new_tokens - 1 for s in batch.decodes) + sum(s.num_new_tokens for s in batch.prefills)
         pairs = sum(chunk_pairs(s.start, s.num_new_tokens) for s in batch.prefills)
-        return self.base + self.row * rows + self.token * tokens + self.pair * pairs
+        return self.price(rows, tokens, pairs)
 
     def train(self, pacer: Pacer, seed=0, steps=200) -> None:
         rng = random.Random(seed)
         for _ in range(steps):
             rows, tokens, start = rng.randint(0, 64), rng.choice([0, rng.randint(1, 2048)]), rng.randint(0, 4096)
             pairs = chunk_pairs(start, tokens) if tokens else 0.0
-            t = self.base + self.row * rows + self.token * tokens + self.pair * pairs
-            pacer.observe(rows, tokens, pairs, t)
+            pacer.observe(rows, tokens, pairs, self.price(rows, tokens, pairs))
 
 
 def test_the_cost_model_recovers_a_devices_coefficients_through_noise():
-    device, cost, rng = Device(), StepCost(), random.Random(7)
-    for _ in range(400):
-        rows, tokens, start = rng.randint(0, 64), rng.choice([0, rng.randint(1, 2048)]), rng.randint(0, 4096)
+    device, cost, rng = Device(fixed=0.06), StepCost(), random.Random(7)
+    for _ in range(400):  # decode steps, paced chunks and whole prompts
+        rows, tokens, start = rng.randint(0, 64), rng.choice([0, rng.randint(1, 2048), rng.randint(1, 32)]), \
+            rng.randint(0, 4096)
         pairs = chunk_pairs(start, tokens) if tokens else 0.0
-        t = device.base + device.row * rows + device.token * tokens + device.pair * pairs
-        cost.observe(step_features(rows, tokens, pairs), t * rng.uniform(0.97, 1.03))
-    assert cost.token_seconds(0) == pytest.approx(device.token, rel=0.05)
-    assert cost.token_seconds(3000) == pytest.approx(device.token + device.pair * 3000.5, rel=0.05)
+        cost.observe(step_features(rows, tokens, pairs), device.price(rows, tokens, pairs) * rng.uniform(0.97, 1.03))
+    for start, n in ((0, 5), (0, 400), (3000, 64)):
+        want = device.fixed + device.token * n + device.pair * chunk_pairs(start, n)
+        assert cost.prompt_seconds(start, n) == pytest.approx(want, rel=0.05), (start, n)
     for rows in (1, 6, 64):  # in relative error: a decode step's figure is not drowned by long prompts' noise
         assert cost.decode_seconds(rows) == pytest.approx(device.base + rows * device.row, rel=0.05)
 
@@ -60,7 +64,7 @@ def test_the_cost_model_follows_a_device_that_slows_down():
         rows, tokens = 1 + i % 32, (i * 37) % 500 if i % 3 == 0 else 0  # most steps decode only
         cost.observe(step_features(rows, tokens, 0.0), (2e-3 if i < 300 else 4e-3) * (1 + rows / 8 + tokens / 100))
     assert cost.decode_seconds(8) == pytest.approx(4e-3 * 2, rel=0.01)
-    assert cost.token_seconds(0) == pytest.approx(4e-3 / 100, rel=0.01)
+    assert cost.prompt_seconds(0, 100) == pytest.approx(4e-3, rel=0.01)
 
 
 def test_the_cap_keeps_a_paced_step_within_the_auto_target():
@@ -82,6 +86,17 @@ def test_an_absolute_target_and_the_floor():
     # 32 decode rows alone take 18 ms, over the 10 ms target: prompts still move by the floor
     floor = pacer.prefill_cap(32, 0)
     assert floor >= 1 and floor == int(FLOOR_SHARE * (device.base + 32 * device.row) / device.token)
+
+
+def test_a_fixed_price_of_prompt_rows_raises_the_floor_not_below_it():
+    """Where having prompt rows costs more than the target leaves (the CPU: the Python layers instead
+    of the C stack), a paced step takes at least the tokens that cost that fixed price, so that the
+    step's prompt time is at least half tokens, rather than paying it for one token a step."""
+    device = Device(fixed=0.02)
+    pacer = Pacer(-1, 1.75)
+    device.train(pacer)
+    cap = pacer.prefill_cap(6, 0)
+    assert cap == pytest.approx(0.02 / device.token, abs=1)  # 20 tokens; FLOOR_SHARE of 5 ms would be 1
 
 
 def test_no_cap_without_decode_rows_without_a_priced_prompt_or_when_off():
@@ -144,7 +159,7 @@ def test_decodes_keep_their_pace_while_a_long_prompt_arrives(target):
     def limit(rows):  # a prompt that reached its output decodes too
         return 1.75 * (device.base + rows * device.row) if target < 0 else target / 1000
 
-    assert all(s <= limit(rows) * 1.01 for rows, _, s in logs["paced"] if rows)
+    assert all(s <= limit(rows) * 1.05 for rows, _, s in logs["paced"] if rows)  # to the online fit's accuracy
     assert max(tokens for _, tokens, _ in logs["unpaced"]) == 2048 - 6  # the budget less the decode rows'
     assert max(s for _, _, s in logs["unpaced"]) > 5 * limit(6)
     assert sum(tokens for _, tokens, _ in logs["paced"]) == 3001 + 1003
@@ -256,4 +271,4 @@ def test_the_engine_prices_its_steps_and_pacing_leaves_greedy_outputs_unchanged(
         assert cost.steps > 0 and cost.prompt_steps > 0 and cost.decode_seconds(2) > 0
         steps[target] = llm.engine.scheduler.steps
     assert outputs[0.0] == outputs[0.001]
-    assert steps[0.001] > steps[0.0] + 10  # the prompts beside decodes went in small chunks
+    assert steps[0.001] > steps[0.0]  # the prompts beside decodes went in smaller chunks

@@ -7,16 +7,21 @@ SmolLM2 are ~3 s: 3 s between two tokens of every stream). The pacer caps the pr
 step that has decode rows, from the engine's own measurements:
 
 - `StepCost`: an online least-squares model of a step's wall time on this engine's device,
-  t = base + per_row x decode rows + per_token x prompt tokens + per_pair x attention pairs / 1024
-  (a chunk of n prompt tokens starting at position s attends to n x (s + n/2) earlier positions),
-  fitted by least squares in relative error over the last steps the engine ran (`observe`).
+  t = base + per_row x decode rows + fixed x [prompt tokens > 0] + per_token x prompt tokens
+  + per_pair x attention pairs / 1024 (a chunk of n prompt tokens from position s attends to
+  n x (s + n/2) earlier positions), fitted in relative error over the last steps the engine ran
+  (`observe`). `fixed` is what a step pays for having prompt rows at all: on the CPU a step of
+  decode rows runs the C decode stack and one with a prompt chunk the Python layers, on a GPU a
+  decode step replays a CUDA graph and a mixed one launches its kernels.
 - `Pacer.prefill_cap(rows, start)`: the most prompt tokens a step with `rows` decode rows may take
   so that its predicted time stays within the target. The target is `inter_token_target_ms` when
   that is > 0; by default (-1, "auto") it is `inter_token_auto_factor` x the predicted time of the
   decode rows alone, so that pacing means the same on every device; 0 turns pacing off.
 - The floor: whatever the target, a step with prompt work takes at least the prompt tokens that cost
-  `FLOOR_SHARE` of its decode rows' own time (and at least one), so a prompt always moves even when
-  the decodes alone exceed the target (no starvation). Steps without decode rows are not capped.
+  `FLOOR_SHARE` of its decode rows' own time, and at least those that cost the step's fixed price
+  of prompt rows (so a paced step spends at least half of its prompt time on tokens), and at least
+  one: a prompt always moves even when the decodes alone exceed the target (no starvation). Steps
+  without decode rows are not capped.
 
 Until the model has seen a step with prompt tokens it cannot price one, and does not cap (in an
 engine the decoding requests' own prompts were such steps). The no-evict guarantee is untouched: the pacer
@@ -31,16 +36,17 @@ from typing import TYPE_CHECKING, Optional, Sequence
 if TYPE_CHECKING:
     from backend.sched.batch import SchedulerOutput
 
-FEATURES = 4              # 1, decode rows, prompt tokens, attention pairs / 1024
+FEATURES = 5              # 1, decode rows, [prompt tokens > 0], prompt tokens, attention pairs / 1024
 WINDOW = 128              # the fit uses the last this many decode-only steps and as many steps with prompt tokens
 RIDGE = 1e-9              # relative to the normal matrix's trace: a direction no step has shown stays at 0
 FLOOR_SHARE = 0.25        # a paced step's prompt tokens cost at least this share of its decode rows' time
 PAIR_UNIT = 1024.0
 MIN_SECONDS = 1e-5        # a step's weight is capped at this (relative-error weighting)
+MIN_TOKEN_SECONDS = 1e-8  # a prompt token's price is never below this (a fit can only say "cheap")
 
 
 def step_features(decode_rows: int, prompt_tokens: int, pairs: float) -> list[float]:
-    return [1.0, float(decode_rows), float(prompt_tokens), pairs / PAIR_UNIT]
+    return [1.0, float(decode_rows), 1.0 if prompt_tokens else 0.0, float(prompt_tokens), pairs / PAIR_UNIT]
 
 
 def chunk_pairs(start: int, n: int) -> float:
@@ -49,25 +55,28 @@ def chunk_pairs(start: int, n: int) -> float:
 
 
 class _Window:
-    """The last WINDOW observations' normal equations (sum of x x^T and of x y), kept as sums."""
+    """The last WINDOW observations' normal equations (sum of x x^T and of x y) over their first k
+    features, kept as sums (a decode-only step's features past the rows are all 0: k = 2 for them)."""
 
-    def __init__(self):
+    def __init__(self, k: int):
+        self.k = k
         self.rows: deque = deque()
-        self.a = [[0.0] * FEATURES for _ in range(FEATURES)]
-        self.b = [0.0] * FEATURES
+        self.a = [[0.0] * k for _ in range(k)]
+        self.b = [0.0] * k
 
     def add(self, x: list[float], y: float) -> None:
+        x = x[:self.k]
         self._apply(x, y, 1.0)
         self.rows.append((x, y))
         if len(self.rows) > WINDOW:
             self._apply(*self.rows.popleft(), -1.0)
 
     def _apply(self, x: list[float], y: float, sign: float) -> None:
-        for i in range(FEATURES):
-            self.b[i] += sign * x[i] * y
+        for i, xi in enumerate(x):
+            self.b[i] += sign * xi * y
             row = self.a[i]
-            for j in range(FEATURES):
-                row[j] += sign * x[i] * x[j]
+            for j, xj in enumerate(x):
+                row[j] += sign * xi * xj
 
 
 class StepCost:
@@ -77,8 +86,9 @@ class StepCost:
     so a long run of decode steps never forgets what a prompt token costs. Pure Python: 4 x 4."""
 
     def __init__(self):
-        self.decode_only, self.with_prompt = _Window(), _Window()
-        self.theta = [0.0] * FEATURES
+        self.decode_only, self.with_prompt = _Window(2), _Window(FEATURES)
+        self._theta = [0.0] * FEATURES
+        self._stale = False  # observed since the last fit: solved again when next read (most steps never read it)
         self.steps = 0
         self.prompt_steps = 0  # observed steps that had prompt tokens: the per-token cost is known after one
 
@@ -89,14 +99,24 @@ class StepCost:
         if not math.isfinite(seconds) or seconds <= 0:
             return
         scale = 1.0 / max(seconds, MIN_SECONDS)
-        (self.with_prompt if x[2] > 0 else self.decode_only).add([v * scale for v in x], seconds * scale)
+        (self.with_prompt if x[3] > 0 else self.decode_only).add([v * scale for v in x], seconds * scale)
         self.steps += 1
-        self.prompt_steps += x[2] > 0
-        self.theta = self._fit()
+        self.prompt_steps += x[3] > 0
+        self._stale = True
+
+    @property
+    def theta(self) -> list[float]:
+        if self._stale:
+            self._theta, self._stale = self._fit(), False
+        return self._theta
 
     def _fit(self) -> list[float]:
-        a = [[p + q for p, q in zip(r1, r2)] for r1, r2 in zip(self.decode_only.a, self.with_prompt.a)]
-        b = [p + q for p, q in zip(self.decode_only.b, self.with_prompt.b)]
+        a = [row[:] for row in self.with_prompt.a]
+        b = self.with_prompt.b[:]
+        for i, row in enumerate(self.decode_only.a):
+            b[i] += self.decode_only.b[i]
+            for j, v in enumerate(row):
+                a[i][j] += v
         ridge = RIDGE * sum(a[i][i] for i in range(FEATURES)) + 1e-30
         for i in range(FEATURES):
             a[i][i] += ridge
@@ -105,9 +125,20 @@ class StepCost:
     def decode_seconds(self, rows: int) -> float:
         return max(0.0, self.predict(step_features(rows, 0, 0.0)))
 
-    def token_seconds(self, start: int) -> float:
-        """The marginal cost of one more prompt token at position ~start (never below a nanosecond)."""
-        return max(1e-9, self.theta[2] + self.theta[3] * (start + 0.5) / PAIR_UNIT)
+    def prompt_seconds(self, start: int, n: int) -> float:
+        """What n prompt tokens from position start add to a step (each part of the price >= 0)."""
+        fixed, per_token, per_pair = (max(0.0, v) for v in self.theta[2:])
+        return fixed + max(MIN_TOKEN_SECONDS, per_token) * n + per_pair * chunk_pairs(start, n) / PAIR_UNIT
+
+    def tokens_within(self, start: int, seconds: float) -> int:
+        """The most prompt tokens from position start whose price (fixed part included) fits in seconds."""
+        fixed, per_token, per_pair = (max(0.0, v) for v in self.theta[2:])
+        a, b, c = per_pair / PAIR_UNIT / 2, max(MIN_TOKEN_SECONDS, per_token) + per_pair * (start + 0.5) / PAIR_UNIT, \
+            fixed - seconds  # a n^2 + b n + c <= 0
+        if c >= 0:
+            return 0
+        n = -c / b if a == 0 else (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+        return int(min(n, 1e9))
 
 
 class Pacer:
@@ -135,11 +166,11 @@ class Pacer:
             return None
         if self.cost.prompt_steps == 0:
             return None
-        decode = self.cost.decode_seconds(rows)
-        per_token = self.cost.token_seconds(start)
-        room = self.target_seconds(rows) - decode
-        floor = max(1, int(FLOOR_SHARE * decode / per_token))
-        return max(floor, int(room / per_token)) if room > 0 else floor
+        cost = self.cost
+        decode = cost.decode_seconds(rows)
+        fixed = max(0.0, cost.theta[2])
+        floor = max(1, cost.tokens_within(start, fixed + max(FLOOR_SHARE * decode, fixed)))
+        return max(floor, cost.tokens_within(start, self.target_seconds(rows) - decode))
 
     def observe(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float) -> None:
         self.cost.observe(step_features(decode_rows, prompt_tokens, pairs), seconds)

@@ -161,14 +161,14 @@ class Scheduler:
         """The pacer's cap on this step's prompt tokens (pacing.py), from its decode rows."""
         if self.pacer is None or not self.pacer.enabled:
             return None
-        rows, start = 0, 0
+        rows, start, prompts = 0, 0, bool(self.pool.waiting)  # start: the farthest chunk's (it attends to the most)
         for req in running:
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining == 1:
                 rows += 1
-            elif remaining > 1 and not start:
-                start = req.num_computed_tokens
-        return self.pacer.prefill_cap(rows, start)
+            elif remaining > 1:
+                start, prompts = max(start, req.num_computed_tokens), True
+        return self.pacer.prefill_cap(rows, start) if prompts else None  # a decode-only step asks nothing
 
     def _head_floor(self) -> int:
         """A paced step's room for new prompts is never below one token while a head holds a

@@ -1,0 +1,162 @@
+"""Decodes under arriving long prompts (issue 45's must-show): streams decode while long prompts
+arrive, with prefill pacing on (the default) and off (`inter_token_target_ms=0`, the behaviour
+before pacing), in turns A B B A in one process on the in-process threaded engine (AsyncEngine).
+
+    python -m client.tools.benchmarks.pacing --model-path models/smollm2-135m-instruct-q4_1 \\
+        --streams 6 --long 3 --long-tokens 3000 --gap 12 --rounds 1 --json /tmp/pacing.json
+
+Per mode and round it measures:
+- alone: each long prompt's time to first token with nothing else running (other random prompts
+  of the same length, so the mixed phase never hits the prefix cache);
+- quiet: the streams decoding with no prompt arriving: their inter-token gaps;
+- mixed: the streams decoding while the long prompts arrive `--gap` seconds apart: the streams'
+  inter-token gaps from the first arrival to the last long prompt's first token, each long prompt's
+  time to first token, and the workload's throughput (prompt and output tokens of every request
+  over the time from the first stream's start to the last request's end).
+Gaps are per token as the output thread hands them out (stream_interval 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from backend.core.config import EngineConfig
+from backend.core.sampling_params import SamplingParams
+from backend.engine.async_engine import AsyncEngine
+
+MODES = {"paced": {}, "unpaced": {"inter_token_target_ms": 0.0}}
+
+
+class Tracker:
+    """Each request's token arrival times, from the output callbacks."""
+
+    def __init__(self):
+        self.times: dict[str, list[float]] = {}
+        self.started: dict[str, float] = {}
+        self.done: dict[str, threading.Event] = {}
+
+    def add(self, engine: AsyncEngine, rid: str, prompt: list[int], max_tokens: int) -> None:
+        self.times[rid], self.done[rid] = [], threading.Event()
+        self.started[rid] = time.perf_counter()
+
+        def on_output(out) -> None:
+            now = time.perf_counter()
+            self.times[rid].extend([now] * len(out.new_token_ids))
+            if out.finished:
+                self.done[rid].set()
+
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), on_output)
+
+    def ttft(self, rid: str) -> float:
+        return self.times[rid][0] - self.started[rid]
+
+    def gaps(self, rids: Sequence[str], since: float, until: float) -> list[float]:
+        out = []
+        for rid in rids:
+            t = self.times[rid]
+            out += [b - a for a, b in zip(t, t[1:]) if since <= b <= until]
+        return out
+
+
+def prompt_of(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
+def run_mode(args, overrides: dict, seed: int) -> dict:
+    config = EngineConfig(model_path=args.model_path, max_model_len=args.max_model_len, **overrides)
+    engine = AsyncEngine(config)
+    try:
+        rng, vocab = random.Random(seed), engine.vocab_size
+        t = Tracker()
+        t.add(engine, "warm", prompt_of(rng, 64, vocab), 4)
+        t.done["warm"].wait()
+        alone = []
+        for i in range(args.long):  # alone: nothing else runs
+            rid = f"alone{i}"
+            t.add(engine, rid, prompt_of(rng, args.long_tokens, vocab), 1)
+            t.done[rid].wait()
+            alone.append(t.ttft(rid))
+        streams = [f"quiet{i}" for i in range(args.streams)]
+        for rid in streams:
+            t.add(engine, rid, prompt_of(rng, args.stream_prompt, vocab), args.quiet_tokens)
+        for rid in streams:
+            t.done[rid].wait()
+        quiet = t.gaps(streams, 0.0, float("inf"))
+        streams = [f"s{i}" for i in range(args.streams)]
+        begin = time.perf_counter()
+        for rid in streams:
+            t.add(engine, rid, prompt_of(rng, args.stream_prompt, vocab), args.stream_tokens)
+        while any(len(t.times[r]) < 8 for r in streams):  # every stream decoding
+            time.sleep(0.01)
+        longs = []
+        for i in range(args.long):
+            if i:
+                time.sleep(args.gap)
+            rid = f"long{i}"
+            t.add(engine, rid, prompt_of(rng, args.long_tokens, vocab), args.long_output)
+            longs.append(rid)
+        for rid in longs:
+            t.done[rid].wait()
+        first_arrival = t.started[longs[0]]
+        last_first_token = max(t.times[r][0] for r in longs)
+        during = t.gaps(streams, first_arrival, last_first_token)
+        for rid in streams:
+            t.done[rid].wait()
+        end = max(t.times[r][-1] for r in streams + longs)
+        tokens = sum(args.stream_prompt + args.stream_tokens for _ in streams) + \
+            sum(args.long_tokens + args.long_output for _ in longs)
+        return {"alone_ttft_s": alone, "mixed_ttft_s": [t.ttft(r) for r in longs],
+                "quiet_itl_p50_s": pct(quiet, 50), "quiet_itl_p99_s": pct(quiet, 99),
+                "during_itl_p50_s": pct(during, 50), "during_itl_p99_s": pct(during, 99),
+                "during_itl_max_s": max(during) if during else None, "during_gaps": len(during),
+                "throughput_tok_s": tokens / (end - begin), "makespan_s": end - begin}
+    finally:
+        engine.shutdown()
+
+
+def pct(values: Sequence[float], q: float) -> Optional[float]:
+    return float(np.percentile(values, q)) if values else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m client.tools.benchmarks.pacing", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--stream-prompt", type=int, default=37)
+    ap.add_argument("--stream-tokens", type=int, default=1500, help="each stream's output in the mixed phase")
+    ap.add_argument("--quiet-tokens", type=int, default=300, help="each stream's output in the quiet phase")
+    ap.add_argument("--long", type=int, default=3, help="long prompts arriving")
+    ap.add_argument("--long-tokens", type=int, default=3000)
+    ap.add_argument("--long-output", type=int, default=16)
+    ap.add_argument("--gap", type=float, default=12.0, help="seconds between two long prompts' arrivals")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=1, help="each round runs paced, unpaced, unpaced, paced")
+    ap.add_argument("--json", help="write every run's figures here")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    for r in range(args.rounds):
+        for i, mode in enumerate(("paced", "unpaced", "unpaced", "paced")):
+            res = run_mode(args, MODES[mode], seed=1000 * r + i)
+            runs[mode].append(res)
+            print(mode, json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
+                                    if not isinstance(v, list)}), flush=True)
+            print("  ttft alone", [round(x, 2) for x in res["alone_ttft_s"]], "mixed",
+                  [round(x, 2) for x in res["mixed_ttft_s"]], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
