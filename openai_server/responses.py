@@ -25,7 +25,7 @@ import numpy as np
 from templates.tensors import QUEUE_INFO_OUTPUTS
 from openai_server.parse import OutputParser, schemas_of
 from openai_server.reasoning import with_reasoning
-from openai_server.tool_parsers import openai_calls
+from openai_server.tool_parsers import delta_calls, openai_calls
 
 if TYPE_CHECKING:
     from openai_server.reasoning_request import Thinking
@@ -276,18 +276,7 @@ class Reply:
         """Fill a stream chunk's delta from the parser of choice `index`; whether it has made calls."""
         parser = self._parsers.get(index) or self._parsers.setdefault(index, self._parser())
         thought, content, events = parser.feed(piece.text, final=bool(piece.finish_reason))
-        most = None if self.tools is None or self.tools.parallel else 1
-        calls: list[dict[str, Any]] = []
-        for event in events:
-            if most is not None and event[1] >= most:
-                continue
-            if event[0] == "call":
-                calls.append({"index": event[1], "id": event[2], "type": "function",
-                              "function": {"name": event[3], "arguments": ""}})
-            elif calls and calls[-1]["index"] == event[1]:
-                calls[-1]["function"]["arguments"] += event[2]
-            else:
-                calls.append({"index": event[1], "function": {"arguments": event[2]}})
+        calls = delta_calls(events, None if self.tools is None or self.tools.parallel else 1)
         if thought:
             with_reasoning(delta, thought)
         if content or not (calls or thought):

@@ -239,3 +239,19 @@ def parse_tool_calls(text: str, fmt: str, schemas: Optional[dict[str, Any]] = No
 
 def openai_calls(calls: list[dict]) -> list[dict]:
     return [{k: v for k, v in c.items() if not k.startswith("_")} for c in calls]
+
+
+def delta_calls(events: list[tuple], most: Optional[int] = None) -> list[dict]:
+    """A parser's call events as a stream delta's OpenAI `tool_calls` (the first `most` calls)."""
+    calls: list[dict] = []
+    for event in events:
+        if event[0] == "content" or (most is not None and event[1] >= most):
+            continue
+        if event[0] == "call":
+            calls.append({"index": event[1], "id": event[2], "type": "function",
+                          "function": {"name": event[3], "arguments": ""}})
+        elif calls and calls[-1]["index"] == event[1]:
+            calls[-1]["function"]["arguments"] += event[2]
+        else:
+            calls.append({"index": event[1], "function": {"arguments": event[2]}})
+    return calls
