@@ -54,3 +54,14 @@ def test_prompt_logprobs_with_n_and_a_one_token_prompt(default_model_dir, refere
         check(sample if sample.prompt_logprobs else out.samples[0], PROMPT[:9], reference(PROMPT[:9]), 2)
     single = llm.generate([[1]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))[0]
     assert single.prompt_logprobs == [None]
+
+
+@pytest.mark.slow
+def test_gpu_checks_engine_check_passes_on_the_cpu(default_model_dir):
+    """gpu-check's knobs through the engine (client/tools/gpu_check/sampling.py), here: every check
+    holds and the prefill's prompt logprobs equal the decode steps' logprobs to float32 rounding."""
+    from client.tools.gpu_check.sampling import engine_check
+    from client.tools.gpu_check.structured import SCHEMA
+    res = engine_check(LLM(str(default_model_dir), max_num_seqs=4, max_model_len=256), SCHEMA, "cpu")
+    assert res["ok"], res
+    assert res["prompt_logprobs_gap"] < 1e-4

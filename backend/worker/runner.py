@@ -284,8 +284,8 @@ class ModelRunner:
             ctx = self.metadata.for_step(step, self.batch.tables.table, self.kv_caches, lora)
             stack = self.decode_path.stack_for(step.num_decode_rows, step.ids.shape[0])
             hidden = self.model(step.ids, step.positions, ctx, self.rope, decode_stack=stack)
-            if step.prompt_rows:
-                prompt_logprobs.compute(step.prompt_rows, hidden, self.model.logits)
+        if step.prompt_rows:  # (a prompt's one-token chunk may run as a decode row)
+            prompt_logprobs.compute(step.prompt_rows, hidden, self.model.logits)
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards

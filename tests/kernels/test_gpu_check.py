@@ -70,7 +70,7 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     knobs = parts["structured"]["knobs"]  # issue 43's sampling knobs: the sampler and the engine
     assert knobs["ok"] and knobs["exact"] == len(KNOB_CASES) * 200 and parts["structured"]["knobs_engine"]["ok"]
     assert set(parts["structured"]["knobs_engine"]["checks"]) == {
-        "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "with_structured_outputs"}
+        "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "with_structured_outputs", "prompt_logprobs"}
     served = parts["served"]
     assert served["kv"]["ok"] and served["requests"]["ok"] and served["throughput"]["ok"]
     for part in ("| kernels | PASS |", "| greedy | PASS |", "Greedy, teacher-forced", "Engine decode step",

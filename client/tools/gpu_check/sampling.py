@@ -5,7 +5,9 @@ sampler written from vLLM's definitions, and the knobs through the engine on tha
 token must be the numpy reference's drawn with the same uniform number (where they differ, the
 uniform must sit on the boundary between the two tokens, within float32 rounding of the device's
 softmax). `engine_check`: one engine batch mixing the knobs with structured outputs; each output
-checked for what its knob promises. tests/test_sampling_knobs.py runs the same reference on the CPU.
+checked for what its knob promises; prompt_logprobs of a greedy continuation fed back as a prompt
+against the logprobs its decode steps gave. tests/test_sampling_knobs.py runs the same reference
+on the CPU.
 """
 from __future__ import annotations
 
@@ -128,7 +130,7 @@ def engine_requests(tokenizer, schema: dict) -> tuple[list, list[dict]]:
     return ["Say:", "Words:", long_prompt, "The record:"], knobs
 
 
-def engine_check(llm, schema: dict) -> dict:
+def engine_check(llm, schema: dict, device: str = "cpu") -> dict:
     from backend import SamplingParams
 
     tok = llm.tokenizer
@@ -146,5 +148,24 @@ def engine_check(llm, schema: dict) -> dict:
         checks["with_structured_outputs"] = isinstance(value, dict) and set(value) == set(schema["required"])
     except ValueError:
         checks["with_structured_outputs"] = False
+    checks["prompt_logprobs"], gap = _prompt_logprobs_check(llm, 1e-3 if device == "cpu" else 0.1)
     failed = [k for k, ok in checks.items() if not ok]
-    return dict(ok=not failed, checks=checks, error=f"failed: {', '.join(failed)}" if failed else "")
+    return dict(ok=not failed, checks=checks, prompt_logprobs_gap=gap,
+                error=f"failed: {', '.join(failed)}" if failed else "")
+
+
+def _prompt_logprobs_check(llm, tol: float) -> tuple[bool, float]:
+    """The prefill's prompt logprobs of a greedy continuation, fed back as a prompt, against the
+    logprobs the decode steps gave its tokens (prefill and decode kernels: within `tol`)."""
+    from backend import SamplingParams
+
+    first = llm.generate(["The story so far:"], SamplingParams(temperature=0.0, max_tokens=6, logprobs=0,
+                                                               ignore_eos=True))[0]
+    n = len(first.prompt_token_ids)
+    again = llm.generate([first.prompt_token_ids + first.token_ids],
+                         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
+    if again.prompt_logprobs is None or len(again.prompt_logprobs) != n + 6:
+        return False, float("inf")
+    gap = max(abs(again.prompt_logprobs[n + j][t].logprob - first.logprobs[j][t].logprob)
+              for j, t in enumerate(first.token_ids))
+    return gap <= tol, gap

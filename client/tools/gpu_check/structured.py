@@ -32,7 +32,7 @@ def structured(plan: dict, model_dir: Path, device: str) -> dict:
                             [SamplingParams(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}, **greedy),
                              SamplingParams(structured_outputs={"choice": CHOICES}, **greedy),
                              SamplingParams(ignore_eos=True, **dict(greedy, max_tokens=8))])
-        knobs_engine = engine_check(llm, SCHEMA)
+        knobs_engine = engine_check(llm, SCHEMA, device)
     finally:
         llm.close()
     text_json, text_choice, free_text = (o.text for o in outs)
