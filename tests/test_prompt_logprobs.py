@@ -65,3 +65,25 @@ def test_gpu_checks_engine_check_passes_on_the_cpu(default_model_dir):
     res = engine_check(LLM(str(default_model_dir), max_num_seqs=4, max_model_len=256), SCHEMA, "cpu")
     assert res["ok"], res
     assert res["prompt_logprobs_gap"] < 1e-4
+
+
+def test_prompt_logprobs_of_smollm2_equal_transformers():
+    """SmolLM2-135M-Instruct (float32), a real tokenizer's text prompt, chunked at 11 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from smollm2 import smollm2_dir
+    model_dir = smollm2_dir()
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=11,
+              max_tokens_in_paged_kv_cache=4096)
+    out = llm.generate(["The capital of France is Paris, and the capital of Italy is"],
+                       SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=4))[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([out.prompt_token_ids])).logits[0].float(), dim=-1)
+    assert len(out.prompt_token_ids) > 11
+    for pos in range(1, len(out.prompt_token_ids)):
+        entries, row, token = out.prompt_logprobs[pos], ref[pos - 1], out.prompt_token_ids[pos]
+        assert set(entries) == set(row.topk(4).indices.tolist()) | {token}
+        for tok, lp in entries.items():
+            assert abs(lp.logprob - float(row[tok])) < 2e-3, (pos, tok)
+        assert entries[token].decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
