@@ -3,12 +3,12 @@ case here is answered before a request would reach Triton): the body-size limit 
 the body is read, a deeply nested body and a null message content are 400s, and a token id the
 INT32 input cannot carry is a 400 naming it, never a wrapped id or a 500."""
 import json
-import shutil
 import socket
 import time
 
 import pytest
 
+from chat_models import with_chat_template
 from openai_server.app import MAX_BODY_BYTES
 from serving.openai_launcher import OpenAIServer
 from serving.triton_launcher import free_port
@@ -18,11 +18,8 @@ TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content + '' }}\n{% endfo
 
 @pytest.fixture(scope="module")
 def api(default_model_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat-model") / "m"
-    shutil.copytree(default_model_dir, path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE  # fails on a None content, as many real templates do
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    # TEMPLATE fails on a None content, as many real templates do
+    path = with_chat_template(default_model_dir, tmp_path_factory.mktemp("chat-model") / "m", TEMPLATE)
     # Nothing listens on this gRPC port: a request that got past validation would be a 503.
     with OpenAIServer(f"127.0.0.1:{free_port()}", path) as server:
         yield server

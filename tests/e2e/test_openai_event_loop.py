@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 import urllib.error
@@ -20,6 +19,7 @@ import urllib.request
 
 import pytest
 
+from chat_models import with_chat_template
 from serving.openai_launcher import OpenAIServer
 
 from .conftest import requires_tritonserver
@@ -31,12 +31,7 @@ TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}
 
 @pytest.fixture(scope="module")
 def chat_model(model_path, tmp_path_factory):
-    path = tmp_path_factory.mktemp("event-loop") / "m"
-    shutil.copytree(model_path, path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return with_chat_template(model_path, tmp_path_factory.mktemp("event-loop") / "m", TEMPLATE)
 
 
 def post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
