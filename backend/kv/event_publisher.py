@@ -69,7 +69,8 @@ class KVEventPublisher:
         self._started.wait()
         if self._error is not None:
             raise ValueError(f"kv_events_config: cannot open the ZMQ sockets ({self.endpoint}"
-                             f"{', replay ' + self.replay_endpoint if self.replay_endpoint else ''}): "
+                             f"{', replay ' + self.replay_endpoint if self.replay_endpoint else ''}"
+                             f"{', bind_host ' + config.bind_host if config.bind_host else ''}): "
                              f"{self._error}") from self._error
 
     # -- the engine thread ----------------------------------------------------------------------
