@@ -105,8 +105,8 @@ class OutputProcessor:
         if text.detok is not None:
             # vLLM v1: the EOS or stop token that ended a request is in its token ids, not its text
             # (unless include_stop_str_in_output)
-            cut = o.stop_token_id is not None and not req.params.include_stop_str_in_output
-            text_ids = new_ids[:-1] if new_ids and cut else new_ids
+            cut = bool(new_ids) and o.stop_token_id is not None and not req.params.include_stop_str_in_output
+            text_ids = new_ids[:-1] if cut else new_ids
             if len(new_ids) > 1 and text.stops.stops:
                 # several tokens at once (a verify row's, a padded batch's): each is checked as if it
                 # came alone; one that completes a stop string ends the output there
