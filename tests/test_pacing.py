@@ -13,7 +13,7 @@ from backend.core.config import EngineConfig
 from backend.core.request import Request
 from backend.core.sampling_params import SamplingParams
 from backend.kv.block_manager import BlockManager
-from backend.sched.pacing import FLOOR_SHARE, Pacer, StepCost, chunk_pairs, step_features
+from backend.sched.pacing import FLOOR_SHARE, PROBE_TOKENS, Pacer, StepCost, chunk_pairs, step_features
 from backend.sched.scheduler import Scheduler
 from test_backfill import SHAPES, make, seeded_run, step
 
@@ -97,6 +97,22 @@ def test_a_fixed_price_of_prompt_rows_raises_the_floor_not_below_it():
     device.train(pacer)
     cap = pacer.prefill_cap(6, 0)
     assert cap == pytest.approx(0.02 / device.token, abs=1)  # 20 tokens; FLOOR_SHARE of 5 ms would be 1
+
+
+def test_slow_start_until_the_model_has_priced_a_chunk_beside_decode_rows():
+    """Fitted on whole prompts alone, the model may misprice a small chunk beside decode rows: the
+    first paced chunk is PROBE_TOKENS at most, a step priced right doubles what is trusted, a step
+    priced too low halves it."""
+    device, pacer = Device(token=1e-5), Pacer(-1, 1.75)
+    for rows in (1, 4, 9, 16):
+        pacer.observe(rows, 0, 0.0, device.price(rows, 0, 0.0))
+    for n in (2048, 952, 300):
+        pacer.observe(0, n, chunk_pairs(0, n), device.price(0, n, chunk_pairs(0, n)))
+    assert pacer.prefill_cap(6, 0) == PROBE_TOKENS  # the model alone would allow ~280
+    pacer.observe(6, 16, chunk_pairs(0, 16), device.price(6, 16, chunk_pairs(0, 16)))
+    assert pacer.prefill_cap(6, 16) == 32
+    pacer.observe(6, 32, chunk_pairs(16, 32), 10 * device.price(6, 32, chunk_pairs(16, 32)))  # priced too low
+    assert pacer.prefill_cap(6, 48) == PROBE_TOKENS
 
 
 def test_no_cap_without_decode_rows_without_a_priced_prompt_or_when_off():

@@ -24,7 +24,10 @@ step that has decode rows, from the engine's own measurements:
   without decode rows are not capped.
 
 Until the model has seen a step with prompt tokens it cannot price one, and does not cap (in an
-engine the decoding requests' own prompts were such steps). The no-evict guarantee is untouched: the pacer
+engine the decoding requests' own prompts were such steps). Then it starts slow: a paced chunk is at
+most `PROBE_TOKENS`, and at most twice the largest chunk whose step the model priced within
+`TRUST_SLACK` (halved after a step it priced too low), because a model fitted on whole prompts
+alone can misprice a small chunk beside decode rows by seconds. The no-evict guarantee is untouched: the pacer
 only says how many tokens run in a step, never who holds blocks.
 """
 from __future__ import annotations
@@ -43,6 +46,8 @@ FLOOR_SHARE = 0.25        # a paced step's prompt tokens cost at least this shar
 PAIR_UNIT = 1024.0
 MIN_SECONDS = 1e-5        # a step's weight is capped at this (relative-error weighting)
 MIN_TOKEN_SECONDS = 1e-8  # a prompt token's price is never below this (a fit can only say "cheap")
+PROBE_TOKENS = 16         # the largest paced chunk before the model has priced one beside decode rows
+TRUST_SLACK = 1.25        # a paced step within this factor of its predicted time vouches for the model
 
 
 def step_features(decode_rows: int, prompt_tokens: int, pairs: float) -> list[float]:
@@ -148,7 +153,9 @@ class Pacer:
         self.target_ms = target_ms
         self.auto_factor = auto_factor
         self.cost = cost or StepCost()
-        self.capped_steps = 0  # steps whose prompt tokens the pacer held below the budget
+        # Slow start: a paced chunk is at most twice the largest one whose step the model priced right
+        # (a model fitted on whole prompts alone may price a chunk beside decode rows badly).
+        self.trusted = PROBE_TOKENS
 
     @property
     def enabled(self) -> bool:
@@ -170,10 +177,14 @@ class Pacer:
         decode = cost.decode_seconds(rows)
         fixed = max(0.0, cost.theta[2])
         floor = max(1, cost.tokens_within(start, fixed + max(FLOOR_SHARE * decode, fixed)))
-        return max(floor, cost.tokens_within(start, self.target_seconds(rows) - decode))
+        return min(self.trusted, max(floor, cost.tokens_within(start, self.target_seconds(rows) - decode)))
 
     def observe(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float) -> None:
-        self.cost.observe(step_features(decode_rows, prompt_tokens, pairs), seconds)
+        x = step_features(decode_rows, prompt_tokens, pairs)
+        if decode_rows and prompt_tokens:  # a paced step: did the model price it right?
+            right = seconds <= TRUST_SLACK * self.cost.predict(x)
+            self.trusted = max(self.trusted, 2 * prompt_tokens) if right else max(PROBE_TOKENS, prompt_tokens // 2)
+        self.cost.observe(x, seconds)
 
     def observe_batch(self, batch: "SchedulerOutput", seconds: float) -> None:
         """A step the worker ran, and its wall time: decode rows (a verify row's drafts count as
