@@ -107,3 +107,23 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
         llm.generate([too_long], SamplingParams(max_tokens=2, temperature=0, truncate_prompt_tokens=-1))
     out = llm.generate([too_long], SamplingParams(max_tokens=2, temperature=0, truncate_prompt_tokens=90))[0]
     assert out.prompt_token_ids == too_long[-90:]
+
+
+def test_include_stop_str_in_output_holds_nothing_back_while_streaming(llm):
+    """With a stop string that never comes, a plain stream lags the text by up to its length - 1
+    characters (a stop string split over steps is never partly sent); with
+    include_stop_str_in_output nothing is held: every step's text is all there is so far (vLLM)."""
+    stop = ["<never here at all>"]
+    lags = {}
+    for include in (False, True):
+        eng = llm.engine
+        eng.add_request(f"lag-{include}", PROMPT, SamplingParams(max_tokens=12, temperature=0, stop=stop,
+                                                                  include_stop_str_in_output=include))
+        sent, lag = "", 0
+        while eng.has_work():
+            for o in eng.step():
+                sent += o.new_text
+                if not o.finished:
+                    lag = max(lag, len(llm.tokenizer.decode(o.token_ids)) - len(sent))
+        lags[include] = lag
+    assert lags[True] == 0 < lags[False] <= len(stop[0]) - 1

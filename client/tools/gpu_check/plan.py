@@ -45,7 +45,10 @@ PARTS = (
     Part("decode", 90, "the engine's decode step against the bandwidth floor, graphs on and off; the "
                        "graph-replayed tokens must equal the eager ones"),
     Part("structured", 30, "a JSON-schema and a choice constraint through the engine on the GPU (the "
-                           "token bitmask applied to device logits)", needs=("xgrammar",)),
+                           "token bitmask applied to device logits); the sampling knobs (min_p, logit_bias, "
+                           "allowed_token_ids, prompt_logprobs, ...): the device sampler against a numpy "
+                           "sampler, and through the engine (client/tools/gpu_check/sampling.py)",
+         needs=("xgrammar",)),
     Part("served", 80, "tritonserver with two engines on GPU 0: device labels, KV sizing one after the "
                        "other, served vs in-process throughput", needs=("tritonclient",), server=True),
     Part("tp", 60, "tensor_parallel_size 2 (NCCL) against one rank: greedy tokens and the decode step",
