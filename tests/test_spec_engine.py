@@ -64,12 +64,16 @@ def test_settings_that_shape_tokens_are_applied_at_every_position(engines):
     settings = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8), dict(frequency_penalty=0.6),
                 dict(bad_words=[w for w in ref_text.split() if len(w) > 2][:2] or ["the"]),
                 dict(min_tokens=20, stop_token_ids=[5, 7, 11]), dict(repetition_penalty=0.8, frequency_penalty=-0.5),
-                dict(logprobs=3), dict(max_tokens=3)]
+                dict(logprobs=3), dict(max_tokens=3),
+                # issue 43's knobs (a bias, allowed tokens, min_p, prompt logprobs) at every position too
+                dict(logit_bias={t: 4.0 for t in range(100, 2000, 37)}, allowed_token_ids=list(range(3, 2000, 2)) + [5],
+                     min_p=0.2, prompt_logprobs=2)]
     params = [SamplingParams(**{"max_tokens": 24, "temperature": 0.0, **s}) for s in settings]
-    ref = run(engines["plain"], ps, params)
+    ref = run(engines["plain"], ps + ps[:1], params)
     for name in ("ngram", "draft"):
-        out = run(engines[name], ps, params)
+        out = run(engines[name], ps + ps[:1], params)
         assert [o.token_ids for o in out] == [o.token_ids for o in ref], name
+        assert out[8].prompt_logprobs == ref[8].prompt_logprobs and len(ref[8].prompt_logprobs) == len(ps[0])
         for a, b in zip(out[6].logprobs, ref[6].logprobs):  # logprobs of the accepted tokens, raw logits
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
