@@ -44,6 +44,9 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("return_num_output_tokens", "BOOL", (1,), "add num_output_tokens"),
     Tensor("return_num_cached_tokens", "BOOL", (1,), "add num_cached_tokens"),
     Tensor("return_prompt_logprobs", "BOOL", (1,), "add prompt_logprobs (needs the sampling key prompt_logprobs)"),
+    Tensor("reasoning_parser", "STRING", (1,),
+           "qwen3 | deepseek_r1 (vLLM's names): the thinking goes to reasoning_output, text_output keeps the "
+           "answer; default: none"),
     Tensor("return_queue_info", "BOOL", (1,),
            "add where it stands (queue_position ... seconds_since_arrival); streaming, also a response "
            "(no tokens) whenever its place or reservation changes while it waits"),
@@ -106,6 +109,9 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("prompt_logprobs", "STRING", (1,),
            "if asked; vLLM's prompt_logprobs as JSON: null for the first prompt token, then per token {id: "
            "{logprob, rank, decoded_token}}; with the first tokens (null in later streamed responses)"),
+    Tensor("reasoning_output", "STRING", (-1,),
+           "with reasoning_parser; one per completion: the thinking (streaming, its new piece; a partial tag "
+           "held back until it is known)"),
 )
 
 RETURN_FLAGS = tuple(t.name for t in INPUTS if t.name.startswith("return_") and t.name != "return_log_probs")

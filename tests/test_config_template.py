@@ -44,7 +44,7 @@ def test_rendered_config_is_a_valid_decoupled_triton_config():
                                                "num_cached_tokens", "queue_position", "reserved_step", "engine_step", "first_scheduled_step",
                                                "kv_blocks_reserved", "arrival_time_ns", "first_scheduled_time_ns",
                                                "first_token_time_ns", "finished_time_ns", "seconds_since_arrival",
-                                                   "prompt_logprobs"]
+                                                   "prompt_logprobs", "reasoning_output"]
 
 
 def test_instance_group_gpu_where_gpus_exist_cpu_where_none():

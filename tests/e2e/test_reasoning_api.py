@@ -7,7 +7,8 @@ on, a thinking budget makes the output `<think>`, at most that many tokens, `</t
 answer's constraint (constraints.answer_only); with `enable_thinking: false` the template closes
 the thinking and the constraint holds from the first token. Each chat answer is checked against
 the raw text the same prompt and constraint make on /v1/completions, split by the parser
-(reasoning.split_reasoning): reasoning and content split right, streamed and not."""
+(reasoning.split_reasoning): reasoning and content split right, streamed and not. The Triton door
+splits the same way when a request sets `reasoning_parser` (`reasoning_output`)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import pytest
 from serving.triton_launcher import free_port
 
 from .conftest import inflight_serve, requires_tritonserver, stop_serve
+from .raw_requests import array, grpc_stream
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -31,21 +33,22 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, model_repository):
     from backend.text.tokenizer import Tokenizer
     from qwen3_chat import make_qwen3_chat
 
     path = make_qwen3_chat(tmp_path_factory.mktemp("qwen3_chat"))
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}
     proc, _ = inflight_serve(
-        ["--model-path", str(path), "--host", "127.0.0.1", "--http-port", str(ports["http"]),
+        ["--model-repository", str(model_repository),  # rendered for this run: every input of the table
+         "--model-path", str(path), "--host", "127.0.0.1", "--http-port", str(ports["http"]),
          "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
          "--openai-port", str(ports["openai"]), "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder",
          "--param", "max_model_len=512", "--param", "max_num_seqs=8", "--param", "cpu_kv_cache_tokens=8192"],
         timeout=300)
     try:
         yield (openai.OpenAI(base_url=f"http://127.0.0.1:{ports['openai']}/v1", api_key="unused", max_retries=0,
-                             timeout=120), Tokenizer.from_dir(path))
+                             timeout=120), Tokenizer.from_dir(path), f"127.0.0.1:{ports['grpc']}")
     finally:
         stop_serve(proc)
 
@@ -81,7 +84,7 @@ def test_thinking_then_a_constrained_answer_split_streamed_and_not(served, budge
     from openai_server.constraints import answer_only
     from openai_server.reasoning import split_reasoning
 
-    api, tokenizer = served
+    api, tokenizer, _ = served
     extra = {"thinking_token_budget": budget, "guided_choice": CHOICE}
     message = api.chat.completions.create(model="llm", messages=ASK, max_tokens=40, temperature=0,
                                           extra_body=extra).choices[0]
@@ -97,7 +100,7 @@ def test_thinking_then_a_constrained_answer_split_streamed_and_not(served, budge
 
 
 def test_thinking_off_constrains_from_the_first_token_and_has_no_reasoning(served):
-    api, tokenizer = served
+    api, tokenizer, _ = served
     extra = {"chat_template_kwargs": {"enable_thinking": False}, "guided_choice": CHOICE}
     answer = api.chat.completions.create(model="llm", messages=ASK, max_tokens=40, temperature=0, extra_body=extra)
     message = answer.choices[0].message
@@ -113,7 +116,7 @@ def test_thinking_off_constrains_from_the_first_token_and_has_no_reasoning(serve
 def test_unconstrained_answers_are_split_as_the_raw_text_is(served):
     from openai_server.reasoning import split_reasoning
 
-    api, tokenizer = served
+    api, tokenizer, _ = served
     message = api.chat.completions.create(model="llm", messages=ASK, max_tokens=40, temperature=0).choices[0]
     thought, answer = split_reasoning(raw_text(api, tokenizer, None).text, "qwen3")
     fields = message.message.model_dump()
@@ -123,7 +126,7 @@ def test_unconstrained_answers_are_split_as_the_raw_text_is(served):
 
 
 def test_a_required_tool_call_follows_the_thinking(served):
-    api, _ = served
+    api, _, _ = served
     kw = dict(tools=[WEATHER], tool_choice="required", max_tokens=120, temperature=0,
               extra_body={"thinking_token_budget": 4})
     choice = api.chat.completions.create(model="llm", messages=ASK, **kw).choices[0]
@@ -134,3 +137,24 @@ def test_a_required_tool_call_follows_the_thinking(served):
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
     reasoning, _, content, calls, finish = streamed(api, **kw)
     assert reasoning == fields["reasoning"] and calls == {0: ["get_weather", call.arguments]} and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_triton_door_splits_the_same_when_asked(served, stream):
+    """gRPC, the vLLM backend's format plus the reasoning_parser input: reasoning_output holds the
+    thinking, text_output the answer; without the input, text_output is the raw text."""
+    from openai_server.constraints import answer_only
+    from openai_server.reasoning import split_reasoning
+
+    api, tokenizer, grpc_url = served
+    spec = answer_only({"choice": CHOICE}, "guided_choice", "qwen3", "none", 6)
+    sampling = json.dumps({"max_tokens": 40, "temperature": 0, "structured_outputs": spec})
+    inputs = {"text_input": array(tokenizer.render_chat(ASK)), "stream": array(stream),
+              "sampling_parameters": array(sampling), "exclude_input_in_output": array(True)}
+    plain = grpc_stream(grpc_url, inputs)
+    raw = "".join(r["text_output"][0].decode() for r in plain)
+    assert "reasoning_output" not in plain[-1] and raw.startswith("<think>")
+    split = grpc_stream(grpc_url, {**inputs, "reasoning_parser": array("qwen3")})
+    thought = "".join(r["reasoning_output"][0].decode() for r in split)
+    answer = "".join(r["text_output"][0].decode() for r in split)
+    assert (thought, answer) == split_reasoning(raw, "qwen3") and answer in CHOICE

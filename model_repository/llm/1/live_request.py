@@ -18,6 +18,7 @@ class Live:
     arrival: float
     n: int = 1  # completions; the engine sends one output per completion, each with its index
     returns: frozenset = frozenset()  # the return_* flags the request set: the outputs it gets
+    reasoning: Optional[str] = None  # reasoning_parser: the thinking goes to reasoning_output
     last_token_time: Optional[float] = None
     last_cancel_check: float = 0.0
     cancelled: bool = False
@@ -33,6 +34,7 @@ class Live:
     # Responder thread only: per completion, its newest output and the tokens handled so far.
     latest: dict = field(default_factory=dict)
     tokens_seen: dict = field(default_factory=dict)
+    splitters: dict = field(default_factory=dict)  # streaming, per completion: its ReasoningParser
 
 
 class _Entry:

@@ -25,6 +25,7 @@ from backend.core import defaults
 from backend.core.errors import EngineDeadError, QueueFullError
 from backend.core.input_guard import check_text, guarded, int32
 from backend.core.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
+from openai_server.reasoning import PARSERS as REASONING_PARSERS
 from templates.tensors import INPUTS, RETURN_FLAGS
 
 DEFAULT_MAX_TOKENS = defaults.MAX_TOKENS  # where neither the JSON nor a tensor names max_tokens
@@ -53,6 +54,7 @@ class ParsedRequest:
     priority: int = 0
     returns: frozenset = field(default_factory=frozenset)  # the return_* flags set to true
     lora_name: Optional[str] = None  # the LoRA adapter (the vLLM backend's sampling key)
+    reasoning_parser: Optional[str] = None  # the thinking split off into reasoning_output
 
 
 def _one(name: str, array: np.ndarray) -> Any:
@@ -254,9 +256,12 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
         # "" would otherwise run the base model: a client that meant an adapter would never know
         raise ValueError(f"{source}: lora_name must be a loaded adapter's name (omit it for the base model); "
                          f"got {lora_name!r}")
+    reasoning = _value("reasoning_parser", get["reasoning_parser"]) if "reasoning_parser" in get else None
+    if reasoning is not None and reasoning not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {reasoning!r}")
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
                          exclude_input=bool(stream or exclude), priority=priority, returns=returns,
-                         lora_name=lora_name)
+                         lora_name=lora_name, reasoning_parser=reasoning)
 
 
 def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any], vocab_size: Optional[int]) -> None:

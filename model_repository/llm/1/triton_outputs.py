@@ -27,6 +27,27 @@ def _logprobs_json(logprobs: Optional[list]) -> bytes:
                         for tid, lp in step.items()} for step in logprobs]).encode("utf-8")
 
 
+def _split(live: Any, i: int, out: Any, last: Any, text: str, prompt_ids_text: Callable) -> tuple[str, str]:
+    """(thinking, answer) of completion i's text by the request's reasoning_parser
+    (openai_server/reasoning.py): streaming, of this response's piece, one parser per completion
+    holding back what may be a tag; else of the whole output."""
+    from openai_server.reasoning import ReasoningParser, prompt_state
+
+    parser = live.splitters.get(i) if live.stream else None
+    if parser is None:
+        first = out or last
+        prompt = live.prompt_text if live.prompt_text is not None else \
+            prompt_ids_text(list(first.prompt_token_ids[-8:])) if first is not None else ""
+        parser = ReasoningParser(live.reasoning, prompt_state(prompt))
+        if live.stream:
+            live.splitters[i] = parser
+    thought, answer = parser.feed(text)
+    if not live.stream or (last is not None and last.finish_reason is not None):
+        more = parser.finish()
+        thought, answer = thought + more[0], answer + more[1]
+    return thought, answer
+
+
 def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable[[list[int]], str]) -> dict[str, np.ndarray]:
     """The output tensors of one response, as the vLLM backend shapes them: one entry per
     completion. Streaming: each completion's new tokens (none for one without an output in this
@@ -34,7 +55,7 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
     text_output (and output_ids for n = 1) always; the others only when asked for.
     `live` is the request's live_request.Live: n, stream, exclude_input, returns and, per completion,
     its newest output (`latest`)."""
-    texts, ids_, new_counts, reasons, cumulative, logprobs = [], [], [], [], [], []
+    texts, ids_, new_counts, reasons, cumulative, logprobs, thoughts = [], [], [], [], [], [], []
     for i in range(live.n):
         out = outs.get(i) if live.stream else live.latest.get(i)
         last = live.latest.get(i, out)
@@ -44,6 +65,10 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
             text, ids, lps = out.new_text, list(out.new_token_ids), out.new_logprobs
         else:
             text, ids, lps = out.text, list(out.token_ids), out.logprobs
+        if live.reasoning is not None:
+            thought, text = _split(live, i, out, last, text, prompt_ids_text)
+            thoughts.append(thought.encode("utf-8"))
+        if out is not None and not live.stream:
             if not live.exclude_input:
                 prompt = live.prompt_text if live.prompt_text is not None else prompt_ids_text(out.prompt_token_ids)
                 text, ids = prompt + text, list(out.prompt_token_ids) + ids
@@ -55,6 +80,8 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
         cumulative.append(math.nan if cum is None else cum)
         logprobs.append(_logprobs_json(lps))
     tensors = {"text_output": np.array(texts, dtype=np.object_)}
+    if live.reasoning is not None:
+        tensors["reasoning_output"] = np.array(thoughts, dtype=np.object_)
     if live.n == 1:
         tensors["output_ids"] = np.array(ids_[0], dtype=np.int32)
     asked = live.returns
