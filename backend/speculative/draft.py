@@ -61,7 +61,7 @@ class _DraftView:
             # its own random stream, apart from the target's: the verification's uniform numbers
             # must not be the ones the draft drew with
             base = req.params.seed if req.params.seed is not None else req.seed
-            params = dataclasses.replace(req.params, logprobs=None, seed=None)
+            params = dataclasses.replace(req.params, logprobs=None, prompt_logprobs=None, seed=None)
             plan.new_seqs.append(NewSeq(sid, list(req.prompt_token_ids), tokens[req.num_prompt_tokens:], params,
                                         random.Random(f"draft:{base}").getrandbits(63), req.index, req.eos_token_ids,
                                         req.bad_words_ids, None, (list(table),), computed))
