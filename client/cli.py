@@ -79,17 +79,25 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"inflight serve: --model-path {args.model_path} is not a folder", file=sys.stderr)
         return 2
 
+    if args.api_key:
+        from openai_server.auth import check_key
+        try:
+            args.api_key = [check_key(k, "--api-key") for k in args.api_key]
+        except ValueError as exc:
+            print(f"inflight serve: {exc}", file=sys.stderr)
+            return 2
     server = TritonServer(repository, params=params, model_path=args.model_path, host=args.host,
                           http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_verbose=args.log_verbose,
-                          log_to_console=True)
+                          log_to_console=True, extra_args=tuple(args.triton_arg))
     # -- the OpenAI-compatible server beside it (openai_server; --openai-port 0: none) --
     openai_api = None
     if args.openai_port:
         openai_api = OpenAIServer(server.grpc_url, Path(args.model_path).resolve() if args.model_path else resolved,
                                   host=args.host, port=args.openai_port, log_to_console=True,
                                   tool_call_parser=args.tool_call_parser, metrics_url=server.metrics_url,
-                                  reasoning_parser=args.reasoning_parser)
+                                  reasoning_parser=args.reasoning_parser, api_keys=tuple(args.api_key),
+                                  extra_args=("--api-key-all-routes",) if args.api_key_all_routes else ())
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -251,6 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="the OpenAI server's reasoning format (vLLM's names): thinking goes to reasoning, the "
                         "answer to content (default: none)")
+    p.add_argument("--api-key", nargs="+", action="extend", default=[], metavar="KEY",
+                   help="the OpenAI API wants 'Authorization: Bearer KEY' (one of these keys) on /v1, /tokenize and "
+                        "/detokenize (vLLM's flag; default: $INFLIGHT_API_KEY, else $VLLM_API_KEY; docs/security.md)")
+    p.add_argument("--api-key-all-routes", action="store_true",
+                   help="the OpenAI API wants the key on /health and /metrics too")
+    p.add_argument("--triton-arg", action="append", default=[], metavar="ARG",
+                   help="pass a flag to tritonserver as it is, written with '=': --triton-arg=--http-restricted-api="
+                        "model-repository,statistics:admin-key=SECRET (repeatable; docs/triton.md)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) to serve beside the model's multi_lora.json, as vLLM's "
                         "flag: NAME=PATH or a JSON {\"name\": ..., \"path\": ...}; turns enable_lora on. "

@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a chat with more messages is a 400 naming the limit (default 10000)")
     p.add_argument("--max-chat-rendered-chars", type=int, metavar="N",
                    help="a chat whose rendered prompt is longer is a 400 naming the limit (default 4194304)")
+    p.add_argument("--api-key", nargs="+", action="extend", metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' (one of these keys) on /v1, /tokenize and "
+                        "/detokenize (vLLM's flag; default: $INFLIGHT_API_KEY, comma-separated, else $VLLM_API_KEY)")
+    p.add_argument("--api-key-all-routes", action="store_true",
+                   help="want the key on /health and /metrics too (open by default, for probes and scrapers)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; the container's entrypoint passes 0.0.0.0)")
     p.add_argument("--port", type=int, default=9000)
@@ -43,6 +48,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.model_path and not Path(args.model_path).is_dir():
         print(f"openai_server: --model-path {args.model_path} is not a folder", file=sys.stderr)
         return 2
+    from openai_server.auth import resolve_keys
+    try:
+        keys = resolve_keys(args.api_key)
+    except ValueError as exc:
+        print(f"openai_server: {exc}", file=sys.stderr)
+        return 2
+    if args.api_key_all_routes and not keys:
+        print("openai_server: --api-key-all-routes needs a key (--api-key, $INFLIGHT_API_KEY or $VLLM_API_KEY)",
+              file=sys.stderr)
+        return 2
     import uvicorn
 
     from openai_server.app import create_app
@@ -50,7 +65,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     limits = {k: v for k, v in (("max_chat_messages", args.max_chat_messages),
                                 ("max_chat_rendered_chars", args.max_chat_rendered_chars)) if v is not None}
     app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser, args.metrics_url,
-                     reasoning_parser=args.reasoning_parser, **limits)
+                     reasoning_parser=args.reasoning_parser, api_keys=tuple(keys),
+                     api_key_all_routes=args.api_key_all_routes, **limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

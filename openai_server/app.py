@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from backend.core.input_guard import lone_surrogate
+from openai_server.auth import APIKeyMiddleware
 from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.reasoning_request import parse_chat_request
 from openai_server.responses import ChoiceState, Reply, sse
@@ -129,7 +130,8 @@ def _error(exc: APIError) -> JSONResponse:
 def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm",
                tool_call_parser: str = "hermes", metrics_url: Optional[str] = None,
                reasoning_parser: Optional[str] = None, max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
-               max_chat_rendered_chars: int = DEFAULT_MAX_CHAT_RENDERED_CHARS) -> FastAPI:
+               max_chat_rendered_chars: int = DEFAULT_MAX_CHAT_RENDERED_CHARS, api_keys: tuple[str, ...] = (),
+               api_key_all_routes: bool = False) -> FastAPI:
     triton = TritonBackend(grpc_url)
     gateway = GatewayMetrics(metrics_url or default_metrics_url(grpc_url), triton.model, served_model_name)
     render = ChatRenderer(model_path, max_chat_rendered_chars)
@@ -147,6 +149,8 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
 
     app = FastAPI(title="inflight OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.triton = triton
+    if api_keys:  # Authorization: Bearer on /v1, /tokenize, /detokenize (auth.py)
+        app.add_middleware(APIKeyMiddleware, keys=api_keys, all_routes=api_key_all_routes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

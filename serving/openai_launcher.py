@@ -9,6 +9,7 @@ dies with the process that started it (Linux), like tritonserver itself.
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from openai_server.auth import ENV_KEYS
 from serving.triton_launcher import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +42,7 @@ class OpenAIServer:
     def __init__(self, grpc_url: str, model_path: Optional[str | Path] = None, *, host: str = "127.0.0.1",
                  port: int = 0, log_to_console: bool = False, tool_call_parser: str = "hermes",
                  metrics_url: Optional[str] = None, reasoning_parser: Optional[str] = None,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), api_keys: tuple[str, ...] = ()):
         self.grpc_url = grpc_url
         self.model_path = str(model_path) if model_path else None
         self.host = host
@@ -50,6 +52,8 @@ class OpenAIServer:
         self.reasoning_parser = reasoning_parser  # None: answers are not split into reasoning and content
         self.metrics_url = metrics_url  # Triton's, re-served on /metrics (None: the gRPC host, port 8002)
         self.extra_args = tuple(extra_args)  # more `python -m openai_server` flags (--max-chat-messages N)
+        # --api-key's keys, handed over in INFLIGHT_API_KEY (not argv, which `ps` shows every user)
+        self.api_keys = tuple(api_keys)
         self.process: Optional[subprocess.Popen] = None
 
     @property
@@ -80,7 +84,8 @@ class OpenAIServer:
         if self.reasoning_parser:
             cmd += ["--reasoning-parser", self.reasoning_parser]
         out = None if self.log_to_console else subprocess.DEVNULL
-        self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stdin=subprocess.DEVNULL,
+        env = {**os.environ, ENV_KEYS: ",".join(self.api_keys)} if self.api_keys else None
+        self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stdin=subprocess.DEVNULL, env=env,
                                         stderr=None if self.log_to_console else subprocess.PIPE,
                                         preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
@@ -96,9 +101,13 @@ class OpenAIServer:
         return self
 
     def is_up(self) -> bool:
+        headers = {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
         try:
-            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(f"{self.url}/v1/models", headers=headers),
+                                        timeout=2) as r:
                 return r.status == 200
+        except urllib.error.HTTPError as exc:
+            return exc.code == 401  # it answers, and wants a key it was given in its environment
         except (urllib.error.URLError, OSError):
             return False
 
