@@ -30,6 +30,7 @@ from openai_server.auth import APIKeyMiddleware
 from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.reasoning_request import parse_chat_request
 from openai_server.responses import ChoiceState, Reply, sse
+from openai_server.tokenize_api import MaxModelLen, detokenize, tokenize
 from openai_server.translate import APIError, Generation, bad, parse_completion, triton_tensors
 from openai_server.triton_backend import TritonBackend
 
@@ -203,11 +204,30 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
                                 f"'{served_model_name}'{also}", "model", "model_not_found")
         return name
 
-    async def _body(request: Request) -> dict[str, Any]:
+    async def _body(request: Request, model_required: bool = True) -> dict[str, Any]:
         raw = await read_body(request)
         body = await off_loop(parse_body, raw) if len(raw) > OFF_LOOP_BYTES else parse_body(raw)
-        await _check_model(body.get("model"))
+        if model_required or body.get("model") is not None:
+            await _check_model(body.get("model"))
         return body
+
+    def _check_messages(body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > max_chat_messages:
+            raise bad("messages", f"messages has {len(messages)} entries; the limit is {max_chat_messages} "
+                                  "(--max-chat-messages)")
+        return body
+
+    max_model_len = MaxModelLen(triton, model_path)
+
+    @app.post("/tokenize")  # vLLM's (tokenize_api.py); model may be left out
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        body = _check_messages(await _body(request, model_required=False))
+        return await off_loop(tokenize, body, render, tool_call_parser, reasoning_parser, await max_model_len())
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return await off_loop(detokenize, await _body(request, model_required=False), render)
 
     def _with_adapter(gen: Generation, body: dict[str, Any]) -> Generation:
         """`model` naming a LoRA adapter runs the base model with it (lora_name, the vLLM backend's key)."""
@@ -223,11 +243,7 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _body(request)
-        messages = body.get("messages")
-        if isinstance(messages, list) and len(messages) > max_chat_messages:
-            raise bad("messages", f"messages has {len(messages)} entries; the limit is {max_chat_messages} "
-                                  "(--max-chat-messages)")
+        body = _check_messages(await _body(request))
         gen, thinking = await off_loop(parse_chat_request, body, render, tool_call_parser,  # reasoning_request.py
                                        reasoning_parser)
         gen = _with_adapter(gen, body)

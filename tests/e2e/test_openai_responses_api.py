@@ -91,3 +91,38 @@ def test_tritons_restricted_apis_want_their_header(served):
     assert client.get_inference_statistics(  # gRPC: the header name gets a prefix
         "llm", headers={f"triton-grpc-protocol-{ADMIN[0]}": ADMIN[1]}, as_json=True)["model_stats"]
     assert client.is_model_ready("llm")
+
+
+# -- /tokenize and /detokenize ---------------------------------------------------------------------
+
+def post(served, path: str, body: dict, key: str | None = KEY) -> tuple[int, dict]:
+    status, raw = get(f"{served['url']}{path}", headers={"Authorization": f"Bearer {key}"} if key else {},
+                      data=json.dumps(body).encode())
+    return status, json.loads(raw)
+
+
+def test_tokenize_and_detokenize_round_trip_as_the_tokenizer(served):
+    tokenizer, text = served["tokenizer"], "Is it sunny in Paris? <think> maybe"
+    status, got = post(served, "/tokenize", {"model": "llm", "prompt": text})
+    assert status == 200 and got["tokens"] == tokenizer.encode(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 512  # the served --param
+    status, back = post(served, "/detokenize", {"model": "llm", "tokens": got["tokens"]})
+    assert status == 200 and back == {"prompt": tokenizer.decode(got["tokens"], skip_special_tokens=False)}
+    status, bare = post(served, "/tokenize", {"model": "llm", "prompt": text, "add_special_tokens": False})
+    assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False) != got["tokens"]  # no BOS
+    assert post(served, "/detokenize", {"tokens": bare["tokens"]}) == (200, {"prompt": text})
+    # a chat: the prompt /v1/chat/completions would send (its usage counts the same tokens)
+    ask = [{"role": "user", "content": "Hi"}]
+    status, chat = post(served, "/tokenize", {"messages": ask, "chat_template_kwargs": {"enable_thinking": False},
+                                              "return_token_strs": True})
+    expected = tokenizer.encode(tokenizer.render_chat(ask, enable_thinking=False), add_special_tokens=False)
+    assert status == 200 and chat["tokens"] == expected
+    assert chat["token_strs"] == [tokenizer.id_to_token(i) for i in expected]
+    used = sdk(served).chat.completions.create(model="llm", messages=ask, max_tokens=1,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert used.usage.prompt_tokens == chat["count"]
+    # refusals name the field; no key: 401
+    assert post(served, "/detokenize", {"tokens": [10 ** 9]})[1]["error"]["param"] == "tokens"
+    assert post(served, "/tokenize", {"prompt": "x", "messages": ask})[0] == 400
+    assert post(served, "/tokenize", {"prompt": "x"}, key=None)[0] == 401
+    assert post(served, "/detokenize", {"tokens": [1]}, key="wrong")[0] == 401
