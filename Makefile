@@ -17,7 +17,7 @@ CONFIG := model_repository/llm/config.pbtxt
 SERVE_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup model tiny-model config serve test test-fast load soak clean-config help
+.PHONY: setup model tiny-model config serve test test-fast load load-slo soak clean-config help
 
 help:
 	@echo "make setup   create .venv and install the project with its test extras (idempotent)"
@@ -28,6 +28,7 @@ help:
 	@echo "make serve   setup + model + config, then start tritonserver on 8000/8001/8002"
 	@echo "make test    setup, then run the whole test suite (on $(TEST_WORKERS) processes)"
 	@echo "make test-fast  the quick tier: unit tests and kernels, no tritonserver, no download"
+	@echo "make load-slo  Locust at LOAD_RATE req/s (Poisson) against make serve; exit 1 when the SLO is missed"
 	@echo "make soak    2-minute Locust soak against a local tritonserver (docs/reliability.md)"
 	@echo "make gpu-check  the GPU acceptance script (CUDA machine; results in $(GPU_CHECK_OUT)/)"
 	@echo "make aot    compile every kernel ahead of time for sm_80 and sm_90 (no GPU needed)"
@@ -80,6 +81,18 @@ LOAD_HOST ?= http://127.0.0.1:8000
 load: setup
 	$(VENV)/bin/locust -f client/tools/load/locustfile.py --headless -u $(LOAD_USERS) -r $(LOAD_USERS) \
 		--run-time $(LOAD_TIME) --host $(LOAD_HOST) --only-summary --stop-timeout 30
+
+# Open-loop arrivals (LOAD_ARRIVALS: poisson | constant, LOAD_RATE requests/s) against a running `make serve`,
+# failing (exit 1) when TTFT p99 > LOAD_SLO_TTFT_P99 or inter-token p99 > LOAD_SLO_ITL_P99 (seconds) or a
+# request fails (client/tools/load/slo_locustfile.py).
+LOAD_ARRIVALS ?= poisson
+LOAD_RATE ?= 1
+LOAD_SLO_TTFT_P99 ?= 2
+LOAD_SLO_ITL_P99 ?= 0.2
+load-slo: setup
+	$(VENV)/bin/locust -f client/tools/load/slo_locustfile.py --headless -u 1 -r 1 --run-time $(LOAD_TIME) \
+		--host $(LOAD_HOST) --only-summary --stop-timeout 30 --arrivals $(LOAD_ARRIVALS) --arrival-rate $(LOAD_RATE) \
+		--slo-ttft-p99 $(LOAD_SLO_TTFT_P99) --slo-itl-p99 $(LOAD_SLO_ITL_P99)
 
 # -- GPU readiness (issue 16) --
 .PHONY: gpu-check aot

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--in-process", action="store_true", help="run the engine in this process (needs --model-path)")
     where.add_argument("--model-path", help="checkpoint folder for --in-process / --compare-server")
     where.add_argument("--url", help="a running server: gRPC host:port (default localhost:8001), or HTTP with --protocol http")
-    where.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    where.add_argument("--protocol", choices=("grpc", "http", "openai"), default="grpc",
+                       help="openai: an OpenAI-compatible port's /v1/completions (--url localhost:9000)")
     where.add_argument("--no-stream", action="store_true",
                        help="through the server: one response per request (no TTFT/ITL) instead of one per step")
     where.add_argument("--also-no-stream", action="store_true",
@@ -120,6 +121,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--step-probe" in argv:
         from client.tools.benchmarks.step_probe import main as step_probe_main
         return step_probe_main([a for a in argv if a != "--step-probe"])
+    if "--goodput" in argv:  # the highest Poisson rate meeting an SLO (client/tools/benchmarks/goodput.py)
+        from client.tools.benchmarks.goodput import main as goodput_main
+        return goodput_main([a for a in argv if a != "--goodput"])
     # -- end step probe --
     args = build_parser().parse_args(argv)
     if args.num_requests < 1:

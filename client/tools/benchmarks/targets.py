@@ -174,7 +174,9 @@ class ServerTarget:
         pass
 
     def _server_mode(self) -> str:
-        """The server's batching_mode, from its model configuration."""
+        """The server's batching_mode, from its model configuration (the OpenAI port does not say)."""
+        if self.protocol == "openai":
+            return "unknown"
         try:
             if self.protocol == "grpc":
                 import tritonclient.grpc as g
@@ -215,7 +217,7 @@ class ServerTarget:
         """The responses of one request: one per step when streaming, else one at the end."""
         options = dict(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=item.ignore_eos,
                        exclude_input_in_output=True)
-        if self.protocol == "grpc":
+        if self.protocol in ("grpc", "openai"):
             async for chunk in client.stream(item.prompt, stream=self.stream, **options):
                 yield chunk
         elif self.stream:
@@ -242,6 +244,8 @@ class ServerTarget:
     async def _run(self, items, concurrency, progress, timeout):
         if self.protocol == "grpc":
             from client.grpc_client import AsyncGrpcClient as Client
+        elif self.protocol == "openai":
+            Client = OpenAICompletions  # noqa: N806
         else:
             from client.http_client import AsyncHttpClient as Client
         records = [Record(item) for item in items]
@@ -276,6 +280,57 @@ class ServerTarget:
             duration = time.monotonic() - start
         bar.close()
         return records, duration
+
+
+# -- the OpenAI port ---------------------------------------------------------------------------
+class OpenAICompletions:
+    """`/v1/completions` of an OpenAI-compatible server (inflight's port 9000, vLLM, ...), as the
+    bench's other clients: `stream(prompt, **options)` yields one Chunk per server-sent event. An
+    event carries no token count, so each one with text counts as one token, as vLLM's
+    benchmark_serving counts them (inflight sends one per engine step: one token at
+    stream_interval 1). The model is the first of /v1/models."""
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.base = (url if "://" in url else f"http://{url}").rstrip("/")
+        self.timeout = timeout
+        self._session = None
+        self._model: Optional[str] = None
+
+    async def __aenter__(self) -> "OpenAICompletions":
+        import aiohttp
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        async with self._session.get(f"{self.base}/v1/models") as r:
+            r.raise_for_status()
+            self._model = (await r.json())["data"][0]["id"]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._session.close()
+
+    async def stream(self, prompt, *, stream: bool = True, max_tokens: int, temperature: float = 0.0,
+                     ignore_eos: bool = True, exclude_input_in_output: bool = True):
+        from client.protocol import Chunk, GenerationError
+        body = {"model": self._model, "prompt": prompt if isinstance(prompt, str) else list(prompt),
+                "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos, "stream": stream}
+        async with self._session.post(f"{self.base}/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise GenerationError(f"HTTP {r.status}: {(await r.text())[:300]}")
+            if not stream:
+                data = await r.json()
+                choice, n = data["choices"][0], data.get("usage", {}).get("completion_tokens", 1)
+                yield Chunk(choice["text"], [-1] * n, choice["finish_reason"], 0, n)
+                return
+            async for raw in r.content:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise GenerationError(str(event["error"])[:300])
+                for choice in event.get("choices", []):
+                    text, reason = choice.get("text", ""), choice.get("finish_reason")
+                    if text or reason:
+                        yield Chunk(text, [-1] if text else [], reason, 0, 1 if text else 0)
 
 
 # -- a local tritonserver for --compare-server -------------------------------------------------

@@ -1,5 +1,6 @@
-"""What the two Locust files share: the gRPC address from Locust's --host, the body of Triton's
-HTTP generate endpoints, and the users' gRPC clients.
+"""What the Locust files share: the gRPC address from Locust's --host, the body of Triton's HTTP
+generate endpoints, the users' gRPC clients, and one streamed request timed as `inflight bench`
+times it (a measure.py Record) and reported as Locust request events.
 
 Every gRPC client is registered here and closed when the test stops (and again when Locust quits),
 while gevent's hub still runs: a channel left for the interpreter's exit to collect hung the Locust
@@ -10,9 +11,12 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import time
 from urllib.parse import urlparse
 
 from locust import events
+
+from client.tools.benchmarks.measure import Record
 
 _GRPC_CLIENTS: dict[int, object] = {}  # the only references to them, so that closing frees them
 _keys = itertools.count()
@@ -76,3 +80,45 @@ def close_grpc_clients(**_kw) -> None:
 @events.quitting.add_listener
 def _close_at_quit(**_kw) -> None:
     close_grpc_clients()
+
+
+def stream_record(client, item) -> Record:
+    """One request streamed over gRPC (a GrpcClient), timed per response as the bench times it. A
+    server error, or a stream that ends without a finish reason or with abort/error, is the
+    record's `error`."""
+    rec = Record(item, start=time.monotonic())
+    try:
+        for chunk in client.stream(item.prompt, stream=True, max_tokens=item.max_tokens, temperature=0.0,
+                                   ignore_eos=item.ignore_eos, exclude_input_in_output=True):
+            n = len(chunk.token_ids)
+            if n:
+                rec.chunks.append((chunk.time, n))
+                rec.num_output_tokens += n
+            rec.finish_reason = chunk.finish_reason or rec.finish_reason
+        if rec.finish_reason is None:
+            raise RuntimeError("the stream ended without a finish reason")
+        if rec.finish_reason in ("abort", "error"):
+            raise RuntimeError(f"finish_reason={rec.finish_reason}")
+        rec.end = time.monotonic()
+    except Exception as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+def fire_record(environment, rec: Record) -> None:
+    """A record as Locust request events of type "grpc": `time_to_first_token`, `inter_token_latency`
+    (each gap between two responses, once per token) and `generate_stream` (the whole request,
+    length = output tokens; failed when the record has an error)."""
+    def fire(name: str, seconds: float, length: int = 0, exception=None) -> None:
+        environment.events.request.fire(request_type="grpc", name=name, response_time=seconds * 1000,
+                                        response_length=length, exception=exception, context={})
+
+    if rec.chunks:
+        fire("time_to_first_token", rec.chunks[0][0] - rec.start)
+    if rec.error is not None:
+        fire("generate_stream", time.monotonic() - rec.start, rec.num_output_tokens, RuntimeError(rec.error))
+        return
+    for (t0, _), (t1, n) in zip(rec.chunks, rec.chunks[1:]):
+        for _ in range(n):
+            fire("inter_token_latency", (t1 - t0) / n)
+    fire("generate_stream", rec.end - rec.start, rec.num_output_tokens)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 
 import grpc.experimental.gevent as grpc_gevent
 
@@ -31,8 +30,8 @@ grpc_gevent.init_gevent()  # grpc must yield to gevent, or one stream would bloc
 
 from locust import HttpUser, User, between, events, task  # noqa: E402
 
-from client.tools.load.locust_common import (close_grpc_client, finish_reason, grpc_client, http_body,  # noqa: E402
-                                  open_grpc_client)
+from client.tools.load.locust_common import (close_grpc_client, finish_reason, fire_record, grpc_client,  # noqa: E402
+                                             http_body, open_grpc_client, stream_record)
 from client.tools.benchmarks.workloads import make_workload  # noqa: E402
 
 MAX_TOKENS = int(os.environ.get("INFLIGHT_MAX_TOKENS", "64"))
@@ -56,42 +55,9 @@ class GrpcStreamUser(User):
     def on_stop(self) -> None:
         close_grpc_client(self._key)
 
-    def _fire(self, name: str, ms: float, length: int = 0, exception=None) -> None:
-        self.environment.events.request.fire(request_type="grpc", name=name, response_time=ms,
-                                             response_length=length, exception=exception, context={})
-
     @task
     def generate_stream(self) -> None:
-        item = next_item()
-        start = time.monotonic()
-        last = None
-        tokens = 0
-        reason = None
-        gaps: list[tuple[float, int]] = []
-        try:
-            for chunk in grpc_client(self._key).stream(item.prompt, stream=True, max_tokens=item.max_tokens,
-                                            temperature=0.0, ignore_eos=item.ignore_eos,
-                                            exclude_input_in_output=True):
-                n = len(chunk.token_ids)
-                if n:
-                    if last is None:
-                        self._fire("time_to_first_token", (chunk.time - start) * 1000)
-                    else:
-                        gaps.append(((chunk.time - last) / n, n))
-                    last = chunk.time
-                    tokens += n
-                reason = chunk.finish_reason or reason
-            if reason is None:
-                raise RuntimeError("the stream ended without a finish reason")
-            if reason in ("abort", "error"):
-                raise RuntimeError(f"finish_reason={reason}")
-        except Exception as exc:
-            self._fire("generate_stream", (time.monotonic() - start) * 1000, tokens, exc)
-            return
-        for gap, n in gaps:
-            for _ in range(n):
-                self._fire("inter_token_latency", gap * 1000)
-        self._fire("generate_stream", (time.monotonic() - start) * 1000, tokens)
+        fire_record(self.environment, stream_record(grpc_client(self._key), next_item()))
 
 
 class HttpGenerateUser(HttpUser):
