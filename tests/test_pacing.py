@@ -85,18 +85,20 @@ def test_an_absolute_target_and_the_floor():
     assert pacer.prefill_cap(6, 0) == pytest.approx((10e-3 - 5e-3) / device.token, abs=1)
     # 32 decode rows alone take 18 ms, over the 10 ms target: prompts still move by the floor
     floor = pacer.prefill_cap(32, 0)
-    assert floor >= 1 and floor == int(FLOOR_SHARE * (device.base + 32 * device.row) / device.token)
+    assert floor == pytest.approx(FLOOR_SHARE * (device.base + 32 * device.row) / device.token, abs=1)
 
 
 def test_a_fixed_price_of_prompt_rows_raises_the_floor_not_below_it():
     """Where having prompt rows costs more than the target leaves (the CPU: the Python layers instead
-    of the C stack), a paced step takes at least the tokens that cost that fixed price, so that the
-    step's prompt time is at least half tokens, rather than paying it for one token a step."""
+    of the C stack), a paced step takes at least the tokens that cost 2/3 of the rest of the step
+    (decode rows and that fixed price), rather than paying it for one token a step: the prompt
+    keeps at least 40% of the step."""
     device = Device(fixed=0.02)
     pacer = Pacer(-1, 1.75)
     device.train(pacer)
+    decode = device.base + 6 * device.row
     cap = pacer.prefill_cap(6, 0)
-    assert cap == pytest.approx(0.02 / device.token, abs=1)  # 20 tokens; FLOOR_SHARE of 5 ms would be 1
+    assert cap == pytest.approx(FLOOR_SHARE * (decode + 0.02) / device.token, abs=1)  # 16 tokens, not 3
 
 
 def test_slow_start_until_the_model_has_priced_a_chunk_beside_decode_rows():

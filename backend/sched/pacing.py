@@ -18,10 +18,12 @@ step that has decode rows, from the engine's own measurements:
   that is > 0; by default (-1, "auto") it is `inter_token_auto_factor` x the predicted time of the
   decode rows alone, so that pacing means the same on every device; 0 turns pacing off.
 - The floor: whatever the target, a step with prompt work takes at least the prompt tokens that cost
-  `FLOOR_SHARE` of its decode rows' own time, and at least those that cost the step's fixed price
-  of prompt rows (so a paced step spends at least half of its prompt time on tokens), and at least
-  one: a prompt always moves even when the decodes alone exceed the target (no starvation). Steps
-  without decode rows are not capped.
+  `FLOOR_SHARE` (2/3) of the rest of the step (its decode rows and the fixed price of prompt rows),
+  and at least one: a prompt always moves even when the decode rows alone exceed the target (no
+  starvation), and at no less than ~1/2.5 of the speed it would have alone (a paced step is at least
+  40% prompt tokens). Where the target leaves more room (on a GPU, where the fixed price is small,
+  the auto target leaves 0.75 of the decode time) the target governs. Steps without decode rows
+  are not capped.
 
 Until the model has seen a step with prompt tokens it cannot price one, and does not cap (in an
 engine the decoding requests' own prompts were such steps). Then it starts slow: a paced chunk is at
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 FEATURES = 5              # 1, decode rows, [prompt tokens > 0], prompt tokens, attention pairs / 1024
 WINDOW = 128              # the fit uses the last this many decode-only steps and as many steps with prompt tokens
 RIDGE = 1e-9              # relative to the normal matrix's trace: a direction no step has shown stays at 0
-FLOOR_SHARE = 0.25        # a paced step's prompt tokens cost at least this share of its decode rows' time
+FLOOR_SHARE = 2 / 3       # a paced step's prompt tokens cost at least this share of the rest of the step
 PAIR_UNIT = 1024.0
 MIN_SECONDS = 1e-5        # a step's weight is capped at this (relative-error weighting)
 MIN_TOKEN_SECONDS = 1e-8  # a prompt token's price is never below this (a fit can only say "cheap")
@@ -176,7 +178,7 @@ class Pacer:
         cost = self.cost
         decode = cost.decode_seconds(rows)
         fixed = max(0.0, cost.theta[2])
-        floor = max(1, cost.tokens_within(start, fixed + max(FLOOR_SHARE * decode, fixed)))
+        floor = max(1, cost.tokens_within(start, fixed + FLOOR_SHARE * (decode + fixed)))
         return min(self.trusted, max(floor, cost.tokens_within(start, self.target_seconds(rows) - decode)))
 
     def observe(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float) -> None:
@@ -187,17 +189,22 @@ class Pacer:
         self.cost.observe(x, seconds)
 
     def observe_batch(self, batch: "SchedulerOutput", seconds: float) -> None:
-        """A step the worker ran, and its wall time: decode rows (a verify row's drafts count as
-        prompt tokens: positions computed beside the row's own) and prompt chunks."""
-        rows = tokens = 0
-        pairs = 0.0
-        for s in batch.decodes:
-            rows += 1
-            tokens += s.num_new_tokens - 1
-        for s in batch.prefills:
-            tokens += s.num_new_tokens
-            pairs += chunk_pairs(s.start, s.num_new_tokens)
-        self.observe(rows, tokens, pairs, seconds)
+        """A step the worker ran, and its wall time."""
+        self.observe(*batch_shape(batch), seconds)
+
+
+def batch_shape(batch: "SchedulerOutput") -> tuple[int, int, float]:
+    """A step's decode rows, prompt tokens (a verify row's drafts count as prompt tokens: positions
+    computed beside the row's own) and prompt chunks' attention pairs."""
+    rows = tokens = 0
+    pairs = 0.0
+    for s in batch.decodes:
+        rows += 1
+        tokens += s.num_new_tokens - 1
+    for s in batch.prefills:
+        tokens += s.num_new_tokens
+        pairs += chunk_pairs(s.start, s.num_new_tokens)
+    return rows, tokens, pairs
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
