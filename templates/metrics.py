@@ -80,6 +80,11 @@ TRITON: tuple[Metric, ...] = (
     Metric("inflight_generation_tokens_total", COUNTER, "Tokens generated", _one("generation_tokens_total")),
     Metric("inflight_num_backfilled_total", COUNTER,
            "Requests started ahead of a waiting request that did not fit (enable_backfill)", _one("num_backfilled")),
+    Metric("inflight_num_requests_rejected_total", COUNTER, "Requests refused at arrival, told when to retry, by "
+           "reason (queue_full: max_queue_size requests waiting; ttft_target: the queue could not meet the "
+           "request's time-to-first-token target)",
+           {"num_rejected_queue_full": {"reason": "queue_full"}, "num_rejected_ttft_target": {"reason": "ttft_target"}},
+           ("reason",), rule="counted by the engine as it refuses (docs/configuration.md, \"Overload told early\")"),
     Metric("inflight_spec_decode_num_draft_tokens_total", COUNTER, "Draft tokens verified (speculative_config)",
            _one("spec_decode_num_draft_tokens")),
     Metric("inflight_spec_decode_num_accepted_tokens_total", COUNTER, "Draft tokens accepted (speculative_config)",

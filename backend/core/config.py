@@ -60,6 +60,10 @@ class EngineConfig:
     enable_backfill: bool = True
     batching_mode: str = "inflight"
     max_queue_size: int = 1024  # waiting requests beyond this are refused at once; 0: unbounded
+    # Time-to-first-token target (ms) of a request that names none (its `ttft_target_ms` sampling
+    # key wins): a request the queue cannot start within it is refused at arrival with the seconds
+    # to retry after (backend/sched/drain.py; docs/configuration.md, "Overload"). 0: no target.
+    ttft_target_ms: float = 0.0
     max_queue_delay_microseconds: int = 50000  # static/dynamic: longest wait for a batch to fill
     executor_static_batch_size: int = -1  # -1: off; N: static batches of N (forces batching_mode=static)
     dynamic_padding_threshold: float = 1.1  # dynamic: a batch holds lengths within this factor
@@ -174,6 +178,9 @@ class EngineConfig:
         _at_least("max_model_len", self.max_model_len, 0)
         _at_least("max_input_bytes", self.max_input_bytes, 0)
         _at_least("max_queue_size", self.max_queue_size, 0)
+        if not 0.0 <= self.ttft_target_ms <= MAX_INTER_TOKEN_TARGET_MS:
+            raise ValueError(f"ttft_target_ms must be in [0, {MAX_INTER_TOKEN_TARGET_MS:.0f}] (0: no target); "
+                             f"got {self.ttft_target_ms}")
         _at_least("max_queue_delay_microseconds", self.max_queue_delay_microseconds, 0)
         _at_least("stream_interval", self.stream_interval, 1)
         _at_least("max_loras", self.max_loras, 1)

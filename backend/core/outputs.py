@@ -36,6 +36,9 @@ class QueueInfo:
     first_scheduled_time: Optional[float]
     first_token_time: Optional[float]
     finished_time: Optional[float]
+    # while it waits: the expected seconds until it starts, as of engine_step (backend/sched/drain.py;
+    # None before the engine has measured a step); 0 once it has started
+    expected_wait_seconds: Optional[float] = None
 
 
 @dataclass

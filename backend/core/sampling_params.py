@@ -56,6 +56,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # special tokens are left out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens' texts are joined with nothing between
     truncate_prompt_tokens: Optional[int] = None  # k: only the prompt's last k tokens; -1: max_model_len
+    # refused at arrival when the queue cannot give the first token within this (ms); None: the
+    # engine's ttft_target_ms; 0: no target (backend/sched/drain.py)
+    ttft_target_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +110,8 @@ class SamplingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len); got {t}")
+        if self.ttft_target_ms is not None:
+            _number("ttft_target_ms", self.ttft_target_ms, 0.0, high=600_000.0)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs must be a StructuredOutputs (a dict of its fields is converted "
                              f"when SamplingParams is made); got {type(self.structured_outputs).__name__}")
@@ -191,6 +196,10 @@ def _optional_int(value: Any) -> Optional[int]:
     return None if value is None else _to_int(value)
 
 
+def _optional_float(value: Any) -> Optional[float]:
+    return None if value is None else _to_float(value)
+
+
 def _optional_ints(value: Any) -> Optional[list[int]]:
     return None if value is None else _to_ints(value)
 
@@ -217,7 +226,8 @@ _KINDS = {"max_tokens": _to_int, "temperature": float, "top_k": _to_int, "top_p"
           "structured_outputs": StructuredOutputs.parse, "min_p": float, "logit_bias": _to_bias,
           "allowed_token_ids": _optional_ints, "prompt_logprobs": _optional_int,
           "include_stop_str_in_output": _to_bool, "skip_special_tokens": _to_bool,
-          "spaces_between_special_tokens": _to_bool, "truncate_prompt_tokens": _optional_int}
+          "spaces_between_special_tokens": _to_bool, "truncate_prompt_tokens": _optional_int,
+          "ttft_target_ms": _optional_float}
 assert set(_KINDS) == {f.name for f in fields(SamplingParams)}
 KEYS = tuple(_KINDS) + ("stop_words",) + tuple(k for k in OBJECT_KEYS + tuple(LEGACY_KEYS) if k not in _KINDS)
 SamplingParams.KEYS = KEYS

@@ -82,7 +82,7 @@ class AsyncEngine:
                 raise EngineDeadError("the engine is shut down")
             if request_id in self._callbacks:
                 raise ValueError(f"request_id '{request_id}' is already running; use a new id")
-            self.engine.check_queue(len(self._new))
+            self.engine.check_queue(len(self._new), request)
             self._callbacks[request_id] = on_output
             self._open[request_id] = params.n  # completions still to finish
             self.engine.outputs.add(request)  # before the engine can output for it
@@ -106,7 +106,8 @@ class AsyncEngine:
     def stats(self) -> dict[str, Union[int, float]]:
         """The engine's figures as of the end of its last step (never half-way through one), and
         the tokens delivered so far."""
-        return {**self._stats, "generation_tokens_total": self.engine.outputs.generation_tokens_total}
+        return {**self._stats, "generation_tokens_total": self.engine.outputs.generation_tokens_total,
+                **self.engine.rejections()}  # refused at arrival: counted on the callers' threads
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:

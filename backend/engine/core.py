@@ -20,6 +20,7 @@ from typing import Union
 from backend.core.outputs import CoreOutput
 from backend.core.request import Request, RequestStatus
 from backend.core.step import StepResult
+from backend.sched.pacing import batch_shape
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +96,14 @@ class EngineCore:
             self.expert_tally = result.expert_tally
         if batch.is_empty:
             return self._deliver(refused)
+        seconds, shape = time.perf_counter() - started, batch_shape(batch)
         if self.scheduler.pacer is not None:  # the step's cost on this device: the pacer's model learns
-            self.scheduler.pacer.observe_batch(batch, time.perf_counter() - started)
+            self.scheduler.pacer.observe(*shape, seconds)
+        self.drain.observe(shape[0], shape[1], seconds)
         self.scheduler.postprocess(batch, result.sampled, time.monotonic())
         if self.speculator is not None:
             self.speculator.after_step(batch, result.sampled)
+        self.drain.update(self.scheduler)  # once a step: read at arrival and by the queue reports
         return self._deliver(refused + self._step_outputs(batch, result))
 
     def _step_outputs(self, batch, result: StepResult) -> list[CoreOutput]:

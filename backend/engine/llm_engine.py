@@ -13,7 +13,7 @@ import random
 from typing import Optional, Union
 
 from backend.core.config import EngineConfig
-from backend.core.errors import QueueFullError
+from backend.core.errors import QueueFullError, TTFTTargetError
 from backend.core.input_guard import check_text, int32
 from backend.core.lora import LoRALike
 from backend.core.outputs import CoreOutput, RequestOutput
@@ -27,6 +27,7 @@ from backend.text.tokenizer import Tokenizer, max_input_bytes
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
+REJECT_REASONS = ("queue_full", "ttft_target")  # the rejection counter's reasons (templates/metrics.py)
 
 
 class LLMEngine(EngineCore):
@@ -40,6 +41,7 @@ class LLMEngine(EngineCore):
         build_core(self, config, self.model_config, self.max_model_len, self.tokenizer, self._eos_token_ids())
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
+        self.rejected: dict[str, int] = {}  # refused at arrival (check_queue), by reason
 
     def _max_model_len(self, config: EngineConfig) -> int:
         limit = self.model_config.max_position_embeddings  # (sliding windows: the attention's, per layer)
@@ -126,16 +128,38 @@ class LLMEngine(EngineCore):
                 out.append(spaced)
         return [w for w in out if w]
 
-    def check_queue(self, pending: int = 0) -> None:
+    def check_queue(self, pending: int = 0, request: Optional[Request] = None) -> None:
+        """Refuse at arrival a request the queue has no room for (max_queue_size), or, given the
+        made `request`, one the queue cannot start within its time-to-first-token target
+        (ttft_target_ms): a QueueFullError whose message ends "retry after N s", N from the
+        queue's expected drain time (backend/sched/drain.py, read as of the last step)."""
         limit = self.config.max_queue_size
         if limit and len(self.scheduler.waiting) + len(self.waitlist) + pending >= limit:
-            raise QueueFullError(f"queue full: {limit} requests are waiting (max_queue_size); retry later")
+            self._refuse(QueueFullError(f"queue full: {limit} requests are waiting (max_queue_size); the queue's "
+                                        f"expected drain time is {self.drain.drain_seconds():.1f} s",
+                                        self.drain.drain_seconds()))
+        target_ms = None if request is None else request.params.ttft_target_ms
+        target_ms = self.config.ttft_target_ms if target_ms is None else target_ms
+        if request is not None and target_ms:
+            expected = self.drain.expected_ttft(request.num_prompt_tokens, request.params.max_tokens)
+            if expected * 1000.0 > target_ms:
+                self._refuse(TTFTTargetError(
+                    f"the queue cannot meet the time-to-first-token target: expected {expected:.2f} s, target "
+                    f"{target_ms / 1000.0:.3g} s (ttft_target_ms)", expected - target_ms / 1000.0))
+
+    def _refuse(self, error: QueueFullError) -> None:
+        self.rejected[error.reason] = self.rejected.get(error.reason, 0) + 1
+        raise error
+
+    def rejections(self) -> dict[str, int]:
+        """Requests refused at arrival so far, by reason (stats keys num_rejected_<reason>)."""
+        return {f"num_rejected_{reason}": self.rejected.get(reason, 0) for reason in REJECT_REASONS}
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
                     queue_info: bool = False, lora_request: LoRALike = None) -> Request:
-        self.check_queue()
         request = self.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info,
                                     lora_request=lora_request)
+        self.check_queue(request=request)
         self.outputs.add(request)
         self.add(request)
         return request
@@ -158,4 +182,4 @@ class LLMEngine(EngineCore):
         return results
 
     def stats(self) -> dict[str, Union[int, float]]:
-        return {**super().stats(), "generation_tokens_total": self.outputs.generation_tokens_total}
+        return {**super().stats(), "generation_tokens_total": self.outputs.generation_tokens_total, **self.rejections()}

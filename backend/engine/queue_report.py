@@ -1,6 +1,7 @@
 """Telling a caller where its request stands (`return_queue_info`): while it waits, its place in
 the queue and, under guaranteed_no_evict with backfill, the engine step its start is reserved for;
-once it runs, the KV blocks reserved for it; and its times. No torch here.
+once it runs, the KV blocks reserved for it; its times; and while it waits, the expected seconds
+until it starts (backend/sched/drain.py). No torch here.
 
 Only requests added with `queue_info=True` are followed (their first completion), so the cost is
 nothing for the others and O(waiting) a step while any followed request waits. A followed request
@@ -13,12 +14,14 @@ from typing import Optional
 
 from backend.core.outputs import QueueInfo, RequestOutput
 from backend.core.request import Request, RequestStatus
+from backend.sched.drain import DrainEstimator
 from backend.sched.scheduler import Scheduler
 
 
 class QueueReporter:
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, drain: Optional[DrainEstimator] = None):
         self.scheduler = scheduler
+        self.drain = drain  # the expected wait of a waiting request
         self._followed: dict[str, Request] = {}
         self._told: dict[str, tuple] = {}  # seq_id -> (position, reserved step, blocks) last told
 
@@ -56,7 +59,9 @@ class QueueReporter:
     def _info(self, req: Request, position: int, reserved_step: Optional[int]) -> QueueInfo:
         started = req.first_scheduled_step is not None and req.status is not RequestStatus.WAITING
         blocks = self.scheduler.policy.reserved_for(req) if started else 0
+        wait = 0.0 if started else self.drain.wait_of(req.seq_id, position) if self.drain and position >= 0 else None
         return QueueInfo(engine_step=self.scheduler.steps, position=position, reserved_step=reserved_step,
                          first_scheduled_step=req.first_scheduled_step, kv_blocks_reserved=blocks,
                          arrival_time=req.arrival_time, first_scheduled_time=req.admitted_time,
-                         first_token_time=req.first_token_time, finished_time=req.finished_time)
+                         first_token_time=req.first_token_time, finished_time=req.finished_time,
+                         expected_wait_seconds=wait)

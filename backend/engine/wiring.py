@@ -13,6 +13,7 @@ from backend.engine.structured.compiler import ConstraintCompiler
 from backend.kv.event_publisher import make_publisher
 from backend.kv.groups import KVCacheGroups
 from backend.models.loader import ModelConfig
+from backend.sched.drain import DrainEstimator, Limits
 from backend.sched.factory import make_scheduler
 from backend.sched.grammar_waitlist import GrammarWaitlist
 from backend.speculative.speculator import Speculator
@@ -40,7 +41,10 @@ def build_core(core, config: EngineConfig, model_config: ModelConfig, max_model_
         core.speculator = Speculator.create(config, core.scheduler, model_config.vocab_size, max_model_len,
                                             core.runner.num_blocks * config.kv_block_size)
         core.loras = EngineLoRAs(core.runner.lora, core.scheduler)  # adapters by name (docs/lora.md)
-        core.queue = QueueReporter(core.scheduler)  # where requests that asked stand
+        # the queue's expected drain time (backend/sched/drain.py): overload told at arrival, queue reports
+        core.drain = DrainEstimator(Limits(config.max_num_seqs, config.max_num_batched_tokens, core.blocks.num_blocks),
+                                    config.batch_scheduler_policy == "guaranteed_no_evict", core.blocks.blocks_for)
+        core.queue = QueueReporter(core.scheduler, core.drain)  # where requests that asked stand
         core.grammars = ConstraintCompiler(tokenizer, model_config.vocab_size, eos_token_ids,
                                            timeout=config.structured_outputs_compile_timeout_s)
         core.waitlist = GrammarWaitlist()  # requests whose constraint compiles (off the request path)

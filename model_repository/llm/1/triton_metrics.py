@@ -53,8 +53,8 @@ class Metrics:
         # per LoRA adapter and state (running, waiting): a series for every adapter loaded, made on first sight
         self.lora_family = family("lora_requests")
         self.lora = {}
-        self.counters = {key: made[m.name].Metric(labels=labels) for m in table.TRITON
-                         if m.kind == table.COUNTER and m.when not in LATER for key in m.keys}
+        self.counters = {key: made[m.name].Metric(labels={**labels, **fixed}) for m in table.TRITON
+                         if m.kind == table.COUNTER and m.when not in LATER for key, fixed in m.keys.items()}
         self._counted = {k: 0 for k in self.counters}
         self.hist = {key: made[m.name].Metric(labels=labels, buckets=list(m.buckets)) for m in table.TRITON
                      if m.kind == table.HISTOGRAM for key in m.keys}
