@@ -269,6 +269,8 @@ class ServerTarget:
                             if chunk.finished:
                                 rec.end = chunk.time
                                 rec.finish_reason = chunk.finish_reason
+                                # a count the responses did not show one by one (the OpenAI port's usage)
+                                rec.num_output_tokens = max(rec.num_output_tokens, chunk.num_output_tokens)
                                 break
                         if rec.end is None:
                             rec.error = "the stream ended without a final response"
@@ -286,9 +288,10 @@ class ServerTarget:
 class OpenAICompletions:
     """`/v1/completions` of an OpenAI-compatible server (inflight's port 9000, vLLM, ...), as the
     bench's other clients: `stream(prompt, **options)` yields one Chunk per server-sent event. An
-    event carries no token count, so each one with text counts as one token, as vLLM's
-    benchmark_serving counts them (inflight sends one per engine step: one token at
-    stream_interval 1). The model is the first of /v1/models."""
+    event carries no token count, so each one with text counts as one token for the inter-token
+    gaps, as vLLM's benchmark_serving counts them (inflight sends one per engine step: one token
+    at stream_interval 1, two when the first decoded to no text yet); the request's output tokens
+    are the final usage's. The model is the first of /v1/models."""
 
     def __init__(self, url: str, timeout: float = 600.0):
         self.base = (url if "://" in url else f"http://{url}").rstrip("/")
@@ -311,7 +314,8 @@ class OpenAICompletions:
                      ignore_eos: bool = True, exclude_input_in_output: bool = True):
         from client.protocol import Chunk, GenerationError
         body = {"model": self._model, "prompt": prompt if isinstance(prompt, str) else list(prompt),
-                "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos, "stream": stream}
+                "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos, "stream": stream,
+                **({"stream_options": {"include_usage": True}} if stream else {})}
         async with self._session.post(f"{self.base}/v1/completions", json=body) as r:
             if r.status != 200:
                 raise GenerationError(f"HTTP {r.status}: {(await r.text())[:300]}")
@@ -320,6 +324,7 @@ class OpenAICompletions:
                 choice, n = data["choices"][0], data.get("usage", {}).get("completion_tokens", 1)
                 yield Chunk(choice["text"], [-1] * n, choice["finish_reason"], 0, n)
                 return
+            final = None  # the finish reason's chunk, held until the usage (the true token count)
             async for raw in r.content:
                 line = raw.decode("utf-8").strip()
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
@@ -329,8 +334,14 @@ class OpenAICompletions:
                     raise GenerationError(str(event["error"])[:300])
                 for choice in event.get("choices", []):
                     text, reason = choice.get("text", ""), choice.get("finish_reason")
-                    if text or reason:
-                        yield Chunk(text, [-1] if text else [], reason, 0, 1 if text else 0)
+                    if text:
+                        yield Chunk(text, [-1], None, 0, 1)
+                    if reason:
+                        final = Chunk("", [], reason, 0, 0)
+                if event.get("usage") and final is not None:
+                    final.num_output_tokens = event["usage"].get("completion_tokens", 0)
+            if final is not None:
+                yield final
 
 
 # -- a local tritonserver for --compare-server -------------------------------------------------
