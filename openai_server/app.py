@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from backend.core.errors import retry_after_of
 from backend.core.input_guard import lone_surrogate
 from openai_server.auth import APIKeyMiddleware
 from openai_server.metrics import GatewayMetrics, default_metrics_url
@@ -125,7 +126,10 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    # An overload refusal (queue full, a time-to-first-token target the queue cannot meet) says when
+    # to retry: its message ends "retry after N s" (backend/core/errors.py), sent as Retry-After.
+    wait = retry_after_of(exc.message) if exc.status in (429, 503) else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers={"Retry-After": str(wait)} if wait else None)
 
 
 def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_name: str = "llm",

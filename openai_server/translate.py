@@ -39,8 +39,9 @@ IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort")
 ENGINE_EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids", "min_p",
                  "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
                  "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "bad_words")
-# Our own extension, off by default: where the request stands (return_queue_info, docs/triton.md).
-EXTENSIONS = ("return_queue_info",)
+# Our own extensions, off by default: where the request stands (return_queue_info, docs/triton.md);
+# a time-to-first-token target, refused at arrival with 429 when the queue cannot meet it.
+EXTENSIONS = ("return_queue_info", "ttft_target_ms")
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias") + ENGINE_EXTRAS + EXTENSIONS + IGNORED + STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON + ("prompt", "echo")
@@ -131,6 +132,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
                               ("skip_special_tokens", (bool,), "a boolean"),
                               ("spaces_between_special_tokens", (bool,), "a boolean"),
                               ("truncate_prompt_tokens", integer, "an integer"),
+                              ("ttft_target_ms", number, "a number (milliseconds)"),
                               ("prompt_logprobs", integer, "an integer (the number of top logprobs)"),
                               ("logit_bias", (dict,), "an object mapping token ids to biases")):
         value = _typed(body, name, kinds, what)

@@ -14,6 +14,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from backend.core.errors import retry_after_of
 from backend.models.lora.served import configured_adapters
 from openai_server.responses import Piece, pieces
 from templates.tensors import QUEUE_INFO_OUTPUTS
@@ -27,10 +28,11 @@ OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "nu
 def error_status(message: str) -> int:
     """The HTTP status of an error response from the model. Over the gRPC stream Triton sends the
     message without its code, so the adapter's wording tells them apart (triton_inputs.error_for):
-    a full queue (retry later) 429; shutting down or a dead engine 503; an internal failure is
-    written "<ExceptionType>: ..." 500; anything else is a refused request 400."""
+    overload (a full queue, a time-to-first-token target the queue cannot meet: the message ends
+    "retry after N s", app.py's Retry-After) 429; shutting down or a dead engine 503; an internal
+    failure is written "<ExceptionType>: ..." 500; anything else is a refused request 400."""
     low = message.lower()
-    if "queue full" in low:
+    if "queue full" in low or retry_after_of(message) is not None:
         return 429
     if "shutting down" in low or "shut down" in low or "engine stopped" in low:
         return 503
