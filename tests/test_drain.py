@@ -73,7 +73,7 @@ def test_the_expected_waits_match_a_synthetic_workload(pacing):
     drain.update(sched, now=clock)
     predicted = {r.seq_id: drain.wait_of(r.seq_id, i) for i, r in enumerate(sched.waiting)}
     late = req("late", 30, 16, first=900)
-    ttft = drain.expected_ttft(late.num_prompt_tokens, late.params.max_tokens, now=clock)
+    ttft = drain.expected_ttft(late.num_prompt_tokens, late.params.max_tokens)
     sched.add(late)
     started, first, _ = run(sched, device, drain, clock)
     step_time = device.base + 4 * device.row + device.token * 64
@@ -83,7 +83,7 @@ def test_the_expected_waits_match_a_synthetic_workload(pacing):
         assert abs(wait - real) <= TOLERANCE * real + step_time, (seq_id, wait, real)
     real = first["late"] - clock
     assert abs(ttft - real) <= TOLERANCE * real + step_time, (ttft, real)
-    assert drain.drain_seconds(now=clock) == pytest.approx(max(predicted.values()))
+    assert drain.drain_seconds() == pytest.approx(max(predicted.values()))
 
 
 def test_nothing_is_known_before_a_step_has_run():

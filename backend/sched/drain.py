@@ -180,16 +180,18 @@ def _free_room(heap: list, t: float, d: int, used: int, need: int, limits: Limit
     return t, d, used
 
 
-def expected_ttft(snapshot: Snapshot, prompt: int, blocks: int, now: float) -> float:
-    """Seconds until a sequence arriving now (prompt tokens, KV blocks it needs to start) would
-    get its first token: the queue drains, room frees, its prompt runs. 0 before anything is known."""
+def expected_ttft(snapshot: Snapshot, prompt: int, blocks: int) -> float:
+    """Seconds until a sequence arriving after the snapshot's step (prompt tokens, KV blocks it
+    needs to start) would get its first token: the queue drains, room frees, its prompt runs. 0
+    before anything is known. As of that step: the time since is not taken off (it is under a step
+    while the engine runs, and a step that hangs must not make the queue look empty)."""
     s = snapshot
     if s.prices is None:
         return 0.0
     heap = list(s.finishes)  # sorted: a valid heap
     t, d, used = _free_room(heap, s.t_end, s.d_end, s.blocks_used, blocks, s.limits, s.prices)
     seconds, _ = s.prices.prefill(0, prompt, len(heap), s.limits.max_num_batched_tokens)
-    return max(0.0, t + seconds - (now - s.at))
+    return t + seconds
 
 
 class DrainEstimator:
@@ -229,14 +231,12 @@ class DrainEstimator:
         self.snapshot = simulate(running, waiting, self.limits, prices, time.monotonic() if now is None else now,
                                  beyond=max(0, len(queue) - len(waiting)))
 
-    def drain_seconds(self, now: Optional[float] = None) -> float:
-        """Seconds until every request waiting now has started (as of the last step, less the time since)."""
-        s = self.snapshot
-        return max(0.0, s.drain_seconds - ((time.monotonic() if now is None else now) - s.at)) if s.prices else 0.0
+    def drain_seconds(self) -> float:
+        """Seconds until every request waiting at the last step has started (from that step)."""
+        return self.snapshot.drain_seconds
 
-    def expected_ttft(self, prompt: int, max_tokens: int, now: Optional[float] = None) -> float:
-        return expected_ttft(self.snapshot, prompt, self.need(prompt, max_tokens),
-                             time.monotonic() if now is None else now)
+    def expected_ttft(self, prompt: int, max_tokens: int) -> float:
+        return expected_ttft(self.snapshot, prompt, self.need(prompt, max_tokens))
 
     def wait_of(self, seq_id: str, position: int) -> Optional[float]:
         """Seconds from the last step until the waiting sequence at this place starts (None: unknown)."""

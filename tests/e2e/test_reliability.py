@@ -35,7 +35,8 @@ from .conftest import grpc_error, load_adapter, requires_tritonserver, wait_unti
 
 adapter = load_adapter()
 
-QUEUE_FULL = r"queue full: 4 requests are waiting \(max_queue_size\); retry later"
+QUEUE_FULL = (r"queue full: 4 requests are waiting \(max_queue_size\); the queue's expected drain time is "
+              r"\d+\.\d s; retry after \d+ s")
 SMALL = {"max_num_seqs": "2", "max_queue_size": "4", "max_model_len": "1024", "cpu_kv_cache_tokens": "768"}
 
 
