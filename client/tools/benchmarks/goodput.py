@@ -58,7 +58,7 @@ class SLO:
 class Search:
     """The rates measured, in order, and what came of them."""
     runs: list[dict[str, Any]] = field(default_factory=list)
-    best: Optional[float] = None      # highest rate that met the SLO (below `lowest_miss`)
+    best: Optional[float] = None      # highest rate that met the SLO
     lowest_miss: Optional[float] = None
 
     @property
@@ -79,9 +79,9 @@ def find_goodput(measure: Callable[[float], dict[str, Any]], slo: SLO, *, start:
         result = measure(rate)
         misses = slo.misses(result)
         search.runs.append({"rate": rate, "meets_slo": not misses, "misses": misses, **result})
-        if misses:
+        if misses:  # the search never measures above a rate that missed, nor below one that met
             search.lowest_miss = rate if search.lowest_miss is None else min(search.lowest_miss, rate)
-        elif search.lowest_miss is None or rate < search.lowest_miss:
+        else:
             search.best = rate if search.best is None else max(search.best, rate)
         return not misses
 
