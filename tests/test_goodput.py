@@ -3,6 +3,7 @@ synthetic server: a function rate -> the p99 latencies a queue with that capacit
 served run is tests/e2e/test_goodput_served.py."""
 import pytest
 
+from client.tools.benchmarks import bench
 from client.tools.benchmarks.goodput import SLO, find_goodput, instances_needed
 
 
@@ -80,3 +81,16 @@ def test_bad_search_bounds_are_refused():
         find_goodput(measure, SLO_, start=0.01, min_rate=0.1)
     with pytest.raises(ValueError):
         find_goodput(measure, SLO_, start=1.0, max_runs=0)
+
+
+def test_inflight_bench_lists_goodput_and_goodput_has_its_own_options(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0 and "--goodput" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--goodput", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and all(f in out for f in ("--slo-ttft-p99", "--slo-itl-p99", "--target-rpm", "--json"))
+    # refused before any request is sent (nothing listens on port 9)
+    assert bench.main(["--goodput", "--url", "127.0.0.1:9", "--slo-ttft-p99", "0"]) == 2
+    assert bench.main(["--goodput", "--url", "127.0.0.1:9", "--rate", "5", "--max-rate", "2"]) == 2

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--metrics-url", help="the server's Prometheus endpoint (default: the url's host, port 8002)")
     where.add_argument("--offline", action="store_true",
                        help="LLM.generate on the whole workload at once, per --mode (needs --model-path)")
+    where.add_argument("--goodput", action="store_true",
+                       help="against a running server: the highest Poisson rate meeting a TTFT/ITL p99 SLO, and "
+                            "the instances a target load needs (its options: `inflight bench --goodput --help`)")
     where.add_argument("--compare-server", action="store_true",
                        help="in-flight in-process AND through a server in the same run, with their ratio "
                             "(starts a local tritonserver unless --url is given)")
