@@ -1,4 +1,5 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (on the chat
+path: responses_api.py), /tokenize, /detokenize (tokenize_api.py), /health, /metrics.
 
 Each call becomes one Triton request per choice (prompts x n), sent on the shared gRPC channel and
 read as they stream back; their pieces are merged into one SSE stream (`stream: true`) or one body.
@@ -31,6 +32,7 @@ from openai_server.auth import APIKeyMiddleware
 from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.reasoning_request import parse_chat_request
 from openai_server.responses import ChoiceState, Reply, sse
+from openai_server.responses_api import Answer, events as response_events, to_chat
 from openai_server.tokenize_api import MaxModelLen, detokenize, tokenize
 from openai_server.translate import APIError, Generation, bad, parse_completion, triton_tensors
 from openai_server.triton_backend import TritonBackend
@@ -247,7 +249,21 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = _check_messages(await _body(request))
+        return await _chat(request, await _body(request))
+
+    @app.post("/v1/responses")  # stateless, on the chat path (responses_api.py)
+    async def responses(request: Request):
+        body = await _body(request)
+        answer = Answer(body, lambda text: len(render.tokenizer.encode(text, add_special_tokens=False)))
+        reply = await _chat(request, await off_loop(to_chat, body))
+        if isinstance(reply, StreamingResponse):
+            return StreamingResponse(response_events(reply.body_iterator, answer), media_type="text/event-stream")
+        if reply.status_code != 200:  # the client left (499)
+            return reply
+        return JSONResponse(answer.from_chat(json.loads(reply.body)))
+
+    async def _chat(request: Request, body: dict[str, Any]):
+        body = _check_messages(body)
         gen, thinking = await off_loop(parse_chat_request, body, render, tool_call_parser,  # reasoning_request.py
                                        reasoning_parser)
         gen = _with_adapter(gen, body)

@@ -126,3 +126,105 @@ def test_tokenize_and_detokenize_round_trip_as_the_tokenizer(served):
     assert post(served, "/tokenize", {"prompt": "x", "messages": ask})[0] == 400
     assert post(served, "/tokenize", {"prompt": "x"}, key=None)[0] == 401
     assert post(served, "/detokenize", {"tokens": [1]}, key="wrong")[0] == 401
+
+
+# -- /v1/responses ---------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"]}}
+NO_THINKING = {"effort": "none"}  # the template's enable_thinking: false
+
+
+def test_a_plain_response_is_the_chats_answer(served):
+    api = sdk(served)
+    r = api.responses.create(model="llm", input="Is it sunny in Paris?", instructions="Answer briefly.",
+                             max_output_tokens=12, temperature=0, reasoning=NO_THINKING)
+    chat = api.chat.completions.create(model="llm", max_completion_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Is it sunny in Paris?"}],
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.object == "response" and r.id.startswith("resp_") and r.store is False
+    assert r.output_text == chat.choices[0].message.content and r.output[0].type == "message"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+
+
+def test_a_forced_function_call(served):
+    r = sdk(served).responses.create(
+        model="llm", input=[{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}],
+        tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
+        temperature=0, reasoning=NO_THINKING)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    args = json.loads(calls[0].arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 8
+    # the call and its output sent back as items: the next turn renders them as the chat's tool turn
+    follow = sdk(served).responses.create(
+        model="llm", max_output_tokens=4, temperature=0, reasoning=NO_THINKING, tools=[WEATHER], input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert follow.usage.input_tokens > r.usage.input_tokens
+
+
+def test_a_json_schema_format_parses_and_validates(served):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                               "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    # sampled (a greedy random model may spend every token on the whitespace JSON allows)
+    for seed in range(2):
+        r = sdk(served).responses.create(model="llm", input="Is it sunny in Paris?", max_output_tokens=440,
+                                         temperature=1.0, reasoning=NO_THINKING, extra_body={"seed": seed},
+                                         text={"format": {"type": "json_schema", "name": "verdict", "schema": schema,
+                                                          "strict": True}})
+        assert r.status == "completed", r.output_text
+        jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_a_streamed_response_has_the_events_in_order_and_adds_up(served):
+    """Thinking on (reasoning.effort), at most 4 tokens of it (vLLM's thinking_token_budget), then a
+    JSON answer: both items streamed, each the same as the whole answer with the same seed."""
+    api = sdk(served)
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    kw = dict(model="llm", input="Is it sunny in Paris?", max_output_tokens=200, temperature=1.0,
+              reasoning={"effort": "high"}, extra_body={"thinking_token_budget": 4, "seed": 1},
+              text={"format": {"type": "json_schema", "name": "verdict", "schema": schema}})
+    whole = api.responses.create(**kw)
+    events = list(api.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed",
+                                                                                       "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" in kinds
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final = events[-1].response
+    assert done.text == text == final.output_text == whole.output_text
+    assert final.output[0].content[0].text == reasoning == whole.output[0].content[0].text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    for added, closed in (("response.output_item.added", "response.output_item.done"),
+                          ("response.content_part.added", "response.content_part.done")):
+        assert kinds.count(added) == kinds.count(closed) == 2
+
+
+def test_a_streamed_function_call(served):
+    events = list(sdk(served).responses.create(
+        model="llm", input="Weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=60,
+        temperature=0, reasoning=NO_THINKING, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.name == "get_weather" and done.arguments == deltas and "city" in json.loads(deltas)
+    assert events[-1].response.output[-1].arguments == deltas
+
+
+@pytest.mark.parametrize("field,value", [("store", True), ("previous_response_id", "resp_1"),
+                                         ("tools", [{"type": "web_search"}])])
+def test_what_a_stateless_server_cannot_do_is_a_400_naming_it(served, field, value):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(served).responses.create(model="llm", input="hi", **{field: value})
+    assert err.value.body["param"] == field and field.split("_")[0] in err.value.body["message"]
