@@ -225,7 +225,8 @@ class Chunk:
 def _queue(found: dict[str, list]) -> Optional[dict[str, Any]]:
     if not any(found.values()):
         return None
-    return {k: (float(v[0]) if k == "seconds_since_arrival" else int(v[0])) for k, v in found.items() if v}
+    return {k: (float(v[0]) if k in ("seconds_since_arrival", "expected_wait_seconds") else int(v[0]))
+            for k, v in found.items() if v}
 
 
 def _str(value: Any) -> str:

@@ -48,7 +48,7 @@ INPUTS: tuple[Tensor, ...] = (
            "qwen3 | deepseek_r1 (vLLM's names): the thinking goes to reasoning_output, text_output keeps the "
            "answer; default: none"),
     Tensor("return_queue_info", "BOOL", (1,),
-           "add where it stands (queue_position ... seconds_since_arrival); streaming, also a response "
+           "add where it stands (queue_position ... expected_wait_seconds); streaming, also a response "
            "(no tokens) whenever its place or reservation changes while it waits"),
     # -- sampling settings --
     Tensor("max_tokens", "INT32", (1,), f"default {defaults.MAX_TOKENS}; >= 1", "max_tokens"),
@@ -106,6 +106,8 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("first_token_time_ns", "INT64", (1,), "if asked; Unix time in ns of its first token; 0 until then"),
     Tensor("finished_time_ns", "INT64", (1,), "if asked; Unix time in ns it finished; 0 until then"),
     Tensor("seconds_since_arrival", "FP64", (1,), "if asked; seconds from its arrival to this response"),
+    Tensor("expected_wait_seconds", "FP64", (1,),
+           "if asked; while it waits, the engine's expected seconds until it starts (-1: not known yet); 0 once it runs"),
     Tensor("prompt_logprobs", "STRING", (1,),
            "if asked; vLLM's prompt_logprobs as JSON: null for the first prompt token, then per token {id: "
            "{logprob, rank, decoded_token}}; with the first tokens (null in later streamed responses)"),
@@ -118,7 +120,7 @@ RETURN_FLAGS = tuple(t.name for t in INPUTS if t.name.startswith("return_") and 
 # What return_queue_info adds, each [1] (the request's first completion).
 QUEUE_INFO_OUTPUTS = ("queue_position", "reserved_step", "engine_step", "first_scheduled_step", "kv_blocks_reserved",
                       "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "finished_time_ns",
-                      "seconds_since_arrival")
+                      "seconds_since_arrival", "expected_wait_seconds")
 
 _BY_NAME = {t.name: t for t in INPUTS + OUTPUTS}
 assert set(QUEUE_INFO_OUTPUTS) <= {t.name for t in OUTPUTS}

@@ -44,6 +44,7 @@ def test_rendered_config_is_a_valid_decoupled_triton_config():
                                                "num_cached_tokens", "queue_position", "reserved_step", "engine_step", "first_scheduled_step",
                                                "kv_blocks_reserved", "arrival_time_ns", "first_scheduled_time_ns",
                                                "first_token_time_ns", "finished_time_ns", "seconds_since_arrival",
+                                               "expected_wait_seconds",
                                                    "prompt_logprobs", "reasoning_output"]
 
 

@@ -35,3 +35,18 @@ def test_the_openai_port_answers_429_with_retry_after():
     assert dead.status_code == 503 and "retry-after" not in dead.headers
     bad = _error(APIError(400, "max_tokens: retry after 3 s is not a number"))  # only overloads get the header
     assert "retry-after" not in bad.headers
+
+
+def test_queue_info_carries_the_expected_wait():
+    from backend.core.outputs import QueueInfo
+    from client.protocol import _queue
+    from triton_outputs import queue_tensors
+
+    waiting = QueueInfo(engine_step=4, position=1, reserved_step=None, first_scheduled_step=None,
+                        kv_blocks_reserved=0, arrival_time=0.0, first_scheduled_time=None, first_token_time=None,
+                        finished_time=None, expected_wait_seconds=2.5)
+    tensors = queue_tensors(waiting)
+    assert tensors["expected_wait_seconds"].dtype.name == "float64" and tensors["expected_wait_seconds"][0] == 2.5
+    assert _queue({k: list(v) for k, v in tensors.items()})["expected_wait_seconds"] == 2.5
+    waiting.expected_wait_seconds = None  # before the engine has measured a step
+    assert queue_tensors(waiting)["expected_wait_seconds"][0] == -1.0

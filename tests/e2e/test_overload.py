@@ -2,7 +2,7 @@
 SDK (docs/configuration.md, "Overload told early"): a full queue, and a time-to-first-token target
 the queue cannot meet, are refused at arrival; Triton's error carries "retry after N s", the
 OpenAI port answers 429 with `Retry-After: N`; a target the queue can meet is served; the
-rejection counter moves by reason."""
+rejection counter moves by reason; a waiting request's queue info says how long it expects to wait."""
 import json
 import re
 import threading
@@ -121,9 +121,12 @@ def test_a_ttft_target_the_queue_cannot_meet_is_refused_and_one_it_can_is_served
         assert int(refused.value.response.headers["retry-after"]) >= 1
         wait_until(lambda: rejected(triton)["ttft_target"] - before.get("ttft_target", 0) == 2, timeout=10)
         assert rejected(triton).get("queue_full", 0) == before.get("queue_full", 0)
-        # ten minutes: it can wait for the runner, and is served
-        served_ = sdk.completions.create(model="llm", prompt="patient", max_tokens=4,
-                                         extra_body={"ttft_target_ms": 600_000, "ignore_eos": True})
-        assert served_.choices[0].finish_reason == "length"
+        # ten minutes: it can wait for the runner, and is served; while it waits, queue info says how long
+        chunks = list(sdk.completions.create(model="llm", prompt="patient", max_tokens=4, stream=True, extra_body={
+            "ttft_target_ms": 600_000, "ignore_eos": True, "return_queue_info": True}))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        waits = [c.choices[0].queue_info["expected_wait_seconds"] for c in chunks
+                 if c.choices and c.choices[0].queue_info["queue_position"] == 0]
+        assert waits and waits[0] > 0, waits
     finally:
         stop(triton, ["long"], threads)

@@ -135,6 +135,7 @@ def queue_tensors(q: Any) -> dict[str, np.ndarray]:
         "first_token_time_ns": one(_unix_ns(q.first_token_time), np.int64),
         "finished_time_ns": one(_unix_ns(q.finished_time), np.int64),
         "seconds_since_arrival": one(time.monotonic() - q.arrival_time, np.float64),
+        "expected_wait_seconds": one(-1.0 if q.expected_wait_seconds is None else q.expected_wait_seconds, np.float64),
     }
 
 
