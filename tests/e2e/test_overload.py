@@ -7,7 +7,6 @@ import json
 import re
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from client.http_client import HttpClient
 from serving.openai_launcher import OpenAIServer
 
 from .conftest import grpc_error, requires_tritonserver, wait_until
+from .test_server import metrics
 
 openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
@@ -35,18 +35,13 @@ def served(model_repository, model_path):
 
 
 def rejected(triton) -> dict[str, float]:
-    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("inflight_num_requests_rejected_total{"):
-            key, _, value = line.rpartition(" ")
-            out[re.search(r'reason="(\w+)"', key).group(1)] = float(value)
-    return out
+    """inflight_num_requests_rejected_total by reason."""
+    return {re.search(r'reason="(\w+)"', key).group(1): value for key, value in metrics(triton).items()
+            if key.startswith("inflight_num_requests_rejected_total{")}
 
 
 def gauge(triton, name: str) -> float:
-    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
-    return next(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(name + "{"))
+    return next(value for key, value in metrics(triton).items() if key.split("{")[0] == name)
 
 
 def run_in_background(triton, names, max_tokens):
