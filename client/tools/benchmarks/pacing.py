@@ -10,8 +10,8 @@ Per mode and round it measures:
   of the same length, so the mixed phase never hits the prefix cache);
 - quiet: the streams decoding with no prompt arriving: their inter-token gaps;
 - mixed: the streams decoding while the long prompts arrive `--gap` seconds apart: the streams'
-  inter-token gaps from the first arrival to the last long prompt's first token, each long prompt's
-  time to first token, and the workload's throughput (prompt and output tokens of every request
+  inter-token gaps that end while a long prompt is between its arrival and its first token, each
+  long prompt's time to first token, and the workload's throughput (prompt and output tokens of every request
   over the time from the first stream's start to the last request's end).
 Gaps are per token as the output thread hands them out (stream_interval 1).
 """
@@ -103,9 +103,9 @@ def run_mode(args, overrides: dict, seed: int) -> dict:
             longs.append(rid)
         for rid in longs:
             t.done[rid].wait()
-        first_arrival = t.started[longs[0]]
-        last_first_token = max(t.times[r][0] for r in longs)
-        during = t.gaps(streams, first_arrival, last_first_token)
+        during = []  # gaps that end while a long prompt is on its way to its first token
+        for rid in longs:
+            during += t.gaps(streams, t.started[rid], t.times[rid][0])
         for rid in streams:
             t.done[rid].wait()
         end = max(t.times[r][-1] for r in streams + longs)
