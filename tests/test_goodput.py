@@ -94,3 +94,28 @@ def test_inflight_bench_lists_goodput_and_goodput_has_its_own_options(capsys):
     # refused before any request is sent (nothing listens on port 9)
     assert bench.main(["--goodput", "--url", "127.0.0.1:9", "--slo-ttft-p99", "0"]) == 2
     assert bench.main(["--goodput", "--url", "127.0.0.1:9", "--rate", "5", "--max-rate", "2"]) == 2
+
+
+class RefusingServer:
+    """A ServerTarget whose every request fails (a server missing an output the client asks for)."""
+    name, mode = "server-grpc", "inflight"
+    runs = 0
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def run(self, items, concurrency, progress=False):
+        RefusingServer.runs += 1
+        return {"num_requests": len(items), "completed": 0, "failed": len(items), "ttft_p99_s": None,
+                "itl_p99_s": None, "errors": ["GenerationError: unexpected inference output 'x'"]}
+
+
+@pytest.mark.parametrize("warmup", ["0", "1"])
+def test_a_server_that_fails_every_request_stops_the_search_at_once_with_its_error(monkeypatch, capsys, warmup):
+    from client.tools.benchmarks import targets
+
+    monkeypatch.setattr(targets, "ServerTarget", RefusingServer)
+    RefusingServer.runs = 0
+    assert bench.main(["--goodput", "--warmup", warmup, "--no-progress"]) == 1
+    assert RefusingServer.runs == 1  # not a search down to --min-rate, paying each rate's duration
+    assert "unexpected inference output 'x'" in capsys.readouterr().err

@@ -18,7 +18,8 @@ the SLO below the lowest that missed it; instances needed = ceil(target rate / g
 grows with the rate, so the search assumes that a rate above one that missed misses too; a noisy
 machine can break that, so read the table of runs.
 
-The exit code is 1 when no rate met the SLO, 2 on bad arguments.
+The exit code is 1 when no rate met the SLO, or every request of a run (or of the warm-up) failed
+(the errors are printed: the server refuses these requests at any rate); 2 on bad arguments.
 """
 from __future__ import annotations
 
@@ -112,6 +113,11 @@ def instances_needed(target_rpm: float, goodput_rps: float) -> Optional[int]:
 
 
 # -- against a running server ------------------------------------------------------------------------
+class _AllFailed(RuntimeError):
+    """Every request of a run failed: the server refuses them (a wrong model, a missing output),
+    which no rate would change; the search stops."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inflight bench --goodput", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,12 +195,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = _dt.datetime.now().astimezone()
     if args.warmup > 0:  # untimed: first-call costs out of the way
         longest = sorted(probe, key=lambda w: -w.prompt_len)[:args.warmup]
-        target.run([WorkItem(i, w.prompt, w.prompt_len, min(4, w.max_tokens)) for i, w in enumerate(longest)],
-                   len(longest))
+        warm = target.run([WorkItem(i, w.prompt, w.prompt_len, min(4, w.max_tokens)) for i, w in enumerate(longest)],
+                          len(longest))
+        if not warm["completed"]:
+            print(f"inflight bench --goodput: every warm-up request failed: {'; '.join(warm['errors'])}",
+                  file=sys.stderr)
+            return 1
 
     def measure(rate: float) -> dict[str, Any]:
         items = workload(rate, max(args.min_requests, math.ceil(rate * args.duration)))
         result = target.run(items, args.max_concurrency or len(items), progress)
+        if not result["completed"]:  # not a latency: a server that refuses these requests at any rate
+            raise _AllFailed(f"every request at {rate:.3f}/s failed: {'; '.join(result['errors'])}")
         met = "met" if not slo.misses(result) else "missed"
         print(f"  rate {rate:.3f}/s: {len(items)} requests, TTFT p99 "
               f"{(result['ttft_p99_s'] or float('nan')) * 1000:.0f} ms, ITL p99 "
@@ -207,6 +219,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               min_rate=args.min_rate, max_rate=args.max_rate)
     except KeyboardInterrupt:
         print("inflight bench --goodput: interrupted", file=sys.stderr)
+        return 1
+    except _AllFailed as exc:
+        print(f"inflight bench --goodput: {exc}", file=sys.stderr)
         return 1
     needed = instances_needed(args.target_rpm, search.goodput_rps)
     print()
