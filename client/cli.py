@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
                                   host=args.host, port=args.openai_port, log_to_console=True,
                                   tool_call_parser=args.tool_call_parser, metrics_url=server.metrics_url,
                                   reasoning_parser=args.reasoning_parser, api_keys=tuple(args.api_key),
-                                  extra_args=("--api-key-all-routes",) if args.api_key_all_routes else ())
+                                  extra_args=openai_flags(args))
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -219,6 +219,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def openai_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """`inflight serve`'s flags that `python -m openai_server` takes as they are."""
+    flags = ["--api-key-all-routes"] if args.api_key_all_routes else []
+    for name in ("max_chat_messages", "max_chat_rendered_chars"):
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return tuple(flags)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inflight",
@@ -264,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "/detokenize (vLLM's flag; default: $INFLIGHT_API_KEY, else $VLLM_API_KEY; docs/security.md)")
     p.add_argument("--api-key-all-routes", action="store_true",
                    help="the OpenAI API wants the key on /health and /metrics too")
+    p.add_argument("--max-chat-messages", type=int, metavar="N",
+                   help="the OpenAI API refuses a chat of more messages with a 400 naming the limit (default 10000)")
+    p.add_argument("--max-chat-rendered-chars", type=int, metavar="N",
+                   help="the OpenAI API refuses a chat whose rendered prompt is longer (default 4194304)")
     p.add_argument("--triton-arg", action="append", default=[], metavar="ARG",
                    help="pass a flag to tritonserver as it is, written with '=': --triton-arg=--http-restricted-api="
                         "model-repository,statistics:admin-key=SECRET (repeatable; docs/triton.md)")

@@ -1,0 +1,16 @@
+"""`inflight serve` hands the OpenAI server's own flags on: each one it takes, the OpenAI server's
+parser reads back with the same value (a flag renamed on one side fails here)."""
+from client.cli import build_parser, openai_flags
+from openai_server.__main__ import build_parser as openai_parser
+
+
+def test_serve_passes_the_chat_limits_and_the_key_switch_to_the_openai_server():
+    args = build_parser().parse_args(["serve", "--max-chat-messages", "7", "--max-chat-rendered-chars", "1234",
+                                      "--api-key-all-routes"])
+    flags = openai_flags(args)
+    parsed = openai_parser().parse_args(["--grpc-url", "localhost:8001", "--model-path", "m", *flags])
+    assert parsed.max_chat_messages == 7 and parsed.max_chat_rendered_chars == 1234 and parsed.api_key_all_routes
+
+
+def test_serve_passes_nothing_it_was_not_given():
+    assert openai_flags(build_parser().parse_args(["serve"])) == ()
