@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from openai_server.reasoning import PARSERS as REASONING_PARSERS
 from openai_server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
-from templates.render import parse_param, positive_int, tensor_parallel_problem
+from templates.render import parse_param, positive_int, stale_warning, tensor_parallel_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +60,9 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         write_config(config)
         print(f"inflight serve: rendered {config} (edit it to tune the engine)")
+    stale = stale_warning(config, config.read_text())
+    if stale:
+        print(f"inflight serve: warning: {stale}", file=sys.stderr)
     if args.tp is not None:
         params["tensor_parallel_size"] = str(args.tp)
         problem = tensor_parallel_problem(config.read_text(), args.tp)

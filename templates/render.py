@@ -172,6 +172,21 @@ def is_hand_edited(text: str) -> bool:
     return first[len(HEADER):].strip() != _digest(body)
 
 
+def missing_tensors(text: str) -> list[str]:
+    """The inputs and outputs of tensors.py that a config text does not declare: a hand-edited
+    file kept from an older checkout (clients that ask for a newer output then fail)."""
+    declared = set(re.findall(r'name:\s*"([^"]+)"', text))
+    return [t.name for t in tensors.INPUTS + tensors.OUTPUTS if t.name not in declared]
+
+
+def stale_warning(path: Path, text: str) -> Optional[str]:
+    missing = missing_tensors(text)
+    if not missing:
+        return None
+    return (f"{path} lacks {', '.join(missing)} (it is older than this checkout): carry your edits into a new "
+            "render (`inflight config --force`), or requests that ask for them fail")
+
+
 def write_config(output: Path = DEFAULT_OUTPUT, *, force: bool = False,
                  gpus: Optional[Sequence[int]] = None, count: int = 1,
                  overrides: Optional[Mapping[str, str]] = None, tp: int = 1) -> str:
@@ -240,6 +255,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if status == "kept":
         print(f"{args.output} has hand edits: kept as it is (use --force to render it anew)")
+        warning = stale_warning(Path(args.output), Path(args.output).read_text())
+        if warning:
+            print(f"inflight config: warning: {warning}", file=sys.stderr)
     else:
         print(f"{args.output}: {status}")
     return 0

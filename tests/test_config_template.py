@@ -118,3 +118,20 @@ def test_configuration_docs_give_every_parameter_with_its_default():
         assert row, f"docs/configuration.md's parameter table has no row for {name}"
         assert row.group(1) == (value or '""'), \
             f"docs/configuration.md gives {name} default {row.group(1)}, the template {value}"
+
+
+def test_a_kept_config_older_than_the_checkout_is_named_with_what_it_lacks(tmp_path):
+    """A hand-edited config.pbtxt from before an output was added is kept, and both `inflight config`
+    and `inflight serve` say which tensors it lacks (clients asking for them would fail)."""
+    from templates import tensors
+    from templates.render import render, stale_warning, write_config
+
+    fresh = render([], 1)
+    assert stale_warning(tmp_path / "c", fresh) is None
+    newest = tensors.OUTPUTS[-1].name
+    old = "\n".join(line for line in fresh.splitlines() if f'"{newest}"' not in line) + "\n# edited\n"
+    path = tmp_path / "config.pbtxt"
+    path.write_text(old)
+    assert write_config(path, gpus=[]) == "kept"
+    warning = stale_warning(path, path.read_text())
+    assert warning is not None and newest in warning and "--force" in warning
