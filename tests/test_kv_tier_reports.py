@@ -3,7 +3,6 @@
 `inflight_kv_tier_*` metrics that model.py writes from the engine's stats."""
 import importlib.util
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -29,11 +28,13 @@ def test_cached_prompt_tokens_reach_the_output_and_the_triton_tensor(default_mod
 
     sys.path.insert(0, str(MODEL_PY.parent))
     try:
+        from live_request import Live
         from triton_outputs import output_tensors
     finally:
         sys.path.remove(str(MODEL_PY.parent))
-    live = types.SimpleNamespace(n=1, stream=True, exclude_input=True, prompt_text=None, latest={0: again},
-                                 returns=frozenset({"return_num_cached_tokens"}))
+    # the door's own record of a request in flight (a stand-in went stale when Live grew a field)
+    live = Live("offline-1", "", None, stream=True, exclude_input=True, prompt_text=None, arrival=0.0,
+                latest={0: again}, returns=frozenset({"return_num_cached_tokens"}))
     tensors = output_tensors(live, {0: again}, lambda ids: "")
     assert tensors["num_cached_tokens"].dtype == np.uint32 and list(tensors["num_cached_tokens"]) == [32]
     live.returns = frozenset()
