@@ -157,6 +157,7 @@ def run(sched, device, until, steps=100_000):
     raise AssertionError("did not finish")
 
 
+@pytest.mark.slow  # ~3 s of CPU: thousands of scheduler steps
 @pytest.mark.parametrize("target", [-1.0, 12.0])
 def test_decodes_keep_their_pace_while_a_long_prompt_arrives(target):
     """Six streams decode; prompts of 3,001 and 1,003 tokens arrive together. Paced, every step stays

@@ -150,7 +150,8 @@ class AsyncEngine:
             with self._lock:
                 # A request whose grammar still compiles is no work yet: its compile's end wakes us.
                 while (not self._stopped and not self._new and not self._aborts and not self._stops
-                       and not self.engine.has_runnable_work() and self._lost is None):
+                       and not self.engine.has_runnable_work() and not self.engine.tiers_settling()
+                       and self._lost is None):
                     self._lock.wait()
                 # at most one step's outputs still being made text: a stop string they hold is known
                 # before the step after next
@@ -172,8 +173,8 @@ class AsyncEngine:
                 self._die(f"{type(exc).__name__}: {exc}")
                 return
             self._stats = self.engine.stats()
-            if self.engine.idle and not outputs and self.engine.scheduler.has_work:
-                time.sleep(0.001)  # a batching gate is holding requests back; poll gently
+            if self.engine.idle and not outputs and (self.engine.scheduler.has_work or self.engine.tiers_settling()):
+                time.sleep(0.001)  # a batching gate holds requests back, or the KV tiers' jobs retire: poll gently
             if outputs:
                 self._posted += 1
                 self._delivery.put(outputs)

@@ -70,6 +70,23 @@ class EngineCore:
     def has_work(self) -> bool:  # anything unfinished, compiling constraints included
         return self.scheduler.has_work or len(self.waitlist) > 0
 
+    def tiers_settling(self) -> bool:
+        """The KV tiers still have copies or disk jobs in flight (or host slots pinned by them) with
+        no request left: empty steps retire them (each polls the tiers)."""
+        return not self.kv_tiers.idle and not self.scheduler.has_work
+
+    def settle_tiers(self, timeout: float) -> bool:
+        """Step until the tiers are idle (the disk writes of the last evictions retired) or timeout."""
+        deadline = time.monotonic() + timeout
+        while self.tiers_settling():
+            if time.monotonic() > deadline:
+                return False
+            disk = getattr(self.kv_tiers, "disk", None)
+            if disk is not None:
+                disk.wait(0.005)  # until a job completes: no spinning
+            self.core_step()  # an empty step: it polls the tiers (after has_work() is false, nothing else runs)
+        return True
+
     def has_runnable_work(self) -> bool:
         """Something a step can do now: a request to schedule, or a compile that has ended."""
         return self.scheduler.has_work or self.waitlist.has_ready()

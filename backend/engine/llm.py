@@ -11,6 +11,8 @@ from backend.core.outputs import RequestOutput
 from backend.core.lora import LoRALike
 from backend.core.sampling_params import SamplingParams
 
+SETTLE_SECONDS = 10.0  # at most this long for the KV tiers' jobs in flight when generate() has its outputs
+
 
 class LLM:
     def __init__(self, model_path: str, **overrides):
@@ -58,6 +60,7 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
+        self.engine.settle_tiers(SETTLE_SECONDS)  # the KV tiers' last disk writes retire before we return
         results = []
         for rid in order:
             samples = sorted(done[rid], key=lambda o: o.index)
