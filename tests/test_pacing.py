@@ -6,7 +6,7 @@ tokens + per pair x attention pairs), and the engine-level test runs the real ti
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from backend.core.config import EngineConfig
@@ -184,27 +184,31 @@ def test_decodes_keep_their_pace_while_a_long_prompt_arrives(target):
     assert sum(tokens for _, tokens, _ in logs["paced"]) == 3001 + 1003
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.slow  # ~3 s of CPU
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@example(seed=0, streams=11, prompts=[1], target=-1.0, token_cost=0.05)  # a stream's prompt ahead of it, at a token a step
 @given(seed=st.integers(0, 2**32), streams=st.integers(0, 12), prompts=st.lists(st.integers(1, 900), max_size=6),
        target=st.sampled_from([-1.0, 0.5, 3.0, 50.0]), token_cost=st.sampled_from([1e-5, 1e-3, 5e-2]))
 def test_no_prompt_starves_under_any_mix(seed, streams, prompts, target, token_cost):
     """Whatever the target (some below the decode rows' own time), every prompt gets its first token
-    within its own prompt length of steps after the prompts before it, nothing is preempted, and
-    every block comes back."""
+    within as many steps as there are prompt tokens ahead of it and its own (the streams' unfinished
+    prompts included: a paced step computes at least one), nothing is preempted, and every block
+    comes back."""
     device = Device(token=token_cost)
     sched = paced_scheduler(budget=256, blocks=2048, max_seqs=24, target=target, device=device)
     rng = random.Random(seed)
     for i in range(streams):
         sched.add(request(f"s{i}", rng.randint(1, 40), rng.randint(1, 300), seed=i))
     longs = [request(f"p{i}", n, rng.randint(1, 5), seed=100 + i) for i, n in enumerate(prompts)]
-    log = []
+    log, ahead = [], 0
     for r in longs:
+        ahead += sum(x.num_tokens - x.num_computed_tokens for x in sched.iter_requests())  # prompt work before it
         sched.add(r)
         log += run(sched, device, lambda: not sched.has_work or all(x.output_token_ids for x in longs[:1 + longs.index(r)]))
     run(sched, device, lambda: not sched.has_work)
     assert sched.num_preemptions == 0 and sched.blocks.num_used_blocks == 0
     assert all(x.output_token_ids for x in longs)
-    assert len(log) <= sum(prompts) + 2 * len(prompts) + 1  # at least one prompt token every step
+    assert len(log) <= ahead + sum(prompts) + 2 * len(prompts) + 1  # at least one prompt token every step
 
 
 @pytest.mark.parametrize("shape", SHAPES)
