@@ -90,7 +90,7 @@ class StepCost:
     """Least squares over `step_features` on a sliding window, in relative error: each step weighs
     by 1/its seconds, since a step's noise grows with its length and a long prompt's chunk must not
     drown a decode step's figure. Decode-only steps and steps with prompt tokens have a window each,
-    so a long run of decode steps never forgets what a prompt token costs. Pure Python: 4 x 4."""
+    so a long run of decode steps never forgets what a prompt token costs. Pure Python: 5 x 5."""
 
     def __init__(self):
         self.decode_only, self.with_prompt = _Window(2), _Window(FEATURES)
@@ -132,15 +132,21 @@ class StepCost:
     def decode_seconds(self, rows: int) -> float:
         return max(0.0, self.predict(step_features(rows, 0, 0.0)))
 
-    def prompt_seconds(self, start: int, n: int) -> float:
-        """What n prompt tokens from position start add to a step (each part of the price >= 0)."""
+    def prices(self) -> tuple[float, float, float]:
+        """A step's price of prompt rows: fixed, per token, per attention pair / PAIR_UNIT (each >= 0; a
+        token never below MIN_TOKEN_SECONDS)."""
         fixed, per_token, per_pair = (max(0.0, v) for v in self.theta[2:])
-        return fixed + max(MIN_TOKEN_SECONDS, per_token) * n + per_pair * chunk_pairs(start, n) / PAIR_UNIT
+        return fixed, max(MIN_TOKEN_SECONDS, per_token), per_pair
+
+    def prompt_seconds(self, start: int, n: int) -> float:
+        """What n prompt tokens from position start add to a step."""
+        fixed, per_token, per_pair = self.prices()
+        return fixed + per_token * n + per_pair * chunk_pairs(start, n) / PAIR_UNIT
 
     def tokens_within(self, start: int, seconds: float) -> int:
         """The most prompt tokens from position start whose price (fixed part included) fits in seconds."""
-        fixed, per_token, per_pair = (max(0.0, v) for v in self.theta[2:])
-        a, b, c = per_pair / PAIR_UNIT / 2, max(MIN_TOKEN_SECONDS, per_token) + per_pair * (start + 0.5) / PAIR_UNIT, \
+        fixed, per_token, per_pair = self.prices()
+        a, b, c = per_pair / PAIR_UNIT / 2, per_token + per_pair * (start + 0.5) / PAIR_UNIT, \
             fixed - seconds  # a n^2 + b n + c <= 0
         if c >= 0:
             return 0
@@ -171,13 +177,11 @@ class Pacer:
     def prefill_cap(self, rows: int, start: int) -> Optional[int]:
         """The prompt-token cap of a step with `rows` decode rows whose first prompt chunk starts at
         position `start`; None: no cap (pacing off, or nothing decoding)."""
-        if not self.enabled or rows == 0:
-            return None
-        if self.cost.prompt_steps == 0:
-            return None
         cost = self.cost
+        if not self.enabled or rows == 0 or cost.prompt_steps == 0:  # (no prompt step seen: no price yet)
+            return None
         decode = cost.decode_seconds(rows)
-        fixed = max(0.0, cost.theta[2])
+        fixed = cost.prices()[0]
         floor = max(1, cost.tokens_within(start, fixed + FLOOR_SHARE * (decode + fixed)))
         return min(self.trusted, max(floor, cost.tokens_within(start, self.target_seconds(rows) - decode)))
 
