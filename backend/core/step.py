@@ -35,6 +35,7 @@ class NewSeq:
     lora_name: Optional[str]
     block_tables: tuple[list[int], ...]  # one per KV-cache group (backend/kv/groups.py)
     num_computed_tokens: int
+    pooling: Optional[str] = None  # a pooling request's (docs/pooling.md): last | mean | cls; None samples
 
 
 @dataclass
@@ -82,6 +83,9 @@ class StepPlan:
     preempted_ids: list[str] = field(default_factory=list)  # their blocks are gone; state kept
     grammar: Optional[GrammarMasks] = None
     kv_copies: Optional[Any] = None  # the KV tiers' TierPlan (backend/kv/tiers/plan.py), made first
+    # (source, destination) blocks copied in every KV tensor before the step runs: a beam that took
+    # another's history copies its partly filled last block before writing it (backend/sched/beams.py)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def rows(self) -> list[Row]:
@@ -110,6 +114,9 @@ class Sampled:
     # With a request's first token, when it asked for prompt_logprobs: per prompt position 1..
     # (logprob, rank, top) of that prompt token (backend/worker/prompt_logprobs.py)
     prompt_logprobs: Optional[list] = None
+    # A pooling sequence's answer instead of a token (`token` is -1): its pooled hidden state after
+    # the final norm, or its score head's logits (backend/worker/pooler.py), as floats
+    pooled: Optional[list[float]] = None
 
     @property
     def tokens(self) -> list["Sampled"]:
