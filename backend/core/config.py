@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from backend.core.kv_events_config import KVEventsConfig, parse_kv_events_config
+from backend.core.kv_tiers_config import validate_kv_tiers
 from backend.core.lora import check_adapter_name, check_name, parse_lora_modules
 from backend.core.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -114,14 +115,17 @@ class EngineConfig:
     # KV-cache events for prefix-aware routing (backend/kv/events.py, docs/gateway.md): JSON with
     # vLLM's --kv-events-config keys ("" is off); needs enable_kv_cache_reuse. The Python API takes a dict.
     kv_events_config: str = ""
-    # KV-cache tiers (backend/kv_tiers/, docs/design.md "KV-cache tiers"): cached prefix blocks that
+    # KV-cache tiers (backend/kv/tiers/, docs/design.md "KV-cache tiers"): cached prefix blocks that
     # leave the KV cache are kept in host memory (at most kv_host_cache_bytes; 0 is off) and written
     # to files under kv_disk_cache_dir (at most kv_disk_cache_bytes; "" is off), and copied back on a
     # prefix hit instead of being computed again. Both need enable_kv_cache_reuse; the disk tier
-    # stages its blocks through the host tier, so it needs kv_host_cache_bytes too.
+    # stages its blocks through the host tier, so it needs kv_host_cache_bytes too (kv_tiers_config.py).
+    # kv_tier_load_policy: auto loads a prefix back only where the copy costs less than computing it
+    # again (backend/sched/tier_choice.py); always: every prefix found; never: recompute, tiers unread.
     kv_host_cache_bytes: int = 0
     kv_disk_cache_dir: str = ""
     kv_disk_cache_bytes: int = 0
+    kv_tier_load_policy: str = "auto"
     # Structured outputs (backend/structured/): the longest a constraint new to the engine may compile
     # (in a worker process, off the request path) before it is refused with a 400 and its worker is
     # killed; also the longest it may wait for a free worker before it is refused as busy.
@@ -213,33 +217,10 @@ class EngineConfig:
         if events is not None and events.enable_kv_cache_events and not self.enable_kv_cache_reuse:
             raise ValueError("kv_events_config: enable_kv_cache_events needs enable_kv_cache_reuse=true (the "
                              "events tell a router what the prefix cache holds)")
-        self._validate_kv_tiers()
+        validate_kv_tiers(self)
         if self.speculative is not None and self.batching_mode in ("static", "dynamic"):
             raise ValueError(f"speculative_config needs batching_mode inflight or none; got '{self.batching_mode}' "
                              "(padded batches run every member to the longest: nothing to speculate on)")
-
-    def _validate_kv_tiers(self) -> None:
-        _at_least("kv_host_cache_bytes", self.kv_host_cache_bytes, 0)
-        _at_least("kv_disk_cache_bytes", self.kv_disk_cache_bytes, 0)
-        disk = bool(self.kv_disk_cache_dir.strip())
-        if disk and self.kv_disk_cache_bytes == 0:
-            raise ValueError("kv_disk_cache_dir needs kv_disk_cache_bytes > 0 (the disk tier's size in bytes)")
-        if self.kv_disk_cache_bytes and not disk:
-            raise ValueError("kv_disk_cache_bytes needs kv_disk_cache_dir (the folder of the disk tier)")
-        if not (self.kv_host_cache_bytes or disk):
-            return
-        key = "kv_host_cache_bytes" if self.kv_host_cache_bytes else "kv_disk_cache_dir"
-        if disk and not self.kv_host_cache_bytes:
-            raise ValueError("kv_disk_cache_dir needs kv_host_cache_bytes > 0: blocks reach the disk and come back "
-                             "through the host tier")
-        if not self.enable_kv_cache_reuse:
-            raise ValueError(f"{key} needs enable_kv_cache_reuse=true (the tiers keep cached prefix blocks)")
-        if self.batching_mode in ("static", "dynamic"):
-            raise ValueError(f"{key} needs batching_mode inflight or none; got '{self.batching_mode}' (padded "
-                             "batches start whole and cannot wait for a prefix to come back)")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"{key} is not supported with tensor_parallel_size > 1 yet (every rank would have to "
-                             "copy its own shard in the same steps)")
 
     @property
     def speculative(self) -> "SpeculativeConfig | None":
