@@ -59,6 +59,13 @@ class SamplingParams:
     # refused at arrival when the queue cannot give the first token within this (ms); None: the
     # engine's ttft_target_ms; 0: no target (backend/sched/drain.py)
     ttft_target_ms: Optional[float] = None
+    # Beam search (backend/sched/beams.py, docs/beam_search.md): `best_of` beams (n when unset) kept
+    # per step, the best n returned; finished beams scored by sum of logprobs / length**length_penalty;
+    # early_stopping True | False | "never" as transformers' generate(num_beams=...)
+    use_beam_search: bool = False
+    best_of: Optional[int] = None
+    length_penalty: float = 1.0
+    early_stopping: Any = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +119,7 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len); got {t}")
         if self.ttft_target_ms is not None:
             _number("ttft_target_ms", self.ttft_target_ms, 0.0, high=600_000.0)
+        _check_beams(self)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs must be a StructuredOutputs (a dict of its fields is converted "
                              f"when SamplingParams is made); got {type(self.structured_outputs).__name__}")
@@ -129,6 +137,11 @@ class SamplingParams:
     def biased(self) -> bool:
         """Whether logit_bias or allowed_token_ids change this request's logits."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step: best_of (n when unset) with use_beam_search, else 1 (no beams)."""
+        return (self.best_of or self.n) if self.use_beam_search else 1
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +167,36 @@ class SamplingParams:
             except (TypeError, ValueError, OverflowError):  # OverflowError: float(10**400)
                 raise ValueError(f"sampling parameter '{key}': bad value {_shown(value)}") from None
         return cls(**kwargs)
+
+
+MAX_BEAM_WIDTH = 16  # beams of one request (each a sequence: max_num_seqs bounds it too)
+# what beam search does not compose with: field -> its neutral value (vLLM refused the same)
+_NOT_WITH_BEAMS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0,
+                   "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                   "logit_bias": None, "allowed_token_ids": None, "bad_words": [], "stop": [],
+                   "logprobs": None, "prompt_logprobs": None, "structured_outputs": None}
+
+
+def _check_beams(p: SamplingParams) -> None:
+    if p.early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be true, false or \"never\"; got {p.early_stopping!r}")
+    _number("length_penalty", p.length_penalty, -1e6, high=1e6)
+    if not p.use_beam_search:
+        if p.best_of is not None and p.best_of != p.n:
+            raise ValueError(f"best_of ({p.best_of}) other than n ({p.n}) needs use_beam_search: best_of is "
+                             f"the beam width here (sampling n of best_of is not served)")
+        return
+    _int_range("best_of", p.beam_width, 1, MAX_BEAM_WIDTH, hint=" (the beam width)")
+    if p.n > p.beam_width:
+        raise ValueError(f"n ({p.n}) must not exceed the beam width (best_of = {p.beam_width})")
+    for name, neutral in _NOT_WITH_BEAMS.items():
+        value = getattr(p, name)
+        if name == "temperature" and value < GREEDY_BELOW or name == "top_k" and value == -1:
+            continue
+        if value != neutral and not (neutral is None and value is None):
+            raise ValueError(f"{name} ({_shown(value)}) is not supported with beam search (send {neutral}): beams rank the "
+                             f"raw log-probabilities (temperature 0, as vLLM's beam search and transformers' "
+                             f"num_beams with do_sample=False)")
 
 
 def _shown(value: Any) -> str:
@@ -227,7 +270,8 @@ _KINDS = {"max_tokens": _to_int, "temperature": float, "top_k": _to_int, "top_p"
           "allowed_token_ids": _optional_ints, "prompt_logprobs": _optional_int,
           "include_stop_str_in_output": _to_bool, "skip_special_tokens": _to_bool,
           "spaces_between_special_tokens": _to_bool, "truncate_prompt_tokens": _optional_int,
-          "ttft_target_ms": _optional_float}
+          "ttft_target_ms": _optional_float, "use_beam_search": _to_bool, "best_of": _optional_int,
+          "length_penalty": float, "early_stopping": lambda v: "never" if v == "never" else _to_bool(v)}
 assert set(_KINDS) == {f.name for f in fields(SamplingParams)}
 KEYS = tuple(_KINDS) + ("stop_words",) + tuple(k for k in OBJECT_KEYS + tuple(LEGACY_KEYS) if k not in _KINDS)
 SamplingParams.KEYS = KEYS
