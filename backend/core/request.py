@@ -78,6 +78,17 @@ class Request(TokenSequence):
         # the root of its prefix-cache keys (the adapter's; b"" for the base model)
         self.lora_name: Optional[str] = None
         self.cache_salt = b""
+        # A pooling request (docs/pooling.md), set by the engine: its pooling type (last | mean | cls;
+        # None: it generates), its PoolingParams, and the worker's pooled output once computed
+        self.pooling: Optional[str] = None
+        self.pooling_params = None
+        self.pooled: Optional[list[float]] = None
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt token is computed, none taken from the prefix cache: prompt logprobs (as vLLM),
+        and mean or first-token pooling, which need every token's hidden state."""
+        return self.params.prompt_logprobs is not None or self.pooling in ("mean", "cls")
 
     @property
     def max_total_tokens(self) -> int:

@@ -191,8 +191,8 @@ class Admission:
             forked = self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
             if forked or not self.blocks.enable_prefix_caching:
                 return forked  # (a local group that gave back the prompt's window shares nothing)
-        if not self.blocks.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return 0  # (vLLM: a request for prompt logprobs computes its whole prompt)
+        if not self.blocks.enable_prefix_caching or req.computes_whole_prompt:
+            return 0  # (vLLM: a request for prompt logprobs computes its whole prompt; mean pooling too)
         return self.blocks.reuse_prefix(req.seq_id, hashes=self._prefix_hashes(req))
 
     def _prefix_hashes(self, req: Request) -> list[bytes]:
@@ -208,7 +208,7 @@ class Admission:
         """How many blocks after req's device prefix a lower tier holds (nothing is claimed yet).
         Where copies are done when issued (the CPU) and all of them are in host memory, they come
         back before this step's model run: they count as computed at once, and 0 is returned."""
-        if self.tiers is None or req.index or req.params.prompt_logprobs is not None:
+        if self.tiers is None or req.index or req.computes_whole_prompt:
             return 0
         lower, in_host = self.tiers.probe(self._prefix_hashes(req)[req.num_computed_tokens // self.blocks.block_size:])
         if lower and in_host and self.tiers.loads_at_once:

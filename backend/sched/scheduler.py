@@ -70,10 +70,13 @@ class Scheduler:
     reservation = property(lambda self: self.admission.reservation)
 
     # -- arrivals and aborts ------------------------------------------------------------------
-    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
-        """Refuse, with the numbers, a request that could never run to completion."""
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1, pooling: bool = False) -> None:
+        """Refuse, with the numbers, a request that could never run to completion. A pooling request
+        (max_tokens 1: its prompt's KV only) may fill max_model_len."""
         total = prompt_len + max_tokens
-        if total > self.max_model_len:
+        if pooling and prompt_len > self.max_model_len:
+            raise ValueError(f"the input has {prompt_len} tokens; max_model_len is {self.max_model_len}")
+        if total > self.max_model_len + pooling:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
                              f"max_model_len ({self.max_model_len})")
         capacity = self.blocks.num_blocks * self.blocks.block_size
@@ -87,7 +90,7 @@ class Scheduler:
             raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
 
     def add(self, request: Request) -> None:
-        self.check_fits(request.num_prompt_tokens, request.params.max_tokens, request.params.n)
+        self.check_fits(request.num_prompt_tokens, request.params.max_tokens, request.params.n, request.pooling is not None)
         self.admission.arrived(request)
         self.pool.waiting.push(request)
 
@@ -234,6 +237,8 @@ class Scheduler:
             req.num_computed_tokens = seq.start + seq.num_new_tokens - len(seq.draft_token_ids)
             result = sampled.get(req.seq_id)
             status = None
+            if result is not None and result.pooled is not None:  # a pooling request ends with its vector
+                req.pooled, result, status = result.pooled, None, RequestStatus.FINISHED_STOPPED
             seq.taken = 0
             for i, token in enumerate(s.token for s in (result.tokens if result is not None else ())):
                 req.num_computed_tokens += i > 0  # the token before it was an accepted draft: its KV is stored
