@@ -1,8 +1,7 @@
 """Pick the kernel implementations for a device and an `attention_backend` setting.
 
-auto: the Triton kernels on CUDA; on CPU the C kernels (kernels/cpu/csrc, built on first use) with
-      torch's SDPA for prefill attention, or the references alone when the model is not float32
-      or no C compiler is there.
+auto: the Triton kernels on CUDA; on CPU the C kernels (kernels/cpu/csrc, built on first use),
+      or the references alone when the model is not float32 or no C compiler is there.
 triton: the Triton kernels everywhere (on CPU they need TRITON_INTERPRET=1, set before triton loads).
 torch: the references everywhere.
 """
@@ -48,20 +47,24 @@ def triton_ops() -> KernelOps:
 
 def cpu_ops(dtype: torch.dtype) -> KernelOps:
     """The CPU engine's kernels for float32: C (kernels/cpu/csrc, built on first use) for decode
-    attention, the cache store, RMSNorm, RoPE, SiLU·mul and GELU(tanh)·mul; torch's SDPA
-    reference for prefill. (The C decode stack, backend/worker/native_decode.py, calls these same kernels.)"""
+    and prefill attention, the cache store, RMSNorm, RoPE, SiLU·mul and GELU(tanh)·mul. (The C
+    layer stack, backend/worker/native_decode.py, calls these same kernels, so its steps and the
+    Python layers' agree bit for bit, prompt rows included.)"""
     if dtype != torch.float32:
         return TORCH_OPS
     from kernels.cpu import build as cpu_build
     from kernels.cpu import decode_attention as attn
     from kernels.cpu import elementwise as ew
+    from kernels.cpu import prefill_attention as prefill
     try:
         cpu_build.load("decode_attention")
+        cpu_build.load(prefill.NAME)
         cpu_build.load("elementwise")
     except cpu_build.CpuKernelUnavailable as e:
         log.warning("CPU kernels unavailable, using the torch references: %s", e)
         return TORCH_OPS
-    return replace(TORCH_OPS, name="cpu", decode_attention=attn.decode_attention, store_kv=ew.store_kv,
+    return replace(TORCH_OPS, name="cpu", decode_attention=attn.decode_attention,
+                   prefill_attention=prefill.prefill_attention, store_kv=ew.store_kv,
                    rms_norm=ew.rms_norm, rotary_embedding=ew.rotary_embedding, silu_mul=ew.silu_mul,
                    gelu_tanh_mul=ew.gelu_tanh_mul)
 

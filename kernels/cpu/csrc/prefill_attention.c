@@ -1,0 +1,217 @@
+/* Causal prefill attention on the CPU over the paged cache in place (issue 47): the attention of a
+   step's prompt rows, for the C layer stack (decode_stack.c) and the CPU engine's Python layers.
+
+   S sequences' query chunks lie back to back in q [T, H, D]: sequence s at rows cu[s] .. cu[s+1],
+   its L = seq_lens[s] cached tokens including the chunk's own (already stored), so query i of the
+   chunk sits at position L - qlen + i and sees keys 0 .. its position (with a window > 0, a local
+   layer: only the last `window` of them, itself included). Earlier context (a previous chunk, a
+   reused prefix) is read from the blocks like the rest: no gather, no padded copy, no mask.
+   Layouts, all contiguous: q, out [T, H, D]; k_cache, v_cache [NB, BS, G, D];
+   block_tables [S, MB] int32; cu_seqlens_q [S + 1] int32; seq_lens [S] int32.
+   The wrapper (kernels/cpu/prefill_attention.py) checks every shape, dtype and bound.
+
+   Blocked, flash-attention style. A task is one sequence, one kv head and a tile of QT queries:
+   its rows are those queries under every query head of the group (GQA: the group shares each key
+   read). It walks the keys its rows can see in tiles of KT, each tile copied once out of its blocks
+   (transposed K, widened from bfloat16 where the cache is), and keeps per row the running max, sum
+   and weighted V (online softmax), so no [Q, K] score matrix exists. Each row sums exactly the keys
+   it sees (a range per row, no -inf: -ffast-math assumes none). Tasks are independent, so the
+   result does not depend on the thread count. */
+#ifndef CACHE_T
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QT 16 /* queries per task (times the group's heads: its rows) */
+#define KT 64 /* keys per tile: a row's scores, four AVX-512 registers */
+#define RB 4  /* rows whose scores are computed together (each K tile load feeds RB FMAs) */
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Compiled twice, as decode_attention.c: float32 caches (prefill_attention_f32) and bfloat16 ones
+   (prefill_attention_bf16). */
+#define CAT2(a, b) a##_##b
+#define CAT(a, b) CAT2(a, b)
+#define NAME(f) CAT(f, SUFFIX)
+#define CACHE_T float
+#define SUFFIX f32
+#define TO_F32(x) (x)
+#include __FILE__
+#undef CACHE_T
+#undef SUFFIX
+#undef TO_F32
+#define CACHE_T uint16_t
+#define SUFFIX bf16
+#define TO_F32(x) bf16_to_f32(x)
+#include __FILE__
+#else /* the kernel, for one cache element type */
+
+/* Keys [k0, k0 + n) of kv head g, out of their blocks: kt [D][KT] (transposed, zero past n) and
+   vt [KT][D]. */
+static void NAME(load_tile)(const CACHE_T *restrict k_cache, const CACHE_T *restrict v_cache,
+                            const int32_t *restrict table, int64_t k0, int64_t n, int64_t g, int64_t G,
+                            int64_t D, int64_t BS, float *restrict kt, float *restrict vt) {
+    if (n < KT)
+        for (int64_t d = 0; d < D; d++) memset(kt + d * KT + n, 0, sizeof(float) * (KT - n));
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t t = k0 + j, at = (((int64_t)table[t / BS] * BS + t % BS) * G + g) * D;
+        const CACHE_T *kr = k_cache + at, *vr = v_cache + at;
+        for (int64_t d = 0; d < D; d++) kt[d * KT + j] = TO_F32(kr[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) vt[j * D + d] = TO_F32(vr[d]);
+    }
+}
+
+/* One key tile into the rows' running statistics: row r sees tile keys [lo[r], hi[r]) (possibly
+   none). m, l: its max and sum; acc [R][D] its weighted V. */
+static inline __attribute__((always_inline)) void NAME(tile)(
+        const float *restrict qs, const float *restrict kt, const float *restrict vt, int64_t R, const int64_t D,
+        const int64_t *restrict lo, const int64_t *restrict hi, float *restrict m, float *restrict l,
+        float *restrict acc, float scale) {
+    float s[RB][KT];
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+        const int64_t rb = R - r0 < RB ? R - r0 : RB;
+        if (rb == RB) { /* RB rows at once: each K load feeds RB FMAs */
+            for (int64_t b = 0; b < RB; b++) memset(s[b], 0, sizeof(s[b]));
+            for (int64_t d = 0; d < D; d++) {
+                const float *kd = kt + d * KT;
+                const float q0 = qs[(r0 + 0) * D + d], q1 = qs[(r0 + 1) * D + d];
+                const float q2 = qs[(r0 + 2) * D + d], q3 = qs[(r0 + 3) * D + d];
+#pragma omp simd
+                for (int64_t j = 0; j < KT; j++) {
+                    s[0][j] += q0 * kd[j];
+                    s[1][j] += q1 * kd[j];
+                    s[2][j] += q2 * kd[j];
+                    s[3][j] += q3 * kd[j];
+                }
+            }
+        } else {
+            for (int64_t b = 0; b < rb; b++) {
+                memset(s[b], 0, sizeof(s[b]));
+                for (int64_t d = 0; d < D; d++) {
+                    const float qd = qs[(r0 + b) * D + d], *kd = kt + d * KT;
+#pragma omp simd
+                    for (int64_t j = 0; j < KT; j++) s[b][j] += qd * kd[j];
+                }
+            }
+        }
+        for (int64_t b = 0; b < rb; b++) {
+            const int64_t r = r0 + b, a = lo[r], e = hi[r];
+            if (a >= e) continue;
+            float *sr = s[b], top = sr[a] * scale;
+            for (int64_t j = a + 1; j < e; j++) top = sr[j] * scale > top ? sr[j] * scale : top;
+            const int first = l[r] == 0.0f;
+            const float new_m = first || top > m[r] ? top : m[r];
+            const float keep = first ? 0.0f : expf(m[r] - new_m);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = a; j < e; j++) {
+                sr[j] = expf(sr[j] * scale - new_m);
+                sum += sr[j];
+            }
+            float *ar = acc + r * D;
+            if (!first)
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ar[d] *= keep;
+            for (int64_t j = a; j < e; j++) {
+                const float p = sr[j], *vj = vt + j * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
+            }
+            l[r] = l[r] * keep + sum;
+            m[r] = new_m;
+        }
+    }
+}
+
+/* Queries [q0, q1) of one sequence (its chunk's rows from `row0`, its L cached tokens) under kv
+   head g's query heads. */
+static inline __attribute__((always_inline)) void NAME(task)(
+        const float *restrict q, const CACHE_T *restrict k_cache, const CACHE_T *restrict v_cache,
+        const int32_t *restrict table, int64_t row0, int64_t qlen, int64_t L, int64_t q0, int64_t q1,
+        int64_t g, float *restrict out, int64_t H, int64_t G, const int64_t D, int64_t BS, float scale,
+        int64_t window, float *restrict buf) {
+    const int64_t rep = H / G, R = (q1 - q0) * rep, base = L - qlen; /* query i at position base + i */
+    float *qs = buf, *kt = qs + QT * rep * D, *vt = kt + D * KT, *acc = vt + KT * D;
+    float *m = acc + QT * rep * D, *l = m + QT * rep;
+    int64_t *lo = (int64_t *)(l + QT * rep), *hi = lo + QT * rep;
+    for (int64_t i = q0; i < q1; i++) /* row (i - q0) * rep + r: query i under head g * rep + r */
+        for (int64_t r = 0; r < rep; r++) {
+            memcpy(qs + ((i - q0) * rep + r) * D, q + ((row0 + i) * H + g * rep + r) * D, sizeof(float) * D);
+        }
+    memset(acc, 0, sizeof(float) * R * D);
+    memset(l, 0, sizeof(float) * R);
+    const int64_t first_pos = base + q0, last_pos = base + q1 - 1;
+    const int64_t start = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    for (int64_t k0 = start; k0 <= last_pos; k0 += KT) {
+        const int64_t n = last_pos + 1 - k0 < KT ? last_pos + 1 - k0 : KT;
+        int64_t any = 0;
+        for (int64_t i = q0; i < q1; i++) { /* query i sees keys [from, p]; here [a, e) of the tile */
+            const int64_t p = base + i, from = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+            int64_t a = from - k0, e = p + 1 - k0;
+            a = a < 0 ? 0 : a;
+            e = e > n ? n : e;
+            any |= a < e;
+            for (int64_t r = 0; r < rep; r++) lo[(i - q0) * rep + r] = a, hi[(i - q0) * rep + r] = e;
+        }
+        if (!any) continue;
+        NAME(load_tile)(k_cache, v_cache, table, k0, n, g, G, D, BS, kt, vt);
+        NAME(tile)(qs, kt, vt, R, D, lo, hi, m, l, acc, scale);
+    }
+    for (int64_t i = q0; i < q1; i++)
+        for (int64_t r = 0; r < rep; r++) {
+            const int64_t row = (i - q0) * rep + r;
+            float *o = out + ((row0 + i) * H + g * rep + r) * D;
+            const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] = acc[row * D + d] * inv;
+        }
+}
+
+void NAME(prefill_attention)(const float *restrict q, const CACHE_T *restrict k_cache,
+                             const CACHE_T *restrict v_cache, const int32_t *restrict block_tables,
+                             const int32_t *restrict cu_seqlens_q, const int32_t *restrict seq_lens,
+                             float *restrict out, int64_t S, int64_t H, int64_t G, int64_t D, int64_t BS,
+                             int64_t MB, float scale, int64_t window) {
+    /* Task j: sequence owner[j], kv head (j - first[s]) % G, query tile (j - first[s]) / G. */
+    int64_t *first = malloc(sizeof(int64_t) * (S + 1));
+    first[0] = 0;
+    for (int64_t s = 0; s < S; s++)
+        first[s + 1] = first[s] + (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + QT - 1) / QT * G;
+    const int64_t tasks = first[S], rep = H / G;
+    int64_t *owner = malloc(sizeof(int64_t) * (tasks ? tasks : 1));
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = first[s]; j < first[s + 1]; j++) owner[j] = s;
+    const size_t floats = (size_t)(QT * rep * D * 2 + 2 * D * KT + QT * rep * 2) + 2 * (size_t)QT * rep * 2;
+#pragma omp parallel
+    {
+        float *buf = malloc(sizeof(float) * floats);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t jj = 0; jj < tasks; jj++) {
+            const int64_t j = tasks - 1 - jj; /* a chunk's last tiles see the most keys: they go first */
+            const int64_t s = owner[j], tile = (j - first[s]) / G, g = (j - first[s]) % G;
+            const int64_t qlen = cu_seqlens_q[s + 1] - cu_seqlens_q[s], q0 = tile * QT;
+            const int64_t q1 = q0 + QT < qlen ? q0 + QT : qlen;
+            const int32_t *table = block_tables + s * MB;
+            if (D == 64) /* the common head sizes, each with its inner loops' trip count known */
+                NAME(task)(q, k_cache, v_cache, table, cu_seqlens_q[s], qlen, seq_lens[s], q0, q1, g, out, H, G,
+                           64, BS, scale, window, buf);
+            else if (D == 128)
+                NAME(task)(q, k_cache, v_cache, table, cu_seqlens_q[s], qlen, seq_lens[s], q0, q1, g, out, H, G,
+                           128, BS, scale, window, buf);
+            else
+                NAME(task)(q, k_cache, v_cache, table, cu_seqlens_q[s], qlen, seq_lens[s], q0, q1, g, out, H, G,
+                           D, BS, scale, window, buf);
+        }
+        free(buf);
+    }
+    free(owner);
+    free(first);
+}
+#endif

@@ -1,0 +1,79 @@
+"""Causal prefill attention on the CPU over the paged cache in place (kernels/cpu/csrc/prefill_attention.c).
+
+Same signature and result as `reference.prefill_attention` (torch's SDPA on each chunk's gathered
+context), its oracle in the tests, within float32 rounding: the C kernel sums in its own order
+(key tiles of 64, online softmax). The CPU engine's prompt rows run it in both its paths, the C
+layer stack's (kernels/cpu/decode_stack.py) and the Python layers' (kernels/dispatch.py cpu_ops),
+so the two stay bit for bit alike. It reads each chunk's context out of its blocks where they lie
+(no gathered copy per layer and sequence) and shares each K/V tile among the query heads of a
+group.
+
+float32 queries over float32 or bfloat16 caches.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from kernels import checks as _common
+
+from kernels.cpu import build as cpu_build
+from kernels.cpu.decode_attention import CACHE_DTYPES, _SUFFIX
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+SIGNATURE = (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I)
+NAME = "prefill_attention"
+
+
+def check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window: int = 0) -> None:
+    """Every shape, dtype and bound the C code relies on (it checks nothing itself): those shared
+    with the other paged kernels (`_common.check_paged_attention`), float32 CPU contiguous tensors,
+    int32 indices, chunk offsets that rise from 0 to T, and each chunk no longer than its sequence."""
+    _common.check_paged_attention(NAME, q, "[num_tokens, num_heads, head_dim]", k_cache, v_cache,
+                                  block_tables, seq_lens, scale, cache_dtype_may_differ=True, window=window)
+    s, t = seq_lens.shape[0] if seq_lens.dim() == 1 else -1, q.shape[0]
+    nb, bs = k_cache.shape[:2]
+    for name, x, dtypes in (("q", q, (torch.float32,)), ("k_cache", k_cache, CACHE_DTYPES),
+                            ("v_cache", v_cache, CACHE_DTYPES)):
+        if x.dtype not in dtypes or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"{NAME}: {name} must be a contiguous CPU tensor of "
+                             f"{' or '.join(str(d) for d in dtypes)}; got {x.dtype} on {x.device}")
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+        raise ValueError(f"{NAME}: seq_lens must be int32 [S]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s:
+        raise ValueError(f"{NAME}: block_tables must be int32 [{s}, MB]; got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if cu_seqlens_q.dtype != torch.int32 or tuple(cu_seqlens_q.shape) != (s + 1,):
+        raise ValueError(f"{NAME}: cu_seqlens_q must be int32 [{s + 1}]; got {cu_seqlens_q.dtype} "
+                         f"{tuple(cu_seqlens_q.shape)}")
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if s and (int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != t or bool((q_lens < 0).any())):
+        raise ValueError(f"{NAME}: cu_seqlens_q must rise from 0 to the {t} query rows; got {cu_seqlens_q.tolist()}")
+    if bool((q_lens > seq_lens).any()):
+        raise ValueError(f"{NAME}: a chunk is longer than its sequence's seq_lens (the chunk is counted in it)")
+    _common.bounds_checked.once("prefill_seq_lens", seq_lens, 0, block_tables.shape[1] * bs + 1,
+                                f"{NAME}: seq_lens (the table holds {block_tables.shape[1]} blocks of {bs})")
+    _common.bounds_checked.once("prefill_block_tables", block_tables, 0, nb, f"{NAME}: block ids")
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                      max_q_len: Optional[int] = None, window: int = 0, isa: Optional[str] = None) -> torch.Tensor:
+    """q [T, H, D] (S chunks back to back, at cu_seqlens_q); seq_lens [S] cached tokens of each
+    sequence, its chunk's included -> [T, H, D]; window > 0: each query reads only its last
+    `window` positions. `isa`: a build of kernels/cpu/build.py's ISA_FLAGS instead of -march=native
+    (the tests run every one)."""
+    q = q.contiguous()
+    block_tables, cu_seqlens_q, seq_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), seq_lens.contiguous()
+    check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window)
+    out = _common.alloc(q.shape, q.dtype, q.device)  # through the module: tests poison it
+    t, h, d = q.shape
+    _, bs, g, _ = k_cache.shape
+    if t:
+        kernel = cpu_build.function(NAME, f"prefill_attention_{_SUFFIX[k_cache.dtype]}", SIGNATURE, isa)
+        kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), cu_seqlens_q.data_ptr(),
+               seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], h, g, d, bs, block_tables.shape[1],
+               float(scale), window)
+    return out
