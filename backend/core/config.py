@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from backend.core import defaults
 from backend.core.kv_events_config import KVEventsConfig, parse_kv_events_config
 from backend.core.kv_tiers_config import validate_kv_tiers
 from backend.core.lora import check_adapter_name, check_name, parse_lora_modules
@@ -101,6 +102,12 @@ class EngineConfig:
     # An adapter of multi_lora.json / lora_modules that fails its checks at start stops the model's
     # start (false, as vLLM); true: the model starts with the others and logs one line per bad one.
     skip_invalid_lora_adapters: bool = False
+    # Adapters loaded and unloaded while the model serves (vLLM's /v1/load_lora_adapter; docs/lora.md):
+    # off by default, as vLLM (its VLLM_ALLOW_RUNTIME_LORA_UPDATING). Needs enable_lora.
+    enable_runtime_lora: bool = defaults.ENABLE_RUNTIME_LORA
+    # The most adapters loaded at once (host memory; vLLM's max_cpu_loras): a load past it is refused,
+    # at start and at run time. 0: no limit; else >= max_loras.
+    max_cpu_loras: int = 0
     # The name clients give the base model (vLLM's --served-model-name; the OpenAI server's flag of that
     # name should match): no LoRA adapter may be named like it, nor `llm`.
     served_model_name: str = "llm"
@@ -190,6 +197,11 @@ class EngineConfig:
         _at_least("max_loras", self.max_loras, 1)
         _at_least("max_lora_rank", self.max_lora_rank, 1)
         check_name(self.served_model_name, "served_model_name")
+        if self.enable_runtime_lora and not self.enable_lora:
+            raise ValueError("enable_runtime_lora needs enable_lora=true (adapters load into LoRA slots)")
+        if self.max_cpu_loras and not self.max_loras <= self.max_cpu_loras:
+            raise ValueError(f"max_cpu_loras must be 0 (no limit) or >= max_loras ({self.max_loras}); "
+                             f"got {self.max_cpu_loras}")
         modules = parse_lora_modules(self.lora_modules)  # its syntax too, before anything loads
         if modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=true")

@@ -2,3 +2,8 @@
 SamplingParams, the Triton tensors, the OpenAI API's completions) and by the docs' tables."""
 
 MAX_TOKENS = 16  # a request's max_tokens when it names none (vLLM's and OpenAI's legacy completions')
+
+# Adapters loaded and unloaded at run time (/v1/load_lora_adapter, the Triton door's lora_action):
+# off unless switched on, as vLLM keeps them behind this environment variable (docs/lora.md).
+ENABLE_RUNTIME_LORA = False
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
