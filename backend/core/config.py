@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from backend.core import defaults
 from backend.core.kv_events_config import KVEventsConfig, parse_kv_events_config
 from backend.core.kv_tiers_config import validate_kv_tiers
+from backend.core.pooling import RUNNERS
 from backend.core.lora import check_adapter_name, check_name, parse_lora_modules
 from backend.core.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -33,6 +34,7 @@ _FALSE = ("0", "false", "no", "off")
 @dataclass
 class EngineConfig:
     model_path: str = ""
+    runner: str = defaults.RUNNER  # vLLM's --runner: auto | generate | pooling (docs/pooling.md)
     # auto: float32 on CPU; on CUDA the checkpoint's half type, float32 checkpoints in bfloat16
     # (float16 before compute capability 8.0), as vLLM (backend/worker/device.py)
     dtype: str = "auto"
@@ -168,12 +170,10 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("batch_scheduler_policy", self.batch_scheduler_policy, POLICIES)
-        _choice("batching_mode", self.batching_mode, BATCHING_MODES)
-        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _choice("quantization", self.quantization, QUANTIZATIONS)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        for key, allowed in (("dtype", DTYPES), ("runner", RUNNERS), ("batch_scheduler_policy", POLICIES),
+                             ("batching_mode", BATCHING_MODES), ("attention_backend", ATTENTION_BACKENDS),
+                             ("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            _choice(key, getattr(self, key), allowed)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got '{self.device}'")
         if not 1 <= self.kv_block_size <= MAX_KV_BLOCK_SIZE:  # sizes against memory: backend/kv/sizing.py

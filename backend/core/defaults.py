@@ -7,3 +7,7 @@ MAX_TOKENS = 16  # a request's max_tokens when it names none (vLLM's and OpenAI'
 # off unless switched on, as vLLM keeps them behind this environment variable (docs/lora.md).
 ENABLE_RUNTIME_LORA = False
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+# The runner (EngineConfig.runner, `inflight serve --runner`): auto picks pooling for an embedding or
+# reranker checkpoint and generate for any other, as vLLM's --runner auto (docs/pooling.md).
+RUNNER = "auto"
