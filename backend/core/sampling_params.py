@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from backend.core import defaults
+from backend.core.beam_params import check_beams
 from backend.core.input_guard import lone_surrogate
 from backend.core.structured import LEGACY_KEYS, OBJECT_KEYS, StructuredOutputs, fold_legacy_keys
 
@@ -119,7 +120,7 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len); got {t}")
         if self.ttft_target_ms is not None:
             _number("ttft_target_ms", self.ttft_target_ms, 0.0, high=600_000.0)
-        _check_beams(self)
+        check_beams(self)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs must be a StructuredOutputs (a dict of its fields is converted "
                              f"when SamplingParams is made); got {type(self.structured_outputs).__name__}")
@@ -167,36 +168,6 @@ class SamplingParams:
             except (TypeError, ValueError, OverflowError):  # OverflowError: float(10**400)
                 raise ValueError(f"sampling parameter '{key}': bad value {_shown(value)}") from None
         return cls(**kwargs)
-
-
-MAX_BEAM_WIDTH = 16  # beams of one request (each a sequence: max_num_seqs bounds it too)
-# what beam search does not compose with: field -> its neutral value (vLLM refused the same)
-_NOT_WITH_BEAMS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "min_tokens": 0,
-                   "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                   "logit_bias": None, "allowed_token_ids": None, "bad_words": [], "stop": [],
-                   "logprobs": None, "prompt_logprobs": None, "structured_outputs": None}
-
-
-def _check_beams(p: SamplingParams) -> None:
-    if p.early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping must be true, false or \"never\"; got {p.early_stopping!r}")
-    _number("length_penalty", p.length_penalty, -1e6, high=1e6)
-    if not p.use_beam_search:
-        if p.best_of is not None and p.best_of != p.n:
-            raise ValueError(f"best_of ({p.best_of}) other than n ({p.n}) needs use_beam_search: best_of is "
-                             f"the beam width here (sampling n of best_of is not served)")
-        return
-    _int_range("best_of", p.beam_width, 1, MAX_BEAM_WIDTH, hint=" (the beam width)")
-    if p.n > p.beam_width:
-        raise ValueError(f"n ({p.n}) must not exceed the beam width (best_of = {p.beam_width})")
-    for name, neutral in _NOT_WITH_BEAMS.items():
-        value = getattr(p, name)
-        if name == "temperature" and value < GREEDY_BELOW or name == "top_k" and value == -1:
-            continue
-        if value != neutral and not (neutral is None and value is None):
-            raise ValueError(f"{name} ({_shown(value)}) is not supported with beam search (send {neutral}): beams rank the "
-                             f"raw log-probabilities (temperature 0, as vLLM's beam search and transformers' "
-                             f"num_beams with do_sample=False)")
 
 
 def _shown(value: Any) -> str:
