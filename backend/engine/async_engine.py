@@ -82,6 +82,7 @@ class AsyncEngine:
                 raise EngineDeadError("the engine is shut down")
             if request_id in self._callbacks:
                 raise ValueError(f"request_id '{request_id}' is already running; use a new id")
+            self.engine.loras.check_open(request.lora_name)  # its adapter began unloading since it resolved
             self.engine.check_queue(len(self._new), request)
             self._callbacks[request_id] = on_output
             self._open[request_id] = params.n  # completions still to finish
@@ -96,6 +97,17 @@ class AsyncEngine:
                 self._aborts.append(request_id)
                 self._lock.notify()
             return known
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter at run time (checked as at start; ValueError saying why not)."""
+        self.engine.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> threading.Event:
+        """Begin unloading an adapter (ValueError if not loaded): new requests naming it are refused,
+        its running ones finish; the event is set once it is unloaded and its slot free."""
+        done = self.engine.loras.begin_unload(name)
+        self._wake()
+        return done
 
     @property
     def failure(self) -> Optional[str]:
@@ -136,6 +148,11 @@ class AsyncEngine:
             self.engine.close()
             self._delivery.put(None)  # the output thread ends once it has delivered everything
 
+    def _settle_loras(self) -> None:
+        """Unload the draining adapters nothing holds (under the lock: the queued requests count)."""
+        if self.engine.loras.draining:
+            self.engine.loras.settle([*self._new, *self.engine.waitlist])
+
     def _wake(self) -> None:
         with self._lock:
             self._lock.notify()
@@ -149,10 +166,12 @@ class AsyncEngine:
         while True:
             with self._lock:
                 # A request whose grammar still compiles is no work yet: its compile's end wakes us.
+                self._settle_loras()
                 while (not self._stopped and not self._new and not self._aborts and not self._stops
                        and not self.engine.has_runnable_work() and not self.engine.tiers_settling()
                        and self._lost is None):
                     self._lock.wait()
+                    self._settle_loras()
                 # at most one step's outputs still being made text: a stop string they hold is known
                 # before the step after next
                 while self._processed < self._posted - 1 and not self._stopped and self._lost is None:

@@ -1,10 +1,16 @@
 """The engine's face of multi-LoRA: resolve a request's adapter, load and unload adapters at run
 time, count requests per adapter for the metrics. Works with LoRA off too (then every adapter
-name is refused, saying how to turn it on)."""
+name is refused, saying how to turn it on).
+
+Unloading at run time drains (`begin_unload`): from then on the adapter is no longer listed and
+requests naming it are refused as not loaded, while those already holding it run to their end;
+the engine thread (`settle`, each turn of its loop) unloads it once none is left, which frees its
+slot, and sets the event the caller waits on."""
 from __future__ import annotations
 
+import threading
 from collections import Counter
-from typing import Optional
+from typing import Iterable, Optional
 
 from backend.worker.lora.manager import LoadedLoRA, LoRAManager
 from backend.core.lora import LoRALike, LoRARequest, lora_name_of
@@ -14,6 +20,8 @@ class EngineLoRAs:
     def __init__(self, manager: Optional[LoRAManager], scheduler):
         self.manager = manager
         self.scheduler = scheduler
+        self._lock = threading.Lock()
+        self._draining: dict[str, threading.Event] = {}  # unloading: name -> set once unloaded
 
     def _enabled(self, what: str) -> LoRAManager:
         if self.manager is None:
@@ -24,10 +32,21 @@ class EngineLoRAs:
     def resolve(self, lora: LoRALike) -> Optional[LoadedLoRA]:
         if lora is None:
             return None
-        return self._enabled(f"lora_name '{lora_name_of(lora)}'").resolve(lora)
+        name = lora_name_of(lora)
+        self.check_open(name)
+        return self._enabled(f"lora_name '{name}'").resolve(lora)
+
+    def check_open(self, name: Optional[str]) -> None:
+        """Refuse a request naming an adapter that is being unloaded (as one never loaded is)."""
+        if name is not None and name in self._draining:
+            raise ValueError(f"LoRA adapter '{name}' is not loaded (it is being unloaded); loaded adapters: "
+                             f"{', '.join(self.names()) or 'none'}")
 
     def load(self, name: str, path: str) -> LoadedLoRA:
-        return self._enabled(f"loading LoRA adapter '{name}'").load(name, path)
+        manager = self._enabled(f"loading LoRA adapter '{name}'")
+        if name in self._draining:
+            raise ValueError(f"LoRA adapter '{name}' is being unloaded; load it again once its unload has finished")
+        return manager.load(name, path)
 
     def unload(self, name: str) -> None:
         """Unload an adapter no request uses (ValueError naming how many do)."""
@@ -37,12 +56,44 @@ class EngineLoRAs:
             raise ValueError(f"LoRA adapter '{name}' is in use by {users} request(s); unload it once they finish")
         manager.unload(name)
 
+    def begin_unload(self, name: str) -> threading.Event:
+        """Start draining `name` (ValueError if it is not loaded); the event is set once it is
+        unloaded. A second call while it drains waits on the same event."""
+        manager = self._enabled(f"unloading LoRA adapter '{name}'")
+        with self._lock:
+            if name in self._draining:
+                return self._draining[name]
+            if manager.info(name) is None:
+                raise ValueError(f"LoRA adapter '{name}' is not loaded; loaded adapters: {', '.join(self.names()) or 'none'}")
+            done = self._draining[name] = threading.Event()
+        return done
+
+    @property
+    def draining(self) -> bool:
+        return bool(self._draining)
+
+    def settle(self, pending: Iterable = ()) -> None:
+        """The engine thread: unload each draining adapter that no request holds any more, in the
+        scheduler or in `pending` (requests not yet handed to it)."""
+        if not self._draining:
+            return
+        used = {r.lora_name for r in (*self.scheduler.iter_requests(), *pending) if r.lora_name}
+        with self._lock:
+            done = [n for n in self._draining if n not in used]
+            events = [self._draining.pop(n) for n in done]
+        for name, event in zip(done, events):
+            self.manager.unload(name)  # its slot is released at the next step
+            event.set()
+
     def names(self) -> list[str]:
-        return self.manager.names() if self.manager is not None else []
+        """The adapters requests may name now (those being unloaded are no longer listed)."""
+        if self.manager is None:
+            return []
+        return [n for n in self.manager.names() if n not in self._draining]
 
     def name_of_salt(self, salt: bytes) -> Optional[str]:
         """The loaded adapter whose prefix-cache root is `salt` (KV-cache events name it), if any."""
-        for name in self.names():
+        for name in self.manager.names() if self.manager is not None else ():
             info = self.manager.info(name)
             if info is not None and info.salt == salt:
                 return name

@@ -125,6 +125,12 @@ class LoRAManager:
             self.directory.publish(load_id, name, adapter.path)
         info = LoadedLoRA(name, adapter.path, cache_salt(name, load_id), adapter.rank, adapter.modules, load_id)
         with self._lock:
+            most = self.config.max_cpu_loras
+            if most and len(self._loaded) >= most:  # checked again here: two loads may race
+                raise ValueError(f"LoRA adapter '{name}': {len(self._loaded)} adapters are loaded ({', '.join(self._loaded)}), "
+                                 f"the most max_cpu_loras allows ({most}); unload one first")
+            if name in self._loaded:
+                raise ValueError(f"LoRA adapter '{name}' is already loaded from {self._loaded[name].path}; unload it first")
             self._adapters[name] = adapter
             self._loaded[name] = info
         log.info("LoRA adapter '%s' loaded from %s: rank %d, %s", name, adapter.path, adapter.rank,
