@@ -94,9 +94,12 @@ class Sampler:
         usage = [s["kv"] for s in self.samples if s.get("kv") is not None]
         running = [s["running"] for s in self.samples if s.get("running") is not None]
         pre = [s["preemptions"] for s in self.samples if s.get("preemptions") is not None]
+        waiting = [s["waiting"] for s in self.samples if s.get("waiting") is not None]
         return {"kv_usage_peak": max(usage) if usage else None,
                 "kv_usage_mean": float(np.mean(usage)) if usage else None,
                 "running_mean": float(np.mean(running)) if running else None,
+                "waiting_mean": float(np.mean(waiting)) if waiting else None,  # the queue: requests not admitted yet
+                "waiting_peak": max(waiting) if waiting else None,
                 "preemptions": (max(pre) - preemptions_before) if pre and preemptions_before is not None else None}
 
 

@@ -38,7 +38,7 @@ class InProcessTarget:
     def _stats(self) -> dict:
         s = self.engine.stats()
         return {"kv": s["kv_cache_usage_ratio"], "running": s["num_requests_running"],
-                "preemptions": s["num_preemptions"]}
+                "waiting": s["num_requests_waiting"], "preemptions": s["num_preemptions"]}
 
     def run(self, items: Sequence[WorkItem], concurrency: int, progress: bool = False,
             timeout: float = 3600.0) -> dict[str, Any]:
@@ -91,7 +91,11 @@ class InProcessTarget:
                 except Exception as exc:  # refused at arrival (too long, queue full)
                     rec.error = f"{type(exc).__name__}: {exc}"
                     finish(rec)
-            done.wait(timeout)
+            if not done.wait(timeout):  # bounded run: what is still unanswered is aborted (and fails)
+                for rec in records:
+                    if rec.end is None and rec.error is None:
+                        self.engine.abort(f"bench{self._runs}-{rec.item.index}")
+                done.wait(30.0)
             duration = time.monotonic() - start
         cpu = time.process_time() - cpu0
         bar.close()
@@ -197,6 +201,7 @@ class ServerTarget:
     def _stats(self) -> Optional[dict]:
         m = scrape(self.metrics_url)
         return {"kv": m.get("inflight_kv_cache_usage_ratio"), "running": m.get("inflight_num_requests_running"),
+                "waiting": m.get("inflight_num_requests_waiting"),
                 "preemptions": m.get("inflight_num_preemptions_total")}
 
     def run(self, items: Sequence[WorkItem], concurrency: int, progress: bool = False,
