@@ -172,6 +172,17 @@ bench-peers: model tiny-model peers-venvs peers-llamacpp $(GGUF)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) \
 		--model-path $(TINY_MODEL) --num-requests 128 $(PEERS_ARGS)
 
+# -- The seed's three latency claims (issue 45; docs/benchmarks.md, "The seed's latency claims") --
+# p99 against max_num_seqs, decodes while long prompts arrive, goodput and instances per batching mode:
+# each in-process on $(MODEL_DIR) (SmolLM2 Q4_1), bounded to ~8 min on 2 cores; JSON and the markdown
+# table in docs/bench/seed_*.{json,md}, the plot in docs/seed_*.png. SEED_ARGS: more flags for every
+# claim (sizes, --out-dir; `python -m client.tools.benchmarks.seed_claims --help`).
+.PHONY: bench-seed
+SEED_ARGS ?=
+bench-seed: model
+	for claim in max-seqs long-prompts goodput; do \
+		$(PY) -m client.tools.benchmarks.seed_claims $$claim --model-path $(MODEL_DIR) $(SEED_ARGS) || exit 1; done
+
 # -- The bare GPU image's package set (issue 31) --
 # A second venv holding what a bare H200 image has (torch 2.11 + triton 3.6.0, transformers 5.17,
 # peft, numpy 2.x, safetensors 0.8; no xgrammar, tritonclient, tritonserver, fastapi, gguf), with the
