@@ -36,10 +36,14 @@ class EngineCore:
         if request.pending_grammar is not None:
             self.waitlist.add(request, request.pending_grammar)
             return
+        if request.params.use_beam_search:  # its beams are its n sequences (backend/sched/beams.py)
+            self.beams.start(request)
         family = [request] + [Request(request.request_id, request.prompt_token_ids, request.params,
                                       request.eos_token_ids, request.arrival_time, seed=request.seed,
                                       priority=request.priority, index=i) for i in range(1, request.params.n)]
         for seq in family:
+            if seq.params.use_beam_search:
+                self.beams.add(seq)
             seq.bad_words_ids = request.bad_words_ids
             seq.lora_name, seq.cache_salt = request.lora_name, request.cache_salt
             if seq is not request and request.grammar is not None:
@@ -98,6 +102,7 @@ class EngineCore:
         if self.speculator is not None and not batch.is_empty:  # decode rows may become verify rows
             self.speculator.propose(batch)
         plan = self.scheduler.plan(batch)
+        plan.block_copies = self.beams.take_copies()
         self.idle = batch.is_empty
         started = time.perf_counter()
         try:
@@ -117,11 +122,12 @@ class EngineCore:
         if self.scheduler.pacer is not None:  # the step's cost on this device: the pacer's model learns
             self.scheduler.pacer.observe(*shape, seconds)
         self.drain.observe(shape[0], shape[1], seconds)
+        self.beams.take(result.sampled)  # the beams' numbers: chosen for below, never appended as sampled
         self.scheduler.postprocess(batch, result.sampled, time.monotonic())
         if self.speculator is not None:
             self.speculator.after_step(batch, result.sampled)
         self.drain.update(self.scheduler)  # once a step: read at arrival and by the queue reports
-        return self._deliver(refused + self._step_outputs(batch, result))
+        return self._deliver(refused + self._step_outputs(batch, result) + self.beams.advance())
 
     def _step_outputs(self, batch, result: StepResult) -> list[CoreOutput]:
         """Each sampling row's tokens: as many as the scheduler took (an EOS or a length limit may
@@ -166,6 +172,8 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.release_finished()
         self.kv_events.end_step()  # the step's changes to the prefix cache, as one batch of KV-cache events
+        if self.beams.groups:  # beams that ended otherwise (aborted, failed): n final outputs
+            outputs = self.beams.filter(outputs)
         return self.scheduler.deliver(self.queue.report(outputs))
 
     def _fail(self, requests: list[Request], message: str, earlier: list[CoreOutput] = ()) -> list[CoreOutput]:
@@ -203,6 +211,8 @@ class EngineCore:
             "num_backfilled": self.scheduler.num_backfilled,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             "prompt_tokens_total": self.prompt_tokens_total,
+            "beam_requests_total": self.beams.requests_total,  # requests that ran beam search
+            "num_beams_running": self.beams.num_running,  # beams of unfinished searches
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
             **(self.speculator.stats() if self.speculator else {}), **self.expert_tally, **self.kv_tiers.figures(),
             **self.kv_events.figures(),  # the KV-event publisher's drops, failures, bad requests

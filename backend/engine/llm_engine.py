@@ -22,6 +22,7 @@ from backend.core.request import Request
 from backend.engine.core import EngineCore
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.wiring import build_core
+from backend.sched.beams import refuse_beams
 from backend.models.loader import load_model_config
 from backend.text.tokenizer import Tokenizer, max_input_bytes
 
@@ -68,7 +69,8 @@ class LLMEngine(EngineCore):
         priority = int32(priority, "priority")
         lora = self.loras.resolve(lora_request)
         ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
-        self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+        refuse_beams(params, self.config)
+        self.scheduler.check_fits(len(ids), params.max_tokens, max(params.n, params.beam_width))
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
                           seed=self._seeds.getrandbits(63), priority=priority)
         request.bad_words_ids = self._bad_words_ids(params.bad_words)

@@ -13,6 +13,7 @@ from backend.engine.structured.compiler import ConstraintCompiler
 from backend.kv.event_publisher import make_publisher
 from backend.kv.groups import KVCacheGroups
 from backend.models.loader import ModelConfig
+from backend.sched.beams import BeamGroups
 from backend.sched.drain import DrainEstimator, Limits
 from backend.sched.factory import make_scheduler
 from backend.sched.grammar_waitlist import GrammarWaitlist
@@ -48,6 +49,8 @@ def build_core(core, config: EngineConfig, model_config: ModelConfig, max_model_
         core.grammars = ConstraintCompiler(tokenizer, model_config.vocab_size, eos_token_ids,
                                            timeout=config.structured_outputs_compile_timeout_s)
         core.waitlist = GrammarWaitlist()  # requests whose constraint compiles (off the request path)
+        # beam search (backend/sched/beams.py): each beam request's search, over the scheduler's sequences
+        core.beams = BeamGroups(core.blocks, core.scheduler.worker_view, core.scheduler.finish)
     except BaseException:
         core.runner.close()
         raise

@@ -20,10 +20,11 @@ from backend.sched.batch import SchedulerOutput
 class _Sent:
     """What the worker was last told of a sequence: how many of its tokens, and per group the table
     list it was sent from, its entries sent and the last of them (None: no table, preempted)."""
-    __slots__ = ("tokens", "tables")
+    __slots__ = ("tokens", "tables", "cut")
 
     def __init__(self, tokens: int, tables: Optional[list]):
         self.tokens, self.tables = tokens, tables
+        self.cut = -1  # >= 0: its tokens from there on were replaced (beam search): sent again from there
 
 
 class WorkerView:
@@ -64,7 +65,7 @@ class WorkerView:
             self.known[req.seq_id] = _Sent(num_tokens, [(t, len(t), t[-1] if t else None) for t in tables])
             return
         new = req.token_ids(sent.tokens, num_tokens) if num_tokens > sent.tokens else []
-        sent.tokens = num_tokens
+        sent.tokens, cut, sent.cut = num_tokens, sent.cut, -1
         held, resumed = sent.tables, sent.tables is None
         if resumed:
             blocks = tuple((0, list(t)) for t in tables)
@@ -85,7 +86,15 @@ class WorkerView:
                 blocks[g] = (start, t[start:])
                 held[g] = (t, n, t[-1] if t else None)
             blocks = tuple(blocks)
-        plan.updates.append(SeqUpdate(req.seq_id, req.num_computed_tokens, new, -1, blocks, resumed))
+        plan.updates.append(SeqUpdate(req.seq_id, req.num_computed_tokens, new, cut, blocks, resumed))
+
+    def rewrite(self, seq_id: str, start: int) -> None:
+        """seq_id's tokens from `start` on were replaced (a beam took another's history): the next
+        plan cuts the worker's copy there and sends them again."""
+        sent = self.known.get(seq_id)
+        if sent is not None and start < sent.tokens:
+            sent.tokens = start
+            sent.cut = start if sent.cut < 0 else min(sent.cut, start)
 
     def forget(self) -> list[str]:
         """Everything the worker holds (the worker was reset): the ids it should drop."""

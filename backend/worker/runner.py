@@ -33,6 +33,7 @@ from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.worker import fast_paths, memory
 from backend.worker.attention_metadata import AttentionMetadata
+from backend.worker.block_copy import copy_blocks
 from backend.worker.cpu_affinity import allowed_cores, pin_omp_threads
 from backend.worker.cpu_memory import keep_freed_memory
 from backend.worker.cuda_graphs import DecodeGraphs
@@ -210,6 +211,7 @@ class ModelRunner:
             self.follow()
             return StepResult()
         copies = self.kv_copier.execute(plan.kv_copies) if plan.kv_copies else None
+        copy_blocks(self.kv_caches, plan.block_copies)  # beam search's copy-on-write, before any write
         if plan.is_empty:  # no row: only what the worker holds changes
             self.batch.apply(plan)
             if self.tp and (plan.finished_ids or plan.preempted_ids):
@@ -267,6 +269,7 @@ class ModelRunner:
         if message.plan is None:
             return False
         plan, size = message.plan, message.graph_size or None
+        copy_blocks(self.kv_caches, plan.block_copies)
         self.batch.apply(plan)
         step = build_step(plan, self.batch, self._empty_rows(plan, size), verify_as_decode=self.ops.name == "cpu",
                           lora=self.lora, lora_plan=message.lora)
