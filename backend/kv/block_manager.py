@@ -160,6 +160,34 @@ class BlockManager(PoolCounts, PrefixCache):
         self.num_held += sum(b != NULL_BLOCK for b in shared)
         return len(shared) * self.block_size
 
+    def adopt(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """Beam search: child_id gives back its blocks and takes parent_id's first num_tokens tokens,
+        copy-on-write: parent's full blocks shared (one more reference each), its partly filled last
+        block copied into a block of child's own, which child writes next. Returns the copies to
+        make, (source, destination), before the next step writes."""
+        parent = self._tables.get(parent_id, [])
+        full, part = divmod(num_tokens, self.block_size)
+        self._release(reversed(self._tables.pop(child_id, [])))
+        table = list(parent[:full])
+        for block in table:
+            if block != NULL_BLOCK:
+                self.pool.hold(block)
+        self.num_held += sum(b != NULL_BLOCK for b in table)
+        copies = []
+        if part:
+            evicted = self.pool.evictions()
+            table.append(self.pool.take(evicted))
+            self.num_held += 1
+            self.pool.announce(evicted)
+            copies.append((parent[full], table[-1]))
+        self._tables[child_id] = table
+        hashed = self._hashed.get(parent_id)
+        if hashed is not None and hashed[0] <= full:
+            self._hashed[child_id] = hashed
+        else:
+            self._hashed.pop(child_id, None)
+        return copies
+
     def window_blocks(self) -> int:
         """The blocks before a position that its window reaches back into (0: all of them)."""
         return -(-(self.window - 1) // self.block_size) if self.window else 0

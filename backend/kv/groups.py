@@ -143,6 +143,10 @@ class KVCacheGroups(PoolCounts):
         computed = [g.fork(parent_id, child_id, num_tokens) for g in self.groups]
         return computed[0]
 
+    def adopt(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """BlockManager.adopt in every group (beam search's copy-on-write); the copies to make."""
+        return [c for g in self.groups for c in g.adopt(parent_id, child_id, num_tokens)]
+
     # -- prefix caching -------------------------------------------------------------------------
     def prefix_hit(self, hashes: Sequence[bytes]) -> int:
         """The most leading blocks every group may take from the cache. A local group's answer at

@@ -1,0 +1,122 @@
+"""Beam search in the engine (backend/sched/beams.py): the beams token-equal to transformers'
+generate(num_beams=N, do_sample=False) on two tiny random models, their KV blocks shared
+copy-on-write (fewer blocks used than beams x length), the no-evict reservation, cancellation and
+the pool back to idle, the metrics."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from backend.worker.block_copy import copy_blocks, copy_blocks_reference
+from hf_checkpoints import make_checkpoint
+
+BLOCK = 16
+PROMPTS = [[5, 17, 99, 200, 31, 7, 8, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55],  # 19 tokens
+           [(7 * i + 3) % 500 + 3 for i in range(37)]]  # 37: two full blocks and a part
+
+def beams(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, use_beam_search=True, **kw)
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tmp_path_factory):
+    import transformers as tf
+    path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    hf = tf.AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(str(path), kv_block_size=BLOCK, max_tokens_in_paged_kv_cache=1024, max_num_batched_tokens=64,
+              enable_chunked_context=True)
+    yield request.param, hf, llm
+    llm.close()
+
+def hf_beams(hf, prompt, width, n, max_tokens, eos, length_penalty=1.0, early_stopping=False):
+    out = hf.generate(torch.tensor([prompt]), num_beams=width, do_sample=False, max_new_tokens=max_tokens,
+                      num_return_sequences=n, eos_token_id=eos, pad_token_id=0, length_penalty=length_penalty,
+                      early_stopping=early_stopping)
+    return [row[len(prompt):] for row in out.tolist()]
+
+# (prompt, width, n, max_tokens, stop ids, length_penalty, early_stopping): stop ids (EOS to beam search,
+# beside the model's own, 2) that the beams of both models meet, so that hypotheses finish early
+CASES = [(0, 2, 2, 9, [], 1.0, False), (0, 4, 4, 10, [80, 309], 1.0, False), (1, 4, 3, 9, [38, 269], 1.0, True),
+         (1, 2, 2, 8, [26, 37], 0.5, "never"), (0, 4, 2, 10, [12, 102], 2.0, False)]
+
+
+def test_beams_token_equal_to_transformers(model):
+    arch, hf, llm = model
+    prompts = [PROMPTS[c[0]] for c in CASES]
+    params = [beams(best_of=w, n=n, max_tokens=t, stop_token_ids=e, length_penalty=lp, early_stopping=es)
+              for _, w, n, t, e, lp, es in CASES]
+    outputs = llm.generate(prompts, params)  # all five searches run together
+    stopped = 0
+    for (p, w, n, t, e, lp, es), out in zip(CASES, outputs):
+        eos = [2, *e]
+        expected = hf_beams(hf, PROMPTS[p], w, n, t, eos, lp, es)
+        got = [s.token_ids for s in out.samples]
+        assert len(got) == n
+        for g, x in zip(got, expected):  # transformers pads the shorter ones with its first EOS id (2)
+            assert g == x[:len(g)] and all(tok == 2 for tok in x[len(g):]), (arch, p, w, got, expected)
+        reasons = [s.finish_reason for s in out.samples]
+        assert reasons == ["stop" if g[-1] in eos else "length" for g in got]
+        stopped += reasons.count("stop")
+    assert stopped >= 3, "too few hypotheses ended on a stop id: the cases test max_tokens only"
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_beams_running"] == 0
+    assert stats["beam_requests_total"] >= len(CASES)
+    llm.check_integrity()
+
+def test_beams_share_blocks_and_the_reservation_counts_them(model):
+    _, _, llm = model
+    engine = llm.engine
+    prompt, width, max_tokens = PROMPTS[1], 4, 12  # 37 + 12 = 49 tokens: 4 blocks a beam unshared
+    engine.add_request("share", prompt, beams(best_of=width, n=2, max_tokens=max_tokens, ignore_eos=True))
+    need = -(-(len(prompt) + max_tokens - 1) // BLOCK)
+    shared_prompt = (len(prompt) - 1) // BLOCK
+    peak, reserved, copies, finals = 0, set(), 0, []
+    while engine.has_work():
+        finals += [o for o in engine.step() if o.finished]
+        stats = engine.stats()
+        peak = max(peak, stats["kv_blocks_used"])
+        if stats["num_beams_running"] == width and stats["kv_blocks_used"]:
+            reserved.add(stats["kv_blocks_reserved"])
+        copies += len(engine.beams.copies)
+        engine.check_integrity()
+    assert len(finals) == 2 and all(len(o.token_ids) == max_tokens for o in finals)
+    assert peak < width * need, f"peak {peak} blocks: the beams shared none of their {width} x {need}"
+    assert peak <= shared_prompt + width * (need - shared_prompt)
+    # guaranteed_no_evict reserves the prompt's shared blocks once and each beam's own growth, never less
+    assert max(reserved) == shared_prompt + width * (need - shared_prompt)
+    assert copies > 0, "no beam took another's history: the case does not test copy-on-write"
+    assert engine.stats()["kv_blocks_used"] == 0
+
+def test_cancelling_a_beam_request_frees_every_beam(model):
+    _, _, llm = model
+    engine = llm.engine
+    engine.add_request("gone", PROMPTS[0], beams(best_of=4, n=3, max_tokens=20, ignore_eos=True))
+    for _ in range(6):
+        assert not [o for o in engine.step() if o.finished]
+    assert engine.stats()["num_beams_running"] == 4 and engine.stats()["kv_blocks_used"] > 0
+    finals = engine.abort("gone")
+    assert sorted(o.index for o in finals) == [0, 1, 2] and {o.finish_reason for o in finals} == {"abort"}
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_beams_running"] == 0
+    engine.check_integrity()
+
+def test_block_copies_equal_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(6, 3, 2, 4, generator=gen), torch.randn(6, 3, 2, 4, generator=gen)) for _ in range(2)]
+    caches.append(caches[0])  # a tensor two layers share is copied once
+    want = [(k.clone(), v.clone()) for k, v in caches[:2]]
+    copy_blocks_reference(want, [(1, 4), (2, 5)])
+    copy_blocks(caches, [(1, 4), (2, 5)])
+    for (k, v), (wk, wv) in zip(caches, want + [want[0]]):
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+    with pytest.raises(ValueError, match="distinct fresh"):
+        copy_blocks(caches, [(1, 4), (4, 5)])
+
+@pytest.mark.parametrize("field,value", [("temperature", 0.7), ("stop", ["x"]), ("logprobs", 2), ("top_k", 5)])
+def test_what_beams_do_not_compose_with_is_refused_by_name(field, value):
+    kw = {"temperature": 0.0, field: value}
+    with pytest.raises(ValueError, match=f"^{field} .*not supported with beam search"):
+        SamplingParams(use_beam_search=True, best_of=2, **kw)
+    with pytest.raises(ValueError, match="n \\(3\\) must not exceed the beam width"):
+        SamplingParams(use_beam_search=True, best_of=2, n=3, temperature=0.0)
