@@ -1,6 +1,8 @@
-"""The CPU engine's decode steps through one C call for the layer stack (backend/worker/native_decode.py,
+"""The CPU engine's steps through one C call for the layer stack (backend/worker/native_decode.py,
 kernels/cpu/decode_stack.py) give exactly the Python layers' results: the same greedy tokens and
-the same log-probabilities, to the bit, on every model shape it takes (GQA, q/k/v biases, Qwen3's
+the same log-probabilities, to the bit, in every kind of step (prefill chunks, later chunks over
+cached context, mixed steps of decode rows and a chunk, decode steps: issue 47), on every model
+shape it takes (GQA, q/k/v biases, Qwen3's
 head norms, a sliding window shorter than the contexts, Gemma 3's GeGLU, sandwich norms and two
 KV-cache groups, fused projections of mixed packed types, K-quants, float32 and bfloat16 caches,
 mixtures of experts whose blocks the C loop calls back),
@@ -8,6 +10,7 @@ with prompts that are not block multiples in a batch of mixed lengths; with LoRA
 with an adapter's rows too (the deltas called back). Models it does not take keep the Python layers, and say
 why; bad step tensors are refused by name."""
 import logging
+import re
 
 import pytest
 import torch
@@ -50,9 +53,11 @@ def engine(case: str, tmp_path, tokenizer_json) -> LLM:
         path, quantization = packed_folder(tmp_path, tokenizer_json, **model_args), "auto"
     else:
         path, quantization = make_checkpoint(arch, tmp_path / arch, seed=3, **model_args), "int8"
-    # no prefix reuse: the second run's prompts then compute as the first's did
+    # no prefix reuse: the second run's prompts then compute as the first's did; 24 tokens a step:
+    # the 40-token prompt is cut into chunks (none a block multiple), the later ones beside the
+    # others' decode rows (no pacing, whose cap follows measured step times: the same steps each run)
     return LLM(str(path), quantization=quantization, kv_block_size=16, max_num_seqs=4, max_model_len=128,
-               enable_kv_cache_reuse=False, **engine_args)
+               enable_kv_cache_reuse=False, max_num_batched_tokens=24, inter_token_target_ms=0, **engine_args)
 
 
 def run(llm: LLM) -> list:
@@ -66,10 +71,12 @@ def test_the_c_stack_gives_the_python_layers_results_bit_for_bit(case, tmp_path,
     runner = llm.engine.runner
     stack = runner.decode_path.native
     assert stack is not None, native_decode.unsupported(runner.model, runner.ops.name, None)
-    calls = []
-    runner.decode_path.native = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    calls = []  # each step's (rows, decode rows)
+    runner.decode_path.native = lambda *a: calls.append((a[0].shape[0], a[2].num_decode_tokens)) or stack(*a)
     native = run(llm)
-    assert len(calls) >= PARAMS.max_tokens - 1 and max(calls) == len(PROMPTS)  # every decode step, batched
+    kinds = {"prefill" if nd == 0 else "decode" if nd == t else "mixed" for t, nd in calls}
+    assert kinds == {"prefill", "mixed", "decode"}, str(calls)  # every kind of step ran in C
+    assert len(calls) >= PARAMS.max_tokens + 1 and (len(PROMPTS), len(PROMPTS)) in calls  # decode steps batched
     runner.decode_path.native = None
     python = run(llm)
     assert native == python
@@ -134,7 +141,7 @@ def test_with_lora_on_steps_with_adapter_rows_run_in_c_with_their_deltas_called_
     path = llm.engine.runner.decode_path
     stack, calls = path.native, []
     assert stack is not None
-    path.native = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    path.native = lambda *a: calls.append((a[0].shape[0], a[2].num_decode_tokens)) or stack(*a)
     mixed = [None, "a", None]
 
     def both():
@@ -142,7 +149,8 @@ def test_with_lora_on_steps_with_adapter_rows_run_in_c_with_their_deltas_called_
                            for o in llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True,
                                                                          logprobs=0), lora_request=mixed)])
     native = both()
-    assert len(calls) >= 2 * (9 - 1) and max(calls) == len(PROMPTS)  # both batches decoded in C
+    assert calls.count((len(PROMPTS), len(PROMPTS))) >= 2 * (9 - 1)  # both batches decoded in C
+    assert (sum(map(len, PROMPTS)), 0) in calls  # and prefilled
     path.native = None
     python = both()
     assert native == python
@@ -169,3 +177,55 @@ def test_an_error_in_a_called_back_moe_block_is_raised_by_the_stack(tmp_path, ti
         stack(*args)
     layer.mlp = block
     assert torch.equal(stack(*args), good)
+
+
+def test_steps_with_an_images_rows_run_the_python_layers(llama, monkeypatch, caplog):
+    """An image's placeholder rows attend both ways within the image (attention.py's torch pass):
+    such a step leaves the C loop for the Python layers, said once in the log; the others stay in C."""
+    runner = llama.engine.runner
+    native, made = runner.decode_path.native, runner.metadata.for_step
+    fallback, in_c = [], []
+    python_layers, stack = native._python_layers, native._stack
+
+    def marked(*args, **kwargs):  # every step with prompt rows is marked as if it had an image
+        ctx = made(*args, **kwargs)
+        ctx.image_spans = ["an image"] if ctx.num_decode_tokens < ctx.slot_mapping.shape[1] else []
+        return ctx
+
+    def spied(x, positions, ctx, rope):  # the marks taken off again: the Python attention ignores them
+        fallback.append(x.shape[0])
+        ctx.image_spans = []
+        return python_layers(x, positions, ctx, rope)
+    monkeypatch.setattr(runner.metadata, "for_step", marked)
+    monkeypatch.setattr(native, "_python_layers", spied)
+    monkeypatch.setattr(native, "_stack", lambda x, *a: in_c.append(x.shape[0]) or stack(x, *a))
+    monkeypatch.setattr(native, "_made_for", native._made_for)
+    with caplog.at_level(logging.INFO, logger="backend.worker.native_decode"):
+        marked_run = run(llama)
+    assert fallback and sum(fallback) >= sum(map(len, PROMPTS)) and in_c  # prompt steps in Python, decodes in C
+    assert "an image's placeholder rows: the Python layers" in caplog.text
+    monkeypatch.setattr(runner.metadata, "for_step", made)
+    assert run(llama) == marked_run  # the same results either way
+
+
+def test_bad_prompt_rows_are_refused_by_name(llama):
+    stack = llama.engine.runner.decode_path.native._stack
+    x, positions = torch.zeros(3, stack.hidden), torch.tensor([4, 0, 1])
+    decode = (torch.tensor([[4, 16, 17]]), torch.zeros(1, 1, 2, dtype=torch.int32),
+              torch.tensor([5], dtype=torch.int32))
+    chunk = (torch.tensor([0, 2], dtype=torch.int32), torch.ones(1, 1, 2, dtype=torch.int32),
+             torch.tensor([2], dtype=torch.int32))
+    out = stack(x, positions, *decode, None, chunk)  # the good call: a decode row, then a 2-token chunk
+    assert out.shape == (3, stack.hidden) and torch.isfinite(out).all()
+    bad = {
+        "cu_seqlens_q must rise from 0 to the 2 query rows": (torch.tensor([0, 3], dtype=torch.int32), *chunk[1:]),
+        "a chunk is longer than its sequence's seq_lens": (*chunk[:2], torch.tensor([1], dtype=torch.int32)),
+        "decode_stack (the prompt rows): block ids": (chunk[0], torch.full((1, 1, 2), stack.num_blocks,
+                                                                           dtype=torch.int32), chunk[2]),
+        "the prompt rows' tables must be": (chunk[0], torch.ones(1, 2, dtype=torch.int32), chunk[2]),
+    }
+    for message, prompt in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            stack(x, positions, *decode, None, prompt)
+    with pytest.raises(ValueError, match="seq_lens must be"):  # prompt rows with no chunks to say where they are
+        stack(x, positions, *decode)

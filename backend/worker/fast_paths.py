@@ -3,10 +3,10 @@
 - CUDA graphs (cuda_graphs.py): static buffers per padded batch size, a captured graph each, for
   the Triton kernels unless `enforce_eager` (LoRA steps and experts that read their token counts on
   the host run eagerly);
-- the CPU's C decode stack (native_decode.py): the whole layer stack in one C call, for packed
-  weights on the C kernels;
+- the CPU's C layer stack (native_decode.py): the whole layer stack in one C call, for packed
+  weights on the C kernels, for every step (decode rows, prompt chunks, both);
 - else the model's Python layers.
-Prefill steps always run the Python layers. The runner asks `DecodePath` per step.
+The runner asks `DecodePath` per step.
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ class DecodePath:
         return self.graphs.size_for(len(plan.decodes) + len(plan.padding))
 
     def stack_for(self, num_decode_rows: int, num_rows: int) -> Optional[native_decode.NativeDecode]:
-        """The C stack for a step of only decode rows (empty and verify rows included), else None."""
-        return self.native if self.native is not None and num_decode_rows == num_rows else None
+        """The C stack for a step, whatever its rows (decode, empty and verify rows, prompt chunks:
+        issue 47), else None. The row counts stay in the signature for a path that takes only some."""
+        return self.native
 
 
 def choose(config, model, ops_name: str, tp, lora, make_graphs: Callable[[], DecodeGraphs]) -> DecodePath:
@@ -54,6 +55,6 @@ def choose(config, model, ops_name: str, tp, lora, make_graphs: Callable[[], Dec
     if ops_name != "cpu":
         return DecodePath()
     why = native_decode.unsupported(model, ops_name, tp)
-    log.info("decode steps: %s", "the layer stack in one C call (backend/worker/native_decode.py)" if why is None
-             else f"the Python layers ({why})")
+    log.info("decode and prompt steps: %s", "the layer stack in one C call (backend/worker/native_decode.py)"
+             if why is None else f"the Python layers ({why})")
     return DecodePath(native=native_decode.NativeDecode(model) if why is None else None)

@@ -1,4 +1,4 @@
-"""The CPU engine's decode steps through one C call for the whole layer stack (issue 37).
+"""The CPU engine's steps through one C call for the whole layer stack (issues 37 and 47).
 
 At a small decode batch on the CPU, a step's matmuls were half its time on SmolLM2-135M: the rest
 was the Python around ~12 kernel calls a layer (module calls, wrappers' checks, ctypes). The
@@ -11,13 +11,20 @@ would remain a call back into Python.
 
 It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu/quant.py) and the
 C kernels (attention_backend auto, float32 activations), dense MLPs (Llama, Mistral, Qwen2, Qwen3,
-Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), pure decode steps (empty and
-verify rows included). Two things stay Python's, called back from the C loop (ctypes callbacks on
-its buffers, so the results stay the Python path's): a mixture-of-experts layer's MLP (Mixtral,
-Qwen3-MoE: the block's router and experts as ever), and in a step with an adapter's rows the LoRA
-deltas of each projection (LoRAStep.add, right after the projection, as lora_project adds them).
-Other steps (prefills), and models outside that (float or bf16 attention weights, tensor
-parallelism), run the Python layers; the log says which models and why, once.
+Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), every step: decode rows (empty
+and verify rows included) and, since issue 47, prompt chunks (prefill steps, and the mixed steps of
+decode rows and a chunk that in-flight batching and prefill pacing make all the time), whose
+attention is prefill_attention.c's, the kernel the Python layers' prompt rows run too
+(kernels/dispatch.py cpu_ops), so both paths stay bit for bit alike. The input is the step's
+embeddings buffer (LlamaForCausalLM.forward's x), so rows whose embeddings are not the token
+table's run here as well, once forward has written them into x; a step with an image's rows, whose
+attention runs both ways within the image (attention.py, in torch), runs the Python layers. Two
+things stay Python's, called back from the C loop (ctypes callbacks on its buffers, so the results
+stay the Python path's): a mixture-of-experts layer's MLP (Mixtral, Qwen3-MoE: the block's router
+and experts as ever), and in a step with an adapter's rows the LoRA deltas of each projection
+(LoRAStep.add, right after the projection, as lora_project adds them).
+Models outside that (float or bf16 attention weights, tensor parallelism) run the Python
+layers; the log says which models and why, once.
 INFLIGHT_NATIVE_DECODE=0 turns it off (the A/B of the benchmarks).
 """
 from __future__ import annotations
@@ -81,16 +88,33 @@ class NativeDecode:
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
         self._stack, self._made_for = None, None
+        self._said = False  # the log line on steps with images, once
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                  rope: RopeTables) -> torch.Tensor:
         """The hidden states after the final norm (LlamaForCausalLM.forward's result)."""
+        if getattr(ctx, "image_spans", None):  # images' bidirectional runs: attention.py's torch pass
+            return self._python_layers(x, positions, ctx, rope)
         caches = ctx.kv_caches
         key = (id(caches), caches[0][0].data_ptr(), id(rope), ctx.scale, ctx.layer_windows, ctx.layer_groups)
         if key != self._made_for:
             self._stack, self._made_for = self._make(ctx, rope), key
+        prompt = None if ctx.num_decode_tokens == x.shape[0] else (ctx.prefill_cu_seqlens_q.contiguous(),
+                                                                   ctx.prefill_block_tables.contiguous(),
+                                                                   ctx.prefill_seq_lens.contiguous())
         return self._stack(x, positions.contiguous(), ctx.slot_mapping.contiguous(),
-                           ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous(), ctx.lora)
+                           ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous(), ctx.lora, prompt)
+
+    def _python_layers(self, x, positions, ctx: AttentionContext, rope: RopeTables) -> torch.Tensor:
+        """A step the C loop does not take, through the Python layers (as forward's own loop)."""
+        if not self._said:
+            self._said = True
+            log.info("steps with an image's placeholder rows: the Python layers (their attention within "
+                     "each image runs both ways, in torch); the other steps: the C layer stack")
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, positions, ctx, rope)
+        return ctx.ops.rms_norm(x, self.model.norm.weight, self.model.norm.eps, residual)[0]
 
     def _make(self, ctx: AttentionContext, rope: RopeTables):
         from kernels.cpu.decode_stack import DecodeStack, StackLayer

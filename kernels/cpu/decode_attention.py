@@ -23,7 +23,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURE = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I)
 NAME = "decode_attention"
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # each cache dtype's copy of the kernel
 
 
 def check_args(q, k_cache, v_cache, block_tables, seq_lens, scale, window: int = 0) -> None:
@@ -63,7 +63,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = _common.alloc(q.shape, q.dtype, q.device)  # through the module: tests poison it
     s, h, d = q.shape
     _, bs, g, _ = k_cache.shape
-    kernel = cpu_build.function(NAME, f"decode_attention_{_SUFFIX[k_cache.dtype]}", _SIGNATURE)
+    kernel = cpu_build.function(NAME, f"decode_attention_{SUFFIX[k_cache.dtype]}", _SIGNATURE)
     kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
            out.data_ptr(), s, h, g, d, bs, block_tables.shape[1], float(scale), window)
     return out

@@ -1,10 +1,11 @@
-"""A decode step's layer stack in one C call (kernels/cpu/csrc/decode_stack.c), for the CPU engine.
+"""A step's layer stack in one C call (kernels/cpu/csrc/decode_stack.c), for the CPU engine.
 
 `DecodeStack(layers, ...)` takes every layer's packed weights (kernels/cpu/quant.py), norms, KV
 caches and RoPE tables once, checks them, and lays them out as the C structs; a call then runs
-all the layers for one step's decode rows. The C loop calls the kernels the Python path calls
-(the quantized GEMM of the build chosen for this CPU, elementwise.c, decode_attention.c) in the
-same order, so its oracle is that path, bit for bit (tests/kernels/test_cpu_decode_stack.py).
+all the layers for one step's rows: decode rows, and prompt chunks after them (issue 47). The C
+loop calls the kernels the Python path calls (the quantized GEMM of the build chosen for this CPU,
+elementwise.c, decode_attention.c, prefill_attention.c) in the same order, so its oracle is that
+path, bit for bit (tests/test_native_decode.py).
 
 Every check the per-kernel wrappers make once a step (index bounds of the positions, slots, block
 tables and lengths) is made here once a step; the C code checks nothing.
@@ -22,6 +23,7 @@ from kernels import checks as _common
 from kernels.cpu import build as cpu_build
 
 from kernels.cpu import decode_attention as cpu_decode_attention
+from kernels.cpu import prefill_attention as cpu_prefill_attention
 from kernels.cpu.quant import NAME as QUANT, CpuQuantWeight
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -47,7 +49,11 @@ class _Dims(ctypes.Structure):
 
 class _Ops(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("qgemm", "rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp",
-                                        "delta")]
+                                        "delta", "prefill")]
+
+
+class _Prompt(ctypes.Structure):  # decode_stack.c's prompt_rows_t
+    _fields_ = [("seqs", _I), ("table_width", _I), ("cu_seqlens_q", _P), ("tables", _P), ("seq_lens", _P)]
 
 
 # decode_stack.c's mlp_fn (layer, h, T, out) and delta_fn (layer, which, x, T, out): 0, or nonzero
@@ -178,8 +184,8 @@ class DecodeStack:
                          _address(cpu_build.load("elementwise").rotary_f32),
                          _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
                          _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
-                         _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]),
-                         None, None)
+                         _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]), None, None,
+                         _address(cpu_build.load(cpu_prefill_attention.NAME)[f"prefill_attention_{suffix}"]))
         self._failure: Optional[BaseException] = None
         self._lora = None  # the step's backend.worker.lora.step.LoRAStep, while a call with one runs
         # kept on self: C calls them as long as the stack lives
@@ -188,28 +194,32 @@ class DecodeStack:
             self._ops.mlp = _address(self._mlp_callback)
         self._delta_address = _address(self._delta_callback)
         self._shapes = tuple(widths.values())  # (K, N) by decode_stack.c's QKV, O, GATE_UP, DOWN
-        self._run = cpu_build.function("decode_stack", "decode_stack", (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P),
-                                       restype=ctypes.c_int)
+        self._run = cpu_build.function("decode_stack", "decode_stack",
+                                       (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P), restype=ctypes.c_int)
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 seq_lens: torch.Tensor, lora=None) -> torch.Tensor:
-        """Every layer on T decode rows: x [T, hidden] float32 (the embeddings), positions [T]
-        int64, slots [groups, T] int64 (-1: not stored), tables [groups, T, MB] int32, seq_lens [T]
-        int32 (the row's own token included; 0: an empty row) -> the hidden states [T, hidden]
-        after the final norm, as the model's forward returns them. `lora`: the step's LoRAStep when
-        a row has an adapter; its deltas are added after each projection, as lora_project does."""
+                 seq_lens: torch.Tensor, lora=None, prompt=None) -> torch.Tensor:
+        """Every layer on a step's T rows: x [T, hidden] float32 (the embeddings), positions [T]
+        int64, slots [groups, T] int64 (-1: not stored); its ND decode rows first, tables [groups,
+        ND, MB] int32, seq_lens [ND] int32 (the row's own token included; 0: an empty row); then,
+        with `prompt` = (cu_seqlens_q [P + 1], tables [groups, P, MB'], seq_lens [P]) as
+        AttentionContext's prefill_* hold them, P prompt chunks in the other T - ND rows -> the
+        hidden states [T, hidden] after the final norm, as the model's forward returns them.
+        `lora`: the step's LoRAStep when a row has an adapter; its deltas are added after each
+        projection, as lora_project does."""
         t = x.shape[0]
+        nd = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
         _f32("x", x, (t, self.hidden))
         for name, v, dtype, shape in (("positions", positions, torch.int64, (t,)),
                                       ("slots", slots, torch.int64, (self.groups, t)),
-                                      ("seq_lens", seq_lens, torch.int32, (t,))):
-            if v.dtype != dtype or tuple(v.shape) != shape or not v.is_contiguous():
+                                      ("seq_lens", seq_lens, torch.int32, (t if prompt is None else nd,))):
+            if v.dtype != dtype or tuple(v.shape) != shape or not v.is_contiguous() or not 0 <= nd <= t:
                 raise ValueError(f"decode_stack: {name} must be contiguous {dtype} {list(shape)}; got "
                                  f"{v.dtype} {tuple(v.shape)}")
-        if tables.dtype != torch.int32 or tables.dim() != 3 or tuple(tables.shape[:2]) != (self.groups, t) \
+        if tables.dtype != torch.int32 or tables.dim() != 3 or tuple(tables.shape[:2]) != (self.groups, nd) \
                 or not tables.is_contiguous():
-            raise ValueError(f"decode_stack: tables must be contiguous int32 [{self.groups}, {t}, MB]; got "
+            raise ValueError(f"decode_stack: tables must be contiguous int32 [{self.groups}, {nd}, MB]; got "
                              f"{tables.dtype} {tuple(tables.shape)}")
         width = tables.shape[2]
         check = _common.bounds_checked.once
@@ -218,13 +228,23 @@ class DecodeStack:
         check("stack_seq_lens", seq_lens, 0, width * self.block_size + 1,
               f"decode_stack: seq_lens (the tables hold {width} blocks of {self.block_size})")
         check("stack_tables", tables, 0, self.num_blocks, "decode_stack: block ids")
+        rows = None
+        if prompt is not None:
+            cu, p_tables, p_lens = prompt
+            if p_tables.dim() != 3 or p_tables.shape[0] != self.groups:
+                raise ValueError(f"decode_stack: the prompt rows' tables must be [{self.groups}, P, MB]; "
+                                 f"got {tuple(p_tables.shape)}")
+            cpu_prefill_attention.check_chunks("decode_stack (the prompt rows)", "stack_prompt", cu, p_lens, p_tables,
+                                               t - nd, self.num_blocks, self.block_size)
+            rows = _Prompt(p_lens.shape[0], p_tables.shape[2], cu.data_ptr(), p_tables.data_ptr(), p_lens.data_ptr())
         x = x.clone()  # the stack's running activations
         out = torch.empty_like(x)
         self._dims.table_width = width
         self._lora, self._ops.delta = lora, None if lora is None else self._delta_address
         status = t and self._run(ctypes.byref(self._ops), ctypes.byref(self._dims), self._layers, len(self._keep),
                                  t, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-                                 x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr())
+                                 x.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), nd,
+                                 None if rows is None else ctypes.byref(rows))
         self._lora = None
         if status == -2:
             failure, self._failure = self._failure, None

@@ -20,7 +20,7 @@ import torch
 from kernels import checks as _common
 
 from kernels.cpu import build as cpu_build
-from kernels.cpu.decode_attention import CACHE_DTYPES, _SUFFIX
+from kernels.cpu.decode_attention import CACHE_DTYPES, SUFFIX
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURE = (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I)
@@ -33,29 +33,41 @@ def check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
     int32 indices, chunk offsets that rise from 0 to T, and each chunk no longer than its sequence."""
     _common.check_paged_attention(NAME, q, "[num_tokens, num_heads, head_dim]", k_cache, v_cache,
                                   block_tables, seq_lens, scale, cache_dtype_may_differ=True, window=window)
-    s, t = seq_lens.shape[0] if seq_lens.dim() == 1 else -1, q.shape[0]
-    nb, bs = k_cache.shape[:2]
+    t, (nb, bs) = q.shape[0], k_cache.shape[:2]
     for name, x, dtypes in (("q", q, (torch.float32,)), ("k_cache", k_cache, CACHE_DTYPES),
                             ("v_cache", v_cache, CACHE_DTYPES)):
         if x.dtype not in dtypes or x.device.type != "cpu" or not x.is_contiguous():
             raise ValueError(f"{NAME}: {name} must be a contiguous CPU tensor of "
                              f"{' or '.join(str(d) for d in dtypes)}; got {x.dtype} on {x.device}")
+    check_chunks(NAME, "prefill", cu_seqlens_q, seq_lens, block_tables, t, nb, bs)
+
+
+def check_chunks(name: str, key: str, cu_seqlens_q, seq_lens, block_tables, rows: int, num_blocks: int,
+                 block_size: int) -> None:
+    """The prompt rows' index tensors (also the C layer stack's, kernels/cpu/decode_stack.py):
+    seq_lens int32 [S]; block_tables int32 [.., S, MB] (the stack's carry the KV-cache groups
+    first); cu_seqlens_q int32 [S + 1] rising from 0 to `rows`; each chunk within its sequence's
+    length, each length within its table, each block id below num_blocks. `key`: the bounds
+    cache's (kernels/checks.py), read once per step."""
     if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
-        raise ValueError(f"{NAME}: seq_lens must be int32 [S]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s:
-        raise ValueError(f"{NAME}: block_tables must be int32 [{s}, MB]; got "
+        raise ValueError(f"{name}: seq_lens must be int32 [S]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    s = seq_lens.shape[0]
+    if block_tables.dtype != torch.int32 or block_tables.dim() < 2 or block_tables.shape[-2] != s \
+            or not block_tables.is_contiguous():
+        raise ValueError(f"{name}: block_tables must be contiguous int32 [.., {s}, MB]; got "
                          f"{block_tables.dtype} {tuple(block_tables.shape)}")
     if cu_seqlens_q.dtype != torch.int32 or tuple(cu_seqlens_q.shape) != (s + 1,):
-        raise ValueError(f"{NAME}: cu_seqlens_q must be int32 [{s + 1}]; got {cu_seqlens_q.dtype} "
+        raise ValueError(f"{name}: cu_seqlens_q must be int32 [{s + 1}]; got {cu_seqlens_q.dtype} "
                          f"{tuple(cu_seqlens_q.shape)}")
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    if s and (int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != t or bool((q_lens < 0).any())):
-        raise ValueError(f"{NAME}: cu_seqlens_q must rise from 0 to the {t} query rows; got {cu_seqlens_q.tolist()}")
+    if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != rows or bool((q_lens < 0).any()):
+        raise ValueError(f"{name}: cu_seqlens_q must rise from 0 to the {rows} query rows; got {cu_seqlens_q.tolist()}")
     if bool((q_lens > seq_lens).any()):
-        raise ValueError(f"{NAME}: a chunk is longer than its sequence's seq_lens (the chunk is counted in it)")
-    _common.bounds_checked.once("prefill_seq_lens", seq_lens, 0, block_tables.shape[1] * bs + 1,
-                                f"{NAME}: seq_lens (the table holds {block_tables.shape[1]} blocks of {bs})")
-    _common.bounds_checked.once("prefill_block_tables", block_tables, 0, nb, f"{NAME}: block ids")
+        raise ValueError(f"{name}: a chunk is longer than its sequence's seq_lens (the chunk is counted in it)")
+    width = block_tables.shape[-1]
+    _common.bounds_checked.once(f"{key}_seq_lens", seq_lens, 0, width * block_size + 1,
+                                f"{name}: seq_lens (the table holds {width} blocks of {block_size})")
+    _common.bounds_checked.once(f"{key}_block_tables", block_tables, 0, num_blocks, f"{name}: block ids")
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -72,7 +84,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     t, h, d = q.shape
     _, bs, g, _ = k_cache.shape
     if t:
-        kernel = cpu_build.function(NAME, f"prefill_attention_{_SUFFIX[k_cache.dtype]}", SIGNATURE, isa)
+        kernel = cpu_build.function(NAME, f"prefill_attention_{SUFFIX[k_cache.dtype]}", SIGNATURE, isa)
         kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), cu_seqlens_q.data_ptr(),
                seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], h, g, d, bs, block_tables.shape[1],
                float(scale), window)

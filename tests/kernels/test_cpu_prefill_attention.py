@@ -107,7 +107,7 @@ def _args(**over):
      "seq_lens (the table holds 4 blocks of 16) must lie in [0, 65); got [20, 999]"),
     (dict(seq_lens=torch.tensor([20, 2], dtype=torch.int32)), "a chunk is longer than its sequence's seq_lens"),
     (dict(block_tables=torch.full((2, 4), 10_000, dtype=torch.int32)), "block ids must lie in"),
-    (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), "block_tables must be int32 [2, MB]"),
+    (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), "block_tables must be contiguous int32 [.., 2, MB]"),
     (dict(cu_seqlens_q=torch.tensor([0, 5, 9], dtype=torch.int32)), "cu_seqlens_q must rise from 0 to the 8 query rows"),
     (dict(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32)), "cu_seqlens_q must be int32 [3]"),
 ])

@@ -1,4 +1,5 @@
-/* A decode step's whole layer stack in one call, for the CPU engine (backend/native_decode.py).
+/* A step's whole layer stack in one call, for the CPU engine (backend/worker/native_decode.py):
+   decode rows, and since issue 47 prompt chunks beside them (prefill and mixed steps).
 
    Why: at a small decode batch the kernels of a layer take tens of microseconds each, and the
    Python around them (a module call, a wrapper's checks and a ctypes call per kernel, about twelve
@@ -10,11 +11,13 @@
 
    It calls the kernels through function pointers the wrapper (kernels/cpu_decode_stack.py) takes
    from the libraries already loaded: the quantized GEMM of the build chosen for this CPU
-   (quant_gemm.c), RMSNorm, RoPE, the cache store and SiLU·mul (elementwise.c) and the paged decode
-   attention (decode_attention.c). So this file needs no instruction set of its own and each kernel
+   (quant_gemm.c), RMSNorm, RoPE, the cache store and SiLU·mul (elementwise.c), the paged decode
+   attention (decode_attention.c) and, for prompt rows, the paged prefill attention
+   (prefill_attention.c). So this file needs no instruction set of its own and each kernel
    keeps its own OpenMP parallelism.
 
-   One query token per sequence (T sequences). Per layer, as llama.py's DecoderLayer:
+   T rows: ND decode rows (one query token per sequence), then prompt chunks. Per layer, as
+   llama.py's DecoderLayer (attention: decode rows by decode_attention, chunks by prefill_attention):
      h, residual = rmsnorm(x (+ residual)) ; qkv = h @ Wqkv (+ b) ; [q/k head norms] ; rope(q, k)
      store k, v at the slots ; attn = decode_attention(q) ; o = attn @ Wo (+ b)
      Llama:  h, residual = rmsnorm(o + residual) ; x = down(act(gate) * up), gate | up = h @ Wgate_up (+ b)
@@ -40,6 +43,9 @@ typedef void (*store_kv_fn)(const float *key, int64_t key_row_stride, const floa
 typedef void (*attention_fn)(const float *q, const void *k_cache, const void *v_cache, const int32_t *tables,
                              const int32_t *seq_lens, float *out, int64_t S, int64_t H, int64_t G, int64_t D,
                              int64_t BS, int64_t MB, float scale, int64_t window);
+typedef void (*prefill_fn)(const float *q, const void *k_cache, const void *v_cache, const int32_t *tables,
+                           const int32_t *cu_seqlens_q, const int32_t *seq_lens, float *out, int64_t S, int64_t H,
+                           int64_t G, int64_t D, int64_t BS, int64_t MB, float scale, int64_t window);
 typedef void (*act_mul_fn)(const float *x, float *out, int64_t T, int64_t I);
 /* A layer's MLP run by the caller (a mixture of experts: its router and experts stay the Python
    block's): out [T, hidden] from h; nonzero if it failed (the stack then stops). */
@@ -59,6 +65,7 @@ typedef struct {
     act_mul_fn act_mul;
     mlp_fn mlp;
     delta_fn delta;
+    prefill_fn prefill; /* prefill_attention.c's, for a step's prompt rows */
 } stack_ops_t;
 
 #define MAX_PARTS 4
@@ -86,6 +93,15 @@ typedef struct {
     float eps, scale;
 } stack_dims_t;
 
+/* A step's rows after its decode rows: S sequences' prompt chunks back to back (issue 47), as
+   attention.py's AttentionContext holds them. NULL, or seqs 0: a step of decode rows only. */
+typedef struct {
+    int64_t seqs, table_width;
+    const int32_t *cu_seqlens_q; /* [seqs + 1], from 0 to the prompt rows */
+    const int32_t *tables;       /* [groups, seqs, table_width] */
+    const int32_t *seq_lens;     /* [seqs], each chunk's own tokens included */
+} prompt_rows_t;
+
 /* out = x @ W^T (+ bias), then the step's LoRA deltas, as backend/lora/step.py's lora_project:
    0, or nonzero if the caller's deltas failed. */
 static int project(const stack_ops_t *ops, const proj_t *p, int64_t layer, int64_t which, const float *x,
@@ -103,11 +119,15 @@ static int project(const stack_ops_t *ops, const proj_t *p, int64_t layer, int64
 
 /* x [T, hidden]: the embeddings (overwritten); out [T, hidden]: the final norm of the last layer's
    output plus the residual stream, as after the Python loop (its call of that norm was 1-2% of a
-   batch-1 step). slots [groups, T] int64; tables [groups, T, MB] int32; seq_lens [T] int32.
-   0 on success, -1 if out of memory, -2 if a caller's MLP or LoRA deltas failed. */
+   batch-1 step). The first ND rows are decode rows (one query each): tables [groups, ND, MB]
+   int32, seq_lens [ND] int32; the other T - ND rows are `prompt`'s chunks (the GEMMs, norms, RoPE
+   and cache stores run on all T rows at once; attention as attention.py's attend splits it).
+   slots [groups, T] int64. 0 on success, -1 if out of memory, -2 if a caller's MLP or LoRA deltas
+   failed. */
 int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_layer_t *layers, int64_t L,
                  int64_t T, const int64_t *positions, const int64_t *slots, const int32_t *tables,
-                 const int32_t *seq_lens, float *x, const float *final_norm, float *out) {
+                 const int32_t *seq_lens, float *x, const float *final_norm, float *out, int64_t ND,
+                 const prompt_rows_t *prompt) {
     const int64_t H = d->heads, G = d->kv_heads, D = d->head_dim, hidden = d->hidden;
     const int64_t q_size = H * D, kv_size = G * D, qkv_n = q_size + 2 * kv_size;
     const int64_t widest = 2 * d->intermediate > qkv_n ? 2 * d->intermediate : qkv_n;
@@ -138,8 +158,14 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
         }
         ops->rotary(q, q_stride, k, k_stride, q_rot, k_rot, positions, ly->cos, ly->sin, T, H, G, D);
         ops->store_kv(k_rot, kv_size, v, qkv_n, ly->k_cache, ly->v_cache, slots + ly->group * T, T, kv_size);
-        ops->attention(q_rot, ly->k_cache, ly->v_cache, tables + ly->group * T * d->table_width, seq_lens, attn,
-                       T, H, G, D, d->block_size, d->table_width, d->scale, ly->window);
+        if (ND)
+            ops->attention(q_rot, ly->k_cache, ly->v_cache, tables + ly->group * ND * d->table_width, seq_lens,
+                           attn, ND, H, G, D, d->block_size, d->table_width, d->scale, ly->window);
+        if (ND < T)
+            ops->prefill(q_rot + ND * q_size, ly->k_cache, ly->v_cache,
+                         prompt->tables + ly->group * prompt->seqs * prompt->table_width, prompt->cu_seqlens_q,
+                         prompt->seq_lens, attn + ND * q_size, prompt->seqs, H, G, D, d->block_size,
+                         prompt->table_width, d->scale, ly->window);
         if (project(ops, &ly->o, l, O, attn, T, tmp)) goto failed;
         if (ly->pre_ff_norm) { /* Gemma: the attention output's own norm, then the pre-feedforward one */
             ops->rms_norm(tmp, NULL, ly->post_attn_norm, scratch, h, T, hidden, d->eps);
