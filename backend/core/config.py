@@ -15,6 +15,7 @@ from backend.core import defaults
 from backend.core.kv_events_config import KVEventsConfig, parse_kv_events_config
 from backend.core.kv_tiers_config import validate_kv_tiers
 from backend.core.pooling import RUNNERS
+from backend.core.multimodal import images_per_prompt
 from backend.core.lora import check_adapter_name, check_name, parse_lora_modules
 from backend.core.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -139,6 +140,12 @@ class EngineConfig:
     # (in a worker process, off the request path) before it is refused with a 400 and its worker is
     # killed; also the longest it may wait for a free worker before it is refused as busy.
     structured_outputs_compile_timeout_s: float = 5.0
+    # Images (docs/vision.md), vLLM's names: the most images a prompt may carry (N or {"image": N});
+    # the encoder outputs kept by image hash (bytes); the image tokens a step may encode (0: as many as
+    # max_num_batched_tokens; an image is never split, so one larger than this is refused at arrival).
+    limit_mm_per_prompt: str = str(defaults.LIMIT_IMAGES_PER_PROMPT)
+    encoder_cache_bytes: int = defaults.ENCODER_CACHE_BYTES
+    max_num_encoder_input_tokens: int = 0
 
     @classmethod
     def from_params(cls, params: Mapping[str, str], **overrides: Any) -> "EngineConfig":
@@ -230,6 +237,9 @@ class EngineConfig:
             raise ValueError("kv_events_config: enable_kv_cache_events needs enable_kv_cache_reuse=true (the "
                              "events tell a router what the prefix cache holds)")
         validate_kv_tiers(self)
+        images_per_prompt(self.limit_mm_per_prompt)
+        _at_least("encoder_cache_bytes", self.encoder_cache_bytes, 1)
+        _at_least("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, 0)
         if self.speculative is not None and self.batching_mode in ("static", "dynamic"):
             raise ValueError(f"speculative_config needs batching_mode inflight or none; got '{self.batching_mode}' "
                              "(padded batches run every member to the longest: nothing to speculate on)")

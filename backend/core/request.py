@@ -83,6 +83,9 @@ class Request(TokenSequence):
         self.pooling: Optional[str] = None
         self.pooling_params = None
         self.pooled: Optional[list[float]] = None
+        # Its images (backend/core/multimodal.py ImageItem, docs/vision.md), set by the engine: their
+        # placeholder runs in the prompt, pixels and hashes (the prefix cache keys them by hash)
+        self.mm_items: list = []
 
     @property
     def computes_whole_prompt(self) -> bool:

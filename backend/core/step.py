@@ -36,6 +36,8 @@ class NewSeq:
     block_tables: tuple[list[int], ...]  # one per KV-cache group (backend/kv/groups.py)
     num_computed_tokens: int
     pooling: Optional[str] = None  # a pooling request's (docs/pooling.md): last | mean | cls; None samples
+    # its images (backend/core/multimodal.py ImageItem: placeholder run, pixels, hash; docs/vision.md)
+    mm_items: tuple = ()
 
 
 @dataclass

@@ -20,6 +20,7 @@ from backend.core.outputs import CoreOutput, RequestOutput
 from backend.core.sampling_params import SamplingParams
 from backend.core.request import Request
 from backend.engine.core import EngineCore
+from backend.engine.images import ImageFront, split_prompt
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.wiring import build_core
 from backend.sched.beams import refuse_beams
@@ -41,6 +42,7 @@ class LLMEngine(EngineCore):
         self.max_input_bytes = config.max_input_bytes or max_input_bytes(self.tokenizer, self.max_model_len)
         build_core(self, config, self.model_config, self.max_model_len, self.tokenizer, self._eos_token_ids())
         self.outputs = OutputProcessor(self.tokenizer)
+        self.images = ImageFront(config.model_path, config, self.tokenizer)  # a vision model's images
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
         self.rejected: dict[str, int] = {}  # refused at arrival (check_queue), by reason
 
@@ -68,12 +70,22 @@ class LLMEngine(EngineCore):
         params.check_token_ids(self.vocab_size)
         priority = int32(priority, "priority")
         lora = self.loras.resolve(lora_request)
+        prompt, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": {"image": [...]}}
+        if images:  # (docs/vision.md) checked and laid out here, preprocessed on this thread
+            self.images.check(images, params.truncate_prompt_tokens)
+            prompt = self.images.expand_text(prompt, len(images)) if isinstance(prompt, str) else prompt
         ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
+        if images and not isinstance(prompt, str):
+            ids = self.images.expand_ids(ids, len(images))
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"prompt has {len(ids)} tokens with its images; max_model_len is {self.max_model_len}")
+        items = self.images.items(ids, images) if images else []
         refuse_beams(params, self.config)
         self.scheduler.check_fits(len(ids), params.max_tokens, max(params.n, params.beam_width))
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
                           seed=self._seeds.getrandbits(63), priority=priority)
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
+        request.mm_items = items
         if params.structured_outputs is not None:  # cached: attached now; new: compiles while it waits
             self.grammars.attach(request)
         request.reports_queue = queue_info

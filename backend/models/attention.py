@@ -9,10 +9,16 @@ the last `window` positions of each query (`layer_windows`, from the model's con
 The slot mapping and the block tables carry the KV-cache group first (backend/kv/groups.py): a
 layer stores and reads through its group's (`layer_groups`), in its cache tensors (`kv_caches`,
 which layers of different groups share).
+
+Image placeholder tokens (docs/vision.md) attend to each other both ways within one image, as
+transformers' Gemma 3 does: causal for text, full within each image's run (`image_spans`; a sliding
+layer's window still bounds how far back a query reads). The prefill kernels are causal, so the
+queries of an image's run are computed again here in torch over the keys up to the run's end
+(`_image_attention`); the scheduler never splits a run across chunks, so those keys are stored.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -20,6 +26,19 @@ import torch
 from backend.models.lora.project import LoRADeltas
 
 from kernels.dispatch import KernelOps
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """The queries of one image's placeholder run in one prefill chunk: rows [q_lo, q_hi) of the
+    step's prefill part, of prefill row `prefill_row`, at positions from `pos_lo`; the run is
+    positions [span_lo, span_hi) of its sequence."""
+    prefill_row: int
+    q_lo: int
+    q_hi: int
+    pos_lo: int
+    span_lo: int
+    span_hi: int
 
 
 @dataclass(kw_only=True)
@@ -39,6 +58,9 @@ class AttentionContext:
     lora: Optional[LoRADeltas] = None  # the step's LoRA adapter segments (backend/worker/lora/step.py); None: none
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 for full attention; (): all full
     layer_groups: tuple[int, ...] = ()  # per layer: its KV-cache group; (): one group
+    image_spans: list[ImageSpan] = field(default_factory=list)  # bidirectional runs of the prefill rows
+    # (rows, embeddings): the step's image rows, put in place of their token embeddings (llama.py)
+    mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def __post_init__(self):
         # each group's views, made once: every layer of a group passes the same tensors, whose
@@ -77,6 +99,30 @@ class AttentionContext:
                                          self.scale, max_seq_len=self.decode_max_seq_len or None, window=window)
 
     def _prefill(self, q, k_cache, v_cache, group: int, window: int) -> torch.Tensor:
-        return self.ops.prefill_attention(q, k_cache, v_cache, self._prefill_tables[group],
-                                          self.prefill_cu_seqlens_q, self.prefill_seq_lens, self.scale,
-                                          max_q_len=self.prefill_max_q_len or None, window=window)
+        out = self.ops.prefill_attention(q, k_cache, v_cache, self._prefill_tables[group],
+                                         self.prefill_cu_seqlens_q, self.prefill_seq_lens, self.scale,
+                                         max_q_len=self.prefill_max_q_len or None, window=window)
+        for span in self.image_spans:
+            out[span.q_lo:span.q_hi] = self._image_attention(q[span.q_lo:span.q_hi], k_cache, v_cache,
+                                                             self._prefill_tables[group][span.prefill_row],
+                                                             span, window)
+        return out
+
+    def _image_attention(self, q, k_cache, v_cache, table, span: ImageSpan, window: int) -> torch.Tensor:
+        """An image run's queries q [n, H, D] over their sequence's stored keys: allowed where the
+        key is not later than the query or lies in the run, and (a sliding layer) within the window."""
+        n, heads, _ = q.shape
+        first = max(0, span.pos_lo - window + 1) if window else 0
+        pos = torch.arange(first, span.span_hi, device=q.device)
+        bs = k_cache.shape[1]
+        blocks = table[pos // bs].long()
+        k, v = k_cache[blocks, pos % bs].float(), v_cache[blocks, pos % bs].float()  # [L, G, D]
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        qpos = torch.arange(span.pos_lo, span.pos_lo + n, device=q.device)[:, None]
+        allowed = (pos[None, :] <= qpos) | ((pos[None, :] >= span.span_lo) & (pos[None, :] < span.span_hi))
+        if window:
+            allowed &= pos[None, :] > qpos - window
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k) * self.scale
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)

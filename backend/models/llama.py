@@ -137,13 +137,17 @@ class LlamaForCausalLM(nn.Module):
                 rope: RopeTables, decode_stack=None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm. `decode_stack`: the layers as one call,
         (x, positions, ctx, rope) -> the normed hidden states, which the worker passes for a decode
-        step when it chose the CPU's C stack (backend/worker/fast_paths.py)."""
+        step when it chose the CPU's C stack (backend/worker/fast_paths.py). The context's `mm_embeds`
+        (images: backend/worker/vision.py) replace their rows' token embeddings, unscaled, as
+        transformers' Gemma 3 merges them."""
         x = self.embed_tokens(input_ids)
         if self.cfg.embedding_scale != 1.0:
             # as HF's Gemma: sqrt(hidden) rounded to the embedding's dtype (25.25 for 640 in bf16)
             x = x * float(torch.tensor(self.cfg.embedding_scale, dtype=x.dtype))
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
+        if ctx.mm_embeds is not None:
+            x = x.index_copy(0, ctx.mm_embeds[0], ctx.mm_embeds[1].to(x.dtype))
         if decode_stack is not None:
             return decode_stack(x, positions, ctx, rope)  # every layer and the final norm in C
         residual = None

@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 
 from backend.kv.block_manager import block_hashes
 from backend.core.config import EngineConfig
+from backend.core.multimodal import EncoderBudget, image_chunk, keyed_tokens
 from backend.core.request import Request
 from backend.sched.backfill import Backfill, Window
 from backend.sched.batching import BatchingGate
@@ -32,13 +33,13 @@ class Reservation(NamedTuple):
     step: int  # the schedule() call by which it surely starts
 
 
-def chunk(req: Request, budget: int, config: EngineConfig) -> int:
-    """How many of req's uncomputed tokens this step may take."""
+def chunk(req: Request, budget: int, config: EngineConfig, encoder: Optional[EncoderBudget] = None) -> int:
+    """How many of req's uncomputed tokens this step may take (a chunk never ends inside an image,
+    and takes no more image tokens than the step's `encoder` budget has left: core/multimodal.py)."""
     remaining = req.num_tokens - req.num_computed_tokens
-    if remaining <= budget:
-        return remaining
     chunked = config.enable_chunked_context or remaining > config.max_num_batched_tokens
-    return budget if chunked else 0
+    n = remaining if remaining <= budget else budget if chunked else 0
+    return image_chunk(req.mm_items, req.num_computed_tokens, n, encoder) if req.mm_items else n
 
 
 class Admission:
@@ -55,6 +56,7 @@ class Admission:
         self._reserved_priority = 0
         self.backfill: Optional[Backfill] = None
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None  # lora_slots.py
+        self.encoder = EncoderBudget(config)  # the step's image tokens to encode (reset by schedule())
         # The KV tiers (backend/kv/tiers/manager.KVTiers) when they are on: a prefix found there comes
         # back into the request's blocks before it runs a row.
         self.tiers = tiers
@@ -99,7 +101,7 @@ class Admission:
             else:
                 req.num_computed_tokens = self._reuse_computed(req)
                 lower = self._lower_tier_blocks(req)  # > 0: it holds them now and runs once they are back
-                n = 0 if lower else chunk(req, budget, config)
+                n = 0 if lower else chunk(req, budget, config, self.encoder)
                 held = req.num_computed_tokens + (lower * self.blocks.block_size if lower else n)
                 fits = (n > 0 or lower > 0) and self.policy.can_admit(req, held)
             if fits and window is not None:
@@ -198,7 +200,7 @@ class Admission:
     def _prefix_hashes(self, req: Request) -> list[bytes]:
         """req's prefix-cache keys, computed once while it waits rather than at every step."""
         if req.prefix_hashes is None or req.prefix_hashes[0] != req.num_tokens:
-            tokens = req.all_token_ids
+            tokens = keyed_tokens(req.all_token_ids, req.mm_items) if req.mm_items else req.all_token_ids
             req.prefix_hashes = (len(tokens), block_hashes(tokens, self.blocks.block_size, len(tokens) - 1,
                                                            root=req.cache_salt))
         return req.prefix_hashes[1]

@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Optional
 
 from backend.kv.groups import KVCacheGroups
 from backend.core.config import EngineConfig
+from backend.core.multimodal import keyed_tokens
 from backend.core.request import Request, RequestStatus
 from backend.sched.admission import Admission, chunk
 from backend.sched.batching import BatchingGate, make_gate
@@ -127,6 +128,7 @@ class Scheduler:
         if self.tiers is not None:  # KV tiers: loads that landed let their requests run now
             self.tiers.poll()
         budget = self.config.max_num_batched_tokens
+        self.admission.encoder.reset()  # the step's image tokens to encode (docs/vision.md)
         held = self.admission.held_token()
         budget -= held
         running = self.pool.running
@@ -138,7 +140,8 @@ class Scheduler:
                 i += 1  # its prefix is still on its way back from a lower tier (backend/kv_tiers/)
                 continue
             decoding = req.num_tokens - req.num_computed_tokens == 1
-            n = chunk(req, budget if decoding or prompt_left is None else min(budget, prompt_left), self.config)
+            n = chunk(req, budget if decoding or prompt_left is None else min(budget, prompt_left), self.config,
+                      self.admission.encoder)
             if n == 0:
                 i += 1
                 continue
@@ -253,7 +256,8 @@ class Scheduler:
                 if status is not None:
                     break
             if self.blocks.enable_prefix_caching:  # only verified tokens: num_computed_tokens
-                self.blocks.register_computed(req.seq_id, req, req.num_computed_tokens, req.cache_salt)
+                keyed = keyed_tokens(req.all_token_ids, req.mm_items) if req.mm_items else req  # images by hash
+                self.blocks.register_computed(req.seq_id, keyed, req.num_computed_tokens, req.cache_salt)
             if status is not None:
                 self.finish(req, status)
                 finished.append(req)

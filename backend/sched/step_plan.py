@@ -61,7 +61,8 @@ class WorkerView:
         if sent is None:
             plan.new_seqs.append(NewSeq(req.seq_id, list(req.prompt_token_ids), list(req.output_token_ids), req.params,
                                         req.seed, req.index, req.eos_token_ids, req.bad_words_ids, req.lora_name,
-                                        tuple(list(t) for t in tables), req.num_computed_tokens, req.pooling))
+                                        tuple(list(t) for t in tables), req.num_computed_tokens, req.pooling,
+                                        mm_items=tuple(req.mm_items)))
             self.known[req.seq_id] = _Sent(num_tokens, [(t, len(t), t[-1] if t else None) for t in tables])
             return
         new = req.token_ids(sent.tokens, num_tokens) if num_tokens > sent.tokens else []

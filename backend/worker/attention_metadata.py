@@ -33,13 +33,15 @@ class AttentionMetadata:
         # The Triton kernel's split count follows the batch and this bound only, so an eager decode
         # and a graph replay of the same batch launch the same; the references pad to the real max.
         max_seq_len = self.max_model_len if self.ops.name == "triton" else step.decode_max_seq_len
+        images = getattr(step, "images", None)  # a vision-language model's image rows (vision.py)
         return self.context(
             kv_caches=kv_caches, slot_mapping=step.slot_mapping, num_decode_tokens=step.num_decode_rows,
             decode_block_tables=table[:, :, :step.decode_width].index_select(1, step.decode_rows),
             decode_seq_lens=step.decode_seq_lens,
             prefill_block_tables=table[:, :, :step.prefill_width].index_select(1, step.prefill_rows),
             prefill_cu_seqlens_q=step.prefill_cu_seqlens_q, prefill_seq_lens=step.prefill_seq_lens,
-            decode_max_seq_len=max_seq_len, prefill_max_q_len=step.prefill_max_q_len, lora=lora)
+            decode_max_seq_len=max_seq_len, prefill_max_q_len=step.prefill_max_q_len, lora=lora,
+            image_spans=images.spans if images else [], mm_embeds=(images.rows, images.embeds) if images else None)
 
     def for_graphs(self, kv_caches: list, table: torch.Tensor) -> Callable[..., AttentionContext]:
         """The context maker of the CUDA graphs' static buffers (cuda_graphs.py): decode rows only."""

@@ -1,17 +1,17 @@
 """The model runner: the worker's one object, the only one that touches torch devices.
 
-It loads the weights, owns the paged KV cache tensors and the persistent batch of the sequences
-it was told of (input_batch.py), and runs each step's plan (backend/core/step.py): its deltas
-applied to the batch, the KV tiers' copies made, the flat inputs built (step_inputs.py), the model
-run (decode steps through the fast path fast_paths.py chose: CUDA graphs or the CPU's C stack),
-and the rows sampled (sample_step.py). On CUDA it binds its device to the engine thread, and while
-it holds the GPU's lock (memory.py) it loads the weights, runs the warm-up, sizes and allocates
-the KV cache and captures the graphs.
+It loads the weights, owns the paged KV cache tensors and the persistent batch of the sequences it
+was told of (input_batch.py), and runs each step's plan (backend/core/step.py): its deltas applied
+to the batch, the KV tiers' copies made, the flat inputs built (step_inputs.py) with a
+vision-language model's image rows (vision.py), the model run (decode steps through the fast path
+fast_paths.py chose: CUDA graphs or the CPU's C stack), and the rows sampled (sample_step.py). On
+CUDA it binds its device to the engine thread, and holding the GPU's lock (memory.py) it loads the
+weights, runs the warm-up, sizes and allocates the KV cache and captures the graphs.
 
-With tensor_parallel_size N (worker/parallel/) the runner of rank 0 starts the group: it holds its
-shard of every layer and of the KV cache, sends each step's plan to the other ranks as one message
-(`forward`), and samples from the gathered logits; the runner of every other rank loads its own
-shard the same way, applies the same plans to its own batch and computes the same steps (`follow`).
+With tensor_parallel_size N (worker/parallel/) rank 0's runner starts the group: it holds its shard
+of every layer and of the KV cache, sends each step's plan to the other ranks as one message
+(`forward`) and samples from the gathered logits; every other rank's runner loads its own shard the
+same way, applies the same plans to its own batch and computes the same steps (`follow`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from backend.models.llama import LlamaForCausalLM
 from backend.models.loader import ModelConfig
 from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
-from backend.worker import fast_paths, memory
+from backend.worker import fast_paths, memory, prompt_logprobs
 from backend.worker.attention_metadata import AttentionMetadata
 from backend.worker.block_copy import copy_blocks
 from backend.worker.cpu_affinity import allowed_cores, pin_omp_threads
@@ -42,9 +42,9 @@ from backend.worker.input_batch import BlockTables, InputBatch
 from backend.worker.kv_copier import KVCopier
 from backend.worker.lora.manager import make_lora_manager
 from backend.worker.parallel.rendezvous import start_group
-from backend.worker import prompt_logprobs
 from backend.worker.sample_step import sample_step
 from backend.worker.step_inputs import StepInputs, build_step
+from backend.worker.vision import VisionStep
 from backend.worker.warmup import prefill_tokens, warm_up_steps
 from kernels.dispatch import get_ops
 
@@ -57,10 +57,9 @@ def cpu_threads(ranks: int = 1) -> int:
     may run on but one. OpenMP threads wait for each other at every op; when a core is also busy
     with something else (tritonserver, the client, another process) the op stalls until the
     descheduled thread returns. Measured on a loaded 2-core machine (docs/performance.md): 2
-    threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109).
-    More than one thread are pinned one per core (backend/worker/cpu_affinity.py), as vLLM-CPU binds its
-    own; INFLIGHT_CPU_PIN=0 leaves them to the kernel's scheduler. The cores are counted as they
-    were before any pinning: a second engine built on a pinned thread gets the same count.
+    threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109). More
+    than one thread are pinned one per core (backend/worker/cpu_affinity.py), as vLLM-CPU binds its own
+    (INFLIGHT_CPU_PIN=0: left to the kernel), counted as before any pinning (a second engine gets the same).
     `ranks`: tensor-parallel ranks on this machine, which share the cores."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
@@ -103,6 +102,7 @@ class ModelRunner:
                                           self.env.tensor_device)
         with memory.one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
+            self.vision = VisionStep.build(config, self.tp, self.env.tensor_device, self.ops.name == "cpu")
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
                                           self.env.tensor_device, tp=self.tp)
             self.rope = rope_tables(model_cfg, max_model_len, self.env.tensor_device)
@@ -236,6 +236,7 @@ class ModelRunner:
             self.tp.send_step(self._with_unsent(plan), size or 0, lora_plan)
         step = build_step(plan, self.batch, self._empty_rows(plan, size), verify_as_decode=self.ops.name == "cpu",
                           lora=self.lora, lora_plan=lora_plan)
+        step.images = self.vision and self.vision.prepare(plan, self.batch, self._empty_rows(plan, size))
         return self._compute(step, size), step
 
     def _with_unsent(self, plan: StepPlan) -> StepPlan:
