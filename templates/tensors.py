@@ -71,9 +71,12 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("num_return_sequences", "INT32", (1,), "TensorRT-LLM name of n", "n"),
     Tensor("end_id", "INT32", (1,), "TensorRT-LLM: the token that ends generation instead of EOS"),
     Tensor("pad_id", "INT32", (1,), "TensorRT-LLM: accepted, no effect (outputs are never padded)"),
-    Tensor("beam_width", "INT32", (1,), "TensorRT-LLM: 1 only (no beam search)"),
-    Tensor("len_penalty", "FP32", (1,), "TensorRT-LLM: beam search only; accepted, no effect at beam_width 1"),
-    Tensor("length_penalty", "FP32", (1,), "TensorRT-LLM: beam search only; accepted, no effect at beam_width 1"),
+    Tensor("beam_width", "INT32", (1,), "TensorRT-LLM: default 1; > 1 runs beam search, every beam returned best "
+           "first (num_return_sequences: fewer); temperature 0 unless sent"),
+    Tensor("len_penalty", "FP32", (1,), "TensorRT-LLM: beam search's length penalty (default 1.0)", "length_penalty"),
+    Tensor("length_penalty", "FP32", (1,), "TensorRT-LLM: beam search's length penalty (default 1.0)", "length_penalty"),
+    Tensor("early_stopping", "BOOL", (1,), "TensorRT-LLM: beam search ends once beam_width beams finished "
+           "(default false)", "early_stopping"),
     Tensor("return_log_probs", "BOOL", (1,), "TensorRT-LLM: refused when true (use return_logprobs)"),
     Tensor("embedding_bias_words", "STRING", (-1,),
            "TensorRT-LLM: words whose tokens get the weight of the same index (logit_bias)"),
@@ -83,7 +86,8 @@ INPUTS: tuple[Tensor, ...] = (
 OUTPUTS: tuple[Tensor, ...] = (
     Tensor("text_output", "STRING", (-1,),
            "one per completion: streaming, the new text; else all of it (prompt first unless excluded)"),
-    Tensor("output_ids", "INT32", (-1,), "n = 1 only: the token ids, as text_output"),
+    Tensor("output_ids", "INT32", (-1,), "n = 1: the token ids, as text_output; beam search: [beams, tokens], "
+           "best first, each padded with -1 to the longest"),
     Tensor("finish_reason", "STRING", (-1,), "if asked; one per completion: None while running, stop | length | abort"),
     Tensor("cumulative_logprob", "FP32", (-1,),
            "if asked; one per completion; NaN unless the sampling key logprobs is set"),

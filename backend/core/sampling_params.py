@@ -167,6 +167,8 @@ class SamplingParams:
                 kwargs[name] = kind(value)
             except (TypeError, ValueError, OverflowError):  # OverflowError: float(10**400)
                 raise ValueError(f"sampling parameter '{key}': bad value {_shown(value)}") from None
+        if kwargs.get("use_beam_search") and "temperature" not in kwargs:
+            kwargs["temperature"] = 0.0  # beams rank raw logprobs: no temperature sent is not one refused
         return cls(**kwargs)
 
 

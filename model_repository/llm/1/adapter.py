@@ -115,7 +115,8 @@ class Frontend:
                         sender=sender, stream=parsed.stream, exclude_input=parsed.exclude_input,
                         prompt_text=parsed.prompt if isinstance(parsed.prompt, str) else None,
                         arrival=time.monotonic(), n=parsed.params.n, unfinished=parsed.params.n,
-                        returns=parsed.returns, reasoning=parsed.reasoning_parser)
+                        returns=parsed.returns, reasoning=parsed.reasoning_parser,
+                        beams=parsed.params.use_beam_search)
             with self._lock:
                 if client_id and any(lv.client_id == client_id and not lv.done for lv in self._live.values()):
                     raise ValueError(f"request id '{client_id}' is already in use by a running request; "

@@ -19,6 +19,7 @@ class Live:
     n: int = 1  # completions; the engine sends one output per completion, each with its index
     returns: frozenset = frozenset()  # the return_* flags the request set: the outputs it gets
     reasoning: Optional[str] = None  # reasoning_parser: the thinking goes to reasoning_output
+    beams: bool = False  # beam search: output_ids [beams, tokens] (TensorRT-LLM's beam dimension)
     last_token_time: Optional[float] = None
     last_cancel_check: float = 0.0
     cancelled: bool = False

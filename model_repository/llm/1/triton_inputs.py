@@ -37,11 +37,7 @@ KNOWN_PARAMETERS = ("id", "priority", "timeout", "sequence_id", "sequence_start"
 _SAMPLING_INPUTS = {t.name: t.key for t in INPUTS if t.key is not None}
 _KIND = {t.name: t.data_type for t in INPUTS}
 # vLLM backend sampling keys we do not support: refused by name rather than silently dropped.
-_UNSUPPORTED_KEYS = {
-    "best_of": "beam search and best_of are not supported (n is)",
-    "use_beam_search": "beam search is not supported",
-    "length_penalty": "beam search is not supported",
-}
+_UNSUPPORTED_KEYS: dict[str, str] = {}  # (beam search's keys are served since issue 43)
 
 
 @dataclass
@@ -267,10 +263,13 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
 def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any], vocab_size: Optional[int]) -> None:
     """The TensorRT-LLM ensemble's inputs that are not plain sampling keys: honoured where we have
     the feature, refused by name where we do not."""
-    if "beam_width" in get and _value("beam_width", get["beam_width"]) != 1:
-        raise ValueError(f"beam_width: only 1 is supported (no beam search); got "
-                         f"{_value('beam_width', get['beam_width'])}; for several samples use "
-                         "num_return_sequences (n)")
+    if "beam_width" in get and _value("beam_width", get["beam_width"]) != 1:  # beam search (docs/beam_search.md)
+        width = _value("beam_width", get["beam_width"])
+        if not isinstance(width, int) or width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1; got {width}")
+        sampling.update(use_beam_search=True, best_of=width)
+        sampling.setdefault("n", width)  # TensorRT-LLM returns every beam (num_return_sequences: fewer)
+        sampling.setdefault("temperature", 0.0)
     if "return_log_probs" in get and _value("return_log_probs", get["return_log_probs"]):
         raise ValueError("return_log_probs (TensorRT-LLM's cum_log_probs / output_log_probs outputs) is not "
                          "supported: send return_logprobs and return_cumulative_logprob with the sampling "
@@ -283,9 +282,8 @@ def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any], voca
                              "(to generate past EOS, send ignore_eos=true)")
         sampling["stop_token_ids"] = list(sampling.get("stop_token_ids", [])) + [end_id]
         sampling["ignore_eos"] = True
-    for name in ("pad_id", "len_penalty", "length_penalty"):  # no effect at beam_width 1, as in TensorRT-LLM
-        if name in get:
-            _value(name, get[name])
+    if "pad_id" in get:  # no effect: outputs are padded only across beams, with -1
+        _value("pad_id", get["pad_id"])
 
 
 def _embedding_bias(get: Mapping[str, np.ndarray], sampling: dict[str, Any], encode: Optional[Encode]) -> None:

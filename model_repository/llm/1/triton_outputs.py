@@ -52,7 +52,7 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
     """The output tensors of one response, as the vLLM backend shapes them: one entry per
     completion. Streaming: each completion's new tokens (none for one without an output in this
     response); otherwise all of them, with the prompt in front unless exclude_input_in_output.
-    text_output (and output_ids for n = 1) always; the others only when asked for.
+    text_output (and output_ids for n = 1 or beam search) always; the others only when asked for.
     `live` is the request's live_request.Live: n, stream, exclude_input, returns and, per completion,
     its newest output (`latest`)."""
     texts, ids_, new_counts, reasons, cumulative, logprobs, thoughts = [], [], [], [], [], [], []
@@ -84,6 +84,9 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
         tensors["reasoning_output"] = np.array(thoughts, dtype=np.object_)
     if live.n == 1:
         tensors["output_ids"] = np.array(ids_[0], dtype=np.int32)
+    elif live.beams:  # TensorRT-LLM's [beam, tokens], best first; the shorter beams padded with -1
+        longest = max(len(ids) for ids in ids_)
+        tensors["output_ids"] = np.array([ids + [-1] * (longest - len(ids)) for ids in ids_], dtype=np.int32)
     asked = live.returns
     if "return_finish_reason" in asked:
         tensors["finish_reason"] = np.array(reasons, dtype=np.object_)
