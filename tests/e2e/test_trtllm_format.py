@@ -52,8 +52,27 @@ def test_stop_words_and_the_trtllm_names_over_http(server, llm):
     assert stop not in text and ref.text.startswith(text) and events[0]["finish_reason"] in ("stop", ["stop"])
 
 
+def test_beam_width_4_returns_every_beam_best_first(server, llm):
+    """TensorRT-LLM's beam search: text_output [batch, beam], output_ids [batch, beam, tokens] (the
+    shorter beams padded with -1), the beams those of the in-process engine (token-equal to
+    transformers' num_beams: tests/test_beam_search.py)."""
+    from backend import SamplingParams
+
+    ref = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=7, temperature=0.0, use_beam_search=True,
+                                                                best_of=4, n=4))[0].samples
+    inputs = openai_frontend_request("The quick brown fox", False, 7, echo=False)
+    inputs["beam_width"] = np.int32([[4]])
+    inputs["return_finish_reason"] = np.bool_([[True]])
+    (response,) = grpc_stream(server.grpc_url, inputs, model=MODEL)
+    assert response["text_output"].shape == (1, 4) and response["output_ids"].shape[:2] == (1, 4)
+    assert [t.decode() for t in response["text_output"][0]] == [s.text for s in ref]
+    assert [[t for t in row if t >= 0] for row in response["output_ids"][0].tolist()] == [s.token_ids for s in ref]
+    assert [r.decode() for r in response["finish_reason"][0]] == [s.finish_reason for s in ref]
+    assert len({tuple(s.token_ids) for s in ref}) == 4
+
+
 @pytest.mark.parametrize("name,value,message", [
-    ("beam_width", np.int32([[2]]), "beam_width: only 1 is supported"),
+    ("beam_width", np.int32([[0]]), "beam_width must be an integer >= 1"),
     ("return_log_probs", np.bool_([[True]]), "return_log_probs .* not supported"),
 ])
 def test_what_we_do_not_support_is_refused_by_name(server, name, value, message):
