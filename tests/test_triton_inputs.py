@@ -74,6 +74,23 @@ def test_request_parameters_are_the_sampling_settings_without_the_tensor():
         parse({"text_input": S("x"), "sampling_parameters": S("{}")}, json.dumps({"max_token": 9}))
 
 
+def test_beam_search_on_both_formats():
+    """TensorRT-LLM's beam_width (every beam returned, temperature 0 unless sent) and the vLLM
+    backend's use_beam_search (best_of beams, n returned) become the same SamplingParams."""
+    p = parse({"text_input": S("a"), "beam_width": one(4, np.int32), "len_penalty": one(0.5, np.float32),
+                       "early_stopping": one(True, np.bool_)}).params
+    assert (p.use_beam_search, p.beam_width, p.n, p.temperature, p.length_penalty, p.early_stopping) == \
+        (True, 4, 4, 0.0, 0.5, True)
+    p = parse({"text_input": S("a"), "beam_width": one(4, np.int32),
+                       "num_return_sequences": one(2, np.int32)}).params
+    assert (p.beam_width, p.n) == (4, 2)
+    p = parse({"text_input": S("a"), "sampling_parameters": S(
+        '{"use_beam_search": "true", "best_of": 3, "n": 2, "length_penalty": 2, "early_stopping": "never"}')}).params
+    assert (p.use_beam_search, p.beam_width, p.n, p.temperature, p.length_penalty, p.early_stopping) == \
+        (True, 3, 2, 0.0, 2.0, "never")
+    assert not parse({"text_input": S("a"), "beam_width": one(1, np.int32)}).params.use_beam_search
+
+
 def test_the_tensorrt_llm_format_one_by_one_shapes_and_names():
     """As Triton's OpenAI frontend builds it for a non-vLLM backend (seed UINT64), and genai-perf's
     TensorRT-LLM converter (min_length)."""
@@ -112,13 +129,17 @@ BAD = [
     ({"text_input": S("a"), "sampling_parameters": S("{nope")}, "not valid JSON"),
     ({"text_input": S("a"), "sampling_parameters": S("[1]")}, "must be a JSON object"),
     ({"text_input": S("a"), "sampling_parameters": S('{"beam_widht": 2}')}, "unknown input.s. or sampling key.s. 'beam_widht'"),
-    ({"text_input": S("a"), "sampling_parameters": S('{"best_of": 2}')}, "'best_of' is refused"),
+    ({"text_input": S("a"), "sampling_parameters": S('{"best_of": 2}')}, "best_of .2. other than n .1. needs use_beam_search"),
+    ({"text_input": S("a"), "sampling_parameters": S('{"use_beam_search": true, "best_of": 2, "temperature": 0.5}')},
+     "^temperature .0.5. is not supported with beam search"),
     ({"text_input": S("a"), "sampling_parameters": S('{"logit_bias": {"3": 101}}')}, "^logit_bias must be a finite"),
     ({"text_input": S("a"), "sampling_parameters": S('{"min_p": 2}')}, "^min_p must be a finite number"),
     ({"text_input": S("a"), "sampling_parameters": S('{"stop": "a", "stop_words": "b"}')}, "not both"),
     ({"text_input": S("a"), "stream": one(True, np.bool_), "exclude_input_in_output": one(False, np.bool_)},
      "When streaming, `exclude_input_in_output` = False is not allowed."),
-    ({"text_input": S("a"), "beam_width": one(2, np.int32)}, "beam_width: only 1 is supported"),
+    ({"text_input": S("a"), "beam_width": one(0, np.int32)}, "beam_width must be an integer >= 1"),
+    ({"text_input": S("a"), "beam_width": one(2, np.int32), "temperature": one(1.0, np.float32)},
+     "^temperature .1.0. is not supported with beam search"),
     ({"text_input": S("a"), "return_log_probs": one(True, np.bool_)}, "return_log_probs .* not supported"),
     ({"text_input": S("a"), "priority": one(1.5, np.float32)}, "priority must be a TYPE_INT32"),
 ]
