@@ -29,7 +29,7 @@ MAX_CHOICES = 64  # prompts x n of one call
 Prompt = Union[str, list[int]]
 
 # OpenAI fields the engine cannot honour: refused with a 400 that names them (unless null/default).
-UNSUPPORTED = {"best_of": 1, "suffix": None,
+UNSUPPORTED = {"suffix": None,
                "functions": None, "function_call": "none", "audio": None, "modalities": None, "prediction": None,
                "web_search_options": None}
 # Accepted and without effect on generation (bookkeeping fields of OpenAI's API).
@@ -38,7 +38,8 @@ IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort")
 # ignore_eos for fixed output lengths).
 ENGINE_EXTRAS = ("top_k", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids", "min_p",
                  "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "bad_words")
+                 "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "bad_words",
+                 "use_beam_search", "best_of", "length_penalty", "early_stopping")  # beam search: docs/beam_search.md
 # Our own extensions, off by default: where the request stands (return_queue_info, docs/triton.md);
 # a time-to-first-token target, refused at arrival with 429 when the queue cannot meet it.
 EXTENSIONS = ("return_queue_info", "ttft_target_ms")
@@ -134,10 +135,17 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
                               ("truncate_prompt_tokens", integer, "an integer"),
                               ("ttft_target_ms", number, "a number (milliseconds)"),
                               ("prompt_logprobs", integer, "an integer (the number of top logprobs)"),
-                              ("logit_bias", (dict,), "an object mapping token ids to biases")):
+                              ("logit_bias", (dict,), "an object mapping token ids to biases"),
+                              ("use_beam_search", (bool,), "a boolean"), ("best_of", integer, "an integer"),
+                              ("length_penalty", number, "a number")):
         value = _typed(body, name, kinds, what)
         if value is not None:
             sampling[name] = value
+    stopping = body.get("early_stopping")
+    if stopping is not None:
+        if stopping not in (True, False, "never") or isinstance(stopping, (int, float)) and not isinstance(stopping, bool):
+            raise bad("early_stopping", f"early_stopping must be true, false or \"never\"; got {stopping!r}")
+        sampling["early_stopping"] = stopping
     for name in ("stop", "bad_words"):  # (vLLM's bad_words: words never generated)
         words = body.get(name)
         if words is not None:

@@ -78,6 +78,10 @@ TRITON: tuple[Metric, ...] = (
     Metric("inflight_num_preemptions_total", COUNTER, "Requests preempted (max_utilization)", _one("num_preemptions")),
     Metric("inflight_prompt_tokens_total", COUNTER, "Prompt tokens admitted", _one("prompt_tokens_total")),
     Metric("inflight_generation_tokens_total", COUNTER, "Tokens generated", _one("generation_tokens_total")),
+    Metric("inflight_beam_requests_total", COUNTER, "Requests that ran beam search (use_beam_search, beam_width > 1)",
+           _one("beam_requests_total")),
+    Metric("inflight_num_beams_running", GAUGE, "Beams of the beam searches not yet ended (each a sequence)",
+           _one("num_beams_running")),
     Metric("inflight_num_backfilled_total", COUNTER,
            "Requests started ahead of a waiting request that did not fit (enable_backfill)", _one("num_backfilled")),
     Metric("inflight_num_requests_rejected_total", COUNTER, "Requests refused at arrival, told when to retry, by "
