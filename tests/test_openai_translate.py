@@ -73,6 +73,11 @@ def test_several_prompts_number_their_choices_prompt_by_prompt():
     ({"logprobs": 2, "n": 2}, "logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"best_of": 3}, "best_of"),
+    ({"use_beam_search": True, "best_of": 2, "temperature": 0.7}, "temperature"),
+    ({"use_beam_search": True, "n": 3, "best_of": 2}, "n"),
+    ({"use_beam_search": "yes"}, "use_beam_search"),
+    ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+    ({"use_beam_search": True, "best_of": 2, "stop": ["x"]}, "stop"),
     ({"suffix": "end"}, "suffix"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"five": 1}}, "logit_bias"),
@@ -93,6 +98,14 @@ def test_bad_completion_parameters_are_named(body, param):
     assert err.value.status == 400 and err.value.param == param
     assert param in err.value.message
     assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_beam_search_is_vllms_extra_parameters():
+    gen = parse_completion({"model": "llm", "prompt": "Hi", "use_beam_search": True, "n": 2, "best_of": 4,
+                            "length_penalty": 0.5, "early_stopping": "never"})
+    assert gen.sampling == {"max_tokens": gen.sampling["max_tokens"], "use_beam_search": True, "best_of": 4,
+                            "length_penalty": 0.5, "early_stopping": "never", "n": 2}
+    assert SamplingParams.from_dict(gen.sampling).temperature == 0.0  # none sent: beams rank raw logprobs
 
 
 def test_defaults_of_unsupported_fields_are_accepted():

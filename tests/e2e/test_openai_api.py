@@ -93,6 +93,23 @@ def test_n_completions_with_a_seed_repeat_and_count_the_prompt_once(api):
     assert first.usage.prompt_tokens == single.usage.prompt_tokens
 
 
+def test_beam_search_through_the_sdk_returns_the_beams_best_first(api, llm, server):
+    """vLLM's extra parameters use_beam_search / best_of / n: n choices, best first, the in-process
+    engine's beams (token-equal to transformers: tests/test_beam_search.py); the beams count in the
+    metrics."""
+    from backend import SamplingParams
+
+    ref = llm.generate(["Tokens per second"], SamplingParams(max_tokens=6, temperature=0.0, use_beam_search=True,
+                                                              best_of=3, n=2, length_penalty=0.5))[0].samples
+    before = gauge(server, "inflight_beam_requests_total")
+    out = api.completions.create(model="llm", prompt="Tokens per second", max_tokens=6, n=2,
+                                 extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 0.5})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [s.text for s in ref]
+    assert out.usage.completion_tokens == sum(len(s.token_ids) for s in ref)
+    assert wait_until(lambda: gauge(server, "inflight_beam_requests_total") >= before + 1)
+
+
 def test_stop_strings_end_the_text(api, llm):
     ref = llm.greedy("Hello world", 16)
     stop = ref.text[4:7]
