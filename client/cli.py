@@ -71,6 +71,10 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
     if args.lora_modules:  # vLLM's flag: the adapters, and LoRA on (docs/lora.md)
         params.update(lora_params(args.lora_modules, params))
+    from openai_server.lora_api import runtime_lora_enabled
+    if runtime_lora_enabled(args.enable_runtime_lora):  # the flag or vLLM's variable: both doors (docs/lora.md)
+        args.enable_runtime_lora = True
+        params.update(enable_lora="true", enable_runtime_lora="true")
     model_path = args.model_path or params.get("model_path") or read_parameters(config.read_text()).get("model_path", "")
     resolved = Path(model_path) if Path(model_path).is_absolute() else REPO_ROOT / model_path
     if args.model_path is None and not resolved.is_dir():
@@ -225,6 +229,8 @@ def _generate(args: argparse.Namespace) -> int:
 def openai_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """`inflight serve`'s flags that `python -m openai_server` takes as they are."""
     flags = ["--api-key-all-routes"] if args.api_key_all_routes else []
+    if getattr(args, "enable_runtime_lora", False):
+        flags.append("--enable-runtime-lora")
     for name in ("max_chat_messages", "max_chat_rendered_chars"):
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -287,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters (PEFT folders) to serve beside the model's multi_lora.json, as vLLM's "
                         "flag: NAME=PATH or a JSON {\"name\": ..., \"path\": ...}; turns enable_lora on. "
                         "Requests pick one with lora_name, the OpenAI API with model (docs/lora.md)")
+    p.add_argument("--enable-runtime-lora", action="store_true",
+                   help="load and unload LoRA adapters while serving: the OpenAI API's /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter (vLLM's), Triton's lora_action requests; turns enable_lora and "
+                        "enable_runtime_lora on (also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; docs/lora.md)")
 
     p = sub.add_parser("generate", help="send one prompt and print the answer as it arrives")
     p.add_argument("prompt")

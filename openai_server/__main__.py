@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "/detokenize (vLLM's flag; default: $INFLIGHT_API_KEY, comma-separated, else $VLLM_API_KEY)")
     p.add_argument("--api-key-all-routes", action="store_true",
                    help="want the key on /health and /metrics too (open by default, for probes and scrapers)")
+    p.add_argument("--enable-runtime-lora", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; also on with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); the model needs enable_runtime_lora=true too")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; the container's entrypoint passes 0.0.0.0)")
     p.add_argument("--port", type=int, default=9000)
@@ -66,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 ("max_chat_rendered_chars", args.max_chat_rendered_chars)) if v is not None}
     app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser, args.metrics_url,
                      reasoning_parser=args.reasoning_parser, api_keys=tuple(keys),
-                     api_key_all_routes=args.api_key_all_routes, **limits)
+                     api_key_all_routes=args.api_key_all_routes, runtime_lora=args.enable_runtime_lora, **limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

@@ -1,5 +1,6 @@
 """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (on the chat
-path: responses_api.py), /tokenize, /detokenize (tokenize_api.py), /health, /metrics.
+path: responses_api.py), /tokenize, /detokenize (tokenize_api.py), /health, /metrics; with runtime
+LoRA on, /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_api.py).
 
 Each call becomes one Triton request per choice (prompts x n), sent on the shared gRPC channel and
 read as they stream back; their pieces are merged into one SSE stream (`stream: true`) or one body.
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from backend.core.errors import retry_after_of
 from backend.core.input_guard import lone_surrogate
 from openai_server.auth import APIKeyMiddleware
+from openai_server.lora_api import add_lora_routes, runtime_lora_enabled
 from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.reasoning_request import parse_chat_request
 from openai_server.responses import ChoiceState, Reply, sse
@@ -138,7 +140,7 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
                tool_call_parser: str = "hermes", metrics_url: Optional[str] = None,
                reasoning_parser: Optional[str] = None, max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
                max_chat_rendered_chars: int = DEFAULT_MAX_CHAT_RENDERED_CHARS, api_keys: tuple[str, ...] = (),
-               api_key_all_routes: bool = False) -> FastAPI:
+               api_key_all_routes: bool = False, runtime_lora: bool = False) -> FastAPI:
     triton = TritonBackend(grpc_url)
     gateway = GatewayMetrics(metrics_url or default_metrics_url(grpc_url), triton.model, served_model_name)
     render = ChatRenderer(model_path, max_chat_rendered_chars)
@@ -191,7 +193,7 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        adapters = await triton.lora_adapters()  # an adapter named like the base model is refused at load
+        adapters = await triton.lora_adapters(refresh=True)  # an adapter named like the base model is refused at load
         return {"object": "list", "data": [_card(n, adapters) for n in
                                            [served_model_name, *(a for a in adapters if a != served_model_name)]]}
 
@@ -204,6 +206,8 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         if name is None:
             raise bad("model", "model is required")
         adapters = await triton.lora_adapters()
+        if name != served_model_name and name not in adapters:  # loaded since (at run time, either door)?
+            adapters = await triton.lora_adapters(refresh=True)
         if name != served_model_name and name not in adapters:
             also = f" and its LoRA adapters {', '.join(repr(a) for a in adapters)}" if adapters else ""
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
@@ -223,6 +227,9 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
             raise bad("messages", f"messages has {len(messages)} entries; the limit is {max_chat_messages} "
                                   "(--max-chat-messages)")
         return body
+
+    if runtime_lora_enabled(runtime_lora):  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_api.py)
+        add_lora_routes(app, triton, served_model_name, functools.partial(_body, model_required=False))
 
     max_model_len = MaxModelLen(triton, model_path)
 

@@ -7,9 +7,11 @@ Triton cancels the request: the engine aborts it and frees its KV blocks within 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
@@ -28,10 +30,12 @@ OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "nu
 def error_status(message: str) -> int:
     """The HTTP status of an error response from the model. Over the gRPC stream Triton sends the
     message without its code, so the adapter's wording tells them apart (triton_inputs.error_for):
-    overload (a full queue, a time-to-first-token target the queue cannot meet: the message ends
-    "retry after N s", app.py's Retry-After) 429; shutting down or a dead engine 503; an internal
+    an adapter that is not loaded 404; overload (a full queue, a time-to-first-token target the
+    queue cannot meet: the message ends "retry after N s", app.py's Retry-After) 429; shutting down or a dead engine 503; an internal
     failure is written "<ExceptionType>: ..." 500; anything else is a refused request 400."""
     low = message.lower()
+    if "is not loaded" in low:  # a LoRA adapter (docs/lora.md): an unknown model, as OpenAI and vLLM answer it
+        return 404
     if "queue full" in low or retry_after_of(message) is not None:
         return 429
     if "shutting down" in low or "shut down" in low or "engine stopped" in low:
@@ -77,18 +81,49 @@ class TritonBackend:
             self._outputs = tuple(o["name"] for o in meta.get("outputs", []) if o["name"] in OUTPUTS)
         return self._inputs
 
-    async def lora_adapters(self) -> dict[str, str]:
-        """The model's LoRA adapters (name -> folder), from its config as Triton loaded it: with
-        enable_lora, its checkpoint folder's multi_lora.json and its lora_modules (read once Triton
-        answers; none while it does not, so /v1/models still lists the served model)."""
-        if self._adapters is None:
+    async def lora_adapters(self, refresh: bool = False) -> dict[str, str]:
+        """The LoRA adapters the engine holds now (name -> ""), as the model's `lora_action: list`
+        answers (model_repository/llm/1/lora_control.py): kept until `refresh` (a load or unload
+        here, /v1/models, a name not among them). A model that does not answer it: the adapters of
+        its config as Triton loaded it (multi_lora.json and lora_modules, name -> folder). None
+        while Triton does not answer, so /v1/models still lists the served model."""
+        if self._adapters is None or refresh:
             try:
-                config = (await self.client.get_model_config(self.model, as_json=True)).get("config", {})
-            except InferenceServerException:
-                return {}
-            self._adapters = configured_adapters(
-                {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()})
+                answer = await self.lora_control({"lora_action": "list"})
+                self._adapters = dict.fromkeys(answer.get("adapters", []), "")
+            except APIError as exc:
+                if exc.status == 503:
+                    return {}
+                try:
+                    config = (await self.client.get_model_config(self.model, as_json=True)).get("config", {})
+                except InferenceServerException:
+                    return {}
+                self._adapters = configured_adapters(
+                    {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()})
         return self._adapters
+
+    async def lora_control(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        """Send a LoRA control request (`lora_action` load / unload / list, as request parameters)
+        and return its JSON answer. Raises APIError: the refusal, with its status (error_status)."""
+        closing = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": [], "request_id": uuid.uuid4().hex, "parameters": parameters,
+                   "outputs": [grpcaio.InferRequestedOutput("text_output")]}
+            await closing.wait()
+
+        responses = self.client.stream_infer(requests())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    message = _message(error)
+                    raise APIError(error_status(message), message, code="lora_control")
+                return json.loads(result.as_numpy("text_output").reshape(-1)[0])
+            raise APIError(503, "Triton closed the stream before answering", code="triton_unavailable")
+        except (InferenceServerException, grpc.RpcError) as exc:  # the channel: Triton is not there (yet)
+            raise _unreachable(exc, self.url) from None
+        finally:
+            closing.set()
 
     async def ready(self) -> bool:
         try:

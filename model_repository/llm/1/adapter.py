@@ -44,6 +44,7 @@ from backend.core.outputs import merge_outputs
 from fault_injection import FAULT_ENV, FaultInjector
 from instance_config import engine_config
 from live_request import Live, NullMetrics, Respond, _Entry
+from lora_control import LoRAControl, control_of
 from triton_inputs import DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, error_for, parse_request
 from triton_outputs import MetricsWriter, output_tensors
 
@@ -65,12 +66,15 @@ class Frontend:
     def __init__(self, engine: Any, respond: Respond, metrics: Any = None,
                  poll_interval: float = 0.05, stats_interval: float = 0.1, cancel_interval: float = 0.2,
                  stop_file: Optional[Path] = None, max_backlog: int = MAX_STREAM_BACKLOG,
-                 stream_interval: int = 1, on_engine_failure: Optional[Callable[[str], None]] = None):
+                 stream_interval: int = 1, on_engine_failure: Optional[Callable[[str], None]] = None,
+                 runtime_lora: bool = False):
         self.engine = engine
         # `inflight serve` creates this file just before it stops Triton: Triton unloads a decoupled
         # model only once all its requests are answered, so every running request is aborted then.
         self.stop_file = stop_file
         self.respond = respond
+        # requests with the parameter lora_action load / unload / list adapters (lora_control.py)
+        self.lora_control = LoRAControl(engine, respond, runtime_lora)
         self.metrics = metrics or NullMetrics()
         self.poll_interval = poll_interval
         # 64 streams polled every 50 ms took a third of the responder's time on 2 cores; a client
@@ -101,6 +105,10 @@ class Frontend:
                parameters: Optional[str] = None) -> None:
         """Validate one request and hand it to the engine; on any refusal answer it at once.
         `parameters` is the request's parameters as Triton gives them (a JSON object)."""
+        control = control_of(parameters)
+        if control is not None:
+            self.lora_control.handle(control, sender)
+            return
         try:
             parsed = parse_request(inputs, parameters,
                                    max_input_bytes=getattr(self.engine, "max_input_bytes", None),

@@ -81,7 +81,8 @@ class TritonPythonModel:
         self.frontend = adapter.Frontend(self.engine, respond, self.metrics,
                                          stop_file=Path(args["model_repository"]) / STOP_FILE,
                                          stream_interval=engine_config.stream_interval,
-                                         on_engine_failure=self.take_out_of_service)
+                                         on_engine_failure=self.take_out_of_service,
+                                         runtime_lora=engine_config.enable_runtime_lora)
         pb_utils.Logger.log_info(
             f"inflight: {args['model_instance_name']} on {self.engine.device}, model {engine_config.model_path}, "
             f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
