@@ -12,13 +12,17 @@ import pytest
 from backend import LLM, EngineConfig, SamplingParams
 from backend.kv.tiers.disk import DiskStore
 from backend.kv.tiers.index import HostIndex
+from backend.kv.tiers.plan import CopyPrices
 from hf_checkpoints import hf_greedy, make_checkpoint
 
 BLOCK_BYTES = 4096  # the llama checkpoint: 2 layers x K,V x 16 tokens x 2 kv heads x 8 dims x 4 bytes
 FILE_BYTES = 80 + BLOCK_BYTES + 32  # a disk tier file: header, block, HMAC-SHA256 (backend/kv/tiers/disk.py)
 MAX_TOKENS = 5
-# 10 blocks of 16: one request's prompt at most (7 blocks); 6 conversations' prefixes never fit
-ENGINE = dict(kv_block_size=16, max_tokens_in_paged_kv_cache=160, max_num_seqs=2, max_num_batched_tokens=64)
+# 10 blocks of 16: one request's prompt at most (7 blocks); 6 conversations' prefixes never fit.
+# Every prefix found is loaded (kv_tier_load_policy always): these tests are about the tiers' copies,
+# which auto would skip where this machine computes the tiny model's tokens faster (see the last tests).
+ENGINE = dict(kv_block_size=16, max_tokens_in_paged_kv_cache=160, max_num_seqs=2, max_num_batched_tokens=64,
+              kv_tier_load_policy="always")
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +305,38 @@ def test_disk_files_are_checked_before_anything_is_loaded(tmp_path):
     assert not other.path(b"k" * 32).exists()
     store.close()
     other.close()
+
+
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
+def test_forced_recompute_gives_the_loaded_tokens_and_leaves_the_tiers_idle(chat):
+    """kv_tier_load_policy never: the host tier keeps and finds the returning turns' blocks, but
+    none is loaded; they are computed again, with the tokens of loading them (transformers')."""
+    path, turns, expected = chat
+    outs, host = {}, {}
+    for policy in ("always", "never"):
+        llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, **{**ENGINE, "kv_tier_load_policy": policy})
+        outs[policy] = run_turns(llm, turns)
+        host[policy] = llm.stats()["kv_tiers"]["host"]
+        assert_idle(llm)
+        llm.close()
+    assert outs["never"] == outs["always"] == expected
+    assert host["always"]["load_chosen"] == host["always"]["hits"] >= 12 and host["always"]["recompute_chosen"] == 0
+    never = host["never"]
+    assert never["recompute_chosen"] == never["hits"] >= 12 and never["load_chosen"] == never["bytes_loaded"] == 0
+
+
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
+def test_auto_loads_where_the_copy_is_cheaper_and_computes_where_it_is_dearer(chat):
+    """The default policy weighs the copy's price (measured at start) against the engine's own price
+    of the tokens: a copy made free loads every block found, one of 10 s a block loads none."""
+    path, turns, expected = chat
+    for prices, chosen in ((CopyPrices(0.0, 1e-12, 0.0), "load_chosen"), (CopyPrices(0.0, 10.0, 0.0), "recompute_chosen")):
+        llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, **{**ENGINE, "kv_tier_load_policy": "auto"})
+        measured = llm.engine.kv_tiers.prices
+        assert 0 < measured.plan_seconds + measured.host_block_seconds < 0.1, measured  # (4 KB blocks: ~all plan)
+        llm.engine.scheduler.admission.choice.prices = prices
+        assert run_turns(llm, turns) == expected
+        host = llm.stats()["kv_tiers"]["host"]
+        assert host[chosen] == host["hits"] >= 12, host
+        assert_idle(llm)
+        llm.close()

@@ -17,11 +17,13 @@ from backend.core.config import EngineConfig
 from backend.kv.tiers.disk import DiskStore
 from backend.kv.tiers.fingerprint import model_fingerprint
 from backend.kv.tiers.manager import KVTiers
+from backend.kv.tiers.plan import CopyPrices
 from backend.models.loader import weight_files
 
 log = logging.getLogger(__name__)
 # At shutdown, how long the device's cached blocks may take to reach the disk (AsyncEngine.shutdown waits 10 s)
 PERSIST_SECONDS = 8.0
+TIMED_BLOCKS = 8  # the larger plan of loads timed at start (measure_copy_prices)
 
 
 class NoKVTiers:
@@ -84,10 +86,22 @@ def make_kv_tiers(config: EngineConfig, runner) -> Union[EngineKVTiers, NoKVTier
                              f"file ({disk.file_bytes} bytes)")
     tiers = EngineKVTiers(copier, config.kv_block_size, disk, capacity)
     tiers.loads_at_once = not runner.env.is_cuda
+    tiers.prices = measure_copy_prices(copier, disk)
     log.info("KV tiers: host %d blocks (%.1f MiB%s)%s", copier.num_slots, copier.num_slots * copier.block_bytes / 2**20,
              ", pinned" if runner.env.is_cuda else "",
              f"; disk {capacity} blocks in {disk.folder} ({len(tiers.disk_index)} there already)" if disk else "")
     return tiers
+
+
+def measure_copy_prices(copier, disk) -> CopyPrices:
+    """This machine's price of bringing blocks back (a few milliseconds at start): a plan of host ->
+    device copies, per block, and a disk block's read and HMAC check (backend/sched/tier_choice.py
+    weighs them against computing the blocks again)."""
+    plan, block = copier.time_loads(TIMED_BLOCKS)
+    prices = CopyPrices(plan, block, disk.time_read() if disk is not None else 0.0)
+    log.info("KV tiers: a load costs %.3f ms + %.3f ms a block from host memory%s", plan * 1e3, block * 1e3,
+             f" (+ {prices.disk_block_seconds * 1e3:.3f} ms a block from disk)" if disk is not None else "")
+    return prices
 
 
 def persist_kv_tiers(tiers: KVTiers, seconds: float = PERSIST_SECONDS) -> int:

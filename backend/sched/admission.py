@@ -26,6 +26,8 @@ from backend.sched.batching import BatchingGate
 from backend.sched.lora_slots import LoRASlots
 from backend.sched.pool import RequestPool
 from backend.sched.batch import SchedulerOutput
+from backend.sched.pacing import StepCost
+from backend.sched.tier_choice import TierChoice
 
 
 class Reservation(NamedTuple):
@@ -43,7 +45,8 @@ def chunk(req: Request, budget: int, config: EngineConfig, encoder: Optional[Enc
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, pool: RequestPool, gate: BatchingGate, tiers=None):
+    def __init__(self, config: EngineConfig, pool: RequestPool, gate: BatchingGate, tiers=None,
+                 cost: Optional[StepCost] = None):
         self.config = config
         self.pool = pool
         self.blocks = pool.blocks
@@ -60,6 +63,9 @@ class Admission:
         # The KV tiers (backend/kv/tiers/manager.KVTiers) when they are on: a prefix found there comes
         # back into the request's blocks before it runs a row.
         self.tiers = tiers
+        # Load or recompute a prefix found there (tier_choice.py), priced by `cost`: the scheduler's step model.
+        self.choice = TierChoice(config.kv_tier_load_policy, self.blocks.block_size, cost or StepCost(),
+                                 tiers.prices) if tiers is not None else None
         c = config
         if (c.enable_backfill and c.batch_scheduler_policy == "guaranteed_no_evict" and c.batching_mode == "inflight"
                 and Backfill.usable(c.enable_chunked_context, c.max_num_batched_tokens, c.max_num_seqs)):
@@ -212,8 +218,10 @@ class Admission:
         back before this step's model run: they count as computed at once, and 0 is returned."""
         if self.tiers is None or req.index or req.computes_whole_prompt:
             return 0
-        lower, in_host = self.tiers.probe(self._prefix_hashes(req)[req.num_computed_tokens // self.blocks.block_size:])
-        if lower and in_host and self.tiers.loads_at_once:
+        start = req.num_computed_tokens
+        where = self.tiers.locate(self._prefix_hashes(req)[start // self.blocks.block_size:])
+        lower = self.choice.choose(req.seq_id, where, start, req.num_tokens)  # the blocks worth loading
+        if lower and not any(where[:lower]) and self.tiers.loads_at_once:
             req.num_computed_tokens += lower * self.blocks.block_size  # undone with the rest if it does not fit
             return 0
         return lower
@@ -230,7 +238,9 @@ class Admission:
         got = claim.num_blocks if claim is not None else 0
         assert lower or got == at_once, "host blocks probed for this step are gone"
         self.pool.start(req, (first + got) * bs if lower else req.num_computed_tokens + n, now, self.steps)
-        self.tiers.counts.lookup(len(hashes), first, claim)
+        where, chosen = self.choice.declined(req.seq_id)
+        self.tiers.counts.lookup(len(hashes), first, claim, declined=where[chosen:])
+        self.tiers.counts.chose(where, chosen)
         if claim is not None:  # it runs once the load is done (`landed`), or now for blocks back at once
             blocks = self.blocks.block_table(req.seq_id)[first:first + got]
             req.kv_load = self.tiers.start_load(req.seq_id, claim, blocks)

@@ -33,7 +33,7 @@ from backend.sched.pool import RequestPool
 from backend.core.step import StepPlan
 from backend.sched.batch import ScheduledSeq, SchedulerOutput
 from backend.sched.grammar import step_masks
-from backend.sched.pacing import Pacer
+from backend.sched.pacing import Pacer, StepCost, step_features
 from backend.sched.speculation import attach_drafts, draft_room
 from backend.sched.step_plan import WorkerView
 
@@ -52,11 +52,14 @@ class Scheduler:
         self.pool = pool or RequestPool(blocks, make_policy(config.batch_scheduler_policy, blocks))
         self.policy = self.pool.policy
         self.tiers = tiers
-        self.admission = admission or Admission(config, self.pool, self.gate, tiers)
+        # The engine's model of its step time (pacing.py): the pacer's, and admission's price of a
+        # prompt token when it weighs a tier's copy against computing a prefix again (tier_choice.py).
+        self.step_cost = StepCost()
+        self.admission = admission or Admission(config, self.pool, self.gate, tiers, self.step_cost)
         self.worker_view = WorkerView(blocks)  # what the worker knows of each sequence (step_plan.py)
         # Prefill pacing (pacing.py): prompt chunks beside decode rows capped to an inter-token
         # target. Only a chunked prompt can be paced; padded batches (padded.py) never are.
-        self.pacer = Pacer(config.inter_token_target_ms, config.inter_token_auto_factor) \
+        self.pacer = Pacer(config.inter_token_target_ms, config.inter_token_auto_factor, self.step_cost) \
             if config.enable_chunked_context and config.batching_mode == "inflight" else None
         self.last_step_seconds = 0.0  # between the last two schedule() calls: scheduler_delay_factor's unit
         self._last_schedule: Optional[float] = None
@@ -69,6 +72,13 @@ class Scheduler:
     prefix_hit_tokens = property(lambda self: self.admission.prefix_hit_tokens)
     steps = property(lambda self: self.admission.steps)
     reservation = property(lambda self: self.admission.reservation)
+
+    def observe_step(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float) -> None:
+        """A step the worker ran (pacing.batch_shape) and its wall time: the step model learns."""
+        if self.pacer is not None:
+            self.pacer.observe(decode_rows, prompt_tokens, pairs, seconds)  # (its cost is step_cost)
+        else:
+            self.step_cost.observe(step_features(decode_rows, prompt_tokens, pairs), seconds)
 
     # -- arrivals and aborts ------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1, pooling: bool = False) -> None:

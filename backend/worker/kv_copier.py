@@ -21,11 +21,13 @@ model's steps on the compute stream instead of waiting in line with them:
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from backend.kv.tiers.plan import TierPlan
 from backend.worker.device import DeviceEnv, to_device
 
 STAGING_BYTES = 64 << 20  # the device staging buffer's cap (GPU): plans larger than it go in chunks
@@ -70,6 +72,27 @@ class KVCopier:
             self._copy_sync(plan.loads, to_host=False)
             return None
         return self._execute_on_stream(plan)
+
+    def time_loads(self, num_blocks: int, repeats: int = 3) -> tuple[float, float]:
+        """What a plan of host -> device loads costs here: (seconds whatever its size, seconds per
+        block), from the best of `repeats` plans of one block and of `num_blocks` (fewer when the
+        pool or the cache is smaller). Timed at start, before any request: blocks 0..n-1 are saved to
+        slots 0..n-1 and loaded back, which leaves the cache as it was."""
+        n = max(1, min(num_blocks, self.num_slots, self.kv_caches[0][0].shape[0]))
+
+        def best(k: int) -> float:
+            pairs = [(i, i) for i in range(k)]
+            self.wait(self.execute(TierPlan(saves=pairs)))
+            seconds = float("inf")
+            for _ in range(repeats):
+                started = time.perf_counter()
+                self.wait(self.execute(TierPlan(loads=pairs)))
+                seconds = min(seconds, time.perf_counter() - started)
+            return seconds
+
+        one = best(1)
+        per_block = max(0.0, (best(n) - one) / (n - 1)) if n > 1 else one
+        return max(0.0, one - per_block), per_block
 
     def done(self, handle: Any) -> bool:
         return handle is None or handle.query()

@@ -24,6 +24,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Optional
@@ -136,7 +137,9 @@ class DiskStore:
                 self._cond.notify_all()
 
     def _read(self, key: bytes, dest: Any) -> tuple[bool, str]:
-        name = self.path(key).name
+        return self._read_file(self.path(key).name, key, dest)
+
+    def _read_file(self, name: str, key: bytes, dest: Any) -> tuple[bool, str]:
         try:
             fd = open_private(self.dir.fd, name, os.O_RDONLY)
         except FileNotFoundError:
@@ -171,14 +174,8 @@ class DiskStore:
 
     def _write(self, key: bytes, src: Any) -> tuple[bool, str]:
         name = self.path(key).name
-        tmp = f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        head = HEADER.pack(MAGIC, self.fingerprint, key, memoryview(src).nbytes)
-        fd = open_private(self.dir.fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        tmp = self._write_tmp(key, src)
         try:
-            with open(fd, "wb", closefd=True) as f:
-                f.write(head)
-                f.write(memoryview(src).cast("B"))
-                f.write(self._tag(head, src))
             gone = self.dir.put(tmp, name, self.file_bytes)
         except BaseException:
             self.dir.delete(tmp)
@@ -187,6 +184,39 @@ class DiskStore:
             with self._cond:
                 self._done.extend((("gone", k), True, "") for k in gone)
         return True, ""
+
+    def _write_tmp(self, key: bytes, src: Any) -> str:
+        """key's file under a temporary name (0600, O_EXCL; a crash leaves a name the next scan deletes)."""
+        tmp = f"{self.path(key).name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        head = HEADER.pack(MAGIC, self.fingerprint, key, memoryview(src).nbytes)
+        fd = open_private(self.dir.fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            with open(fd, "wb", closefd=True) as f:
+                f.write(head)
+                f.write(memoryview(src).cast("B"))
+                f.write(self._tag(head, src))
+        except BaseException:
+            self.dir.delete(tmp)
+            raise
+        return tmp
+
+    def time_read(self, repeats: int = 3) -> float:
+        """Seconds to read one block's file and check its HMAC, the best of `repeats`: what a disk
+        block costs before its copy to the device (backend/sched/tier_choice.py). Timed at start, on
+        the engine thread, on a file written for it under a temporary name and deleted after; the file
+        is in the page cache, as a block written recently is (a cold file costs more)."""
+        key, payload = bytes(32), bytearray(os.urandom(self.block_bytes))
+        tmp, best = self._write_tmp(key, payload), float("inf")
+        try:
+            for _ in range(repeats):
+                started = time.perf_counter()
+                ok, why = self._read_file(tmp, key, payload)
+                best = min(best, time.perf_counter() - started)
+                if not ok:
+                    raise OSError(f"the disk tier's timing file did not read back: {why}")
+        finally:
+            self.dir.delete(tmp)
+        return best
 
     def _delete(self, key: bytes, _: Optional[Any]) -> tuple[bool, str]:
         self.dir.delete(self.path(key).name)

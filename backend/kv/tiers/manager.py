@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from backend.kv.block_manager import BlockListener
 from backend.kv.tiers.index import DiskIndex, HostIndex
-from backend.kv.tiers.plan import KVLoad, TierClaim, TierCounts, TierPlan
+from backend.kv.tiers.plan import CopyPrices, KVLoad, TierClaim, TierCounts, TierPlan
 
 
 class KVTiers(BlockListener):
@@ -42,6 +42,7 @@ class KVTiers(BlockListener):
         # Copies are done when issued (the CPU): a prefix all in host memory comes back before the
         # step's model run, so its request runs in the step it starts (admission.py).
         self.loads_at_once = False
+        self.prices = CopyPrices()  # measured at the engine's start (engine/kv_tiers.py); free until then
 
     # -- the block manager's hook (inside its calls: appends only) --------------------------------
     def blocks_stored(self, blocks, keys, parent, root, token_ids) -> None:
@@ -74,13 +75,15 @@ class KVTiers(BlockListener):
             self._salted.discard(key)
 
     # -- admission ----------------------------------------------------------------------------
-    def probe(self, hashes: Sequence[bytes]) -> tuple[int, bool]:
-        """How many of these keys, from the first, a lower tier holds, and whether the host holds
-        them all (nothing changes)."""
-        n, disk = 0, self.disk_index if self.disk_index is not None else ()
-        while n < len(hashes) and (self.host.slot(hashes[n]) is not None or hashes[n] in disk):
-            n += 1
-        return n, all(self.host.slot(key) is not None for key in hashes[:n])
+    def locate(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Where the lower tiers hold these keys, from the first until one they do not: per key,
+        True on disk only, False in host memory (nothing changes)."""
+        where, disk = [], self.disk_index if self.disk_index is not None else ()
+        for key in hashes:
+            if self.host.slot(key) is None and key not in disk:
+                break
+            where.append(self.host.slot(key) is None)
+        return where
 
     def claim(self, hashes: Sequence[bytes]) -> Optional[TierClaim]:
         """Pin the blocks of these keys, from the first, that a lower tier holds: host slots as they
@@ -88,8 +91,7 @@ class KVTiers(BlockListener):
         slot is left to stage a disk block in. None when nothing is claimed."""
         claim = TierClaim([], [], [])
         for key in hashes:
-            slot = self.host.slot(key)
-            from_disk = slot is None
+            from_disk = (slot := self.host.slot(key)) is None
             if not from_disk:
                 self.host.pin(slot)
                 self.host.touch(key)
@@ -174,8 +176,7 @@ class KVTiers(BlockListener):
         for slot, key in saved:
             self.host.forget(key)
         for load in loads:
-            for slot in load.slots[:load.num_loaded]:
-                self.host.unpin(slot)
+            load.unpin_copied(self.host)
             load.num_loaded = 0
         self.issued(None)
 
@@ -206,8 +207,7 @@ class KVTiers(BlockListener):
             else:
                 self.host.unpin(slot)
         for load in loads:
-            for slot in load.slots[:load.num_loaded]:
-                self.host.unpin(slot)
+            load.unpin_copied(self.host)
             load.done = True
             self._loads.remove(load)
 

@@ -30,6 +30,24 @@ class TierClaim:
         return len(self.keys)
 
 
+@dataclass(frozen=True)
+class CopyPrices:
+    """What bringing prefix blocks back from the tiers costs on this machine, measured when the
+    engine starts (backend/engine/kv_tiers.py): a plan of host -> device copies (`plan_seconds`,
+    whatever its size) plus `host_block_seconds` per block; a disk block adds its file's read and
+    HMAC check (`disk_block_seconds`) before that copy. What admission weighs against computing the
+    blocks again (backend/sched/tier_choice.py)."""
+    plan_seconds: float = 0.0
+    host_block_seconds: float = 0.0
+    disk_block_seconds: float = 0.0
+
+    def load_seconds(self, num_host: int, num_disk: int) -> float:
+        """Bringing back num_host blocks held in host memory and num_disk blocks held on disk."""
+        if not num_host + num_disk:
+            return 0.0
+        return self.plan_seconds + (num_host + num_disk) * self.host_block_seconds + num_disk * self.disk_block_seconds
+
+
 class KVLoad:
     """A request's prefix blocks on their way back into the device blocks it reserved."""
 
@@ -55,6 +73,11 @@ class KVLoad:
         self.num_loaded, self.issued, self.done = n, True, not n
         return n
 
+    def unpin_copied(self, host) -> None:
+        """The host slots of the blocks it copied (or was to copy) are free to go."""
+        for slot in self.slots[:self.num_loaded]:
+            host.unpin(slot)
+
     def cancel(self) -> None:
         """Its request left (aborted, preempted, failed): nothing is copied any more, its slots
         are given back once the copies and reads in flight end."""
@@ -67,9 +90,12 @@ class TierCounts:
 
     def __init__(self, disk: bool, unreadable: int = 0):
         self.device = {"hits": 0, "misses": 0}
-        self.host = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "dropped": 0}
+        # load_chosen / recompute_chosen: blocks found here that admission chose to copy back or to compute
+        # again (kv_tier_load_policy; backend/sched/tier_choice.py)
+        self.host = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "dropped": 0,
+                     "load_chosen": 0, "recompute_chosen": 0}
         self.disk = {"hits": 0, "misses": 0, "bytes_loaded": 0, "bytes_stored": 0, "rejected": 0, "write_failures": 0,
-                     "tampered": 0, "unreadable": unreadable}
+                     "tampered": 0, "unreadable": unreadable, "load_chosen": 0, "recompute_chosen": 0}
         self.tiers = ("device", "host", "disk") if disk else ("device", "host")
 
     def refused(self, why: str) -> None:
@@ -79,15 +105,22 @@ class TierCounts:
         if kind != "missing":
             self.disk[kind if kind in ("tampered", "unreadable") else "rejected"] += 1
 
-    def lookup(self, num_hashes: int, device_blocks: int, claim: Optional[TierClaim]) -> None:
-        """A request started: of its `num_hashes` prefix blocks, where each was found (or not)."""
-        on_disk = sum(claim.from_disk) if claim else 0
-        in_host = (claim.num_blocks if claim else 0) - on_disk
+    def lookup(self, num_hashes: int, device_blocks: int, claim: Optional[TierClaim],
+               declined: Sequence[bool] = ()) -> None:
+        """A request started: of its `num_hashes` prefix blocks, where each was found (or not).
+        `declined`: the blocks after the claim that a tier held but are computed again (True: on disk)."""
+        on_disk = (sum(claim.from_disk) if claim else 0) + sum(declined)
+        in_host = (claim.num_blocks if claim else 0) + len(declined) - on_disk
         left = num_hashes - device_blocks
         for tier, hits, asked in (("device", device_blocks, num_hashes), ("host", in_host, left),
                                   ("disk", on_disk, left - in_host)):
             getattr(self, tier)["hits"] += hits
             getattr(self, tier)["misses"] += asked - hits
+
+    def chose(self, from_disk: Sequence[bool], num_loaded: int) -> None:
+        """Admission chose to load the first num_loaded of these blocks and to compute the rest again."""
+        for i, disk in enumerate(from_disk):
+            (self.disk if disk else self.host)["load_chosen" if i < num_loaded else "recompute_chosen"] += 1
 
     def figures(self, fill: dict[str, tuple[int, int]]) -> dict[str, dict[str, int]]:
         out = {tier: dict(getattr(self, tier)) for tier in self.tiers}
