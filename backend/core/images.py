@@ -7,7 +7,7 @@ decompression bomb: more than `max_pixels` pixels (PIL's own limit, `Image.MAX_I
 to the same number, so PIL refuses it too before decoding a byte of pixels).
 
 `preprocess` is Gemma 3's image processor with pan-and-scan off (transformers'
-Gemma3ImageProcessorPil): RGB, resized to the vision tower's square size with PIL's bilinear
+Gemma3ImageProcessorPil): RGB (transparency composited onto white), resized to the vision tower's square size with PIL's bilinear
 filter, rescaled by 1/255 and normalized with the processor's mean and std, channels first.
 """
 from __future__ import annotations
@@ -92,7 +92,11 @@ def decode_data_url(url: str, field: str, **limits):
 def preprocess(image, processing: ImageProcessing) -> np.ndarray:
     """float32 [3, size, size], as Gemma 3's processor (pan-and-scan off) makes it."""
     image_mod = _pil()
-    rgb = image.convert("RGB")
+    if "A" in image.getbands() or image.info.get("transparency") is not None:  # onto white, as transformers
+        rgba = image.convert("RGBA")
+        rgb = image_mod.alpha_composite(image_mod.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    else:
+        rgb = image.convert("RGB")
     size = processing.size
     if rgb.size != (size, size):
         rgb = rgb.resize((size, size), resample=image_mod.Resampling.BILINEAR)

@@ -21,6 +21,7 @@ from backend.core.outputs import CoreOutput
 from backend.core.request import Request, RequestStatus
 from backend.core.step import StepResult
 from backend.sched.pacing import batch_shape
+from backend.worker.vision import encoder_stats
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,8 @@ class EngineCore:
         if batch.is_empty:
             return self._deliver(refused)
         seconds, shape = time.perf_counter() - started, batch_shape(batch)
-        self.scheduler.observe_step(*shape, seconds)  # the step's cost on this device: the step model learns
+        if self.scheduler.pacer is not None:  # the step's cost on this device: the pacer's model learns
+            self.scheduler.pacer.observe(*shape, seconds)
         self.drain.observe(shape[0], shape[1], seconds)
         self.beams.take(result.sampled)  # the beams' numbers: chosen for below, never appended as sampled
         self.scheduler.postprocess(batch, result.sampled, time.monotonic())
@@ -215,6 +217,7 @@ class EngineCore:
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
             **(self.speculator.stats() if self.speculator else {}), **self.expert_tally, **self.kv_tiers.figures(),
             **self.kv_events.figures(),  # the KV-event publisher's drops, failures, bad requests
+            **encoder_stats(self.runner),  # images: encoder runs, cache hits and bytes (docs/vision.md)
         }
 
     def check_integrity(self) -> None:

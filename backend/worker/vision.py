@@ -158,3 +158,12 @@ class VisionStep:
                 self.cache.put(key, value, pinned)
                 found[key] = value
         return found
+
+
+def encoder_stats(runner) -> dict[str, int]:
+    """The runner's encoder figures (zeros for a text-only model), for llm.stats() and the metrics."""
+    vision = getattr(runner, "vision", None)
+    if vision is None:
+        return {"encoder_runs_total": 0, "encoder_cache_hits_total": 0, "encoder_cache_bytes": 0,
+                "encoder_cache_entries": 0}
+    return vision.stats()
