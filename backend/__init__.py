@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineConfig": "backend.core.config",
     "RequestOutput": "backend.core.outputs",
     "LoRARequest": "backend.core.lora",
+    "PoolingParams": "backend.core.pooling",
 }
 
 __all__ = list(_EXPORTS)

@@ -59,6 +59,7 @@ class CoreOutput:
     queue: Optional[QueueInfo] = None  # only for a request added with queue_info=True
     # with its first token, when it asked for prompt_logprobs: (logprob, rank, top) per prompt position 1..
     prompt_logprobs: Optional[list[tuple[float, int, list]]] = None
+    pooled: Optional[list[float]] = None  # a pooling request's vector, as the worker gave it (docs/pooling.md)
 
     @property
     def finished(self) -> bool:
@@ -90,6 +91,8 @@ class RequestOutput:
     # vLLM's prompt_logprobs, once known: None for the first prompt token, then per prompt token
     # its logprob, rank and the top k; None unless asked
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    # a pooling request's answer (docs/pooling.md): its embedding, or its scores (a classifier's)
+    pooled: Optional[list[float]] = None
 
 
 Output = Union[CoreOutput, "RequestOutput"]

@@ -146,7 +146,7 @@ class EngineCore:
                 [(t.logprob, t.rank, t.top) for t in taken] if sampled.logprob is not None else None,
                 req.finish_reason, req.stop_token_id, req.error, num_cached_tokens=req.num_cached_tokens,
                 queue_seconds=max(0.0, req.admitted_time - req.arrival_time) if first else None,
-                prompt_logprobs=sampled.prompt_logprobs))
+                prompt_logprobs=sampled.prompt_logprobs, pooled=req.pooled))
         return outputs
 
     def _admit_compiled(self) -> list[CoreOutput]:

@@ -9,6 +9,7 @@ from backend.core.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine, Prompt
 from backend.core.outputs import RequestOutput
 from backend.core.lora import LoRALike
+from backend.core.pooling import PoolingParams
 from backend.core.sampling_params import SamplingParams
 
 SETTLE_SECONDS = 10.0  # at most this long for the KV tiers' jobs in flight when generate() has its outputs
@@ -69,6 +70,22 @@ class LLM:
                 first = dataclasses.replace(first, samples=samples)
             results.append(first)
         return results
+
+    # -- pooling (runner pooling, docs/pooling.md) -------------------------------------------------
+    def embed(self, prompts: Union[Prompt, Sequence[Prompt]], params: Optional[PoolingParams] = None,
+              truncate_prompt_tokens: Optional[int] = None) -> list[RequestOutput]:
+        """Pool every prompt (in flight, in prompt order): each output's `pooled` is its embedding, or
+        for a classifier (a cross-encoder) its scores (vLLM's LLM.embed / LLM.classify)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        order = [self.engine.add_pooling_request(f"offline-{next(self._ids)}", p, params, truncate_prompt_tokens
+                                                 ).request_id for p in prompts]
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_work():
+            done.update((o.request_id, o) for o in self.engine.step() if o.finished)
+        return [done[rid] for rid in order]
+
+    classify = embed
 
     # -- LoRA adapters at run time (docs/lora.md) ----------------------------------------------------
     def load_lora(self, name: str, path: str) -> None:

@@ -24,6 +24,8 @@ from backend.engine.images import ImageFront, split_prompt
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.wiring import build_core
 from backend.sched.beams import refuse_beams
+from backend.engine.pooling import engine_pooling, make_pooling_request, refuse_generation
+from backend.core.pooling import PoolingParams
 from backend.models.loader import load_model_config
 from backend.text.tokenizer import Tokenizer, max_input_bytes
 
@@ -44,6 +46,7 @@ class LLMEngine(EngineCore):
         self.outputs = OutputProcessor(self.tokenizer)
         self.images = ImageFront(config.model_path, config, self.tokenizer)  # a vision model's images
         self._seeds = random.Random(config.seed)  # seeds for requests that gave none
+        self.pooling = self.outputs.pooling = engine_pooling(config, self.model_config)  # None: it generates
         self.rejected: dict[str, int] = {}  # refused at arrival (check_queue), by reason
 
     def _max_model_len(self, config: EngineConfig) -> int:
@@ -68,6 +71,7 @@ class LLMEngine(EngineCore):
         adapter, a name or a LoRARequest (docs/lora.md)."""
         params.validate()
         params.check_token_ids(self.vocab_size)
+        refuse_generation(self.pooling, self.model_config.head)
         priority = int32(priority, "priority")
         lora = self.loras.resolve(lora_request)
         prompt, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": {"image": [...]}}
@@ -178,6 +182,15 @@ class LLMEngine(EngineCore):
         self.add(request)
         return request
 
+    def add_pooling_request(self, request_id: str, prompt: Prompt, params: Optional[PoolingParams] = None,
+                            truncate_prompt_tokens: Optional[int] = None, priority: int = 0) -> Request:
+        """A pooling request (runner pooling, docs/pooling.md): its output's `pooled` is its embedding or scores."""
+        request = make_pooling_request(self, request_id, prompt, params, truncate_prompt_tokens, priority)
+        self.check_queue(request=request)
+        self.outputs.add(request)
+        self.add(request)
+        return request
+
     # -- steps, with their text -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One core step, its outputs made text here; a sequence a stop string ended is finished
@@ -196,4 +209,6 @@ class LLMEngine(EngineCore):
         return results
 
     def stats(self) -> dict[str, Union[int, float]]:
-        return {**super().stats(), "generation_tokens_total": self.outputs.generation_tokens_total, **self.rejections()}
+        return {**super().stats(), "generation_tokens_total": self.outputs.generation_tokens_total, **self.rejections(),
+                "pooling_requests_total": self.outputs.pooling_requests_total,
+                "pooling_prompt_tokens_total": self.outputs.pooling_tokens_total}

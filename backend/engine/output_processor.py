@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from backend.core.outputs import CoreOutput, Logprob, RequestOutput, StopStringMatcher, TokenLogprobs
+from backend.core.pooling import PoolingConfig, PoolingParams, finish_pooled
 from backend.core.sampling_params import SamplingParams
 from backend.core.request import Request
 from backend.text.detokenizer import IncrementalDetokenizer
@@ -28,6 +29,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     open: int  # completions whose final output has not come
+    pooling_params: Optional[PoolingParams] = None  # a pooling request's
 
 
 class _Text:
@@ -49,10 +51,13 @@ class OutputProcessor:
         self._requests: dict[str, _Request] = {}
         self._texts: dict[tuple[str, int], _Text] = {}
         self.generation_tokens_total = 0  # tokens delivered (after stop strings)
+        self.pooling: Optional[PoolingConfig] = None  # the pooling runner's (docs/pooling.md)
+        self.pooling_requests_total = self.pooling_tokens_total = 0  # pooled requests and their prompt tokens
 
     def add(self, request: Request) -> None:
         """Follow a request (every completion of it) before the engine may output for it."""
-        self._requests[request.request_id] = _Request(request.prompt_token_ids, request.params, request.params.n)
+        self._requests[request.request_id] = _Request(request.prompt_token_ids, request.params, request.params.n,
+                                                      request.pooling_params)
 
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[StopMessage]]:
         """The callers' outputs of the engine's, and the sequences a stop string ended."""
@@ -142,11 +147,16 @@ class OutputProcessor:
             text.prompt_logprobs = [None] + [self._logprobs(t, raw) if raw else None for t, raw in
                                              zip(req.prompt_token_ids[1:], o.prompt_logprobs or [])]
         new_text = text.stops.emit(final=finished)
+        pooled = None
+        if o.pooled is not None:  # the engine side's part of pooling: Matryoshka cut, normalize, sigmoid
+            pooled = finish_pooled(o.pooled, req.pooling_params, self.pooling)
+            self.pooling_requests_total += 1
+            self.pooling_tokens_total += len(req.prompt_token_ids)
         return RequestOutput(o.request_id, req.prompt_token_ids, new_ids, list(text.token_ids), new_text,
                              text.stops.emitted, finished, finish, o.error, index=o.index,
                              new_logprobs=new_logprobs, logprobs=text.logprobs, cumulative_logprob=text.cumulative,
                              queue_seconds=o.queue_seconds, queue=o.queue, num_cached_tokens=o.num_cached_tokens,
-                             error_kind=o.error_kind, prompt_logprobs=text.prompt_logprobs), stop
+                             error_kind=o.error_kind, prompt_logprobs=text.prompt_logprobs, pooled=pooled), stop
 
     def _logprobs(self, token: int, raw: tuple[float, int, list]) -> TokenLogprobs:
         logprob, rank, top = raw

@@ -129,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # a cross-encoder's score head (*ForSequenceClassification; pooling: backend/worker/pooler.py)
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.head == "score" else None
         # The activations' dtype when it is not the weights' (CPU: float32 beside bf16 or packed
         # weights, backend/models/weights.py); None: the embedding's.
         self.compute_dtype: torch.dtype | None = None

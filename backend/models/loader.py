@@ -18,6 +18,10 @@ from kernels.quant_reference import ARRAYS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Pooling checkpoints (docs/pooling.md): a bare decoder (sentence-transformers' embedding models) or one
+# with a score head (cross-encoder rerankers) -> the causal architecture whose decoder it is.
+POOLING_ARCHITECTURES = {f"{base}{kind}": f"{base}ForCausalLM" for base in ("Llama", "Qwen2", "Qwen3")
+                         for kind in ("Model", "ForSequenceClassification")}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Gemma3TextConfig's defaults: the Hub's multimodal Gemma 3 configs leave most of text_config to them
 GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
@@ -69,6 +73,11 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1
     decoder_sparse_step: int = 1  # Qwen3-MoE: every n-th layer has experts ...
     mlp_only_layers: tuple[int, ...] = ()  # ... but these, which keep a dense MLP
+    # pooling checkpoints: "" a causal LM; "none" a bare decoder (no LM head); "score" a score head
+    # of num_labels outputs (*ForSequenceClassification); its architectures entry as written
+    head: str = ""
+    num_labels: int = 0
+    checkpoint_architecture: str = ""
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (transformers' rule for Qwen3-MoE; every
@@ -117,8 +126,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"model_path '{model_dir}' has no config.json (expected a Hugging Face checkpoint directory)")
     cfg = _read_json(model_dir / "config.json")
     archs = cfg.get("architectures") or []
-    known = SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES
+    known = SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES + tuple(POOLING_ARCHITECTURES)
     arch = next((a for a in archs if a in known), None) if isinstance(archs, list) else None
+    written, arch = arch, POOLING_ARCHITECTURES.get(arch, arch)
     if arch is None:
         raise CheckpointConfigError(f"config.json: architectures is {shown(archs)}; it must list one of "
                                     f"{', '.join(known)}")
@@ -145,12 +155,24 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         norm_weight_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
         embedding_scale=fields["hidden_size"] ** 0.5 if gemma else 1.0,
+        checkpoint_architecture=written, **_pooling_head(written, top),
         **fields,
     )
     files = _weight_files_if_any(model_dir)
     if files:
         check_against_weights(model_config, header_shapes(files))
     return model_config
+
+
+def _pooling_head(written: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if written.endswith("Model"):
+        return {"head": "none"}
+    if not written.endswith("ForSequenceClassification"):
+        return {}
+    labels = cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)  # transformers writes id2label
+    if isinstance(labels, bool) or not isinstance(labels, int) or not 1 <= labels <= 1024:
+        raise CheckpointConfigError(f"config.json: num_labels is {shown(labels)}; it must be an integer in [1, 1024]")
+    return {"head": "score", "num_labels": labels}
 
 
 def _weight_files_if_any(model_dir: Path) -> list[Path]:

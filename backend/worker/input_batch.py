@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 class SeqState(TokenSequence):
     """A sequence as the worker holds it (what the sampler reads of a request)."""
     __slots__ = ("seq_id", "prompt_token_ids", "output_token_ids", "params", "eos_token_ids", "bad_words_ids",
-                 "rng", "lora_name", "num_computed_tokens", "row", "tables", "_unique_prompt", "prompt_logprobs")
+                 "rng", "lora_name", "num_computed_tokens", "row", "tables", "_unique_prompt", "prompt_logprobs",
+                 "pooling", "pool_sum")
 
     def __init__(self, new: NewSeq):
         self.seq_id = new.seq_id
@@ -48,6 +49,8 @@ class SeqState(TokenSequence):
         self.tables: list[list[int]] = [[] for _ in new.block_tables]  # per group, as the device holds them
         self._unique_prompt: Optional[np.ndarray] = None
         self.prompt_logprobs: Optional[list] = None  # by position, as its prefill computes them (prompt_logprobs.py)
+        self.pooling = new.pooling  # a pooling sequence's type (pooler.py); None: it samples
+        self.pool_sum = None  # mean pooling: the sum of its hidden states so far (cls: the first's)
 
     def set_tokens(self, tokens_from: int, new: list[int]) -> None:
         """Its tokens cut to `tokens_from` (-1: kept whole), then `new` appended."""

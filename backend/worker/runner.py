@@ -31,7 +31,7 @@ from backend.models.llama import LlamaForCausalLM
 from backend.models.loader import ModelConfig
 from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
-from backend.worker import fast_paths, memory, prompt_logprobs
+from backend.worker import fast_paths, memory, pooler, prompt_logprobs
 from backend.worker.attention_metadata import AttentionMetadata
 from backend.worker.block_copy import copy_blocks
 from backend.worker.cpu_affinity import allowed_cores, pin_omp_threads
@@ -219,11 +219,11 @@ class ModelRunner:
             return StepResult(kv_copies=copies)
         logits, step = self.forward(plan)
         if logits is None or not step.sampling:
-            return StepResult(kv_copies=copies)
+            return StepResult(step.pooled, kv_copies=copies)  # (pooling rows are answered, never sampled)
         sampled = sample_step(logits, step, plan.grammar)
         if step.prompt_rows:
             prompt_logprobs.hand_over(step.prompt_rows, sampled)
-        return StepResult(sampled, copies)
+        return StepResult({**sampled, **step.pooled}, copies)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], StepInputs]:
@@ -288,8 +288,7 @@ class ModelRunner:
             ctx = self.metadata.for_step(step, self.batch.tables.table, self.kv_caches, lora)
             stack = self.decode_path.stack_for(step.num_decode_rows, step.ids.shape[0])
             hidden = self.model(step.ids, step.positions, ctx, self.rope, decode_stack=stack)
-        if step.prompt_rows:  # (a prompt's one-token chunk may run as a decode row)
-            prompt_logprobs.compute(step.prompt_rows, hidden, self.model.logits)
+        pooler.read_hidden(step, hidden, self.model)  # prompt logprobs' positions, pooling rows
         if not step.sample_index.shape[0]:
             return None
         return self.model.logits(hidden[step.sample_index])  # every rank: the LM head gathers its shards

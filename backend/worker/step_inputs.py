@@ -51,6 +51,8 @@ class StepInputs:
     sampled_rows: list = field(default_factory=list)  # their plan Rows (a verify row has 1 + drafts rows in sample_index)
     has_drafts: bool = False          # some row verifies drafts (rejection.py samples the step)
     prompt_rows: list = field(default_factory=list)  # prompt_logprobs.py: the prompt positions to score
+    pool_rows: list = field(default_factory=list)  # pooler.py: (SeqState, first row, rows, start, last chunk)
+    pooled: dict = field(default_factory=dict)  # pooler.py: seq_id -> Sampled with its pooled output
     # LoRA: the adapter runs (first row, end row, slot) and the slot writes (slot, load id) rank 0
     # made for them (backend/worker/lora/manager.py)
     lora_runs: list = field(default_factory=list)
@@ -102,7 +104,7 @@ def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_dec
     d_lens: list[int] = [0] * empty_rows
     d_rows: list[int] = [0] * empty_rows
     sample_index: list[int] = []
-    sampling, sampled_rows, prompt_rows = [], [], []
+    sampling, sampled_rows, prompt_rows, pool_rows = [], [], [], []
     end = empty_rows
     for r in decodes + prefills:  # plain ints: most rows are one decode token, where numpy costs more
         s = seqs[r.seq_id]
@@ -123,7 +125,9 @@ def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_dec
                 rows = chunk_rows(s, end - n, start, n)
                 if rows:
                     prompt_rows.append(rows)
-            if r.samples:
+            if s.pooling is not None:  # pooled, never sampled (pooler.py)
+                pool_rows.append((s, end - n, n, start, r.samples))
+            elif r.samples:
                 sample_index += range(end - 1 - len(drafts), end)  # a verify row keeps every position's logits
                 sampling.append(s)
                 sampled_rows.append(r)
@@ -156,7 +160,7 @@ def build_step(plan: StepPlan, batch: InputBatch, empty_rows: int, verify_as_dec
     step = place_step(host, tables)
     step.sampling, step.sampled_rows = sampling, sampled_rows
     step.has_drafts = any(r.draft_token_ids for r in sampled_rows)
-    step.prompt_rows = prompt_rows
+    step.prompt_rows, step.pool_rows = prompt_rows, pool_rows
     return step
 
 
