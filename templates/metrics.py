@@ -146,6 +146,10 @@ TRITON: tuple[Metric, ...] = (
             "tampered": {"kind": "tampered"}, "unreadable": {"kind": "unreadable"}}, ("tier", "kind"),
            rule="host: dropped; disk: rejected, write_failed, tampered, unreadable", when=KV_TIERS,
            values={"tier": ("host", "disk")}),
+    Metric("inflight_kv_tier_choices_total", COUNTER, "Prefix blocks found in this tier that admission chose to "
+           "copy back (load) or to compute again (recompute), by kv_tier_load_policy: auto weighs the copy's measured "
+           "price against the tokens'", {"load_chosen": {"choice": "load"}, "recompute_chosen": {"choice": "recompute"}},
+           ("tier", "choice"), when=KV_TIERS, values={"tier": ("host", "disk")}),
     Metric("inflight_kv_tier_blocks", GAUGE, "KV tier fill in blocks (state: used, total)",
            _states("blocks_", "state", ("used", "total")), ("tier", "state"), when=KV_TIERS,
            values={"tier": ("host", "disk")}),

@@ -131,9 +131,10 @@ STATS = {"num_requests_running": 1, "num_requests_waiting": 0, "kv_blocks_total"
          "moe_expert_tokens": [3, 4], "moe_load_imbalance": 1.1, "spec_decode_acceptance_lengths": [1, 1],
          "kv_tiers": {"device": {"hits": 1, "misses": 1},
                       "host": {"hits": 1, "misses": 0, "bytes_loaded": 1, "bytes_stored": 1, "dropped": 0,
-                               "blocks_used": 1, "blocks_total": 4},
+                               "load_chosen": 1, "recompute_chosen": 0, "blocks_used": 1, "blocks_total": 4},
                       "disk": {"hits": 0, "misses": 1, "bytes_loaded": 0, "bytes_stored": 1, "rejected": 0,
-                               "write_failures": 0, "blocks_used": 1, "blocks_total": 4}}}
+                               "write_failures": 0, "load_chosen": 0, "recompute_chosen": 1, "blocks_used": 1,
+                               "blocks_total": 4}}}
 
 
 def test_the_triton_metrics_are_the_tables(monkeypatch):
