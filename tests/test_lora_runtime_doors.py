@@ -198,3 +198,13 @@ def test_the_routes_want_the_api_key(monkeypatch):
 def test_an_adapter_that_is_not_loaded_is_a_404_whichever_call_finds_out():
     assert error_status("LoRA adapter 'a' is not loaded (it is being unloaded); loaded adapters: none") == 404
     assert error_status("LoRA adapter 'a' is already loaded; unload it first") == 400
+
+
+def test_inflight_serve_forwards_the_switch_to_the_openai_server():
+    from client.cli import build_parser, openai_flags
+    from openai_server.__main__ import build_parser as openai_parser
+
+    flags = openai_flags(build_parser().parse_args(["serve", "--enable-runtime-lora"]))
+    assert "--enable-runtime-lora" in flags
+    assert openai_parser().parse_args(list(flags)).enable_runtime_lora
+    assert "--enable-runtime-lora" not in openai_flags(build_parser().parse_args(["serve"]))
