@@ -11,17 +11,20 @@ conversations' state): without tiers a returning turn recomputes its history; wi
 blocks come back from host memory (`--host-bytes`) or disk (`disk`: `--disk-host-bytes` of host
 in front of the disk tier).
 
-Each configuration (`--configs`: none, host, disk) is its own engine in this process; every turn
+Each configuration (`--configs`: none, host, disk; `host:always`, `disk:never`, ... also set
+kv_tier_load_policy, whose default is auto) is its own engine in this process; every turn
 runs once per configuration, in an order that alternates from turn to turn, so that the machine's
 load falls on all of them alike. Reported per configuration: time to first token of first turns
 and of returning turns (p50, p99), the tiers' hits and bytes, whether every answer equals the
 first configuration's token for token (greedy), and the leak check after the workload (no block
-used, nothing pinned or in flight, the engine's check_integrity).
+used, nothing pinned or in flight, the engine's check_integrity); with it the CPU model, its ISA and
+the load average before and after (the machine may be shared).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -31,6 +34,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
+
+from kernels.cpuinfo import cpu_flags, cpu_model
 
 from backend import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
@@ -99,10 +104,17 @@ class Chat:
                 "idle_after_workload": idle}
 
 
+def tier_settings(tiers: dict[str, dict], name: str) -> dict[str, Any]:
+    """A configuration's settings: its tier's, and `:policy` as kv_tier_load_policy."""
+    tier, _, policy = name.partition(":")
+    return {**tiers[tier], **({"kv_tier_load_policy": policy} if policy else {})}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m client.tools.benchmarks.kv_tiers", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=DEFAULT_MODEL)
-    p.add_argument("--configs", default="none,host", help="comma-separated: none, host, disk")
+    p.add_argument("--configs", default="none,host",
+                   help="comma-separated: none, host, disk, each tier with an optional :auto, :always or :never")
     p.add_argument("--conversations", type=int, default=64)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=200)
@@ -127,7 +139,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     names = args.configs.split(",")
     base = dict(model_path=args.model_path, max_tokens_in_paged_kv_cache=args.kv_tokens, max_num_seqs=args.concurrency,
                 **EngineConfig.typed_overrides(dict(args.param)))
-    chats = [Chat(name, EngineConfig(**base, **tiers[name]), [], args.conversations) for name in names]
+    load = {"loadavg_start": os.getloadavg()}
+    chats = [Chat(name, EngineConfig(**base, **tier_settings(tiers, name)), [], args.conversations) for name in names]
     tokenizer = chats[0].engine.tokenizer
     system, rng = conversations(tokenizer, args.conversations, args.system_tokens, args.seed)
     users = user_turns(tokenizer, rng, args.conversations, args.turns, *args.user_tokens)
@@ -151,7 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for c in chats:
         c.engine.close()
     report = {"command": " ".join(["python -m client.tools.benchmarks.kv_tiers"] + list(argv or sys.argv[1:])),
-              "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine(),
+              "cpu": cpu_model(), "avx512": "avx512f" in cpu_flags(), **load, "loadavg_end": os.getloadavg(),
               "system_tokens": len(system), "settings": vars(args), "results": results}
     text = json.dumps(report, indent=2, default=str)
     print(text)
