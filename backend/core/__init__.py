@@ -1,7 +1,7 @@
 """core: what every layer shares, as data. No torch, no device, no threads.
 
 Owns the engine's settings (`config.py`: `EngineConfig`, validated once, and its parsed parts:
-`speculative_config.py`, `kv_events_config.py`, `lora.py`), a request (`request.py`) and its
+`speculative_config.py`, `kv_events_config.py`, `kv_tiers_config.py`, `lora.py`), a request (`request.py`) and its
 sampling parameters (`sampling_params.py`), the errors raised on purpose (`errors.py`), what the
 engine hands back (`outputs.py`), the doors' input guard (`input_guard.py`), the constraint a
 structured output must follow (`structured.py`, `schema_check.py`), one place for each default
