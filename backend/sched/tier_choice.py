@@ -35,9 +35,10 @@ class TierChoice:
         self.prices = prices or CopyPrices()
         self.last: Optional[tuple[str, list[bool], int]] = None  # (seq_id, where, loaded): counted when it starts
 
-    def compute_seconds(self, start: int, end: int) -> float:
-        """The price of computing positions start..end-1 of a prompt (beyond a step's fixed price)."""
-        _, per_token, per_pair = self.cost.prices()
+    def compute_seconds(self, start: int, end: int, prices: Optional[tuple[float, float, float]] = None) -> float:
+        """The price of computing positions start..end-1 of a prompt (beyond a step's fixed price);
+        `prices`: the step model's (StepCost.prices), read once by the caller."""
+        _, per_token, per_pair = prices or self.cost.prices()
         n = max(0, end - start)
         return per_token * n + per_pair * chunk_pairs(start, n) / PAIR_UNIT
 
@@ -49,10 +50,11 @@ class TierChoice:
             return 0
         if self.policy == "always" or m == 0 or not self.cost.prompt_steps:
             return m
-        best, best_k, disk = self.compute_seconds(start, end), 0, 0
+        prices = self.cost.prices()
+        best, best_k, disk = self.compute_seconds(start, end, prices), 0, 0
         for k in range(1, m + 1):
             disk += from_disk[k - 1]
-            seconds = self.prices.load_seconds(k - disk, disk) + self.compute_seconds(start + k * self.block_size, end)
+            seconds = self.prices.load_seconds(k - disk, disk) + self.compute_seconds(start + k * self.block_size, end, prices)
             if seconds < best:
                 best, best_k = seconds, k
         return best_k
