@@ -84,8 +84,8 @@ class LLMEngine(EngineCore):
             if len(ids) > self.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens with its images; max_model_len is {self.max_model_len}")
         items = self.images.items(ids, images) if images else []
-        refuse_beams(params, self.config)
         self.scheduler.check_fits(len(ids), params.max_tokens, max(params.n, params.beam_width))
+        refuse_beams(params, self.config, self.blocks, len(ids))
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,
                           seed=self._seeds.getrandbits(63), priority=priority)
         request.bad_words_ids = self._bad_words_ids(params.bad_words)
