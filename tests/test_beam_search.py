@@ -101,6 +101,20 @@ def test_cancelling_a_beam_request_frees_every_beam(model):
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_beams_running"] == 0
     engine.check_integrity()
 
+def test_what_the_engine_cannot_run_beams_with_is_refused():
+    from types import SimpleNamespace
+
+    from backend.sched.beams import refuse_beams
+    p = beams(best_of=2)
+    for config, message in ((dict(speculative=object()), "speculative decoding"),
+                            (dict(batch_scheduler_policy="max_utilization"), "guaranteed_no_evict"),
+                            (dict(batching_mode="static"), "batching_mode static")):
+        config = SimpleNamespace(**{"speculative": None, "batch_scheduler_policy": "guaranteed_no_evict",
+                                    "batching_mode": "inflight", **config})
+        with pytest.raises(ValueError, match=message):
+            refuse_beams(p, config, None, 5)
+
+
 def test_block_copies_equal_the_reference():
     gen = torch.Generator().manual_seed(0)
     caches = [(torch.randn(6, 3, 2, 4, generator=gen), torch.randn(6, 3, 2, 4, generator=gen)) for _ in range(2)]
@@ -120,3 +134,38 @@ def test_what_beams_do_not_compose_with_is_refused_by_name(field, value):
         SamplingParams(use_beam_search=True, best_of=2, **kw)
     with pytest.raises(ValueError, match="n \\(3\\) must not exceed the beam width"):
         SamplingParams(use_beam_search=True, best_of=2, n=3, temperature=0.0)
+
+
+def test_two_searches_on_a_tight_cache_take_turns_and_equal_a_roomy_one(model):
+    """Six blocks, two searches of five each: the first beam of a search starts only when all its
+    beams fit (guaranteed_no_evict), so the second waits for the first instead of starting its
+    first beam beside it and both waiting forever for beams that cannot start; both equal the
+    searches of a roomy cache."""
+    _, _, roomy = model
+    params = [beams(best_of=4, n=4, max_tokens=12, ignore_eos=True), beams(best_of=3, n=2, max_tokens=12, ignore_eos=True)]
+    expected = [[s.token_ids for s in o.samples] for o in roomy.generate(PROMPTS, params)]
+    tight = LLM(str(roomy.engine.config.model_path), kv_block_size=BLOCK, max_tokens_in_paged_kv_cache=6 * BLOCK,
+                max_num_batched_tokens=64, enable_chunked_context=True)
+    try:
+        engine, finals = tight.engine, {}
+        for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+            engine.add_request(f"r{i}", prompt, p)
+        for _ in range(300):
+            for o in engine.step():
+                if o.finished:
+                    finals[(o.request_id, o.index)] = o.token_ids
+            if not engine.has_work():
+                break
+        assert not engine.has_work(), "the searches wait for each other forever"
+        assert [[finals[(f"r{i}", j)] for j in range(p.n)] for i, p in enumerate(params)] == expected
+        assert tight.stats()["kv_blocks_used"] == 0
+        tight.check_integrity()
+        from backend.core.request import Request
+        policy = tight.engine.scheduler.policy  # a search's first beam is admitted for all its beams
+        assert policy.can_admit(Request("a", PROMPTS[1], beams(best_of=4, n=4, max_tokens=12)), 1)  # 3 + 3 x 1
+        assert not policy.can_admit(Request("b", PROMPTS[1], beams(best_of=4, n=4, max_tokens=13)), 1)  # 4 + 3 x 2
+        assert policy.can_admit(Request("c", PROMPTS[1], SamplingParams(max_tokens=13, n=4)), 1)  # sampling: 4
+        with pytest.raises(ValueError, match=r"^best_of \(4 beams\) .* need 10 KV blocks at once; the cache has 6"):
+            tight.generate([PROMPTS[1]], beams(best_of=4, max_tokens=20))  # 4 blocks each, 2 shared
+    finally:
+        tight.close()

@@ -85,8 +85,9 @@ class BeamGroups:
         searches that ended."""
         outputs = []
         for request_id, g in list(self.groups.items()):
-            if len(g.tops) < len(g.beams) or any(b.status is not RequestStatus.RUNNING for b in g.beams):
-                continue
+            if len(g.tops) < len(g.beams) or any(b.status is not RequestStatus.RUNNING
+                                                 or b.num_computed_tokens < b.num_tokens for b in g.beams):
+                continue  # (a beam preempted after it answered computes its tokens again first)
             running = g.search.step([g.tops[j] for j in range(len(g.beams))], [b.output_token_ids for b in g.beams])
             g.tops.clear()
             if running:
@@ -158,13 +159,23 @@ class BeamGroups:
         return kept
 
 
-def refuse_beams(params, config) -> None:
+def refuse_beams(params, config, blocks, prompt_len: int) -> None:
     """What beam search does not compose with in this engine (the request's own settings are
-    checked by SamplingParams): speculative decoding, padded batches."""
+    checked by SamplingParams), and a search whose beams could never run at once (ValueError)."""
     if not params.use_beam_search:
         return
     if config.speculative is not None:
         raise ValueError("use_beam_search is not supported with speculative decoding (speculative_config is set)")
+    if config.batch_scheduler_policy != "guaranteed_no_evict":
+        raise ValueError(f"use_beam_search needs batch_scheduler_policy guaranteed_no_evict (this engine runs "
+                         f"{config.batch_scheduler_policy}): a search waits for all its beams, which its "
+                         "reservation keeps running; a preempted beam could hold the others forever")
     if config.batching_mode in ("static", "dynamic"):
         raise ValueError(f"use_beam_search is not supported with batching_mode {config.batching_mode} (padded "
                          "batches); use inflight")
+    need = blocks.blocks_for(prompt_len + params.max_tokens - 1)
+    shared = (prompt_len - 1) // blocks.block_size if len(blocks.groups) == 1 else 0
+    total = need + (params.beam_width - 1) * (need - shared)
+    if total > blocks.num_blocks:
+        raise ValueError(f"best_of ({params.beam_width} beams) of prompt ({prompt_len} tokens) + max_tokens "
+                         f"({params.max_tokens}) need {total} KV blocks at once; the cache has {blocks.num_blocks}")

@@ -113,10 +113,19 @@ class GuaranteedNoEvict(CapacityPolicy):
         return self.blocks.num_used_blocks + self.need_total - self.blocks.num_held
 
     def cannot_fit(self, request: Request, shared: int) -> bool:
-        return self.reserved_blocks() + self.need(request) - shared > self.blocks.num_blocks
+        return self.reserved_blocks() + self.need(request) + self._beams(request) - shared > self.blocks.num_blocks
 
     def can_admit(self, request: Request, tokens_now: int) -> bool:
-        return self.reserved_blocks() + self.need(request) <= self.blocks.num_blocks
+        return self.reserved_blocks() + self.need(request) + self._beams(request) <= self.blocks.num_blocks
+
+    def _beams(self, request: Request) -> int:
+        """Beam search (backend/sched/beams.py): its first beam starts only when the others fit too
+        (each its own growth beside the prompt's full blocks they share): a search waits for all its
+        beams, so one that started without room for them would hold its blocks and wait forever."""
+        if request.index or not request.params.use_beam_search:
+            return 0
+        shared = (request.num_prompt_tokens - 1) // self.blocks.block_size if len(self.blocks.groups) == 1 else 0
+        return (request.params.n - 1) * (self.need(request) - shared)
 
     def reserved_by(self, holders: Sequence[Request]) -> int:
         future = sum(max(0, self.reserved_for(r) - self.blocks.num_blocks_of(r.seq_id)) for r in holders)
