@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from backend.core.errors import retry_after_of
 from backend.core.input_guard import lone_surrogate
 from openai_server.auth import APIKeyMiddleware
+from openai_server.echo_logprobs import echo_logprobs, prompt_ids
 from openai_server.lora_api import add_lora_routes, runtime_lora_enabled
 from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.reasoning_request import parse_chat_request
@@ -335,12 +336,14 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         finally:
             watcher.cancel()
         prefixes = _echo_prefixes(gen, render) if gen.echo else None
-        return JSONResponse(reply.body(states, gen.n, gen.logprobs is not None, prefixes))
+        echoed = _echoed(gen, states) if gen.echo and gen.logprobs is not None else None
+        return JSONResponse(reply.body(states, gen.n, gen.logprobs is not None, prefixes, echoed))
 
     async def _sse(gen: Generation, reply: Reply, tasks, queue, first) -> AsyncIterator[bytes]:
         states = [ChoiceState() for _ in range(gen.num_choices)]
         started = [False] * gen.num_choices
         prefixes = _echo_prefixes(gen, render) if gen.echo else None
+        echoed: dict[int, list] = {}
         remaining, item = gen.num_choices, first
         try:
             while True:
@@ -353,9 +356,11 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
                     continue
                 ended = states[index].add(piece)
                 if piece.text or ended or piece.logprobs or not started[index] or piece.queue_info is not None:
+                    if gen.echo and gen.logprobs is not None and index not in echoed:  # once, at its first chunk
+                        echoed[index] = _echoed(gen, states, [index])[0]
                     yield sse(reply.chunk(index, piece, states[index], not started[index],
                                           gen.logprobs is not None, gen.include_usage,
-                                          prefixes[index] if prefixes else ""))
+                                          prefixes[index] if prefixes else "", echoed.get(index)))
                     started[index] = True
                 remaining -= ended
                 if not remaining:
@@ -366,6 +371,14 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
             yield sse("[DONE]")
         finally:  # also on disconnect: Starlette cancels this generator
             _cancel(tasks)
+
+    def _echoed(gen: Generation, states: list[ChoiceState], which: Optional[list[int]] = None) -> list[list]:
+        """echo with logprobs: the choices' (all, or `which`) prompt tokens and their logprobs
+        (echo_logprobs.py)."""
+        tok = render.tokenizer
+        decode = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str
+        return [echo_logprobs(prompt_ids(gen.prompts[i // gen.n], tok), states[i].prompt_logprobs, gen.logprobs,
+                              decode) for i in (range(len(states)) if which is None else which)]
 
     return app
 

@@ -38,9 +38,9 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: Optional[float]  # None: an echoed prompt's first token (nothing comes before it)
     text: str
-    top: list[tuple[int, float, str]]  # (token id, logprob, text), best first
+    top: Optional[list[tuple[int, float, str]]]  # (token id, logprob, text), best first
 
 
 @dataclass
@@ -177,7 +177,8 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int = 0) -> dict[str
         offsets.append(at)
         at += len(t.text)
     return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{s: lp for _, lp, s in t.top} for t in tokens], "text_offset": offsets}
+            "top_logprobs": [None if t.top is None else {s: lp for _, lp, s in t.top} for t in tokens],
+            "text_offset": offsets}
 
 
 # -- bodies ------------------------------------------------------------------------------------------
@@ -197,8 +198,9 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def body(self, choices: list[ChoiceState], n: int, want_logprobs: bool,
-             prefixes: Optional[list[str]] = None) -> dict[str, Any]:
-        """The non-streaming answer (prefixes: the echoed prompts)."""
+             prefixes: Optional[list[str]] = None, echoed: Optional[list[list[TokenLogprob]]] = None) -> dict[str, Any]:
+        """The non-streaming answer (prefixes: the echoed prompts; echoed: their tokens' logprobs,
+        echo_logprobs.py)."""
         out = []
         for i, c in enumerate(choices):
             if self.chat:
@@ -209,7 +211,8 @@ class Reply:
             else:
                 prefix = prefixes[i] if prefixes else ""
                 out.append({"index": i, "text": prefix + c.text,
-                            "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+                            "logprobs": completion_logprobs((echoed[i] if echoed else []) + c.logprobs)
+                            if want_logprobs else None,
                             "finish_reason": c.finish_reason})
             if c.queue_info is not None:  # an extension field, only when asked (return_queue_info)
                 out[-1]["queue_info"] = c.queue_info
@@ -220,7 +223,7 @@ class Reply:
                 "usage": usage(choices, n), **prompt}
 
     def chunk(self, index: int, piece: Piece, state: ChoiceState, first: bool, want_logprobs: bool,
-              include_usage: bool, prefix: str = "") -> dict[str, Any]:
+              include_usage: bool, prefix: str = "", echoed: Optional[list[TokenLogprob]] = None) -> dict[str, Any]:
         """One SSE chunk for one Triton response of choice `index` (`state` already holds it)."""
         reason = state.finish_reason if piece.finish_reason else None  # on the piece that ended it
         lp = piece.logprobs or []
@@ -234,9 +237,10 @@ class Reply:
             choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(lp) if want_logprobs else None,
                       "finish_reason": self._finish_reason(reason, calls)}
         else:
-            offset = len(state.text) - len(piece.text)
+            offset = len(state.text) - len(piece.text) + (0 if first else sum(len(t.text) for t in echoed or ()))
             choice = {"index": index, "text": (prefix if first else "") + piece.text,
-                      "logprobs": completion_logprobs(lp, offset) if want_logprobs else None,
+                      "logprobs": completion_logprobs((echoed or [] if first else []) + lp, 0 if first else offset)
+                      if want_logprobs else None,
                       "finish_reason": reason}
         if piece.queue_info is not None:  # an extension field, only when asked (return_queue_info)
             choice["queue_info"] = piece.queue_info

@@ -214,10 +214,10 @@ def parse_completion(body: dict[str, Any]) -> Generation:
         _check_token_ids(p)
     logprobs = _typed(body, "logprobs", (int,), "an integer (the number of top logprobs)")
     echo = bool(_typed(body, "echo", (bool,), "a boolean"))
-    if echo and logprobs is not None:
-        raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
     stream = bool(_typed(body, "stream", (bool,), "a boolean"))
     sampling, n = _sampling(body, ("max_tokens",), DEFAULT_COMPLETION_MAX_TOKENS, logprobs)
+    if echo and logprobs is not None:  # vLLM: the prompt's logprobs lead the choice's (echo_logprobs.py)
+        sampling.setdefault("prompt_logprobs", logprobs)
     _constrain(body, sampling, None)
     gen = Generation(prompts=prompts, sampling=sampling, n=n, stream=stream,
                      include_usage=_stream_options(body, stream), logprobs=logprobs, echo=echo,

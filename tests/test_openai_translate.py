@@ -90,7 +90,6 @@ def test_several_prompts_number_their_choices_prompt_by_prompt():
     ({"max_token": 5}, "max_token"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": {"text": "x"}}, "prompt"),
-    ({"echo": True, "logprobs": 1}, "echo"),
 ])
 def test_bad_completion_parameters_are_named(body, param):
     with pytest.raises(APIError) as err:
@@ -98,6 +97,15 @@ def test_bad_completion_parameters_are_named(body, param):
     assert err.value.status == 400 and err.value.param == param
     assert param in err.value.message
     assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs_at_the_same_k():
+    """vLLM: the prompt's tokens then lead the choice's logprobs (echo_logprobs.py)."""
+    gen = parse_completion({"model": "llm", "prompt": "Hi", "echo": True, "logprobs": 3})
+    assert gen.echo and gen.logprobs == 3 and gen.sampling["prompt_logprobs"] == 3
+    explicit = parse_completion({"model": "llm", "prompt": "Hi", "echo": True, "logprobs": 3, "prompt_logprobs": 1})
+    assert explicit.sampling["prompt_logprobs"] == 1
+    assert "prompt_logprobs" not in parse_completion({"model": "llm", "prompt": "Hi", "echo": True}).sampling
 
 
 def test_beam_search_is_vllms_extra_parameters():
