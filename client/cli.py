@@ -52,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"inflight serve: --speculative-config: {exc}", file=sys.stderr)
             return 2
         params["speculative_config"] = resolve_draft_path(args.speculative_config, Path.cwd())
+    if args.runner is not None:  # vLLM's --runner: the runner parameter (docs/pooling.md)
+        params["runner"] = args.runner
     repository = Path(args.model_repository)
     config = repository / MODEL_NAME / "config.pbtxt"
     if not config.exists():
@@ -271,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", metavar="JSON",
                    help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "or '{\"model\": \"DRAFT_DIR\", \"num_speculative_tokens\": 3}' (the speculative_config parameter)")
+    p.add_argument("--runner", choices=("auto", "generate", "pooling"),
+                   help="vLLM's --runner (the runner parameter): generate serves tokens, pooling embeddings and "
+                        "scores (/v1/embeddings, /v1/score, /v1/rerank; docs/pooling.md); auto (the parameter's "
+                        "default) picks pooling for an embedding or reranker checkpoint")
     p.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
                    help="the tool-call format of the OpenAI server's chat (vLLM's names; default hermes: "
                         "<tool_call> JSON)")

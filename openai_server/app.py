@@ -33,6 +33,7 @@ from openai_server.auth import APIKeyMiddleware
 from openai_server.echo_logprobs import echo_logprobs, prompt_ids
 from openai_server.lora_api import add_lora_routes, runtime_lora_enabled
 from openai_server.metrics import GatewayMetrics, default_metrics_url
+from openai_server.pooling_api import pooling_routes
 from openai_server.reasoning_request import parse_chat_request
 from openai_server.responses import ChoiceState, Reply, sse
 from openai_server.responses_api import Answer, events as response_events, to_chat
@@ -233,6 +234,7 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
         add_lora_routes(app, triton, served_model_name, functools.partial(_body, model_required=False))
 
     max_model_len = MaxModelLen(triton, model_path)
+    pooling_routes(app, triton, render, _body)  # /v1/embeddings, /v1/score, /v1/rerank (pooling_api.py)
 
     @app.post("/tokenize")  # vLLM's (tokenize_api.py); model may be left out
     async def tokenize_route(request: Request) -> dict[str, Any]:

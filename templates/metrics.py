@@ -82,6 +82,10 @@ TRITON: tuple[Metric, ...] = (
            _one("beam_requests_total")),
     Metric("inflight_num_beams_running", GAUGE, "Beams of the beam searches not yet ended (each a sequence)",
            _one("num_beams_running")),
+    Metric("inflight_pooling_requests_total", COUNTER, "Pooling requests answered (runner pooling: embeddings, "
+           "scores; docs/pooling.md)", _one("pooling_requests_total")),
+    Metric("inflight_pooling_prompt_tokens_total", COUNTER, "Prompt tokens of the pooling requests answered",
+           _one("pooling_prompt_tokens_total")),
     Metric("inflight_num_backfilled_total", COUNTER,
            "Requests started ahead of a waiting request that did not fit (enable_backfill)", _one("num_backfilled")),
     Metric("inflight_num_requests_rejected_total", COUNTER, "Requests refused at arrival, told when to retry, by "

@@ -50,6 +50,10 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("return_queue_info", "BOOL", (1,),
            "add where it stands (queue_position ... expected_wait_seconds); streaming, also a response "
            "(no tokens) whenever its place or reservation changes while it waits"),
+    # -- pooling (docs/pooling.md): a model served by the pooling runner answers with `embedding` --
+    Tensor("pooling_task", "STRING", (1,), "embed | classify: what the request expects of a pooling model "
+           "(refused by a generate model, or by a pooling model that does the other)"),
+    Tensor("dimensions", "INT32", (1,), "pooling: an embedding's first n values, normalized (Matryoshka models only)"),
     # -- sampling settings --
     Tensor("max_tokens", "INT32", (1,), f"default {defaults.MAX_TOKENS}; >= 1", "max_tokens"),
     Tensor("temperature", "FP32", (1,), "default 1.0; >= 0, below 1e-5 is greedy", "temperature"),
@@ -118,6 +122,8 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("reasoning_output", "STRING", (-1,),
            "with reasoning_parser; one per completion: the thinking (streaming, its new piece; a partial tag "
            "held back until it is known)"),
+    Tensor("embedding", "FP32", (-1,), "pooling runner: the embedding (normalized as the model says), or a "
+           "classifier's scores (one label: its sigmoid)"),
 )
 
 RETURN_FLAGS = tuple(t.name for t in INPUTS if t.name.startswith("return_") and t.name != "return_log_probs")

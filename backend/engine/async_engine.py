@@ -71,9 +71,9 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     on_output: OutputCallback, priority: int = 0, queue_info: bool = False,
-                    lora_request: LoRALike = None) -> None:
+                    lora_request: LoRALike = None, pooling=None) -> None:  # pooling: PoolingParams (docs/pooling.md)
         request = self.engine.make_request(request_id, prompt, params, priority=priority, queue_info=queue_info,
-                                           lora_request=lora_request)
+                                           lora_request=lora_request, pooling=pooling)
         with self._lock:
             if self._broken is not None:
                 raise EngineDeadError(f"the engine stopped after an internal error ({self._broken}); "
@@ -85,7 +85,7 @@ class AsyncEngine:
             self.engine.loras.check_open(request.lora_name)  # its adapter began unloading since it resolved
             self.engine.check_queue(len(self._new), request)
             self._callbacks[request_id] = on_output
-            self._open[request_id] = params.n  # completions still to finish
+            self._open[request_id] = request.params.n  # completions still to finish
             self.engine.outputs.add(request)  # before the engine can output for it
             self._new.append(request)
             self._lock.notify()

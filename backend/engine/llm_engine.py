@@ -64,11 +64,14 @@ class LLMEngine(EngineCore):
     # -- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                      arrival_time: Optional[float] = None, priority: int = 0, queue_info: bool = False,
-                     lora_request: LoRALike = None) -> Request:
+                     lora_request: LoRALike = None, pooling: Optional[PoolingParams] = None) -> Request:
         """Tokenize and check a request against every limit; raises ValueError saying which.
         `queue_info`: its outputs carry a QueueInfo, and while it waits it gets outputs of its own
         whenever its place or reservation changes (queue_report.py). `lora_request`: its LoRA
-        adapter, a name or a LoRARequest (docs/lora.md)."""
+        adapter, a name or a LoRARequest (docs/lora.md). `pooling`: a pooling request instead (docs/pooling.md),
+        of which `params` gives only truncate_prompt_tokens."""
+        if pooling is not None:
+            return make_pooling_request(self, request_id, prompt, pooling, params.truncate_prompt_tokens, priority)
         params.validate()
         params.check_token_ids(self.vocab_size)
         refuse_generation(self.pooling, self.model_config.head)

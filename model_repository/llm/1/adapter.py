@@ -44,6 +44,7 @@ from backend.core.outputs import merge_outputs
 from fault_injection import FAULT_ENV, FaultInjector
 from instance_config import engine_config
 from live_request import Live, NullMetrics, Respond, _Entry
+from pooling_door import pooling_params
 from lora_control import LoRAControl, control_of
 from triton_inputs import DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, error_for, parse_request
 from triton_outputs import MetricsWriter, output_tensors
@@ -102,9 +103,10 @@ class Frontend:
 
     # -- called on Triton's thread ---------------------------------------------------------------
     def submit(self, client_id: str, inputs: Mapping[str, Optional[np.ndarray]], sender: Any,
-               parameters: Optional[str] = None) -> None:
+               parameters: Optional[str] = None, outputs: Optional[frozenset] = None) -> None:
         """Validate one request and hand it to the engine; on any refusal answer it at once.
-        `parameters` is the request's parameters as Triton gives them (a JSON object)."""
+        `parameters` is the request's parameters as Triton gives them (a JSON object); `outputs` the
+        outputs it asked for (empty: all)."""
         control = control_of(parameters)
         if control is not None:
             self.lora_control.handle(control, sender)
@@ -134,6 +136,9 @@ class Frontend:
             queue = {"queue_info": True} if "return_queue_info" in parsed.returns else {}
             if parsed.lora_name is not None:
                 queue["lora_request"] = parsed.lora_name
+            pooling = pooling_params(parsed, self.engine, outputs)  # a pooling model's request (pooling_door.py)
+            if pooling is not None:
+                queue["pooling"] = pooling
             try:
                 self.engine.add_request(live.key, parsed.prompt, parsed.params,
                                         lambda out, live=live: self._on_output(live, out),

@@ -119,7 +119,8 @@ class TritonPythonModel:
                 respond(sender, None, adapter.Error(f"the request parameters are not valid UTF-8 text (a lone "
                                                     f"surrogate such as \\ud800?): {exc}", "INVALID_ARG"), True)
                 continue
-            self.frontend.submit(request.request_id(), inputs, sender, parameters)
+            self.frontend.submit(request.request_id(), inputs, sender, parameters,
+                                 frozenset(request.requested_output_names()))
         return None
 
     def finalize(self):

@@ -51,6 +51,8 @@ class ParsedRequest:
     returns: frozenset = field(default_factory=frozenset)  # the return_* flags set to true
     lora_name: Optional[str] = None  # the LoRA adapter (the vLLM backend's sampling key)
     reasoning_parser: Optional[str] = None  # the thinking split off into reasoning_output
+    pooling_task: Optional[str] = None  # embed | classify (pooling_door.py)
+    dimensions: Optional[int] = None  # pooling: a Matryoshka embedding's size
 
 
 def _one(name: str, array: np.ndarray) -> Any:
@@ -255,9 +257,13 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
     reasoning = _value("reasoning_parser", get["reasoning_parser"]) if "reasoning_parser" in get else None
     if reasoning is not None and reasoning not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {reasoning!r}")
+    task = _value("pooling_task", get["pooling_task"]) if "pooling_task" in get else None
+    if task is not None and task not in ("embed", "classify"):
+        raise ValueError(f"pooling_task must be embed or classify; got {task!r}")
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
                          exclude_input=bool(stream or exclude), priority=priority, returns=returns,
-                         lora_name=lora_name, reasoning_parser=reasoning)
+                         lora_name=lora_name, reasoning_parser=reasoning, pooling_task=task,
+                         dimensions=_value("dimensions", get["dimensions"]) if "dimensions" in get else None)
 
 
 def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any], vocab_size: Optional[int]) -> None:

@@ -13,6 +13,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
+from pooling_door import pooled_tensors
+
 log = logging.getLogger("inflight.triton")
 
 
@@ -55,6 +57,9 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
     text_output (and output_ids for n = 1 or beam search) always; the others only when asked for.
     `live` is the request's live_request.Live: n, stream, exclude_input, returns and, per completion,
     its newest output (`latest`)."""
+    first = live.latest.get(0)
+    if getattr(first, "pooled", None) is not None:  # a pooling request's one answer (pooling_door.py)
+        return pooled_tensors(first)
     texts, ids_, new_counts, reasons, cumulative, logprobs, thoughts = [], [], [], [], [], [], []
     for i in range(live.n):
         out = outs.get(i) if live.stream else live.latest.get(i)

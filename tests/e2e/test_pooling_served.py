@@ -1,0 +1,81 @@
+"""Embeddings through the real tritonserver and the OpenAI server, with the official `openai` SDK
+(docs/pooling.md): a tiny Qwen3 embedding checkpoint with sentence-transformers files (last-token
+pooling, Normalize) and the default model's tokenizer, served by `runner auto`; vectors equal to the
+in-process engine's, base64 as OpenAI encodes it, the bad inputs refused naming the field, chat
+refused, and the KV cache back to idle."""
+import base64
+import shutil
+
+import numpy as np
+import pytest
+
+from serving.openai_launcher import OpenAIServer
+
+from .conftest import requires_tritonserver, wait_until
+
+openai = pytest.importorskip("openai")
+pytestmark = requires_tritonserver
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory, model_path):
+    from pooling_models import qwen3_pooling_checkpoint
+
+    path = qwen3_pooling_checkpoint(tmp_path_factory.mktemp("qwen3-embed"), "model", seed=11, vocab_size=2000)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(model_path / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(model_repository, embedder):
+    from serving.triton_launcher import TritonServer
+
+    params = {"max_model_len": "96", "max_num_batched_tokens": "32", "kv_block_size": "16"}
+    with TritonServer(model_repository, params=params, model_path=str(embedder)) as server:
+        with OpenAIServer(server.grpc_url, str(embedder)) as api_server:
+            yield server, openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _kv_used(server) -> float:
+    import urllib.request
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("inflight_kv_blocks{") and 'state="used"' in line)
+
+
+def test_embeddings_through_the_sdk(served, embedder):
+    from backend import LLM
+
+    server, client = served
+    texts = ["Once upon a time there was a tiny model that pooled its last token.", "hello", "a b c d e f g"]
+    ids = [7, 300, 41, 1999, 5, 77, 12, 90, 3, 64, 18, 33, 250, 6, 8, 1000, 17]  # 17 tokens: chunked, not a block multiple
+    reference = LLM(str(embedder), max_model_len=96)
+    want = [o.pooled for o in reference.embed([reference.tokenizer.encode(t) for t in texts] + [ids])]
+
+    out = client.embeddings.create(model="llm", input=texts)
+    assert [d.index for d in out.data] == [0, 1, 2]
+    for got, exp in zip(out.data, want):
+        assert np.allclose(got.embedding, exp, atol=1e-5) and abs(np.linalg.norm(got.embedding) - 1) < 1e-5
+    assert out.usage.prompt_tokens == sum(len(reference.tokenizer.encode(t)) for t in texts)
+
+    as_ids = client.embeddings.create(model="llm", input=[ids], encoding_format="float")
+    assert np.allclose(as_ids.data[0].embedding, want[3], atol=1e-5) and as_ids.usage.prompt_tokens == 17
+    # base64: little-endian float32, as OpenAI encodes it (the SDK's own default asks for it and decodes)
+    raw = client.embeddings.with_raw_response.create(model="llm", input="hello", encoding_format="base64").http_response
+    vector = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(vector, want[1], atol=1e-5)
+    cut = client.embeddings.create(model="llm", input=[list(range(3, 103))], extra_body={"truncate_prompt_tokens": 40})
+    assert cut.usage.prompt_tokens == 40
+
+    for kwargs, param, words in ((dict(input=""), "input", "empty"), (dict(input=["a", ""]), "input", "input[1]"),
+                                 (dict(input="hi", dimensions=16), None, "Matryoshka"),
+                                 (dict(input=[list(range(3, 103))]), None, "max_model_len is 96"),
+                                 (dict(input="hi", encoding_format="int8"), "encoding_format", "float or base64")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.embeddings.create(model="llm", **kwargs)
+        assert words in err.value.message and (param is None or err.value.param == param)
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        client.completions.create(model="llm", prompt="Hi", max_tokens=2)
+    assert client.embeddings.create(model="llm", input="still serving").data[0].embedding  # the server stays up
+    wait_until(lambda: _kv_used(server) == 0, timeout=10)
