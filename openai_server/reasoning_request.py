@@ -1,7 +1,8 @@
 """The request side of reasoning models on /v1/chat/completions: vLLM's `chat_template_kwargs` (more
 variables for the chat template, e.g. Qwen3's {"enable_thinking": false}) and
 `thinking_token_budget` (at most that many tokens of thinking, forced by the grammar:
-constraints.answer_only), and where the rendered prompt leaves the thinking (reasoning.prompt_state),
+constraints.answer_only), `include_reasoning` (vLLM's: false drops the reasoning field of the
+message and the deltas; the thinking never reaches `content` either way), and where the rendered prompt leaves the thinking (reasoning.prompt_state),
 which tells the parser whether the output starts inside it."""
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def prompt_state_of(render: Any, prompt: Any) -> str:
 
 
 # The request fields read here (the translator's field list does not know them).
-FIELDS = ("chat_template_kwargs", "thinking_token_budget")
+FIELDS = ("chat_template_kwargs", "thinking_token_budget", "include_reasoning")
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Thinking:
     """What a chat answer's parser needs: the reasoning format and where the prompt left the thinking."""
     parser: Optional[str] = None
     prompt: str = "none"
+    include: bool = True  # vLLM's include_reasoning: false drops the reasoning field (the thinking is still split off)
 
 
 def parse_chat_request(body: dict[str, Any], render: Callable[..., Any], tool_call_parser: str,
@@ -76,6 +78,9 @@ def parse_chat_request(body: dict[str, Any], render: Callable[..., Any], tool_ca
     try:
         variables = template_kwargs(body)
         budget = thinking_budget(body, reasoning_parser)
+        include = body.get("include_reasoning", True)
+        if not isinstance(include, bool):
+            raise FieldError("include_reasoning", "include_reasoning must be a boolean")
     except FieldError as exc:
         raise bad(exc.param, str(exc)) from None
     rendered: list[Any] = []
@@ -99,4 +104,4 @@ def parse_chat_request(body: dict[str, Any], render: Callable[..., Any], tool_ca
         raise bad(getattr(exc, "param", param), str(exc)) from None
     if spec is not None:
         gen.sampling["structured_outputs"] = spec
-    return gen, Thinking(reasoning_parser, state)
+    return gen, Thinking(reasoning_parser, state, include)

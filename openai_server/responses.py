@@ -269,7 +269,7 @@ class Reply:
         calls = openai_calls(parser.tool_calls)
         if self.tools is not None and not self.tools.parallel:
             calls = calls[:1]
-        message = with_reasoning({"role": "assistant"}, thought if parser.thought else None)
+        message = with_reasoning({"role": "assistant"}, thought if parser.thought and (self.thinking is None or self.thinking.include) else None)
         if not calls:
             message["content"] = content if content or parser.reasoning is None else None
             return message, False
@@ -281,7 +281,7 @@ class Reply:
         parser = self._parsers.get(index) or self._parsers.setdefault(index, self._parser())
         thought, content, events = parser.feed(piece.text, final=bool(piece.finish_reason))
         calls = delta_calls(events, None if self.tools is None or self.tools.parallel else 1)
-        if thought:
+        if thought and (self.thinking is None or self.thinking.include):
             with_reasoning(delta, thought)
         if content or not (calls or thought):
             delta["content"] = content

@@ -95,3 +95,22 @@ def test_the_message_and_every_delta_carry_both_reasoning_fields():
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == "b"
     assert not any("<" in (d.get("content") or "") + d.get("reasoning", "") for d in deltas)
+
+
+def test_include_reasoning_false_drops_the_reasoning_field_and_never_leaks_it_into_content():
+    """vLLM's include_reasoning (default true): false answers with content only, streamed and not."""
+    _, thinking = request(include_reasoning=False)
+    assert thinking == Thinking("qwen3", "none", False) and request()[1].include
+    with pytest.raises(APIError, match="include_reasoning must be a boolean"):
+        request(include_reasoning="no")
+    whole = Reply("id", "llm", chat=True, thinking=thinking)
+    state = ChoiceState()
+    state.add(Piece(text="<think>a</think>\n\nb", finish_reason="stop"))
+    assert whole.body([state], 1, False)["choices"][0]["message"] == {"role": "assistant", "content": "b"}
+    stream, deltas, state = Reply("id", "llm", chat=True, thinking=thinking), [], ChoiceState()
+    for i, text in enumerate(["<thi", "nk>a</th", "ink>\n", "\nb", ""]):
+        piece = Piece(text=text, finish_reason="stop" if i == 4 else None)
+        state.add(piece)
+        deltas.append(stream.chunk(0, piece, state, i == 0, False, False)["choices"][0]["delta"])
+    assert not any("reasoning" in d or "reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "b"
