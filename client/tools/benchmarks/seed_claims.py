@@ -37,6 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 from client.tools.benchmarks.goodput import SLO, find_goodput, instances_needed
 from client.tools.benchmarks.measure import _pct
 from client.tools.benchmarks.seed_report import markdown, plot
+from client.tools.benchmarks.step_probe import _ints
+from templates.render import parse_param
 
 CLAIMS = ("max-seqs", "long-prompts", "goodput")
 ANSWER_ONCE = ("static", "dynamic")  # no inter-token gaps: the whole answer at the batch's end
@@ -144,7 +146,8 @@ def run_long_prompts(args, make_engine: Callable[[dict], Any]) -> list[dict]:
                     engine.abort(rid)
                 end = t.times[rid][0] if t.times[rid] else time.perf_counter()
                 row = {"config": name, "prompt_tokens": n, **window_stats(t.gaps(streams, t.started[rid], end)),
-                       "quiet_itl_p99_s": _pct(quiet, 99), "ttft_s": None if cut else t.ttft(rid), "cut": cut}
+                       "quiet_itl_p99_s": _pct(quiet, 99), "ttft_s": None if cut else t.ttft(rid), "cut": cut,
+                       "waited_s": end - t.started[rid]}
                 rows.append(row)
                 say(f"{name}, {n} tokens: ITL p99 {_pm(row['itl_p99_s'])} ms (quiet {_pm(row['quiet_itl_p99_s'])}), "
                     f"TTFT {row['ttft_s']}")
@@ -156,13 +159,6 @@ def run_long_prompts(args, make_engine: Callable[[dict], Any]) -> list[dict]:
 
 
 # -- command line -------------------------------------------------------------------------------------------
-def _ints(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",") if x.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m client.tools.benchmarks.seed_claims", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=Path("docs"),
                    help="writes OUT/bench/seed_<claim>.json and .md, OUT/seed_<claim>.png (default docs)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="more engine parameters")
+    p.add_argument("--param", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
+                   help="more engine parameters (config.pbtxt keys)")
     w = p.add_argument_group("max-seqs and goodput: the workload")
     w.add_argument("--workload", default="mixed")
     w.add_argument("--max-output-len", type=int, default=64)
@@ -203,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def as_params(overrides: dict[str, Any]) -> dict[str, str]:
+    """Engine overrides as config.pbtxt strings (EngineConfig.from_params parses and checks them)."""
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in overrides.items()}
+
+
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -215,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from client.tools.benchmarks.report import machine
     args = build_parser().parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    args.extra = dict(kv.split("=", 1) for kv in args.param)
+    args.extra = dict(args.param)
     if args.rate is None:
         args.rate = 4.0 if args.claim == "max-seqs" else 1.0
     if not Path(args.model_path).is_dir():
@@ -228,10 +230,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.claim == "long-prompts":
         from backend.core.config import EngineConfig
         from backend.engine.async_engine import AsyncEngine
-        rows = run_long_prompts(args, lambda o: AsyncEngine(EngineConfig(model_path=args.model_path, **o)))
+        rows = run_long_prompts(args, lambda o: AsyncEngine(EngineConfig.from_params(as_params(o),
+                                                                                     model_path=args.model_path)))
     else:
         from client.tools.benchmarks.targets import InProcessTarget
-        make = lambda mode, params: InProcessTarget(args.model_path, mode, {k: str(v) for k, v in params.items()})  # noqa: E731
+        make = lambda mode, params: InProcessTarget(args.model_path, mode, as_params(params))  # noqa: E731
         rows = (run_max_seqs if args.claim == "max-seqs" else run_goodput)(args, make)
     load.append(os.getloadavg()[0])
     meta = {"claim": args.claim, "date": f"{started:%Y-%m-%d %H:%M}-{_dt.datetime.now(_dt.timezone.utc):%H:%M} UTC",
