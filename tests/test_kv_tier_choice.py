@@ -117,3 +117,19 @@ def test_a_disk_read_is_timed_on_a_file_it_deletes(tmp_path):
         assert store.scan() == [] and store.unreadable == 0
     finally:
         store.close()
+
+
+def test_the_copies_timed_at_start_leave_the_cache_as_it_was():
+    import torch
+
+    from backend.worker.device import DeviceEnv
+    from backend.worker.kv_copier import KVCopier
+
+    torch.manual_seed(3)
+    caches = [(torch.randn(12, 16, 2, 8), torch.randn(12, 16, 2, 8)) for _ in range(2)]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    copier = KVCopier(DeviceEnv(torch.device("cpu"), torch.device("cpu")), caches, 16 * 4096)
+    plan, per_block = copier.time_loads(8)
+    assert plan >= 0 and per_block >= 0 and 0 < plan + per_block < 0.1
+    assert all(torch.equal(a, b) for kv, was in zip(caches, before) for a, b in zip(kv, was))
+    assert torch.equal(copier.slots[3, 1, 0], caches[1][0][3])  # blocks 0..7 went to slots 0..7 and back
