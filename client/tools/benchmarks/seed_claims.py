@@ -172,12 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("max-seqs and goodput: the workload")
     w.add_argument("--workload", default="mixed")
     w.add_argument("--max-output-len", type=int, default=64)
-    w.add_argument("--rate", type=float, default=None, help="Poisson rate, req/s (max-seqs: 4; goodput: the first tried, 1)")
-    w.add_argument("--drain-s", type=float, default=30.0, help="after the last arrival, abort what is unanswered")
+    w.add_argument("--rate", type=float, default=None, help="Poisson rate, req/s (max-seqs: 2; goodput: the first tried, 1)")
+    w.add_argument("--drain-s", type=float, default=None,
+                   help="seconds after the last arrival before what is unanswered is aborted (max-seqs 60, goodput 20)")
     m = p.add_argument_group("max-seqs")
     m.add_argument("--max-seqs", type=_ints, default=[8, 16, 32, 64, 128, 256])
-    m.add_argument("--num-requests", type=int, default=80)
-    m.add_argument("--kv-tokens", type=int, default=4096, help="KV cache size in tokens (max_tokens_in_paged_kv_cache)")
+    m.add_argument("--num-requests", type=int, default=60)
+    m.add_argument("--kv-tokens", type=int, default=2048,
+                   help="KV cache size in tokens (max_tokens_in_paged_kv_cache): ~11 mixed requests' budgets")
     lp = p.add_argument_group("long-prompts")
     lp.add_argument("--lengths", type=_ints, default=[2048, 4096, 8100])
     lp.add_argument("--chunks", type=_ints, default=[128, 512, 2048])
@@ -219,7 +221,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.extra = dict(args.param)
     if args.rate is None:
-        args.rate = 4.0 if args.claim == "max-seqs" else 1.0
+        args.rate = 2.0 if args.claim == "max-seqs" else 1.0
+    if args.drain_s is None:
+        args.drain_s = 60.0 if args.claim == "max-seqs" else 20.0
     if not Path(args.model_path).is_dir():
         say(f"seed_claims: --model-path {args.model_path} is not a folder (`make model` fetches the default)")
         return 2
