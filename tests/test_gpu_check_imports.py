@@ -20,7 +20,7 @@ IMAGE = {"torch", "triton", "transformers", "peft", "numpy", "safetensors", "tok
          "networkx", "typing_extensions"}
 ENTRY = ["client.tools.gpu_check.run", "client.tools.gpu_check.plan", "client.tools.gpu_check.report",
          "client.tools.gpu_check.compile", "client.tools.gpu_check.greedy", "client.tools.gpu_check.engine",
-         "client.tools.gpu_check.structured", "client.tools.gpu_check.tp", "client.tools.gpu_check.served",
+         "client.tools.gpu_check.structured", "client.tools.gpu_check.beams", "client.tools.gpu_check.tp", "client.tools.gpu_check.served",
          "client.tools.benchmarks.kernel_bench", "client.cli"]
 
 

@@ -47,7 +47,8 @@ PARTS = (
     Part("structured", 30, "a JSON-schema and a choice constraint through the engine on the GPU (the "
                            "token bitmask applied to device logits); the sampling knobs (min_p, logit_bias, "
                            "allowed_token_ids, prompt_logprobs, ...): the device sampler against a numpy "
-                           "sampler, and through the engine (client/tools/gpu_check/sampling.py)",
+                           "sampler, and through the engine (client/tools/gpu_check/sampling.py); beam search, its "
+                           "copy-on-write KV copies on the device (client/tools/gpu_check/beams.py)",
          needs=("xgrammar",)),
     Part("served", 80, "tritonserver with two engines on GPU 0: device labels, KV sizing one after the "
                        "other, served vs in-process throughput", needs=("tritonclient",), server=True),

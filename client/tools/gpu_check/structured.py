@@ -7,7 +7,8 @@ whitespace (a random model would spend its tokens on it), whose output must pars
 request beside them must still produce all its tokens. Then the sampling knobs on the same device
 (client/tools/gpu_check/sampling.py): the sampler against a numpy sampler on fixed logits
 (`knobs`), and min_p, logit_bias, allowed_token_ids, the text switches and truncate_prompt_tokens
-through the engine, one of them beside a JSON schema (`knobs_engine`).
+through the engine, one of them beside a JSON schema (`knobs_engine`); and beam search, whose
+beams copy KV blocks on the device (`beams`: client/tools/gpu_check/beams.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ CHOICES = ["alpha", "beta", "gamma"]
 
 def structured(plan: dict, model_dir: Path, device: str) -> dict:
     from backend import LLM, SamplingParams
+    from client.tools.gpu_check.beams import beam_check
     from client.tools.gpu_check.sampling import engine_check, sampler_check
 
     llm = LLM(str(model_dir), device=device, attention_backend=plan["attention_backend"], max_num_seqs=4,
@@ -33,12 +35,13 @@ def structured(plan: dict, model_dir: Path, device: str) -> dict:
                              SamplingParams(structured_outputs={"choice": CHOICES}, **greedy),
                              SamplingParams(ignore_eos=True, **dict(greedy, max_tokens=8))])
         knobs_engine = engine_check(llm, SCHEMA, device)
+        beams = beam_check(llm)  # beam search's copy-on-write on the device (client/tools/gpu_check/beams.py)
     finally:
         llm.close()
     text_json, text_choice, free_text = (o.text for o in outs)
     checks = dict(json=_json_check(text_json), choice=dict(ok=text_choice in CHOICES, text=text_choice),
                   unconstrained=dict(ok=len(outs[2].token_ids) == 8, tokens=len(outs[2].token_ids)),
-                  knobs=sampler_check(device), knobs_engine=knobs_engine)
+                  knobs=sampler_check(device), knobs_engine=knobs_engine, beams=beams)
     return dict(checks, ok=all(c["ok"] for c in checks.values()), device=device)
 
 
