@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-runtime-lora", action="store_true",
                    help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; also on with "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); the model needs enable_runtime_lora=true too")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="image_url file: URLs are read only under this folder (vLLM's flag; default: refused)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="image_url http(s) URLs are fetched only from these hosts (vLLM's flag; default: none)")
+    p.add_argument("--media-fetch-timeout", type=float, default=5.0, metavar="S",
+                   help="the longest an image URL's fetch may take, in seconds (default 5)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; the container's entrypoint passes 0.0.0.0)")
     p.add_argument("--port", type=int, default=9000)
@@ -64,12 +70,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import uvicorn
 
     from openai_server.app import create_app
+    from openai_server.media import MediaPolicy
 
     limits = {k: v for k, v in (("max_chat_messages", args.max_chat_messages),
                                 ("max_chat_rendered_chars", args.max_chat_rendered_chars)) if v is not None}
     app = create_app(args.grpc_url, args.model_path, args.served_model_name, args.tool_call_parser, args.metrics_url,
                      reasoning_parser=args.reasoning_parser, api_keys=tuple(keys),
-                     api_key_all_routes=args.api_key_all_routes, runtime_lora=args.enable_runtime_lora, **limits)
+                     api_key_all_routes=args.api_key_all_routes, runtime_lora=args.enable_runtime_lora,
+                     media_policy=MediaPolicy(args.allowed_local_media_path, tuple(h.lower() for h in
+                                                                                   args.allowed_media_domains),
+                                              args.media_fetch_timeout), **limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

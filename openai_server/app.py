@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from backend.core.errors import retry_after_of
 from backend.core.input_guard import lone_surrogate
+from openai_server.media import ImageParts, MediaPolicy
 from openai_server.auth import APIKeyMiddleware
 from openai_server.echo_logprobs import echo_logprobs, prompt_ids
 from openai_server.lora_api import add_lora_routes, runtime_lora_enabled
@@ -142,10 +143,12 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
                tool_call_parser: str = "hermes", metrics_url: Optional[str] = None,
                reasoning_parser: Optional[str] = None, max_chat_messages: int = DEFAULT_MAX_CHAT_MESSAGES,
                max_chat_rendered_chars: int = DEFAULT_MAX_CHAT_RENDERED_CHARS, api_keys: tuple[str, ...] = (),
-               api_key_all_routes: bool = False, runtime_lora: bool = False) -> FastAPI:
+               api_key_all_routes: bool = False, runtime_lora: bool = False,
+               media_policy: Optional[MediaPolicy] = None) -> FastAPI:
     triton = TritonBackend(grpc_url)
     gateway = GatewayMetrics(metrics_url or default_metrics_url(grpc_url), triton.model, served_model_name)
     render = ChatRenderer(model_path, max_chat_rendered_chars)
+    image_parts = ImageParts(model_path, render.tokenizer, media_policy)  # image_url parts (media.py)
     pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="openai-prepare")
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
@@ -274,8 +277,10 @@ def create_app(grpc_url: str, model_path: Optional[str] = None, served_model_nam
 
     async def _chat(request: Request, body: dict[str, Any]):
         body = _check_messages(body)
+        body, images = await off_loop(image_parts.extract, body)  # fetched and checked off the loop
         gen, thinking = await off_loop(parse_chat_request, body, render, tool_call_parser,  # reasoning_request.py
                                        reasoning_parser)
+        gen.images = images
         gen = _with_adapter(gen, body)
         return await _answer(request, gen, Reply(f"chatcmpl-{gen.request_id}", body["model"], chat=True,
                                                  tools=gen.tools, thinking=thinking))

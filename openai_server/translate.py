@@ -8,6 +8,7 @@ dropped without a word.
 """
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class Generation:
     chat: bool = False
     queue_info: bool = False  # return_queue_info: each choice carries `queue_info`
     tools: Optional[ToolCalling] = None  # tool calling: how answers are parsed (tools.py)
+    images: list = field(default_factory=list)  # a chat's image files (media.py), sent as the `image` input
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -323,6 +325,10 @@ def triton_tensors(gen: Generation, index: int, declared: frozenset[str]) -> dic
         tensors["text_input"] = (np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")
     else:
         tensors["input_ids"] = (np.array(prompt, dtype=np.int32), "INT32")
+    if gen.images:  # (docs/vision.md) base64, as the vLLM backend's `image` input
+        if "image" not in declared:
+            raise APIError(400, "messages: the served model has no image input", "messages")
+        tensors["image"] = (np.array([base64.b64encode(b) for b in gen.images], dtype=np.object_), "BYTES")
     tensors["stream"] = (np.array([gen.stream]), "BOOL")
     tensors["exclude_input_in_output"] = (np.array([True]), "BOOL")
     sampling = json.dumps(gen.sampling).encode("utf-8")

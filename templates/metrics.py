@@ -82,6 +82,13 @@ TRITON: tuple[Metric, ...] = (
            _one("beam_requests_total")),
     Metric("inflight_num_beams_running", GAUGE, "Beams of the beam searches not yet ended (each a sequence)",
            _one("num_beams_running")),
+    Metric("inflight_encoder_runs_total", COUNTER, "Images the vision encoder ran on (a vision-language model, "
+           "docs/vision.md; an image found in the encoder cache or the prefix cache runs none)",
+           _one("encoder_runs_total")),
+    Metric("inflight_encoder_cache_hits_total", COUNTER, "Images whose encoder output the encoder cache held",
+           _one("encoder_cache_hits_total")),
+    Metric("inflight_encoder_cache_bytes", GAUGE, "Bytes of encoder outputs the encoder cache holds (at most "
+           "encoder_cache_bytes, more only while running requests need them)", _one("encoder_cache_bytes")),
     Metric("inflight_pooling_requests_total", COUNTER, "Pooling requests answered (runner pooling: embeddings, "
            "scores; docs/pooling.md)", _one("pooling_requests_total")),
     Metric("inflight_pooling_prompt_tokens_total", COUNTER, "Prompt tokens of the pooling requests answered",

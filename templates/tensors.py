@@ -29,6 +29,10 @@ INPUTS: tuple[Tensor, ...] = (
     # -- the prompt and the request's form --
     Tensor("text_input", "STRING", (1,), "the prompt (or input_ids)"),
     Tensor("input_ids", "INT32", (-1,), "the prompt as token ids"),
+    Tensor("image", "STRING", (-1,),
+           "images as base64 strings (PNG, JPEG, WebP), the vLLM backend's input: one per begin-of-image "
+           "marker of the prompt (Gemma 3: <start_of_image>), at most limit_mm_per_prompt; a vision-language "
+           "model only (docs/vision.md)"),
     Tensor("stream", "BOOL", (1,), "default false: one response at the end; true: one per step"),
     Tensor("exclude_input_in_output", "BOOL", (1,),
            "default: false without streaming (the prompt leads text_output); streaming refuses false"),

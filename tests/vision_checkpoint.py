@@ -18,15 +18,23 @@ TOKENS_PER_IMAGE = 9
 IMAGE_SIZE = 48
 
 
-def make_vision_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+IMAGE_MARKERS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")  # ids 2000-2002 with a tokenizer
+CHAT_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def make_vision_checkpoint(out_dir: Path, seed: int = 0, tokenizer: bool = False) -> Path:
+    """`tokenizer`: with the default model's tokenizer plus Gemma 3's three image tokens (ids 2000,
+    2001, 2002 in a 2048-token vocabulary) and a chat template, for the text doors."""
     import transformers as tf
     torch.manual_seed(seed)
-    text = tf.Gemma3TextConfig(**{**COMMON, **SHAPES["gemma3"]})
+    ids = dict(image_token_index=2002, boi_token_index=2000, eoi_token_index=2001) if tokenizer else \
+        dict(image_token_index=IMAGE_TOKEN, boi_token_index=BOI, eoi_token_index=EOI)
+    text = tf.Gemma3TextConfig(**{**COMMON, **SHAPES["gemma3"], **({"vocab_size": 2048} if tokenizer else {})})
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    image_size=IMAGE_SIZE, patch_size=8, vision_use_head=False)
     config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                             mm_tokens_per_image=TOKENS_PER_IMAGE, image_token_index=IMAGE_TOKEN,
-                             boi_token_index=BOI, eoi_token_index=EOI, initializer_range=0.1)
+                             mm_tokens_per_image=TOKENS_PER_IMAGE, initializer_range=0.1, **ids)
     model = tf.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -35,7 +43,22 @@ def make_vision_checkpoint(out_dir: Path, seed: int = 0) -> Path:
             elif name.endswith("mm_input_projection_weight"):
                 param.normal_(0, 1.0)  # image rows as large as the scaled token embeddings
     model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer:
+        _write_tokenizer(Path(out_dir))
     return Path(out_dir)
+
+
+def _write_tokenizer(folder: Path) -> None:
+    from tokenizers import AddedToken
+
+    from backend.models.make_model import BOS_TOKEN, EOS_TOKEN, train_tokenizer
+    tok = train_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_MARKERS])
+    assert [tok.token_to_id(t) for t in IMAGE_MARKERS] == [2000, 2001, 2002]
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "add_bos_token": True, "model_max_length": 512,
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE}))
 
 
 def random_image(seed: int, width: int, height: int, mode: str = "RGB"):

@@ -69,24 +69,36 @@ def decode_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS, ma
     return image
 
 
-def decode_base64_image(text: str, field: str, **limits):
-    """A base64 string (the vLLM backend's `image` input; a data URL's payload) -> a PIL image."""
+def base64_bytes(text, field: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """A base64 string (the vLLM backend's `image` input; a data URL's payload) -> its bytes, the
+    size capped before decoding."""
+    if len(text) > (max_bytes + 2) // 3 * 4 + 4:
+        raise ValueError(f"{field}: the image is over {max_bytes} bytes (base64 of {len(text)} characters)")
     try:
-        data = base64.b64decode(text.strip(), validate=True)
-    except (binascii.Error, ValueError):
+        return base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError, TypeError):
         raise ValueError(f"{field}: not valid base64") from None
-    return decode_image(data, field, **limits)
+
+
+def decode_base64_image(text: str, field: str, **limits):
+    """A base64 string -> a PIL image."""
+    return decode_image(base64_bytes(text, field), field, **limits)
 
 
 def decode_data_url(url: str, field: str, **limits):
     """A `data:image/<png|jpeg|webp>;base64,...` URL -> a PIL image."""
+    return decode_image(data_url_bytes(url, field), field, **limits)
+
+
+def data_url_bytes(url: str, field: str) -> bytes:
+    """A `data:image/<png|jpeg|webp>;base64,...` URL -> the image file's bytes."""
     head, sep, payload = url.partition(",")
     if not sep or not head.startswith("data:") or not head.endswith(";base64"):
         raise ValueError(f"{field}: a data URL must read data:image/<png|jpeg|webp>;base64,<data>")
     mime = head[5:-7].lower()
     if mime not in MIME_TYPES:
         raise ValueError(f"{field}: unsupported image type {mime!r}; supported: image/png, image/jpeg, image/webp")
-    return decode_base64_image(payload, field, **limits)
+    return base64_bytes(payload, field)
 
 
 def preprocess(image, processing: ImageProcessing) -> np.ndarray:

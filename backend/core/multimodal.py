@@ -99,12 +99,13 @@ def image_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int,
     return runs
 
 
-def expand_placeholders(token_ids: Sequence[int], boi: int, eoi: int, image: int, per_image: int) -> list[int]:
-    """Token ids with each begin-of-image token `boi` expanded to boi, `per_image` image tokens,
-    eoi (Gemma 3's image sequence, without the processor's surrounding blank lines)."""
+def expand_placeholders(token_ids: Sequence[int], boi: int, eoi: int, image: int, per_image: int,
+                        around: Sequence[int] = ()) -> list[int]:
+    """Token ids with each begin-of-image token `boi` expanded to `around`, boi, `per_image` image
+    tokens, eoi, `around` (Gemma 3's image sequence; `around`: its blank line's tokens)."""
     out: list[int] = []
     for t in token_ids:
-        out += [boi, *([image] * per_image), eoi] if t == boi else [t]
+        out += [*around, boi, *([image] * per_image), eoi, *around] if t == boi else [t]
     return out
 
 

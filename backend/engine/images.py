@@ -4,10 +4,10 @@ engine's): checked, preprocessed, hashed, and their placeholders laid out in the
 A prompt with images is vLLM's shape: `{"prompt": text, "multi_modal_data": {"image": [...]}}` or
 `{"prompt_token_ids": [...], "multi_modal_data": ...}`, each image a PIL image or the bytes of a PNG,
 JPEG or WebP file. The prompt marks each image's place with Gemma 3's begin-of-image token
-(`<start_of_image>`, which its chat template writes for an image part); a text prompt's marker
-becomes the processor's image sequence (a blank line, the marker, `mm_tokens_per_image` image tokens,
-the end-of-image token, a blank line), a token prompt's marker token becomes the marker, the image
-tokens and the end token. Every refusal is a ValueError naming the field.
+(`<start_of_image>`, which its chat template writes for an image part); once tokenized, each marker
+token becomes the processor's image sequence, token by token as vLLM does it: the tokens of a blank
+line ("\n\n", none without a tokenizer), the marker, `mm_tokens_per_image` image tokens, the
+end-of-image token, the blank line again. Every refusal is a ValueError naming the field.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ class ImageFront:
         self.encoder_tokens = config.max_num_encoder_input_tokens or config.max_num_batched_tokens
         self.tokenizer = tokenizer
         self.processing = self._processing(Path(model_path)) if self.vision else None
+        # the processor's blank line around an image's tokens ("\n\n"), as the tokenizer writes it
+        self.blank_line = tokenizer.encode("\n\n", add_special_tokens=False) if tokenizer and self.vision else []
 
     def _processing(self, folder: Path) -> ImageProcessing:
         """preprocessor_config.json's mean and std (Gemma 3's are 0.5), the tower's square size."""
@@ -69,24 +71,15 @@ class ImageFront:
             raise ValueError(f"image: an image takes {self.vision.mm_tokens_per_image} tokens, more than a step may "
                              f"encode ({self.encoder_tokens}: max_num_encoder_input_tokens / max_num_batched_tokens)")
 
-    def expand_text(self, text: str, count: int) -> str:
-        """A text prompt with each begin-of-image marker turned into the processor's image sequence."""
-        v = self.vision
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer.json: send prompt_token_ids with images")
-        boi, eoi, image = (self.tokenizer.id_to_token(t) for t in (v.boi_token_id, v.eoi_token_id, v.image_token_id))
-        if not (boi and eoi and image):
-            raise ValueError("this checkpoint's tokenizer lacks the image tokens: send prompt_token_ids with images")
-        self._count(text.count(boi), count, boi)
-        return text.replace(boi, f"\n\n{boi}{image * v.mm_tokens_per_image}{eoi}\n\n")
-
     def expand_ids(self, ids: list[int], count: int) -> list[int]:
+        """The tokenized prompt with each begin-of-image token expanded (`expand_placeholders`)."""
         v = self.vision
-        self._count(ids.count(v.boi_token_id), count, f"token {v.boi_token_id}")
+        self._count(ids.count(v.boi_token_id), count, f"<start_of_image> (token {v.boi_token_id})")
         if v.image_token_id in ids:
             raise ValueError(f"prompt: image token {v.image_token_id} appears in the prompt; mark each image with the "
                              f"begin-of-image token {v.boi_token_id} only")
-        return expand_placeholders(ids, v.boi_token_id, v.eoi_token_id, v.image_token_id, v.mm_tokens_per_image)
+        return expand_placeholders(ids, v.boi_token_id, v.eoi_token_id, v.image_token_id, v.mm_tokens_per_image,
+                                   self.blank_line)
 
     @staticmethod
     def _count(markers: int, images: int, marker: str) -> None:

@@ -80,9 +80,8 @@ class LLMEngine(EngineCore):
         prompt, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": {"image": [...]}}
         if images:  # (docs/vision.md) checked and laid out here, preprocessed on this thread
             self.images.check(images, params.truncate_prompt_tokens)
-            prompt = self.images.expand_text(prompt, len(images)) if isinstance(prompt, str) else prompt
         ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
-        if images and not isinstance(prompt, str):
+        if images:
             ids = self.images.expand_ids(ids, len(images))
             if len(ids) > self.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens with its images; max_model_len is {self.max_model_len}")

@@ -140,7 +140,7 @@ class Frontend:
             if pooling is not None:
                 queue["pooling"] = pooling
             try:
-                self.engine.add_request(live.key, parsed.prompt, parsed.params,
+                self.engine.add_request(live.key, parsed.engine_prompt, parsed.params,
                                         lambda out, live=live: self._on_output(live, out),
                                         priority=parsed.priority, **queue)
             except BaseException:

@@ -23,6 +23,7 @@ import numpy as np
 
 from backend.core import defaults
 from backend.core.errors import EngineDeadError, QueueFullError
+from backend.core.images import base64_bytes
 from backend.core.input_guard import check_text, guarded, int32
 from backend.core.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
 from openai_server.reasoning import PARSERS as REASONING_PARSERS
@@ -53,6 +54,15 @@ class ParsedRequest:
     reasoning_parser: Optional[str] = None  # the thinking split off into reasoning_output
     pooling_task: Optional[str] = None  # embed | classify (pooling_door.py)
     dimensions: Optional[int] = None  # pooling: a Matryoshka embedding's size
+    images: list = field(default_factory=list)  # the `image` input's files (bytes), decoded by the engine
+
+    @property
+    def engine_prompt(self) -> Any:
+        """The prompt as the engine takes it: with its images in vLLM's shape (docs/vision.md)."""
+        if not self.images:
+            return self.prompt
+        key = "prompt" if isinstance(self.prompt, str) else "prompt_token_ids"
+        return {key: self.prompt, "multi_modal_data": {"image": self.images}}
 
 
 def _one(name: str, array: np.ndarray) -> Any:
@@ -135,6 +145,23 @@ def _prompt(get: Mapping[str, np.ndarray], max_input_bytes: Optional[int],
     if ids.ndim != 1:
         raise ValueError(f"input_ids must be one-dimensional [n]; got shape {list(ids.shape)}")
     return [int(t) for t in ids]
+
+
+MAX_IMAGE_ELEMENTS = 1024  # the `image` input's elements, checked before any is decoded
+
+
+def _images(get: Mapping[str, np.ndarray]) -> list[bytes]:
+    """The `image` input (base64 strings, the vLLM backend's) as the image files' bytes; the engine
+    checks the count against limit_mm_per_prompt before decoding any (backend/engine/images.py)."""
+    if "image" not in get:
+        return []
+    array = get["image"]
+    if array.dtype.kind not in "OSU":
+        raise ValueError(f"image must be a BYTES (string) tensor of base64 images; got {array.dtype}")
+    if array.size > MAX_IMAGE_ELEMENTS:
+        raise ValueError(f"image: at most {MAX_IMAGE_ELEMENTS} elements; got {array.size}")
+    return [base64_bytes(v.decode("latin-1") if isinstance(v, bytes) else str(v), f"image[{i}]")
+            for i, v in enumerate(array.reshape(-1))]
 
 
 def _json_object(name: str, raw: str) -> dict[str, Any]:
@@ -260,7 +287,7 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
     task = _value("pooling_task", get["pooling_task"]) if "pooling_task" in get else None
     if task is not None and task not in ("embed", "classify"):
         raise ValueError(f"pooling_task must be embed or classify; got {task!r}")
-    return ParsedRequest(prompt=prompt, params=params, stream=stream,
+    return ParsedRequest(prompt=prompt, params=params, stream=stream, images=_images(get),
                          exclude_input=bool(stream or exclude), priority=priority, returns=returns,
                          lora_name=lora_name, reasoning_parser=reasoning, pooling_task=task,
                          dimensions=_value("dimensions", get["dimensions"]) if "dimensions" in get else None)

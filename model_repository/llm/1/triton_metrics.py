@@ -48,6 +48,7 @@ class Metrics:
 
         self.running, self.waiting = one("num_requests_running"), one("num_requests_waiting")
         self.beams = one("num_beams_running")
+        self.encoder_bytes = one("encoder_cache_bytes")  # images (docs/vision.md); 0 for a text-only model
         self.usage = one("kv_cache_usage_ratio")
         blocks = BY_KEY["kv_blocks_used"]  # by stats key; reserved: the running requests' reservation
         self.blocks = {key: made[blocks.name].Metric(labels={**labels, **fixed}) for key, fixed in blocks.keys.items()}
@@ -115,6 +116,7 @@ class Metrics:
         self._set("running", self.running, stats["num_requests_running"])
         self._set("waiting", self.waiting, stats["num_requests_waiting"])
         self._set("beams", self.beams, stats.get("num_beams_running", 0))
+        self._set("encoder_bytes", self.encoder_bytes, stats.get("encoder_cache_bytes", 0))
         total, used = stats["kv_blocks_total"], stats["kv_blocks_used"]
         self._set("usage", self.usage, used / total if total else 0.0)
         for key, metric in self.blocks.items():
