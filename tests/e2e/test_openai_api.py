@@ -108,6 +108,15 @@ def test_beam_search_through_the_sdk_returns_the_beams_best_first(api, llm, serv
     assert [c.text for c in out.choices] == [s.text for s in ref]
     assert out.usage.completion_tokens == sum(len(s.token_ids) for s in ref)
     assert wait_until(lambda: gauge(server, "inflight_beam_requests_total") >= before + 1)
+    # streamed: the beams come once, whole, when the search ends (docs/beam_search.md)
+    chunks = list(api.completions.create(model="llm", prompt="Tokens per second", max_tokens=6, n=2, stream=True,
+                                         extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 0.5}))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert [texts[0], texts[1]] == [s.text for s in ref]
+    assert sum(1 for c in chunks for choice in c.choices if choice.text) <= 2
 
 
 def test_stop_strings_end_the_text(api, llm):
