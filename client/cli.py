@@ -54,6 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
         params["speculative_config"] = resolve_draft_path(args.speculative_config, Path.cwd())
     if args.runner is not None:  # vLLM's --runner: the runner parameter (docs/pooling.md)
         params["runner"] = args.runner
+    if args.limit_mm_per_prompt is not None:  # vLLM's flag: the limit_mm_per_prompt parameter (docs/vision.md)
+        params["limit_mm_per_prompt"] = args.limit_mm_per_prompt
     repository = Path(args.model_repository)
     config = repository / MODEL_NAME / "config.pbtxt"
     if not config.exists():
@@ -233,9 +235,11 @@ def openai_flags(args: argparse.Namespace) -> tuple[str, ...]:
     flags = ["--api-key-all-routes"] if args.api_key_all_routes else []
     if getattr(args, "enable_runtime_lora", False):
         flags.append("--enable-runtime-lora")
-    for name in ("max_chat_messages", "max_chat_rendered_chars"):
-        if getattr(args, name) is not None:
+    for name in ("max_chat_messages", "max_chat_rendered_chars", "allowed_local_media_path", "media_fetch_timeout"):
+        if getattr(args, name, None) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if getattr(args, "allowed_media_domains", None):
+        flags += ["--allowed-media-domains", *args.allowed_media_domains]
     return tuple(flags)
 
 
@@ -292,6 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the OpenAI API refuses a chat of more messages with a 400 naming the limit (default 10000)")
     p.add_argument("--max-chat-rendered-chars", type=int, metavar="N",
                    help="the OpenAI API refuses a chat whose rendered prompt is longer (default 4194304)")
+    p.add_argument("--limit-mm-per-prompt", metavar="N|JSON",
+                   help="vLLM's flag (the limit_mm_per_prompt parameter): the most images one prompt may carry, "
+                        "N or '{\"image\": N}' (default 8; docs/vision.md)")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="the OpenAI API reads image_url file: URLs only under this folder (vLLM's flag; default: "
+                        "refused)")
+    p.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                   help="the OpenAI API fetches image_url http(s) URLs only from these hosts (vLLM's flag)")
+    p.add_argument("--media-fetch-timeout", type=float, metavar="S",
+                   help="the longest an image URL's fetch may take (default 5 s)")
     p.add_argument("--triton-arg", action="append", default=[], metavar="ARG",
                    help="pass a flag to tritonserver as it is, written with '=': --triton-arg=--http-restricted-api="
                         "model-repository,statistics:admin-key=SECRET (repeatable; docs/triton.md)")

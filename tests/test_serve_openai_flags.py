@@ -14,3 +14,15 @@ def test_serve_passes_the_chat_limits_and_the_key_switch_to_the_openai_server():
 
 def test_serve_passes_nothing_it_was_not_given():
     assert openai_flags(build_parser().parse_args(["serve"])) == ()
+
+
+def test_serve_passes_the_media_rules_and_sets_the_image_limit():
+    """Images (docs/vision.md): the URL rules reach the OpenAI server; --limit-mm-per-prompt is the
+    engine's limit_mm_per_prompt parameter."""
+    args = build_parser().parse_args(["serve", "--allowed-local-media-path", "/srv/img", "--allowed-media-domains",
+                                      "a.example", "b.example", "--media-fetch-timeout", "2.5",
+                                      "--limit-mm-per-prompt", '{"image": 3}'])
+    parsed = openai_parser().parse_args(["--grpc-url", "localhost:8001", *openai_flags(args)])
+    assert parsed.allowed_local_media_path == "/srv/img" and parsed.media_fetch_timeout == 2.5
+    assert parsed.allowed_media_domains == ["a.example", "b.example"]
+    assert args.limit_mm_per_prompt == '{"image": 3}'
