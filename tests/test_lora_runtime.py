@@ -63,6 +63,7 @@ class Collect:
             assert self.done[rid].wait(timeout), f"{rid} never finished"
 
 
+@pytest.mark.slow  # the module's engine and PEFT adapters (~11 s), the merged oracle
 def test_unload_drains_its_requests_refuses_new_ones_and_a_load_joins_while_others_run(tiny, engine):
     base, adapters = tiny
     got = Collect()
@@ -100,6 +101,7 @@ def test_unload_drains_its_requests_refuses_new_ones_and_a_load_joins_while_othe
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
 
 
+@pytest.mark.slow  # the module's engine and PEFT adapters (~11 s), the merged oracle
 def test_a_runtime_load_is_checked_as_at_start_and_refused_naming_why(tiny, engine, tmp_path):
     base, adapters = tiny
     with pytest.raises(ValueError, match=r"'big' \(\S+\): module 'layers\.0\.self_attn\.o_proj' has rank 32, "
