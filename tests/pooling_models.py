@@ -29,7 +29,7 @@ def sentence_transformers_files(out_dir: Path, pooling: str, normalize: bool, hi
 
 
 def qwen3_pooling_checkpoint(out_dir: Path, kind: str, seed: int = 0, pooling: str = "last", normalize: bool = True,
-                             num_labels: int = 1, **config) -> Path:
+                             num_labels: int = 1, sentence_transformers: bool = True, **config) -> Path:
     """kind: "model" (a bare Qwen3Model, as sentence-transformers saves Qwen3-Embedding), "causal" (a
     Qwen3ForCausalLM: it can generate too) or "classify" (Qwen3ForSequenceClassification)."""
     import transformers as tf
@@ -46,7 +46,7 @@ def qwen3_pooling_checkpoint(out_dir: Path, kind: str, seed: int = 0, pooling: s
             elif name.endswith("score.weight"):
                 param.normal_(0, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
-    if kind != "classify":
+    if kind != "classify" and sentence_transformers:
         sentence_transformers_files(out_dir, pooling, normalize, cfg.hidden_size)
     return out_dir
 
@@ -81,3 +81,11 @@ def hf_scores(model_dir: Path, prompts: list[list[int]]) -> list[float]:
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return [torch.sigmoid(model(torch.tensor([p])).logits[0, 0]).item() for p in prompts]
+
+
+def hf_last_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' causal-LM logits at each prompt's last position, float32."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0, -1] for p in prompts]

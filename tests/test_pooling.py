@@ -149,3 +149,28 @@ def test_pooling_needs_the_pooling_runner(default_model_dir):
     assert llm.engine.pooling is None  # runner auto, no sentence-transformers files: it generates
     with pytest.raises(ValueError, match="generate runner.*--runner pooling"):
         llm.embed([5, 6, 7])
+
+
+def test_qwen3_reranker_yes_no_logits(tmp_path, default_model_dir):
+    """Qwen3-Reranker as vLLM serves it (config.json: Qwen3ForSequenceClassification with
+    classifier_from_token [no, yes]): the score is P(yes) = softmax(logit_no, logit_yes)[1] at the last
+    position of a causal LM. The tiny tokenizer has neither word: "the" and "and" stand in for them."""
+    import json
+    import shutil
+
+    from pooling_models import hf_last_logits
+    path = qwen3_pooling_checkpoint(tmp_path / "qwen3-reranker", "causal", seed=12, vocab_size=2000,
+                                    sentence_transformers=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir / name, path / name)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (23, 40, 9)]
+    logits = hf_last_logits(path, prompts)  # (before config.json says it is a classifier)
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["Qwen3ForSequenceClassification"], classifier_from_token=["the", "and"])
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), **ENGINE)
+    no, yes = llm.tokenizer.token_to_id("the"), llm.tokenizer.token_to_id("and")
+    expected = [torch.softmax(torch.stack([l[no], l[yes]]), dim=0)[1].item() for l in logits]
+    assert [o.pooled[0] for o in llm.classify(prompts)] == pytest.approx(expected, abs=1e-5)
+    _idle(llm)

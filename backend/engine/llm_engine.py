@@ -24,7 +24,7 @@ from backend.engine.images import ImageFront, split_prompt
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.wiring import build_core
 from backend.sched.beams import refuse_beams
-from backend.engine.pooling import engine_pooling, make_pooling_request, refuse_generation
+from backend.engine.pooling import engine_pooling, make_pooling_request, refuse_generation, with_classifier_tokens
 from backend.core.pooling import PoolingParams
 from backend.models.loader import load_model_config
 from backend.text.tokenizer import Tokenizer, max_input_bytes
@@ -41,6 +41,7 @@ class LLMEngine(EngineCore):
         self.model_config = load_model_config(config.model_path)
         self.max_model_len = self._max_model_len(config)
         self.tokenizer = Tokenizer.from_dir(config.model_path)
+        self.model_config = with_classifier_tokens(self.model_config, self.tokenizer)  # (a reranker's score head)
         self.max_input_bytes = config.max_input_bytes or max_input_bytes(self.tokenizer, self.max_model_len)
         build_core(self, config, self.model_config, self.max_model_len, self.tokenizer, self._eos_token_ids())
         self.outputs = OutputProcessor(self.tokenizer)

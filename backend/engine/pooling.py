@@ -8,6 +8,7 @@ then finishes, and its blocks go back at once (to the prefix cache, as any promp
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 from backend.core.config import EngineConfig
@@ -34,6 +35,20 @@ def engine_pooling(config: EngineConfig, model_cfg: ModelConfig) -> Optional[Poo
         if bad:
             raise ValueError(f"runner pooling does not run with {why} yet (docs/pooling.md)")
     return pooling
+
+
+def with_classifier_tokens(cfg: ModelConfig, tokenizer) -> ModelConfig:
+    """A score head made of LM-head rows (config.json's classifier_from_token, vLLM's key): its tokens'
+    ids, read from the tokenizer before the weights load."""
+    if not cfg.classifier_tokens:
+        return cfg
+    if tokenizer is None:
+        raise ValueError("config.json: classifier_from_token needs the checkpoint's tokenizer.json")
+    ids = tuple(tokenizer.token_to_id(t) for t in cfg.classifier_tokens)
+    missing = [t for t, i in zip(cfg.classifier_tokens, ids) if i is None]
+    if missing:
+        raise ValueError(f"config.json: classifier_from_token {missing[0]!r} is not a token of the tokenizer")
+    return dataclasses.replace(cfg, classifier_token_ids=ids)
 
 
 def refuse_generation(pooling: Optional[PoolingConfig], head: str) -> None:

@@ -199,6 +199,10 @@ class LlamaForCausalLM(nn.Module):
         if "lm_head.weight" in params and (self.cfg.tie_word_embeddings or "lm_head.weight" not in loaded):
             self.lm_head.weight = self.embed_tokens.weight
             loaded.add("lm_head.weight")
+        if self.score is not None and "score.weight" not in loaded and self.cfg.classifier_token_ids:
+            no, yes = self.cfg.classifier_token_ids  # vLLM's classifier_from_token: sigmoid(yes - no) = P(yes)
+            self.score.weight.data.copy_((self.lm_head.weight[yes] - self.lm_head.weight[no]).unsqueeze(0))
+            loaded.add("score.weight")
         loaded |= experts.complete()
         for name in list(loaded):  # a fused weight counts once all of its shards arrived
             if "#" in name:

@@ -77,6 +77,10 @@ class ModelConfig:
     # of num_labels outputs (*ForSequenceClassification); its architectures entry as written
     head: str = ""
     num_labels: int = 0
+    # a score head made of two LM-head rows (vLLM's classifier_from_token, Qwen3-Reranker's ["no", "yes"]):
+    # the tokens as config.json names them, and their ids once the engine has read the tokenizer
+    classifier_tokens: tuple[str, ...] = ()
+    classifier_token_ids: tuple[int, ...] = ()
     checkpoint_architecture: str = ""
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -169,6 +173,12 @@ def _pooling_head(written: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"head": "none"}
     if not written.endswith("ForSequenceClassification"):
         return {}
+    tokens = cfg.get("classifier_from_token")
+    if tokens is not None:  # vLLM's: score = logit(tokens[1]) - logit(tokens[0]), one label (docs/pooling.md)
+        if not (isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) and t for t in tokens)):
+            raise CheckpointConfigError(f"config.json: classifier_from_token is {shown(tokens)}; it must be two "
+                                        "token strings (Qwen3-Reranker's [\"no\", \"yes\"])")
+        return {"head": "score", "num_labels": 1, "classifier_tokens": tuple(tokens)}
     labels = cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)  # transformers writes id2label
     if isinstance(labels, bool) or not isinstance(labels, int) or not 1 <= labels <= 1024:
         raise CheckpointConfigError(f"config.json: num_labels is {shown(labels)}; it must be an integer in [1, 1024]")
