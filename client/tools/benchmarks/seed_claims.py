@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("max-seqs and goodput: the workload")
     w.add_argument("--workload", default="mixed")
     w.add_argument("--max-output-len", type=int, default=64)
-    w.add_argument("--rate", type=float, default=None, help="Poisson rate, req/s (max-seqs: 2; goodput: the first tried, 1)")
+    w.add_argument("--rate", type=float, default=None, help="Poisson rate, req/s (max-seqs: 4; goodput: the first tried, 1)")
     w.add_argument("--drain-s", type=float, default=None,
                    help="seconds after the last arrival before what is unanswered is aborted (max-seqs 60, goodput 20)")
     m = p.add_argument_group("max-seqs")
@@ -221,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.extra = dict(args.param)
     if args.rate is None:
-        args.rate = 2.0 if args.claim == "max-seqs" else 1.0
+        args.rate = 4.0 if args.claim == "max-seqs" else 1.0
     if args.drain_s is None:
         args.drain_s = 60.0 if args.claim == "max-seqs" else 20.0
     if not Path(args.model_path).is_dir():
