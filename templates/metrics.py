@@ -75,6 +75,10 @@ TRITON: tuple[Metric, ...] = (
     Metric("inflight_lora_requests", GAUGE, "Requests per LoRA adapter, running or waiting", _one("lora_requests"),
            ("adapter", "state"), rule="a series per adapter loaded or asked for", when=LORA,
            values={"state": ("running", "waiting")}),
+    Metric("inflight_lora_loads_total", COUNTER, "LoRA adapters loaded at run time (/v1/load_lora_adapter, "
+           "lora_action load; docs/lora.md)", _one("lora_loads_total"), when=LORA),
+    Metric("inflight_lora_unloads_total", COUNTER, "LoRA adapters unloaded at run time (each once its requests "
+           "ended)", _one("lora_unloads_total"), when=LORA),
     Metric("inflight_num_preemptions_total", COUNTER, "Requests preempted (max_utilization)", _one("num_preemptions")),
     Metric("inflight_prompt_tokens_total", COUNTER, "Prompt tokens admitted", _one("prompt_tokens_total")),
     Metric("inflight_generation_tokens_total", COUNTER, "Tokens generated", _one("generation_tokens_total")),

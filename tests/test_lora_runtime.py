@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -38,6 +39,13 @@ def engine(tiny):
                                    max_cpu_loras=2, max_lora_rank=16, kv_block_size=16, seed=0))
     yield eng
     eng.shutdown()
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 class Collect:
@@ -97,7 +105,9 @@ def test_unload_drains_its_requests_refuses_new_ones_and_a_load_joins_while_othe
     with pytest.raises(ValueError, match=r"LoRA adapter 'a' is not loaded"):
         engine.unload_lora("a")
     engine.unload_lora("b").wait(30)
+    wait_for(lambda: engine.stats()["lora_unloads_total"] == 2)  # the metrics' snapshot follows the unload
     stats = engine.stats()
+    assert stats["lora_loads_total"] == 2  # a and b; the refused late request loaded nothing
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
 
 

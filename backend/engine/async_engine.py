@@ -150,8 +150,8 @@ class AsyncEngine:
 
     def _settle_loras(self) -> None:
         """Unload the draining adapters nothing holds (under the lock: the queued requests count)."""
-        if self.engine.loras.draining:
-            self.engine.loras.settle([*self._new, *self.engine.waitlist])
+        if self.engine.loras.draining and self.engine.loras.settle([*self._new, *self.engine.waitlist]):
+            self._stats = self.engine.stats()  # the metrics see the unload without waiting for a step
 
     def _wake(self) -> None:
         with self._lock:

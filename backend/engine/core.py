@@ -215,6 +215,7 @@ class EngineCore:
             "beam_requests_total": self.beams.requests_total,  # requests that ran beam search
             "num_beams_running": self.beams.num_running,  # beams of unfinished searches
             "lora_requests": self.loras.requests(),  # adapter -> {"running": n, "waiting": n}
+            **self.loras.figures(),  # adapters loaded and unloaded at run time
             **(self.speculator.stats() if self.speculator else {}), **self.expert_tally, **self.kv_tiers.figures(),
             **self.kv_events.figures(),  # the KV-event publisher's drops, failures, bad requests
             **encoder_stats(self.runner),  # images: encoder runs, cache hits and bytes (docs/vision.md)

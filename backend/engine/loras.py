@@ -22,6 +22,7 @@ class EngineLoRAs:
         self.scheduler = scheduler
         self._lock = threading.Lock()
         self._draining: dict[str, threading.Event] = {}  # unloading: name -> set once unloaded
+        self.loads_total = self.unloads_total = 0  # at run time (inflight_lora_loads_total / _unloads_total)
 
     def _enabled(self, what: str) -> LoRAManager:
         if self.manager is None:
@@ -46,7 +47,10 @@ class EngineLoRAs:
         manager = self._enabled(f"loading LoRA adapter '{name}'")
         if name in self._draining:
             raise ValueError(f"LoRA adapter '{name}' is being unloaded; load it again once its unload has finished")
-        return manager.load(name, path)
+        known = manager.info(name)
+        loaded = manager.load(name, path)
+        self.loads_total += loaded is not known
+        return loaded
 
     def unload(self, name: str) -> None:
         """Unload an adapter no request uses (ValueError naming how many do)."""
@@ -72,18 +76,24 @@ class EngineLoRAs:
     def draining(self) -> bool:
         return bool(self._draining)
 
-    def settle(self, pending: Iterable = ()) -> None:
+    def settle(self, pending: Iterable = ()) -> int:
         """The engine thread: unload each draining adapter that no request holds any more, in the
-        scheduler or in `pending` (requests not yet handed to it)."""
+        scheduler or in `pending` (requests not yet handed to it). Returns how many it unloaded."""
         if not self._draining:
-            return
+            return 0
         used = {r.lora_name for r in (*self.scheduler.iter_requests(), *pending) if r.lora_name}
         with self._lock:
             done = [n for n in self._draining if n not in used]
             events = [self._draining.pop(n) for n in done]
         for name, event in zip(done, events):
             self.manager.unload(name)  # its slot is released at the next step
+            self.unloads_total += 1
             event.set()
+        return len(done)
+
+    def figures(self) -> dict[str, int]:
+        """The engine's stats() figures of run-time loading."""
+        return {"lora_loads_total": self.loads_total, "lora_unloads_total": self.unloads_total}
 
     def names(self) -> list[str]:
         """The adapters requests may name now (those being unloaded are no longer listed)."""

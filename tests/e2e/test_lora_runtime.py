@@ -140,6 +140,8 @@ def test_load_and_unload_while_requests_run_nothing_lost(stack, adapters, refere
     with pytest.raises(RuntimeError, match="LoRA adapter 'sql' is not loaded; loaded adapters: none"):
         grpc_stream(triton.grpc_url, inputs, parameters={"max_tokens": "2", "lora_name": "sql"})
     assert post(api_server, "/v1/unload_lora_adapter", {"lora_name": "sql"})[0] == 404
+    wait_until(lambda: (counter(triton, "inflight_lora_loads_total"), counter(triton, "inflight_lora_unloads_total"))
+               == (1.0, 1.0), timeout=10, interval=0.05)
 
 
 def test_bad_adapters_are_refused_naming_why_and_the_triton_door_loads_too(stack, adapters, reference):
@@ -173,3 +175,8 @@ def gauge_running(triton, adapter):
         if line.startswith("inflight_lora_requests{") and f'adapter="{adapter}"' in line and 'state="running"' in line:
             return float(line.rpartition(" ")[2])
     return None
+
+
+def counter(triton, name):
+    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
+    return next((float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(name + "{")), None)
