@@ -44,6 +44,18 @@ def _kv_used(server) -> float:
                if line.startswith("inflight_kv_blocks{") and 'state="used"' in line)
 
 
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
 def test_embeddings_through_the_sdk(served, embedder):
     from backend import LLM
 
@@ -79,3 +91,43 @@ def test_embeddings_through_the_sdk(served, embedder):
         client.completions.create(model="llm", prompt="Hi", max_tokens=2)
     assert client.embeddings.create(model="llm", input="still serving").data[0].embedding  # the server stays up
     wait_until(lambda: _kv_used(server) == 0, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory, model_path):
+    from pooling_models import qwen3_pooling_checkpoint
+
+    path = qwen3_pooling_checkpoint(tmp_path_factory.mktemp("qwen3-rerank"), "classify", seed=14, vocab_size=2000)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(model_path / name, path / name)
+    return path
+
+
+def test_rerank_and_score_through_the_server(model_repository, reranker):
+    """/v1/rerank and /v1/score on a cross-encoder: each pair tokenized as the tokenizer encodes a pair,
+    scores equal to transformers' sigmoid of the score head, results best first, top_n kept."""
+    from pooling_models import hf_scores
+    from serving.triton_launcher import TritonServer
+    from backend.text.tokenizer import Tokenizer
+
+    query = "capital of France"
+    documents = ["Paris is the capital.", "Bananas are yellow.", "France is in Europe, and Paris is its capital city."]
+    tok = Tokenizer.from_dir(reranker)
+    expected = hf_scores(reranker, [tok.backend.encode(query, d).ids for d in documents])
+    with TritonServer(model_repository, params={"max_model_len": "96"}, model_path=str(reranker)) as server:
+        with OpenAIServer(server.grpc_url, str(reranker)) as api_server:
+            status, body = _post(api_server.url + "/v1/rerank",
+                                 {"model": "llm", "query": query, "documents": documents, "top_n": 2})
+            assert status == 200, body
+            results = body["results"]
+            best = sorted(range(3), key=lambda i: -expected[i])[:2]
+            assert [x["index"] for x in results] == best
+            assert [x["relevance_score"] for x in results] == pytest.approx([expected[i] for i in best], abs=1e-5)
+            assert results[0]["document"]["text"] == documents[best[0]]
+            _, s = _post(api_server.url + "/v1/score", {"model": "llm", "text_1": query, "text_2": documents})
+            assert [d["score"] for d in s["data"]] == pytest.approx(expected, abs=1e-5)
+            status, refused = _post(api_server.url + "/v1/embeddings", {"model": "llm", "input": "hi"})
+            assert status == 400 and "pooling_task" in refused["error"]["message"]
+            status, refused = _post(api_server.url + "/v1/rerank", {"model": "llm", "query": "", "documents": ["a"]})
+            assert status == 400 and refused["error"]["param"] == "query"
+            wait_until(lambda: _kv_used(server) == 0, timeout=10)
