@@ -132,9 +132,12 @@ def greedy(plan: dict, model_dir: Path, device: str) -> dict:
         results.append(row)
     del references
     free(device)
+    from client.tools.gpu_check.vision import vision_check
+    vision = vision_check(plan, model_dir.parent, device)  # images: Gemma 3's encoder and mask on the device
+    free(device)
     ok = all(r["ok"] for r in results) and dtype == plan["expected_dtype"] and engine_info["device"] == device
-    return dict(ok=ok, dtype=dtype, ulps=ulps(layers), oracle=f"transformers {dtype} (decides) and float32",
-                engine=engine_info, expected_dtype=plan["expected_dtype"], batches=results)
+    return dict(ok=ok and vision["ok"], dtype=dtype, ulps=ulps(layers), oracle=f"transformers {dtype} (decides) and "
+                "float32", engine=engine_info, expected_dtype=plan["expected_dtype"], batches=results, vision=vision)
 
 
 def _reference(model_dir: Path, device: str, dtype: str):

@@ -40,7 +40,9 @@ PARTS = (
     Part("kernels", 100, "each Triton kernel against its torch reference (bf16/fp16/fp32), then timings "
                          "(client/tools/benchmarks/kernel_bench.py); the checks run first and are kept if the time runs out"),
     Part("greedy", 120, "the engine's greedy tokens at batch 1 (a long prompt), 64 and 256 against "
-                        "transformers in the engine's dtype, and in float32 (client/tools/gpu_check/greedy.py)",
+                        "transformers in the engine's dtype, and in float32 (client/tools/gpu_check/greedy.py); images: a "
+                        "tiny Gemma 3 with its vision tower, whole and chunked, token-equal to transformers in float32 "
+                        "(client/tools/gpu_check/vision.py)",
          needs=("transformers",)),
     Part("decode", 90, "the engine's decode step against the bandwidth floor, graphs on and off; the "
                        "graph-replayed tokens must equal the eager ones"),
