@@ -25,6 +25,9 @@ class Prices:
     def prices(self):
         return 5.0, self.per_token, self.per_pair  # the fixed price is paid either way: never weighed
 
+    def decode_seconds(self, rows: int) -> float:
+        return 2.5e-3 * rows  # a step of `rows` decode rows
+
 
 def choice(per_token=1000 * US, per_pair=0.0, plan=0.0, host=100 * US, disk=0.0, policy="auto", steps=1):
     return TierChoice(policy, 16, Prices(per_token, per_pair, steps), CopyPrices(plan, host, disk))
@@ -64,6 +67,20 @@ def test_the_attention_over_the_context_before_them_is_priced():
     assert c.compute_seconds(16, 33) == pytest.approx(425 * US)
     assert c.blocks_to_load([HOST, HOST], 0, 33) == 2
     assert c.blocks_to_load([HOST], 0, 33) == 0
+
+
+def test_a_load_that_sits_out_a_step_pays_for_it():
+    # a block's tokens cost 16 ms; a disk block 1.1 ms to read and copy, and its request waits for the
+    # read while the running requests take a step: 2.5 ms a decode row
+    c = choice(disk=1000 * US)
+    assert c.blocks_to_load([DISK], 0, 40, rows=0) == 1  # nothing runs: the read alone
+    assert c.blocks_to_load([DISK], 0, 40, rows=4) == 1  # 1.1 + 10 < 16
+    assert c.blocks_to_load([DISK], 0, 40, rows=8) == 0  # 1.1 + 20 > 16
+    assert c.blocks_to_load([DISK, DISK], 0, 40, rows=8) == 2  # 2.2 + 20 < 32: the wait is paid once
+    # host blocks land before the step's run on the CPU (at_once) but wait for a copy stream on a GPU
+    assert c.blocks_to_load([HOST], 0, 40, rows=8) == 1
+    assert c.blocks_to_load([HOST], 0, 40, rows=8, at_once=False) == 0
+    assert c.blocks_to_load([HOST, DISK], 0, 40, rows=8) == 1  # the host block now, the disk one computed
 
 
 def test_the_policies_and_an_engine_that_has_not_priced_a_prompt_yet():

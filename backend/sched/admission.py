@@ -220,7 +220,8 @@ class Admission:
             return 0
         start = req.num_computed_tokens
         where = self.tiers.locate(self._prefix_hashes(req)[start // self.blocks.block_size:])
-        lower = self.choice.choose(req.seq_id, where, start, req.num_tokens)  # the blocks worth loading
+        lower = self.choice.choose(req.seq_id, where, start, req.num_tokens, len(self.pool.running),
+                                   self.tiers.loads_at_once)  # the blocks worth loading
         if lower and not any(where[:lower]) and self.tiers.loads_at_once:
             req.num_computed_tokens += lower * self.blocks.block_size  # undone with the rest if it does not fit
             return 0

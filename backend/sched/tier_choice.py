@@ -12,7 +12,10 @@ first k of the m blocks found costs
 
 where s_k = start + k x block_size is where the prompt's computation then begins and `end` the
 request's tokens: the tokens computed again and their attention over every position before them
-(the context before them included). Admission loads the k with the least load(k) + compute(k),
+(the context before them included). A load that cannot land before this step's model run (a disk
+block: read on the disk thread; any load on a GPU: a copy stream the request waits for) also costs
+the step the request sits out, priced as a step of the running requests' decode rows (0 when none
+runs: the engine then waits for the load alone). Admission loads the k with the least load(k) + compute(k),
 the whole run, none or a part (host blocks before dearer disk ones). Ties load less. Until the
 model has priced a step with prompt tokens (the engine's first), every block found is loaded, as
 `always` does; `never` loads none (the tiers still keep blocks: a baseline).
@@ -42,26 +45,31 @@ class TierChoice:
         n = max(0, end - start)
         return per_token * n + per_pair * chunk_pairs(start, n) / PAIR_UNIT
 
-    def blocks_to_load(self, from_disk: Sequence[bool], start: int, end: int) -> int:
+    def blocks_to_load(self, from_disk: Sequence[bool], start: int, end: int, rows: int = 0,
+                       at_once: bool = True) -> int:
         """Of the blocks found after the device prefix (True: on disk, False: in host memory), how
-        many from the first to load; `start`: the tokens already there, `end`: the request's tokens."""
+        many from the first to load; `start`: the tokens already there, `end`: the request's tokens;
+        `rows`: the requests running (the step a waiting load sits out); `at_once`: host blocks land
+        before this step's model run (the CPU)."""
         m = len(from_disk)
         if self.policy == "never":
             return 0
         if self.policy == "always" or m == 0 or not self.cost.prompt_steps:
             return m
-        prices = self.cost.prices()
+        prices, wait = self.cost.prices(), self.cost.decode_seconds(rows) if rows else 0.0
         best, best_k, disk = self.compute_seconds(start, end, prices), 0, 0
         for k in range(1, m + 1):
             disk += from_disk[k - 1]
             seconds = self.prices.load_seconds(k - disk, disk) + self.compute_seconds(start + k * self.block_size, end, prices)
+            seconds += wait if disk or not at_once else 0.0
             if seconds < best:
                 best, best_k = seconds, k
         return best_k
 
-    def choose(self, seq_id: str, from_disk: list[bool], start: int, end: int) -> int:
+    def choose(self, seq_id: str, from_disk: list[bool], start: int, end: int, rows: int = 0,
+               at_once: bool = True) -> int:
         """blocks_to_load, kept until the request starts (`declined`)."""
-        k = self.blocks_to_load(from_disk, start, end)
+        k = self.blocks_to_load(from_disk, start, end, rows, at_once)
         self.last = (seq_id, from_disk, k)
         return k
 
