@@ -121,6 +121,8 @@ def test_max_seqs_verdict_needs_a_rise_past_the_best_with_the_kv_cache_full():
         == "reproduced"  # the ITL p99 doubled with preemptions
     word, why = verdict_max_seqs([row(8, 2.0, 0.1, 1.0), row(16, 1.0, 0.1, 1.0), row(64, 1.2, 0.12, 1.0)])
     assert word == "refuted" and "no max_num_seqs above 16" in why
+    word, why = verdict_max_seqs([row(8, 2.0, 0.1, 1.0), row(16, 1.0, 0.1, 1.0)])
+    assert word == "refuted" and "the largest max_num_seqs (16) had the lowest TTFT p99" in why
 
 
 def test_long_prompts_verdict_compares_unchunked_with_the_best_chunked_at_every_length():

@@ -19,8 +19,8 @@ def _ms(v: Optional[float]) -> str:
     return "-" if v is None else f"{v * 1000:,.0f}"
 
 
-def _pc(v: Optional[float]) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
+def _pc(v: Optional[float], digits: int = 0) -> str:
+    return "-" if v is None else f"{100 * v:.{digits}f}%"
 
 
 def _num(v: Optional[float], fmt: str = ".1f") -> str:
@@ -48,6 +48,9 @@ def verdict_max_seqs(rows: Sequence[dict], rise: float = 1.25, kv_full: float = 
 
     risen = [r for r in rows if r["max_num_seqs"] > base["max_num_seqs"]
              and (worse(r, "ttft_p99_s") or worse(r, "itl_p99_s"))]
+    if base is rows[-1]:
+        return "refuted", (f"the largest max_num_seqs ({base['max_num_seqs']}) had the lowest TTFT p99 "
+                           f"({_ms(base['ttft_p99_s'])} ms; ITL p99 {_ms(base.get('itl_p99_s'))} ms)")
     if not risen:
         return "refuted", (f"no max_num_seqs above {base['max_num_seqs']} raised TTFT or ITL p99 above {rise:g}x "
                            f"its (TTFT p99 {_ms(base['ttft_p99_s'])} ms, ITL p99 {_ms(base.get('itl_p99_s'))} ms)")
@@ -55,12 +58,13 @@ def verdict_max_seqs(rows: Sequence[dict], rise: float = 1.25, kv_full: float = 
     kv = (r.get("kv_usage_peak") or 0.0) >= kv_full or bool(r.get("preemptions"))
     figures = (f"from max_num_seqs {base['max_num_seqs']} to {r['max_num_seqs']} TTFT p99 {_ms(base['ttft_p99_s'])} -> "
                f"{_ms(r['ttft_p99_s'])} ms, ITL p99 {_ms(base.get('itl_p99_s'))} -> {_ms(r.get('itl_p99_s'))} ms; "
-               f"KV peak {_pc(base.get('kv_usage_peak'))} -> {_pc(r.get('kv_usage_peak'))}, mean running "
+               f"KV peak {_pc(base.get('kv_usage_peak'), 1)} -> {_pc(r.get('kv_usage_peak'), 1)}, mean running "
                f"{_num(base.get('running_mean'))} -> {_num(r.get('running_mean'))}, mean waiting "
                f"{_num(base.get('waiting_mean'))} -> {_num(r.get('waiting_mean'))}, preemptions {r.get('preemptions')}")
     if kv:
         return "reproduced", "p99 rises with the KV cache full: " + figures
-    return "refuted", "p99 rises but the KV cache is not full (the larger batch's compute, not KV competition): " + figures
+    return "refuted", (f"p99 rises but the KV cache is not full (peak < {_pc(kv_full)}, no preemption): the larger "
+                       "batch's compute or its queue, not KV competition: " + figures)
 
 
 def table_max_seqs(rows: Sequence[dict]) -> str:
