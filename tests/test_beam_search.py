@@ -72,7 +72,9 @@ def test_beams_share_blocks_and_the_reservation_counts_them(model):
     shared_prompt = (len(prompt) - 1) // BLOCK
     peak, reserved, copies, finals = 0, set(), 0, []
     while engine.has_work():
-        finals += [o for o in engine.step() if o.finished]
+        outs = engine.step()
+        assert all(o.finished for o in outs), "a beam request streams nothing before its search ends"
+        finals += outs
         stats = engine.stats()
         peak = max(peak, stats["kv_blocks_used"])
         if stats["num_beams_running"] == width and stats["kv_blocks_used"]:
@@ -86,6 +88,11 @@ def test_beams_share_blocks_and_the_reservation_counts_them(model):
     assert max(reserved) == shared_prompt + width * (need - shared_prompt)
     assert copies > 0, "no beam took another's history: the case does not test copy-on-write"
     assert engine.stats()["kv_blocks_used"] == 0
+    # with the prefix cache (on by default): the same search again takes the prompt's full blocks
+    # from it and returns the same beams
+    again = llm.generate([prompt], beams(best_of=width, n=2, max_tokens=max_tokens, ignore_eos=True))[0]
+    assert again.num_cached_tokens == shared_prompt * BLOCK
+    assert [s.token_ids for s in again.samples] == [o.token_ids for o in sorted(finals, key=lambda o: o.index)]
 
 def test_cancelling_a_beam_request_frees_every_beam(model):
     _, _, llm = model
