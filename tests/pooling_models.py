@@ -51,6 +51,14 @@ def qwen3_pooling_checkpoint(out_dir: Path, kind: str, seed: int = 0, pooling: s
     return out_dir
 
 
+def with_tokenizer(path: Path, source: Path) -> Path:
+    """`path` with the tokenizer files of `source` (the default model's: vocab 2000) copied in."""
+    import shutil
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(Path(source) / name, Path(path) / name)
+    return path
+
+
 def hf_hidden(model_dir: Path, prompt: list[int]) -> torch.Tensor:
     """transformers' last hidden state (after the final norm) of one prompt, float32 [T, hidden]."""
     from transformers import AutoModel

@@ -156,13 +156,10 @@ def test_qwen3_reranker_yes_no_logits(tmp_path, default_model_dir):
     classifier_from_token [no, yes]): the score is P(yes) = softmax(logit_no, logit_yes)[1] at the last
     position of a causal LM. The tiny tokenizer has neither word: "the" and "and" stand in for them."""
     import json
-    import shutil
 
-    from pooling_models import hf_last_logits
-    path = qwen3_pooling_checkpoint(tmp_path / "qwen3-reranker", "causal", seed=12, vocab_size=2000,
-                                    sentence_transformers=False)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(default_model_dir / name, path / name)
+    from pooling_models import hf_last_logits, with_tokenizer
+    path = with_tokenizer(qwen3_pooling_checkpoint(tmp_path / "qwen3-reranker", "causal", seed=12, vocab_size=2000,
+                                                   sentence_transformers=False), default_model_dir)
     rng = random.Random(13)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (23, 40, 9)]
     logits = hf_last_logits(path, prompts)  # (before config.json says it is a classifier)

@@ -4,7 +4,6 @@ pooling, Normalize) and the default model's tokenizer, served by `runner auto`; 
 in-process engine's, base64 as OpenAI encodes it, the bad inputs refused naming the field, chat
 refused, and the KV cache back to idle."""
 import base64
-import shutil
 
 import numpy as np
 import pytest
@@ -19,12 +18,10 @@ pytestmark = requires_tritonserver
 
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory, model_path):
-    from pooling_models import qwen3_pooling_checkpoint
+    from pooling_models import qwen3_pooling_checkpoint, with_tokenizer
 
-    path = qwen3_pooling_checkpoint(tmp_path_factory.mktemp("qwen3-embed"), "model", seed=11, vocab_size=2000)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(model_path / name, path / name)
-    return path
+    return with_tokenizer(qwen3_pooling_checkpoint(tmp_path_factory.mktemp("qwen3-embed"), "model", seed=11,
+                                                   vocab_size=2000), model_path)
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +92,10 @@ def test_embeddings_through_the_sdk(served, embedder):
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory, model_path):
-    from pooling_models import qwen3_pooling_checkpoint
+    from pooling_models import qwen3_pooling_checkpoint, with_tokenizer
 
-    path = qwen3_pooling_checkpoint(tmp_path_factory.mktemp("qwen3-rerank"), "classify", seed=14, vocab_size=2000)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(model_path / name, path / name)
-    return path
+    return with_tokenizer(qwen3_pooling_checkpoint(tmp_path_factory.mktemp("qwen3-rerank"), "classify", seed=14,
+                                                   vocab_size=2000), model_path)
 
 
 def test_rerank_and_score_through_the_server(model_repository, reranker):
