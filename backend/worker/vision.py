@@ -104,6 +104,8 @@ class VisionStep:
         self.track(plan)
         for seq_id in [s for s in self.items if s not in batch.seqs]:  # (finished in an empty plan)
             del self.items[seq_id]
+        if not self.items or not plan.prefills:  # (decode steps: no image row)
+            return None
         decodes, prefills = step_rows(plan, batch, self.verify_as_decode)
         at = empty_rows + sum(r.num_new_tokens for r in decodes)
         wanted = []  # (item, flat row of the chunk's start, chunk start, chunk end, prefill index)

@@ -80,9 +80,12 @@ def wire(named):
     return [(k, v, kinds[v.dtype.kind]) for k, v in named.items()]
 
 
-def metric(server, name):
+def metric(server, name, label=""):
+    """The sum of `name`'s series (those with `label`, e.g. 'state="used"')."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    lines = [line for line in text.splitlines() if line.startswith(name + "{") and label in line]
+    assert lines, f"no series {name} {label}"
+    return sum(float(line.split()[-1]) for line in lines)
 
 
 def test_the_image_input_with_token_and_text_prompts(vision_server, reference):
@@ -97,7 +100,7 @@ def test_the_image_input_with_token_and_text_prompts(vision_server, reference):
                        (tensors([5, BOI, BOI, BOI], images + images[:1]), "the limit is 2 (limit_mm_per_prompt)"),
                        (tensors([5, BOI], [png(3, 8, 8, "GIF")]), "image[0]: not a PNG, JPEG or WebP")]:
         assert words in grpc_error(vision_server, wire(bad))
-    wait_until(lambda: metric(vision_server, 'inflight_kv_blocks{state="used"') == 0, timeout=10)
+    wait_until(lambda: metric(vision_server, "inflight_kv_blocks", 'state="used"') == 0, timeout=10)
     runs = metric(vision_server, "inflight_encoder_runs_total")
     assert grpc_stream(vision_server.grpc_url, tensors(ids, images))[-1]["output_ids"].tolist() == \
         reference(ids, images)[0]
