@@ -25,7 +25,8 @@
 
 #define QT 16 /* queries per task (times the group's heads: its rows) */
 #define KT 64 /* keys per tile: a row's scores, four AVX-512 registers */
-#define RB 4  /* rows whose scores are computed together (each K tile load feeds RB FMAs) */
+#define RB 4  /* rows computed together (each K or V load feeds RB FMAs) */
+#define MAX_REG_D 128 /* head sizes whose RB rows of weighted V are summed in a local block */
 
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -101,31 +102,64 @@ static inline __attribute__((always_inline)) void NAME(tile)(
                 }
             }
         }
+        int64_t ja = KT, je = 0; /* the block's keys: the union of its rows' ranges */
+        float keep[RB];
         for (int64_t b = 0; b < rb; b++) {
             const int64_t r = r0 + b, a = lo[r], e = hi[r];
-            if (a >= e) continue;
-            float *sr = s[b], top = sr[a] * scale;
+            float *sr = s[b];
+            keep[b] = 1.0f;
+            if (a >= e) { /* sees none of these keys: weights 0, its state as it was */
+                memset(sr, 0, sizeof(float) * KT);
+                continue;
+            }
+            ja = a < ja ? a : ja;
+            je = e > je ? e : je;
+            float top = sr[a] * scale;
             for (int64_t j = a + 1; j < e; j++) top = sr[j] * scale > top ? sr[j] * scale : top;
             const int first = l[r] == 0.0f;
             const float new_m = first || top > m[r] ? top : m[r];
-            const float keep = first ? 0.0f : expf(m[r] - new_m);
+            keep[b] = first ? 0.0f : expf(m[r] - new_m);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = a; j < e; j++) {
                 sr[j] = expf(sr[j] * scale - new_m);
                 sum += sr[j];
             }
-            float *ar = acc + r * D;
-            if (!first)
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) ar[d] *= keep;
-            for (int64_t j = a; j < e; j++) {
-                const float p = sr[j], *vj = vt + j * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
-            }
-            l[r] = l[r] * keep + sum;
+            for (int64_t j = 0; j < a; j++) sr[j] = 0.0f; /* weights 0 outside its range */
+            for (int64_t j = e; j < KT; j++) sr[j] = 0.0f;
+            l[r] = l[r] * keep[b] + sum;
             m[r] = new_m;
+        }
+        if (ja >= je) continue;
+        if (rb == RB && D <= MAX_REG_D) { /* the block's weighted V in registers (D = 64: 16 of them) */
+            float o[RB][MAX_REG_D];
+            for (int64_t b = 0; b < RB; b++)
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[b][d] = acc[(r0 + b) * D + d] * keep[b];
+            for (int64_t j = ja; j < je; j++) {
+                const float *vj = vt + j * D, p0 = s[0][j], p1 = s[1][j], p2 = s[2][j], p3 = s[3][j];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) {
+                    o[0][d] += p0 * vj[d];
+                    o[1][d] += p1 * vj[d];
+                    o[2][d] += p2 * vj[d];
+                    o[3][d] += p3 * vj[d];
+                }
+            }
+            for (int64_t b = 0; b < RB; b++)
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) acc[(r0 + b) * D + d] = o[b][d];
+        } else {
+            for (int64_t b = 0; b < rb; b++) {
+                float *ar = acc + (r0 + b) * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ar[d] *= keep[b];
+                for (int64_t j = ja; j < je; j++) {
+                    const float p = s[b][j], *vj = vt + j * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) ar[d] += p * vj[d];
+                }
+            }
         }
     }
 }
