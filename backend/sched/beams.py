@@ -45,11 +45,9 @@ class BeamGroups:
         self.slot_of: dict[str, tuple[str, int]] = {}  # seq_id -> (request id, slot)
         self.copies: list[tuple[int, int]] = []  # for the next plan
         self.requests_total = 0
-
-    @property
-    def num_running(self) -> int:
-        """Beams of unfinished searches (the metrics' gauge)."""
-        return sum(len(g.beams) for g in self.groups.values())
+        # beams of unfinished searches (the metrics' gauge): a count, as stats() may be read from
+        # another thread while this one changes the groups
+        self.num_running = 0
 
     def start(self, request: Request) -> None:
         """A beam request arrives: its search begins, and its params become the beams' own (made
@@ -68,6 +66,7 @@ class BeamGroups:
     def add(self, beam: Request) -> None:
         """One of its beams (index = slot), in order."""
         self.groups[beam.request_id].beams.append(beam)
+        self.num_running += 1
         self.slot_of[beam.seq_id] = (beam.request_id, beam.index)
 
     def take(self, sampled: dict) -> None:
@@ -133,6 +132,7 @@ class BeamGroups:
 
     def _forget(self, request_id: str, g: _Group) -> None:
         del self.groups[request_id]
+        self.num_running -= len(g.beams)
         for b in g.beams:
             self.slot_of.pop(b.seq_id, None)
 
