@@ -108,6 +108,22 @@ def test_cancelling_a_beam_request_frees_every_beam(model):
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_beams_running"] == 0
     engine.check_integrity()
 
+def test_a_failed_step_ends_the_search_with_one_error_per_returned_beam(model, monkeypatch):
+    _, _, llm = model
+    engine = llm.engine
+    engine.add_request("boom", PROMPTS[0], beams(best_of=3, n=2, max_tokens=8, ignore_eos=True))
+    for _ in range(4):
+        assert not engine.step()
+    monkeypatch.setattr(engine.runner, "execute", lambda plan: (_ for _ in ()).throw(RuntimeError("injected")))
+    finals = engine.step()
+    monkeypatch.undo()
+    assert sorted(o.index for o in finals) == [0, 1] and {o.finish_reason for o in finals} == {"error"}
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_beams_running"] == 0
+    engine.check_integrity()
+
+
 def test_what_the_engine_cannot_run_beams_with_is_refused():
     from types import SimpleNamespace
 
