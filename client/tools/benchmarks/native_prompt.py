@@ -3,9 +3,10 @@
     python -m client.tools.benchmarks.native_prompt --model-path models/smollm2-135m-instruct-q4_1 \\
         [--prompt 3000] [--decodes 6] [--chunks 128,256] [--rounds 2]
 
-Two figures, each timed A B B A per round on the same engine, the C stack (A) swapped for the
-Python layers (B) by setting `runner.decode_path.native` to None between runs (what
-INFLIGHT_NATIVE_DECODE=0 does at start), so load drifts on a shared machine hit both alike:
+Two figures, each timed A B C C B A per round on the same engine: the C stack (A), the Python
+layers (B: `runner.decode_path.native` set to None between runs, what INFLIGHT_NATIVE_DECODE=0 does
+at start) and the Python layers with torch's SDPA for the prompt rows' attention (C: the engine
+before issue 47), so load drifts on a shared machine hit all alike:
 - `ttft_s`: a prompt of --prompt random ids alone, one output token (its chunks of the default
   max_num_batched_tokens), wall time of LLM.generate;
 - `mixed_ms`: the model time of a step of --decodes decode rows and one chunk of C prompt tokens
@@ -13,7 +14,7 @@ INFLIGHT_NATIVE_DECODE=0 does at start), so load drifts on a shared machine hit 
   prompt's chunks while the streams decode (max_num_batched_tokens = decodes + C, no pacing).
 Each figure is taken as wall time and as the process's CPU time (`*_cpu`: with OMP_NUM_THREADS=1
 the work done, which a loaded machine's waits do not inflate). Prints one JSON line per figure:
-each run's value and the ratios Python / C of the medians.
+each run's value and the ratios of the medians to the C stack's.
 """
 from __future__ import annotations
 
@@ -27,40 +28,38 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 
-def _abba(a: Callable[[], tuple], b: Callable[[], tuple], rounds: int, **fields) -> dict:
-    """A B B A per round; each run returns (wall, cpu)."""
-    xs, ys = [], []
+ARMS = ("c_stack", "python_layers", "python_layers_sdpa")
+
+
+def _abc(llm, once: Callable[[], tuple], rounds: int, **fields) -> dict:
+    """A B C C B A per round; each run returns (wall, cpu)."""
+    from dataclasses import replace
+
+    from kernels import reference
+    runner = llm.engine.runner
+    path, stack, metadata, ops = runner.decode_path, runner.decode_path.native, runner.metadata, runner.metadata.ops
+    sdpa = replace(ops, prefill_attention=reference.prefill_attention)
+    runs = {arm: [] for arm in ARMS}
     for _ in range(rounds):
-        xs.append(a())
-        ys.append(b())
-        ys.append(b())
-        xs.append(a())
+        for arm in ARMS + ARMS[::-1]:
+            path.native = stack if arm == "c_stack" else None
+            metadata.ops = sdpa if arm == "python_layers_sdpa" else ops
+            try:
+                runs[arm].append(once())
+            finally:
+                path.native, metadata.ops = stack, ops
     out = dict(fields)
     for i, kind in enumerate(("wall", "cpu")):
-        c, py = [x[i] for x in xs], [y[i] for y in ys]
-        out[f"c_stack_{kind}"], out[f"python_layers_{kind}"] = c, py
-        out[f"ratio_python_over_c_{kind}"] = statistics.median(py) / statistics.median(c)
+        medians = {arm: statistics.median(x[i] for x in runs[arm]) for arm in ARMS}
+        for arm in ARMS:
+            out[f"{arm}_{kind}"] = [round(x[i], 4) for x in runs[arm]]
+            if arm != "c_stack":
+                out[f"ratio_{arm}_over_c_{kind}"] = round(medians[arm] / medians["c_stack"], 3)
     return out
 
 
 def _clocks() -> tuple:
     return time.perf_counter(), time.process_time()
-
-
-def _switch(llm, native: bool):
-    """Run `fn` with the C stack on or off."""
-    path = llm.engine.runner.decode_path
-    stack = path.native
-
-    def run(fn: Callable[[], float]) -> Callable[[], float]:
-        def inner() -> float:
-            path.native = stack if native else None
-            try:
-                return fn()
-            finally:
-                path.native = stack
-        return inner
-    return run
 
 
 def ttft(model_path: str, length: int, rounds: int, seed: int) -> dict:
@@ -78,7 +77,7 @@ def ttft(model_path: str, length: int, rounds: int, seed: int) -> dict:
         t1, c1 = _clocks()
         return t1 - t0, c1 - c0
     once()  # warm-up
-    return _abba(_switch(llm, True)(once), _switch(llm, False)(once), rounds, figure="ttft_s", prompt=length)
+    return _abc(llm, once, rounds, figure="ttft_s", prompt=length)
 
 
 def mixed(model_path: str, length: int, decodes: int, chunk: int, rounds: int, seed: int) -> dict:
@@ -108,8 +107,7 @@ def mixed(model_path: str, length: int, decodes: int, chunk: int, rounds: int, s
                      SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
         return tuple(1000 * statistics.median(t[i] for t in times) for i in (0, 1))
     once()
-    return _abba(_switch(llm, True)(once), _switch(llm, False)(once), rounds, figure="mixed_ms", decodes=decodes,
-                 chunk=chunk, steps_timed=len(times))
+    return _abc(llm, once, rounds, figure="mixed_ms", decodes=decodes, chunk=chunk, steps_timed=len(times))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
