@@ -189,6 +189,38 @@ def test_chunks_end_outside_images_and_within_the_encoder_budget():
     assert image_chunk(items, 14, 9, budget) == 0
     budget.reset()
     assert image_chunk(items, 14, 9, budget) == 9 and budget.left == 1
+    budget.reset()
+    assert image_chunk(items, 0, 5, budget) == 3  # a paced chunk of 5 tokens: cut before the image...
+    budget.room = 12
+    assert image_chunk(items, 3, 5, budget) == 9  # ...and taken whole when the step has room for it
+    budget.reset()
+    budget.room = 8
+    assert image_chunk(items, 3, 5, budget) == 0
     keyed = keyed_tokens(list(range(30)), items)
     assert keyed[:3] == [0, 1, 2] and keyed[12:14] == [12, 13] and all(t < 0 for t in keyed[3:12] + keyed[14:23])
     assert keyed_tokens(list(range(30)), [ImageItem("c" * 64, 3, 9)])[3:12] != keyed[3:12]
+
+
+@pytest.mark.slow
+def test_a_paced_step_still_takes_an_image_whole(vision):
+    """Prefill pacing caps a step's prompt tokens while others decode (a 0.001 ms target: the floor,
+    a token or so a step); an image's 9 tokens never fit that cap, so they run whole within the
+    step's room instead of waiting for the decodes to end."""
+    path, model, _ = vision
+    llm = LLM(str(path), kv_block_size=16, max_tokens_in_paged_kv_cache=2048, inter_token_target_ms=0.001)
+    engine, greedy = llm.engine, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"text{i}", [30 + i, 31, 32, 33], greedy)
+    for _ in range(6):
+        engine.step()
+    prompt = [5, 6, 7, 8, BOI, 9]
+    engine.add_request("image", mm_prompt(prompt, [random_image(12, 20, 20)]), SamplingParams(max_tokens=3, temperature=0))
+    done = {}
+    for _ in range(40):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if "image" in done:
+            break
+    assert "image" in done and not any(k.startswith("text") for k in done), "the image request waited for the decodes"
+    assert done["image"].token_ids == hf_generate(model, prompt, [random_image(12, 20, 20)], 3)

@@ -47,20 +47,29 @@ def chunk_end(items: Sequence[ImageItem], start: int, n: int) -> int:
 
 class EncoderBudget:
     """The image tokens the encoder may still take this step (max_num_encoder_input_tokens, else
-    max_num_batched_tokens; vLLM's encoder budget): the scheduler resets it each step."""
+    max_num_batched_tokens; vLLM's encoder budget): the scheduler resets it each step. `room`: the
+    step's token budget left, which the scheduler sets before each chunk it asks for: a chunk capped
+    below it (prefill pacing) may still take an image whole rather than wait for a larger cap."""
 
     def __init__(self, config):
         self.total = config.max_num_encoder_input_tokens or config.max_num_batched_tokens
         self.left = self.total
+        self.room: "int | None" = None
 
     def reset(self) -> None:
-        self.left = self.total
+        self.left, self.room = self.total, None
 
 
 def image_chunk(items: Sequence[ImageItem], start: int, n: int, budget: "EncoderBudget | None" = None) -> int:
     """`chunk_end`, then cut before the first image the step's encoder budget has no room for
-    (whose tokens it takes from the budget)."""
-    n = chunk_end(items, start, n)
+    (whose tokens it takes from the budget). A chunk that could only end inside an image is taken to
+    the image's end when the step's `room` holds it (else pacing could starve an image forever)."""
+    m = chunk_end(items, start, n)
+    if m == 0 and n > 0 and budget is not None and budget.room:
+        inside = next(item for item in items if item.offset < start + n < item.end)
+        if inside.end - start <= budget.room:
+            m = inside.end - start
+    n = m
     if budget is None or n == 0:
         return n
     used = 0

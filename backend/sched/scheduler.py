@@ -150,6 +150,7 @@ class Scheduler:
                 i += 1  # its prefix is still on its way back from a lower tier (backend/kv_tiers/)
                 continue
             decoding = req.num_tokens - req.num_computed_tokens == 1
+            self.admission.encoder.room = budget  # a paced chunk may still take an image whole
             n = chunk(req, budget if decoding or prompt_left is None else min(budget, prompt_left), self.config,
                       self.admission.encoder)
             if n == 0:
@@ -168,6 +169,7 @@ class Scheduler:
         budget += held
         if not out.preempted and self._delay_passed(now):
             room = budget if prompt_left is None else min(budget, max(prompt_left, self._head_floor()))
+            self.admission.encoder.room = budget
             budget -= room - self.admission.admit(out, room, now)
         out.spare_tokens = budget
         self._use_leftover_budget(out, budget)
