@@ -326,6 +326,22 @@ def test_forced_recompute_gives_the_loaded_tokens_and_leaves_the_tiers_idle(chat
 
 
 @pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
+def test_every_block_found_on_disk_is_counted_loaded_or_computed_again(chat, tmp_path):
+    """Behind a host tier of 3 slots, some disk blocks found cannot be staged (no slot left): they
+    are misses, so that per tier hits = load_chosen + recompute_chosen."""
+    path, turns, expected = chat
+    llm = LLM(str(path), kv_host_cache_bytes=3 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path / "kv"),
+              kv_disk_cache_bytes=64 * FILE_BYTES, **ENGINE)
+    assert run_turns(llm, turns) == expected
+    tiers = llm.stats()["kv_tiers"]
+    assert tiers["disk"]["hits"] >= 2, tiers  # (how many reach the disk in time varies)
+    for tier in ("host", "disk"):
+        assert tiers[tier]["hits"] == tiers[tier]["load_chosen"] + tiers[tier]["recompute_chosen"], tiers
+    assert_idle(llm)
+    llm.close()
+
+
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_auto_loads_where_the_copy_is_cheaper_and_computes_where_it_is_dearer(chat):
     """The default policy weighs the copy's price (measured at start) against the engine's own price
     of the tokens: a copy made free loads every block found, one of 10 s a block loads none."""
