@@ -121,6 +121,7 @@ class Frontend:
                 return
             if self._closing:
                 raise ServerClosing("the server is shutting down; retry later")
+            pooling = pooling_params(parsed, self.engine, outputs)  # a pooling model's request (pooling_door.py)
             live = Live(key=f"{client_id or 'req'}#{next(self._ids)}", client_id=client_id,
                         sender=sender, stream=parsed.stream, exclude_input=parsed.exclude_input,
                         prompt_text=parsed.prompt if isinstance(parsed.prompt, str) else None,
@@ -136,7 +137,6 @@ class Frontend:
             queue = {"queue_info": True} if "return_queue_info" in parsed.returns else {}
             if parsed.lora_name is not None:
                 queue["lora_request"] = parsed.lora_name
-            pooling = pooling_params(parsed, self.engine, outputs)  # a pooling model's request (pooling_door.py)
             if pooling is not None:
                 queue["pooling"] = pooling
             try:
