@@ -47,6 +47,7 @@ class EngineCore:
                 self.beams.add(seq)
             seq.bad_words_ids = request.bad_words_ids
             seq.lora_name, seq.cache_salt = request.lora_name, request.cache_salt
+            seq.mm_items = request.mm_items  # its images: the same placeholders, pixels and keys
             if seq is not request and request.grammar is not None:
                 seq.grammar = request.grammar.sibling()  # each completion follows the grammar on its own
             self.scheduler.add(seq)
