@@ -356,3 +356,21 @@ def test_auto_loads_where_the_copy_is_cheaper_and_computes_where_it_is_dearer(ch
         assert host[chosen] == host["hits"] >= 12, host
         assert_idle(llm)
         llm.close()
+
+
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
+def test_auto_computes_a_disk_block_again_rather_than_sit_out_a_busy_step(chat, tmp_path):
+    """A disk block's request waits a step for its read: with the running requests' step priced at
+    100 s (and copies free), auto computes every disk block found beside a running batch again."""
+    path, turns, expected = chat
+    llm = LLM(str(path), kv_host_cache_bytes=3 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path / "kv"),
+              kv_disk_cache_bytes=64 * FILE_BYTES, **{**ENGINE, "kv_tier_load_policy": "auto"})
+    choice = llm.engine.scheduler.admission.choice
+    choice.prices = CopyPrices(0.0, 0.0, 0.0)
+    decode = choice.cost.decode_seconds
+    choice.cost.decode_seconds = lambda rows: 100.0 if rows else decode(rows)
+    assert run_turns(llm, turns) == expected
+    disk = llm.stats()["kv_tiers"]["disk"]
+    assert disk["recompute_chosen"] >= 1 and disk["recompute_chosen"] + disk["load_chosen"] == disk["hits"], disk
+    assert_idle(llm)
+    llm.close()

@@ -241,7 +241,8 @@ class Admission:
         self.pool.start(req, (first + got) * bs if lower else req.num_computed_tokens + n, now, self.steps)
         where, chosen = self.choice.declined(req.seq_id)
         self.tiers.counts.lookup(len(hashes), first, claim, declined=where[chosen:])
-        self.tiers.counts.chose(where[:got] + where[chosen:], got)  # (chosen but not claimed: misses)
+        claimed = list(claim.from_disk) if claim is not None else []  # (where a staging slot took a host block's)
+        self.tiers.counts.chose(claimed + where[chosen:], got)  # (chosen but not claimed: misses)
         if claim is not None:  # it runs once the load is done (`landed`), or now for blocks back at once
             blocks = self.blocks.block_table(req.seq_id)[first:first + got]
             req.kv_load = self.tiers.start_load(req.seq_id, claim, blocks)

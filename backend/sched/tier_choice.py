@@ -60,7 +60,8 @@ class TierChoice:
         best, best_k, disk = self.compute_seconds(start, end, prices), 0, 0
         for k in range(1, m + 1):
             disk += from_disk[k - 1]
-            seconds = self.prices.load_seconds(k - disk, disk) + self.compute_seconds(start + k * self.block_size, end, prices)
+            seconds = (self.prices.load_seconds(k - disk, disk)
+                       + self.compute_seconds(start + k * self.block_size, end, prices))
             seconds += wait if disk or not at_once else 0.0
             if seconds < best:
                 best, best_k = seconds, k
