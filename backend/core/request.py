@@ -67,6 +67,9 @@ class Request(TokenSequence):
         self.prefix_hashes: Optional[tuple[int, list[bytes]]] = None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache or a KV tier (vLLM's)
         self.kv_load = None  # its prefix on its way back from a KV tier (backend/kv/tiers/plan.KVLoad)
+        # a later beam of a search, started with its first (backend/sched/admission.py) and holding
+        # nothing until the first has computed the prompt it forks
+        self.parked = False
         # The seed of its random stream (`sampling_stream`), which the worker keeps with the sequence.
         self.seed = seed
         self.bad_words_ids: list[list[int]] = []  # set by the engine, which has the tokenizer

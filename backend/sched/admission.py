@@ -25,6 +25,7 @@ from backend.sched.backfill import Backfill, Window
 from backend.sched.batching import BatchingGate
 from backend.sched.lora_slots import LoRASlots
 from backend.sched.pool import RequestPool
+from backend.sched.siblings import family_size, first_sibling, start_family, waits_for_sibling
 from backend.sched.batch import SchedulerOutput
 from backend.sched.pacing import StepCost
 from backend.sched.tier_choice import TierChoice
@@ -94,9 +95,11 @@ class Admission:
         while i < len(queue):
             req = queue[i]
             i += 1
+            if req.parked:
+                continue  # a beam that started with its family in this pass
             if not (allowed > 0 and budget > 0 and len(pool.running) < config.max_num_seqs):
                 break
-            if req.index and self._waits_for_sibling(req, unstarted):
+            if req.index and waits_for_sibling(self.pool.running, req, unstarted):
                 break
             if self.lora_slots is not None and not self.lora_slots.may_start(req):
                 if req.index == 0:
@@ -109,10 +112,12 @@ class Admission:
                 lower = self._lower_tier_blocks(req)  # > 0: it holds them now and runs once they are back
                 n = 0 if lower else chunk(req, budget, config, self.encoder)
                 held = req.num_computed_tokens + (lower * self.blocks.block_size if lower else n)
-                fits = (n > 0 or lower > 0) and self.policy.can_admit(req, held)
+                fits = ((n > 0 or lower > 0) and len(pool.running) + family_size(req) <= config.max_num_seqs
+                        and self.policy.can_admit(req, held))
             if fits and window is not None:
-                # no sharing credit: the blocks it shares now may be its alone by the reservation
-                fits = window.admits(req, self.blocks.blocks_for(req.max_kv_tokens))
+                # no sharing credit: the blocks it shares now may be its alone by the reservation;
+                # a beam search is never started ahead of the head (its family would need more slots)
+                fits = family_size(req) == 1 and window.admits(req, self.blocks.blocks_for(req.max_kv_tokens))
             if not fits and self.policy.may_preempt:
                 freed = self._preempt_for(req, out, unstarted)
                 if freed is not None:
@@ -134,6 +139,8 @@ class Admission:
                 self._start_with_tiers(req, lower, n, now)
             else:
                 pool.start(req, req.num_computed_tokens + n, now, self.steps)
+            if family_size(req) > 1:
+                start_family(pool, req, queue[i:], now, self.steps)
             if self.lora_slots is not None:
                 self.lora_slots.started(req)
             self.prefix_hit_tokens += req.num_computed_tokens
@@ -175,26 +182,27 @@ class Admission:
             unstarted.add(victim.request_id)  # it waits again: its later completions wait for it
         return self.pool.evict(victim, out)
 
-    # -- n > 1: the completions of one prompt share its KV ------------------------------------
-    def _first_sibling(self, req: Request) -> Optional[Request]:
-        if req.index == 0:
-            return None
-        return next((r for r in self.pool.running if r.request_id == req.request_id and r.index == 0), None)
-
-    def _waits_for_sibling(self, req: Request, unstarted: set[str]) -> bool:
-        """A later completion waits until the first one has computed the prompt it will share. The
-        first, when it still waits, comes before it in the queue (same priority, earlier arrival),
-        so this pass has passed it over (`unstarted`): no search of the queue."""
-        first = self._first_sibling(req)
-        if first is None:
-            return req.request_id in unstarted
-        return first.num_computed_tokens < req.num_prompt_tokens - 1
+    # -- n > 1: the completions of one prompt share its KV (siblings.py) -----------------------
+    def ready(self, req: Request) -> bool:
+        """May a running request run a row this step? Not while its prefix comes back from a
+        lower tier (`landed`), nor while it is a parked beam whose first has not computed the
+        prompt: then it forks the prompt's full blocks and computes the rest."""
+        if req.kv_load is not None:
+            return self.landed(req)
+        if req.parked:
+            if waits_for_sibling(self.pool.running, req, set()):
+                return False
+            req.parked = False
+            req.num_computed_tokens = self._reuse_computed(req)
+            self.prefix_hit_tokens += req.num_computed_tokens
+            self.policy.refresh(req)  # its need now counts the blocks it shares, as it holds them
+        return True
 
     def _reuse_computed(self, req: Request) -> int:
         """Tokens already in the cache for req: its first sibling's full prompt blocks, shared, or
         a cached prefix (enable_kv_cache_reuse). The last prompt token is always computed again, so
         that its logits give the first token."""
-        first = self._first_sibling(req)
+        first = first_sibling(self.pool.running, req)
         if first is not None:
             forked = self.blocks.fork(first.seq_id, req.seq_id, req.num_prompt_tokens - 1)
             if forked or not self.blocks.enable_prefix_caching:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 from backend.kv.groups import KVCacheGroups
 from backend.core.request import Request
 from backend.sched.policies import GuaranteedNoEvict
+from backend.sched.siblings import family_size
 
 
 def own_work(req: Request) -> int:
@@ -89,6 +90,8 @@ class Backfill:
         counts every holder: `running` is all of them under in-flight batching)."""
         bounds = finish_bounds(running)
         need = self.blocks.blocks_for(head.max_kv_tokens)  # no prefix credit: its cached blocks may be gone by then
+        need += self.policy.family_blocks(head)  # a beam search starts with all its beams (siblings.py)
+        family = family_size(head)
         ending = sorted(range(len(running)), key=bounds.__getitem__)
         reserved, still = self.policy.reserved_blocks(), len(running)
         dropped: dict[int, int] = {}  # block -> holders already ended
@@ -106,6 +109,6 @@ class Backfill:
                 j += 1
             free = self.blocks.num_blocks - reserved
             slots = self.max_num_seqs - still
-            if free >= need and slots >= 1:
-                return Window(head, at, free - need, slots - 1, ahead)
+            if free >= need and slots >= family:
+                return Window(head, at, free - need, slots - family, ahead)
         return None

@@ -87,8 +87,11 @@ class GuaranteedNoEvict(CapacityPolicy):
         self._decoding: set[str] = set()  # holders past their prompt: their need no longer changes
 
     def need(self, request: Request) -> int:
+        """The most blocks request holds at once from now on; a parked beam's, less the prompt's
+        full blocks it will fork from its first (counted once, by the first)."""
         decoding = request.num_tokens - request.num_computed_tokens <= 1  # a decode step next
-        return self.blocks.blocks_for(request.max_kv_tokens, decoding)
+        need = self.blocks.blocks_for(request.max_kv_tokens, decoding)
+        return need - self._prompt_shared(request) if request.parked else need
 
     def reserved_for(self, request: Request) -> int:
         return self._needs.get(request.seq_id, self.need(request))
@@ -113,19 +116,23 @@ class GuaranteedNoEvict(CapacityPolicy):
         return self.blocks.num_used_blocks + self.need_total - self.blocks.num_held
 
     def cannot_fit(self, request: Request, shared: int) -> bool:
-        return self.reserved_blocks() + self.need(request) + self._beams(request) - shared > self.blocks.num_blocks
+        return self.reserved_blocks() + self.need(request) + self.family_blocks(request) - shared > self.blocks.num_blocks
 
     def can_admit(self, request: Request, tokens_now: int) -> bool:
-        return self.reserved_blocks() + self.need(request) + self._beams(request) <= self.blocks.num_blocks
+        return self.reserved_blocks() + self.need(request) + self.family_blocks(request) <= self.blocks.num_blocks
 
-    def _beams(self, request: Request) -> int:
-        """Beam search (backend/sched/beams.py): its first beam starts only when the others fit too
-        (each its own growth beside the prompt's full blocks they share): a search waits for all its
-        beams, so one that started without room for them would hold its blocks and wait forever."""
+    def family_blocks(self, request: Request) -> int:
+        """Beam search (backend/sched/beams.py): the blocks a search's later beams add to its first's
+        (each its own growth beside the prompt's full blocks they share). A search waits for all its
+        beams, so its family starts as one, in the step its first does (admission.py), or not at all:
+        one that started without room for them would hold its blocks and wait forever."""
         if request.index or not request.params.use_beam_search:
             return 0
-        shared = (request.num_prompt_tokens - 1) // self.blocks.block_size if len(self.blocks.groups) == 1 else 0
-        return (request.params.n - 1) * (self.need(request) - shared)
+        return (request.params.n - 1) * (self.need(request) - self._prompt_shared(request))
+
+    def _prompt_shared(self, request: Request) -> int:
+        """The prompt's full blocks a later completion forks (with local layers: none counted)."""
+        return (request.num_prompt_tokens - 1) // self.blocks.block_size if len(self.blocks.groups) == 1 else 0
 
     def reserved_by(self, holders: Sequence[Request]) -> int:
         future = sum(max(0, self.reserved_for(r) - self.blocks.num_blocks_of(r.seq_id)) for r in holders)

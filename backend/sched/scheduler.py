@@ -146,8 +146,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.kv_load is not None and not self.admission.landed(req):
-                i += 1  # its prefix is still on its way back from a lower tier (backend/kv_tiers/)
+            if not self.admission.ready(req):
+                i += 1  # its prefix is on its way back from a lower tier, or a parked beam (admission.py)
                 continue
             decoding = req.num_tokens - req.num_computed_tokens == 1
             self.admission.encoder.room = budget  # a paced chunk may still take an image whole

@@ -1,0 +1,87 @@
+"""A beam search's beams are admitted as one family (issue 43's liveness bug): all of them start in
+the step its first does, so no search holds part of its family's blocks while the rest waits
+behind another request. On a 6-block cache that fits one search at a time: a more urgent request
+arriving while a search's later beams would still wait, two searches and it all finish (equal to a
+roomy cache's answers), the pool back to idle; a cancelled search whose later beams have not run yet
+gives everything back. Every loop has a bounded step count."""
+from __future__ import annotations
+
+import pytest
+
+from backend import LLM, SamplingParams
+from hf_checkpoints import make_checkpoint
+
+BLOCK = 16
+SEARCH_A = [5, 17, 99, 200, 31, 7, 8, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55]  # 19 tokens
+SEARCH_B = [(7 * i + 3) % 500 + 3 for i in range(21)]
+URGENT = [(11 * i + 5) % 500 + 3 for i in range(37)]
+STEPS = 300  # every test's bound: far more than the work needs
+
+
+def beams(width: int, n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, use_beam_search=True, best_of=width, n=n, max_tokens=12, ignore_eos=True)
+
+
+# A: 2 blocks a beam, the prompt's first shared: 2 + 3 x 1 = 5 of 6. B: 2 + 1 x 1 = 3. The urgent
+# request: 37 + 40 tokens, 5 blocks; beside A's first beam alone (2) it would not fit either.
+REQUESTS = [("A", SEARCH_A, beams(4, 2)), ("B", SEARCH_B, beams(2, 2)),
+            ("urgent", URGENT, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))]
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    path = str(make_checkpoint("llama", tmp_path_factory.mktemp("llama")))
+    kw = dict(kv_block_size=BLOCK, max_num_batched_tokens=64, enable_chunked_context=True)
+    roomy, tight = LLM(path, max_tokens_in_paged_kv_cache=1024, **kw), LLM(path, max_tokens_in_paged_kv_cache=6 * BLOCK, **kw)
+    expected = {rid: [s.token_ids for s in o.samples or [o]]
+                for (rid, _, _), o in zip(REQUESTS, roomy.generate([p for _, p, _ in REQUESTS], [s for _, _, s in REQUESTS]))}
+    roomy.close()
+    yield tight, expected
+    tight.close()
+
+
+def run_out(engine, finals: dict) -> None:
+    for _ in range(STEPS):
+        for o in engine.step():
+            if o.finished:
+                finals.setdefault(o.request_id, {})[o.index] = o.token_ids
+        if not engine.has_work():
+            return
+    raise AssertionError(f"still working after {STEPS} steps: a request waits forever "
+                         f"(running {[r.seq_id for r in engine.scheduler.running]}, "
+                         f"waiting {[r.seq_id for r in engine.scheduler.waiting]})")
+
+
+def idle(llm) -> None:
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0 and stats["num_beams_running"] == 0
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("urgent_priority", [-1, 0], ids=["more-urgent", "no-priorities"])
+def test_a_search_starts_whole_and_an_urgent_request_never_hangs_it(llms, urgent_priority):
+    llm, expected = llms
+    engine, finals = llm.engine, {}
+    engine.add_request("A", SEARCH_A, REQUESTS[0][2])
+    engine.add_request("B", SEARCH_B, REQUESTS[1][2])
+    engine.step()  # A's first beam computes the prompt; its three other beams start with it
+    assert sorted(r.index for r in engine.scheduler.running if r.request_id == "A") == [0, 1, 2, 3]
+    assert not [r for r in engine.scheduler.waiting if r.request_id == "A"], "a search's beams were left queued"
+    engine.add_request("urgent", URGENT, REQUESTS[2][2], priority=urgent_priority)
+    run_out(engine, finals)
+    assert {rid: [got[i] for i in range(len(got))] for rid, got in finals.items()} == expected
+    idle(llm)
+
+
+def test_cancelling_a_search_whose_beams_have_not_run_frees_everything(llms):
+    llm, _ = llms
+    engine = llm.engine
+    engine.add_request("A", SEARCH_A, REQUESTS[0][2])
+    engine.add_request("B", SEARCH_B, REQUESTS[1][2])  # waits: A's family holds 5 of 6 blocks
+    engine.step()
+    assert engine.stats()["kv_blocks_reserved"] == 5, "A's family is not reserved whole"
+    for rid, n in (("A", 2), ("B", 2)):  # A with beams that never ran a row; B wholly queued
+        finals = engine.abort(rid)
+        assert sorted(o.index for o in finals) == list(range(n)) and {o.finish_reason for o in finals} == {"abort"}
+    run_out(engine, {})
+    idle(llm)
