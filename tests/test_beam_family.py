@@ -13,7 +13,7 @@ from hf_checkpoints import make_checkpoint
 
 BLOCK = 16
 SEARCH_A = [5, 17, 99, 200, 31, 7, 8, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55]  # 19 tokens
-SEARCH_B = [(7 * i + 3) % 500 + 3 for i in range(21)]
+SEARCH_B = [(7 * i + 3) % 500 + 3 for i in range(17)]  # a block and one: its prompt cached, it runs at once
 URGENT = [(11 * i + 5) % 500 + 3 for i in range(37)]
 STEPS = 300  # every test's bound: far more than the work needs
 
@@ -84,4 +84,34 @@ def test_cancelling_a_search_whose_beams_have_not_run_frees_everything(llms):
         finals = engine.abort(rid)
         assert sorted(o.index for o in finals) == list(range(n)) and {o.finish_reason for o in finals} == {"abort"}
     run_out(engine, {})
+    idle(llm)
+
+
+def test_a_search_whose_prompt_is_cached_but_its_last_token_starts_whole(llms):
+    """A prompt of a block and one token, cached: the first beam has its shared blocks at once,
+    and its parked beams are not tried again in the pass that started them."""
+    llm, expected = llms
+    for _ in range(2):
+        out = llm.generate([SEARCH_B], REQUESTS[1][2])[0]
+        assert [s.token_ids for s in out.samples] == expected["B"]
+    assert out.num_cached_tokens == BLOCK
+    idle(llm)
+
+
+def test_a_search_waits_for_slots_for_all_its_beams(llms, monkeypatch):
+    """max_num_seqs 4 with one request running: a 4-beam search starts only once it has ended."""
+    llm, expected = llms
+    engine, finals = llm.engine, {}
+    monkeypatch.setattr(engine.scheduler.config, "max_num_seqs", 4)
+    engine.add_request("one", SEARCH_B[:5], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # 1 block
+    engine.step()
+    engine.add_request("A", SEARCH_A, REQUESTS[0][2])
+    for _ in range(STEPS):
+        for o in engine.step():
+            if o.finished:
+                finals.setdefault(o.request_id, {})[o.index] = o.token_ids
+        assert len(engine.scheduler.running) <= 4
+        if not engine.has_work():
+            break
+    assert [finals["A"][i] for i in range(2)] == expected["A"]
     idle(llm)
