@@ -1,7 +1,7 @@
 """Beam search on shared blocks (the PagedAttention paper's showcase): a request with
 use_beam_search is `best_of` sequences (its beams, index 0..N-1) that the scheduler runs as the n
-completions of one prompt are run (the later ones wait for the first's prompt and fork its full
-blocks). No torch here.
+completions of one prompt are run, all started in one step (siblings.py: the later ones wait for the
+first's prompt and fork its full blocks). No torch here.
 
 Each beam's row asks the worker for its top 2N raw log-probabilities (`Sampled.top`, through the
 step contract; the beams' own `params` ask for them). `BeamGroups.take` pulls those results out of
