@@ -115,3 +115,27 @@ def test_a_search_waits_for_slots_for_all_its_beams(llms, monkeypatch):
             break
     assert [finals["A"][i] for i in range(2)] == expected["A"]
     idle(llm)
+
+
+def test_no_search_is_backfilled_past_a_head_it_would_delay(llms, monkeypatch):
+    """Backfill on (max_num_seqs 8 under a 64-token budget). A 2-block request runs a few steps; the
+    head (5 blocks) waits for it; a 2-beam search behind fits now (2 + 1 x 2) and would outlast it.
+    One beam would fit in what is spare at the head's reservation (1 block), its family does not:
+    it waits, and the head starts by its reserved step."""
+    from backend.sched.backfill import Backfill
+    llm, _ = llms
+    engine, sched = llm.engine, llm.engine.scheduler
+    monkeypatch.setattr(sched.config, "max_num_seqs", 8)
+    monkeypatch.setattr(sched.admission, "backfill", Backfill(sched.blocks, 8, sched.policy))
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    engine.add_request("short", [(13 * i + 1) % 500 + 3 for i in range(30)], SamplingParams(max_tokens=2, **greedy))
+    engine.step()
+    head = engine.add_request("head", URGENT, SamplingParams(max_tokens=40, **greedy))
+    engine.add_request("S", SEARCH_A[:3], SamplingParams(use_beam_search=True, best_of=2, n=2, max_tokens=13, **greedy))
+    engine.step()
+    reserved = sched.reservation
+    assert reserved is not None and reserved.seq_id == "head"
+    assert not [r for r in sched.running if r.request_id == "S"], "a search was backfilled ahead of the head"
+    run_out(engine, {})
+    assert head.first_scheduled_step <= reserved.step
+    idle(llm)
