@@ -196,6 +196,12 @@ def test_chunks_end_outside_images_and_within_the_encoder_budget():
     budget.reset()
     budget.room = 8
     assert image_chunk(items, 3, 5, budget) == 0
+    # an image taken whole past the pacer's cap leaves the cap negative for the next request: no chunk
+    # (a negative one reached the worker, found running the chunked case alone)
+    from backend.sched.admission import chunk
+    req = SimpleNamespace(num_tokens=40, num_computed_tokens=4, mm_items=items)
+    config = SimpleNamespace(enable_chunked_context=True, max_num_batched_tokens=16)
+    assert chunk(req, -3, config) == 0 and chunk(SimpleNamespace(**{**vars(req), "mm_items": []}), -3, config) == 0
     keyed = keyed_tokens(list(range(30)), items)
     assert keyed[:3] == [0, 1, 2] and keyed[12:14] == [12, 13] and all(t < 0 for t in keyed[3:12] + keyed[14:23])
     assert keyed_tokens(list(range(30)), [ImageItem("c" * 64, 3, 9)])[3:12] != keyed[3:12]

@@ -41,7 +41,7 @@ def chunk(req: Request, budget: int, config: EngineConfig, encoder: Optional[Enc
     and takes no more image tokens than the step's `encoder` budget has left: core/multimodal.py)."""
     remaining = req.num_tokens - req.num_computed_tokens
     chunked = config.enable_chunked_context or remaining > config.max_num_batched_tokens
-    n = remaining if remaining <= budget else budget if chunked else 0
+    n = max(0, remaining if remaining <= budget else budget if chunked else 0)  # (a paced image may overdraw)
     return image_chunk(req.mm_items, req.num_computed_tokens, n, encoder) if req.mm_items else n
 
 
