@@ -117,25 +117,37 @@ def test_a_search_waits_for_slots_for_all_its_beams(llms, monkeypatch):
     idle(llm)
 
 
-def test_no_search_is_backfilled_past_a_head_it_would_delay(llms, monkeypatch):
+# (head, behind): 5 blocks each head; behind, 2 blocks that fit beside the running request now,
+# outlast it, and do not fit in the 1 block spare at the head's reservation
+BACKFILL = {"search-behind": (("head", URGENT, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
+                              ("S", SEARCH_A[:3], SamplingParams(temperature=0.0, use_beam_search=True, best_of=2, n=2,
+                                                                 max_tokens=13, ignore_eos=True))),
+            "search-head": (("A", SEARCH_A, REQUESTS[0][2]),
+                            ("P", SEARCH_B[:5], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)))}
+
+
+@pytest.mark.parametrize("case", BACKFILL)
+def test_backfill_counts_a_search_as_its_family(llms, monkeypatch, case):
     """Backfill on (max_num_seqs 8 under a 64-token budget). A 2-block request runs a few steps; the
-    head (5 blocks) waits for it; a 2-beam search behind fits now (2 + 1 x 2) and would outlast it.
-    One beam would fit in what is spare at the head's reservation (1 block), its family does not:
-    it waits, and the head starts by its reserved step."""
+    head (5 blocks; a search's: 2 + 3 x 1) waits for it; behind it, a request that fits now (2
+    blocks) and would outlast it. A search behind (1 block a beam) would fit in what is spare at the
+    head's reservation (1 block) were it one beam; a search as the head leaves 1 spare, not 4. Either
+    way the one behind waits, and the head starts by its reserved step."""
     from backend.sched.backfill import Backfill
     llm, _ = llms
     engine, sched = llm.engine, llm.engine.scheduler
     monkeypatch.setattr(sched.config, "max_num_seqs", 8)
     monkeypatch.setattr(sched.admission, "backfill", Backfill(sched.blocks, 8, sched.policy))
-    greedy = dict(temperature=0.0, ignore_eos=True)
-    engine.add_request("short", [(13 * i + 1) % 500 + 3 for i in range(30)], SamplingParams(max_tokens=2, **greedy))
+    short = [(13 * i + 1) % 500 + 3 for i in range(30)]  # 2 blocks, no prefix shared with the others
+    engine.add_request("short", short, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     engine.step()
-    head = engine.add_request("head", URGENT, SamplingParams(max_tokens=40, **greedy))
-    engine.add_request("S", SEARCH_A[:3], SamplingParams(use_beam_search=True, best_of=2, n=2, max_tokens=13, **greedy))
+    (head_id, head_prompt, head_params), behind = BACKFILL[case]
+    head = engine.add_request(head_id, head_prompt, head_params)
+    engine.add_request(*behind)
     engine.step()
     reserved = sched.reservation
-    assert reserved is not None and reserved.seq_id == "head"
-    assert not [r for r in sched.running if r.request_id == "S"], "a search was backfilled ahead of the head"
+    assert reserved is not None and reserved.seq_id == head_id
+    assert not [r for r in sched.running if r.request_id == behind[0]], "started ahead of the head, delaying it"
     run_out(engine, {})
     assert head.first_scheduled_step <= reserved.step
     idle(llm)
