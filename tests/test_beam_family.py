@@ -151,3 +151,16 @@ def test_backfill_counts_a_search_as_its_family(llms, monkeypatch, case):
     run_out(engine, {})
     assert head.first_scheduled_step <= reserved.step
     idle(llm)
+
+
+def test_a_search_starts_whole_under_batching_mode_none(llms, monkeypatch):
+    """batching_mode none admits one request while nothing runs: a search is one request (its later
+    beams could never start after its first otherwise)."""
+    from backend.sched.batching import NoBatchingGate
+    llm, expected = llms
+    monkeypatch.setattr(llm.engine.scheduler.admission, "gate", NoBatchingGate(llm.engine.scheduler.config))
+    finals = {}
+    llm.engine.add_request("A", SEARCH_A, REQUESTS[0][2])
+    run_out(llm.engine, finals)
+    assert [finals["A"][i] for i in range(2)] == expected["A"]
+    idle(llm)
