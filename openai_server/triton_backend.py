@@ -85,15 +85,16 @@ class TritonBackend:
         """The LoRA adapters the engine holds now (name -> ""), as the model's `lora_action: list`
         answers (model_repository/llm/1/lora_control.py): kept until `refresh` (a load or unload
         here, /v1/models, a name not among them). A model that does not answer it: the adapters of
-        its config as Triton loaded it (multi_lora.json and lora_modules, name -> folder). None
-        while Triton does not answer, so /v1/models still lists the served model."""
+        its config as Triton loaded it (multi_lora.json and lora_modules, name -> folder). While Triton
+        does not answer: the last list it gave (none before its first), so /v1/models still lists
+        the served model."""
         if self._adapters is None or refresh:
             try:
                 answer = await self.lora_control({"lora_action": "list"})
                 self._adapters = dict.fromkeys(answer.get("adapters", []), "")
             except APIError as exc:
-                if exc.status == 503:
-                    return {}
+                if exc.status == 503:  # Triton not answering: what it last said, if anything
+                    return self._adapters or {}
                 try:
                     config = (await self.client.get_model_config(self.model, as_json=True)).get("config", {})
                 except InferenceServerException:
