@@ -164,3 +164,17 @@ def test_a_search_starts_whole_under_batching_mode_none(llms, monkeypatch):
     run_out(llm.engine, finals)
     assert [finals["A"][i] for i in range(2)] == expected["A"]
     idle(llm)
+
+
+def test_sampled_completions_start_one_by_one_and_never_hang(llms):
+    """n > 1 sampled completions share the first's prompt blocks but not a search's wait: the first
+    runs on while a more urgent request that does not fit waits, and the others start after it."""
+    llm, _ = llms
+    engine, finals = llm.engine, {}
+    engine.add_request("X", SEARCH_A, SamplingParams(temperature=0.0, n=3, max_tokens=12, ignore_eos=True))
+    engine.step()
+    assert [r.index for r in engine.scheduler.running] == [0], "sampled completions wait for the first's prompt"
+    engine.add_request("urgent", URGENT, REQUESTS[2][2], priority=-1)
+    run_out(engine, finals)
+    assert len(set(map(tuple, finals["X"].values()))) == 1 and len(finals["X"]) == 3  # greedy: three equal
+    idle(llm)
