@@ -111,3 +111,25 @@ def test_an_update_counts_the_tokens_before_it_shows_the_requests_gone(monkeypat
     moves = [n for n, _ in order]
     assert "inflight_generation_tokens_total" in moves and "inflight_num_requests_running" in moves
     assert moves.index("inflight_generation_tokens_total") < moves.index("inflight_num_requests_running")
+
+
+def test_the_tier_series_exist_with_their_values_before_the_model_is_ready(monkeypatch):
+    """The metrics writer makes its first report when model.py's initialize builds it, not on its
+    thread later: a served test that waited for the host tier's fill series read the disk tier's
+    before it was made (a KeyError; the series are made one IPC at a time) or before it was set."""
+    metrics = _model_metrics(monkeypatch, "inflight_first_report_model")
+    sys.path.insert(0, str(MODEL_PY.parent))
+    try:
+        from triton_outputs import MetricsWriter
+    finally:
+        sys.path.remove(str(MODEL_PY.parent))
+    base = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_blocks_total": 8, "kv_blocks_used": 0}
+    writer = MetricsWriter(metrics, 3600.0, lambda: {**base, "kv_tiers": TIER_STATS})  # its thread waits an hour
+    try:
+        series = {(f.name, m.labels.get("tier"), m.labels.get("state")): m.value
+                  for f in _MetricFamily.created for m in f.metrics}
+        assert series.get(("inflight_kv_tier_blocks", "disk", "used")) == 9
+        assert series.get(("inflight_kv_tier_blocks", "host", "total")) == 8
+        assert series.get(("inflight_kv_tier_hits_total", "disk", None)) == 2
+    finally:
+        writer.close()

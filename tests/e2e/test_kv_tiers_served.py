@@ -38,12 +38,19 @@ def test_the_first_request_after_a_restart_finds_its_prefix_on_disk(model_reposi
     assert len(list(folder.glob("*.kv"))) >= 2  # written when the server stopped
 
     with TritonServer(model_repository, params=params, model_path=str(model_path)) as server:
-        # the tiers' series are made at the engine's first report (gauges refresh every 0.1 s)
-        wait_until(lambda: "inflight_kv_tier_blocks" in series_names(server), timeout=5)
+        # every tier series exists with its value once the model is ready (the first report is
+        # written in initialize): no wait here; waiting for one series' name once let the test read
+        # another before it was made (a KeyError)
         assert metric(server, "inflight_kv_tier_blocks", tier="disk", state="used") >= 2
         assert ask(server, PROMPT) == (want, 32)  # the first request after the restart
-        assert metric(server, "inflight_kv_tier_hits_total", tier="disk") == 2
-        assert metric(server, "inflight_kv_tier_bytes_total", tier="disk", direction="load") > 0
+        # counters are written by the metrics thread (every 0.1 s, or poked when a request starts
+        # or ends), not before the response: wait for the request's hits, then check there are no more
+        def disk_hits():
+            return metric(server, "inflight_kv_tier_hits_total", tier="disk")
+        wait_until(lambda: disk_hits() >= 2, timeout=5)
+        assert disk_hits() == 2
+        wait_until(lambda: metric(server, "inflight_kv_tier_bytes_total", tier="disk", direction="load") > 0,
+                   timeout=5)
         # the gauges refresh every 0.1 s: the request's blocks are given back by then
         wait_until(lambda: metric(server, "inflight_kv_blocks", state="used") == 0, timeout=5)
         tier_panels = {n for n in dashboard_metric_names() if n.startswith(PER_TIER_PREFIX)}

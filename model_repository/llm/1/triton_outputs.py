@@ -164,6 +164,11 @@ class MetricsWriter:
         self._pending: collections.deque = collections.deque()  # (kind, seconds, count)
         self._wake = threading.Event()
         self._closed = False
+        # The first report now, on the caller's thread (model.py's initialize): the series made at the
+        # engine's first report of them (the KV tiers') exist with their values before the model is
+        # ready, so no scrape of a ready server misses one or reads one half made (a test once read
+        # the host tier's fill before the disk tier's series was made: a KeyError).
+        self._report()
         self._thread = threading.Thread(target=self._run, name="inflight-metrics", daemon=True)
         self._thread.start()
 
@@ -193,14 +198,18 @@ class MetricsWriter:
             # the gauges first, then a bounded share of the samples: under load the samples (one IPC
             # each, one per token for the inter-token histogram) fall behind, and the gauges a
             # scraper or an autoscaler reads must not wait behind them
-            if self.stats is not None:
-                try:
-                    self.metrics.update(self.stats())
-                except Exception:
-                    log.exception("metrics update failed")
+            self._report()
             self.flush(FLUSH_AT_ONCE)
             if self._pending:
                 self._wake.set()
+
+    def _report(self) -> None:
+        """The engine's gauges and counters as of now."""
+        if self.stats is not None:
+            try:
+                self.metrics.update(self.stats())
+            except Exception:
+                log.exception("metrics update failed")
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
