@@ -32,30 +32,11 @@
 #define TASKS 16      /* chunks a batch is cut into, about: enough for every core of a small server */
 
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* The kernel below is compiled twice, this file including itself: for float32 caches
+/* The kernel below is compiled twice, cache_types.h including this file: for float32 caches
    (decode_attention_f32) and for bfloat16 ones (decode_attention_bf16, kv_cache_dtype=bfloat16:
    each K/V element widened as it is read; q, the scores and the sums stay float32). */
-#define CAT2(a, b) a##_##b
-#define CAT(a, b) CAT2(a, b)
-#define NAME(f) CAT(f, SUFFIX)
-#define CACHE_T float
-#define SUFFIX f32
-#define TO_F32(x) (x)
-#include __FILE__
-#undef CACHE_T
-#undef SUFFIX
-#undef TO_F32
-#define CACHE_T uint16_t
-#define SUFFIX bf16
-#define TO_F32(x) bf16_to_f32(x)
-#include __FILE__
+#define KERNEL_FILE "decode_attention.c"
+#include "cache_types.h"
 #else /* the kernel, for one cache element type */
 /* The hardware prefetcher stops at each 4 KB page and knows nothing of the block table. */
 static inline void NAME(prefetch_row)(const CACHE_T *cache, const int32_t *table, int64_t t, int64_t end,

@@ -28,29 +28,10 @@
 #define RB 4  /* rows computed together (each K or V load feeds RB FMAs) */
 #define MAX_REG_D 128 /* head sizes whose RB rows of weighted V are summed in a local block */
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* Compiled twice, as decode_attention.c: float32 caches (prefill_attention_f32) and bfloat16 ones
    (prefill_attention_bf16). */
-#define CAT2(a, b) a##_##b
-#define CAT(a, b) CAT2(a, b)
-#define NAME(f) CAT(f, SUFFIX)
-#define CACHE_T float
-#define SUFFIX f32
-#define TO_F32(x) (x)
-#include __FILE__
-#undef CACHE_T
-#undef SUFFIX
-#undef TO_F32
-#define CACHE_T uint16_t
-#define SUFFIX bf16
-#define TO_F32(x) bf16_to_f32(x)
-#include __FILE__
+#define KERNEL_FILE "prefill_attention.c"
+#include "cache_types.h"
 #else /* the kernel, for one cache element type */
 
 /* Keys [k0, k0 + n) of kv head g, out of their blocks: kt [D][KT] (transposed, zero past n) and
