@@ -230,3 +230,16 @@ def test_a_paced_step_still_takes_an_image_whole(vision):
             break
     assert "image" in done and not any(k.startswith("text") for k in done), "the image request waited for the decodes"
     assert done["image"].token_ids == hf_generate(model, prompt, [random_image(12, 20, 20)], 3)
+
+
+def test_the_encoder_cache_comes_back_within_its_budget_once_its_images_are_unpinned():
+    """Pinned entries may take the cache past its budget; the next step's trim (VisionStep.prepare)
+    evicts the unpinned ones back under it (tests/e2e/test_mixed_load_served.py under load)."""
+    from backend.worker.vision import EncoderCache
+
+    cache = EncoderCache(budget_bytes=2 * 4 * 9)  # two entries of 9 floats
+    for key in "abc":
+        cache.put(key, torch.zeros(9), pinned={"a", "b", "c"})
+    assert cache.bytes == 3 * 36 and list(cache.entries) == ["a", "b", "c"]
+    cache.trim(pinned={"a"})
+    assert cache.bytes == 2 * 36 and list(cache.entries) == ["a", "c"]  # the oldest unpinned goes first

@@ -117,8 +117,12 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, Union[int, float]]:
         """The engine's figures as of the end of its last step (never half-way through one), and
-        the tokens delivered so far."""
-        return {**self._stats, "generation_tokens_total": self.engine.outputs.generation_tokens_total,
+        the tokens and pooled requests delivered so far (counted on the output thread, after the
+        step's snapshot: else the last request's count would wait for a step that may never come)."""
+        outputs = self.engine.outputs
+        return {**self._stats, "generation_tokens_total": outputs.generation_tokens_total,
+                "pooling_requests_total": outputs.pooling_requests_total,
+                "pooling_prompt_tokens_total": outputs.pooling_tokens_total,
                 **self.engine.rejections()}  # refused at arrival: counted on the callers' threads
 
     def shutdown(self, timeout: float = 10.0) -> None:

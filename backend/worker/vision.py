@@ -43,13 +43,17 @@ class EncoderCache:
         return value
 
     def put(self, key: str, value: torch.Tensor, pinned: set[str]) -> None:
-        size = value.numel() * value.element_size()
+        size = self._size(value)
+        self.trim(pinned, room=size)
+        self.entries[key] = value  # (pinned entries may take it past the budget until they are not)
+        self.bytes += size
+
+    def trim(self, pinned: set[str], room: int = 0) -> None:
+        """Evict unpinned entries, least recently used first, until `room` more bytes fit the budget."""
         for old in [k for k in self.entries if k not in pinned]:
-            if self.bytes + size <= self.budget:
+            if self.bytes + room <= self.budget:
                 break
             self.bytes -= self._size(self.entries.pop(old))
-        self.entries[key] = value  # (pinned entries may take it past the budget for one step)
-        self.bytes += size
 
     @staticmethod
     def _size(value: torch.Tensor) -> int:
@@ -104,6 +108,8 @@ class VisionStep:
         self.track(plan)
         for seq_id in [s for s in self.items if s not in batch.seqs]:  # (finished in an empty plan)
             del self.items[seq_id]
+        if self.cache.bytes > self.cache.budget:  # a put past the budget while its images were pinned
+            self.cache.trim(self._pinned(batch.seqs))
         if not self.items or not plan.prefills:  # (decode steps: no image row)
             return None
         decodes, prefills = step_rows(plan, batch, self.verify_as_decode)
