@@ -85,7 +85,8 @@ INPUTS: tuple[Tensor, ...] = (
     Tensor("length_penalty", "FP32", (1,), "TensorRT-LLM: beam search's length penalty (default 1.0)", "length_penalty"),
     Tensor("early_stopping", "BOOL", (1,), "TensorRT-LLM: beam search ends once beam_width beams finished "
            "(default false)", "early_stopping"),
-    Tensor("return_log_probs", "BOOL", (1,), "TensorRT-LLM: refused when true (use return_logprobs)"),
+    Tensor("return_log_probs", "BOOL", (1,), "TensorRT-LLM: add cum_log_probs and output_log_probs (each "
+           "generated token's logprob; beam search: per beam)"),
     Tensor("embedding_bias_words", "STRING", (-1,),
            "TensorRT-LLM: words whose tokens get the weight of the same index (logit_bias)"),
     Tensor("embedding_bias_weights", "FP32", (-1,), "TensorRT-LLM: one bias per embedding_bias_words entry"),
@@ -126,11 +127,15 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("reasoning_output", "STRING", (-1,),
            "with reasoning_parser; one per completion: the thinking (streaming, its new piece; a partial tag "
            "held back until it is known)"),
+    Tensor("cum_log_probs", "FP32", (-1,), "TensorRT-LLM, with return_log_probs; one per completion (beam, best "
+           "first): the sum of its generated tokens' logprobs so far"),
+    Tensor("output_log_probs", "FP32", (-1, -1), "TensorRT-LLM, with return_log_probs; [completions, tokens]: each "
+           "generated token's logprob (streaming, the new tokens'), the shorter rows padded with 0"),
     Tensor("embedding", "FP32", (-1,), "pooling runner: the embedding (normalized as the model says), or a "
            "classifier's scores (one label: its sigmoid)"),
 )
 
-RETURN_FLAGS = tuple(t.name for t in INPUTS if t.name.startswith("return_") and t.name != "return_log_probs")
+RETURN_FLAGS = tuple(t.name for t in INPUTS if t.name.startswith("return_"))
 # What return_queue_info adds, each [1] (the request's first completion).
 QUEUE_INFO_OUTPUTS = ("queue_position", "reserved_step", "engine_step", "first_scheduled_step", "kv_blocks_reserved",
                       "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "finished_time_ns",

@@ -45,7 +45,8 @@ def test_rendered_config_is_a_valid_decoupled_triton_config():
                                                "kv_blocks_reserved", "arrival_time_ns", "first_scheduled_time_ns",
                                                "first_token_time_ns", "finished_time_ns", "seconds_since_arrival",
                                                "expected_wait_seconds",
-                                                   "prompt_logprobs", "reasoning_output", "embedding"]
+                                                   "prompt_logprobs", "reasoning_output", "cum_log_probs", "output_log_probs",
+                                                   "embedding"]
 
 
 def test_instance_group_gpu_where_gpus_exist_cpu_where_none():

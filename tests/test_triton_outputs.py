@@ -68,6 +68,21 @@ def test_without_the_sampling_key_logprobs_is_null_and_cumulative_nan(frontend):
     assert list(tensors["logprobs"]) == [b"null"] and math.isnan(tensors["cumulative_logprob"][0])
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_return_log_probs_gives_tensorrt_llms_cum_log_probs_and_output_log_probs(frontend, stream):
+    """TensorRT-LLM's outputs: cum_log_probs [completions] (the running sum), output_log_probs
+    [completions, tokens] (streaming: the new tokens'; else every generated token's, no prompt)."""
+    rid, sender = submit(frontend, stream=one(stream, np.bool_), **flags("return_log_probs"))
+    assert frontend.engine.requests[rid][1].logprobs == 0
+    frontend.engine.emit(rid, [0], new_logprobs=[-0.5])
+    wait_for(lambda: frontend.queue_depth() == 0 and (sender.responses or not stream))
+    frontend.engine.emit(rid, [1, 1], "length", new_logprobs=[-0.25, -1.0])
+    wait_for(lambda: sender.final)
+    got = [(t["cum_log_probs"].tolist(), t["output_log_probs"].tolist()) for t, _, _ in sender.responses]
+    assert all(t["cum_log_probs"].dtype == t["output_log_probs"].dtype == np.float32 for t, _, _ in sender.responses)
+    assert got == ([([-0.5], [[-0.5]]), ([-1.75], [[-0.25, -1.0]])] if stream else [([-1.75], [[-0.5, -0.25, -1.0]])])
+
+
 def test_n_completions_come_in_one_response_each_time(frontend):
     """As the vLLM backend: text_output, finish_reason, num_output_tokens, ... one entry per
     completion; a completion that ended keeps its finish_reason; no output_ids for n > 1."""

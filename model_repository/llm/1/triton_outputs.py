@@ -60,7 +60,7 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
     first = live.latest.get(0)
     if getattr(first, "pooled", None) is not None:  # a pooling request's one answer (pooling_door.py)
         return pooled_tensors(first)
-    texts, ids_, new_counts, reasons, cumulative, logprobs, thoughts = [], [], [], [], [], [], []
+    texts, ids_, new_counts, reasons, cumulative, logprobs, thoughts, token_lps = [], [], [], [], [], [], [], []
     for i in range(live.n):
         out = outs.get(i) if live.stream else live.latest.get(i)
         last = live.latest.get(i, out)
@@ -70,6 +70,7 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
             text, ids, lps = out.new_text, list(out.new_token_ids), out.new_logprobs
         else:
             text, ids, lps = out.text, list(out.token_ids), out.logprobs
+        token_lps.append([step[t].logprob for t, step in zip(ids, lps or [])])  # the sampled tokens'
         if live.reasoning is not None:
             thought, text = _split(live, i, out, last, text, prompt_ids_text)
             thoughts.append(thought.encode("utf-8"))
@@ -97,6 +98,11 @@ def output_tensors(live: Any, outs: Mapping[int, Any], prompt_ids_text: Callable
         tensors["finish_reason"] = np.array(reasons, dtype=np.object_)
     if "return_cumulative_logprob" in asked:
         tensors["cumulative_logprob"] = np.array(cumulative, dtype=np.float32)
+    if "return_log_probs" in asked:  # TensorRT-LLM's: [completions] and [completions, tokens], padded with 0
+        tensors["cum_log_probs"] = np.array(cumulative, dtype=np.float32)
+        longest = max(len(row) for row in token_lps)
+        tensors["output_log_probs"] = np.array([row + [0.0] * (longest - len(row)) for row in token_lps],
+                                               dtype=np.float32).reshape(len(token_lps), longest)
     if "return_logprobs" in asked:
         tensors["logprobs"] = np.array(logprobs, dtype=np.object_)
     if "return_num_input_tokens" in asked:
