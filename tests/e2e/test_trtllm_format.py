@@ -71,9 +71,35 @@ def test_beam_width_4_returns_every_beam_best_first(server, llm):
     assert len({tuple(s.token_ids) for s in ref}) == 4
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_return_log_probs_are_the_engines_logprobs(server, llm, stream):
+    """TensorRT-LLM's return_log_probs: cum_log_probs [batch, beam] and output_log_probs [batch,
+    beam, tokens] (streaming: the new tokens'), equal to the in-process engine's logprobs of the
+    same greedy tokens; cum_log_probs their sum."""
+    from backend import SamplingParams
+
+    ref = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=7, temperature=0.0, logprobs=0))[0]
+    want = [step[t].logprob for t, step in zip(ref.token_ids, ref.logprobs)]
+    inputs = openai_frontend_request("The quick brown fox", stream, 7, echo=False)
+    inputs["return_log_probs"] = np.bool_([[True]])
+    responses = grpc_stream(server.grpc_url, inputs, model=MODEL)
+    assert all(r["cum_log_probs"].shape == (1, 1) and r["output_log_probs"].shape[:2] == (1, 1) for r in responses)
+    got = [lp for r in responses for lp in r["output_log_probs"][0, 0].tolist()]
+    assert np.concatenate([r["output_ids"].reshape(-1) for r in responses]).tolist() == ref.token_ids
+    assert np.allclose(got, want, atol=1e-4, rtol=0)
+    assert abs(float(responses[-1]["cum_log_probs"][0, 0]) - sum(got)) < 1e-4
+    assert abs(float(responses[-1]["cum_log_probs"][0, 0]) - ref.cumulative_logprob) < 1e-4
+
+
+def test_return_log_probs_with_beam_search_is_refused_by_name(server):
+    inputs = openai_frontend_request("hi", False, 2)
+    inputs.update(return_log_probs=np.bool_([[True]]), beam_width=np.int32([[2]]))
+    with pytest.raises(RuntimeError, match="return_log_probs is not supported with beam_width > 1"):
+        grpc_stream(server.grpc_url, inputs, model=MODEL)
+
+
 @pytest.mark.parametrize("name,value,message", [
     ("beam_width", np.int32([[0]]), "beam_width must be an integer >= 1"),
-    ("return_log_probs", np.bool_([[True]]), "return_log_probs .* not supported"),
 ])
 def test_what_we_do_not_support_is_refused_by_name(server, name, value, message):
     inputs = openai_frontend_request("hi", False, 2)
