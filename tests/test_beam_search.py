@@ -43,7 +43,7 @@ CASES = [(0, 2, 2, 9, [], 1.0, False), (0, 4, 4, 10, [80, 309], 1.0, False), (1,
 def test_beams_token_equal_to_transformers(model):
     arch, hf, llm = model
     prompts = [PROMPTS[c[0]] for c in CASES]
-    params = [beams(best_of=w, n=n, max_tokens=t, stop_token_ids=e, length_penalty=lp, early_stopping=es)
+    params = [beams(best_of=w, n=n, max_tokens=t, stop_token_ids=e, length_penalty=lp, early_stopping=es, logprobs=0)
               for _, w, n, t, e, lp, es in CASES]
     outputs = llm.generate(prompts, params)  # all five searches run together
     stopped = 0
@@ -54,6 +54,13 @@ def test_beams_token_equal_to_transformers(model):
         assert len(got) == n
         for g, x in zip(got, expected):  # transformers pads the shorter ones with its first EOS id (2)
             assert g == x[:len(g)] and all(tok == 2 for tok in x[len(g):]), (arch, p, w, got, expected)
+        for s in out.samples:  # each beam's own tokens' logprobs (TensorRT-LLM's output_log_probs), teacher-forced
+            with torch.no_grad():
+                table = torch.log_softmax(hf(torch.tensor([PROMPTS[p] + s.token_ids])).logits[0, len(PROMPTS[p]) - 1:-1]
+                                          .float(), -1)
+            want = [table[k, tok].item() for k, tok in enumerate(s.token_ids)]
+            assert [step[tok].logprob for tok, step in zip(s.token_ids, s.logprobs)] == pytest.approx(want, abs=1e-3)
+            assert s.cumulative_logprob == pytest.approx(sum(want), abs=1e-3)
         reasons = [s.finish_reason for s in out.samples]
         assert reasons == ["stop" if g[-1] in eos else "length" for g in got]
         stopped += reasons.count("stop")

@@ -72,3 +72,20 @@ def test_max_tokens_one_finishes_every_beam_at_once():
     assert search.step([[(7, -0.5), (3, -1.0), (8, -2.0), (9, -3.0)]] * 2, [[], []]) == []
     assert search.done and [h.token_ids for h in search.best(2)] == [[7], [3]]
     assert [h.eos for h in search.best(2)] == [False, True]
+
+
+@pytest.mark.parametrize("width,max_tokens,eos,length_penalty,early_stopping,n", [CASES[2], CASES[4]])
+def test_each_hypothesis_keeps_its_tokens_logprobs_and_ranks(hf_model, width, max_tokens, eos, length_penalty,
+                                                             early_stopping, n):
+    """The logprobs a beam carries (TensorRT-LLM's output_log_probs / cum_log_probs): each token's
+    log_softmax under its own history, its rank there; their sum is the score before the length
+    penalty."""
+    for hyp in ours(hf_model, width, max_tokens, eos, length_penalty, early_stopping, n):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([PROMPT + hyp.token_ids])).logits[0, len(PROMPT) - 1:-1].float()
+        table = torch.log_softmax(logits, -1)
+        want = [table[k, t].item() for k, t in enumerate(hyp.token_ids)]
+        ranks = [1 + int((table[k] > table[k, t]).sum()) for k, t in enumerate(hyp.token_ids)]
+        assert [lp for lp, _ in hyp.logprobs] == pytest.approx(want, abs=1e-4)
+        assert [rank for _, rank in hyp.logprobs] == ranks
+        assert sum(want) / len(hyp.token_ids) ** length_penalty == pytest.approx(hyp.score, abs=1e-4)

@@ -140,8 +140,6 @@ BAD = [
     ({"text_input": S("a"), "beam_width": one(0, np.int32)}, "beam_width must be an integer >= 1"),
     ({"text_input": S("a"), "beam_width": one(2, np.int32), "temperature": one(1.0, np.float32)},
      "^temperature .1.0. is not supported with beam search"),
-    ({"text_input": S("a"), "return_log_probs": one(True, np.bool_), "beam_width": one(2, np.int32)},
-     "^return_log_probs is not supported with beam_width > 1"),
     ({"text_input": S("a"), "priority": one(1.5, np.float32)}, "priority must be a TYPE_INT32"),
 ]
 
@@ -153,6 +151,8 @@ def test_return_log_probs_asks_the_engine_for_the_sampled_tokens_logprobs():
     assert "return_log_probs" in p.returns and p.params.logprobs == 0
     p = parse({"text_input": S("a"), "return_log_probs": one(True, np.bool_), "sampling_parameters": S('{"logprobs": 3}')})
     assert p.params.logprobs == 3
+    p = parse({"text_input": S("a"), "return_log_probs": one(True, np.bool_), "beam_width": one(2, np.int32)})
+    assert p.params.use_beam_search and p.params.logprobs == 0
     p = parse({"text_input": S("a"), "return_log_probs": one(False, np.bool_)})
     assert "return_log_probs" not in p.returns and p.params.logprobs is None
 

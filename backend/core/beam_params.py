@@ -35,7 +35,8 @@ def check_beams(p: Any) -> None:
         raise ValueError(f"n ({p.n}) must not exceed the beam width (best_of = {width})")
     for name, neutral in NOT_WITH_BEAMS.items():
         value = getattr(p, name)
-        if name == "temperature" and value < GREEDY_BELOW or name == "top_k" and value == -1:
+        if name == "temperature" and value < GREEDY_BELOW or name == "top_k" and value == -1 \
+                or name == "logprobs" and value == 0:  # each beam token's own logprob (not the top k)
             continue
         if value != neutral:
             raise ValueError(f"{name} ({value!r:.80}) is not supported with beam search (send {neutral!r}): "

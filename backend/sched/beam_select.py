@@ -17,7 +17,7 @@ The n returned are the best n hypotheses, best first.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 NEG = -1.0e9  # transformers' "impossible" score
@@ -29,6 +29,7 @@ class Hypothesis:
     token_ids: list[int]
     score: float
     eos: bool  # ended by an EOS (else by max_tokens)
+    logprobs: list[tuple[float, int]] = field(default_factory=list)  # each token's (logprob, rank in its beam)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Continuation:
     parent: int
     token: int
     score: float
+    logprobs: list[tuple[float, int]] = field(default_factory=list)  # its tokens' (logprob, rank), this one's last
 
 
 class BeamSearch:
@@ -56,6 +58,7 @@ class BeamSearch:
         self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied (sticky)
         self.done = False
         self.generated = 0  # tokens each running beam has generated
+        self.logprobs: list[list[tuple[float, int]]] = [[] for _ in range(width)]  # each running beam's tokens'
 
     def step(self, tops: Sequence[Sequence[tuple[int, float]]], histories: Sequence[Sequence[int]]) -> list[Continuation]:
         """One step: tops[b] the (token, logprob) of beam b's best K tokens at least (log_softmax of
@@ -63,19 +66,23 @@ class BeamSearch:
         (empty once the search is done)."""
         if self.done:
             raise ValueError("the beam search is done")
+        ranks = [{tok: 1 + sum(other > lp for _, other in tops[b]) for tok, lp in tops[b]} for b in range(self.width)]
+        raw = {(b, tok): lp for b in range(self.width) for tok, lp in tops[b]}
         cands = sorted(((self.scores[b] + lp, b, tok) for b in range(self.width) for tok, lp in tops[b]),
                        key=lambda c: (-c[0], c[1], c[2]))[:self.keep]
+        lps = [self.logprobs[b] + [(raw[b, tok], ranks[b][tok])] for _, b, tok in cands]
         length = self.generated + 1
         hits = [tok in self.eos_ids or length >= self.max_tokens for _, _, tok in cands]
         ranked = sorted(range(len(cands)), key=lambda i: (-(cands[i][0] + NEG * hits[i]), i))[:self.width]
-        running = [Continuation(cands[i][1], cands[i][2], cands[i][0] + NEG * hits[i]) for i in ranked]
-        self._finish(cands, hits, histories, length)
+        running = [Continuation(cands[i][1], cands[i][2], cands[i][0] + NEG * hits[i], lps[i]) for i in ranked]
+        self._finish(cands, hits, histories, length, lps)
         self.scores = [c.score for c in running]
+        self.logprobs = [c.logprobs for c in running]
         self.generated = length
         self._check_done(hits)
         return [] if self.done else running
 
-    def _finish(self, cands, hits, histories, length: int) -> None:
+    def _finish(self, cands, hits, histories, length: int, lps) -> None:
         """Candidates among the first N ranks that hit the stop join the finished slots."""
         full = self.early_stopping is True and all(f for _, f, _ in self.slots)
         merged = list(self.slots)
@@ -83,7 +90,7 @@ class BeamSearch:
             just = hits[i] and i < self.width
             s = score / (length ** self.length_penalty)
             s += NEG * full + NEG * (not self.improvable) + NEG * (not just)
-            hyp = Hypothesis([*histories[beam], tok], s, tok in self.eos_ids) if just else None
+            hyp = Hypothesis([*histories[beam], tok], s, tok in self.eos_ids, lps[i]) if just else None
             merged.append((s, just, hyp))
         order = sorted(range(len(merged)), key=lambda i: (-merged[i][0], i))[:self.width]
         self.slots = [merged[i] for i in order]

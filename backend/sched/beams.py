@@ -34,6 +34,7 @@ class _Group:
     search: BeamSearch
     n: int
     tops: dict[int, list] = field(default_factory=dict)  # slot -> its numbers at the current length
+    logprobs: bool = False  # the request asked for logprobs (0: each token's own)
 
 
 class BeamGroups:
@@ -60,7 +61,7 @@ class BeamGroups:
         row = copy.copy(p)
         row.n, row.temperature, row.logprobs = p.beam_width, 0.0, search.keep
         request.params = row
-        self.groups[request.request_id] = _Group([], search, p.n)
+        self.groups[request.request_id] = _Group([], search, p.n, logprobs=p.logprobs is not None)
         self.requests_total += 1
 
     def add(self, beam: Request) -> None:
@@ -106,6 +107,7 @@ class BeamGroups:
             for c in cs[1:]:
                 assign[spare.pop()] = c
         g.search.scores = [assign[j].score for j in range(len(g.beams))]  # by slot, as the beams now stand
+        g.search.logprobs = [assign[j].logprobs for j in range(len(g.beams))]
         histories = [list(b.output_token_ids) for b in g.beams]
         now = time.monotonic()
         for slot, c in assign.items():
@@ -126,7 +128,8 @@ class BeamGroups:
         for b in g.beams:
             self.finish(b, RequestStatus.FINISHED_STOPPED)
         first = g.beams[0]
-        return [CoreOutput(request_id, i, h.token_ids, None, "stop" if h.eos else "length",
+        return [CoreOutput(request_id, i, h.token_ids, [(lp, rank, []) for lp, rank in h.logprobs] if g.logprobs else None,
+                           "stop" if h.eos else "length",
                            h.token_ids[-1] if h.eos else None, num_cached_tokens=first.num_cached_tokens)
                 for i, h in enumerate(g.search.best(g.n))]
 

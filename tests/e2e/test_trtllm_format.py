@@ -91,11 +91,26 @@ def test_return_log_probs_are_the_engines_logprobs(server, llm, stream):
     assert abs(float(responses[-1]["cum_log_probs"][0, 0]) - ref.cumulative_logprob) < 1e-4
 
 
-def test_return_log_probs_with_beam_search_is_refused_by_name(server):
-    inputs = openai_frontend_request("hi", False, 2)
+def test_return_log_probs_with_beam_width_2_are_per_beam_best_first(server, llm):
+    """beam_width 2: cum_log_probs [1, 2] and output_log_probs [1, 2, tokens] (padded with 0 as
+    output_ids with -1), best beam first, each the engine's beam's logprobs and their sum."""
+    from backend import SamplingParams
+
+    ref = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=7, temperature=0.0, use_beam_search=True,
+                                                                best_of=2, n=2, logprobs=0))[0].samples
+    inputs = openai_frontend_request("The quick brown fox", False, 7, echo=False)
     inputs.update(return_log_probs=np.bool_([[True]]), beam_width=np.int32([[2]]))
-    with pytest.raises(RuntimeError, match="return_log_probs is not supported with beam_width > 1"):
-        grpc_stream(server.grpc_url, inputs, model=MODEL)
+    (response,) = grpc_stream(server.grpc_url, inputs, model=MODEL)
+    assert response["cum_log_probs"].shape == (1, 2) and response["output_log_probs"].shape[:2] == (1, 2)
+    for beam, s, ids, lps in zip(range(2), ref, response["output_ids"][0].tolist(), response["output_log_probs"][0]):
+        n = len(s.token_ids)
+        assert [t for t in ids if t >= 0] == s.token_ids
+        assert np.allclose(lps[:n], [step[t].logprob for t, step in zip(s.token_ids, s.logprobs)], atol=1e-4, rtol=0)
+        assert not lps[n:].any()
+        assert abs(float(response["cum_log_probs"][0, beam]) - float(lps.sum())) < 1e-4
+    assert np.allclose(response["cum_log_probs"][0], [s.cumulative_logprob for s in ref], atol=1e-4, rtol=0)
+    if len(ref[0].token_ids) == len(ref[1].token_ids):  # same length: best first is the higher sum
+        assert response["cum_log_probs"][0, 0] > response["cum_log_probs"][0, 1]
 
 
 @pytest.mark.parametrize("name,value,message", [

@@ -304,10 +304,7 @@ def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any], voca
         sampling.setdefault("n", width)  # TensorRT-LLM returns every beam (num_return_sequences: fewer)
         sampling.setdefault("temperature", 0.0)
     if "return_log_probs" in get and _value("return_log_probs", get["return_log_probs"]):
-        if sampling.get("use_beam_search"):  # beams keep no per-token logprobs yet (docs/triton.md)
-            raise ValueError("return_log_probs is not supported with beam_width > 1 yet: beam search keeps no "
-                             "per-token logprobs")
-        if sampling.get("logprobs") is None:  # the engine's logprobs: 0 is the sampled token's alone
+        if sampling.get("logprobs") is None:  # the engine's logprobs: 0 is the sampled token's alone (beams too)
             sampling["logprobs"] = 0
     if "end_id" in get:  # TensorRT-LLM: this token ends generation in place of the model's EOS
         end_id = _value("end_id", get["end_id"])
