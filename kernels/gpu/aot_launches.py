@@ -196,21 +196,35 @@ def _step_launches(shape: ModelShape, dtype: torch.dtype, block_size: int, token
         plan_rms_norm(x, weight, 1e-5, None, torch.empty_like(x), x),                     # first layer
         plan_rms_norm(x, weight, 1e-5, x.clone(), torch.empty_like(x), torch.empty_like(x)),
         plan_rotary_embedding(q, k, positions, cos, cos.clone(), q_rot, k_rot),
-        plan_store_kv(k_rot, v, k_cache, v_cache, torch.zeros(tokens, dtype=torch.int64)),
+        *(plan_store_kv(k_rot, v, k_cache, v_cache, slots) for slots in _alignments(
+            torch.zeros(tokens, dtype=torch.int64), shape)),
         plan_gated_activation(gate_up, torch.empty(tokens, shape.intermediate, dtype=dtype), shape.activation),
     ]
     if shape.qk_norm:  # each head of q and of k, as rows of head_dim (backend/models/llama.py's head_norm)
         head_weight = torch.ones(d, dtype=norm_dtype)
         for rows in (q_rot.reshape(-1, d), k_rot.reshape(-1, d)):
             launches.append(plan_rms_norm(rows, head_weight, 1e-6, None, torch.empty_like(rows), rows))
-    for window in ((0, shape.window) if shape.window else (0,)):  # global layers, then local ones
-        launches.append(plan_prefill_attention(q_rot, k_cache, v_cache, tables[:prefill_seqs], cu,
+    windows = (0, shape.window) if shape.window else (0,)  # global layers, then local ones
+    for window, prefill_tables in ((w, t) for w in windows for t in _alignments(tables[:prefill_seqs], shape)):
+        launches.append(plan_prefill_attention(q_rot, k_cache, v_cache, prefill_tables, cu,
                                                seq_lens[:prefill_seqs], scale, torch.empty_like(q_rot), tokens,
                                                window=window, on_gpu=True))
-        n = min(seqs, tokens)
-        decode_q = q_rot[:n]
+    n = min(seqs, tokens)
+    decode_q = q_rot[:n]
+    for window, decode_tables in ((w, t) for w in windows for t in _alignments(tables[:n], shape)):
         for num_splits in range(1, decode_mod.MAX_SPLITS + 1):
-            launches += decode_mod.plan_decode_attention(decode_q, k_cache, v_cache, tables[:n], seq_lens[:n], scale,
-                                                         torch.empty_like(decode_q), num_splits,
+            launches += decode_mod.plan_decode_attention(decode_q, k_cache, v_cache, decode_tables, seq_lens[:n],
+                                                         scale, torch.empty_like(decode_q), num_splits,
                                                          decode_mod.DEFAULT_BLOCK_N, window)
     return launches
+
+
+def _alignments(index: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+    """`index` (slots, block tables) as the engine passes it: a model with two KV groups (a sliding
+    window) takes each group's rows from one [groups, ...] tensor (backend/models/attention.py), so the
+    second group's pointer is 16-byte aligned only when the first's rows happen to fill 16 bytes:
+    Triton compiles a variant for each, and both are planned."""
+    if not shape.window:
+        return [index]
+    shifted = torch.zeros(index.numel() + 1, dtype=index.dtype)[1:].view(index.shape)
+    return [index, shifted]

@@ -56,6 +56,16 @@ def model_shape(config: dict):
                       config.get("head_dim") or config["hidden_size"] // heads, config["intermediate_size"])
 
 
+def check_shapes() -> dict:
+    """kernels.aot's ModelShapes of the greedy part's own images and pooling checkpoints
+    (client/tools/gpu_check/vision.py: a tiny Gemma 3 with a 13-token window; pooling.py: a tiny
+    Qwen3), run in float32: so the compile part covers the variants those cases launch."""
+    from kernels.gpu.aot_launches import GEMMA3, ModelShape
+
+    return {"gpu-check-vision": ModelShape(64, 4, 2, 32, 160, window=13, **GEMMA3),
+            "gpu-check-pooling": ModelShape(64, 4, 2, 32, 160, qk_norm=True)}
+
+
 def _compile_counted(job: tuple) -> tuple:
     """kernels.aot's compile of one variant in a worker, and whether Triton's cache already had it."""
     from kernels import aot
@@ -76,8 +86,8 @@ def compile_kernels(plan: dict, arch: Optional[int], progress: dict, jobs: int =
         return dict(ok=True, skipped=f"kernels.aot compiles for {', '.join(aot.TARGETS)}; this GPU is {target}: "
                                      "each part compiles what it launches")
     start = time.monotonic()
-    models = {name: model_shape(plan["model"]) if name == "gpu-check" else aot.MODELS[name]
-              for name in plan["compile_models"]}
+    shapes = {**aot.MODELS, **check_shapes(), "gpu-check": model_shape(plan["model"])}
+    models = {name: shapes[name] for name in plan["compile_models"]}
     rows, work = aot.collect(models, list(plan["compile_dtypes"]), [target])
     progress.update(target=target, variants=len(rows), compiled=0, cached=0, failed=[],
                     plan_s=round(time.monotonic() - start, 1))

@@ -135,9 +135,14 @@ def greedy(plan: dict, model_dir: Path, device: str) -> dict:
     from client.tools.gpu_check.vision import vision_check
     vision = vision_check(plan, model_dir.parent, device)  # images: Gemma 3's encoder and mask on the device
     free(device)
+    from client.tools.gpu_check.pooling import pooling_check
+    pooling = pooling_check(plan, model_dir.parent, device)  # embeddings: the pooled rows on the device
+    free(device)
     ok = all(r["ok"] for r in results) and dtype == plan["expected_dtype"] and engine_info["device"] == device
-    return dict(ok=ok and vision["ok"], dtype=dtype, ulps=ulps(layers), oracle=f"transformers {dtype} (decides) and "
-                "float32", engine=engine_info, expected_dtype=plan["expected_dtype"], batches=results, vision=vision)
+    ok = ok and vision["ok"] and pooling["ok"]
+    return dict(ok=ok, dtype=dtype, ulps=ulps(layers), oracle=f"transformers {dtype} (decides) and "
+                "float32", engine=engine_info, expected_dtype=plan["expected_dtype"], batches=results, vision=vision,
+                pooling=pooling)
 
 
 def _reference(model_dir: Path, device: str, dtype: str):

@@ -42,7 +42,9 @@ PARTS = (
     Part("greedy", 120, "the engine's greedy tokens at batch 1 (a long prompt), 64 and 256 against "
                         "transformers in the engine's dtype, and in float32 (client/tools/gpu_check/greedy.py); images: a "
                         "tiny Gemma 3 with its vision tower, whole and chunked, token-equal to transformers in float32 "
-                        "(client/tools/gpu_check/vision.py)",
+                        "(client/tools/gpu_check/vision.py); pooling: a tiny Qwen3 served with runner pooling, "
+                        "embeddings whole and chunked against transformers' hidden states, cosine >= 0.9999, beside a "
+                        "greedy request (client/tools/gpu_check/pooling.py)",
          needs=("transformers",)),
     Part("decode", 90, "the engine's decode step against the bandwidth floor, graphs on and off; the "
                        "graph-replayed tokens must equal the eager ones"),
@@ -65,7 +67,9 @@ LLAMA_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=1
                    rope_theta=500000.0, torch_dtype="bfloat16")
 FULL = dict(
     model=LLAMA_SHAPE,
-    compile_models=("gpu-check", "Llama-3.1-8B"), compile_dtypes=("bf16", "fp16", "fp32"),
+    # the greedy part's images and pooling checkpoints too (they run in fp32: compile.check_shapes)
+    compile_models=("gpu-check", "gpu-check-vision", "gpu-check-pooling", "Llama-3.1-8B"),
+    compile_dtypes=("bf16", "fp16", "fp32"),
     kernels=["--batches", "1,64,256", "--contexts", "1024,4096,16384", "--skip-engine", "--skip-reference",
              "--skip-tuning", "--iters", "20"],
     greedy_batches=[(1, 15000, 16000), (64, 256, 4096), (256, 32, 512)], max_tokens=32,
