@@ -126,3 +126,29 @@ def test_chat_images_and_embeddings_at_once(mixed_server, checkpoints):
                and metric(mixed_server, "inflight_pooling_requests_total") == 10, timeout=15)  # metrics lag a step
     assert 0 < metric(mixed_server, "inflight_encoder_cache_bytes") <= ENCODER_BUDGET
     assert metric(mixed_server, "inflight_encoder_runs_total") >= 4
+
+
+def test_the_locust_scenario_runs_without_failures_and_leaves_the_server_idle(mixed_server, tmp_path):
+    """client/tools/load/mixed_locustfile.py, headless and bounded, against the same two models."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    prefix = tmp_path / "locust"
+    locust = Path(sys.executable).with_name("locust")
+    cmd = [str(locust), "-f", str(root / "client" / "tools" / "load" / "mixed_locustfile.py"), "--headless",
+           "-u", "5", "-r", "5", "-t", "8s", "--stop-timeout", "30", "--host", f"http://{mixed_server.http_url}",
+           "--csv", str(prefix), "--only-summary", "--loglevel", "WARNING"]
+    env = dict(os.environ, INFLIGHT_MAX_TOKENS="4", PYTHONPATH=str(root))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stats = {r["Name"]: r for r in csv.DictReader(open(f"{prefix}_stats.csv"))}
+    for name in ("chat+image", "chat", "embed"):
+        assert int(stats[name]["Request Count"]) > 0 and int(stats[name]["Failure Count"]) == 0, stats.get(name)
+    idle = {"inflight_kv_blocks": 'state="used"', "inflight_num_requests_running": "",
+            "inflight_num_requests_waiting": ""}
+    wait_until(lambda: all(metric(mixed_server, name, label) == 0 for name, label in idle.items()), timeout=15)
+    assert metric(mixed_server, "inflight_encoder_cache_bytes") <= ENCODER_BUDGET

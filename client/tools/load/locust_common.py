@@ -40,6 +40,18 @@ def http_body(item, stream: bool) -> dict:
     return body
 
 
+def json_answer(response):
+    """A catch_response answer's JSON, or None after marking it failed (an HTTP error, not JSON)."""
+    if response.status_code != 200:
+        response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        response.failure(f"not JSON: {response.text[:200]}")
+        return None
+
+
 def finish_reason(data: dict):
     """The finish reason of an HTTP generate answer or stream event: None while running (the model
     writes "None" then, as the vLLM backend does)."""

@@ -31,7 +31,7 @@ grpc_gevent.init_gevent()  # grpc must yield to gevent, or one stream would bloc
 from locust import HttpUser, User, between, events, task  # noqa: E402
 
 from client.tools.load.locust_common import (close_grpc_client, finish_reason, fire_record, grpc_client,  # noqa: E402
-                                             http_body, open_grpc_client, stream_record)
+                                             http_body, json_answer, open_grpc_client, stream_record)
 from client.tools.benchmarks.workloads import make_workload  # noqa: E402
 
 MAX_TOKENS = int(os.environ.get("INFLIGHT_MAX_TOKENS", "64"))
@@ -71,13 +71,8 @@ class HttpGenerateUser(HttpUser):
         body = http_body(item, stream=False)
         with self.client.post("/v2/models/llm/generate", json=body, name="http generate",
                               catch_response=True) as r:
-            if r.status_code != 200:
-                r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
-                return
-            try:
-                data = r.json()
-            except ValueError:
-                r.failure(f"not JSON: {r.text[:200]}")
+            data = json_answer(r)
+            if data is None:
                 return
             reason = finish_reason(data)
             if "error" in data or not reason or reason in ("abort", "error"):
