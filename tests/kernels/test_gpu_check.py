@@ -59,6 +59,7 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     assert all(b["ok"] and b["tokens"] == b["batch"] * DRY["max_tokens"] for b in greedy["batches"])
     assert greedy["engine"]["kernels"] == "triton" and greedy["engine"]["dtype"] == "float32"
     assert all(b["float32"]["positions"] == b["tokens"] and b["float32"]["over"] == 0 for b in greedy["batches"])
+    assert greedy["vision"]["ok"] and greedy["pooling"]["ok"]  # issue 44: images and embeddings on the device
     decode = parts["decode"]["rows"]
     assert {(r["batch"], r["context"], r["graphs"]) for r in decode} == {
         (b, c, g) for b, c in DRY["decode_shapes"] for g in (True, False)}
