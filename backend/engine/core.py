@@ -121,8 +121,7 @@ class EngineCore:
         if batch.is_empty:
             return self._deliver(refused)
         seconds, shape = time.perf_counter() - started, batch_shape(batch)
-        if self.scheduler.pacer is not None:  # the step's cost on this device: the pacer's model learns
-            self.scheduler.pacer.observe(*shape, seconds)
+        self.scheduler.observe_step(*shape, seconds)  # the step's cost on this device: the step model learns
         self.drain.observe(shape[0], shape[1], seconds)
         self.beams.take(result.sampled)  # the beams' numbers: chosen for below, never appended as sampled
         self.scheduler.postprocess(batch, result.sampled, time.monotonic())
