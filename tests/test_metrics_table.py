@@ -128,6 +128,7 @@ class _Family:
 
 STATS = {"num_requests_running": 1, "num_requests_waiting": 0, "kv_blocks_total": 8, "kv_blocks_used": 2,
          "kv_blocks_free": 6, "kv_blocks_reserved": 1, "lora_requests": {"sql": {"running": 1, "waiting": 0}},
+         "lora_loads_total": 1, "lora_unloads_total": 0,  # an engine with LoRA reports them
          "moe_expert_tokens": [3, 4], "moe_load_imbalance": 1.1, "spec_decode_acceptance_lengths": [1, 1],
          "kv_tiers": {"device": {"hits": 1, "misses": 1},
                       "host": {"hits": 1, "misses": 0, "bytes_loaded": 1, "bytes_stored": 1, "dropped": 0,

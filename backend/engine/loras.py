@@ -92,7 +92,10 @@ class EngineLoRAs:
         return len(done)
 
     def figures(self) -> dict[str, int]:
-        """The engine's stats() figures of run-time loading."""
+        """The engine's stats() figures of run-time loading; none without LoRA (the metrics table's
+        series `when=LORA`)."""
+        if self.manager is None:
+            return {}
         return {"lora_loads_total": self.loads_total, "lora_unloads_total": self.unloads_total}
 
     def names(self) -> list[str]:

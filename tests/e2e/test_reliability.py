@@ -183,7 +183,7 @@ BAD = [
         "stop_token_ids: at most 256 ids; got 300"),
     Bad("unknown input", grpc_tensors(text_input="hi", bogus=1), {"text_input": "hi", "bogus": 1}, "",
         grpc_error=r"unexpected inference input 'bogus' for model 'llm'",
-        http_error=r"unknown input\(s\) or sampling key\(s\) 'bogus'; the inputs are text_input, input_ids, stream"),
+        http_error=r"unknown input\(s\) or sampling key\(s\) 'bogus'; the inputs are text_input, input_ids, (\w+, )*stream"),
     Bad("misspelt option", grpc_tensors(text_input="hi", max_token=5), {"text_input": "hi", "max_token": 5}, "",
         grpc_error=r"unexpected inference input 'max_token' for model 'llm'",
         http_error=r"unknown input\(s\) or sampling key\(s\) 'max_token'.*check its spelling"),

@@ -55,8 +55,12 @@ class Metrics:
         # per LoRA adapter and state (running, waiting): a series for every adapter loaded, made on first sight
         self.lora_family = family("lora_requests")
         self.lora = {}
-        self.counters = {key: made[m.name].Metric(labels={**labels, **fixed}) for m in table.TRITON
-                         if m.kind == table.COUNTER and m.when not in LATER for key, fixed in m.keys.items()}
+        counters = [(m, key, fixed) for m in table.TRITON if m.kind == table.COUNTER and m.when not in LATER
+                    for key, fixed in m.keys.items()]
+        self.counters = {key: made[m.name].Metric(labels={**labels, **fixed}) for m, key, fixed in counters
+                         if m.when != table.LORA}
+        # LoRA's counters: made when the engine first reports them (only an engine with LoRA does)
+        self._lora_counters = {key: (made[m.name], fixed) for m, key, fixed in counters if m.when == table.LORA}
         self._counted = {k: 0 for k in self.counters}
         self.hist = {key: made[m.name].Metric(labels=labels, buckets=list(m.buckets)) for m in table.TRITON
                      if m.kind == table.HISTOGRAM for key in m.keys}
@@ -108,6 +112,9 @@ class Metrics:
 
     def update(self, stats):
         # counters first: a scrape mid-update must not see a snapshot's gauges with older counters
+        for key in [k for k in self._lora_counters if k in stats]:
+            family, fixed = self._lora_counters.pop(key)
+            self.counters[key], self._counted[key] = family.Metric(labels={**self.labels, **fixed}), 0
         for key, metric in self.counters.items():
             delta = stats.get(key, 0) - self._counted[key]
             if delta > 0:
