@@ -72,20 +72,26 @@ def model_path(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def model_repository(tmp_path_factory) -> Path:
+def cpu_repository(root: Path, count: int = 1) -> Path:
+    """A model repository in `root` as `make config` writes it for the CPU (`count` instances of
+    `llm`), its version folder a link to this checkout's model.py. Returns `root`."""
     from templates.render import write_config
 
-    repo = tmp_path_factory.mktemp("model_repository")
+    write_config(root / "llm" / "config.pbtxt", gpus=[], count=count)
+    (root / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory) -> Path:
+    repo = cpu_repository(tmp_path_factory.mktemp("model_repository"))
     config = repo / "llm" / "config.pbtxt"
-    write_config(config, gpus=[])
     # A hand edit, as a user would make it: the server must pick it up (test_metrics checks).
     text = config.read_text()
     edited = text.replace('key: "cpu_kv_cache_tokens" value: { string_value: "65536" }',
                           f'key: "cpu_kv_cache_tokens" value: {{ string_value: "{HAND_EDITED_KV_TOKENS}" }}')
     assert edited != text
     config.write_text(edited)
-    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
     return repo
 
 

@@ -22,7 +22,7 @@ import pytest
 from serving.openai_launcher import OpenAIServer
 from openai_server.metrics import aggregate, parse_exposition
 
-from .conftest import MODEL_DIR, requires_tritonserver, wait_until
+from .conftest import cpu_repository, requires_tritonserver, wait_until
 
 pytestmark = requires_tritonserver
 openai = pytest.importorskip("openai")
@@ -40,13 +40,11 @@ def gateway(tmp_path_factory, model_path):
     """tritonserver (two instances, fault injection armed) and the OpenAI server beside it."""
     from serving.triton_launcher import TritonServer
     from lora_adapters import AdapterSpec, checkpoint_with_adapters
-    from templates.render import write_config
 
     root = tmp_path_factory.mktemp("gateway")
     folder, _ = checkpoint_with_adapters(model_path, root, ("sql", "poet"), seed=5, spec=AdapterSpec(r=4, alpha=8))
     repo = root / "repo"
-    write_config(repo / "llm" / "config.pbtxt", gpus=[], count=2)
-    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    cpu_repository(repo, count=2)
     params = {"max_num_seqs": "1", "max_model_len": "2048", "cpu_kv_cache_tokens": str(KV_TOKENS),
               "kv_block_size": str(BS), "enable_lora": "true", "max_loras": "1"}
     fault = root / "fault"

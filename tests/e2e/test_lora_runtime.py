@@ -17,7 +17,7 @@ import pytest
 
 from serving.openai_launcher import OpenAIServer
 
-from .conftest import MODEL_DIR, requires_tritonserver, wait_until
+from .conftest import cpu_repository, requires_tritonserver, wait_until
 from .raw_requests import array, grpc_stream
 
 pytestmark = requires_tritonserver
@@ -47,11 +47,9 @@ def adapters(tmp_path_factory, model_path):
 @pytest.fixture(scope="module")
 def stack(adapters, model_path, tmp_path_factory):
     from serving.triton_launcher import TritonServer
-    from templates.render import write_config
 
     repo = tmp_path_factory.mktemp("lora-runtime-repo")
-    write_config(repo / "llm" / "config.pbtxt", gpus=[])
-    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    cpu_repository(repo)
     params = {"enable_lora": "true", "enable_runtime_lora": "true", "max_loras": "1", "max_cpu_loras": "2",
               "max_model_len": "512"}
     with TritonServer(repo, params=params, model_path=str(model_path)) as triton:

@@ -14,7 +14,7 @@ import pytest
 
 from serving.openai_launcher import OpenAIServer
 
-from .conftest import MODEL_DIR, requires_tritonserver, wait_until
+from .conftest import cpu_repository, requires_tritonserver, wait_until
 from .raw_requests import array, grpc_stream
 from .test_vllm_backend_clients import PROMPTS, run_sample_client
 
@@ -36,12 +36,10 @@ def lora_setup(tmp_path_factory, model_path):
 @pytest.fixture(scope="module")
 def lora_server(lora_setup, tmp_path_factory):
     from serving.triton_launcher import TritonServer
-    from templates.render import write_config
 
     folder, adapters = lora_setup
     repo = tmp_path_factory.mktemp("lora-repo")
-    write_config(repo / "llm" / "config.pbtxt", gpus=[])
-    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    cpu_repository(repo)
     params = {**PARAMS, "lora_modules": f"chef={adapters['chef']}"}
     with TritonServer(repo, params=params, model_path=str(folder)) as srv:
         yield srv

@@ -13,7 +13,7 @@ from test_metrics_table import dashboard_queries, query_series
 from client.grpc_client import GrpcClient
 from templates import metrics as table
 
-from .conftest import MODEL_DIR, requires_tritonserver, wait_until
+from .conftest import cpu_repository, requires_tritonserver, wait_until
 
 pytestmark = requires_tritonserver
 LORA_OFF = (table.ALWAYS,)
@@ -68,13 +68,11 @@ def lora_server(tmp_path_factory, model_path):
     from lora_adapters import AdapterSpec, checkpoint_with_adapters
 
     from serving.triton_launcher import TritonServer
-    from templates.render import write_config
 
     folder, _ = checkpoint_with_adapters(model_path, tmp_path_factory.mktemp("metrics-lora"), ("sql",), seed=5,
                                          spec=AdapterSpec(r=8, alpha=16))
     repo = tmp_path_factory.mktemp("metrics-repo")
-    write_config(repo / "llm" / "config.pbtxt", gpus=[])
-    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    cpu_repository(repo)
     params = {"enable_lora": "true", "max_loras": "1", "max_model_len": "512", "kv_host_cache_bytes": str(1 << 20)}
     with TritonServer(repo, params=params, model_path=str(folder)) as srv:
         yield srv

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from .conftest import MODEL_DIR, requires_tritonserver, wait_until
+from .conftest import MODEL_DIR, cpu_repository, requires_tritonserver, wait_until
 from .raw_requests import grpc_stream, http_generate
 
 pytestmark = requires_tritonserver
@@ -39,12 +39,11 @@ def checkpoints(tmp_path_factory, model_path):
 @pytest.fixture(scope="module")
 def mixed_server(checkpoints, tmp_path_factory):
     from serving.triton_launcher import TritonServer
-    from templates.render import apply_overrides, render, write_config
+    from templates.render import apply_overrides, render
 
     vision, embed = checkpoints
     repo = tmp_path_factory.mktemp("mixed-repo")
-    write_config(repo / "llm" / "config.pbtxt", gpus=[])
-    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    cpu_repository(repo)
     second = tmp_path_factory.mktemp("mixed-embed-repo")  # tritonserver takes several --model-repository
     (second / "embed").mkdir()
     text = render(gpus=[]).replace('name: "llm"', 'name: "embed"', 1)

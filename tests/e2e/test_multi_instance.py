@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from .conftest import MODEL_DIR, SERVER_PARAMS, requires_tritonserver, wait_until
+from .conftest import SERVER_PARAMS, cpu_repository, requires_tritonserver, wait_until
 
 pytestmark = requires_tritonserver
 
@@ -45,11 +45,9 @@ def per_instance(series, name: str, **match) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def two_instance_server(tmp_path_factory, model_path):
     from serving.triton_launcher import TritonServer
-    from templates.render import write_config
 
     repo = tmp_path_factory.mktemp("two_instances")
-    write_config(repo / "llm" / "config.pbtxt", gpus=[], count=2)
-    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    cpu_repository(repo, count=2)
     params = {**SERVER_PARAMS, "cpu_kv_cache_tokens": str(KV_TOKENS), "kv_block_size": str(BLOCK_SIZE),
               "max_model_len": str(MAX_TOKENS + 64)}
     with TritonServer(repo, params=params, model_path=str(model_path)) as server:

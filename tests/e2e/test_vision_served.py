@@ -14,7 +14,7 @@ import pytest
 
 from serving.openai_launcher import OpenAIServer
 
-from .conftest import MODEL_DIR, grpc_error, requires_tritonserver, wait_until
+from .conftest import cpu_repository, grpc_error, requires_tritonserver, wait_until
 from .raw_requests import grpc_stream
 
 pytestmark = requires_tritonserver
@@ -34,11 +34,9 @@ def vision_setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vision_server(vision_setup, tmp_path_factory):
     from serving.triton_launcher import TritonServer
-    from templates.render import write_config
 
     repo = tmp_path_factory.mktemp("vision-repo")
-    write_config(repo / "llm" / "config.pbtxt", gpus=[])
-    (repo / "llm" / "1").symlink_to(MODEL_DIR, target_is_directory=True)
+    cpu_repository(repo)
     params = {"max_model_len": "512", "limit_mm_per_prompt": "2", "cpu_kv_cache_tokens": "4096"}
     with TritonServer(repo, params=params, model_path=str(vision_setup)) as srv:
         yield srv
