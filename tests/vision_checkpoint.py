@@ -23,14 +23,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['c
                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
-def make_vision_checkpoint(out_dir: Path, seed: int = 0, tokenizer: bool = False) -> Path:
+def make_vision_checkpoint(out_dir: Path, seed: int = 0, tokenizer: bool = False, **text_overrides) -> Path:
     """`tokenizer`: with the default model's tokenizer plus Gemma 3's three image tokens (ids 2000,
-    2001, 2002 in a 2048-token vocabulary) and a chat template, for the text doors."""
+    2001, 2002 in a 2048-token vocabulary) and a chat template, for the text doors. `text_overrides`: the text
+    model's config values in place of the gemma3 shape's."""
     import transformers as tf
     torch.manual_seed(seed)
     ids = dict(image_token_index=2002, boi_token_index=2000, eoi_token_index=2001) if tokenizer else \
         dict(image_token_index=IMAGE_TOKEN, boi_token_index=BOI, eoi_token_index=EOI)
-    text = tf.Gemma3TextConfig(**{**COMMON, **SHAPES["gemma3"], **({"vocab_size": 2048} if tokenizer else {})})
+    text = tf.Gemma3TextConfig(**{**COMMON, **SHAPES["gemma3"], **({"vocab_size": 2048} if tokenizer else {}),
+                                  **text_overrides})
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    image_size=IMAGE_SIZE, patch_size=8, vision_use_head=False)
     config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),

@@ -30,6 +30,7 @@ import numpy as np
 
 from backend.models.checkpoint_config import CheckpointConfigError
 from backend.models.gguf.checks import check_config, check_shapes, scan
+from backend.models.gguf import mmproj as mm
 from backend.models.gguf.mapping import (GEMMA_NORM_SHIFT, MOE_TENSORS, PERMUTED_ARCHITECTURES, ROPE_FREQS,
                                   GGUFImportError, hf_architecture, hf_config, hf_tensor_name,
                                   llama3_rope_scaling, read_metadata, unpermute_rows)
@@ -181,8 +182,12 @@ def _open(gguf_path: Path):
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32",
-                dequantize: bool = False, force: bool = False, log=print) -> Path:
+                dequantize: bool = False, force: bool = False, log=print,
+                mmproj: Optional[str | Path] = None) -> Path:
     """Convert ``gguf_path`` into the checkpoint folder ``out_dir`` and return it.
+
+    ``mmproj``: llama.cpp's vision file of the same model (backend/models/gguf/mmproj.py): the
+    folder is then a Gemma3ForConditionalGeneration with its vision tower.
 
     Quantized tensors stay packed unless ``dequantize`` (then every weight is written in ``dtype``).
     The folder is written beside ``out_dir`` and renamed into place at the end, so ``out_dir``
@@ -192,8 +197,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     if dtype not in OUTPUT_DTYPES:
         raise GGUFImportError(f"dtype {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {gguf_path}")
+    for path in (gguf_path, *([Path(mmproj)] if mmproj is not None else [])):
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise FileExistsError(f"{out_dir} exists and is not empty (pass --force to replace it)")
     start = time.monotonic()
@@ -212,6 +218,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
             config["rope_scaling"] = llama3_rope_scaling(factors.astype(np.float64), config)
         else:
             hf_tensor_name(tensor.name, arch)  # refuse unknown tensors before writing anything
+    vision = None
+    if mmproj is not None:  # checked whole before anything is written
+        vision_reader, vision_meta = _open(Path(mmproj))
+        vision = mm.read_mmproj(vision_meta, {t.name: _numpy_shape(t) for t in vision_reader.tensors},
+                                Path(mmproj).name, arch, meta, config)
+        log(f"import-gguf: {Path(mmproj).name}: gemma3 vision tower, {len(vision_reader.tensors)} tensors, "
+            f"{vision.mm_tokens_per_image} tokens per image")
 
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -225,9 +238,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
             floats = {FLOAT_TYPES[int(t.tensor_type)] for t in reader.tensors if len(t.shape) == 2}
             config["torch_dtype"] = {"F16": "float16", "BF16": "bfloat16"}.get(
                 floats.pop() if len(floats) == 1 else "F32", "float32")
-        _write_json(staging / "config.json", config)
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                       if k in config}
+        if vision is not None:
+            mm.write_vision(staging, vision_reader, vision, _save)
+            config = mm.multimodal_config(config, vision)
+        _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", generation)
         try:
             build_tokenizer(meta).save(str(staging / "tokenizer.json"))
@@ -258,6 +274,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", default=None, choices=OUTPUT_DTYPES,
                         help="with --dequantize: the weights' dtype (default float32: the values exactly)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--mmproj", metavar="MMPROJ.gguf",
+                        help="llama.cpp's vision file of the same model (Gemma 3's mmproj-*.gguf): the folder "
+                             "then serves images (docs/vision.md)")
     args = parser.parse_args(argv)
     if args.dtype and not args.dequantize:
         print("inflight import-gguf: --dtype applies to --dequantize (a packed import keeps every "
@@ -265,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         import_gguf(args.file, args.out, dtype=args.dtype or "float32", dequantize=args.dequantize,
-                    force=args.force)
+                    force=args.force, mmproj=args.mmproj)
     except (CheckpointConfigError, FileNotFoundError, FileExistsError) as exc:  # GGUFImportError is one
         print(f"inflight import-gguf: {exc}", file=sys.stderr)
         return 2
