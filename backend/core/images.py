@@ -8,7 +8,9 @@ to the same number, so PIL refuses it too before decoding a byte of pixels).
 
 `preprocess` is Gemma 3's image processor with pan-and-scan off (transformers'
 Gemma3ImageProcessorPil): RGB (transparency composited onto white), resized to the vision tower's square size with PIL's bilinear
-filter, rescaled by 1/255 and normalized with the processor's mean and std, channels first.
+filter, rescaled by 1/255 and normalized with the processor's mean and std, channels first. Given a
+(height, width) and the bicubic filter it is Qwen2-VL's processor (Qwen2VLImageProcessorPil) before
+its patches are cut (backend/engine/qwen2_5_vl_images.py).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class ImageProcessing:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     rescale: float = 1 / 255
+    resample: str = "BILINEAR"  # PIL's filter (Qwen2-VL: BICUBIC)
 
 
 def decode_image(data: bytes, field: str, max_pixels: int = MAX_IMAGE_PIXELS, max_bytes: int = MAX_IMAGE_BYTES):
@@ -101,17 +104,18 @@ def data_url_bytes(url: str, field: str) -> bytes:
     return base64_bytes(payload, field)
 
 
-def preprocess(image, processing: ImageProcessing) -> np.ndarray:
-    """float32 [3, size, size], as Gemma 3's processor (pan-and-scan off) makes it."""
+def preprocess(image, processing: ImageProcessing, size: "tuple[int, int] | None" = None) -> np.ndarray:
+    """float32 [3, size, size], as Gemma 3's processor (pan-and-scan off) makes it; [3, height,
+    width] given `size` (height, width)."""
     image_mod = _pil()
     if "A" in image.getbands() or image.info.get("transparency") is not None:  # onto white, as transformers
         rgba = image.convert("RGBA")
         rgb = image_mod.alpha_composite(image_mod.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     else:
         rgb = image.convert("RGB")
-    size = processing.size
-    if rgb.size != (size, size):
-        rgb = rgb.resize((size, size), resample=image_mod.Resampling.BILINEAR)
+    height, width = size or (processing.size, processing.size)
+    if rgb.size != (width, height):
+        rgb = rgb.resize((width, height), resample=getattr(image_mod.Resampling, processing.resample))
     pixels = np.asarray(rgb, dtype=np.float32) * np.float32(processing.rescale)
     mean = np.asarray(processing.mean, dtype=np.float32)
     std = np.asarray(processing.std, dtype=np.float32)

@@ -28,6 +28,9 @@ class ImageItem:
     offset: int  # its first placeholder token's position in the prompt
     length: int  # placeholder tokens (the encoder's output rows)
     pixel_values: Any = None  # numpy float32 [channels, height, width], as the processor made them
+    # Qwen2.5-VL: its tokens' grid (rows, columns of merged patches; length = rows * columns), which
+    # sets their M-RoPE positions (backend/models/mrope.py); () for a fixed-size image (Gemma 3)
+    grid: tuple = ()
 
     @property
     def end(self) -> int:

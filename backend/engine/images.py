@@ -7,7 +7,8 @@ JPEG or WebP file. The prompt marks each image's place with Gemma 3's begin-of-i
 (`<start_of_image>`, which its chat template writes for an image part); once tokenized, each marker
 token becomes the processor's image sequence, token by token as vLLM does it: the tokens of a blank
 line ("\n\n", none without a tokenizer), the marker, `mm_tokens_per_image` image tokens, the
-end-of-image token, the blank line again. Every refusal is a ValueError naming the field.
+end-of-image token, the blank line again. Qwen2.5-VL's images (dynamic resolution, `<|image_pad|>`)
+are laid out by backend/engine/qwen2_5_vl_images.py. Every refusal is a ValueError naming the field.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Any, Optional, Sequence
 
 from backend.core.images import ImageProcessing, decode_image, pixel_hash, preprocess
 from backend.core.multimodal import ImageItem, expand_placeholders, image_runs, images_per_prompt
+from backend.engine.qwen2_5_vl_images import QwenImageFront
 from backend.models.gemma3_vision import VisionConfig, read_vision_config
+from backend.models.qwen2_5_vl_vision import read_qwen_vision_config
 
 
 def split_prompt(prompt: Any) -> tuple[Any, list]:
@@ -42,6 +45,8 @@ class ImageFront:
 
     def __init__(self, model_path: str, config, tokenizer):
         self.vision: Optional[VisionConfig] = read_vision_config(model_path)
+        qwen = read_qwen_vision_config(model_path)  # Qwen2.5-VL: its own layout (qwen2_5_vl_images.py)
+        self.qwen = QwenImageFront(qwen, model_path, config) if qwen is not None else None
         self.limit = images_per_prompt(config.limit_mm_per_prompt)
         self.encoder_tokens = config.max_num_encoder_input_tokens or config.max_num_batched_tokens
         self.tokenizer = tokenizer
@@ -60,6 +65,8 @@ class ImageFront:
     def check(self, images: Sequence, truncate: Optional[int]) -> None:
         if not images:
             return
+        if self.qwen is not None:
+            return self.qwen.check(images, truncate)
         if self.vision is None:
             raise ValueError("image: this model takes no images (a text-only checkpoint)")
         if len(images) > self.limit:
@@ -96,13 +103,24 @@ class ImageFront:
                              f"{v.mm_tokens_per_image} tokens each")
         items = []
         for i, ((offset, length), image) in enumerate(zip(runs, images)):
-            field = f"image[{i}]"
-            if isinstance(image, (bytes, bytearray)):
-                image = decode_image(bytes(image), field)
-            elif not hasattr(image, "convert"):
-                raise ValueError(f"{field}: an image must be a PIL image or the bytes of a PNG, JPEG or WebP file")
-            elif 0 in image.size:
-                raise ValueError(f"{field}: the image is {image.size[0]}x{image.size[1]}; both sides must be >= 1")
-            pixels = preprocess(image, self.processing)
+            pixels = preprocess(as_image(image, f"image[{i}]"), self.processing)
             items.append(ImageItem(pixel_hash(pixels), offset, length, pixels))
         return items
+
+    def lay_out(self, ids: list[int], images: Sequence) -> tuple[list[int], list[ImageItem]]:
+        """(the tokenized prompt with its placeholders expanded, the images' ImageItems)."""
+        if self.qwen is not None:
+            return self.qwen.lay_out(ids, images, as_image)
+        ids = self.expand_ids(ids, len(images))
+        return ids, self.items(ids, images)
+
+
+def as_image(image, field: str):
+    """A request's image (a PIL image, or a file's bytes decoded here) as a PIL image."""
+    if isinstance(image, (bytes, bytearray)):
+        return decode_image(bytes(image), field)
+    if not hasattr(image, "convert"):
+        raise ValueError(f"{field}: an image must be a PIL image or the bytes of a PNG, JPEG or WebP file")
+    if 0 in image.size:
+        raise ValueError(f"{field}: the image is {image.size[0]}x{image.size[1]}; both sides must be >= 1")
+    return image

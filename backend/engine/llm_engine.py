@@ -82,11 +82,11 @@ class LLMEngine(EngineCore):
         if images:  # (docs/vision.md) checked and laid out here, preprocessed on this thread
             self.images.check(images, params.truncate_prompt_tokens)
         ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
-        if images:
-            ids = self.images.expand_ids(ids, len(images))
+        items = []
+        if images:  # placeholders expanded (Qwen2.5-VL: to each image's own size), images preprocessed
+            ids, items = self.images.lay_out(ids, images)
             if len(ids) > self.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens with its images; max_model_len is {self.max_model_len}")
-        items = self.images.items(ids, images) if images else []
         self.scheduler.check_fits(len(ids), params.max_tokens, max(params.n, params.beam_width))
         refuse_beams(params, self.config, self.blocks, len(ids))
         request = Request(request_id, ids, params, self._eos_token_ids(), arrival_time,

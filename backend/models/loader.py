@@ -11,13 +11,14 @@ from typing import Any, Iterator, Optional
 import torch
 from safetensors import safe_open
 
+from backend.models import mrope
 from backend.models.checkpoint_config import (MOE_ARCHITECTURES, CheckpointConfigError, Reader, model_fields,
                                                shown)
 from backend.models.weight_shapes import check_against_weights, header_shapes
 from kernels.quant_reference import ARRAYS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Pooling checkpoints (docs/pooling.md): a bare decoder (sentence-transformers' embedding models) or one
 # with a score head (cross-encoder rerankers) -> the causal architecture whose decoder it is.
 POOLING_ARCHITECTURES = {f"{base}{kind}": f"{base}ForCausalLM" for base in ("Llama", "Qwen2", "Qwen3")
@@ -82,6 +83,8 @@ class ModelConfig:
     classifier_tokens: tuple[str, ...] = ()
     classifier_token_ids: tuple[int, ...] = ()
     checkpoint_architecture: str = ""
+    # Qwen2.5-VL: the rotary half's (time, height, width) sections (backend/models/mrope.py); (): 1-D RoPE
+    mrope_section: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (transformers' rule for Qwen3-MoE; every
@@ -136,10 +139,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if arch is None:
         raise CheckpointConfigError(f"config.json: architectures is {shown(archs)}; it must list one of "
                                     f"{', '.join(known)}")
-    top = cfg
+    top, mrope_section = cfg, ()
     if arch == "Gemma3ForConditionalGeneration":  # the text model; the vision tower is not loaded
         text = Reader(cfg).mapping("text_config")
         cfg = dict(text.cfg) if text else {}
+    elif arch == "Qwen2_5_VLForConditionalGeneration":  # a Qwen2 decoder with M-RoPE (backend/models/mrope.py)
+        (cfg, mrope_section), arch = mrope.text_config(cfg), "Qwen2ForCausalLM"
     gemma = arch.startswith("Gemma3")
     if gemma:
         cfg = _gemma3(cfg)
@@ -159,9 +164,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         norm_weight_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
         embedding_scale=fields["hidden_size"] ** 0.5 if gemma else 1.0,
-        checkpoint_architecture=written, **_pooling_head(written, top),
+        checkpoint_architecture=written, mrope_section=mrope_section, **_pooling_head(written, top),
         **fields,
     )
+    if mrope_section:
+        mrope.check_section(mrope_section, model_config.head_dim)
     files = _weight_files_if_any(model_dir)
     if files:
         check_against_weights(model_config, header_shapes(files))

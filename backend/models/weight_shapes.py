@@ -22,7 +22,8 @@ from backend.models.checkpoint_config import CheckpointConfigError
 # Where a checkpoint keeps the decoder's weights: Gemma3ForConditionalGeneration's text model sits
 # under model.language_model. (transformers 5) or language_model.model. (the Hub's older files).
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
-SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+           "visual.", "model.visual.")  # (Qwen2.5-VL's vision encoder: backend/models/qwen2_5_vl_vision.py)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 

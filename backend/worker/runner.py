@@ -1,12 +1,11 @@
 """The model runner: the worker's one object, the only one that touches torch devices.
 
 It loads the weights, owns the paged KV cache tensors and the persistent batch of the sequences it
-was told of (input_batch.py), and runs each step's plan (backend/core/step.py): its deltas applied
-to the batch, the KV tiers' copies made, the flat inputs built (step_inputs.py) with a
-vision-language model's image rows (vision.py), the model run (decode steps through the fast path
-fast_paths.py chose: CUDA graphs or the CPU's C stack), and the rows sampled (sample_step.py). On
-CUDA it binds its device to the engine thread, and holding the GPU's lock (memory.py) it loads the
-weights, runs the warm-up, sizes and allocates the KV cache and captures the graphs.
+was told of (input_batch.py), and runs each step's plan (backend/core/step.py): deltas applied to
+the batch, KV tiers' copies made, flat inputs built (step_inputs.py) with image rows (vision.py) and
+M-RoPE positions (mrope_step.py), the model run (decode steps on fast_paths.py's CUDA graphs or C
+stack), rows sampled (sample_step.py). On CUDA it binds its device to the engine thread; holding the
+GPU's lock (memory.py) it loads the weights, warms up, sizes the KV cache and captures the graphs.
 
 With tensor_parallel_size N (worker/parallel/) rank 0's runner starts the group: it holds its shard
 of every layer and of the KV cache, sends each step's plan to the other ranks as one message
@@ -31,7 +30,7 @@ from backend.models.llama import LlamaForCausalLM
 from backend.models.loader import ModelConfig
 from backend.models.rope import rope_tables
 from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
-from backend.worker import fast_paths, memory, pooler, prompt_logprobs
+from backend.worker import fast_paths, memory, mrope_step, pooler, prompt_logprobs
 from backend.worker.attention_metadata import AttentionMetadata
 from backend.worker.block_copy import copy_blocks
 from backend.worker.cpu_affinity import allowed_cores, pin_omp_threads
@@ -44,7 +43,7 @@ from backend.worker.lora.manager import make_lora_manager
 from backend.worker.parallel.rendezvous import start_group
 from backend.worker.sample_step import sample_step
 from backend.worker.step_inputs import StepInputs, build_step
-from backend.worker.vision import VisionStep
+from backend.worker.parallel.vision import vision_step
 from backend.worker.warmup import prefill_tokens, warm_up_steps
 from kernels.dispatch import get_ops
 
@@ -102,7 +101,7 @@ class ModelRunner:
                                           self.env.tensor_device)
         with memory.one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
-            self.vision = VisionStep.build(config, self.tp, self.env.tensor_device, self.ops.name == "cpu")
+            self.vision = vision_step(config, self.tp, self.env.tensor_device, self.ops.name == "cpu")  # (TP: rank 0 encodes)
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
                                           self.env.tensor_device, tp=self.tp)
             self.rope = rope_tables(model_cfg, max_model_len, self.env.tensor_device)
@@ -237,6 +236,7 @@ class ModelRunner:
         step = build_step(plan, self.batch, self._empty_rows(plan, size), verify_as_decode=self.ops.name == "cpu",
                           lora=self.lora, lora_plan=lora_plan)
         step.images = self.vision and self.vision.prepare(plan, self.batch, self._empty_rows(plan, size))
+        step.rope = mrope_step.step_rope(self, plan, step, self._empty_rows(plan, size))  # Qwen2.5-VL: M-RoPE
         return self._compute(step, size), step
 
     def _with_unsent(self, plan: StepPlan) -> StepPlan:
@@ -274,6 +274,7 @@ class ModelRunner:
         self.batch.apply(plan)
         step = build_step(plan, self.batch, self._empty_rows(plan, size), verify_as_decode=self.ops.name == "cpu",
                           lora=self.lora, lora_plan=message.lora)
+        step.images = self.vision and self.vision.prepare(plan, self.batch, self._empty_rows(plan, size))  # rank 0's rows
         self._compute(step, size)
         return True
 
@@ -286,8 +287,9 @@ class ModelRunner:
         else:
             lora = self.lora.step(step.lora_runs, step.lora_writes, step.ids.shape[0]) if self.lora is not None else None
             ctx = self.metadata.for_step(step, self.batch.tables.table, self.kv_caches, lora)
-            stack = self.decode_path.stack_for(step.num_decode_rows, step.ids.shape[0])
-            hidden = self.model(step.ids, step.positions, ctx, self.rope, decode_stack=stack)
+            rope = getattr(step, "rope", None)  # image rows (Qwen2.5-VL): the step's own tables, the Python layers
+            stack = None if rope else self.decode_path.stack_for(step.num_decode_rows, step.ids.shape[0])
+            hidden = self.model(step.ids, step.positions, ctx, rope or self.rope, decode_stack=stack)
         pooler.read_hidden(step, hidden, self.model)  # prompt logprobs' positions, pooling rows
         if not step.sample_index.shape[0]:
             return None

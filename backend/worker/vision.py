@@ -19,11 +19,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 
 from backend.models.attention import ImageSpan
 from backend.models.gemma3_vision import load_vision_encoder, vision_weights
+from backend.models.qwen2_5_vl_vision import QwenVisionEncoder, load_qwen_vision_encoder
 from backend.worker.step_inputs import step_rows
 
 
@@ -91,7 +91,9 @@ class VisionStep:
     @classmethod
     def build(cls, config, tp, device: torch.device, verify_as_decode: bool) -> Optional["VisionStep"]:
         """The checkpoint's image encoder and its cache; None for a text-only model."""
-        encoder = load_vision_encoder(config.model_path, vision_weights(config.model_path), device)
+        encoder = load_qwen_vision_encoder(config.model_path, device)  # Qwen2.5-VL, else Gemma 3 (else None)
+        if encoder is None:
+            encoder = load_vision_encoder(config.model_path, vision_weights(config.model_path), device)
         if encoder is None:
             return None
         if tp is not None:
@@ -137,7 +139,8 @@ class VisionStep:
             spans.append(ImageSpan(prefill_row=p, q_lo=q_start + lo - start, q_hi=q_start + item.end - start,
                                    pos_lo=lo, span_lo=item.offset, span_hi=item.end))
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return VisionInputs(index, torch.cat(parts), spans)
+        bidirectional = getattr(self.cfg, "bidirectional", True)  # Qwen2.5-VL: causal image tokens, no span
+        return VisionInputs(index, torch.cat(parts), spans if bidirectional else [])
 
     def _pinned(self, seqs) -> set[str]:
         """Hashes of images whose placeholders a held sequence has not all computed."""
@@ -157,9 +160,11 @@ class VisionStep:
             else:
                 missing[item.hash] = item
         if missing:
-            pixels = torch.from_numpy(np.stack([m.pixel_values for m in missing.values()])).to(self.device)
+            pixels = [torch.from_numpy(m.pixel_values).to(self.device) for m in missing.values()]
             with torch.inference_mode():
-                out = self.encoder(pixels)
+                # (Qwen2.5-VL: a list, its images differ in size; Gemma 3: one batch)
+                qwen = isinstance(self.encoder, QwenVisionEncoder)
+                out = self.encoder(pixels) if qwen else self.encoder(torch.stack(pixels))
             self.runs += len(missing)
             for key, value in zip(missing, out):
                 value = value.clone()

@@ -1,0 +1,54 @@
+"""A Qwen2.5-VL step's rotary positions (docs/vision.md, backend/models/mrope.py), made on the host
+from each sequence's images after the step's flat inputs are built (step_inputs.py).
+
+A sequence without images keeps its plain positions. One with images: every token outside its
+images' runs is a 1-D position shifted by the images before it (decode rows: + the sequence's rope
+delta), so a step without image rows only rewrites `step.positions` (one copy; decode steps, CUDA
+graphs and the C stack stay as they are). A step that computes image rows (a prompt chunk over an
+image) needs three positions per row: it gets cos/sin rows of its own (`mrope_rows`, one row per
+step row) and positions 0..T-1 into them, so every rotary kernel applies M-RoPE unchanged; such a
+step runs the Python layers (as Gemma 3's image steps do), the tables being the step's own.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from backend.models.mrope import mrope_delta, mrope_positions, mrope_rows
+from backend.models.rope import RopeTables
+from backend.worker.step_inputs import step_rows
+
+
+def step_rope(runner, plan, step, empty_rows: int) -> Optional[RopeTables]:
+    """The step's own rope tables when it computes image rows (step.positions then 0..T-1); None
+    otherwise, step.positions shifted where a sequence's images shift them."""
+    vision, section = runner.vision, runner.model_cfg.mrope_section
+    if vision is None or not section or not vision.items:
+        return None
+    decodes, prefills = step_rows(plan, runner.batch, runner.ops.name == "cpu")
+    if not any(r.seq_id in vision.items for r in decodes + prefills):
+        return None
+    total = step.ids.shape[0]
+    pos = np.zeros((3, total), dtype=np.int64)
+    at = empty_rows
+    for r in decodes + prefills:
+        items = vision.items.get(r.seq_id)
+        n = r.num_new_tokens
+        if items and not r.padding:
+            if r.start >= max(item.end for item in items):  # past every image: one shift
+                pos[:, at:at + n] = np.arange(r.start, r.start + n) + mrope_delta(items)
+            else:
+                pos[:, at:at + n] = mrope_positions(items, r.start, n)
+        else:
+            pos[:, at:at + n] = np.arange(r.start, r.start + n)
+        at += n
+    device = step.positions.device
+    if (pos[0] == pos[1]).all() and (pos[0] == pos[2]).all():
+        step.positions.copy_(torch.from_numpy(pos[0]).to(device))
+        return None
+    cos, sin = runner.rope.full
+    rows = mrope_rows(cos, sin, torch.from_numpy(pos).to(device), section)
+    step.positions = torch.arange(total, dtype=torch.int64, device=device)
+    return RopeTables(rows, rows)
