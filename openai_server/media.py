@@ -139,5 +139,9 @@ def _marker(model_path: Optional[str], tokenizer) -> Optional[str]:
         return None
     if not cfg.get("vision_config"):
         return None
+    if "vision_start_token_id" in cfg:  # Qwen2.5-VL: as its chat template writes an image item
+        names = [tokenizer.id_to_token(cfg.get(k)) if isinstance(cfg.get(k), int) else None
+                 for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id")]
+        return "".join(names) if all(names) else None
     boi = cfg.get("boi_token_index", cfg.get("boi_token_id", 255_999))
     return tokenizer.id_to_token(boi) if isinstance(boi, int) else None
