@@ -40,10 +40,10 @@ from backend.worker.device import DeviceEnv, resolve_device, resolve_dtype
 from backend.worker.input_batch import BlockTables, InputBatch
 from backend.worker.kv_copier import KVCopier
 from backend.worker.lora.manager import make_lora_manager
+from backend.worker.parallel.vision import vision_step
 from backend.worker.parallel.rendezvous import start_group
 from backend.worker.sample_step import sample_step
 from backend.worker.step_inputs import StepInputs, build_step
-from backend.worker.parallel.vision import vision_step
 from backend.worker.warmup import prefill_tokens, warm_up_steps
 from kernels.dispatch import get_ops
 
@@ -101,7 +101,7 @@ class ModelRunner:
                                           self.env.tensor_device)
         with memory.one_engine_at_a_time(self.env):  # engines on one GPU load and size one after another
             self.model = self._load_model()
-            self.vision = vision_step(config, self.tp, self.env.tensor_device, self.ops.name == "cpu")  # (TP: rank 0 encodes)
+            self.vision = vision_step(config, self.tp, self.env.tensor_device, self.ops.name == "cpu")
             self.lora = make_lora_manager(config, self.whole_model_cfg, self.model, self.ops.name,
                                           self.env.tensor_device, tp=self.tp)
             self.rope = rope_tables(model_cfg, max_model_len, self.env.tensor_device)
@@ -274,8 +274,7 @@ class ModelRunner:
         self.batch.apply(plan)
         step = build_step(plan, self.batch, self._empty_rows(plan, size), verify_as_decode=self.ops.name == "cpu",
                           lora=self.lora, lora_plan=message.lora)
-        step.images = self.vision and self.vision.prepare(plan, self.batch, self._empty_rows(plan, size))  # rank 0's rows
-        self._compute(step, size)
+        self._compute(self.vision.attach(step, plan, self.batch, self._empty_rows(plan, size)) if self.vision else step, size)
         return True
 
     def _compute(self, step: StepInputs, graph_size: Optional[int]) -> Optional[torch.Tensor]:

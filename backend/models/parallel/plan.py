@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
+from backend.models.weight_shapes import SKIPPED as VISION_PREFIXES  # a vision tower's and projector's names
+
 # Values per quantization group along K (docs/quantization.md): the K-quants scale by super-blocks.
 GROUP_VALUES = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 DEFAULT_GROUP_VALUES = 32
@@ -101,8 +103,9 @@ class ShardPlan:
     # -- the weights -------------------------------------------------------------------------------
     def shard_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """(HF name, tensor) -> (HF name, this rank's part of it), for float and packed tensors."""
-        for name, tensor in weights:
-            yield name, self.shard(name, tensor)
+        for name, tensor in weights:  # (a vision tower's, which the decoder skips, stay whole: its
+            # q_proj or fc1 are not the decoder's and need not divide; rank 0 runs it whole)
+            yield name, tensor if name.startswith(VISION_PREFIXES) else self.shard(name, tensor)
 
     def shard(self, name: str, tensor: Any) -> Any:
         module, _, array = name.rpartition(".")

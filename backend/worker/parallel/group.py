@@ -114,6 +114,15 @@ class TensorParallelGroup:
             dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place (a step's image rows: parallel/vision.py)."""
+        with self._timed("broadcast"):
+            if self.shm is not None and self.shm.fits(tensor):
+                self.shm.broadcast(tensor)
+            else:
+                dist.broadcast(tensor, src=0)
+        return tensor
+
     def smallest(self, value: int) -> int:
         """The smallest of every rank's `value` (KV blocks: the group's capacity is its smallest rank's)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -84,6 +84,13 @@ class ShmCollectives:
             flat.add_(slots[r])
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place (every rank publishes; the others copy rank 0's)."""
+        first = self._exchange(tensor)[0]
+        if self.rank:
+            tensor.view(-1).copy_(first)
+        return tensor
+
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` side by side along the last dimension."""
         return torch.cat([s.view(tensor.shape) for s in self._exchange(tensor)], dim=-1)

@@ -30,10 +30,13 @@ class StepMessage:
 
 
 def _for_the_ranks(plan: StepPlan) -> StepPlan:
-    """What the other ranks need of a plan: no draft distributions (only rank 0 samples) and no KV
-    tier copies (refused under tensor parallelism)."""
+    """What the other ranks need of a plan: no draft distributions (only rank 0 samples), no KV
+    tier copies (refused under tensor parallelism) and no image pixels (rank 0 runs the encoder and
+    sends its rows: parallel/vision.py; the ranks keep each image's place and hash)."""
     rows = [dataclasses.replace(r, draft_probs=None) if r.draft_probs is not None else r for r in plan.prefills]
-    return dataclasses.replace(plan, prefills=rows, kv_copies=None)
+    new = [dataclasses.replace(s, mm_items=tuple(dataclasses.replace(i, pixel_values=None) for i in s.mm_items))
+           if s.mm_items else s for s in plan.new_seqs]
+    return dataclasses.replace(plan, prefills=rows, kv_copies=None, new_seqs=new)
 
 
 def encode(message: StepMessage) -> tuple[np.ndarray, np.ndarray]:
