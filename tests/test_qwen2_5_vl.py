@@ -12,7 +12,8 @@ from backend import LLM, SamplingParams
 from backend.core.multimodal import ImageItem
 from backend.models.mrope import mrope_delta, mrope_positions, mrope_reference, mrope_rows
 from backend.models.rope import rope_cos_sin, rope_inv_freq
-from qwen2_5_vl import IMAGE_PAD, VISION_END, VISION_START, hf_generate, hf_logprobs, make_qwen2_5_vl_checkpoint, oracle_inputs
+from qwen2_5_vl import (IMAGE_PAD, VISION_END, VISION_START, hf_generate, hf_logprobs, make_qwen2_5_vl_checkpoint,
+                        oracle_inputs)
 from vision_checkpoint import random_image
 
 S, E, P = VISION_START, VISION_END, IMAGE_PAD
@@ -175,7 +176,8 @@ def test_bad_requests_are_refused_and_nothing_is_held(qwen_vl):
             llm.generate([prompt], params)
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_waiting"] == 0 and stats["encoder_cache_bytes"] == 0
-    assert llm.generate([mm_prompt([5, P, 6], [img])], params)[0].token_ids == hf_generate(model, path, [5, P, 6], [img], 2)
+    good = llm.generate([mm_prompt([5, P, 6], [img])], params)[0].token_ids
+    assert good == hf_generate(model, path, [5, P, 6], [img], 2)
 
 
 def test_mrope_section_must_cover_the_rotary_half(tmp_path):
@@ -185,9 +187,50 @@ def test_mrope_section_must_cover_the_rotary_half(tmp_path):
     from backend.models.loader import load_model_config
     path = make_qwen2_5_vl_checkpoint(tmp_path, seed=1)
     cfg = load_model_config(path)
-    assert (cfg.mrope_section, cfg.architecture, cfg.qkv_bias, cfg.head_dim) == ((2, 3, 3), "Qwen2ForCausalLM", True, 16)
+    assert (cfg.mrope_section, cfg.architecture, cfg.qkv_bias, cfg.head_dim) == \
+        ((2, 3, 3), "Qwen2ForCausalLM", True, 16)
     raw = json.loads((path / "config.json").read_text())
     raw["text_config"]["rope_parameters"]["mrope_section"] = [4, 3, 3]
     (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointConfigError, match=r"mrope_section \[4, 3, 3\] sums to 10; it must sum to head_dim / 2 = 8"):
+    with pytest.raises(CheckpointConfigError,
+                       match=r"mrope_section \[4, 3, 3\] sums to 10; it must sum to head_dim / 2 = 8"):
         load_model_config(path)
+
+
+def hub_layout(src, dst):
+    """The tiny checkpoint as the Hub's Qwen2.5-VL files lay it out (transformers 4's): the text keys at
+    the top of config.json with rope_scaling {"type": "mrope"}, tensors under model.* and visual.*,
+    preprocessor_config.json with min_pixels / max_pixels."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**cfg, **text, "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(flat))
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    proc = json.loads((src / "preprocessor_config.json").read_text())
+    size = proc.pop("size")
+    (dst / "preprocessor_config.json").write_text(json.dumps({**proc, "min_pixels": size["shortest_edge"],
+                                                              "max_pixels": size["longest_edge"]}))
+    shutil.copy(src / "generation_config.json", dst / "generation_config.json")
+    return dst
+
+
+@pytest.mark.slow
+def test_the_hubs_file_layout_serves_the_same(qwen_vl, tmp_path):
+    path, model = qwen_vl
+    hub = hub_layout(path, tmp_path / "hub")
+    from safetensors import safe_open
+    with safe_open(str(hub / "model.safetensors"), "pt") as f:
+        assert "visual.merger.mlp.0.weight" in f.keys() and "model.layers.0.mlp.up_proj.weight" in f.keys()
+    ids, images, n = CASES[2]
+    out = LLM(str(hub), kv_block_size=16, max_tokens_in_paged_kv_cache=1024).generate(
+        [mm_prompt(ids, images)], SamplingParams(max_tokens=n, temperature=0))[0]
+    assert out.token_ids == hf_generate(model, path, ids, images, n)
