@@ -39,14 +39,20 @@ def qwen_vl(tmp_path_factory):
     return path, model
 
 
-def test_mrope_rows_rotate_as_transformers():
+@pytest.fixture(scope="module")
+def hf_modeling():
+    """transformers' Qwen2.5-VL modeling module (imported once: a few seconds)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+    return modeling_qwen2_5_vl
+
+
+def test_mrope_rows_rotate_as_transformers(hf_modeling):
     """mrope_rows through each CPU rotary kernel (positions 0..T-1 into the step's own rows) equals
     transformers' M-RoPE (its rotary embedding and apply_rotary_pos_emb) and mrope_reference."""
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
-    from transformers import Qwen2_5_VLTextConfig
     from kernels.dispatch import get_ops
     section, head_dim, t = (2, 3, 3), 16, 37
-    cfg = Qwen2_5_VLTextConfig(hidden_size=64, num_attention_heads=4, rope_parameters={
+    m = hf_modeling
+    cfg = m.Qwen2_5_VLTextConfig(hidden_size=64, num_attention_heads=4, rope_parameters={
         "rope_type": "default", "rope_theta": 10_000.0, "mrope_section": list(section)})
     gen = torch.Generator().manual_seed(0)
     pos = torch.randint(0, 300, (3, t), generator=gen)
