@@ -74,3 +74,14 @@ def test_the_step_message_carries_no_pixels_to_the_ranks():
     (got,) = sent.new_seqs[0].mm_items
     assert got.pixel_values is None and (got.hash, got.offset, got.length) == (item.hash, 3, 9)
     assert sent.new_seqs[1].mm_items == () and plan.new_seqs[0].mm_items[0].pixel_values is pixels
+
+
+def test_qwen2_5_vl_under_tensor_parallelism_is_refused_by_name(tmp_path):
+    """Its image steps' M-RoPE rows are rank 0's alone: refused at start, before any rank loads."""
+    import json
+
+    from backend.core.config import EngineConfig
+    from backend.worker.parallel.vision import vision_step
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2_5_VLForConditionalGeneration"]}))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 with a Qwen2.5-VL checkpoint is not supported yet"):
+        vision_step(EngineConfig(model_path=str(tmp_path)), object(), None, True)

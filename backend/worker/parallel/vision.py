@@ -7,8 +7,9 @@ embedding is all-reduced before they are put in). So rank 0 keeps the encoder an
 with one rank, and each step that has image rows sends them, [rows, text hidden] float32, to the
 other ranks in one broadcast after the step message. The other ranks find the same rows and spans
 from the same plan and batch (backend/worker/vision.py `VisionStep.prepare`), load no vision
-weights (Gemma 3: the settings from config.json alone) and keep no cache, and receive the rows in
-place of running the encoder. The step message carries no pixels to them (step_message.py).
+weights (the settings from config.json alone) and keep no cache, and receive the rows in place of
+running the encoder. The step message carries no pixels to them (step_message.py). Gemma 3 only:
+Qwen2.5-VL's image steps also need M-RoPE rows that rank 0 alone makes, so it is refused at start.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 
 from backend.models.gemma3_vision import read_vision_config
+from backend.models.qwen2_5_vl_vision import is_qwen2_5_vl
 from backend.worker.vision import VisionInputs, VisionStep
 
 
@@ -37,14 +39,15 @@ class RankVisionStep(VisionStep):
 
     @classmethod
     def for_rank(cls, config, tp, device: torch.device, verify_as_decode: bool) -> Optional["RankVisionStep"]:
-        if tp.rank == 0:
-            step = cls.build(config, None, device, verify_as_decode)
-        else:
-            cfg = read_vision_config(config.model_path)  # Gemma 3: no weights needed; else the encoder's own
-            step = cls(_NoEncoder(cfg), 0, device, verify_as_decode) if cfg is not None else \
-                cls.build(config, None, device, verify_as_decode)
-        if step is not None:
-            step.tp = tp
+        if is_qwen2_5_vl(config.model_path):  # its image steps' M-RoPE rows are made on rank 0 alone
+            raise ValueError("tensor_parallel_size > 1 with a Qwen2.5-VL checkpoint is not supported yet (Gemma 3's "
+                             "images are: docs/vision.md)")
+        cfg = read_vision_config(config.model_path)  # None: a text-only model
+        if cfg is None:
+            return None
+        step = cls.build(config, None, device, verify_as_decode) if tp.rank == 0 else \
+            cls(_NoEncoder(cfg), 0, device, verify_as_decode)  # the settings alone: no weights
+        step.tp = tp
         return step
 
     def prepare(self, plan, batch, empty_rows: int) -> Optional[VisionInputs]:
@@ -61,7 +64,7 @@ class RankVisionStep(VisionStep):
     def _embeddings(self, items: list, pinned: set[str]) -> dict[str, torch.Tensor]:
         if self.tp.rank == 0:
             return super()._embeddings(items, pinned)
-        hidden = getattr(self.cfg, "text_hidden_size", None) or self.cfg.out_hidden_size
+        hidden = self.cfg.text_hidden_size
         return {item.hash: torch.empty(item.length, hidden, dtype=torch.float32, device=self.device)
                 for item in items}  # rank 0's values replace these (prepare)
 
