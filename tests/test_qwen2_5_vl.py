@@ -240,3 +240,30 @@ def test_the_hubs_file_layout_serves_the_same(qwen_vl, tmp_path):
     out = LLM(str(hub), kv_block_size=16, max_tokens_in_paged_kv_cache=1024).generate(
         [mm_prompt(ids, images)], SamplingParams(max_tokens=n, temperature=0))[0]
     assert out.token_ids == hf_generate(model, path, ids, images, n)
+
+
+@pytest.mark.slow
+def test_decode_steps_keep_one_dimensional_positions(qwen_vl, monkeypatch):
+    """Only a step that computes image rows gets tables of its own (the Python layers); decode steps
+    keep the model's tables (CUDA graphs, the C stack) at the shifted positions. Two completions of
+    one image prompt (n=2, each its own sequence with the image) both equal transformers."""
+    from backend.worker import mrope_step
+    path, model = qwen_vl
+    seen = []
+    real = mrope_step.step_rope
+
+    def spy(runner, plan, step, empty_rows):
+        out = real(runner, plan, step, empty_rows)
+        seen.append((bool(plan.prefills), out is not None, step.positions.tolist()))
+        return out
+    monkeypatch.setattr(mrope_step, "step_rope", spy)
+    llm = LLM(str(path), kv_block_size=16, max_tokens_in_paged_kv_cache=1024)
+    prompt, image = [5, S, P, E, 6], random_image(9, 30, 41)  # 20 image tokens in a 5 x 4 grid: delta -15
+    outs = llm.generate([mm_prompt(prompt, [image])], SamplingParams(max_tokens=4, temperature=0, n=2))[0]
+    expected = hf_generate(model, path, prompt, [image], 4)
+    assert [c.token_ids for c in outs.samples] == [expected, expected]
+    assert any(prefill and own for prefill, own, _ in seen)
+    decodes = [positions for prefill, own, positions in seen if not prefill and not own]
+    # one-token rows after the image (a second completion computes the prompt's last tokens so): p - 15
+    assert decodes and all(22 - 15 <= p < 24 + 4 - 15 for positions in decodes for p in positions if p)
+    assert not any(own for prefill, own, _ in seen if not prefill)
