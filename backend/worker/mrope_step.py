@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from backend.models.mrope import mrope_delta, mrope_positions, mrope_rows
+from backend.models.mrope import mrope_positions, mrope_rows
 from backend.models.rope import RopeTables
 from backend.worker.step_inputs import step_rows
 
@@ -28,27 +28,32 @@ def step_rope(runner, plan, step, empty_rows: int) -> Optional[RopeTables]:
     if vision is None or not section or not vision.items:
         return None
     decodes, prefills = step_rows(plan, runner.batch, runner.ops.name == "cpu")
-    if not any(r.seq_id in vision.items for r in decodes + prefills):
-        return None
-    total = step.ids.shape[0]
-    pos = np.zeros((3, total), dtype=np.int64)
-    at = empty_rows
+    flat: list[int] = [0] * empty_rows
+    image_rows = []  # (first flat row, items, start, n) of rows before some image's end
+    shifted = False
     for r in decodes + prefills:
         items = vision.items.get(r.seq_id)
-        n = r.num_new_tokens
+        start, n = r.start, r.num_new_tokens
         if items and not r.padding:
-            if r.start >= max(item.end for item in items):  # past every image: one shift
-                pos[:, at:at + n] = np.arange(r.start, r.start + n) + mrope_delta(items)
-            else:
-                pos[:, at:at + n] = mrope_positions(items, r.start, n)
-        else:
-            pos[:, at:at + n] = np.arange(r.start, r.start + n)
-        at += n
+            end = delta = 0
+            for item in items:  # (plain ints: most rows are one decode token)
+                end, delta = max(end, item.offset + item.length), delta + max(item.grid) - item.length
+            if start >= end:  # past every image: one shift
+                flat += range(start + delta, start + delta + n)
+                shifted = True
+                continue
+            image_rows.append((len(flat), items, start, n))
+        flat += range(start, start + n)
+    if not shifted and not image_rows:
+        return None
     device = step.positions.device
+    pos = np.array(flat, dtype=np.int64)[None].repeat(3, axis=0)
+    for at, items, start, n in image_rows:
+        pos[:, at:at + n] = mrope_positions(items, start, n)
     if (pos[0] == pos[1]).all() and (pos[0] == pos[2]).all():
         step.positions.copy_(torch.from_numpy(pos[0]).to(device))
         return None
     cos, sin = runner.rope.full
     rows = mrope_rows(cos, sin, torch.from_numpy(pos).to(device), section)
-    step.positions = torch.arange(total, dtype=torch.int64, device=device)
+    step.positions = torch.arange(pos.shape[1], dtype=torch.int64, device=device)
     return RopeTables(rows, rows)
