@@ -17,6 +17,7 @@ the interpreter's own `libpython` first on `LD_LIBRARY_PATH`, then the wheel's b
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "llm"
 STOP_FILE = ".inflight-stopping"  # model.py aborts its running requests when this appears
+ENGINE_REPORT = "inflight: engine as served: "  # the line model.py logs at start (instance_config.py)
 
 
 class ServerError(RuntimeError):
@@ -310,6 +312,12 @@ class TritonServer:
         """The reasons Triton gave for models that failed to load, tracebacks cut off."""
         return load_errors(self.log_text() or self.last_log)
 
+    def engine_reports(self) -> list[dict]:
+        """What each `llm` instance logged at start: its effective EngineConfig ("config"), its
+        engine thread's CPU team ("cpu_placement", each thread's cores) and the stub's OpenMP
+        environment ("env"), to hold against an in-process engine's (issue 47)."""
+        return engine_reports(self.log_text() or self.last_log)
+
     def _log_excerpt(self, lines: int = 15) -> str:
         text = self.log_text()
         if not text:
@@ -389,6 +397,20 @@ def load_errors(log: str) -> list[str]:
             reason = reason.split("\n\nAt:")[0].strip()
             found.append(f"model '{m.group(1)}' failed to load: {reason}")
     return list(dict.fromkeys(found))
+
+
+def engine_reports(log: str) -> list[dict]:
+    """The ENGINE_REPORT lines of a tritonserver log, as JSON objects, in the order logged."""
+    found = []
+    for line in log.splitlines():
+        start = line.find(ENGINE_REPORT)
+        if start >= 0:
+            text = line[start + len(ENGINE_REPORT):line.rfind("}") + 1]
+            try:
+                found.append(json.loads(text))
+            except ValueError:  # a log that quotes its messages escapes their quotes
+                found.append(json.loads(text.encode().decode("unicode_escape")))
+    return found
 
 
 def _die_with_parent() -> None:

@@ -25,6 +25,7 @@ from backend.core.outputs import CoreOutput, RequestOutput
 from backend.core.sampling_params import SamplingParams
 from backend.core.request import Request, RequestStatus
 from backend.engine.llm_engine import LLMEngine, Prompt
+from backend.worker.cpu_affinity import team_placement
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ OutputCallback = Callable[[RequestOutput], None]
 class AsyncEngine:
     """LLMEngine on its own threads. add_request validates in the caller's thread (raising
     ValueError or QueueFullError) and queues; the engine thread admits and steps; the output
-    thread makes text and calls back."""
+    thread makes text and calls back. cpu_placement: the CPU team's cores per thread (issue 47)."""
 
     def __init__(self, config: EngineConfig):
         self._lock = threading.Condition()
@@ -137,6 +138,7 @@ class AsyncEngine:
         try:
             self.engine = LLMEngine(config)
             self._stats = self.engine.stats()
+            self.cpu_placement: list[list[int]] = team_placement() if self.device.type == "cpu" else []
         except BaseException as exc:  # raised again in __init__, on the caller's thread
             self._build_error = exc
             return

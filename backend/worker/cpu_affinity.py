@@ -10,7 +10,9 @@ with a Python callback; each team member runs it once and sets its own affinity.
 the one torch loaded (torch/lib/libgomp.so.1), so the pinned threads are the ones torch's ops use.
 
 The cores, as they were before any thread was pinned, are kernels/cpuinfo.py's `allowed_cores`
-(importable from here too).
+(importable from here too). `team_placement` reads the calling thread's team back as it runs now
+(each member's cores), so a served engine's placement can be held to the in-process one's
+(AsyncEngine.cpu_placement, logged by the Triton model at start; issue 47).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Optional, Sequence
 
 from kernels.cpuinfo import allowed_cores  # the cores as before any pinning (also runner.py's name)
 
-__all__ = ["allowed_cores", "pin_omp_threads"]
+__all__ = ["allowed_cores", "pin_omp_threads", "team_placement"]
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
@@ -36,6 +38,36 @@ def _libgomp() -> Optional[ctypes.CDLL]:
         return None
 
 
+def _team(num_threads: int, visit) -> bool:
+    """Run visit(thread number) once in every member of a team of num_threads (the caller is
+    thread 0); False when the OpenMP runtime is not torch's libgomp (nothing ran)."""
+    gomp = _libgomp()
+    if gomp is None or not hasattr(gomp, "GOMP_parallel"):
+        return False
+    gomp.omp_get_thread_num.restype = ctypes.c_int
+    callback = _CALLBACK(lambda _data: visit(gomp.omp_get_thread_num()))  # under the GIL ctypes takes
+    gomp.GOMP_parallel.argtypes = [_CALLBACK, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    gomp.GOMP_parallel(callback, None, num_threads, 0)
+    return True
+
+
+def team_placement() -> list[list[int]]:
+    """The calling thread's torch team as it is now: for thread 0 .. torch.get_num_threads() - 1,
+    the cores it may run on (sorted). [[0], [1]]: two threads pinned one per core; [[0, 1]]: one
+    thread, free on both. Empty when the runtime is not torch's libgomp."""
+    import torch
+    n = torch.get_num_threads()
+    found: dict[int, list[int]] = {}
+    lock = threading.Lock()
+
+    def visit(i: int) -> None:
+        with lock:
+            found[i] = sorted(os.sched_getaffinity(0))
+    if not _team(n, visit):
+        return []
+    return [found[i] for i in sorted(found)]
+
+
 def pin_omp_threads(num_threads: int, cores: Optional[Sequence[int]] = None) -> dict[int, int]:
     """Pin a team of num_threads threads (the caller is thread 0) to `cores` (default: the cores
     this process may run on, in order). Returns {OpenMP thread number: core}; empty when the
@@ -43,20 +75,11 @@ def pin_omp_threads(num_threads: int, cores: Optional[Sequence[int]] = None) -> 
     cores = allowed_cores() if cores is None else list(cores)
     if num_threads < 1 or num_threads > len(cores):
         raise ValueError(f"cannot pin {num_threads} threads to {len(cores)} cores {cores}")
-    gomp = _libgomp()
-    if gomp is None or not hasattr(gomp, "GOMP_parallel"):
-        return {}
-    gomp.omp_get_thread_num.restype = ctypes.c_int
     placed: dict[int, int] = {}
     lock = threading.Lock()
 
-    def pin(_data) -> None:  # runs once in every team member, under the GIL ctypes takes for it
-        n = gomp.omp_get_thread_num()
+    def pin(n: int) -> None:
         os.sched_setaffinity(0, {cores[n]})
         with lock:
             placed[n] = cores[n]
-
-    callback = _CALLBACK(pin)
-    gomp.GOMP_parallel.argtypes = [_CALLBACK, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-    gomp.GOMP_parallel(callback, None, num_threads, 0)
-    return placed
+    return placed if _team(num_threads, pin) else {}

@@ -42,7 +42,7 @@ import numpy as np
 
 from backend.core.outputs import merge_outputs
 from fault_injection import FAULT_ENV, FaultInjector
-from instance_config import engine_config
+from instance_config import engine_config, engine_report
 from live_request import Live, NullMetrics, Respond, _Entry
 from pooling_door import pooling_params
 from lora_control import LoRAControl, control_of
@@ -51,7 +51,7 @@ from triton_outputs import MetricsWriter, output_tensors
 
 # What model.py and the tests use, from here and from the two modules beside this one.
 __all__ = ["DEFAULT_MAX_TOKENS", "Error", "FAULT_ENV", "FaultInjector", "Frontend", "INPUT_NAMES",
-           "engine_config", "error_for", "parse_request"]
+           "engine_config", "engine_report", "error_for", "parse_request"]
 
 log = logging.getLogger("inflight.triton")
 

@@ -3,6 +3,7 @@ Free of Triton imports (unit-tested without a server); adapter.py re-exports `en
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -60,3 +61,16 @@ def _gpu_count() -> int:
     """CUDA devices this process sees (torch loads here, only for KIND_MODEL instances)."""
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# model.py logs this line at start; serving/triton_launcher.py's TritonServer.engine_report reads it back.
+REPORT_PREFIX = "inflight: engine as served: "
+
+
+def engine_report(config: EngineConfig, cpu_placement: list) -> str:
+    """One log line: the effective EngineConfig, the engine thread's CPU team (each thread's cores,
+    AsyncEngine.cpu_placement) and the OpenMP environment the stub was given, as JSON, so a served
+    engine can be held to an in-process one built from the same parameters (issue 47)."""
+    omp = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("OMP_", "GOMP_", "KMP_", "INFLIGHT_CPU"))}
+    return REPORT_PREFIX + json.dumps({"config": dataclasses.asdict(config), "cpu_placement": cpu_placement,
+                                       "env": omp}, sort_keys=True)

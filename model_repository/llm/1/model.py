@@ -87,6 +87,7 @@ class TritonPythonModel:
             f"inflight: {args['model_instance_name']} on {self.engine.device}, model {engine_config.model_path}, "
             f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
             f"KV blocks {self.engine.stats()['kv_blocks_total']}, weights: {self.engine.engine.runner.weights.summary}")
+        pb_utils.Logger.log_info(adapter.engine_report(engine_config, self.engine.cpu_placement))
 
     def take_out_of_service(self, reason):
         """The engine stopped serving (a lost tensor-parallel rank, an unrecoverable fault): unload
