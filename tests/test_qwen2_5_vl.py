@@ -13,7 +13,7 @@ from backend.core.multimodal import ImageItem
 from backend.models.mrope import mrope_delta, mrope_positions, mrope_reference, mrope_rows
 from backend.models.rope import rope_cos_sin, rope_inv_freq
 from qwen2_5_vl import (IMAGE_PAD, VISION_END, VISION_START, hf_generate, hf_logprobs, make_qwen2_5_vl_checkpoint,
-                        oracle_inputs)
+                        oracle_inputs, processor)
 from vision_checkpoint import random_image
 
 S, E, P = VISION_START, VISION_END, IMAGE_PAD
@@ -116,6 +116,9 @@ def test_the_encoder_equals_transformers_image_features(qwen_vl):
         ours = encoder([torch.from_numpy(pixels) for pixels, _ in prepared])
     assert [list(grid) for _, grid in prepared] == (kwargs["image_grid_thw"][:, 1:] // 2).tolist()
     assert len({grid for _, grid in prepared}) == len(images)  # every size differs
+    proc = processor(path)  # our pixels, cut into patches the processor's way, are its pixel_values
+    patches = np.concatenate([proc.patchify(pixels, 4, 2, 2)[0] for pixels, _ in prepared])
+    np.testing.assert_allclose(patches, kwargs["pixel_values"].numpy(), atol=1e-6)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
