@@ -42,7 +42,7 @@ def test_jsonl_round_trip_and_text_prompts(tmp_path, default_model_dir):
     write_jsonl(items, path)
     back = make_workload(str(path), 8)
     assert [w.prompt for w in back[:6]] == [w.prompt for w in items] and back[6].prompt == items[0].prompt
-    with pytest.raises(ValueError, match="fixed, mixed, hol, extractive or a .jsonl"):
+    with pytest.raises(ValueError, match="fixed, mixed, hol, extractive, images, embeddings or a .jsonl"):
         make_workload("nope", 3)
 
 

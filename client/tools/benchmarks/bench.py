@@ -29,6 +29,7 @@ The exit code is 1 when any request failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import sys
@@ -38,7 +39,7 @@ from typing import Optional, Sequence
 from client.tools.benchmarks.measure import METRIC_KEYS, MODES
 from client.tools.benchmarks.report import _fmt, machine, plot, print_table, ratios, write_csv
 from client.tools.benchmarks.targets import InProcessTarget, OfflineTarget, ServerTarget, start_local_server
-from client.tools.benchmarks.workloads import DEFAULT_VOCAB_SIZE, WorkItem, make_workload, summary
+from client.tools.benchmarks.workloads import DEFAULT_VOCAB_SIZE, make_workload, summary
 from templates.render import parse_param
 
 __all__ = ["METRIC_KEYS", "MODES", "machine", "main", "ratios"]
@@ -90,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--mode", type=_modes, default=["inflight"],
                       help="in-process: comma list of inflight,static,dynamic,none (one engine each); "
                            "a server reports its own mode")
-    what.add_argument("--workload", default="mixed", help="fixed | mixed | hol | extractive | FILE.jsonl (default mixed)")
+    what.add_argument("--workload", default="mixed",
+                      help="fixed | mixed | hol | extractive | images | embeddings | FILE.jsonl (default mixed); images: "
+                           "chat with images (a vision model), embeddings: pooling requests (a pooling model)")
     what.add_argument("--num-requests", type=int, default=128)
     what.add_argument("--concurrency", type=_ints, default=[16], help="requests in flight; a comma list sweeps")
     what.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: all at once)")
@@ -141,6 +144,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.model_path and not Path(args.model_path).is_dir():
         print(f"inflight bench: --model-path {args.model_path} is not a folder", file=sys.stderr)
         return 2
+    if args.workload in ("images", "embeddings"):  # (client/tools/benchmarks/mm_requests.py)
+        if args.offline or (not args.in_process and (args.compare_server or args.protocol != "openai")):
+            print(f"inflight bench: --workload {args.workload} runs --in-process or through an OpenAI port "
+                  "(--protocol openai --url HOST:PORT)", file=sys.stderr)
+            return 2
+        if args.workload == "images" and not args.in_process and args.prompt_format == "ids":
+            args.prompt_format = "text"  # chat messages: text beside the image parts
     params = dict(args.param)
     progress = not args.no_progress and sys.stderr.isatty()
     tokenizer = None
@@ -162,7 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Warm-up on the workload's longest prompts: the first long attention shapes and allocations
     # are paid before the clock starts, by every target alike.
     longest = sorted(items, key=lambda w: -w.prompt_len)[:max(args.warmup, 0)]
-    warm = [WorkItem(i, w.prompt, w.prompt_len, min(4, w.max_tokens), 0.0, True) for i, w in enumerate(longest)]
+    warm = [dataclasses.replace(w, index=i, max_tokens=min(4, w.max_tokens), arrival_s=0.0, ignore_eos=True)
+            for i, w in enumerate(longest)]
 
     results: list[dict] = []
     started = _dt.datetime.now().astimezone()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from client.tools.benchmarks.measure import METRIC_KEYS, Record, Sampler, _progress, cpu_figures, summarize
+from client.tools.benchmarks.mm_requests import EngineRequests, openai_chunks
 from client.tools.benchmarks.workloads import DEFAULT_VOCAB_SIZE, WorkItem
 
 
@@ -30,6 +31,7 @@ class InProcessTarget:
         self.config = EngineConfig.from_params(params, model_path=str(model_path), batching_mode=mode)
         self.engine = AsyncEngine(self.config)
         self.vocab_size = self.engine.vocab_size
+        self.requests = EngineRequests(str(model_path), self.engine.tokenizer)  # images, embeddings (mm_requests.py)
         self._runs = 0
 
     def close(self) -> None:
@@ -86,8 +88,8 @@ class InProcessTarget:
                 params = SamplingParams(max_tokens=rec.item.max_tokens, temperature=0.0,
                                         ignore_eos=rec.item.ignore_eos)
                 try:
-                    self.engine.add_request(f"bench{self._runs}-{rec.item.index}", rec.item.prompt, params,
-                                            callback(rec))
+                    self.engine.add_request(f"bench{self._runs}-{rec.item.index}", self.requests.prompt(rec.item), params,
+                                            callback(rec), **self.requests.kwargs(rec.item))
                 except Exception as exc:  # refused at arrival (too long, queue full)
                     rec.error = f"{type(exc).__name__}: {exc}"
                     finish(rec)
@@ -222,6 +224,13 @@ class ServerTarget:
         """The responses of one request: one per step when streaming, else one at the end."""
         options = dict(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=item.ignore_eos,
                        exclude_input_in_output=True)
+        if item.images or item.kind == "embed":  # the images and embeddings workloads (mm_requests.py)
+            if self.protocol != "openai":
+                from client.protocol import GenerationError
+                raise GenerationError("the images and embeddings workloads go through --protocol openai")
+            async for chunk in openai_chunks(client, item, stream=self.stream, **options):
+                yield chunk
+            return
         if self.protocol in ("grpc", "openai"):
             async for chunk in client.stream(item.prompt, stream=self.stream, **options):
                 yield chunk

@@ -18,8 +18,16 @@
   verbatim, through the checkpoint's chat template when it has one, and `max_tokens` is the
   passage's length plus a few. It needs a tokenizer for exact lengths (token ids by default, the
   text with `prompt_format="text"`); without one, text measured in words.
+- `images`: chat with images (docs/vision.md): each request one or two images (`IMAGES`: sizes
+  224x224 to 1024x768, seeded random pixels as PNG files, every image its own: two of the largest
+  stay under the OpenAI server's 8 MiB request body as data URLs), a question of
+  16..64 tokens and an answer of 16..96; the target puts each image before the question (the
+  model's begin-of-image token in-process, an `image_url` data URL through the OpenAI port).
+- `embeddings`: pooling requests for a pooling model (docs/pooling.md): prompt lengths
+  lognormal(4.0, 0.7) clipped to 4..512, no output tokens (`max_tokens` 1, unused).
 - `FILE.jsonl`: one request per line, `{"prompt": "..."}` or `{"input_ids": [...]}` plus
-  `"max_tokens"` (or `"output_len"`), and optionally `"arrival_s"` (seconds from the start).
+  `"max_tokens"` (or `"output_len"`), and optionally `"arrival_s"` (seconds from the start),
+  `"images"` (base64 files) and `"kind": "embed"` (a pooling request).
   Lines beyond `num_requests` are ignored; fewer lines are cycled.
 
 Arrivals: all at once (`rate=None`: every `arrival_s` is 0 and the concurrency limit alone paces
@@ -32,6 +40,7 @@ object with encode/decode), or by words when there is none.
 """
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +57,10 @@ HOL = dict(every=8, large_prompt=64, large_output=600, small_prompt=(16, 64), sm
 # quote their passage for 85-96% of their 4-grams; "copy ... word for word" and "rewrite ... exactly"
 # did so for 2 or 3 of 6).
 EXTRACTIVE = dict(passage=(120, 360), extra_output=8, instruction="Repeat this passage verbatim:")
-WORKLOADS = ("fixed", "mixed", "hol", "extractive")
+IMAGES = dict(sizes=((224, 224), (448, 336), (640, 480), (1024, 768)), per_request=(1, 2), prompt=(16, 65),
+              output=(16, 97))
+EMBEDDINGS = dict(prompt_mean=4.0, prompt_sigma=0.7, prompt_min=4, prompt_max=512)
+WORKLOADS = ("fixed", "mixed", "hol", "extractive", "images", "embeddings")
 
 
 @dataclass
@@ -59,6 +71,8 @@ class WorkItem:
     max_tokens: int
     arrival_s: float = 0.0  # seconds after the start of the run
     ignore_eos: bool = True
+    images: tuple = ()  # PNG files (bytes), placed before the prompt, one marker each (the target's)
+    kind: str = "generate"  # or "embed": a pooling request (its output is a vector, no tokens)
 
 
 def _lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, lo: int, hi: int) -> list[int]:
@@ -104,6 +118,9 @@ def make_workload(name: str, num_requests: int, *, seed: int = 0, rate: Optional
     if name == "extractive":
         return _extractive(rng, num_requests, _arrivals(rng, num_requests, rate), prompt_format, tokenizer,
                            max_output_len)
+    if name in ("images", "embeddings"):
+        return _images_or_embeddings(name, rng, num_requests, prompt_format, vocab_size, tokenizer, max_output_len,
+                                     _arrivals(rng, num_requests, rate))
     if name == "fixed":
         prompt_lens = [fixed_prompt_len] * num_requests
         output_lens = [fixed_output_len] * num_requests
@@ -153,6 +170,43 @@ def _extractive(rng: np.random.Generator, n: int, arrivals: list[float], prompt_
     return items
 
 
+def random_png(rng: np.random.Generator, width: int, height: int) -> bytes:
+    """A seeded image of random RGB pixels as a PNG file (fast to write; as large as images get)."""
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB").save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def _images_or_embeddings(name: str, rng: np.random.Generator, n: int, prompt_format: str, vocab_size: int,
+                          tokenizer, max_output_len: Optional[int], arrivals: list[float]) -> list[WorkItem]:
+    words = _corpus_words() if prompt_format == "text" else []
+    if name == "images":
+        im = IMAGES
+        prompt_lens = [int(x) for x in rng.integers(*im["prompt"], n)]
+        output_lens = [int(x) for x in rng.integers(*im["output"], n)]
+    else:
+        e = EMBEDDINGS
+        prompt_lens = _lognormal_lengths(rng, n, e["prompt_mean"], e["prompt_sigma"], e["prompt_min"], e["prompt_max"])
+        output_lens = [1] * n
+    items = []
+    for i, (p, o, t) in enumerate(zip(prompt_lens, output_lens, arrivals)):
+        if prompt_format == "ids":
+            prompt: Union[str, list[int]] = [int(x) for x in rng.integers(FIRST_ID, vocab_size, p)]
+        else:
+            prompt, p = _text_prompt(rng, words, p, tokenizer)
+        images: tuple = ()
+        if name == "images":
+            count = int(rng.choice(IMAGES["per_request"]))
+            sizes = [IMAGES["sizes"][int(k)] for k in rng.integers(0, len(IMAGES["sizes"]), count)]
+            images = tuple(random_png(rng, w, h) for w, h in sizes)
+        items.append(WorkItem(i, prompt, p, min(o, max_output_len) if max_output_len else o, t, images=images,
+                              kind="generate" if name == "images" else "embed"))
+    return items
+
+
 def _head_of_line_lengths(rng: np.random.Generator, n: int) -> tuple[list[int], list[int]]:
     h = HOL
     large = [i % h["every"] == 0 for i in range(n)]
@@ -177,16 +231,17 @@ def _from_file(path: Path, num_requests: int, rng: np.random.Generator, rate: Op
             raise ValueError(f"{path}:{lineno}: expected {{\"prompt\" or \"input_ids\", \"max_tokens\"}}: {exc}") from None
         if max_tokens < 1:
             raise ValueError(f"{path}:{lineno}: max_tokens must be >= 1")
-        rows.append((prompt, max_tokens, row.get("arrival_s"), bool(row.get("ignore_eos", True))))
+        extra = {"images": tuple(base64.b64decode(x) for x in row.get("images", ())), "kind": row.get("kind", "generate")}
+        rows.append((prompt, max_tokens, row.get("arrival_s"), bool(row.get("ignore_eos", True)), extra))
     if not rows:
         raise ValueError(f"{path}: no requests in it")
     arrivals = _arrivals(rng, num_requests, rate)
     items = []
     for i in range(num_requests):
-        prompt, max_tokens, arrival, ignore_eos = rows[i % len(rows)]
+        prompt, max_tokens, arrival, ignore_eos, extra = rows[i % len(rows)]
         n = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         t = float(arrival) if arrival is not None and rate is None and i < len(rows) else arrivals[i]
-        items.append(WorkItem(i, prompt, n, max_tokens, t, ignore_eos))
+        items.append(WorkItem(i, prompt, n, max_tokens, t, ignore_eos, **extra))
     return items
 
 
@@ -196,7 +251,8 @@ def summary(items: Sequence[WorkItem]) -> dict:
     o = np.array([w.max_tokens for w in items])
     return {"num_requests": len(items), "prompt_len_mean": float(p.mean()), "prompt_len_max": int(p.max()),
             "output_len_mean": float(o.mean()), "output_len_max": int(o.max()),
-            "total_output_tokens": int(o.sum())}
+            "total_output_tokens": int(o.sum()), "images": sum(len(w.images) for w in items),
+            "embeddings": sum(w.kind == "embed" for w in items)}
 
 
 def write_jsonl(items: Sequence[WorkItem], path: Union[str, Path]) -> None:
@@ -205,4 +261,6 @@ def write_jsonl(items: Sequence[WorkItem], path: Union[str, Path]) -> None:
         for w in items:
             key = "prompt" if isinstance(w.prompt, str) else "input_ids"
             f.write(json.dumps({key: w.prompt, "max_tokens": w.max_tokens, "arrival_s": w.arrival_s,
-                                "ignore_eos": w.ignore_eos}) + "\n")
+                                "ignore_eos": w.ignore_eos,
+                                **({"images": [base64.b64encode(x).decode() for x in w.images]} if w.images else {}),
+                                **({"kind": w.kind} if w.kind != "generate" else {})}) + "\n")
