@@ -99,3 +99,22 @@ def test_the_new_workloads_go_in_process_or_through_the_openai_port(capsys):
                  ["--offline", "--model-path", ".", "--workload", "images"]):
         assert bench.main(argv) == 2
         assert "runs --in-process or through an OpenAI port" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_in_process_run_with_images_on_qwen2_5_vl(tmp_path):
+    """Qwen2.5-VL's placeholder is its image pad, one an image (docs/vision.md)."""
+    from client.tools.benchmarks.targets import InProcessTarget
+    from qwen2_5_vl import make_qwen2_5_vl_checkpoint
+    path = make_qwen2_5_vl_checkpoint(tmp_path / "qwen", seed=1)
+    items = make_workload("images", 3, seed=6, vocab_size=512, max_output_len=3)
+    target = InProcessTarget(str(path), "inflight", {})
+    try:
+        pad = target.requests.marker_id
+        assert all(target.requests.prompt(w)["prompt_token_ids"].count(pad) == len(w.images) for w in items)
+        result = target.run(items, 2)
+        stats = target.engine.stats()
+    finally:
+        target.close()
+    assert result["completed"] == 3 and result["failed"] == 0, result["errors"]
+    assert stats["encoder_runs_total"] == sum(len(w.images) for w in items) and stats["kv_blocks_used"] == 0
