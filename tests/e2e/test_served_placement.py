@@ -47,3 +47,29 @@ def test_served_engine_has_the_in_process_config_and_threads(tmp_path, model_pat
     cores = sorted(os.sched_getaffinity(0))
     expected = [[c] for c in cores[:threads]] if threads > 1 else [cores]
     assert served["cpu_placement"] == expected
+
+
+def test_served_gap_tool_runs_every_arm_on_one_config(tmp_path, model_path):
+    """client/tools/benchmarks/served_gap.py end to end on the tiny model: every arm answers every
+    figure with the tokens asked, the served engine's config and threads equal the in-process one's,
+    and the summary has each figure's served / in-process ratios."""
+    out = tmp_path / "gap.json"
+    run = subprocess.run([sys.executable, "-m", "client.tools.benchmarks.served_gap", "--model-path", str(model_path),
+                          "--prompts", "40,21", "--decode", "8", "--param", "max_model_len=300",
+                          "--param", "cpu_kv_cache_tokens=2000", "--json", str(out)],
+                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["config_differences"] == {}
+    assert result["served_cpu_placement"] == result["in_process_cpu_placement"] != []
+    assert [t["arm"] for t in result["turns"]] == ["in_process", "http", "openai", "openai", "http", "in_process"]
+    for turn in result["turns"]:
+        figures = turn["figures"]
+        assert [figures[f]["tokens"] for f in ("ttft_40", "ttft_21", "decode")] == [1, 1, 8], turn
+        assert all(figures[f]["value"] > 0 for f in figures)
+        assert figures["decode"]["threads"], "the engine's thread that decoded is not seen"
+    for figure in ("ttft_40", "ttft_21", "decode"):
+        row = result["summary"][figure]
+        assert {"in_process", "http", "openai", "http/in_process", "openai/in_process", "cpu_in_process",
+                "cpu_http/in_process"} <= set(row)
+        assert row["http/in_process"] == pytest.approx(row["http"] / row["in_process"], abs=1e-3)

@@ -194,8 +194,15 @@ def summary(turns: list[dict], arms: Sequence[str]) -> dict:
     table = {}
     for name in names:
         med = {a: statistics.median(t["figures"][name]["value"] for t in turns if t["arm"] == a) for a in arms}
-        row = {a: round(v, 4) for a, v in med.items()}
+        row = {a: round(v, 6) for a, v in med.items()}
         row.update({f"{a}/in_process": round(med[a] / med["in_process"], 3) for a in arms if a != "in_process"})
+        # the CPU seconds of the engine's process (its threads over 2% of the wall): what a loaded
+        # machine's waits do not inflate as much as the wall time
+        cpu = {a: statistics.median(sum(x[0] for x in t["figures"][name]["threads"]) for t in turns if t["arm"] == a)
+               for a in arms}
+        row.update({f"cpu_{a}": round(v, 3) for a, v in cpu.items()})
+        row.update({f"cpu_{a}/in_process": round(cpu[a] / cpu["in_process"], 3) for a in arms
+                    if a != "in_process" and cpu["in_process"]})
         table[name] = row
     return table
 
