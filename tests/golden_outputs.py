@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 ENV = {"OMP_NUM_THREADS": "1", "INFLIGHT_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
        "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "INFLIGHT_CPU_PIN": "0",
-       "HF_HUB_OFFLINE": "1"}
+       "HF_HUB_OFFLINE": "1", "INFLIGHT_FLOAT_GEMM": "onednn"}  # float layers as recorded: oneDNN's GEMMs
 LOGPROB_TOLERANCE = 1e-4
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from backend.models.float_linear import FloatLinear
 from backend.models.packed_linear import (MAX_ROWS, PackedLinear, can_pack, pack_linears, padded_rows,
                                           row_bucket)
 from hf_checkpoints import make_checkpoint
@@ -89,7 +90,8 @@ def test_the_cpu_engine_packs_only_on_its_fast_path(llama_dir, backend, packed, 
     llm = LLM(str(llama_dir), attention_backend=backend)
     runner = llm.engine.runner
     assert runner.ops.name == ops
-    assert isinstance(runner.model.layers[0].mlp.down_proj, PackedLinear) == packed
+    # the fast path: float_gemm.c (FloatLinear, issue 47), or oneDNN's PackedLinear where that is kept
+    assert isinstance(runner.model.layers[0].mlp.down_proj, (FloatLinear, PackedLinear)) == packed
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0.0))
     assert len(out[0].token_ids) == 6
 
@@ -189,7 +191,8 @@ def _staggered_greedy(model_dir, backend):
 def test_padded_steps_decode_what_unpadded_ones_do(llama_dir, monkeypatch):
     """The fast path pads each step to a GEMM bucket with rows of empty sequences; the layers'
     GEMMs then pad nothing (only the lm_head, on the sampled rows, may), and the tokens are the
-    plain path's."""
+    plain path's. (oneDNN's float layers: INFLIGHT_FLOAT_GEMM=onednn; float_gemm.c's pad nothing.)"""
+    monkeypatch.setenv("INFLIGHT_FLOAT_GEMM", "onednn")
     seen = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))

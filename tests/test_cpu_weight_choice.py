@@ -14,7 +14,7 @@ from backend.models.gguf.importer import import_gguf
 from backend.models.make_model import make_model
 from backend.models import cpu_weight_choice
 from backend.models.cpu_weight_choice import StepTimes, choose, measure_steps, measured_matrices
-from backend.models.packed_linear import PackedLinear
+from backend.models.float_linear import FloatLinear
 from backend.models.quant_linear import QuantLinear
 from kernels.cpu import quant as cpu_quant
 from kernels.gpu.quant_bench import random_parts
@@ -117,7 +117,7 @@ def test_the_engine_follows_the_choice_logs_it_and_obeys_forced_values(packed_fo
         deq = load(packed_folder, monkeypatch, "portable", DEQUANTIZED_FASTER)
     assert deq.engine.runner.weights.quantization == "none"
     assert not any(isinstance(m, QuantLinear) for m in deq.engine.runner.model.modules())
-    assert isinstance(deq.engine.runner.model.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(deq.engine.runner.model.layers[0].mlp.down_proj, FloatLinear)  # float_gemm.c, issue 47
     assert ("quantization=auto on the CPU: dequantized to float32 (the portable kernel, measured GEMM time of a "
             "step (1 row: packed 2.00 ms") in caplog.text
     assert "dequantized from gguf: faster here" in deq.engine.runner.weights.summary

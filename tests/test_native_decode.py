@@ -4,7 +4,9 @@ the same log-probabilities, to the bit, in every kind of step (prefill chunks, l
 cached context, mixed steps of decode rows and a chunk, decode steps: issue 47), on every model
 shape it takes (GQA, q/k/v biases, Qwen3's
 head norms, a sliding window shorter than the contexts, Gemma 3's GeGLU, sandwich norms and two
-KV-cache groups, fused projections of mixed packed types, K-quants, float32 and bfloat16 caches,
+KV-cache groups, fused projections of mixed packed types, K-quants, float32 and bfloat16 weights
+(float_gemm.c, issue 47; the AVX2 build forced too; oneDNN called back where it is the faster)
+and float tensors beside packed ones, float32 and bfloat16 caches,
 mixtures of experts whose blocks the C loop calls back),
 with prompts that are not block multiples in a batch of mixed lengths; with LoRA on, a batch
 with an adapter's rows too (the deltas called back). Models it does not take keep the Python layers, and say
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
+from backend.models.float_linear import FloatLinear
 from backend.worker import native_decode
 from gguf_files import ALL_TYPES, K_SHAPE, K_TYPES
 from hf_checkpoints import make_checkpoint
@@ -24,6 +27,7 @@ from test_quantized_engine import packed_folder
 PROMPTS = [[5, 9, 200, 31, 7, 120, 44], [3, 60, 70, 8, 90, 11, 50, 17, 2, 33, 4, 150, 19, 81, 27, 36, 12, 66, 99],
            list(range(3, 43))]  # 7, 19 and 40 tokens: no block multiple (blocks of 16)
 PARAMS = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=3)
+MIXED_TYPES = ("Q8_0", "F16", "F16", "F16", "Q4_0", "BF16", "BF16")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +46,17 @@ CASES = {
     "gguf, q/k/v and gate/up of mixed types": ("gguf", {"types": ALL_TYPES[3:]}, {}),
     "gguf qwen2, mixed types and biases": ("gguf", {"types": ALL_TYPES[3:], "arch": "qwen2"}, {}),
     "gguf, K-quants": ("gguf", {"types": K_TYPES, "shape": K_SHAPE, "tied": False}, {}),
+    # float weights (issue 47): float_gemm.c's GEMMs, float32 or bfloat16 (vdpbf16ps where the CPU has it)
+    "llama, float32 weights": ("llama", {}, {"quantization": "none"}),
+    "llama, bfloat16 weights": ("llama", {}, {"quantization": "none", "dtype": "bfloat16"}),
+    "qwen3, float32 weights": ("qwen3", {}, {"quantization": "none"}),
+    "qwen3, bfloat16 weights": ("qwen3", {}, {"quantization": "none", "dtype": "bfloat16"}),
+    "gemma3, float32 weights": ("gemma3", {}, {"quantization": "none"}),
+    "gemma3, bfloat16 weights, float32 cache": ("gemma3", {}, {"quantization": "none", "dtype": "bfloat16",
+                                                                "kv_cache_dtype": "float32"}),
+    # a GGUF of float and packed tensors: q/k/v F16, o Q4_0, gate/up BF16, down and the embedding Q8_0
+    # (the types go round the matrices, seven a layer), the float ones held as bfloat16
+    "gguf, F16/BF16 tensors beside packed ones": ("gguf", {"types": MIXED_TYPES}, {"dtype": "bfloat16"}),
     "mixtral (8 experts, top 2: the MoE block called back from C)": ("mixtral", {}, {}),
     "qwen3-moe (a dense layer between MoE ones, no top-k renormalization)": ("qwen3_moe", {}, {}),
 }
@@ -49,10 +64,12 @@ CASES = {
 
 def engine(case: str, tmp_path, tokenizer_json) -> LLM:
     arch, model_args, engine_args = CASES[case]
+    engine_args = dict(engine_args)
     if arch == "gguf":
         path, quantization = packed_folder(tmp_path, tokenizer_json, **model_args), "auto"
     else:
-        path, quantization = make_checkpoint(arch, tmp_path / arch, seed=3, **model_args), "int8"
+        path = make_checkpoint(arch, tmp_path / arch, seed=3, **model_args)
+        quantization = engine_args.pop("quantization", "int8")
     # no prefix reuse: the second run's prompts then compute as the first's did; 24 tokens a step:
     # the 40-token prompt is cut into chunks (none a block multiple), the later ones beside the
     # others' decode rows (no pacing, whose cap follows measured step times: the same steps each run)
@@ -68,6 +85,18 @@ def run(llm: LLM) -> list:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_c_stack_gives_the_python_layers_results_bit_for_bit(case, tmp_path, tiny_tokenizer_json):
     llm = engine(case, tmp_path, tiny_tokenizer_json)
+    if "weights" in case and "gguf" not in case:  # float checkpoints: float_gemm.c's in both paths
+        proj = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+        assert isinstance(proj, FloatLinear) and proj.weight.dtype == (
+            torch.bfloat16 if "bfloat16 weights" in case else torch.float32)
+    if "beside packed" in case:  # both kinds of matrix in one model's stack
+        attn = llm.engine.runner.model.layers[0].self_attn
+        assert isinstance(attn.qkv_proj, FloatLinear) and attn.qkv_proj.weight.dtype == torch.bfloat16
+        assert type(attn.o_proj).__name__ == "QuantLinear"
+    assert_the_stack_matches_the_python_layers(llm)
+
+
+def assert_the_stack_matches_the_python_layers(llm: LLM) -> None:
     runner = llm.engine.runner
     stack = runner.decode_path.native
     assert stack is not None, native_decode.unsupported(runner.model, runner.ops.name, None)
@@ -79,9 +108,46 @@ def test_the_c_stack_gives_the_python_layers_results_bit_for_bit(case, tmp_path,
     assert len(calls) >= PARAMS.max_tokens + 1 and (len(PROMPTS), len(PROMPTS)) in calls  # decode steps batched
     runner.decode_path.native = None
     python = run(llm)
+    runner.decode_path.native = stack
     assert native == python
     assert llm.engine.blocks.num_held == 0
     llm.check_integrity()
+
+
+@pytest.fixture
+def fresh_builds():
+    from kernels.cpu import float_gemm, quant
+    quant.chosen_isa.cache_clear()
+    float_gemm.chosen_isa.cache_clear()
+    yield
+    quant.chosen_isa.cache_clear()
+    float_gemm.chosen_isa.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["llama, bfloat16 weights", "qwen3, float32 weights",
+                                  "gguf, F16/BF16 tensors beside packed ones"])
+def test_with_the_avx2_build_forced_too(case, tmp_path, tiny_tokenizer_json, monkeypatch, fresh_builds):
+    """INFLIGHT_CPU_ISA=avx2, as the packed kernels' tests force their AVX2 build: the float GEMMs
+    run their AVX2 build (bfloat16 widened to float32, no vdpbf16ps), bit for bit in both paths."""
+    monkeypatch.setenv("INFLIGHT_CPU_ISA", "avx2")
+    llm = engine(case, tmp_path, tiny_tokenizer_json)
+    kernels = [m.kernel for m in llm.engine.runner.model.modules() if isinstance(m, FloatLinear)]
+    assert kernels and {k.isa for k in kernels} == {"avx2"}
+    assert_the_stack_matches_the_python_layers(llm)
+
+
+def test_steps_where_onednn_is_faster_call_it_back_from_the_stack(tmp_path, tiny_tokenizer_json, monkeypatch):
+    """INFLIGHT_FLOAT_ONEDNN_FROM=16: the prompt steps' float projections (16 to 24 rows) run oneDNN
+    in the Python layers, so the stack calls those modules back for them; the decode steps (4 rows
+    at most) stay on float_gemm.c. Still bit for bit."""
+    monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "16")
+    llm = engine("qwen3, bfloat16 weights", tmp_path, tiny_tokenizer_json)
+    down, rows = llm.engine.runner.model.layers[1].mlp.down_proj, []
+    assert isinstance(down, FloatLinear) and down.onednn_from == 16
+    monkeypatch.setattr(down, "onednn", lambda x, f=down.onednn: rows.append(x.shape[0]) or f(x))
+    assert_the_stack_matches_the_python_layers(llm)
+    assert rows and min(rows) >= 16  # called (from the stack and from the Python layers), and only there
+
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +157,16 @@ def llama(tmp_path_factory, tiny_tokenizer_json):
     return llm
 
 
-@pytest.mark.parametrize("why,arch,args", [
-    ("PackedLinear weights, not packed ones", "llama", {}),  # float32 weights: oneDNN's GEMMs
-    ("PackedLinear weights, not packed ones", "mixtral", {}),  # float attention beside the experts
+@pytest.mark.parametrize("why,arch,env", [
+    # float weights kept on oneDNN's GEMMs (the benchmarks' A/B): float32, and beside the experts
+    ("PackedLinear weights, not ones the C kernels take", "llama", {"INFLIGHT_FLOAT_GEMM": "onednn"}),
+    ("PackedLinear weights, not ones the C kernels take", "mixtral", {"INFLIGHT_FLOAT_GEMM": "onednn"}),
 ])
-def test_models_it_does_not_take_keep_the_python_layers_and_say_why(why, arch, args, tmp_path, caplog):
+def test_models_it_does_not_take_keep_the_python_layers_and_say_why(why, arch, env, tmp_path, caplog, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     with caplog.at_level(logging.INFO, logger="backend.worker.fast_paths"):
-        llm = LLM(str(make_checkpoint(arch, tmp_path / arch, seed=3)), kv_block_size=16, max_model_len=64, **args)
+        llm = LLM(str(make_checkpoint(arch, tmp_path / arch, seed=3)), kv_block_size=16, max_model_len=64)
     assert llm.engine.runner.decode_path.native is None
     assert any(why in r.getMessage() and "the Python layers" in r.getMessage() for r in caplog.records)
     assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids

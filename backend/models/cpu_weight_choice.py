@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from backend.models.packed_linear import PackedLinear
+from backend.models.float_linear import dequantized_linear
 from backend.models.quant_linear import QuantLinear, concat_parts, fused_module_name
 from kernels.quant_formats import logical_shape
 from kernels.quant_reference import dequantize
@@ -125,15 +125,15 @@ def _cut(packed: dict, members: list[str]) -> list[tuple[str, dict, float]]:
 
 def measure_steps(matrices: Sequence[tuple[str, dict, float]], dtype: torch.dtype,
                   rows: Sequence[int] = MEASURED_ROWS) -> list[StepTimes]:
-    """Time the matrices packed (QuantLinear) and dequantized (PackedLinear in ``dtype``, as
-    quantization=none runs them): the fastest of up to REPEATS rounds of the process's CPU time,
-    each matrix's time multiplied by its count in a step."""
+    """Time the matrices packed (QuantLinear) and dequantized (in ``dtype``, as quantization=none runs
+    them: backend/models/float_linear.py, else a PackedLinear): the fastest of up to REPEATS rounds of
+    the process's CPU time, each matrix's time multiplied by its count in a step."""
     variants = []
     for qtype, arrays, count in matrices:
         weight = dequantize(qtype, arrays).to(dtype)
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = nn.Parameter(weight, requires_grad=False)
-        variants.append((QuantLinear(qtype, arrays), PackedLinear(linear), count))
+        variants.append((QuantLinear(qtype, arrays), dequantized_linear(linear), count))
     gen = torch.Generator().manual_seed(0)
     started, out = time.monotonic(), []
     for r in rows if variants else ():

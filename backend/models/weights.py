@@ -20,6 +20,7 @@ from backend.core.config import EngineConfig
 from backend.models.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
 from backend.models.cpu_weight_choice import choose_for_checkpoint
+from backend.models.float_linear import float_linears
 from backend.models.moe import (SparseMoeBlock, checkpoint_name, dequantized_experts, install_packed_experts,
                                 is_stacked_expert, pack_experts, quantize_experts)
 from backend.models.packed_linear import PackedLinear, can_pack, pack_linears, padded_rows
@@ -265,12 +266,11 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
     elif quantization == "fp8":
         _quantize_fp8(model)
     rows: Callable[[int], int] = lambda n: n  # noqa: E731
-    # bf16 weights beside float32 activations need the packed linears whatever the attention
-    # kernels (a plain nn.Linear refuses the mix; attention_backend=torch with dtype=bfloat16 failed)
-    if can_pack(device, dtype) and (ops_name == "cpu" or compute != dtype):
+    floats = float_linears(model) if device.type == "cpu" and ops_name == "cpu" and tp is None else 0  # issue 47: float_gemm.c
+    if can_pack(device, dtype) and (ops_name == "cpu" or compute != dtype):  # (bf16 weights need one of the two)
         pack_linears(model)  # the float linears left: oneDNN GEMMs on reordered weights
         pack_experts(model)  # and float experts: one oneDNN GEMM per active expert
-        if quantization == "none" and ops_name == "cpu":
+        if quantization == "none" and ops_name == "cpu" and not floats:
             rows = padded_rows  # each step padded once to oneDNN's row buckets
     if tp is not None:
         from backend.models.parallel.layers import parallelize

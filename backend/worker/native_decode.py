@@ -9,7 +9,8 @@ sooner (docs/performance.md). A compiled graph (torch.compile's C++ wrapper) was
 the issue names; it cannot reach inside the ctypes kernels these layers are made of, so each
 would remain a call back into Python.
 
-It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu/quant.py) and the
+It covers what the CPU engine runs by default: packed GGUF weights (kernels/cpu/quant.py) and, since
+issue 47, float32, bfloat16 and float16 ones (kernels/cpu/float_gemm.py, mixed per tensor) and the
 C kernels (attention_backend auto, float32 activations), dense MLPs (Llama, Mistral, Qwen2, Qwen3,
 Gemma 3 with its GeGLU, sandwich norms and sliding-window layers), every step: decode rows (empty
 and verify rows included) and, since issue 47, prompt chunks (prefill steps, and the mixed steps of
@@ -22,9 +23,10 @@ attention runs both ways within the image (attention.py, in torch), runs the Pyt
 things stay Python's, called back from the C loop (ctypes callbacks on its buffers, so the results
 stay the Python path's): a mixture-of-experts layer's MLP (Mixtral, Qwen3-MoE: the block's router
 and experts as ever), and in a step with an adapter's rows the LoRA deltas of each projection
-(LoRAStep.add, right after the projection, as lora_project adds them).
-Models outside that (float or bf16 attention weights, tensor parallelism) run the Python
-layers; the log says which models and why, once.
+(LoRAStep.add, right after the projection, as lora_project adds them); and a float projection at
+the rows where oneDNN is faster than float_gemm.c (backend/models/float_linear.py): the module.
+Models outside that (tensor parallelism; float weights on oneDNN: INFLIGHT_FLOAT_GEMM=onednn, a width
+not a multiple of 32) run the Python layers; the log says which models and why, once.
 INFLIGHT_NATIVE_DECODE=0 turns it off (the A/B of the benchmarks).
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Optional
 import torch
 
 from backend.models.attention import AttentionContext
+from backend.models.float_linear import FloatLinear
 from backend.models.llama import MLP, LlamaForCausalLM
 from backend.models.moe import SparseMoeBlock
 from backend.models.quant_linear import ConcatLinear, QuantLinear
@@ -46,17 +49,23 @@ log = logging.getLogger(__name__)
 
 
 def _projection(module) -> Optional[object]:
-    """The packed matrices of a projection as the C loop takes them (kernels/cpu/decode_stack.py
-    Projection), or None where it is not made of them: a QuantLinear on the C kernel, or a
-    ConcatLinear of such parts (llama.cpp's mixed types) whose bias, if any, is added after."""
+    """A projection's matrices as the C loop takes them (kernels/cpu/decode_stack.py Projection),
+    or None where it is not made of them: a QuantLinear on the C kernel, a FloatLinear (float32,
+    bfloat16 or float16 weights: kernels/cpu/float_gemm.py), or a ConcatLinear of such parts
+    (llama.cpp's mixed types) whose bias, if any, is added after. Where a FloatLinear runs oneDNN
+    from some rows on, the stack calls the whole module back for steps of that many rows."""
     from kernels.cpu.decode_stack import Projection
     concat = isinstance(module, ConcatLinear)
     parts = list(module.parts) if concat else [module]
-    if not all(isinstance(p, QuantLinear) and p.kernel is not None for p in parts):
+    if not all(isinstance(p, FloatLinear) or (isinstance(p, QuantLinear) and p.kernel is not None) for p in parts):
         return None
     if concat and any(p.bias is not None for p in parts):
         return None
-    return Projection([p.kernel for p in parts], None if module.bias is None else module.bias.detach().float())
+    bias = module.float_bias() if isinstance(module, FloatLinear) else \
+        None if module.bias is None else module.bias.detach().float()
+    onednn_from = [p.onednn_from for p in parts if isinstance(p, FloatLinear) and p.onednn_from]
+    return Projection([p.kernel for p in parts], bias, caller=module if onednn_from else None,
+                      caller_from=min(onednn_from, default=0))
 
 
 def unsupported(model: LlamaForCausalLM, ops_name: str, tp) -> Optional[str]:
@@ -77,7 +86,7 @@ def unsupported(model: LlamaForCausalLM, ops_name: str, tp) -> Optional[str]:
         dense = (layer.mlp.gate_up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, MLP) else ()
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *dense):
             if _projection(module) is None:
-                return f"layer {i} has {type(module).__name__} weights, not packed ones (quantization)"
+                return f"layer {i} has {type(module).__name__} weights, not ones the C kernels take"
     return None
 
 

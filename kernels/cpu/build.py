@@ -48,7 +48,15 @@ ISA_FLAGS = {
     # intrinsics. Never chosen at run time; benches time it (client/tools/benchmarks/cpu_quant.py).
     "avx2_autovec": ["-mavx2", "-mfma", "-mf16c"],
     "portable": [],  # the compiler's baseline for the machine (x86-64: SSE2)
+    # float_gemm.c's (kernels/cpu/float_gemm.py): AVX-512 with vdpbf16ps for bfloat16 weights, and without
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mf16c", "-mfma"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma"],
 }
+
+# A library's own flags after those: float_gemm.c's outputs must not depend on the block of rows they
+# fall in (the C layer stack and the Python layers then agree bit for bit), so the compiler may not
+# reassociate its sums (the portable build's did, per block shape)
+SOURCE_FLAGS = {"float_gemm": ["-fno-associative-math"]}
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -105,7 +113,7 @@ def build(name: str, isa: Optional[str] = None) -> Path:
         source = (CSRC / f"{name}.c").read_bytes()
     except OSError as e:  # an install that left the C sources out
         raise CpuKernelUnavailable(f"no source for CPU kernel '{name}': {e}") from e
-    flags = COMPILE_FLAGS if isa is None else BASE_FLAGS + ISA_FLAGS[isa]
+    flags = (COMPILE_FLAGS if isa is None else BASE_FLAGS + ISA_FLAGS[isa]) + SOURCE_FLAGS.get(name, [])
     headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]  # what the sources #include
     key = hashlib.sha256(b"\0".join([source, *headers, " ".join(flags + LINK_FLAGS).encode(),
                                      _compiler_version(cc).encode(), _cpu_flags().encode()])).hexdigest()[:16]

@@ -1,11 +1,12 @@
 """A step's layer stack in one C call (kernels/cpu/csrc/decode_stack.c), for the CPU engine.
 
-`DecodeStack(layers, ...)` takes every layer's packed weights (kernels/cpu/quant.py), norms, KV
-caches and RoPE tables once, checks them, and lays them out as the C structs; a call then runs
-all the layers for one step's rows: decode rows, and prompt chunks after them (issue 47). The C
-loop calls the kernels the Python path calls (the quantized GEMM of the build chosen for this CPU,
-elementwise.c, decode_attention.c, prefill_attention.c) in the same order, so its oracle is that
-path, bit for bit (tests/test_native_decode.py).
+`DecodeStack(layers, ...)` takes every layer's weights (packed: kernels/cpu/quant.py; float32,
+bfloat16 or float16: kernels/cpu/float_gemm.py; mixed per tensor), norms, KV caches and RoPE
+tables once, checks them, and lays them out as the C structs; a call then runs all the layers for
+one step's rows: decode rows, and prompt chunks after them (issue 47). The C loop calls the
+kernels the Python path calls (each matrix's GEMM of the build chosen for this CPU, elementwise.c,
+decode_attention.c, prefill_attention.c) in the same order, so its oracle is that path, bit for
+bit (tests/test_native_decode.py).
 
 Every check the per-kernel wrappers make once a step (index bounds of the positions, slots, block
 tables and lengths) is made here once a step; the C code checks nothing.
@@ -24,7 +25,8 @@ from kernels.cpu import build as cpu_build
 
 from kernels.cpu import decode_attention as cpu_decode_attention
 from kernels.cpu import prefill_attention as cpu_prefill_attention
-from kernels.cpu.quant import NAME as QUANT, CpuQuantWeight
+from kernels.cpu import float_gemm as cpu_float_gemm
+from kernels.cpu import quant as cpu_quant
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MAX_PARTS = 4  # decode_stack.c's: a fused projection of up to four differently typed parts
@@ -32,7 +34,8 @@ CACHE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("w", _P * MAX_PARTS), ("col", _I * MAX_PARTS), ("parts", _I), ("N", _I), ("bias", _P)]
+    _fields_ = [("gemm", _P * MAX_PARTS), ("w", _P * MAX_PARTS), ("col", _I * MAX_PARTS), ("parts", _I), ("N", _I),
+                ("bias", _P), ("caller_from", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -48,16 +51,16 @@ class _Dims(ctypes.Structure):
 
 
 class _Ops(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("qgemm", "rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp",
-                                        "delta", "prefill")]
+    _fields_ = [(name, _P) for name in ("rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp",
+                                        "delta", "prefill", "project")]
 
 
 class _Prompt(ctypes.Structure):  # decode_stack.c's prompt_rows_t
     _fields_ = [("seqs", _I), ("table_width", _I), ("cu_seqlens_q", _P), ("tables", _P), ("seq_lens", _P)]
 
 
-# decode_stack.c's mlp_fn (layer, h, T, out) and delta_fn (layer, which, x, T, out): 0, or nonzero
-# if the caller's MLP or LoRA deltas failed
+# decode_stack.c's mlp_fn (layer, h, T, out), delta_fn and project_fn (layer, which, x, T, out): 0, or nonzero
+# if the caller's MLP, LoRA deltas or projection failed
 _MLP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
 _DELTA_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_void_p)
@@ -66,9 +69,13 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # decode_stac
 
 @dataclass
 class Projection:
-    """A fused projection: one packed matrix, or several side by side (ConcatLinear's parts)."""
-    parts: Sequence[CpuQuantWeight]
+    """A fused projection: one matrix, packed (CpuQuantWeight) or float (CpuFloatWeight), or several
+    side by side (ConcatLinear's parts). With `caller` (x [T, K] -> [T, N]: the module's own
+    forward, oneDNN's GEMM), steps of `caller_from` rows or more call it back instead (0: never)."""
+    parts: Sequence[object]
     bias: Optional[torch.Tensor] = None
+    caller: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    caller_from: int = 0
 
 
 @dataclass
@@ -134,11 +141,9 @@ class DecodeStack:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         widths = {"qkv": (self.hidden, q_size + 2 * kv_size), "o": (q_size, self.hidden),
                   "gate_up": (self.hidden, 2 * self.intermediate), "down": (self.intermediate, self.hidden)}
-        isas = {w.isa for layer in layers for name in widths if getattr(layer, name) is not None
-                for w in getattr(layer, name).parts}
-        if len(isas) != 1:
-            raise ValueError(f"decode_stack: every packed matrix must use one build of {QUANT}; got {sorted(isas)}")
-        self.isa = isas.pop()
+        # each part's own build (kernels/cpu/quant.py's or float_gemm.py's): what the log and benches say
+        self.isas = sorted({f"{type(w).__name__} {w.isa}" for layer in layers for name in widths
+                            if getattr(layer, name) is not None for w in getattr(layer, name).parts})
         self._keep = list(layers)  # the tensors the structs point into
         self._layers = (_Layer * len(layers))()
         for i, (layer, out) in enumerate(zip(layers, self._layers)):
@@ -179,8 +184,7 @@ class DecodeStack:
         if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"decode_stack: activation must be silu or gelu_tanh; got {activation!r}")
         suffix = CACHE_SUFFIX[self.cache_dtype]
-        self._ops = _Ops(_address(cpu_build.load(QUANT, self.isa).qgemm),
-                         _address(cpu_build.load("elementwise").rms_norm_f32),
+        self._ops = _Ops(_address(cpu_build.load("elementwise").rms_norm_f32),
                          _address(cpu_build.load("elementwise").rotary_f32),
                          _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
                          _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
@@ -193,6 +197,8 @@ class DecodeStack:
         if len(dense) < len(layers):
             self._ops.mlp = _address(self._mlp_callback)
         self._delta_address = _address(self._delta_callback)
+        self._project_callback = _DELTA_FN(self._caller_projection)  # project_fn: delta_fn's signature
+        self._ops.project = _address(self._project_callback)
         self._shapes = tuple(widths.values())  # (K, N) by decode_stack.c's QKV, O, GATE_UP, DOWN
         self._run = cpu_build.function("decode_stack", "decode_stack",
                                        (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P), restype=ctypes.c_int)
@@ -277,16 +283,37 @@ class DecodeStack:
             self._failure = exc
             return 1
 
+    def _caller_projection(self, layer: int, which: int, x: int, t: int, out: int) -> int:
+        """decode_stack.c's project_fn: a projection's own forward (Projection.caller) on the C
+        loop's buffers, for the steps whose rows it is faster at."""
+        try:
+            k, n = self._shapes[which]
+            proj = getattr(self._keep[layer], ("qkv", "o", "gate_up", "down")[which])
+            _rows(out, t, n).copy_(proj.caller(_rows(x, t, k)))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 (raised again in __call__)
+            self._failure = exc
+            return 1
+
     def _projection(self, what: str, p: Projection, k: int, n: int, out: _Proj) -> None:
         if not 1 <= len(p.parts) <= MAX_PARTS:
             raise ValueError(f"decode_stack: {what} has {len(p.parts)} parts; 1 to {MAX_PARTS}")
         col = 0
         for i, w in enumerate(p.parts):
-            if not isinstance(w, CpuQuantWeight) or w.in_features != k:
-                raise ValueError(f"decode_stack: {what} part {i} must be a packed matrix [.., {k}]")
+            if isinstance(w, cpu_quant.CpuQuantWeight):
+                library, gemm = cpu_quant.NAME, "qgemm"
+            elif isinstance(w, cpu_float_gemm.CpuFloatWeight):
+                library, gemm = cpu_float_gemm.NAME, "fgemm"
+            else:
+                raise ValueError(f"decode_stack: {what} part {i} must be a packed or float matrix; got {type(w).__name__}")
+            if w.in_features != k:
+                raise ValueError(f"decode_stack: {what} part {i} has {w.in_features} inputs; expected {k}")
+            out.gemm[i] = _address(cpu_build.load(library, w.isa)[gemm])
             out.w[i], out.col[i] = ctypes.addressof(w._struct), col
             col += w.out_features
         if col != n:
             raise ValueError(f"decode_stack: {what} has {col} outputs; expected {n}")
-        out.parts, out.N = len(p.parts), n
+        if p.caller_from < 0 or (p.caller_from and p.caller is None):
+            raise ValueError(f"decode_stack: {what} calls back from {p.caller_from} rows with no caller")
+        out.parts, out.N, out.caller_from = len(p.parts), n, p.caller_from
         out.bias = None if p.bias is None else _f32(f"{what} bias", p.bias, (n,))

@@ -60,9 +60,10 @@ def _probe_expected() -> float:
     return float(total)
 
 
-def probe_library(path) -> tuple[bool, str]:
+def probe_library(path, expected: float | None = None) -> tuple[bool, str]:
     """Run a build's `probe` in a child process: a CPU (or VM) that kills it for an illegal
-    instruction kills the child, not the engine. (True, "") when it ran and computed the sum."""
+    instruction kills the child, not the engine. (True, "") when it ran and computed the sum
+    (``expected``, default this kernel's; kernels/cpu/float_gemm.py passes its own)."""
     code = ("import ctypes,sys; lib = ctypes.CDLL(sys.argv[1]); lib.probe.restype = ctypes.c_float; "
             "print(lib.probe())")
     try:
@@ -75,8 +76,9 @@ def probe_library(path) -> tuple[bool, str]:
         got = float(done.stdout.strip())
     except ValueError:
         return False, f"its probe printed {done.stdout.strip()[:80]!r}"
-    if got != _probe_expected():
-        return False, f"its probe computed {got}, not {_probe_expected()}"
+    expected = _probe_expected() if expected is None else expected
+    if got != expected:
+        return False, f"its probe computed {got}, not {expected}"
     return True, ""
 
 

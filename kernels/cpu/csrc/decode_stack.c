@@ -10,10 +10,11 @@
    parts have different types (added after, as ConcatLinear does).
 
    It calls the kernels through function pointers the wrapper (kernels/cpu_decode_stack.py) takes
-   from the libraries already loaded: the quantized GEMM of the build chosen for this CPU
-   (quant_gemm.c), RMSNorm, RoPE, the cache store and SiLU·mul (elementwise.c), the paged decode
-   attention (decode_attention.c) and, for prompt rows, the paged prefill attention
-   (prefill_attention.c). So this file needs no instruction set of its own and each kernel
+   from the libraries already loaded: each projection's GEMM (quant_gemm.c's for packed matrices,
+   float_gemm.c's for float32 / bfloat16 / float16 ones since issue 47, per part, each of the build
+   chosen for this CPU; oneDNN's, called back, where it is faster for the step's rows), RMSNorm,
+   RoPE, the cache store and SiLU·mul (elementwise.c), the paged decode attention
+   (decode_attention.c) and, for prompt rows, the paged prefill attention (prefill_attention.c). So this file needs no instruction set of its own and each kernel
    keeps its own OpenMP parallelism.
 
    T rows: ND decode rows (one query token per sequence), then prompt chunks. Per layer, as
@@ -31,7 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef void (*qgemm_fn)(const void *w, const float *x, int64_t M, const float *bias, float *out, int64_t ldo);
+/* quant_gemm.c's qgemm and float_gemm.c's fgemm: out[M, N] (row stride ldo) = x @ W^T (+ bias) */
+typedef void (*gemm_fn)(const void *w, const float *x, int64_t M, const float *bias, float *out, int64_t ldo);
 typedef void (*rms_norm_fn)(const float *x, const float *residual, const float *weight, float *out, float *h,
                             int64_t T, int64_t N, float eps);
 typedef void (*rotary_fn)(const float *q, int64_t q_row_stride, const float *k, int64_t k_row_stride,
@@ -54,10 +56,13 @@ typedef int (*mlp_fn)(int64_t layer, const float *h, int64_t T, float *out);
    [T, N] from its input x [T, K], by the caller (backend/lora: the adapters' segments of rows);
    nonzero if it failed. NULL in a step with no adapter's row. */
 typedef int (*delta_fn)(int64_t layer, int64_t which, const float *x, int64_t T, float *out);
+/* A projection the caller computes (the Python module's own GEMM, oneDNN's, where that is faster
+   for the step's rows: backend/models/float_linear.py): out [T, N] from x [T, K]; nonzero if it
+   failed. */
+typedef int (*project_fn)(int64_t layer, int64_t which, const float *x, int64_t T, float *out);
 enum { QKV, O, GATE_UP, DOWN };
 
 typedef struct {
-    qgemm_fn qgemm;
     rms_norm_fn rms_norm;
     rotary_fn rotary;
     store_kv_fn store_kv;
@@ -66,16 +71,21 @@ typedef struct {
     mlp_fn mlp;
     delta_fn delta;
     prefill_fn prefill; /* prefill_attention.c's, for a step's prompt rows */
+    project_fn project; /* for projections with caller_from */
 } stack_ops_t;
 
 #define MAX_PARTS 4
-/* One projection: a packed matrix (parts == 1, its bias added by the GEMM, as QuantLinear does)
-   or several side by side (ConcatLinear: each part's columns at its offset, the bias added after). */
+/* One projection: a matrix (parts == 1, its bias added by the GEMM, as QuantLinear and FloatLinear
+   do) or several side by side (ConcatLinear: each part's columns at its offset, the bias added
+   after). Each part has its own GEMM: packed (quant_gemm.c's qgemm on a qweight_t) or float
+   (float_gemm.c's fgemm on an fweight_t), so one model mixes them per tensor. */
 typedef struct {
-    const void *w[MAX_PARTS]; /* qweight_t of quant_gemm.c, opaque here */
+    gemm_fn gemm[MAX_PARTS];
+    const void *w[MAX_PARTS]; /* the GEMM's weight struct, opaque here */
     int64_t col[MAX_PARTS];
     int64_t parts, N;
-    const float *bias; /* NULL: none */
+    const float *bias;   /* NULL: none */
+    int64_t caller_from; /* steps of this many rows or more: ops->project computes it; 0: never */
 } proj_t;
 
 typedef struct {
@@ -106,10 +116,12 @@ typedef struct {
    0, or nonzero if the caller's deltas failed. */
 static int project(const stack_ops_t *ops, const proj_t *p, int64_t layer, int64_t which, const float *x,
                    int64_t T, float *out) {
-    if (p->parts == 1) {
-        ops->qgemm(p->w[0], x, T, p->bias, out, p->N);
+    if (p->caller_from && T >= p->caller_from) {
+        if (ops->project(layer, which, x, T, out)) return 1;
+    } else if (p->parts == 1) {
+        p->gemm[0](p->w[0], x, T, p->bias, out, p->N);
     } else {
-        for (int64_t i = 0; i < p->parts; i++) ops->qgemm(p->w[i], x, T, NULL, out + p->col[i], p->N);
+        for (int64_t i = 0; i < p->parts; i++) p->gemm[i](p->w[i], x, T, NULL, out + p->col[i], p->N);
         if (p->bias)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];

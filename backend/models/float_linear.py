@@ -1,0 +1,140 @@
+"""Float linear layers on the CPU through the C kernel of kernels/cpu/float_gemm.py (issue 47).
+
+`FloatLinear` holds a float32, bfloat16 or float16 weight as torch does and multiplies float32
+activations by it in C: the same kernel the C layer stack (kernels/cpu/decode_stack.py) calls, so
+a model with float weights takes that stack too, bit for bit the Python layers' results. Where
+oneDNN's GEMM is faster (many rows: a prompt chunk), steps of `onednn_from` rows or more run it
+instead, on the same tensor (no reordered copy: the weights' memory does not grow), in both paths
+(the stack calls the module back); the thresholds per build and dtype are
+`float_onednn_from`'s.
+
+Why not oneDNN for every step: at a decode step's few rows its GEMM on float weights runs well
+below the C kernel (1.9-2.6x slower at one row), and the Python around each call costs as much again
+(docs/performance.md, "Issue 47: the C layer stack for float weights").
+
+`INFLIGHT_FLOAT_GEMM=onednn` keeps oneDNN's PackedLinears as before (the benchmarks' A/B); the
+layers the kernel does not take (K not a multiple of 32, no C compiler) keep them too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from backend.models.packed_linear import MAX_ROWS, PackedLinear, row_bucket
+
+log = logging.getLogger(__name__)
+
+
+# The rows from which oneDNN's GEMM on a float weight is faster than kernels/cpu/float_gemm.py's by
+# 1.1x (cpu_weight_choice.MARGIN), per build and weight dtype, as measured on SmolLM2's four projection
+# shapes (docs/performance.md, "Issue 47: the C layer stack for float weights"): the C kernel wins a
+# decode step's few rows (1.9-2.6x at one row), oneDNN the prompt chunks'. 0 (the C kernel at every
+# row count) where oneDNN has no kernel for the pair (bfloat16 weights without AVX-512, float16). The
+# portable build's 2 was not measured: its plain C is several times slower than oneDNN's GEMMs.
+ONEDNN_FROM = {
+    "avx512_bf16": {torch.float32: 64, torch.bfloat16: 256},
+    "avx512": {torch.float32: 64, torch.bfloat16: 256},
+    "avx2": {torch.float32: 16},
+    "portable": {torch.float32: 2},
+}
+
+
+def float_onednn_from(dtype: torch.dtype) -> int:
+    """The rows from which float layers of weight ``dtype`` run oneDNN instead of the C kernel on
+    this CPU (0: never): INFLIGHT_FLOAT_ONEDNN_FROM (for every dtype oneDNN takes), else
+    ONEDNN_FROM for the float kernel's build."""
+    from kernels.cpu import float_gemm
+    forced = os.environ.get("INFLIGHT_FLOAT_ONEDNN_FROM")
+    if forced is not None:
+        if not forced.isdigit():
+            raise ValueError(f"INFLIGHT_FLOAT_ONEDNN_FROM={forced!r}; a row count (0: never)")
+        return int(forced) if dtype in (torch.float32, torch.bfloat16) else 0
+    return ONEDNN_FROM[float_gemm.chosen_isa()].get(dtype, 0)
+
+
+class FloatLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, onednn_from: int = 0):
+        """``onednn_from``: steps of this many rows or more run oneDNN's GEMM; 0: never."""
+        from kernels.cpu.float_gemm import CpuFloatWeight
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: a tied lm_head still shares the embedding's
+        self.bias = linear.bias
+        self.kernel = CpuFloatWeight(self.weight.detach())
+        self.onednn_from = onednn_from
+
+    def float_bias(self) -> Optional[torch.Tensor]:
+        return None if self.bias is None else self.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # [..., K] (a vision tower's): the rows flattened
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if self.onednn_from and x.shape[0] >= self.onednn_from:
+            out = self.onednn(x.float())
+        else:
+            out = self.kernel.matmul(x.float(), self.float_bias())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's GEMM on the weight as it is (x cast to its dtype, as PackedLinear does), in
+        slices of at most MAX_ROWS rows, each padded to its row bucket (one primitive per bucket,
+        packed_linear.py); the bias added in float32 after."""
+        weight, out = self.weight.detach(), torch.empty(x.shape[0], self.out_features)
+        for start in range(0, x.shape[0], MAX_ROWS):
+            part = x[start:start + MAX_ROWS]
+            rows, padded = part.shape[0], row_bucket(part.shape[0])
+            if padded != rows:
+                part = torch.nn.functional.pad(part, (0, 0, 0, padded - rows))
+            out[start:start + rows] = torch.ops.mkldnn._linear_pointwise(
+                part.to(weight.dtype), weight, None, "none", [], "")[:rows]
+        return out if self.bias is None else out + self.float_bias()
+
+    def extra_repr(self) -> str:
+        onednn = f", oneDNN from {self.onednn_from} rows" if self.onednn_from else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{str(self.weight.dtype).removeprefix('torch.')}, C kernel ({self.kernel.isa}){onednn}")
+
+
+def _kernel_ready() -> bool:
+    """Whether FloatLinears are made: not with INFLIGHT_FLOAT_GEMM=onednn, nor without a C compiler."""
+    from kernels.cpu import build as cpu_build
+    from kernels.cpu import float_gemm
+    if os.environ.get("INFLIGHT_FLOAT_GEMM", "auto") == "onednn":
+        return False
+    try:
+        cpu_build.load(float_gemm.NAME, float_gemm.chosen_isa())
+        return True
+    except cpu_build.CpuKernelUnavailable as exc:
+        log.warning("float CPU kernel unavailable, oneDNN GEMMs for every float layer: %s", exc)
+        return False
+
+
+def float_linears(model: nn.Module, onednn_from: Optional[Callable[[torch.dtype], int]] = None) -> int:
+    """Replace each nn.Linear whose weight the C kernel takes with a FloatLinear, in place (oneDNN
+    from ``onednn_from(weight dtype)`` rows, default float_onednn_from's); returns
+    how many (0 with INFLIGHT_FLOAT_GEMM=onednn, or without a C compiler)."""
+    from kernels.cpu import float_gemm
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and float_gemm.supports(module.weight)]
+    if not targets or not _kernel_ready():
+        return 0
+    if onednn_from is None:
+        onednn_from = float_onednn_from
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, FloatLinear(module, onednn_from(module.weight.dtype)))
+    return len(targets)
+
+
+def dequantized_linear(linear: nn.Linear, onednn_from: Callable[[torch.dtype], int] = float_onednn_from) -> nn.Module:
+    """What the engine runs a float nn.Linear as on the CPU: a FloatLinear where float_linears
+    would make one, else a PackedLinear (backend/models/cpu_weight_choice.py times it)."""
+    from kernels.cpu import float_gemm
+    if float_gemm.supports(linear.weight) and _kernel_ready():
+        return FloatLinear(linear, onednn_from(linear.weight.dtype))
+    return PackedLinear(linear)
