@@ -194,15 +194,15 @@ def summary(turns: list[dict], arms: Sequence[str]) -> dict:
     table = {}
     for name in names:
         med = {a: statistics.median(t["figures"][name]["value"] for t in turns if t["arm"] == a) for a in arms}
+        base = arms[0]  # in_process unless --arms says otherwise
         row = {a: round(v, 6) for a, v in med.items()}
-        row.update({f"{a}/in_process": round(med[a] / med["in_process"], 3) for a in arms if a != "in_process"})
+        row.update({f"{a}/{base}": round(med[a] / med[base], 3) for a in arms[1:]})
         # the CPU seconds of the engine's process (its threads over 2% of the wall): what a loaded
         # machine's waits do not inflate as much as the wall time
         cpu = {a: statistics.median(sum(x[0] for x in t["figures"][name]["threads"]) for t in turns if t["arm"] == a)
                for a in arms}
         row.update({f"cpu_{a}": round(v, 3) for a, v in cpu.items()})
-        row.update({f"cpu_{a}/in_process": round(cpu[a] / cpu["in_process"], 3) for a in arms
-                    if a != "in_process" and cpu["in_process"]})
+        row.update({f"cpu_{a}/{base}": round(cpu[a] / cpu[base], 3) for a in arms[1:] if cpu[base]})
         table[name] = row
     return table
 
@@ -216,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both engines")
     p.add_argument("--server-threads", type=int, default=None,
                    help="OMP_NUM_THREADS for the server only (0: unset, the engine's default)")
-    p.add_argument("--arms", default="in_process,http,openai")
+    p.add_argument("--arms", default="in_process,http,openai", help="the first is the base of the ratios")
     p.add_argument("--param", action="append", default=[], help="a config.pbtxt parameter, KEY=VALUE")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)

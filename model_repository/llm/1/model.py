@@ -86,7 +86,9 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"inflight: {args['model_instance_name']} on {self.engine.device}, model {engine_config.model_path}, "
             f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
-            f"KV blocks {self.engine.stats()['kv_blocks_total']}, weights: {self.engine.engine.runner.weights.summary}")
+            f"KV blocks {self.engine.stats()['kv_blocks_total']}, weights: {self.engine.engine.runner.weights.summary}"
+            + (f", CPU threads {len(self.engine.cpu_placement)} on cores {self.engine.cpu_placement} (OMP_NUM_THREADS "
+               "sets the count)" if self.engine.cpu_placement else ""))
         pb_utils.Logger.log_info(adapter.engine_report(engine_config, self.engine.cpu_placement))
 
     def take_out_of_service(self, reason):
