@@ -60,6 +60,7 @@ def test_served_gap_tool_runs_every_arm_on_one_config(tmp_path, model_path):
                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert "| figure | in_process | http / in_process | openai / in_process | CPU http / in_process |" in run.stdout
     assert result["config_differences"] == {}
     assert result["served_cpu_placement"] == result["in_process_cpu_placement"] != []
     assert [t["arm"] for t in result["turns"]] == ["in_process", "http", "openai", "openai", "http", "in_process"]

@@ -13,15 +13,12 @@ a shared machine's drift hits all alike. Each arm's turn runs, on fresh random t
 reuse between turns):
 - `ttft_<L>`: one prompt of L tokens, one output token: send to first token (s);
 - `decode`: a 32-token prompt, --decode tokens (ignore_eos): ms per output token after the first.
-Beside each figure, the threads of the engine's process that worked (CPU seconds over 2% of the wall
-time, with the cores each may run on), and the CPU seconds of tritonserver, of the OpenAI server and of
-this process as the client (served arms).
-Before the runs it checks what the served engine logged at start (TritonServer.engine_reports:
-effective EngineConfig, CPU team, OpenMP environment) against the in-process engine's, and prints
-any difference. Prints one JSON line per turn, then the summary: medians and served / in-process.
---threads sets OMP_NUM_THREADS for both engines; --server-threads for the server alone (a run that
-compares unlike settings on purpose: the in-process engine at 2 threads against a server left at its
-default, as issue 47's first figures did).
+Beside each figure: the engine process's threads that worked (CPU seconds over 2% of the wall, and
+their cores), and the CPU of tritonserver, the OpenAI server and this process as the client. First it
+prints what the served engine logged at start (TritonServer.engine_reports: EngineConfig, CPU team,
+OpenMP environment) beside the in-process engine's; last, the summary (medians, served / in-process,
+as JSON and as a table). --threads sets OMP_NUM_THREADS for both engines, --server-threads for the
+server alone (unlike settings on purpose, as issue 47's first figures were; 0: the default).
 """
 from __future__ import annotations
 
@@ -207,6 +204,19 @@ def summary(turns: list[dict], arms: Sequence[str]) -> dict:
     return table
 
 
+def markdown(table: dict, arms: Sequence[str]) -> str:
+    """The summary as docs/performance.md's table rows: each figure's base median, then the other
+    arms' wall and CPU ratios over it."""
+    base, rest = arms[0], arms[1:]
+    head = ["figure", base, *(f"{a} / {base}" for a in rest), *(f"CPU {a} / {base}" for a in rest)]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for name, row in table.items():
+        cells = [name, f"{row[base]:.4g}", *(f"{row[f'{a}/{base}']:.2f}x" for a in rest),
+                 *(f"{row[f'cpu_{a}/{base}']:.2f}x" if f"cpu_{a}/{base}" in row else "-" for a in rest)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True)
@@ -281,6 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = {**head, **check, "end": datetime.now(timezone.utc).isoformat(), "load_average_end": os.getloadavg(),
               "summary": summary(turns, arms), "turns": turns}
     print(json.dumps({"summary": result["summary"], "load_average_end": result["load_average_end"]}), flush=True)
+    print(markdown(result["summary"], arms), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0
