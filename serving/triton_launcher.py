@@ -404,12 +404,11 @@ def engine_reports(log: str) -> list[dict]:
     found = []
     for line in log.splitlines():
         start = line.find(ENGINE_REPORT)
-        if start >= 0:
-            text = line[start + len(ENGINE_REPORT):line.rfind("}") + 1]
-            try:
-                found.append(json.loads(text))
-            except ValueError:  # a log that quotes its messages escapes their quotes
-                found.append(json.loads(text.encode().decode("unicode_escape")))
+        if start < 0:
+            continue
+        if start > 0 and line[start - 1] == '"':  # Triton's log quotes a message, escaping as JSON does
+            line, start = json.loads(line[start - 1:line.rindex('"') + 1]), 0
+        found.append(json.loads(line[start + len(ENGINE_REPORT):line.rindex("}") + 1]))
     return found
 
 

@@ -42,17 +42,19 @@ def test_engine_report_line_round_trips_through_both_log_formats():
     """The line as Triton's log writes it, plain and quoted (its quotes escaped), parses back to the
     config and team model.py gave it; a JSON value inside the config (quotes of its own) survives."""
     adapter = load_adapter()
-    config = EngineConfig(model_path="/m", max_num_batched_tokens=1234,
+    config = EngineConfig(model_path="/m/modèle", max_num_batched_tokens=1234,
                           kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq"},
                           enable_kv_cache_reuse=True)
     line = adapter.engine_report(config, [[0], [1]])
     assert line.startswith(ENGINE_REPORT) and "\n" not in line
     quoted = json.dumps(line)  # "inflight: ...{\"config\": ...}"
     log = (f"I1203 15:00:00.000000 11 model.py:90] {line}\n"
-           f"I1203 15:00:01.000000 11 pb_stub.cc:400] {quoted}\n"
+           f"I1203 15:00:01.000000 11 model.py:92] {quoted}\n"
+           f"I1203 15:00:02.000000 11 model.py:92] {json.dumps(line, ensure_ascii=False)}\n"
            "I1203 15:00:02.000000 11 server.cc:300] an unrelated line\n")
-    plain, escaped = engine_reports(log)
-    for report in (plain, escaped):
+    plain, escaped, utf8 = engine_reports(log)
+    for report in (plain, escaped, utf8):
+        assert report["config"]["model_path"] == "/m/modèle"
         assert report["config"] == json.loads(json.dumps(dataclasses.asdict(config)))
         assert report["config"]["max_num_batched_tokens"] == 1234
         assert report["cpu_placement"] == [[0], [1]]
