@@ -13,9 +13,9 @@ from backend.core.config import EngineConfig
 from backend.core.request import Request
 from backend.core.sampling_params import SamplingParams
 from backend.kv.block_manager import BlockManager
-from backend.sched.pacing import FLOOR_SHARE, PROBE_TOKENS, Pacer, StepCost, chunk_pairs, step_features
+from backend.sched.pacing import FLOOR_SHARE, PROBE_TOKENS, Pacer, StepCost, batch_shape, chunk_pairs, step_features
 from backend.sched.scheduler import Scheduler
-from test_backfill import SHAPES, make, seeded_run, step
+from test_backfill import SHAPES, make, req, seeded_run, step
 
 EOS = 0
 
@@ -31,9 +31,12 @@ class Device:
         return self.base + self.row * rows + (self.fixed if tokens else 0.0) + self.token * tokens + self.pair * pairs
 
     def seconds(self, batch) -> float:
-        rows = len(batch.decodes)
-        tokens = sum(s.num_new_tokens - 1 for s in batch.decodes) + sum(s.num_new_tokens for s in batch.prefills)
-        pairs = sum(chunk_pairs(s.start, s.num_new_tokens) for s in batch.prefills)
+        # a one-token prompt chunk runs as a decode row but costs what a prompt token at its position does
+        chunks = batch.prefills + [s for s in batch.decodes if s.start < s.request.num_prompt_tokens - 1]
+        decodes = [s for s in batch.decodes if s.start >= s.request.num_prompt_tokens - 1]
+        rows = len(decodes)
+        tokens = sum(s.num_new_tokens - 1 for s in decodes) + sum(s.num_new_tokens for s in chunks)
+        pairs = sum(chunk_pairs(s.start, s.num_new_tokens) for s in chunks)
         return self.price(rows, tokens, pairs)
 
     def train(self, pacer: Pacer, seed=0, steps=200) -> None:
@@ -99,6 +102,22 @@ def test_a_fixed_price_of_prompt_rows_raises_the_floor_not_below_it():
     decode = device.base + 6 * device.row
     cap = pacer.prefill_cap(6, 0)
     assert cap == pytest.approx(FLOOR_SHARE * (decode + 0.02) / device.token, abs=1)  # 16 tokens, not 3
+
+
+def test_a_one_token_prompt_chunk_is_priced_as_a_prompt_token_not_a_decode_row():
+    """A budget that leaves one token for a prompt beside decode rows makes a one-token chunk, which
+    the batch holds as a decode row (it runs as one); the step model must see it as a prompt token at
+    its position, or a paced prompt's small chunks at long context price the decode rows instead."""
+    sched = make(num_blocks=400, block_size=4, budget=64)
+    for i in range(3):
+        sched.add(req(f"run{i}", 5, 50, first=10 * i + 1))
+    step(sched)                                    # their prompts; they decode from now on
+    sched.add(req("long", 300, 4, first=500))
+    step(sched)                                    # 3 decode rows + a 61-token chunk
+    sched.config = type(sched.config)(**{**sched.config.__dict__, "max_num_batched_tokens": 4})
+    out = step(sched)                              # 3 decode rows + a 1-token chunk at position 61
+    assert len(out.decodes) == 4 and not out.prefills
+    assert batch_shape(out) == (3, 1, chunk_pairs(61, 1))
 
 
 def test_slow_start_until_the_model_has_priced_a_chunk_beside_decode_rows():
@@ -178,7 +197,17 @@ def test_decodes_keep_their_pace_while_a_long_prompt_arrives(target):
     def limit(rows):  # a prompt that reached its output decodes too
         return 1.75 * (device.base + rows * device.row) if target < 0 else target / 1000
 
-    assert all(s <= limit(rows) * 1.05 for rows, _, s in logs["paced"] if rows)  # to the online fit's accuracy
+    # every paced step within the target (to the online fit's accuracy) but where even one prompt token
+    # does not fit in it: the floor's one token a step (deep in the 3,001-token prompt, where a token's
+    # attention alone costs more than the target leaves)
+    def floor_step(rows):  # the decode rows, the floor's share beside them, or a single token at the longest position
+        decode = device.base + rows * device.row
+        return max((1 + FLOOR_SHARE) * decode, decode + device.token + device.pair * chunk_pairs(3001, 1))
+
+    over = [(rows, tokens, s) for rows, tokens, s in logs["paced"] if rows and s > limit(rows) * 1.05]
+    assert all(s <= max(limit(rows), floor_step(rows)) * 1.05 for rows, _, s in over), \
+        [o for o in over if o[2] > max(limit(o[0]), floor_step(o[0])) * 1.05][:5]
+    assert len(over) < len(logs["paced"]) / 2  # the floor is the exception: most steps are within the target
     assert max(tokens for _, tokens, _ in logs["unpaced"]) == 2048 - 6  # the budget less the decode rows'
     assert max(s for _, _, s in logs["unpaced"]) > 5 * limit(6)
     assert sum(tokens for _, tokens, _ in logs["paced"]) == 3001 + 1003

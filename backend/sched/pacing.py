@@ -45,6 +45,10 @@ FEATURES = 5              # 1, decode rows, [prompt tokens > 0], prompt tokens, 
 WINDOW = 128              # the fit uses the last this many decode-only steps and as many steps with prompt tokens
 RIDGE = 1e-9              # relative to the normal matrix's trace: a direction no step has shown stays at 0
 FLOOR_SHARE = 2 / 3       # a paced step's prompt tokens cost at least this share of the rest of the step
+# The fixed price of prompt rows is held to 0 harder than the rest: where the steps seen cannot tell it
+# from the per-token price (a paced prompt's chunks all of one size), a chunk's whole price goes to its
+# tokens, so a larger chunk is priced high, not low (its step then within the target, not over it).
+FIXED_RIDGE = 30.0
 PAIR_UNIT = 1024.0
 MIN_SECONDS = 1e-5        # a step's weight is capped at this (relative-error weighting)
 MIN_TOKEN_SECONDS = 1e-8  # a prompt token's price is never below this (a fit can only say "cheap")
@@ -126,7 +130,7 @@ class StepCost:
                 a[i][j] += v
         ridge = RIDGE * sum(a[i][i] for i in range(FEATURES)) + 1e-30
         for i in range(FEATURES):
-            a[i][i] += ridge
+            a[i][i] += ridge * (FIXED_RIDGE if i == 2 else 1.0)
         return _solve(a, b)
 
     def decode_seconds(self, rows: int) -> float:
@@ -199,10 +203,19 @@ class Pacer:
 
 def batch_shape(batch: "SchedulerOutput") -> tuple[int, int, float]:
     """A step's decode rows, prompt tokens (a verify row's drafts count as prompt tokens: positions
-    computed beside the row's own) and prompt chunks' attention pairs."""
+    computed beside the row's own) and prompt chunks' attention pairs. A one-token prompt chunk runs
+    as a decode row (batch.py) but is priced as what it is, a prompt token at its position, as the
+    scheduler charges it to the step's prompt cap (the prompt's last token excepted: the scheduler
+    runs that one as a decode). Counted as a decode row, a paced prompt's one-token chunks at long
+    context taught the model that decode rows cost what they do, and the prompt's price was never
+    learnt from them."""
     rows = tokens = 0
     pairs = 0.0
     for s in batch.decodes:
+        if s.num_new_tokens == 1 and s.start < s.request.num_prompt_tokens - 1:
+            tokens += 1
+            pairs += chunk_pairs(s.start, 1)
+            continue
         rows += 1
         tokens += s.num_new_tokens - 1
     for s in batch.prefills:
