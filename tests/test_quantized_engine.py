@@ -12,6 +12,7 @@ import torch
 from backend import LLM, SamplingParams
 from backend.models.gguf.importer import import_gguf
 from backend.models.make_model import make_model
+from backend.models.float_linear import FloatLinear
 from backend.models.packed_linear import PackedLinear
 from backend.models.quant_linear import ConcatLinear, QuantEmbedding, QuantLinear, quantize_q8_0
 from kernels.cpu import build as cpu_build
@@ -149,8 +150,9 @@ def test_bf16_weights_run_bf16_gemms_beside_float32_activations(default_model_di
     bf16, f32 = LLM(str(default_model_dir), dtype="bfloat16", **SMALL), LLM(str(default_model_dir), **SMALL)
     runner = bf16.engine.runner
     assert runner.ops.name == "cpu" and runner.model.compute_dtype == torch.float32  # the C kernels
-    linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.dtype == torch.bfloat16 for m in linears)
+    # float_gemm.c's FloatLinears (issue 47), or oneDNN's PackedLinears: bf16 weights either way
+    linears = [m for m in runner.model.modules() if isinstance(m, (PackedLinear, FloatLinear))]
+    assert linears and all(getattr(m, "weight", m).dtype == torch.bfloat16 for m in linears)
     assert all(p.dtype == torch.float32 for p in runner.model.parameters() if p.dim() == 1)  # norms
     assert runner.weights.weight_bytes < 0.55 * f32.engine.runner.weights.weight_bytes
     mean, worst = logprob_gap(bf16, f32, list(range(5, 65)))
