@@ -3,8 +3,8 @@
 - CUDA graphs (cuda_graphs.py): static buffers per padded batch size, a captured graph each, for
   the Triton kernels unless `enforce_eager` (LoRA steps and experts that read their token counts on
   the host run eagerly);
-- the CPU's C layer stack (native_decode.py): the whole layer stack in one C call, for packed
-  weights on the C kernels, for every step (decode rows, prompt chunks, both);
+- the CPU's C layer stack (native_decode.py): the whole layer stack in one C call, for packed and
+  float weights on the C kernels (issue 47), for every step (decode rows, prompt chunks, both);
 - else the model's Python layers.
 The runner asks `DecodePath` per step.
 """
