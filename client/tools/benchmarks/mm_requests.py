@@ -14,8 +14,7 @@ Triton model's (docs/vision.md, docs/pooling.md), which `--protocol openai` cove
 from __future__ import annotations
 
 import base64
-import json
-from typing import Any, Optional
+from typing import Any
 
 from client.tools.benchmarks.workloads import FIRST_ID, WorkItem
 
@@ -68,6 +67,7 @@ async def openai_chunks(client, item: WorkItem, *, stream: bool = True, max_toke
     """The responses of one images or embeddings request through an OpenAI port (`client`: the
     bench's OpenAICompletions, its session open)."""
     from client.protocol import Chunk, GenerationError
+    from client.tools.benchmarks.targets import chat_text, read_openai_response  # (targets imports this module)
     base, session, model = client.base, client._session, client._model  # (targets.py OpenAICompletions)
     if item.kind == "embed":
         async with session.post(f"{base}/v1/embeddings", json={"model": model, "input": item.prompt}) as r:
@@ -85,29 +85,5 @@ async def openai_chunks(client, item: WorkItem, *, stream: bool = True, max_toke
             "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos, "stream": stream,
             **({"stream_options": {"include_usage": True}} if stream else {})}
     async with session.post(f"{base}/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            raise GenerationError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        if not stream:
-            data = await r.json()
-            n = data.get("usage", {}).get("completion_tokens", 1)
-            yield Chunk(data["choices"][0]["message"].get("content") or "", [-1] * n,
-                        data["choices"][0]["finish_reason"], 0, n)
-            return
-        final: Optional[Any] = None
-        async for raw in r.content:
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise GenerationError(str(event["error"])[:300])
-            for choice in event.get("choices", []):
-                text, reason = (choice.get("delta") or {}).get("content") or "", choice.get("finish_reason")
-                if text:
-                    yield Chunk(text, [-1], None, 0, 1)
-                if reason:
-                    final = Chunk("", [], reason, 0, 0)
-            if event.get("usage") and final is not None:
-                final.num_output_tokens = event["usage"].get("completion_tokens", 0)
-        if final is not None:
-            yield final
+        async for chunk in read_openai_response(r, stream, chat_text):
+            yield chunk

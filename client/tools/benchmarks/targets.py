@@ -326,36 +326,49 @@ class OpenAICompletions:
 
     async def stream(self, prompt, *, stream: bool = True, max_tokens: int, temperature: float = 0.0,
                      ignore_eos: bool = True, exclude_input_in_output: bool = True):
-        from client.protocol import Chunk, GenerationError
         body = {"model": self._model, "prompt": prompt if isinstance(prompt, str) else list(prompt),
                 "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos, "stream": stream,
                 **({"stream_options": {"include_usage": True}} if stream else {})}
         async with self._session.post(f"{self.base}/v1/completions", json=body) as r:
-            if r.status != 200:
-                raise GenerationError(f"HTTP {r.status}: {(await r.text())[:300]}")
-            if not stream:
-                data = await r.json()
-                choice, n = data["choices"][0], data.get("usage", {}).get("completion_tokens", 1)
-                yield Chunk(choice["text"], [-1] * n, choice["finish_reason"], 0, n)
-                return
-            final = None  # the finish reason's chunk, held until the usage (the true token count)
-            async for raw in r.content:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise GenerationError(str(event["error"])[:300])
-                for choice in event.get("choices", []):
-                    text, reason = choice.get("text", ""), choice.get("finish_reason")
-                    if text:
-                        yield Chunk(text, [-1], None, 0, 1)
-                    if reason:
-                        final = Chunk("", [], reason, 0, 0)
-                if event.get("usage") and final is not None:
-                    final.num_output_tokens = event["usage"].get("completion_tokens", 0)
-            if final is not None:
-                yield final
+            async for chunk in read_openai_response(r, stream, lambda choice: choice.get("text") or ""):
+                yield chunk
+
+
+def chat_text(choice: dict) -> str:
+    """A chat completion choice's text: a streamed chunk's delta, or the whole message."""
+    return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+
+
+async def read_openai_response(r, stream: bool, text_of):
+    """An OpenAI-port response (aiohttp) as the bench's Chunks: the whole answer once, or streamed
+    (server-sent events) one chunk per piece of text, then the finish reason with the usage's token
+    count. `text_of(choice)`: the text in a choice (completions' `text`, chat's `chat_text`)."""
+    from client.protocol import Chunk, GenerationError
+    if r.status != 200:
+        raise GenerationError(f"HTTP {r.status}: {(await r.text())[:300]}")
+    if not stream:
+        data = await r.json()
+        choice, n = data["choices"][0], data.get("usage", {}).get("completion_tokens", 1)
+        yield Chunk(text_of(choice), [-1] * n, choice["finish_reason"], 0, n)
+        return
+    final = None  # the finish reason's chunk, held until the usage (the true token count)
+    async for raw in r.content:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        event = json.loads(line[5:])
+        if "error" in event:
+            raise GenerationError(str(event["error"])[:300])
+        for choice in event.get("choices", []):
+            text, reason = text_of(choice), choice.get("finish_reason")
+            if text:
+                yield Chunk(text, [-1], None, 0, 1)
+            if reason:
+                final = Chunk("", [], reason, 0, 0)
+        if event.get("usage") and final is not None:
+            final.num_output_tokens = event["usage"].get("completion_tokens", 0)
+    if final is not None:
+        yield final
 
 
 # -- a local tritonserver for --compare-server -------------------------------------------------
