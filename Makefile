@@ -174,8 +174,8 @@ bench-peers: model tiny-model peers-venvs peers-llamacpp $(GGUF)
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m client.tools.peers --peers-dir $(PEERS_DIR) \
 		--model-path $(TINY_MODEL) --num-requests 128 $(PEERS_ARGS)
 
-# Issue 47's table (docs/performance.md, "Issue 47: the peer table"): per model row (SmolLM2 Q4_1, Gemma 3
-# 270M Q4_K_M, Qwen3-0.6B-shaped Q8_0 / Q4_K and Qwen3-MoE-shaped random files, SmolLM2 F16 / BF16) inflight
+# Issue 47's table (docs/performance.md, "Issue 47: the peer table's tooling, and a smoke run"): per model
+# row (SmolLM2 Q4_1, Gemma 3 270M Q4_K_M, Qwen3-0.6B-shaped Q8_0 / Q4_K and Qwen3-MoE-shaped random files, SmolLM2 F16 / BF16) inflight
 # against llama-server on the same GGUF, single stream, 32 at once, TTFT at two prompt lengths and decode at
 # 8,192 tokens of context; both inflight builds on an AVX-512 CPU. JSON + PNG in docs/bench/peers_table.*.
 # PEERS_TABLE_ARGS: sizes and rows (`python -m client.tools.peers table --help`; --smoke: minutes).

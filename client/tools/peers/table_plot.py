@@ -1,4 +1,4 @@
-"""The PNG of a peers table (table.py's JSON): per inflight build a panel, per row a group of bars,
+"""The PNG of a peers table (table.py's JSON): per inflight build a panel (log scale), per row a group of bars,
 one bar a column (the median ratio inflight / llama.cpp over the cell's rounds, each round a dot),
 the issue's target for that cell a black tick over its bar, 1.0x (parity) a dashed line."""
 from __future__ import annotations
@@ -19,14 +19,14 @@ def plot(report: dict, path: Path) -> Path:
     builds = [e for e in report["engines"] if e != "llamacpp"]
     sizes = report.get("sizes", {})
     short, long_ = sizes.get("prompt_lens", ("short", "long"))
-    labels = {**COLUMN_LABELS, "prompt_short": f"prompt {short} (TTFT)", "prompt_long": f"prompt {long_} (TTFT)",
+    labels = {**COLUMN_LABELS, "batch32": f"{sizes.get('batch_requests', 32)} at once", "prompt_short": f"prompt {short} (TTFT)", "prompt_long": f"prompt {long_} (TTFT)",
               "decode_ctx": f"decode at {sizes.get('decode_context', '')} context"}
     rows = report["rows"]
-    fig, axes = plt.subplots(len(builds), 1, figsize=(max(8.0, 1.9 * len(rows) + 2), 3.6 * len(builds)),
+    fig, axes = plt.subplots(len(builds), 1, figsize=(max(8.0, 1.9 * len(rows) + 2), 3.6 * len(builds) + 1.2),
                              squeeze=False)
     width = 0.8 / len(COLUMNS)
     colors = plt.get_cmap("tab10").colors
-    top = 1.0
+    top, bottom = 1.0, 1.0
     for ax, build in zip(axes[:, 0], builds):
         for i, row in enumerate(rows):
             cells = {c["column"]: c for c in row["cells"]}
@@ -37,12 +37,13 @@ def plot(report: dict, path: Path) -> Path:
                     continue
                 values = cell["ratios"].get(build) or []
                 top = max([top, cell["target"] or 0, *values])
+                bottom = min([bottom, *values])
                 median = cell["median"].get(build)
                 if median:
                     ax.bar(x, median, width * 0.9, color=colors[j], label=labels[column])
                     ax.plot([x] * len(values), values, "k.", markersize=3)
                 else:
-                    ax.text(x, 0.05, "failed", rotation=90, ha="center", va="bottom", fontsize=7)
+                    ax.text(x, 1.0, "failed", rotation=90, ha="center", va="center", fontsize=7)
                 if cell["target"]:
                     ax.plot([x - width / 2, x + width / 2], [cell["target"]] * 2, color="black", linewidth=2)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
@@ -50,8 +51,9 @@ def plot(report: dict, path: Path) -> Path:
         ax.set_xticklabels([r["label"] for r in rows], fontsize=8, rotation=12)
         ax.set_ylabel(f"{build} / llama.cpp")
         ax.set_title(f"{build}: ratio per row and column (black tick: the issue's target)", fontsize=9)
-    for ax in axes[:, 0]:
-        ax.set_ylim(0, top * 1.12)
+    for ax in axes[:, 0]:  # ratios on a log scale: 0.5x and 2x equally far from parity
+        ax.set_yscale("log")
+        ax.set_ylim(bottom / 1.5, top * 1.5)
     handles = {}
     for ax in axes[:, 0]:
         for h, label in zip(*ax.get_legend_handles_labels()):
