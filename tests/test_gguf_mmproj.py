@@ -95,8 +95,11 @@ def test_the_command_line_takes_mmproj(split, tmp_path, capsys):
 
 
 BAD = {
-    "wrong projector type": (dict(projector="qwen2.5vl_merger"),
-                             "clip.projector_type is 'qwen2.5vl_merger'; supported: gemma3"),
+    "wrong projector type": (dict(projector="llava"),
+                             "clip.projector_type is 'llava'; supported: gemma3, qwen2.5vl_merger"),
+    "Qwen2.5-VL's projector with a Gemma 3 text model": (
+        dict(projector="qwen2.5vl_merger"),
+        "a qwen2.5vl_merger projector goes with a qwen2vl text model; the text file's general.architecture is 'gemma3'"),
     "a missing tensor": (dict(skip=["v.blk.1.ffn_down.weight"]), "missing, e.g. v.blk.1.ffn_down.weight"),
     "a transposed projection": (dict(replace={"mm.input_projection.weight": "T"}),
                                 "tensor mm.input_projection.weight has shape [64, 32]; the metadata implies [32, 64]"),

@@ -187,7 +187,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     """Convert ``gguf_path`` into the checkpoint folder ``out_dir`` and return it.
 
     ``mmproj``: llama.cpp's vision file of the same model (backend/models/gguf/mmproj.py): the
-    folder is then a Gemma3ForConditionalGeneration with its vision tower.
+    folder is then a Gemma3ForConditionalGeneration or a Qwen2_5_VLForConditionalGeneration
+    (mmproj_qwen.py) with its vision tower.
 
     Quantized tensors stay packed unless ``dequantize`` (then every weight is written in ``dtype``).
     The folder is written beside ``out_dir`` and renamed into place at the end, so ``out_dir``
@@ -223,8 +224,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
         vision_reader, vision_meta = _open(Path(mmproj))
         vision = mm.read_mmproj(vision_meta, {t.name: _numpy_shape(t) for t in vision_reader.tensors},
                                 Path(mmproj).name, arch, meta, config)
-        log(f"import-gguf: {Path(mmproj).name}: gemma3 vision tower, {len(vision_reader.tensors)} tensors, "
-            f"{vision.mm_tokens_per_image} tokens per image")
+        log(f"import-gguf: {Path(mmproj).name}: {vision.summary}, {len(vision_reader.tensors)} tensors")
 
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -241,8 +241,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                       if k in config}
         if vision is not None:
-            mm.write_vision(staging, vision_reader, vision, _save)
-            config = mm.multimodal_config(config, vision)
+            vision.write(staging, vision_reader, _save)
+            config = vision.config(config)
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", generation)
         try:
@@ -264,7 +264,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="inflight import-gguf",
-        description="Convert a GGUF file (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE) into a "
+        description="Convert a GGUF file (Llama, Mistral, Qwen2, Qwen2.5-VL, Qwen3, Gemma 3, Mixtral, Qwen3-MoE) into a "
                     "Hugging Face checkpoint folder, "
                     "its quantized weights kept packed (docs/quantization.md).")
     parser.add_argument("file", help="the .gguf file")
@@ -275,7 +275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="with --dequantize: the weights' dtype (default float32: the values exactly)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--mmproj", metavar="MMPROJ.gguf",
-                        help="llama.cpp's vision file of the same model (Gemma 3's mmproj-*.gguf): the folder "
+                        help="llama.cpp's vision file of the same model (Gemma 3's or Qwen2.5-VL's mmproj-*.gguf): the folder "
                              "then serves images (docs/vision.md)")
     args = parser.parse_args(argv)
     if args.dtype and not args.dequantize:

@@ -1,7 +1,8 @@
 """What a GGUF file's metadata and tensor names mean in Hugging Face terms (for backend/models/gguf/importer.py).
 
 - ``general.architecture`` llama / mistral / qwen2 / qwen3 / gemma3 -> LlamaForCausalLM /
-  MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma3ForCausalLM (Mistral files
+  MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma3ForCausalLM (qwen2vl, Qwen2.5-VL's
+  text model, -> Qwen2ForCausalLM: with its mmproj, mmproj_qwen.py makes it the vision model) (Mistral files
   usually say "llama"; as in transformers, a ``general.name`` containing "mistral" makes them
   Mistral); anything else is refused by name.
 - ``<arch>.*`` keys -> ``config.json``; no ``output.weight`` -> tied embeddings.
@@ -40,8 +41,9 @@ import numpy as np
 
 from backend.models.checkpoint_config import CheckpointConfigError, shown
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen2vl", "qwen3", "gemma3", "qwen3moe")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen2vl": "Qwen2ForCausalLM",  # Qwen2.5-VL's text model: its M-RoPE is 1-D rope on text (mmproj_qwen.py)
               "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "MixtralForCausalLM": "mixtral",

@@ -2,7 +2,8 @@
 model, the text model's GGUF and an ``mmproj-*.gguf`` with the vision tower and the projector, to one
 Gemma3ForConditionalGeneration folder (docs/vision.md, "GGUF").
 
-An mmproj file says ``general.architecture`` "clip". For Gemma 3 (``clip.projector_type`` "gemma3"),
+An mmproj file says ``general.architecture`` "clip". Qwen2.5-VL's (``clip.projector_type``
+"qwen2.5vl_merger") is read by mmproj_qwen.py; shared helpers are in mmproj_tensors.py. For Gemma 3 (``clip.projector_type`` "gemma3"),
 llama.cpp's converter (convert_hf_to_gguf.py's Gemma3VisionModel) writes:
 
 - keys: ``clip.has_vision_encoder``; ``clip.vision.image_size``, ``patch_size``,
@@ -33,10 +34,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend.models.checkpoint_config import CheckpointConfigError, Reader, shown
+from backend.models.gguf import mmproj_qwen
 from backend.models.gguf.mapping import GEMMA_NORM_SHIFT, GGUFImportError
-from backend.models.gguf.packed import FLOAT_TYPES, PACKED_TYPES, float_array, pack
+from backend.models.gguf.mmproj_tensors import add_to_index, float32_tensor, three
 
-SUPPORTED_PROJECTORS = ("gemma3",)
+SUPPORTED_PROJECTORS = ("gemma3", "qwen2.5vl_merger")  # the second: mmproj_qwen.py
 GEMMA3_SCALE_FACTOR = 4  # llama.cpp's default pooling kernel for gemma3 (896 / 14 = 64 patches -> 16)
 MAX_IMAGE_SIZE = 8192
 VISION = "vision_tower.vision_model."  # the Hub's Gemma 3 names (backend/models/gemma3_vision.py reads them)
@@ -63,6 +65,16 @@ class Mmproj:
     image_mean: tuple[float, ...]
     image_std: tuple[float, ...]
 
+    @property
+    def summary(self) -> str:
+        return f"gemma3 vision tower, {self.mm_tokens_per_image} tokens per image"
+
+    def config(self, text_config: dict[str, Any]) -> dict[str, Any]:
+        return multimodal_config(text_config, self)
+
+    def write(self, folder: Path, reader, save) -> None:
+        write_vision(folder, reader, self, save)
+
 
 def hf_name(name: str) -> str:
     """The HF name of an mmproj tensor; refuses names a Gemma 3 tower and projector do not have."""
@@ -79,7 +91,7 @@ def hf_name(name: str) -> str:
 
 
 def read_mmproj(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], name: str, text_arch: str,
-                text_meta: Mapping[str, Any], text_config: Mapping[str, Any]) -> Mmproj:
+                text_meta: Mapping[str, Any], text_config: Mapping[str, Any]):
     """The checked vision settings of an mmproj file (`meta` its keys, `shapes` its tensors' numpy
     shapes) for the text model read from `text_meta` / `text_config`; GGUFImportError naming the
     key or the tensor."""
@@ -97,6 +109,8 @@ def _read(meta, shapes, name: str, text_arch: str, text_meta, text_config) -> Mm
     projector = meta.get(key)
     if projector not in SUPPORTED_PROJECTORS:
         raise GGUFImportError(f"{name}: {key} is {shown(projector)}; supported: {', '.join(SUPPORTED_PROJECTORS)}")
+    if projector == "qwen2.5vl_merger":
+        return mmproj_qwen.read(r, shapes, name, text_arch, text_meta, text_config)
     if text_arch != "gemma3":
         raise GGUFImportError(f"{name}: a gemma3 projector goes with a gemma3 text model; the text file's "
                               f"general.architecture is {text_arch!r}")
@@ -127,20 +141,12 @@ def _read(meta, shapes, name: str, text_arch: str, text_meta, text_config) -> Mm
               # a float32 key: its shortest decimal, the value the checkpoint had (1e-6, not 9.99999997e-07)
               "layer_norm_eps": float(str(np.float32(r.number("clip.vision.attention.layer_norm_epsilon", high=1.0)))),
               "hidden_act": "gelu_pytorch_tanh"}
-    mean, std = (_three(r, k, default) for k, default in (("clip.vision.image_mean", 0.5), ("clip.vision.image_std", 0.5)))
+    mean, std = (three(r, k, default) for k, default in (("clip.vision.image_mean", 0.5), ("clip.vision.image_std", 0.5)))
     if min(std) <= 0:
         r.fail("clip.vision.image_std", list(std), "three positive numbers")
     check_shapes(shapes, vision, hidden, name)
     return Mmproj(name, vision, (per_side // scale) ** 2, image_token_ids(text_meta, text_config["vocab_size"]),
                   mean, std)
-
-
-def _three(r: Reader, key: str, default: float) -> tuple[float, ...]:
-    value = r.cfg.get(key, [default] * 3)
-    if not isinstance(value, list) or len(value) != 3 or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in value):
-        r.fail(key, value, "three finite numbers (one per RGB channel)")
-    return tuple(float(v) for v in value)
 
 
 def expected_shapes(vision: Mapping[str, int], text_hidden: int) -> dict[str, tuple[int, ...]]:
@@ -197,27 +203,12 @@ def image_token_ids(text_meta: Mapping[str, Any], vocab_size: int) -> dict[str, 
 
 def vision_tensors(reader) -> dict[str, Any]:
     """Every mmproj tensor under its HF name, float32 (torch), the projector's norm as HF's w."""
-    import torch
     out = {}
     for tensor in reader.tensors:
-        name, ggml_type = hf_name(tensor.name), int(tensor.tensor_type)
-        shape = tuple(reversed([int(s) for s in tensor.shape]))
-        try:
-            if ggml_type in PACKED_TYPES:
-                from kernels.quant_reference import dequantize
-                arrays = pack(tensor.data, ggml_type, shape)
-                value = dequantize(PACKED_TYPES[ggml_type], {k: torch.from_numpy(v) for k, v in arrays.items()})
-            elif FLOAT_TYPES[ggml_type] == "BF16":  # numpy has no bfloat16: its bits
-                bits = float_array(tensor.data, ggml_type, shape)
-                value = torch.from_numpy(np.array(bits).view(np.int16)).view(torch.bfloat16)
-            else:
-                value = torch.from_numpy(np.array(float_array(tensor.data, ggml_type, shape)))
-        except ValueError as exc:
-            raise GGUFImportError(f"mmproj tensor {tensor.name}: {exc}") from None
-        value = value.float().reshape(shape)
+        value = float32_tensor(tensor)
         if tensor.name == "mm.soft_emb_norm.weight":  # the converter stored 1 + w
             value = value - GEMMA_NORM_SHIFT
-        out[name] = value.contiguous()
+        out[hf_name(tensor.name)] = value.contiguous()
     return out
 
 
@@ -239,11 +230,7 @@ def write_vision(folder: Path, reader, mm: Mmproj, save) -> None:
     weights are sharded) and preprocessor_config.json (what the image front reads)."""
     tensors = vision_tensors(reader)
     save(tensors, folder / "mmproj.safetensors")
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        data = json.loads(index.read_text(encoding="utf-8"))
-        data["weight_map"].update(dict.fromkeys(tensors, "mmproj.safetensors"))
-        index.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    add_to_index(folder, tensors)
     size = mm.vision_config["image_size"]
     processor = {"image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "do_rescale": True,
                  "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(mm.image_mean),
