@@ -71,7 +71,6 @@ CASES = [  # (token prompt with one pad per image, images (width, height), max_t
 ]
 
 
-@pytest.mark.slow  # two engines, twice
 @pytest.mark.parametrize("chunked", [False, True])
 def test_greedy_with_images_equals_the_safetensors_checkpoint(split, chunked):
     hf, _, _, out = split
@@ -135,3 +134,20 @@ def test_the_text_file_alone_is_a_qwen2_text_model(split, tmp_path):
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     kw = dict(kv_block_size=16, max_tokens_in_paged_kv_cache=512)
     assert LLM(str(out), **kw).generate([ids], params)[0].token_ids == LLM(str(hf), **kw).generate([ids], params)[0].token_ids
+
+
+def test_a_packed_text_file_with_its_mmproj_serves_images(split, tmp_path):
+    """Q8_0 text matrices stay packed beside the float tower (quantization_config at the top of the
+    multimodal config, where the loader reads it); the command line takes the pair."""
+    from backend.models.gguf.importer import main
+    hf, _, mmproj, _ = split
+    text = tmp_path / "qwen2.5-vl-tiny-Q8_0.gguf"
+    write_text_gguf(text, hf, types=("Q8_0",))
+    assert main([str(text), "--mmproj", str(mmproj), "--out", str(tmp_path / "out")]) == 0
+    cfg = load_model_config(tmp_path / "out")
+    assert cfg.checkpoint_architecture == "Qwen2_5_VLForConditionalGeneration"
+    assert set(cfg.quantized_modules.values()) == {"Q8_0"} and cfg.mrope_section == (2, 3, 3)
+    llm = LLM(str(tmp_path / "out"), kv_block_size=16, max_tokens_in_paged_kv_cache=1024)
+    (o,) = llm.generate([{"prompt_token_ids": CASES[0][0], "multi_modal_data": {"image": CASES[0][1]}}],
+                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(o.token_ids) == 4 and llm.stats()["encoder_runs_total"] == 1
