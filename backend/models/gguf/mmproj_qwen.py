@@ -34,7 +34,7 @@ import numpy as np
 
 from backend.models.checkpoint_config import Reader
 from backend.models.gguf.mapping import GGUFImportError
-from backend.models.gguf.mmproj_tensors import add_to_index, float32_tensor, three
+from backend.models.gguf.mmproj_tensors import add_to_index, check_shapes_against, float32_tensor, three
 
 PROJECTOR = "qwen2.5vl_merger"
 TEXT_ARCH = "qwen2vl"
@@ -162,18 +162,8 @@ def expected_shapes(vision: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def check_shapes(shapes: Mapping[str, tuple[int, ...]], vision: Mapping[str, Any], name: str) -> None:
-    expected = expected_shapes(vision)
-    for tensor, shape in shapes.items():
-        want = expected.get(tensor)
-        if want is None:
-            raise GGUFImportError(f"{name}: tensor {tensor} has no counterpart in Qwen2.5-VL's vision tower "
-                                  f"(clip.vision.block_count {vision['depth']})")
-        if tuple(shape) != want:
-            raise GGUFImportError(f"{name}: tensor {tensor} has shape {list(shape)}; the metadata implies {list(want)}")
-    missing = [t for t in expected if t not in shapes]
-    if missing:
-        raise GGUFImportError(f"{name}: {len(missing)} tensor(s) the metadata implies are missing, e.g. "
-                              f"{', '.join(missing[:3])}")
+    check_shapes_against(shapes, expected_shapes(vision), name, "has no counterpart in Qwen2.5-VL's vision tower "
+                         f"(clip.vision.block_count {vision['depth']})")
 
 
 def hf_tensors(tensors: Mapping[str, Any], depth: int) -> dict[str, Any]:

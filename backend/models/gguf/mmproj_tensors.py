@@ -47,3 +47,19 @@ def add_to_index(folder: Path, tensors: Mapping[str, Any]) -> None:
         data = json.loads(index.read_text(encoding="utf-8"))
         data["weight_map"].update(dict.fromkeys(tensors, "mmproj.safetensors"))
         index.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def check_shapes_against(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], name: str,
+                         beyond: str) -> None:
+    """Each tensor of the file one the metadata implies (`expected`), with that shape, and none
+    missing; `beyond`: why a tensor with no expected shape is refused (after its name)."""
+    for tensor, shape in shapes.items():
+        want = expected.get(tensor)
+        if want is None:
+            raise GGUFImportError(f"{name}: tensor {tensor} {beyond}")
+        if tuple(shape) != want:
+            raise GGUFImportError(f"{name}: tensor {tensor} has shape {list(shape)}; the metadata implies {list(want)}")
+    missing = [t for t in expected if t not in shapes]
+    if missing:
+        raise GGUFImportError(f"{name}: {len(missing)} tensor(s) the metadata implies are missing, e.g. "
+                              f"{', '.join(missing[:3])}")
