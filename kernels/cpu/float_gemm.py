@@ -109,17 +109,7 @@ class CpuFloatWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 -> x @ W.T + bias, [M, N] float32."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"{NAME}: x must be a float32 CPU tensor [M, {self.in_features}]; got "
-                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (self.out_features,)):
-            raise ValueError(f"{NAME}: bias must be float32 [{self.out_features}]; got {bias.dtype} {tuple(bias.shape)}")
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if x.shape[0]:
-            self._gemm(ctypes.byref(self._struct), x.data_ptr(), x.shape[0],
-                       None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), self.out_features)
-        return out
+        return cpu_quant.call_gemm(NAME, self._gemm, self._struct, x, bias, self.in_features, self.out_features)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

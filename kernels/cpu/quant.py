@@ -205,17 +205,7 @@ class CpuQuantWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 -> x @ W.T + bias, [M, N] float32."""
-        if x.dtype != torch.float32 or x.is_cuda or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"{NAME}: x must be a float32 CPU tensor [M, {self.in_features}]; got "
-                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (self.out_features,)):
-            raise ValueError(f"{NAME}: bias must be float32 [{self.out_features}]; got {bias.dtype} {tuple(bias.shape)}")
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if x.shape[0]:
-            self._gemm(ctypes.byref(self._struct), x.data_ptr(), x.shape[0],
-                       None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), self.out_features)
-        return out
+        return call_gemm(NAME, self._gemm, self._struct, x, bias, self.in_features, self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [R] of W, dequantized: [R, K] float32."""
@@ -266,3 +256,20 @@ class CpuQuantExperts:
             self._gemm(ctypes.addressof(self._structs), experts, x.data_ptr(), offsets.data_ptr(),
                        out.data_ptr(), self.out_features)
         return out
+
+
+def call_gemm(name: str, gemm, struct, x: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+              out_features: int) -> torch.Tensor:
+    """A C GEMM's call (quant_gemm.c's qgemm, float_gemm.c's fgemm: out = x @ W^T + bias), its
+    arguments checked: x [M, in_features] float32 on the CPU, bias float32 [out_features] or None."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"{name}: x must be a float32 CPU tensor [M, {in_features}]; got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (out_features,)):
+        raise ValueError(f"{name}: bias must be float32 [{out_features}]; got {bias.dtype} {tuple(bias.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        gemm(ctypes.byref(struct), x.data_ptr(), x.shape[0], None if bias is None else bias.contiguous().data_ptr(),
+             out.data_ptr(), out_features)
+    return out
