@@ -85,22 +85,6 @@ def _cpu_flags() -> str:
     return " ".join(sorted(flags)) if flags else platform.processor()
 
 
-def first_that_runs(builds, needs, probe, why: dict) -> str:
-    """The first of `builds` (best first, the last the portable one) whose /proc/cpuinfo flags
-    `needs[build]` the CPU lists and whose library `probe(build)` -> (ok, reason) runs; `why` gets
-    each build passed over and the reason."""
-    flags = set(_cpu_flags().split())
-    for isa in builds[:-1]:
-        missing = [f for f in needs[isa] if f not in flags]
-        if missing:
-            why[isa] = f"the CPU does not list {', '.join(missing)}"
-            continue
-        ok, why[isa] = probe(isa)
-        if ok:
-            return isa
-    return builds[-1]
-
-
 def _compiler() -> Optional[str]:
     chosen = os.environ.get("CC")
     return shutil.which(chosen) if chosen else shutil.which("gcc") or shutil.which("cc")

@@ -66,8 +66,18 @@ def chosen_isa() -> str:
         return forced
     cap = os.environ.get("INFLIGHT_CPU_ISA")
     start = BUILDS.index(CAPS[cap]) if cap in CAPS else 0
+    flags = set(cpu_build._cpu_flags().split())
     why = {b: "INFLIGHT_CPU_ISA" for b in BUILDS[:start]}
-    isa = cpu_build.first_that_runs(BUILDS[start:], NEEDS, _probe_runs, why)
+    for isa in BUILDS[start:-1]:
+        missing = [f for f in NEEDS[isa] if f not in flags]
+        if missing:
+            why[isa] = f"the CPU does not list {', '.join(missing)}"
+            continue
+        ok, why[isa] = _probe_runs(isa)
+        if ok:
+            break
+    else:
+        isa = "portable"
     not_used = "; ".join(f"{k}: {v}" for k, v in why.items() if k != isa)
     log.info("float GEMM: the %s build%s", isa, f" (not used: {not_used})" if not_used else "")
     return isa

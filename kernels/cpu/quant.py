@@ -101,8 +101,18 @@ def chosen_isa() -> str:
             raise ValueError(f"INFLIGHT_CPU_ISA={forced!r}; one of {', '.join(BUILDS)}")
         log.info("quantized GEMM: the %s build (INFLIGHT_CPU_ISA)", forced)
         return forced
+    flags = set(cpu_build._cpu_flags().split())
     why = {}
-    isa = cpu_build.first_that_runs(BUILDS, NEEDS, _probe_runs, why)
+    for isa, needed in NEEDS.items():
+        missing = [f for f in needed if f not in flags]
+        if missing:
+            why[isa] = f"the CPU does not list {', '.join(missing)}"
+            continue
+        ok, why[isa] = _probe_runs(isa)
+        if ok:
+            break
+    else:
+        isa = "portable"
     not_used = "; ".join(f"{k}: {v}" for k, v in why.items())
     if isa in ("avx_vnni", "avx2"):  # 1.4-1.7x the AVX-512 one's time for one row, 2-3x for many
         log.info("quantized GEMM: the %s build (not used: %s)", isa, not_used)
