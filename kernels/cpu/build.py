@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from kernels import cpuinfo
 
@@ -37,8 +37,8 @@ BASE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-Wall", 
 COMPILE_FLAGS = BASE_FLAGS[:1] + ["-march=native"] + BASE_FLAGS[1:]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 # Builds for a named instruction set instead of -march=native, for kernels that are picked at run
-# time by what the CPU really runs (kernels/cpu/quant.py): a VM may list flags (AMX, say) whose
-# instructions it kills the process for, so no build may assume more than its own set.
+# time by what the CPU really runs (`first_that_runs`: quant.py's and float_gemm.py's): a VM may list
+# flags (AMX, say) whose instructions it kills the process for, so no build may assume more than its own set.
 ISA_FLAGS = {
     "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                     "-mfma", "-DQUANT_AVX512"],
@@ -83,6 +83,36 @@ def _cpu_flags() -> str:
     are listed, platform.processor()."""
     flags = cpuinfo.cpu_flags()
     return " ".join(sorted(flags)) if flags else platform.processor()
+
+
+def forced_build(var: str, builds: Sequence[str]) -> Optional[str]:
+    """The build the environment variable `var` forces, or None where it is unset or empty; a value
+    that is none of `builds` is refused by name."""
+    forced = os.environ.get(var)
+    if forced and forced not in builds:
+        raise ValueError(f"{var}={forced!r}; one of {', '.join(builds)}")
+    return forced or None
+
+
+def first_that_runs(builds: Sequence[str], needs: Mapping[str, Sequence[str]],
+                    probe: Callable[[str], tuple[bool, str]]) -> tuple[str, dict[str, str]]:
+    """The build of a kernel this CPU runs, and why each better one was passed over: the first of
+    `builds` (best first) whose /proc/cpuinfo flags `needs[build]` the CPU lists and whose library
+    `probe(build)` -> (ran, why not) ran and got the right answer in a child process; else the
+    last, the portable one, never probed. One choice for every kernel built per instruction set
+    (quant.py's and float_gemm.py's `chosen_isa`), so they read the flags and pass over a build alike."""
+    flags = set(_cpu_flags().split())
+    passed_over: dict[str, str] = {}
+    for isa in builds[:-1]:
+        missing = [f for f in needs[isa] if f not in flags]
+        if missing:
+            passed_over[isa] = f"the CPU does not list {', '.join(missing)}"
+            continue
+        ran, why_not = probe(isa)
+        if ran:
+            return isa, passed_over
+        passed_over[isa] = why_not
+    return builds[-1], passed_over
 
 
 def _compiler() -> Optional[str]:

@@ -5,10 +5,10 @@ matrices as torch holds them, float32 activations; and the choice of its build f
 `matmul(x, bias)` is one C call. Its oracle is `reference`: torch's float32 product, with the
 activations rounded to bfloat16 first where the build multiplies bfloat16 pairs (vdpbf16ps).
 
-Which build runs (`chosen_isa`), as kernels/cpu/quant.py chooses its own: the best of BUILDS whose
-instructions /proc/cpuinfo lists AND whose `probe` ran in a child process and got the right sum
-(a VM may list instructions it kills a process for), with one log line saying which and why not
-the others. `INFLIGHT_FLOAT_ISA` forces one of BUILDS; `INFLIGHT_CPU_ISA` (quant.py's) caps it:
+Which build runs (`chosen_isa`), as kernels/cpu/quant.py chooses its own (kernels/cpu/build.py
+`first_that_runs`): the best of BUILDS whose instructions /proc/cpuinfo lists AND whose `probe` ran
+in a child process and got the right sum (a VM may list instructions it kills a process for), with
+one log line saying which and why not the others. `INFLIGHT_FLOAT_ISA` forces one of BUILDS; `INFLIGHT_CPU_ISA` (quant.py's) caps it:
 avx2 or avx_vnni run the AVX2 build at most, portable the portable one, so forcing the packed
 kernels' AVX2 build forces this one's too.
 """
@@ -58,27 +58,15 @@ def _probe_runs(isa: str) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=None)
 def chosen_isa() -> str:
     """The build of float_gemm.c this process uses."""
-    forced = os.environ.get("INFLIGHT_FLOAT_ISA")
+    forced = cpu_build.forced_build("INFLIGHT_FLOAT_ISA", BUILDS)
     if forced:
-        if forced not in BUILDS:
-            raise ValueError(f"INFLIGHT_FLOAT_ISA={forced!r}; one of {', '.join(BUILDS)}")
         log.info("float GEMM: the %s build (INFLIGHT_FLOAT_ISA)", forced)
         return forced
     cap = os.environ.get("INFLIGHT_CPU_ISA")
     start = BUILDS.index(CAPS[cap]) if cap in CAPS else 0
-    flags = set(cpu_build._cpu_flags().split())
-    why = {b: "INFLIGHT_CPU_ISA" for b in BUILDS[:start]}
-    for isa in BUILDS[start:-1]:
-        missing = [f for f in NEEDS[isa] if f not in flags]
-        if missing:
-            why[isa] = f"the CPU does not list {', '.join(missing)}"
-            continue
-        ok, why[isa] = _probe_runs(isa)
-        if ok:
-            break
-    else:
-        isa = "portable"
-    not_used = "; ".join(f"{k}: {v}" for k, v in why.items() if k != isa)
+    isa, passed_over = cpu_build.first_that_runs(BUILDS[start:], NEEDS, _probe_runs)
+    why = {**{b: "INFLIGHT_CPU_ISA" for b in BUILDS[:start]}, **passed_over}
+    not_used = "; ".join(f"{k}: {v}" for k, v in why.items())
     log.info("float GEMM: the %s build%s", isa, f" (not used: {not_used})" if not_used else "")
     return isa
 

@@ -10,15 +10,14 @@ Which build runs (`chosen_isa`): the AVX512-VNNI one where /proc/cpuinfo lists a
 and avx512_vnni AND a child process ran it and got the right answer (some hypervisors list
 instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the AVX-VNNI
 one (256-bit vpdpbusd) and the AVX2 one (maddubs; both quant_gemm_avx2.h) on the same two
-conditions, else the portable C build, with one log line saying why. `INFLIGHT_CPU_ISA=avx2` (or
-any of BUILDS) forces a build.
+conditions, else the portable C build, with one log line saying why (kernels/cpu/build.py
+`first_that_runs`, float_gemm.py's choice too). `INFLIGHT_CPU_ISA=avx2` (or any of BUILDS) forces a build.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 import sys
 from typing import Mapping, Sequence
@@ -95,24 +94,11 @@ def chosen_isa() -> str:
     """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx_vnni"
     (the same dot product on 256 bits), else "avx2" (maddubs/madd in place of vpdpbusd), else
     "portable" (plain C for the compiler's baseline)."""
-    forced = os.environ.get("INFLIGHT_CPU_ISA")
+    forced = cpu_build.forced_build("INFLIGHT_CPU_ISA", BUILDS)
     if forced:
-        if forced not in BUILDS:
-            raise ValueError(f"INFLIGHT_CPU_ISA={forced!r}; one of {', '.join(BUILDS)}")
         log.info("quantized GEMM: the %s build (INFLIGHT_CPU_ISA)", forced)
         return forced
-    flags = set(cpu_build._cpu_flags().split())
-    why = {}
-    for isa, needed in NEEDS.items():
-        missing = [f for f in needed if f not in flags]
-        if missing:
-            why[isa] = f"the CPU does not list {', '.join(missing)}"
-            continue
-        ok, why[isa] = _probe_runs(isa)
-        if ok:
-            break
-    else:
-        isa = "portable"
+    isa, why = cpu_build.first_that_runs(BUILDS, NEEDS, _probe_runs)
     not_used = "; ".join(f"{k}: {v}" for k, v in why.items())
     if isa in ("avx_vnni", "avx2"):  # 1.4-1.7x the AVX-512 one's time for one row, 2-3x for many
         log.info("quantized GEMM: the %s build (not used: %s)", isa, not_used)
