@@ -8,7 +8,11 @@ before pacing), in turns A B B A in one process on the in-process threaded engin
 Per mode and round it measures:
 - alone: each long prompt's time to first token with nothing else running (other random prompts
   of the same length, so the mixed phase never hits the prefix cache);
-- quiet: the streams decoding with no prompt arriving: their inter-token gaps;
+- quiet: the same streams (as many, as long) decoding with no prompt arriving: their inter-token gaps,
+  whole, and **matched**: the gaps at the very token indices (the same stream, the same output token)
+  of the mixed phase's gaps below. A decode step grows with its rows' context (each row reads its
+  whole KV), so the streams' p99 at 1,000-1,500 tokens of context is not their p99 at 100: the matched
+  p99 is the one "without the arrivals" means, the same steps with nothing arriving;
 - mixed: the streams decoding while the long prompts arrive `--gap` seconds apart: the streams'
   inter-token gaps that end while a long prompt is between its arrival and its first token, each
   long prompt's time to first token, and the workload's throughput (prompt and output tokens of every request
@@ -57,11 +61,21 @@ class Tracker:
         return self.times[rid][0] - self.started[rid]
 
     def gaps(self, rids: Sequence[str], since: float, until: float) -> list[float]:
-        out = []
-        for rid in rids:
+        return list(self.indexed_gaps(rids, since, until).values())
+
+    def indexed_gaps(self, rids: Sequence[str], since: float, until: float) -> dict[tuple[int, int], float]:
+        """The gaps that end in [since, until], keyed by (the stream's place in rids, the index of the
+        token that ends the gap)."""
+        out = {}
+        for i, rid in enumerate(rids):
             t = self.times[rid]
-            out += [b - a for a, b in zip(t, t[1:]) if since <= b <= until]
+            out.update({(i, k + 1): b - a for k, (a, b) in enumerate(zip(t, t[1:])) if since <= b <= until})
         return out
+
+
+def matched(quiet: dict[tuple[int, int], float], during: dict[tuple[int, int], float]) -> list[float]:
+    """The quiet phase's gaps at the keys (stream, token index) of the mixed phase's gaps."""
+    return [quiet[k] for k in during if k in quiet]
 
 
 def prompt_of(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -84,10 +98,11 @@ def run_mode(args, overrides: dict, seed: int) -> dict:
             alone.append(t.ttft(rid))
         streams = [f"quiet{i}" for i in range(args.streams)]
         for rid in streams:
-            t.add(engine, rid, prompt_of(rng, args.stream_prompt, vocab), args.quiet_tokens)
+            t.add(engine, rid, prompt_of(rng, args.stream_prompt, vocab), args.stream_tokens)
         for rid in streams:
             t.done[rid].wait()
-        quiet = t.gaps(streams, 0.0, float("inf"))
+        quiet_at = t.indexed_gaps(streams, 0.0, float("inf"))
+        quiet = list(quiet_at.values())
         streams = [f"s{i}" for i in range(args.streams)]
         begin = time.perf_counter()
         for rid in streams:
@@ -103,9 +118,11 @@ def run_mode(args, overrides: dict, seed: int) -> dict:
             longs.append(rid)
         for rid in longs:
             t.done[rid].wait()
-        during = []  # gaps that end while a long prompt is on its way to its first token
+        during_at = {}  # gaps that end while a long prompt is on its way to its first token
         for rid in longs:
-            during += t.gaps(streams, t.started[rid], t.times[rid][0])
+            during_at.update(t.indexed_gaps(streams, t.started[rid], t.times[rid][0]))
+        during = list(during_at.values())
+        quiet_matched = matched(quiet_at, during_at)
         for rid in streams:
             t.done[rid].wait()
         end = max(t.times[r][-1] for r in streams + longs)
@@ -113,6 +130,7 @@ def run_mode(args, overrides: dict, seed: int) -> dict:
             sum(args.long_tokens + args.long_output for _ in longs)
         return {"alone_ttft_s": alone, "mixed_ttft_s": [t.ttft(r) for r in longs],
                 "quiet_itl_p50_s": pct(quiet, 50), "quiet_itl_p99_s": pct(quiet, 99),
+                "quiet_matched_itl_p50_s": pct(quiet_matched, 50), "quiet_matched_itl_p99_s": pct(quiet_matched, 99),
                 "during_itl_p50_s": pct(during, 50), "during_itl_p99_s": pct(during, 99),
                 "during_itl_max_s": max(during) if during else None, "during_gaps": len(during),
                 "throughput_tok_s": tokens / (end - begin), "makespan_s": end - begin}
@@ -129,8 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--streams", type=int, default=6)
     ap.add_argument("--stream-prompt", type=int, default=37)
-    ap.add_argument("--stream-tokens", type=int, default=1500, help="each stream's output in the mixed phase")
-    ap.add_argument("--quiet-tokens", type=int, default=300, help="each stream's output in the quiet phase")
+    ap.add_argument("--stream-tokens", type=int, default=1500, help="each stream's output (quiet and mixed phases)")
     ap.add_argument("--long", type=int, default=3, help="long prompts arriving")
     ap.add_argument("--long-tokens", type=int, default=3000)
     ap.add_argument("--long-output", type=int, default=16)

@@ -1,0 +1,31 @@
+"""The pacing benchmark's baseline (client/tools/benchmarks/pacing.py): the streams' gaps without the
+arrivals are compared at the same stream and token index as the gaps while prompts arrive, since a
+decode step grows with its rows' context."""
+from client.tools.benchmarks.pacing import Tracker, matched
+
+
+def _tracker(times: dict[str, list[float]]) -> Tracker:
+    t = Tracker()
+    t.times = {rid: list(v) for rid, v in times.items()}
+    return t
+
+
+def test_indexed_gaps_are_keyed_by_stream_and_the_token_that_ends_them():
+    t = _tracker({"a": [0.0, 1.0, 3.0, 6.0], "b": [0.5, 0.7, 2.0]})
+    gaps = t.indexed_gaps(["a", "b"], 2.0, 6.0)
+    assert set(gaps) == {(0, 2), (0, 3), (1, 2)} and gaps[(0, 2)] == 2.0 and gaps[(0, 3)] == 3.0
+    assert abs(gaps[(1, 2)] - 1.3) < 1e-12
+    assert sorted(t.gaps(["a", "b"], 2.0, 6.0)) == sorted(gaps.values())
+
+
+def test_the_matched_baseline_takes_the_quiet_gaps_at_the_mixed_gaps_keys_only():
+    # Quiet: gaps grow with the token index (context); mixed: gaps only at late indices.
+    quiet = {(s, k): k / 100 for s in range(2) for k in range(1, 101)}
+    during = {(0, 90): 0.5, (1, 95): 0.6, (1, 200): 0.7}  # (1, 200): no quiet gap there: left out
+    assert sorted(matched(quiet, during)) == [0.9, 0.95]
+    # Overlapping arrival windows give the same gap once: keys, not a list.
+    t = _tracker({"a": [0.0, 1.0, 2.0, 3.0]})
+    both = {}
+    for since, until in ((0.5, 2.5), (1.5, 3.5)):
+        both.update(t.indexed_gaps(["a"], since, until))
+    assert sorted(both) == [(0, 1), (0, 2), (0, 3)]
