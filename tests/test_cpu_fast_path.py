@@ -72,11 +72,15 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_outputs():
     torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_only_cpu_float32_and_bfloat16_are_packed():
+def test_only_cpu_float_weights_are_packed():
     assert can_pack(torch.device("cpu"), torch.float32)
     assert can_pack(torch.device("cpu"), torch.bfloat16)
-    assert not can_pack(torch.device("cpu"), torch.float16)
+    assert can_pack(torch.device("cpu"), torch.float16)  # from a float32 copy (oneDNN has no fp16 GEMM here)
     assert not can_pack(torch.device("cuda"), torch.float32)
+    linear = nn.Linear(64, 8, bias=False).to(torch.float16)
+    packed, x = PackedLinear(linear), torch.randn(3, 64)
+    assert packed.dtype == torch.float32
+    torch.testing.assert_close(packed(x), x @ linear.weight.float().T, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")

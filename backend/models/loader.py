@@ -54,6 +54,9 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     # packed GGUF weights (docs/quantization.md): HF module name -> GGUF type; None: float weights
     quantized_modules: Optional[dict[str, str]] = None
+    # a GGUF F16/BF16 file's folder (config.json's gguf_float_type, backend/models/gguf/importer.py):
+    # dtype=auto keeps torch_dtype on the CPU too (backend/worker/device.py resolve_dtype)
+    keeps_dtype_on_cpu: bool = False
     # -- what sets the architectures apart (backend/models/llama.py reads these, docs/design.md) --
     # per layer: its sliding window (a local layer sees its last N positions), 0 for a global layer;
     # () when every layer is global
@@ -155,6 +158,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     attention_bias = fields.pop("attention_bias")
     model_config = ModelConfig(
         quantized_modules=_quantized_modules(top, model_dir),
+        keeps_dtype_on_cpu=top.get("gguf_float_type") in ("F16", "BF16"),
         architecture=arch,
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,

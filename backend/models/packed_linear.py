@@ -45,7 +45,11 @@ def padded_rows(rows: int) -> int:
     return whole * MAX_ROWS + (row_bucket(rest) if rest else 0)
 
 
-PACKABLE = (torch.float32, torch.bfloat16)
+# float16 weights are reordered from a float32 copy: oneDNN's fp16 GEMM "needs the cpu support
+# avx_ne_convert or avx512_fp16" (torch 2.13), which the AVX-512 EPYC measured here lacks, and
+# torch's own fp16 F.linear ran 4-5x slower than float_gemm.c (docs/performance.md, issue 47's F16
+# rows). float_gemm.c reads them as they are: this is the fallback where it is not used.
+PACKABLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class PackedLinear(nn.Module):
@@ -53,6 +57,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
+        if weight.dtype == torch.float16:
+            weight = weight.float()
         self.dtype = weight.dtype  # bf16 weights: bf16 GEMMs on inputs cast to bf16 (AVX512_BF16)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()

@@ -43,9 +43,10 @@ class LoadedModel:
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The activations' dtype: float32 on CPU for float32 and bfloat16 weights (the C kernels are
-    float32; bf16 GEMMs take their inputs cast), the weights' dtype elsewhere."""
-    return torch.float32 if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else dtype
+    """The activations' dtype: float32 on CPU for float32, bfloat16 and float16 weights (the C
+    kernels are float32; float_gemm.c widens 16-bit weights, bf16 GEMMs take their inputs cast),
+    the weights' dtype elsewhere."""
+    return torch.float32 if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) else dtype
 
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,9 +56,10 @@ def kv_cache_dtype(setting: str, dtype: torch.dtype, device: torch.device, quant
     """The KV cache's dtype: ``kv_cache_dtype``; for auto, the engine's ``dtype``, but bfloat16 beside
     quantized weights on CPU: there the attention's reads of a float32 cache outweigh the weights'
     (32 sequences of 200 tokens: 300 MB a step against SmolLM2's 97 MB of Q4_1), and llama.cpp keeps
-    its cache in 16 bits too (docs/quantization.md has the perplexity and the speed)."""
+    its cache in 16 bits too (docs/quantization.md has the perplexity and the speed); and beside
+    float16 weights on CPU, whose 16 bits the C attention reads as bfloat16 (it has no float16)."""
     if setting == "auto":
-        return torch.bfloat16 if device.type == "cpu" and quantization != "none" else dtype
+        return torch.bfloat16 if device.type == "cpu" and (quantization != "none" or dtype == torch.float16) else dtype
     if setting in ("fp8", "fp8_e4m3"):
         require_fp8_gpu(f"kv_cache_dtype={setting}", device, on_cpu=", where bfloat16 halves the cache",
                         instead="bfloat16 or auto")

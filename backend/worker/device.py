@@ -36,13 +36,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device,
-                  capability: Optional[tuple[int, int]] = None) -> torch.dtype:
+                  capability: Optional[tuple[int, int]] = None, keep_on_cpu: bool = False) -> torch.dtype:
     """`dtype` -> torch dtype. auto: float32 on the CPU (half-precision matmuls are slow there and
-    less exact); on CUDA vLLM's rule: the checkpoint's half type, and a float32 checkpoint in the
+    less exact), but the checkpoint's float16/bfloat16 with `keep_on_cpu` (a GGUF F16/BF16 file's
+    folder, ModelConfig.keeps_dtype_on_cpu: float_gemm.c reads it in place, float32 activations);
+    on CUDA vLLM's rule: the checkpoint's half type, and a float32 checkpoint in the
     device's preferred half type, bfloat16 from compute capability 8.0 (Ampere) on, float16 before
     (which has no bfloat16). `capability` is the device's (major, minor), read when not given."""
     if device.type != "cuda":
-        return torch.float32 if name == "auto" else DTYPES[name]
+        if name == "auto":
+            kept = DTYPES.get(checkpoint_dtype) if keep_on_cpu else None
+            return kept if kept in (torch.float16, torch.bfloat16) else torch.float32
+        return DTYPES[name]
     if capability is None:
         capability = tuple(torch.cuda.get_device_capability(device))
     has_bf16 = capability >= (8, 0)

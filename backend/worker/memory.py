@@ -88,7 +88,7 @@ def draft_cache_share(config: "EngineConfig", device: "torch.device", target_kv_
     from backend.worker.device import resolve_dtype
 
     cfg = load_model_config(spec.model)
-    dtype = resolve_dtype(config.dtype, cfg.torch_dtype, device)
+    dtype = resolve_dtype(config.dtype, cfg.torch_dtype, device, keep_on_cpu=cfg.keeps_dtype_on_cpu)
     return CacheShare(bytes_per_token=kv_bytes_per_token(cfg, target_kv_dtype),
                       reserved_bytes=checkpoint_bytes(spec.model, dtype.itemsize),
                       fixed_tokens=spec.draft_kv_cache_tokens)

@@ -89,7 +89,8 @@ class ModelRunner:
             if 1 < threads == len(cores) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
                 log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads, cores))
             keep_freed_memory()  # no page faults on every step's fresh activations (cpu_memory.py)
-        self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device,
+                                   keep_on_cpu=model_cfg.keeps_dtype_on_cpu)
         self.ops = get_ops(config.attention_backend, self.device, compute_dtype(self.dtype, self.device))
         self.block_size = config.kv_block_size
         self.kv_layout = kv_layout(model_cfg.layer_windows, model_cfg.num_layers)  # backend/kv/groups.py

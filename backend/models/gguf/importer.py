@@ -114,6 +114,17 @@ def _to_dtype(tensor, dtype: str):
     return tensor.to(getattr(torch, dtype)).contiguous()
 
 
+def float_file_dtype(tensors) -> dict[str, str]:
+    """A float file's config keys: ``torch_dtype``, its matrices' type when they share one (float32
+    for a mix), and for an F16 or BF16 file ``gguf_float_type`` ("F16" / "BF16"), which tells the
+    engine that dtype=auto keeps that type on the CPU too (backend/worker/device.py resolve_dtype;
+    float_gemm.c reads it in place) instead of widening the weights to float32."""
+    floats = {FLOAT_TYPES[int(t.tensor_type)] for t in tensors if len(t.shape) == 2}
+    kind = floats.pop() if len(floats) == 1 else "F32"
+    dtype = {"F16": "float16", "BF16": "bfloat16"}.get(kind, "float32")
+    return {"torch_dtype": dtype, **({"gguf_float_type": kind} if dtype != "float32" else {})}
+
+
 def _shards(tensors: list, nbytes) -> list[list]:
     """Tensors grouped in file order into shards of at most SHARD_BYTES (a bigger one alone)."""
     shards: list[list] = [[]]
@@ -234,10 +245,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
         if modules:
             config["quantization_config"] = {"quant_method": "gguf", "layout": LAYOUT, "group_size": 32,
                                              "source": gguf_path.name, "modules": modules}
-        elif not dequantize:  # a float file: its matrices' own dtype
-            floats = {FLOAT_TYPES[int(t.tensor_type)] for t in reader.tensors if len(t.shape) == 2}
-            config["torch_dtype"] = {"F16": "float16", "BF16": "bfloat16"}.get(
-                floats.pop() if len(floats) == 1 else "F32", "float32")
+        elif not dequantize:  # a float file: its matrices' own dtype, which dtype=auto keeps
+            config.update(float_file_dtype(reader.tensors))
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                       if k in config}
         if vision is not None:
