@@ -83,6 +83,16 @@ class GGUFImportError(CheckpointConfigError):
     """A GGUF file this importer cannot convert (the message says what and why)."""
 
 
+def float32_decimal(value: float) -> float:
+    """A float hyperparameter as config.json gets it: a value float32 holds exactly (GGUF stores its
+    floats as float32) is written as the shortest decimal that reads back as the same float32, the
+    value the checkpoint had (1e-05, not 9.999999747378752e-06); any other (a float64 key) as it is."""
+    value = float(value)
+    with np.errstate(over="ignore"):
+        single = np.float32(value)
+    return float(str(single)) if float(single) == value else value
+
+
 def read_metadata(reader) -> dict[str, Any]:
     """Every key-value field of a ``gguf.GGUFReader`` as plain Python values."""
     return {name: field.contents() for name, field in reader.fields.items()
@@ -124,7 +134,7 @@ def hf_config(meta: dict[str, Any], tensor_shapes: Mapping[str, Sequence[int]],
         value = key(name, default)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise GGUFImportError(f"GGUF metadata key {arch}.{name} is {shown(value)}, not a number")
-        return float(value)
+        return float32_decimal(value)
 
     hidden, heads = integer("embedding_length"), integer("attention.head_count")
     head_dim = next((integer(k) for k in ("attention.key_length", "rope.dimension_count")
@@ -210,7 +220,8 @@ def _gemma3_config(config: dict[str, Any], meta: dict[str, Any], integer, number
                             "sliding_attention": {"rope_type": "default", "rope_theta": local_base}},
         # llama.cpp's attention scale: 1 / sqrt(hidden / heads) for the 27B (62 layers), else head_dim's
         "query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 and heads > 0 else config["head_dim"],
-        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping"),
+        "final_logit_softcapping": (number("final_logit_softcapping")
+                                    if meta.get("gemma3.final_logit_softcapping") is not None else None),
         "hidden_activation": "gelu_pytorch_tanh",
     })
     del config["hidden_act"]
@@ -278,7 +289,7 @@ def llama3_rope_scaling(factors: np.ndarray, config: dict[str, Any]) -> dict[str
     """The HF ``rope_scaling`` that reproduces a file's ``rope_freqs``: llama3 with Meta's
     defaults (low 1, high 4, original context 8192) and the file's largest factor; anything else
     is refused rather than imported with positions that differ from the original model."""
-    factor = float(factors.max())
+    factor = float32_decimal(factors.max())  # the file's factors are float32
     expected = llama3_factors(config["head_dim"], config["rope_theta"], factor)
     if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
         raise GGUFImportError(f"{ROPE_FREQS} is not Llama 3 rope scaling (factor {factor:g}, "

@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
-
 from backend.models.checkpoint_config import CheckpointConfigError, Reader, shown
 from backend.models.gguf import mmproj_qwen
-from backend.models.gguf.mapping import GEMMA_NORM_SHIFT, GGUFImportError
+from backend.models.gguf.mapping import GEMMA_NORM_SHIFT, GGUFImportError, float32_decimal
 from backend.models.gguf.mmproj_tensors import add_to_index, check_shapes_against, float32_tensor, three
 
 SUPPORTED_PROJECTORS = ("gemma3", "qwen2.5vl_merger")  # the second: mmproj_qwen.py
@@ -139,7 +137,7 @@ def _read(meta, shapes, name: str, text_arch: str, text_meta, text_config) -> Mm
               "num_hidden_layers": r.integer("clip.vision.block_count", high=1024), "num_attention_heads": heads,
               "image_size": image_size, "patch_size": patch, "num_channels": 3, "vision_use_head": False,
               # a float32 key: its shortest decimal, the value the checkpoint had (1e-6, not 9.99999997e-07)
-              "layer_norm_eps": float(str(np.float32(r.number("clip.vision.attention.layer_norm_epsilon", high=1.0)))),
+              "layer_norm_eps": float32_decimal(r.number("clip.vision.attention.layer_norm_epsilon", high=1.0)),
               "hidden_act": "gelu_pytorch_tanh"}
     mean, std = (three(r, k, default) for k, default in (("clip.vision.image_mean", 0.5), ("clip.vision.image_std", 0.5)))
     if min(std) <= 0:

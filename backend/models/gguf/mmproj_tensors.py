@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend.models.checkpoint_config import Reader
-from backend.models.gguf.mapping import GGUFImportError
+from backend.models.gguf.mapping import GGUFImportError, float32_decimal
 from backend.models.gguf.packed import FLOAT_TYPES, PACKED_TYPES, float_array, pack
 
 
@@ -18,7 +18,7 @@ def three(r: Reader, key: str, default: float) -> tuple[float, ...]:
     if not isinstance(value, list) or len(value) != 3 or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in value):
         r.fail(key, value, "three finite numbers (one per RGB channel)")
-    return tuple(float(v) for v in value)
+    return tuple(float32_decimal(v) for v in value)  # (0.48145467, not 0.48145467042922974)
 
 
 def float32_tensor(tensor):
