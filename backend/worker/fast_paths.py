@@ -24,9 +24,11 @@ log = logging.getLogger(__name__)
 class DecodePath:
     """A runner's decode fast path: `graphs` (CUDA) or `native` (the CPU's C stack), or neither."""
 
-    def __init__(self, graphs: Optional[DecodeGraphs] = None, native: Optional[native_decode.NativeDecode] = None):
+    def __init__(self, graphs: Optional[DecodeGraphs] = None, native: Optional[native_decode.NativeDecode] = None,
+                 native_ranks: Optional[list[bool]] = None):
         self.graphs = graphs
         self.native = native
+        self.native_ranks = native_ranks  # tensor parallelism: which ranks run the C stack, by rank
 
     def graph_size(self, plan: StepPlan) -> Optional[int]:
         """The captured batch size a plan's step runs at (None: eager): pure decode steps only."""
@@ -55,6 +57,8 @@ def choose(config, model, ops_name: str, tp, lora, make_graphs: Callable[[], Dec
     if ops_name != "cpu":
         return DecodePath()
     why = native_decode.unsupported(model, ops_name, tp)
-    log.info("decode and prompt steps: %s", "the layer stack in one C call (backend/worker/native_decode.py)"
-             if why is None else f"the Python layers ({why})")
-    return DecodePath(native=native_decode.NativeDecode(model) if why is None else None)
+    log.info("decode and prompt steps%s: %s", f" (tensor-parallel rank {tp.rank})" if tp else "",
+             "the layer stack in one C call (backend/worker/native_decode.py)" if why is None else
+             f"the Python layers ({why})")
+    native = native_decode.NativeDecode(model, tp) if why is None else None
+    return DecodePath(native=native, native_ranks=native_decode.native_ranks(tp, native) if tp else None)

@@ -25,8 +25,15 @@ stay the Python path's): a mixture-of-experts layer's MLP (Mixtral, Qwen3-MoE: t
 and experts as ever), and in a step with an adapter's rows the LoRA deltas of each projection
 (LoRAStep.add, right after the projection, as lora_project adds them); and a float projection at
 the rows where oneDNN is faster than float_gemm.c (backend/models/float_linear.py): the module.
-Models outside that (tensor parallelism; float weights on oneDNN: INFLIGHT_FLOAT_GEMM=onednn, a width
-not a multiple of 32) run the Python layers; the log says which models and why, once.
+Tensor-parallel ranks on the CPU (issue 47) run their shard of the stack in C as well: the
+attention output's and the MLP's partial sums are all-reduced at the points the Python layers'
+RowParallel reduces them (after the LoRA deltas, before any norm), by the same means: the group's
+shared memory, in C (kernels/cpu/shm_reduce.py: its protocol and sum order, so the bits are the
+Python layers'), else the group's all_reduce called back (gloo, a tensor larger than a slot,
+INFLIGHT_TP_SHM=python). Every rank's choice is gathered at start and said on rank 0
+(`DecodePath.native_ranks`), so a rank that took the Python layers is seen.
+Models outside that (float weights on oneDNN: INFLIGHT_FLOAT_GEMM=onednn, a width not a multiple of
+32) run the Python layers; the log says which models and why, once.
 INFLIGHT_NATIVE_DECODE=0 turns it off (the A/B of the benchmarks).
 """
 from __future__ import annotations
@@ -42,6 +49,7 @@ from backend.models.attention import AttentionContext
 from backend.models.float_linear import FloatLinear
 from backend.models.llama import MLP, LlamaForCausalLM
 from backend.models.moe import SparseMoeBlock
+from backend.models.parallel.layers import RowParallel
 from backend.models.quant_linear import ConcatLinear, QuantLinear
 from backend.models.rope import RopeTables
 
@@ -55,6 +63,8 @@ def _projection(module) -> Optional[object]:
     (llama.cpp's mixed types) whose bias, if any, is added after. Where a FloatLinear runs oneDNN
     from some rows on, the stack calls the whole module back for steps of that many rows."""
     from kernels.cpu.decode_stack import Projection
+    if isinstance(module, RowParallel):  # a rank's shard: the stack all-reduces its partial sums
+        module = module.inner
     concat = isinstance(module, ConcatLinear)
     parts = list(module.parts) if concat else [module]
     if not all(isinstance(p, FloatLinear) or (isinstance(p, QuantLinear) and p.kernel is not None) for p in parts):
@@ -76,28 +86,36 @@ def unsupported(model: LlamaForCausalLM, ops_name: str, tp) -> Optional[str]:
         return "INFLIGHT_NATIVE_DECODE=0"
     if ops_name != "cpu":
         return f"the kernels are {ops_name}'s, not the CPU's C kernels"
-    if tp is not None:
-        return "tensor parallelism"
     if cfg.activation not in ("silu", "gelu_tanh"):
         return f"{cfg.activation} MLPs"
     for i, layer in enumerate(model.layers):
-        if not isinstance(layer.mlp, (MLP, SparseMoeBlock)):
-            return f"layer {i}'s MLP is a {type(layer.mlp).__name__}"
-        dense = (layer.mlp.gate_up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, MLP) else ()
+        mlp = _unwrapped(layer.mlp)
+        if not isinstance(mlp, (MLP, SparseMoeBlock)):
+            return f"layer {i}'s MLP is a {type(mlp).__name__}"
+        dense = (mlp.gate_up_proj, mlp.down_proj) if isinstance(mlp, MLP) else ()
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *dense):
             if _projection(module) is None:
-                return f"layer {i} has {type(module).__name__} weights, not ones the C kernels take"
+                return f"layer {i} has {type(_unwrapped(module)).__name__} weights, not ones the C kernels take"
     return None
+
+
+def _unwrapped(mlp):
+    """A layer's MLP block or projection, unwrapped where a tensor-parallel rank sums it (the stack's sum)."""
+    return mlp.inner if isinstance(mlp, RowParallel) else mlp
 
 
 class NativeDecode:
     """The model's layers as a kernels.cpu.decode_stack.DecodeStack, remade when the KV caches or
-    the RoPE tables it points into are replaced."""
+    the RoPE tables it points into are replaced. `tp`: this rank's group (the stack all-reduces)."""
 
-    def __init__(self, model: LlamaForCausalLM):
-        self.model = model
+    def __init__(self, model: LlamaForCausalLM, tp=None):
+        self.model, self.tp = model, tp
         self._stack, self._made_for = None, None
         self._said = False  # the log line on steps with images, once
+        self.shm, self.reduction = None, ""  # a rank's C all-reduce (ShmReduce) and the log's words for it
+        if tp is not None:
+            self.shm, self.reduction = _c_all_reduce(tp)
+            self._counted = (0, 0.0)  # the C all-reduces already added to the group's stats
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                  rope: RopeTables) -> torch.Tensor:
@@ -111,8 +129,13 @@ class NativeDecode:
         prompt = None if ctx.num_decode_tokens == x.shape[0] else (ctx.prefill_cu_seqlens_q.contiguous(),
                                                                    ctx.prefill_block_tables.contiguous(),
                                                                    ctx.prefill_seq_lens.contiguous())
-        return self._stack(x, positions.contiguous(), ctx.slot_mapping.contiguous(),
-                           ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous(), ctx.lora, prompt)
+        out = self._stack(x, positions.contiguous(), ctx.slot_mapping.contiguous(),
+                          ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous(), ctx.lora, prompt)
+        if self.shm is not None:  # the group's stats count every all-reduce, C's too
+            calls, seconds = self.shm.stats()
+            self.tp.count("all_reduce", calls - self._counted[0], seconds - self._counted[1])
+            self._counted = (calls, seconds)
+        return out
 
     def _python_layers(self, x, positions, ctx: AttentionContext, rope: RopeTables) -> torch.Tensor:
         """A step the C loop does not take, through the Python layers (as forward's own loop)."""
@@ -129,7 +152,7 @@ class NativeDecode:
         from kernels.cpu.decode_stack import DecodeStack, StackLayer
         cfg, layers = self.model.cfg, []
         for i, layer in enumerate(self.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, _unwrapped(layer.mlp)
             cos, sin = rope.for_layer(attn.window)  # as the Python layer picks its table
             k_cache, v_cache = ctx.kv_caches[i]
             dense = isinstance(mlp, MLP)
@@ -148,4 +171,32 @@ class NativeDecode:
                 group=ctx.group_of(i), window=ctx.window_of(i)))
         return DecodeStack(layers, final_norm=self.model.norm.weight.detach(), heads=cfg.num_heads,
                            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
-                           scale=ctx.scale, activation=cfg.activation)
+                           scale=ctx.scale, activation=cfg.activation,
+                           all_reduce=None if self.tp is None else self.tp.all_reduce, shm=self.shm)
+
+
+def _c_all_reduce(tp) -> tuple[Optional[object], str]:
+    """A tensor-parallel rank's all-reduce in C (kernels/cpu/shm_reduce.py's ShmReduce on the group's
+    shared memory), or None and the group's all_reduce is called back; and the log's words for it."""
+    from kernels.cpu.build import CpuKernelUnavailable
+    if tp.shm is None:
+        return None, "the group's all-reduce (gloo), called back"
+    if os.environ.get("INFLIGHT_TP_SHM") == "python":
+        return None, "the group's shared memory, its Python side called back (INFLIGHT_TP_SHM=python)"
+    try:
+        return tp.shm.native(), "the group's shared memory, in C"
+    except CpuKernelUnavailable as exc:
+        return None, f"the group's shared memory, its Python side called back ({exc})"
+
+
+def native_ranks(tp, native: Optional[NativeDecode]) -> list[bool]:
+    """Which tensor-parallel ranks run the C stack (every rank calls this at start: a collective);
+    rank 0 says so, and names any rank that took the Python layers (that rank's log says why)."""
+    ranks = [bool(r) for r in tp.gather_ints(int(native is not None))]
+    python = [r for r, on in enumerate(ranks) if not on]
+    if tp.rank == 0 and any(ranks) and python:
+        log.warning("tensor-parallel ranks %s run the Python layers, the others the C layer stack", python)
+    elif tp.rank == 0 and any(ranks):
+        log.info("the C layer stack on every tensor-parallel rank (%d), all-reducing through %s", tp.size,
+                 native.reduction)
+    return ranks

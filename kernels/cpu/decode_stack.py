@@ -52,7 +52,7 @@ class _Dims(ctypes.Structure):
 
 class _Ops(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp",
-                                        "delta", "prefill", "project")]
+                                        "delta", "prefill", "project", "reduce", "shm_reduce", "shm")]
 
 
 class _Prompt(ctypes.Structure):  # decode_stack.c's prompt_rows_t
@@ -64,6 +64,7 @@ class _Prompt(ctypes.Structure):  # decode_stack.c's prompt_rows_t
 _MLP_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
 _DELTA_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_void_p)
+_REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)  # reduce_fn (x, n)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # decode_stack.c's QKV, O, GATE_UP, DOWN
 
 
@@ -119,9 +120,12 @@ def _f32(name: str, t: torch.Tensor, shape: tuple) -> int:
 
 class DecodeStack:
     def __init__(self, layers: Sequence[StackLayer], *, final_norm: torch.Tensor, heads: int, kv_heads: int,
-                 head_dim: int, eps: float, scale: float, activation: str = "silu"):
+                 head_dim: int, eps: float, scale: float, activation: str = "silu",
+                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, shm=None):
         """final_norm: the model's norm after the last layer [hidden]; activation: "silu" or
-        "gelu_tanh" (GeGLU), the MLP's, as elementwise.c computes it."""
+        "gelu_tanh" (GeGLU), the MLP's, as elementwise.c computes it. A tensor-parallel rank's
+        shard: `all_reduce` (its group's, in place) sums the attention output's and the MLP's
+        partial outputs, or `shm` (kernels/cpu/shm_reduce.py's ShmReduce) in C where it can."""
         if not layers:
             raise ValueError("decode_stack: no layers")
         first = layers[0]
@@ -199,6 +203,11 @@ class DecodeStack:
         self._delta_address = _address(self._delta_callback)
         self._project_callback = _DELTA_FN(self._caller_projection)  # project_fn: delta_fn's signature
         self._ops.project = _address(self._project_callback)
+        self._all_reduce, self._reduce_callback = all_reduce, _REDUCE_FN(self._caller_reduce)
+        if all_reduce is not None:
+            self._ops.reduce = _address(self._reduce_callback)
+            if shm is not None:
+                self._ops.shm_reduce, self._ops.shm, self._shm = shm.function, shm.address, shm
         self._shapes = tuple(widths.values())  # (K, N) by decode_stack.c's QKV, O, GATE_UP, DOWN
         self._run = cpu_build.function("decode_stack", "decode_stack",
                                        (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P), restype=ctypes.c_int)
@@ -290,6 +299,15 @@ class DecodeStack:
             k, n = self._shapes[which]
             proj = getattr(self._keep[layer], ("qkv", "o", "gate_up", "down")[which])
             _rows(out, t, n).copy_(proj.caller(_rows(x, t, k)))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 (raised again in __call__)
+            self._failure = exc
+            return 1
+
+    def _caller_reduce(self, x: int, n: int) -> int:
+        """decode_stack.c's reduce_fn: the group's all-reduce of a [T, hidden] buffer, in place."""
+        try:
+            self._all_reduce(_rows(x, n // self.hidden, self.hidden))
             return 0
         except BaseException as exc:  # noqa: BLE001 (raised again in __call__)
             self._failure = exc

@@ -125,10 +125,19 @@ class TensorParallelGroup:
 
     def smallest(self, value: int) -> int:
         """The smallest of every rank's `value` (KV blocks: the group's capacity is its smallest rank's)."""
-        t = torch.tensor([value], dtype=torch.int64)
+        return min(self.gather_ints(value))
+
+    def gather_ints(self, value: int) -> list[int]:
+        """Every rank's `value`, by rank (at start: each rank's KV blocks; whether it runs the C stack)."""
+        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         with self._timed("setup"):
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        return int(t.item())
+            dist.all_gather(parts, torch.tensor([value], dtype=torch.int64), group=self.cpu_group)
+        return [int(p.item()) for p in parts]
+
+    def count(self, kind: str, calls: int, seconds: float) -> None:
+        """Collectives made where `_timed` does not see them (the C layer stack's: kernels/cpu/shm_reduce.py)."""
+        self.calls[kind] += calls
+        self.seconds[kind] += seconds
 
     # -- the step message --------------------------------------------------------------------------
     def send_step(self, plan, graph_size: int = 0, lora: tuple = ((), ())) -> None:
@@ -200,6 +209,8 @@ class TensorParallelGroup:
                 return
             self.failure = reason
             callbacks, self._callbacks = self._callbacks, []
+        if getattr(self, "shm", None) is not None:  # a C all-reduce's wait stops too
+            self.shm.fail()
         log.error("%s; the engine cannot run any step: restart it", reason)
         for callback in callbacks:
             try:

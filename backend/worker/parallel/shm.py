@@ -15,6 +15,10 @@ Waiting spins briefly, then yields the core, then sleeps in short steps, checkin
 has not failed (a lost rank is seen by rank 0's watch, backend/worker/parallel/group.py) and has
 not been closed. Tensors larger than a slot (long prefills) go through gloo, where latency is
 amortized. The segment is a file in /dev/shm, unlinked as soon as every rank has mapped it.
+
+The C layer stack (issue 47) all-reduces on the same segment in C (kernels/cpu/shm_reduce.py,
+`native()`): the same protocol and sum order, counted from the same counters (a rank's own counter
+is its last operation's number), so C and Python operations interleave on one segment.
 """
 from __future__ import annotations
 
@@ -64,11 +68,25 @@ class ShmCollectives:
             os.close(fd)
         self._ctrl = np.ndarray((size + 1, LINE // 8), dtype=np.int64, buffer=self._map)
         self._data = np.ndarray((2, size, slot_bytes), dtype=np.uint8, buffer=self._map, offset=header)
-        self.seq = 0
+        self._failed = np.zeros(1, dtype=np.int64)  # set by fail(): what the C side's wait reads
+        self._native = None
 
     def unlink(self) -> None:
         """Every rank has mapped the segment: its file can go (the mappings stay)."""
         self.path.unlink(missing_ok=True)
+
+    def native(self):
+        """The C all-reduce on this segment (kernels/cpu/shm_reduce.py's ShmReduce), made once; it
+        raises CpuKernelUnavailable where no C compiler builds it."""
+        if self._native is None:
+            from kernels.cpu.shm_reduce import ShmReduce
+            self._native = ShmReduce(self._ctrl.ctypes.data, self._data.ctypes.data, self.rank, self.size,
+                                     self.slot_bytes, self._failed.ctypes.data)
+        return self._native
+
+    def fail(self) -> None:
+        """The group lost a rank: a C wait stops too (the Python side asks `failed`)."""
+        self._failed[0] = 1
 
     def fits(self, tensor: torch.Tensor) -> bool:
         return (tensor.device.type == "cpu" and tensor.is_contiguous()
@@ -99,12 +117,12 @@ class ShmCollectives:
         """Publish this rank's tensor and wait for every rank's: their slots, as the tensor's dtype
         (views into the segment, valid until the operation after next)."""
         n = tensor.numel() * tensor.element_size()
-        self.seq += 1
-        buf = self.seq % 2
+        seq = int(self._ctrl[self.rank, 0]) + 1  # the rank's last operation, Python's or C's, + 1
+        buf = seq % 2
         slots = [torch.from_numpy(self._data[buf, r, :n]) for r in range(self.size)]
         slots[self.rank].copy_(tensor.reshape(-1).view(torch.uint8))
-        self._ctrl[self.rank, 0] = self.seq  # after the data: x86 keeps stores in order
-        self._wait(self.seq)
+        self._ctrl[self.rank, 0] = seq  # after the data: x86 keeps stores in order
+        self._wait(seq)
         return [s.view(tensor.dtype) for s in slots]
 
     def _wait(self, seq: int) -> None:
@@ -132,6 +150,8 @@ class ShmCollectives:
             return
         if self.rank == 0:
             self._ctrl[self.size, 0] = 1
+        if self._native is not None:
+            self._native.detach()
         self.unlink()
         del self._ctrl, self._data
         try:

@@ -27,6 +27,11 @@
    act: SiLU, or GELU's tanh form (Gemma's GeGLU), whichever act_mul the wrapper passes. A layer
    whose MLP is a mixture of experts calls back into the caller for it (ops->mlp) instead.
    After the last layer: out = rmsnorm(x + residual) with the model's final norm.
+   On a tensor-parallel rank (issue 47) the projections are the rank's shard and the attention output
+   projection's and the MLP's outputs (after their LoRA deltas, before any norm) are its partial
+   sums: each is all-reduced where the Python layers' RowParallel does it, through shared memory in
+   C (ops->shm_reduce, shm_reduce.c) or else the group's own all_reduce, called back (ops->reduce:
+   gloo, a tensor larger than a slot, and every error).
    The wrapper checks every shape, dtype and index bound; this code checks nothing. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,6 +65,11 @@ typedef int (*delta_fn)(int64_t layer, int64_t which, const float *x, int64_t T,
    for the step's rows: backend/models/float_linear.py): out [T, N] from x [T, K]; nonzero if it
    failed. */
 typedef int (*project_fn)(int64_t layer, int64_t which, const float *x, int64_t T, float *out);
+/* The group's all_reduce of x [n] in place, by the caller (backend/worker/parallel/group.py); nonzero
+   if it failed. */
+typedef int (*reduce_fn)(float *x, int64_t n);
+/* shm_reduce.c's: 0 summed, else not (1: the caller's path; 2: the group stopped while waiting). */
+typedef int (*shm_reduce_fn)(void *group, float *x, int64_t n);
 enum { QKV, O, GATE_UP, DOWN };
 
 typedef struct {
@@ -72,6 +82,9 @@ typedef struct {
     delta_fn delta;
     prefill_fn prefill; /* prefill_attention.c's, for a step's prompt rows */
     project_fn project; /* for projections with caller_from */
+    reduce_fn reduce;   /* tensor parallelism: the partial sums' all-reduce; NULL on one rank */
+    shm_reduce_fn shm_reduce; /* and the same in C where the ranks share memory; NULL otherwise */
+    void *shm;
 } stack_ops_t;
 
 #define MAX_PARTS 4
@@ -129,13 +142,20 @@ static int project(const stack_ops_t *ops, const proj_t *p, int64_t layer, int64
     return ops->delta ? ops->delta(layer, which, x, T, out) : 0;
 }
 
+/* A tensor-parallel rank's partial sums, all-reduced in place: 0, or nonzero if the group failed. */
+static int all_reduce(const stack_ops_t *ops, float *x, int64_t n) {
+    if (!ops->reduce) return 0;
+    if (ops->shm_reduce && ops->shm_reduce(ops->shm, x, n) == 0) return 0;
+    return ops->reduce(x, n); /* (after a stop too: the Python side raises the group's error) */
+}
+
 /* x [T, hidden]: the embeddings (overwritten); out [T, hidden]: the final norm of the last layer's
    output plus the residual stream, as after the Python loop (its call of that norm was 1-2% of a
    batch-1 step). The first ND rows are decode rows (one query each): tables [groups, ND, MB]
    int32, seq_lens [ND] int32; the other T - ND rows are `prompt`'s chunks (the GEMMs, norms, RoPE
    and cache stores run on all T rows at once; attention as attention.py's attend splits it).
-   slots [groups, T] int64. 0 on success, -1 if out of memory, -2 if a caller's MLP or LoRA deltas
-   failed. */
+   slots [groups, T] int64. 0 on success, -1 if out of memory, -2 if a caller's MLP, LoRA deltas or
+   all-reduce failed. */
 int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_layer_t *layers, int64_t L,
                  int64_t T, const int64_t *positions, const int64_t *slots, const int32_t *tables,
                  const int32_t *seq_lens, float *x, const float *final_norm, float *out, int64_t ND,
@@ -178,7 +198,7 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
                          prompt->tables + ly->group * prompt->seqs * prompt->table_width, prompt->cu_seqlens_q,
                          prompt->seq_lens, attn + ND * q_size, prompt->seqs, H, G, D, d->block_size,
                          prompt->table_width, d->scale, ly->window);
-        if (project(ops, &ly->o, l, O, attn, T, tmp)) goto failed;
+        if (project(ops, &ly->o, l, O, attn, T, tmp) || all_reduce(ops, tmp, T * hidden)) goto failed;
         if (ly->pre_ff_norm) { /* Gemma: the attention output's own norm, then the pre-feedforward one */
             ops->rms_norm(tmp, NULL, ly->post_attn_norm, scratch, h, T, hidden, d->eps);
             ops->rms_norm(scratch, residual, ly->pre_ff_norm, h, residual, T, hidden, d->eps);
@@ -193,6 +213,7 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
             ops->act_mul(wide, act, T, d->intermediate);
             if (project(ops, &ly->down, l, DOWN, act, T, mlp_out)) goto failed;
         }
+        if (all_reduce(ops, mlp_out, T * hidden)) goto failed;
         if (ly->post_ff_norm) ops->rms_norm(tmp, NULL, ly->post_ff_norm, x, scratch, T, hidden, d->eps);
     }
     ops->rms_norm(x, residual, final_norm, out, residual, T, hidden, d->eps);
