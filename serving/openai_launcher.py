@@ -5,7 +5,10 @@ runs (port 9000 by default) and what the tests start.
         print(api.url)                                              # http://127.0.0.1:PORT/v1/...
 
 Its own process keeps the HTTP event loop off the interpreter that watches tritonserver, and it
-dies with the process that started it (Linux), like tritonserver itself.
+dies with the process that started it (Linux), like tritonserver itself. Unless it logs to the
+console, a thread reads its stderr as it comes and keeps the last STDERR_TAIL_LINES lines for the
+error of a server that exits early: a pipe nobody read would fill (64 KiB on Linux) and block the
+server on its next log line.
 """
 from __future__ import annotations
 
@@ -14,16 +17,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 from openai_server.auth import ENV_KEYS
 from serving.triton_launcher import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+STDERR_TAIL_LINES = 200  # of the server's stderr, kept for the error of a server that exits early
 
 
 class OpenAIServerError(RuntimeError):
@@ -55,6 +61,9 @@ class OpenAIServer:
         # --api-key's keys, handed over in INFLIGHT_API_KEY (not argv, which `ps` shows every user)
         self.api_keys = tuple(api_keys)
         self.process: Optional[subprocess.Popen] = None
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self.stderr_bytes = 0  # read from its stderr so far (not logging to the console)
+        self._stderr_reader: Optional[threading.Thread] = None
 
     @property
     def url(self) -> str:
@@ -88,10 +97,17 @@ class OpenAIServer:
         self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stdin=subprocess.DEVNULL, env=env,
                                         stderr=None if self.log_to_console else subprocess.PIPE,
                                         preexec_fn=_die_with_parent)
+        if self.process.stderr is not None:
+            self.stderr_tail.clear()
+            self._stderr_reader = threading.Thread(target=self._read_stderr, args=(self.process.stderr,),
+                                                   name=f"openai-server-stderr-{self.port}", daemon=True)
+            self._stderr_reader.start()
         deadline = time.monotonic() + timeout
         while not self.is_up():
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                if self._stderr_reader is not None:
+                    self._stderr_reader.join(5.0)  # it ends at the pipe's end, once the process is gone
+                err = "".join(self.stderr_tail)
                 raise OpenAIServerError(f"the OpenAI server exited with code {self.process.returncode}"
                                         + (f":\n{err[-2000:]}" if err else ""))
             if time.monotonic() > deadline:
@@ -99,6 +115,13 @@ class OpenAIServer:
                 raise OpenAIServerError(f"the OpenAI server did not answer on {self.url} in {timeout:.0f}s")
             time.sleep(0.1)
         return self
+
+    def _read_stderr(self, pipe: IO[bytes]) -> None:
+        """Read the server's stderr to its end (the pipe never fills), keeping its last lines."""
+        with pipe:
+            for line in iter(lambda: pipe.readline(65536), b""):  # a line without its end: in 64 KiB parts
+                self.stderr_bytes += len(line)
+                self.stderr_tail.append(line.decode(errors="replace"))
 
     def is_up(self) -> bool:
         headers = {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
@@ -113,6 +136,7 @@ class OpenAIServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.process = self.process, None
+        reader, self._stderr_reader = self._stderr_reader, None
         if proc is None or proc.poll() is not None:
             return
         proc.terminate()  # uvicorn closes its connections, which cancels their Triton requests
@@ -121,6 +145,8 @@ class OpenAIServer:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if reader is not None:
+            reader.join(5.0)  # the pipe ends with the process
 
     def __enter__(self) -> "OpenAIServer":
         return self.start()
