@@ -177,9 +177,12 @@ def test_the_cpu_engine_keeps_freed_activations_off_fresh_pages(llama_dir, mallo
 
 
 def _staggered_greedy(model_dir, backend):
-    """Requests join a running batch (decode rows and prefill chunks in one step) and leave it."""
+    """Requests join a running batch (decode rows and prefill chunks in one step) and leave it.
+    Pacing off: the pacer sizes chunks from measured step times, so under load the same requests
+    took 37 steps or more than the 40 here (a clean-clone run failed so); off, the schedule is the
+    same in every run and for both backends (25 steps)."""
     from backend import LLM, SamplingParams
-    engine = LLM(str(model_dir), attention_backend=backend, max_num_batched_tokens=48).engine
+    engine = LLM(str(model_dir), attention_backend=backend, max_num_batched_tokens=48, inter_token_target_ms=0).engine
     prompts = [[(11 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate([7, 21, 3, 50, 13, 30])]
     tokens = {}
     for step in range(40):
