@@ -93,8 +93,11 @@ class LLM:
         self.engine.loras.load(name, str(path))
 
     def unload_lora(self, name: str) -> None:
-        """Unload an adapter that no request uses."""
-        self.engine.loras.unload(name)
+        """Unload an adapter that no request uses: one that a request added to the engine holds
+        (running, queued, or waiting for its constraint to compile) is refused with a ValueError
+        naming it and them, and stays loaded. (The serving engine's unload drains instead:
+        AsyncEngine.unload_lora.)"""
+        self.engine.loras.unload(name, self.engine.waitlist)
 
     def list_loras(self) -> list[str]:
         return self.engine.loras.names()

@@ -52,12 +52,21 @@ class EngineLoRAs:
         self.loads_total += loaded is not known
         return loaded
 
-    def unload(self, name: str) -> None:
-        """Unload an adapter no request uses (ValueError naming how many do)."""
+    def unload(self, name: str, compiling: Iterable = ()) -> None:
+        """Unload an adapter no request uses, running, queued or in `compiling` (those whose
+        constraint compiles, not yet queued); else a ValueError naming how many of each hold it."""
         manager = self._enabled(f"unloading LoRA adapter '{name}'")
-        users = sum(1 for r in self.scheduler.iter_requests() if r.lora_name == name)
+        queued = {id(r) for r in self.scheduler.waiting}
+        held: dict[str, set[str]] = {"running": set(), "queued": set()}
+        for r in self.scheduler.iter_requests():  # (a padded batch's finished members keep their rows: running)
+            if r.lora_name == name:
+                held["queued" if id(r) in queued else "running"].add(r.request_id)
+        held["compiling their constraint"] = {r.request_id for r in compiling if r.lora_name == name}
+        users = set().union(*held.values())
         if users:
-            raise ValueError(f"LoRA adapter '{name}' is in use by {users} request(s); unload it once they finish")
+            parts = ", ".join(f"{len(ids)} {where}" for where, ids in held.items() if ids)
+            raise ValueError(f"LoRA adapter '{name}' is in use by {len(users)} request(s) ({parts}); unload it "
+                             "once they finish")
         manager.unload(name)
 
     def begin_unload(self, name: str) -> threading.Event:
