@@ -33,8 +33,11 @@ log = logging.getLogger(__name__)
 # 1.1x (cpu_weight_choice.MARGIN), per build and weight dtype, as measured on SmolLM2's four projection
 # shapes (docs/performance.md, "Issue 47: the C layer stack for float weights"): the C kernel wins a
 # decode step's few rows (1.9-2.6x at one row), oneDNN the prompt chunks'. 0 (the C kernel at every
-# row count) where oneDNN has no kernel for the pair (bfloat16 weights without AVX-512, float16). The
-# portable build's 2 was not measured: its plain C is several times slower than oneDNN's GEMMs.
+# row count) where oneDNN has no kernel for the pair: bfloat16 weights without AVX-512, and float16
+# (a GGUF F16 file's: torch 2.13's oneDNN refuses an fp16 GEMM without avx512_fp16 or avx_ne_convert,
+# measured on the AVX-512 EPYC; torch's own fp16 F.linear ran 4-5x slower than this kernel at 1 to
+# 512 rows, docs/performance.md "F16 and BF16 GGUF files kept"). The portable build's 2 was not
+# measured: its plain C is several times slower than oneDNN's GEMMs.
 ONEDNN_FROM = {
     "avx512_bf16": {torch.float32: 64, torch.bfloat16: 256},
     "avx512": {torch.float32: 64, torch.bfloat16: 256},
