@@ -132,17 +132,19 @@ def greedy(plan: dict, model_dir: Path, device: str) -> dict:
         results.append(row)
     del references
     free(device)
-    from client.tools.gpu_check.vision import vision_check
-    vision = vision_check(plan, model_dir.parent, device)  # images: Gemma 3's encoder and mask on the device
-    free(device)
-    from client.tools.gpu_check.pooling import pooling_check
-    pooling = pooling_check(plan, model_dir.parent, device)  # embeddings: the pooled rows on the device
-    free(device)
+    side = {}   # plan["greedy_cases"]: images (Gemma 3's encoder and mask) and embeddings (the pooled rows)
+    if "vision" in plan["greedy_cases"]:
+        from client.tools.gpu_check.vision import vision_check
+        side["vision"] = vision_check(plan, model_dir.parent, device)
+        free(device)
+    if "pooling" in plan["greedy_cases"]:
+        from client.tools.gpu_check.pooling import pooling_check
+        side["pooling"] = pooling_check(plan, model_dir.parent, device)
+        free(device)
     ok = all(r["ok"] for r in results) and dtype == plan["expected_dtype"] and engine_info["device"] == device
-    ok = ok and vision["ok"] and pooling["ok"]
+    ok = ok and all(case["ok"] for case in side.values())
     return dict(ok=ok, dtype=dtype, ulps=ulps(layers), oracle=f"transformers {dtype} (decides) and "
-                "float32", engine=engine_info, expected_dtype=plan["expected_dtype"], batches=results, vision=vision,
-                pooling=pooling)
+                "float32", engine=engine_info, expected_dtype=plan["expected_dtype"], batches=results, **side)
 
 
 def _reference(model_dir: Path, device: str, dtype: str):

@@ -73,6 +73,8 @@ FULL = dict(
     kernels=["--batches", "1,64,256", "--contexts", "1024,4096,16384", "--skip-engine", "--skip-reference",
              "--skip-tuning", "--iters", "20"],
     greedy_batches=[(1, 15000, 16000), (64, 256, 4096), (256, 32, 512)], max_tokens=32,
+    # the greedy part's cases beside the text batches: images (vision.py) and embeddings (pooling.py)
+    greedy_cases=("vision", "pooling"),
     expected_dtype="bfloat16", attention_backend="auto", max_num_batched_tokens=8192, max_model_len=16896,
     decode_shapes=[(1, 16384), (64, 4096), (256, 1024)], decode_steps=20,
     # graph-replayed vs eager tokens: batch sizes that are capture sizes (no padding rows), so both
@@ -91,7 +93,7 @@ DRY = dict(
                num_key_value_heads=2, max_position_embeddings=512),
     compile_models=("gpu-check",), compile_dtypes=("bf16",),
     kernels=["--dry-run-cpu", "--batches", "1,2", "--contexts", "40", "--skip-engine", "--skip-reference"],
-    greedy_batches=[(1, 60, 80), (3, 5, 40), (5, 3, 20)], max_tokens=6,
+    greedy_batches=[(1, 60, 80), (3, 5, 40), (5, 3, 20)], max_tokens=6, greedy_cases=("vision", "pooling"),
     expected_dtype="float32", attention_backend="triton", max_num_batched_tokens=48, max_model_len=256,
     decode_shapes=[(1, 40), (3, 20)], decode_steps=3,
     graph_check=dict(batches=(1, 3), prompt=(3, 30), max_tokens=4),
