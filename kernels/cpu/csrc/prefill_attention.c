@@ -21,8 +21,10 @@
    Speed (docs/performance.md, "a prompt token's price"): a tile's scores and weighted V are RB rows
    x 4 vectors of accumulators in registers, each K or V vector loaded once into a register and fed
    to RB FMAs (IN_REG; GCC otherwise re-read it from memory for every FMA, and the loads, not the
-   FMAs, set the pace: 1.5x on SmolLM2's shapes), and a task takes QT = 32 queries, so each key
-   tile is widened and transposed once for 32 x (heads per group) rows (1.1x over 16). */
+   FMAs, set the pace: 1.5x on SmolLM2's shapes); a task takes QT = 32 queries, so each key tile
+   is widened and transposed once for 32 x (heads per group) rows (1.1x over 16); and with AVX-512
+   a tile's K is transposed 16 x 16 in registers (prefill_vec.h), not element by element (1.1-1.2x).
+   The vector width and RB are the build's (prefill_vec.h). */
 #ifndef CACHE_T
 #include <math.h>
 #include <stdint.h>
@@ -30,30 +32,7 @@
 #include <string.h>
 
 #define QT 32 /* queries per task (times the group's heads: its rows); each K/V tile is read once per task */
-/* One vector register of floats (GCC's vector extension: the build's widest, so one source serves the
-   AVX-512, AVX2 and portable builds); a key tile's scores are four of them a row. */
-#if defined(__AVX512F__)
-#define VW 16
-#define RB 4 /* rows computed together: each K or V load feeds RB FMAs; RB x 4 accumulators in registers */
-#elif defined(__AVX__)
-#define VW 8
-#define RB 2
-#else
-#define VW 4
-#define RB 2
-#endif
-#define KT (4 * VW) /* keys per tile */
-typedef float vf_t __attribute__((vector_size(VW * sizeof(float))));
-static inline vf_t vload(const float *p) { vf_t v; memcpy(&v, p, sizeof v); return v; }
-static inline void vstore(float *p, vf_t v) { memcpy(p, &v, sizeof v); }
-static inline vf_t vset(float x) { const vf_t z = {0}; return z + x; }
-/* Keeps a loaded vector in its register: without it GCC folds the load into each FMA that uses it, and
-   four loads of one vector leave the FMAs waiting on the load ports. */
-#if defined(__x86_64__) && defined(__SSE__)
-#define IN_REG(v) __asm__("" : "+v"(v))
-#else
-#define IN_REG(v) (void)0
-#endif
+#include "prefill_vec.h"
 
 /* Compiled twice, as decode_attention.c: float32 caches (prefill_attention_f32) and bfloat16 ones
    (prefill_attention_bf16). */
@@ -62,19 +41,29 @@ static inline vf_t vset(float x) { const vf_t z = {0}; return z + x; }
 #else /* the kernel, for one cache element type */
 
 /* Keys [k0, k0 + n) of kv head g, out of their blocks: kt [D][KT] (transposed, zero past n) and
-   vt [KT][D]. */
+   vt [KT][D]. With AVX-512 a whole tile's K rows are widened like V's into `rows` and transposed 16
+   x 16 in registers (the element-wise transposition was a quarter of a small chunk's attention). */
 static void NAME(load_tile)(const CACHE_T *restrict k_cache, const CACHE_T *restrict v_cache,
                             const int32_t *restrict table, int64_t k0, int64_t n, int64_t g, int64_t G,
-                            int64_t D, int64_t BS, float *restrict kt, float *restrict vt) {
+                            int64_t D, int64_t BS, float *restrict kt, float *restrict vt, float *restrict rows) {
+    const int whole = TRANSPOSE16 && n == KT && D % 16 == 0;
     if (n < KT)
         for (int64_t d = 0; d < D; d++) memset(kt + d * KT + n, 0, sizeof(float) * (KT - n));
     for (int64_t j = 0; j < n; j++) {
         const int64_t t = k0 + j, at = (((int64_t)table[t / BS] * BS + t % BS) * G + g) * D;
         const CACHE_T *kr = k_cache + at, *vr = v_cache + at;
-        for (int64_t d = 0; d < D; d++) kt[d * KT + j] = TO_F32(kr[d]);
+        if (whole) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) rows[j * D + d] = TO_F32(kr[d]);
+        } else {
+            for (int64_t d = 0; d < D; d++) kt[d * KT + j] = TO_F32(kr[d]);
+        }
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) vt[j * D + d] = TO_F32(vr[d]);
     }
+    if (whole)
+        for (int64_t j0 = 0; j0 < KT; j0 += 16)
+            for (int64_t d0 = 0; d0 < D; d0 += 16) transpose16(rows + j0 * D + d0, D, kt + d0 * KT + j0, KT);
 }
 
 /* Scores of NR rows (NR = RB or 1) against a key tile: s[b][j] = q_b . k_j, the NR x 4 sums in registers. */
@@ -199,6 +188,7 @@ static inline __attribute__((always_inline)) void NAME(task)(
     float *qs = buf, *kt = qs + QT * rep * D, *vt = kt + D * KT, *acc = vt + KT * D;
     float *m = acc + QT * rep * D, *l = m + QT * rep;
     int64_t *lo = (int64_t *)(l + QT * rep), *hi = lo + QT * rep;
+    float *rows = (float *)(hi + QT * rep); /* K's rows widened, before their transposition */
     for (int64_t i = q0; i < q1; i++) /* row (i - q0) * rep + r: query i under head g * rep + r */
         for (int64_t r = 0; r < rep; r++) {
             memcpy(qs + ((i - q0) * rep + r) * D, q + ((row0 + i) * H + g * rep + r) * D, sizeof(float) * D);
@@ -219,7 +209,7 @@ static inline __attribute__((always_inline)) void NAME(task)(
             for (int64_t r = 0; r < rep; r++) lo[(i - q0) * rep + r] = a, hi[(i - q0) * rep + r] = e;
         }
         if (!any) continue;
-        NAME(load_tile)(k_cache, v_cache, table, k0, n, g, G, D, BS, kt, vt);
+        NAME(load_tile)(k_cache, v_cache, table, k0, n, g, G, D, BS, kt, vt, rows);
         NAME(tile)(qs, kt, vt, R, D, lo, hi, m, l, acc, scale);
     }
     for (int64_t i = q0; i < q1; i++)
@@ -246,7 +236,7 @@ void NAME(prefill_attention)(const float *restrict q, const CACHE_T *restrict k_
     int64_t *owner = malloc(sizeof(int64_t) * (tasks ? tasks : 1));
     for (int64_t s = 0; s < S; s++)
         for (int64_t j = first[s]; j < first[s + 1]; j++) owner[j] = s;
-    const size_t floats = (size_t)(QT * rep * D * 2 + 2 * D * KT + QT * rep * 2) + 2 * (size_t)QT * rep * 2;
+    const size_t floats = (size_t)(QT * rep * D * 2 + 3 * D * KT + QT * rep * 2) + 2 * (size_t)QT * rep * 2;
 #pragma omp parallel
     {
         float *buf = malloc(sizeof(float) * floats);

@@ -1,0 +1,72 @@
+/* prefill_attention.c's vectors, per build: the width of one register of floats (GCC's vector
+   extension, so one source serves the AVX-512, AVX2 and portable builds), the rows a tile computes
+   together, and AVX-512's 16 x 16 transposition of a key tile. Included once, before the kernel. */
+#ifndef INFLIGHT_PREFILL_VEC_H
+#define INFLIGHT_PREFILL_VEC_H
+#include <stdint.h>
+#include <string.h>
+
+/* A key tile's scores are four vectors a row. */
+#if defined(__AVX512F__)
+#define VW 16
+#define RB 4 /* rows computed together: each K or V load feeds RB FMAs; RB x 4 accumulators in registers */
+#elif defined(__AVX__)
+#define VW 8
+#define RB 2
+#else
+#define VW 4
+#define RB 2
+#endif
+#define KT (4 * VW) /* keys per tile */
+typedef float vf_t __attribute__((vector_size(VW * sizeof(float))));
+static inline vf_t vload(const float *p) { vf_t v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf_t v) { memcpy(p, &v, sizeof v); }
+static inline vf_t vset(float x) { const vf_t z = {0}; return z + x; }
+/* Keeps a loaded vector in its register: without it GCC folds the load into each FMA that uses it, and
+   four loads of one vector leave the FMAs waiting on the load ports. */
+#if defined(__x86_64__) && defined(__SSE__)
+#define IN_REG(v) __asm__("" : "+v"(v))
+#else
+#define IN_REG(v) (void)0
+#endif
+
+/* dst[c][r] = src[r][c] for a 16 x 16 block of floats (row strides ls, ld): in registers with AVX-512
+   (unpack 32-bit and 64-bit pairs, then swap 128-bit lanes twice), else not used (TRANSPOSE16 0). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TRANSPOSE16 1
+static inline void transpose16(const float *restrict src, int64_t ls, float *restrict dst, int64_t ld) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ls);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ld, r[i]);
+}
+#else
+#define TRANSPOSE16 0
+static inline void transpose16(const float *src, int64_t ls, float *dst, int64_t ld) {
+    (void)src, (void)ls, (void)dst, (void)ld;
+}
+#endif
+
+#endif
