@@ -6,6 +6,8 @@ steps all in C); the TP=2 stack's hidden states are the TP=2 Python layers' to t
 way it reduces; every rank's path is gathered at start, so a rank on the Python layers is named;
 and the C all-reduce and the Python one interleave on one segment with the same bits."""
 import logging
+import os
+import signal
 import threading
 
 import numpy as np
@@ -200,6 +202,44 @@ def test_tp2_c_stack_hidden_states_are_the_python_layers_bits(model_dir, monkeyp
     assert native == python
     assert len(native_hidden) == len(python_hidden)
     assert all(torch.equal(a, b) for a, b in zip(native_hidden, python_hidden))
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_rank_0_waits_in_c_fails_the_requests_naming_it(model_dir):
+    """Rank 0's C all-reduce stops waiting when the group learns a rank is gone (shm.fail), and the
+    Python side raises the group's reason, as on the Python layers."""
+    from backend.core.config import EngineConfig
+    from backend.core.errors import EngineDeadError
+    from backend.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model_path=str(model_dir), quantization="int8", max_model_len=512,
+                                      tensor_parallel_size=2))
+    finals, done, first = {}, threading.Event(), threading.Event()
+
+    def sink(out):
+        if out.new_token_ids:
+            first.set()
+        if out.finished:
+            finals[out.request_id] = out
+            if len(finals) == 2:
+                done.set()
+
+    try:
+        assert engine.engine.runner.decode_path.native_ranks == [True, True]
+        for i in range(2):
+            engine.add_request(f"r{i}", [5, 6, 7, i + 8], greedy(400), sink)
+        assert first.wait(60)
+        worker = engine.engine.runner.tp.workers.procs[1]
+        os.kill(worker.pid, signal.SIGKILL)
+        assert done.wait(30)
+        for out in finals.values():
+            assert out.finish_reason == "error" and len(out.token_ids) < 400
+            assert f"tensor-parallel rank 1 (pid {worker.pid}) was killed by signal 9 (SIGKILL)" in out.error
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            engine.add_request("late", [5, 6], greedy(4), sink)
+    finally:
+        engine.shutdown()
+    assert not tp_workers()
 
 
 def test_rank_0_names_a_rank_that_took_the_python_layers(caplog):

@@ -268,7 +268,7 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
     elif quantization == "fp8":
         _quantize_fp8(model)
     rows: Callable[[int], int] = lambda n: n  # noqa: E731
-    floats = float_linears(model) if device.type == "cpu" and ops_name == "cpu" and tp is None else 0  # issue 47: float_gemm.c
+    floats = float_linears(model) if device.type == "cpu" and ops_name == "cpu" else 0  # issue 47: float_gemm.c, TP too
     if can_pack(device, dtype) and (ops_name == "cpu" or compute != dtype):  # (bf16 weights need one of the two)
         pack_linears(model)  # the float linears left: oneDNN GEMMs on reordered weights
         pack_experts(model)  # and float experts: one oneDNN GEMM per active expert
