@@ -7,10 +7,17 @@ its prompt: the figures prefill pacing (backend/sched/pacing.py) has to learn, m
 One in-process engine (pacing off): `--rows` streams decode; their decode-only step is timed; then,
 per start, one long prompt is prefilled to `start` tokens in large chunks, and the step's token
 budget is set to rows + chunk so that each following step carries one `chunk`-token piece of it
-beside the decode rows; `--steps` such steps are timed per chunk size. Each step is timed by wall
+beside the decode rows; `--steps` such steps are timed per chunk size, one after another, so a larger
+chunk's steps sit further into the prompt (its columns say where: 128-token chunks from 1,024 cover
+1,024-1,792, and attention's share grows with the position). Each step is timed by wall
 clock and by the process's CPU time (all threads): the CPU time is what a preempting neighbour on a
 shared machine cannot inflate. The report is the median step and what the chunk added per prompt
 token. OMP_NUM_THREADS sets the engine's threads as usual.
+
+`--csrc DIR` builds the C kernels from DIR (another commit's kernels/cpu/csrc, e.g. `git show` each
+file into a folder) instead of this tree's: an A/B of kernel changes runs in turns A B B A, one
+process each (a process loads each kernel library once). docs/performance.md, "A prompt token's
+price", has such a run.
 """
 from __future__ import annotations
 
@@ -68,7 +75,7 @@ def measure(model_path: str, rows: int, chunks: list[int], starts: list[int], st
             budget(rows + chunk)
             wall, cpu = timed_steps(engine, steps)
             engine.abort(name)
-            result["cells"].append(dict(start=start, chunk=chunk, wall_ms=wall * 1e3, cpu_ms=cpu * 1e3,
+            result["cells"].append(dict(start=start, chunk=chunk, end=start + chunk * steps, wall_ms=wall * 1e3, cpu_ms=cpu * 1e3,
                                         cpu_ms_per_token=(cpu - base_cpu) * 1e3 / chunk,
                                         wall_ms_per_token=(wall - base_wall) * 1e3 / chunk))
     llm.close()
@@ -83,18 +90,25 @@ def main(argv=None) -> int:
     ap.add_argument("--starts", default="1024,3000")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json")
+    ap.add_argument("--csrc", help="build the C kernels from this folder's sources (an A/B against another commit)")
     a = ap.parse_args(argv)
+    if a.csrc:
+        from pathlib import Path
+
+        from kernels.cpu import build as cpu_build
+        cpu_build.CSRC = Path(a.csrc).resolve()
     res = measure(a.model_path, a.rows, [int(c) for c in a.chunks.split(",")],
                   [int(s) for s in a.starts.split(",")], a.steps)
     print(f"decode-only step ({a.rows} rows): wall {res['decode_wall_ms']:.1f} ms, CPU {res['decode_cpu_ms']:.1f} ms")
-    print("| chunk start | chunk tokens | step wall ms | step CPU ms | CPU ms per prompt token | wall ms per token |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    # the timed chunks follow one another: a larger chunk's steps sit further into the prompt
+    print("| chunk start | chunk tokens | positions timed | step wall ms | step CPU ms | CPU ms per prompt token | wall ms per token |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in res["cells"]:
-        print(f"| {c['start']:,} | {c['chunk']} | {c['wall_ms']:.1f} | {c['cpu_ms']:.1f} | "
+        print(f"| {c['start']:,} | {c['chunk']} | {c['start']:,}-{c['end']:,} | {c['wall_ms']:.1f} | {c['cpu_ms']:.1f} | "
               f"{c['cpu_ms_per_token']:.2f} | {c['wall_ms_per_token']:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(dict(res, csrc=a.csrc or "this tree"), f, indent=1)
     return 0
 
 
