@@ -258,3 +258,16 @@ def test_rank_0_names_a_rank_that_took_the_python_layers(caplog):
         assert native_decode.native_ranks(Group, None) == [False, False, False]
     assert [r.getMessage() for r in caplog.records] == [
         "tensor-parallel ranks [1] run the Python layers, the others the C layer stack"]
+
+
+@pytest.mark.slow
+def test_tp_native_bench_measures_the_three_ways(model_dir, capsys):
+    """client/tools/benchmarks/tp_native.py, the command behind docs/parallelism.md's figures: each way
+    in its own processes, each checked to run on the path it names (the C stack on every rank, or none)."""
+    from client.tools.benchmarks import tp_native
+    assert tp_native.main(["--model", str(model_dir), "--batches", "1", "--steps", "3", "--prompt", "40",
+                           "--rounds", "1"]) == 0
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()[-3:]]
+    assert [r[1] for r in rows] == list(tp_native.WAYS)
+    assert all(float(r[2]) > 0 and float(r[6]) > 0 for r in rows), rows
+    assert rows[2][7] == "1.00x" and rows[2][8] == "1.00x"  # python against itself
