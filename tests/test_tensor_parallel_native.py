@@ -126,9 +126,9 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("tp-native"), seed=2, intermediate_size=768)
 
 
-def _engine(model_dir, tp: int) -> LLM:
+def _engine(model_dir, tp: int, quantization: str = "int8") -> LLM:
     # prompts of 3-44 tokens in steps of 24: prefill chunks, mixed steps and decode steps
-    return LLM(str(model_dir), quantization="int8", max_model_len=256, max_num_batched_tokens=24,
+    return LLM(str(model_dir), quantization=quantization, max_model_len=256, max_num_batched_tokens=24,
                inter_token_target_ms=0, enable_kv_cache_reuse=False, tensor_parallel_size=tp)
 
 
@@ -240,6 +240,25 @@ def test_a_rank_killed_while_rank_0_waits_in_c_fails_the_requests_naming_it(mode
     finally:
         engine.shutdown()
     assert not tp_workers()
+
+
+@pytest.mark.slow
+def test_tp2_c_stack_with_a_mixture_of_experts_is_the_python_layers_bits(tmp_path, monkeypatch):
+    """Float Mixtral (float_gemm.c for attention, the MoE block called back from C): the block's partial
+    output is summed by the stack's all-reduce, as RowParallel sums the whole block in Python."""
+    from hf_checkpoints import make_checkpoint
+
+    path = make_checkpoint("mixtral", tmp_path / "mixtral", seed=2)
+    prompts, params = random_prompts(4, seed=9, vocab=512), greedy(8, logprobs=3)
+    hidden = {}
+    for native in ("0", "1"):
+        monkeypatch.setenv("INFLIGHT_NATIVE_DECODE", native)  # the workers inherit it
+        with _engine(path, 2, quantization="none") as llm:
+            assert llm.engine.runner.decode_path.native_ranks == [native == "1"] * 2
+            hidden[native] = []
+            hidden[native + " outputs"] = _run(llm, prompts, params, hidden[native])
+    assert hidden["1 outputs"] == hidden["0 outputs"]
+    assert len(hidden["1"]) == len(hidden["0"]) and all(torch.equal(a, b) for a, b in zip(hidden["1"], hidden["0"]))
 
 
 def test_rank_0_names_a_rank_that_took_the_python_layers(caplog):
