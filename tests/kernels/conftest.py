@@ -5,6 +5,13 @@ import pytest
 import torch
 
 from kernels import checks as _common
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "aot_full: the whole kernels.aot table (tests/kernels/test_aot.py); "
+                            "left out of make test, run by make aot")
+
+
 def _poisoned_alloc(shape, dtype, device):
     t = torch.empty(tuple(shape), dtype=dtype, device=device)
     if dtype.is_floating_point:
