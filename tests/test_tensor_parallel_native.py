@@ -3,7 +3,7 @@ and all-reduces the attention output's and the MLP's partial sums where the Pyth
 the same means (the group's shared memory, in C: kernels/cpu/shm_reduce.py; the group's all_reduce
 called back otherwise). TP=1 is the oracle of TP=2 (greedy tokens equal, prefill, mixed and decode
 steps all in C); the TP=2 stack's hidden states are the TP=2 Python layers' to the bit, whichever
-way it reduces; every rank's path is gathered at start, so a rank on the Python layers is named;
+way it reduces, a mixture of experts' block (called back) summed by the stack too; every rank's path is gathered at start, so a rank on the Python layers is named;
 and the C all-reduce and the Python one interleave on one segment with the same bits."""
 import logging
 import os
