@@ -51,6 +51,7 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
         assert (out / f"{name}.log").exists() or parts[name].get("skipped")
     compiled = parts["compile"]
     assert compiled["target"] == "sm_90" and compiled["compiled"] == compiled["variants"] > 10
+    assert compiled["variants"] == DRY["compile_max_variants"] < compiled["planned"]   # (each kernel first)
     assert compiled["failed"] == [] and compiled["cached"] == 0          # a cache of its own: all compiled
     assert {c["kernel"] for c in parts["kernels"]["checks"]} == {
         "decode_attention", "prefill_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_mul", "fused_moe"}

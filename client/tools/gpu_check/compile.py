@@ -89,7 +89,12 @@ def compile_kernels(plan: dict, arch: Optional[int], progress: dict, jobs: int =
     shapes = {**aot.MODELS, **check_shapes(), "gpu-check": model_shape(plan["model"])}
     models = {name: shapes[name] for name in plan["compile_models"]}
     rows, work = aot.collect(models, list(plan["compile_dtypes"]), [target])
-    progress.update(target=target, variants=len(rows), compiled=0, cached=0, failed=[],
+    planned, jobs_of = len(rows), dict(zip(map(id, rows), work.values()))
+    if plan["compile_max_variants"]:   # the dry run: each kernel's first variant, then the others in order
+        firsts = [r for i, r in enumerate(rows) if all(q["kernel"] != r["kernel"] for q in rows[:i])]
+        rows = (firsts + [r for r in rows if all(r is not f for f in firsts)])[:plan["compile_max_variants"]]
+    work = {id(r): jobs_of[id(r)] for r in rows}
+    progress.update(target=target, variants=len(rows), planned=planned, compiled=0, cached=0, failed=[],
                     plan_s=round(time.monotonic() - start, 1))
     workers = jobs or os.cpu_count() or 1
     progress["workers"] = workers

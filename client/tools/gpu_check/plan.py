@@ -69,7 +69,8 @@ FULL = dict(
     model=LLAMA_SHAPE,
     # the greedy part's images and pooling checkpoints too (they run in fp32: compile.check_shapes)
     compile_models=("gpu-check", "gpu-check-vision", "gpu-check-pooling", "Llama-3.1-8B"),
-    compile_dtypes=("bf16", "fp16", "fp32"),
+    compile_dtypes=("bf16", "fp16", "fp32"), compile_max_variants=0,   # 0: all
+    structured_attention_backend="auto",
     kernels=["--batches", "1,64,256", "--contexts", "1024,4096,16384", "--skip-engine", "--skip-reference",
              "--skip-tuning", "--iters", "20"],
     greedy_batches=[(1, 15000, 16000), (64, 256, 4096), (256, 32, 512)], max_tokens=32,
@@ -91,7 +92,12 @@ FULL = dict(
 DRY = dict(
     model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512),
-    compile_models=("gpu-check",), compile_dtypes=("bf16",),
+    # compile: 12 of the model's 22 variants (each kernel once; tests/kernels/test_aot.py compiles
+    # every kernel for sm_80 and sm_90); structured: the torch attention (what the part checks is the
+    # sampler's and the grammar's side; the interpreted kernels are the kernels, greedy and decode
+    # parts' and were half the rehearsal's time here)
+    compile_models=("gpu-check",), compile_dtypes=("bf16",), compile_max_variants=12,
+    structured_attention_backend="torch",
     kernels=["--dry-run-cpu", "--batches", "1,2", "--contexts", "40", "--skip-engine", "--skip-reference"],
     greedy_batches=[(1, 60, 80), (3, 5, 40), (5, 3, 20)], max_tokens=6, greedy_cases=("vision", "pooling"),
     expected_dtype="float32", attention_backend="triton", max_num_batched_tokens=48, max_model_len=256,

@@ -26,7 +26,7 @@ def structured(plan: dict, model_dir: Path, device: str) -> dict:
     from client.tools.gpu_check.beams import beam_check
     from client.tools.gpu_check.sampling import engine_check, sampler_check
 
-    llm = LLM(str(model_dir), device=device, attention_backend=plan["attention_backend"], max_num_seqs=4,
+    llm = LLM(str(model_dir), device=device, attention_backend=plan["structured_attention_backend"], max_num_seqs=4,
               max_num_batched_tokens=plan["max_num_batched_tokens"], max_model_len=plan["max_model_len"])
     try:
         greedy = dict(temperature=0.0, max_tokens=48)
