@@ -26,7 +26,7 @@ help:
 	@echo "make tiny-model  write the small random-weight model into $(TINY_MODEL) if missing"
 	@echo "make config  render $(CONFIG) (keeps hand edits; 'inflight config --force' to redo)"
 	@echo "make serve   setup + model + config, then start tritonserver on 8000/8001/8002"
-	@echo "make test    setup, then run the whole test suite (on $(TEST_WORKERS) processes)"
+	@echo "make test    setup, then run the whole test suite (on $(TEST_WORKERS) processes) but the full AOT table (make aot)"
 	@echo "make test-fast  the quick tier: unit tests and kernels, no tritonserver, no download"
 	@echo "make load-slo  Locust at LOAD_RATE req/s (Poisson) against make serve; exit 1 when the SLO is missed"
 	@echo "make soak    2-minute Locust soak against a local tritonserver (docs/reliability.md)"
