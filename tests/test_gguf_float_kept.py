@@ -118,3 +118,17 @@ def test_only_a_gguf_float_file_keeps_its_type_under_auto():
     assert resolve_dtype("auto", "float32", cpu, keep_on_cpu=True) == torch.float32
     assert resolve_dtype("auto", "bfloat16", cpu) == torch.float32  # a Hugging Face bf16 checkpoint
     assert resolve_dtype("float32", "float16", cpu, keep_on_cpu=True) == torch.float32
+
+
+def test_the_onednn_callback_where_forced(folder, monkeypatch):
+    """INFLIGHT_FLOAT_ONEDNN_FROM=16: a BF16 file's prompt steps (16 to 24 rows) run oneDNN's bf16 GEMM
+    on the same tensor, called back from the stack; an F16 file's stay on float_gemm.c (oneDNN has no
+    fp16 GEMM here). Bit for bit either way."""
+    kind, path, _ = folder
+    monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "16")
+    llm = LLM(str(path), **ENGINE)
+    down, rows = llm.engine.runner.model.layers[1].mlp.down_proj, []
+    assert down.onednn_from == (16 if kind == "BF16" else 0)
+    monkeypatch.setattr(down, "onednn", lambda x, f=down.onednn: rows.append(x.shape[0]) or f(x))
+    assert_the_stack_matches_the_python_layers(llm)
+    assert (min(rows) >= 16) if kind == "BF16" else not rows

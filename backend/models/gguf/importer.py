@@ -115,10 +115,8 @@ def _to_dtype(tensor, dtype: str):
 
 
 def float_file_dtype(tensors) -> dict[str, str]:
-    """A float file's config keys: ``torch_dtype``, its matrices' type when they share one (float32
-    for a mix), and for an F16 or BF16 file ``gguf_float_type`` ("F16" / "BF16"), which tells the
-    engine that dtype=auto keeps that type on the CPU too (backend/worker/device.py resolve_dtype;
-    float_gemm.c reads it in place) instead of widening the weights to float32."""
+    """A float file's config keys: ``torch_dtype`` (its matrices' shared type, float32 for a mix) and
+    for an F16/BF16 file ``gguf_float_type``: dtype=auto keeps that type on the CPU too (resolve_dtype)."""
     floats = {FLOAT_TYPES[int(t.tensor_type)] for t in tensors if len(t.shape) == 2}
     kind = floats.pop() if len(floats) == 1 else "F32"
     dtype = {"F16": "float16", "BF16": "bfloat16"}.get(kind, "float32")
