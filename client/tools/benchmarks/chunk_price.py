@@ -16,8 +16,8 @@ token. OMP_NUM_THREADS sets the engine's threads as usual.
 
 `--csrc DIR` builds the C kernels from DIR (another commit's kernels/cpu/csrc, e.g. `git show` each
 file into a folder) instead of this tree's: an A/B of kernel changes runs in turns A B B A, one
-process each (a process loads each kernel library once). docs/performance.md, "A prompt token's
-price", has such a run.
+process each (a process loads each kernel library once). docs/benchmarks.md, "A prompt token's
+price on the CPU", has such a run.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@
    it sees (a range per row, no -inf: -ffast-math assumes none). Tasks are independent, so the
    result does not depend on the thread count.
 
-   Speed (docs/performance.md, "a prompt token's price"): a tile's scores and weighted V are RB rows
+   Speed (docs/benchmarks.md, "A prompt token's price"): a tile's scores and weighted V are RB rows
    x 4 vectors of accumulators in registers, each K or V vector loaded once into a register and fed
    to RB FMAs (IN_REG; GCC otherwise re-read it from memory for every FMA, and the loads, not the
    FMAs, set the pace: 1.5x on SmolLM2's shapes); a task takes QT = 32 queries, so each key tile
