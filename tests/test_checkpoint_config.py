@@ -208,7 +208,8 @@ def test_an_unreadable_weights_header_is_one_line(tiny, tmp_path):
 def test_gguf_strings_are_not_taken_as_true_flags(tmp_path, tokenizer_json, arch, raw, key):
     """The mapping itself refuses them (it once made every layer local, or renormalized the experts'
     weights, from a string's truth), before the tensors are looked at."""
-    from backend.models.gguf.importer import _numpy_shape, _open
+    from backend.models.gguf.importer import _open
+    from backend.models.gguf.tensors import numpy_shape as _numpy_shape
     from backend.models.gguf.mapping import hf_config
     path = tmp_path / "x.gguf"
     write_gguf(path, tokenizer_json, arch=arch, types=("F32",), raw_metadata=raw)

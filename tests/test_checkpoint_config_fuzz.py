@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from backend.models.checkpoint_config import MAX_CONTEXT_LENGTH, CheckpointConfigError, model_fields
 from backend.models.gguf.checks import check_config, check_shapes, gguf_names
-from backend.models.gguf.importer import _numpy_shape, _open
+from backend.models.gguf.importer import _open
+from backend.models.gguf.tensors import numpy_shape as _numpy_shape
 from backend.models.gguf.mapping import hf_architecture, hf_config
 from backend.models.loader import load_model_config
 from backend.models.make_model import make_model

@@ -136,12 +136,12 @@ def test_pinning_more_threads_than_cores_is_refused():
 def test_a_pinned_thread_still_counts_every_core(monkeypatch):
     """Pinning narrows the engine thread to one core; a second engine built on that thread (the
     step probe builds several) must still get one thread per core but one, not one thread."""
-    from backend.worker import runner
+    from backend.worker import cpu_affinity
     from kernels import cpuinfo
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpuinfo, "_ALLOWED", tuple(range(8)))  # as first seen, before pinning
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # the thread as pinning left it
-    assert runner.cpu_threads() == 7
+    assert cpu_affinity.cpu_threads() == 7
 
 
 FAULT_SCRIPT = """

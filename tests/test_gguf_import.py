@@ -88,7 +88,7 @@ def test_random_gguf_matches_transformers(tmp_path, tiny_tokenizer_json, arch, n
 
 
 def test_large_models_are_written_in_shards_with_an_index(tmp_path, tiny_tokenizer_json, monkeypatch):
-    import backend.models.gguf.importer as gi
+    import backend.models.gguf.tensors as gi
     from backend.models.loader import iter_weights
     path = tmp_path / "model.gguf"
     write_gguf(path, tiny_tokenizer_json, types=("Q8_0",))

@@ -108,7 +108,7 @@ def test_int8_quantizes_a_float_checkpoint_at_load(tmp_path, default_model_dir, 
     mean, worst = logprob_gap(int8, floats, list(range(5, 65)))
     assert mean < 0.5 and worst < 2.0, (mean, worst)  # see logprob_gap
     assert int8.engine.runner.weights.weight_bytes < 0.35 * floats.engine.runner.weights.weight_bytes
-    with caplog.at_level(logging.WARNING, logger="backend.models.weights"):  # 688 inputs: kept float
+    with caplog.at_level(logging.WARNING, logger="backend.models.quantize_at_load"):  # 688 inputs: kept float
         model = LLM(str(default_model_dir), quantization="int8", **SMALL).engine.runner.model
     assert "4 linear layer(s) kept float" in caplog.text
     assert isinstance(model.layers[0].mlp.down_proj, PackedLinear)

@@ -21,12 +21,13 @@ from backend.models.loader import ModelConfig, iter_weights
 from backend.models.llama import LlamaForCausalLM
 from backend.models.cpu_weight_choice import choose_for_checkpoint
 from backend.models.float_linear import float_linears
-from backend.models.moe import (SparseMoeBlock, checkpoint_name, dequantized_experts, install_packed_experts,
-                                is_stacked_expert, pack_experts, quantize_experts)
+from backend.models.moe import (checkpoint_name, dequantized_experts, install_packed_experts, is_stacked_expert,
+                                pack_experts)
 from backend.models.packed_linear import PackedLinear, can_pack, pack_linears, padded_rows
-from backend.models.quant_linear import (ConcatLinear, QuantEmbedding, QuantLinear, concat_parts,
-                                         describe, fused_module_name, quantize_q8_0)
-from kernels.quant_reference import ARRAYS, QK, dequantize
+from backend.models.quant_linear import (ConcatLinear, QuantEmbedding, QuantLinear, concat_parts, describe,
+                                         fused_module_name)
+from backend.models.quantize_at_load import quantize_fp8_at_load, quantize_int8
+from kernels.quant_reference import ARRAYS, dequantize
 
 log = logging.getLogger(__name__)
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversions in hardware: Ada, Hopper (kernels/gpu/quant_w8_gemm.py)
@@ -170,52 +171,6 @@ def _install_packed(model: LlamaForCausalLM, items, device) -> list:
     return floats
 
 
-def _quantize_int8(model: LlamaForCausalLM) -> None:
-    """quantization=int8: every projection and the lm_head become Q8_0 QuantLinears (a tied
-    embedding reads the lm_head's table), but for those whose inputs are not whole groups of 32
-    (none in published models), which stay float, said in one log line."""
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    routers = {f"{n}.gate" for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
-    inputs = {n: m.in_features for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in routers}
-    kept = [n for n, k in inputs.items() if k % QK]
-    for name in inputs:  # by name, so each float matrix is freed once replaced
-        if name not in kept:
-            _swap_quantized(model, name, "Q8_0", quantize_q8_0)
-    if tied and "lm_head" not in kept:
-        model.embed_tokens = QuantEmbedding(model.lm_head)
-    # experts too, one Q8_0 matrix each; routers stay float (a small [E, H] matrix whose rounding
-    # would move tokens between experts, which llama.cpp's quantizer leaves float too)
-    if not quantize_experts(model, lambda w: QuantLinear("Q8_0", quantize_q8_0(w))):
-        kept.append("experts")
-    if kept:
-        log.warning("quantization=int8: %d linear layer(s) kept float, their inputs not whole groups of "
-                    "%d values: %s", len(kept), QK, ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
-
-
-def _quantize_fp8(model: LlamaForCausalLM) -> None:
-    """quantization=fp8: the decoder layers' projections become FP8 QuantLinears (e4m3, a float32
-    scale per output channel, quantized where the weight lies: on the GPU). The embedding and the
-    lm_head stay in the model's dtype, as vLLM's fp8 leaves them: the logits are the most
-    sensitive product and a small share of the weights of the models fp8 is for."""
-    from kernels.quant_formats import quantize_fp8
-
-    names = [n for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
-    for name in names:  # by name, so each float matrix is freed once replaced (the peak: one more)
-        _swap_quantized(model.layers, name, "FP8", quantize_fp8)
-
-
-def _swap_quantized(root: nn.Module, name: str, qtype: str, quantize: Callable) -> None:
-    """Replace the nn.Linear ``name`` under ``root`` by a QuantLinear of ``quantize(weight)``, its
-    bias kept in float32."""
-    parent, _, child = name.rpartition(".")
-    owner = root.get_submodule(parent) if parent else root
-    linear = getattr(owner, child)
-    new = QuantLinear(qtype, quantize(linear.weight.detach()), bias=linear.bias is not None)
-    if linear.bias is not None:
-        new.bias.data.copy_(linear.bias.detach().float())
-    setattr(owner, child, new)
-
-
 def _weight_bytes(model: nn.Module) -> int:
     seen, total = set(), 0
     for module in model.modules():
@@ -264,9 +219,9 @@ def load_model(config: EngineConfig, model_cfg: ModelConfig, device: torch.devic
                 if param.dim() == 1:
                     setattr(module, name, nn.Parameter(param.detach().to(compute), requires_grad=False))
     if quantization == "int8":
-        _quantize_int8(model)
+        quantize_int8(model)
     elif quantization == "fp8":
-        _quantize_fp8(model)
+        quantize_fp8_at_load(model)
     rows: Callable[[int], int] = lambda n: n  # noqa: E731
     floats = float_linears(model) if device.type == "cpu" and ops_name == "cpu" else 0  # issue 47: float_gemm.c, TP too
     if can_pack(device, dtype) and (ops_name == "cpu" or compute != dtype):  # (bf16 weights need one of the two)

@@ -17,6 +17,7 @@ The cores, as they were before any thread was pinned, are kernels/cpuinfo.py's `
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from pathlib import Path
@@ -24,7 +25,8 @@ from typing import Optional, Sequence
 
 from kernels.cpuinfo import allowed_cores  # the cores as before any pinning (also runner.py's name)
 
-__all__ = ["allowed_cores", "pin_omp_threads", "team_placement"]
+__all__ = ["allowed_cores", "cpu_threads", "pin_omp_threads", "set_cpu_threads", "team_placement"]
+log = logging.getLogger(__name__)
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
@@ -83,3 +85,31 @@ def pin_omp_threads(num_threads: int, cores: Optional[Sequence[int]] = None) -> 
         with lock:
             placed[n] = cores[n]
     return placed if _team(num_threads, pin) else {}
+
+
+def cpu_threads(ranks: int = 1) -> int:
+    """The engine's torch threads on CPU: OMP_NUM_THREADS when set, else every core this process
+    may run on but one. OpenMP threads wait for each other at every op; when a core is also busy
+    with something else (tritonserver, the client, another process) the op stalls until the
+    descheduled thread returns. Measured on a loaded 2-core machine (docs/performance.md): 2
+    threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109). More
+    than one thread are pinned one per core (`set_cpu_threads`), as vLLM-CPU binds its own
+    (INFLIGHT_CPU_PIN=0: left to the kernel), counted as before any pinning (a second engine gets the same).
+    `ranks`: tensor-parallel ranks on this machine, which share the cores."""
+    import torch
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    return max(1, (len(allowed_cores()) - 1) // ranks)
+
+
+def set_cpu_threads(rank: int = 0, ranks: int = 1) -> int:
+    """Give the calling thread (the one that steps the engine) its torch threads, `cpu_threads`,
+    pinned one per core to this rank's own cores when there are enough (INFLIGHT_CPU_PIN=0: left to
+    the kernel). Returns the thread count."""
+    import torch
+    threads = cpu_threads(ranks)
+    torch.set_num_threads(threads)
+    cores = allowed_cores()[rank * threads:][:threads]  # each rank its own
+    if 1 < threads == len(cores) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
+        log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads, cores))
+    return threads

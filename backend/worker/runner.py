@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -33,7 +32,7 @@ from backend.models.weights import compute_dtype, kv_cache_dtype, load_model
 from backend.worker import fast_paths, memory, mrope_step, pooler, prompt_logprobs
 from backend.worker.attention_metadata import AttentionMetadata
 from backend.worker.block_copy import copy_blocks
-from backend.worker.cpu_affinity import allowed_cores, pin_omp_threads
+from backend.worker.cpu_affinity import set_cpu_threads
 from backend.worker.cpu_memory import keep_freed_memory
 from backend.worker.cuda_graphs import DecodeGraphs
 from backend.worker.device import DeviceEnv, resolve_device, resolve_dtype
@@ -48,21 +47,7 @@ from backend.worker.warmup import prefill_tokens, warm_up_steps
 from kernels.dispatch import get_ops
 
 log = logging.getLogger(__name__)
-__all__ = ["ModelRunner", "kv_bytes_per_token", "cpu_threads"]
-
-
-def cpu_threads(ranks: int = 1) -> int:
-    """The engine's torch threads on CPU: OMP_NUM_THREADS when set, else every core this process
-    may run on but one. OpenMP threads wait for each other at every op; when a core is also busy
-    with something else (tritonserver, the client, another process) the op stalls until the
-    descheduled thread returns. Measured on a loaded 2-core machine (docs/performance.md): 2
-    threads ran the tiny model at 132 tok/s, 1 thread at 933 (SmolLM2 batch 16: 74 vs 109). More
-    than one thread are pinned one per core (backend/worker/cpu_affinity.py), as vLLM-CPU binds its own
-    (INFLIGHT_CPU_PIN=0: left to the kernel), counted as before any pinning (a second engine gets the same).
-    `ranks`: tensor-parallel ranks on this machine, which share the cores."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    return max(1, (len(allowed_cores()) - 1) // ranks)
+__all__ = ["ModelRunner", "kv_bytes_per_token"]
 
 
 class ModelRunner:
@@ -83,11 +68,7 @@ class ModelRunner:
         self.device = self.env.device   # what the engine runs on and reports (cuda:1)
         self.env.bind()
         if not self.env.is_cuda:  # set on the thread that builds the engine, which is the one that steps it
-            threads = cpu_threads(self.tp.size if self.tp else 1)
-            torch.set_num_threads(threads)
-            cores = allowed_cores()[(self.tp.rank if self.tp else 0) * threads:][:threads]  # each rank its own
-            if 1 < threads == len(cores) and os.environ.get("INFLIGHT_CPU_PIN", "1") != "0":
-                log.info("OpenMP threads pinned to cores %s", pin_omp_threads(threads, cores))
+            set_cpu_threads(self.tp.rank if self.tp else 0, self.tp.size if self.tp else 1)
             keep_freed_memory()  # no page faults on every step's fresh activations (cpu_memory.py)
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device,
                                    keep_on_cpu=model_cfg.keeps_dtype_on_cpu)

@@ -17,161 +17,28 @@ one shard at a time. tests/test_gguf_import.py checks the result against transfo
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from backend.models.checkpoint_config import CheckpointConfigError
 from backend.models.gguf.checks import check_config, check_shapes, scan
 from backend.models.gguf import mmproj as mm
-from backend.models.gguf.mapping import (GEMMA_NORM_SHIFT, MOE_TENSORS, PERMUTED_ARCHITECTURES, ROPE_FREQS,
-                                  GGUFImportError, hf_architecture, hf_config, hf_tensor_name,
-                                  llama3_rope_scaling, read_metadata, unpermute_rows)
-from backend.models.gguf.packed import (FLOAT_TYPES, PACKED_TYPES, TYPE_NAMES, float_array, pack,
-                                 supported_types, type_name)
+from backend.models.gguf.mapping import (ROPE_FREQS, GGUFImportError, hf_architecture, hf_config, hf_tensor_name,
+                                         llama3_rope_scaling, read_metadata)
+from backend.models.gguf.packed import TYPE_NAMES, float_array, supported_types, type_name
+from backend.models.gguf.tensors import (OUTPUT_DTYPES, float_file_dtype, numpy_shape, save_safetensors, to_torch,
+                                         write_json, write_weights)
 from backend.models.gguf.tokenizer import build_tokenizer, tokenizer_config
 
 __all__ = ["GGUFImportError", "import_gguf", "main", "LAYOUT"]
 
-OUTPUT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # --dequantize: bytes per value
-SHARD_BYTES = 2 << 30
 LAYOUT = "inflight-gguf-packed/1"  # docs/quantization.md; the loader refuses other layouts
-
-
-def _numpy_shape(tensor) -> tuple[int, ...]:
-    return tuple(reversed([int(s) for s in tensor.shape]))  # GGUF lists dimensions innermost first
-
-
-def _tensor_arrays(tensor, config: dict[str, Any], arch: str,
-                   dequantize_to: Optional[str]) -> dict[str, Any]:
-    """One GGUF tensor as the folder's tensors: ``P.weight`` (float), or ``P.qweight``... (packed);
-    stacked experts [E, N, K] packed as one [E, ...] module, or float as E per-expert tensors."""
-    name, ggml_type, shape = hf_tensor_name(tensor.name, arch), int(tensor.tensor_type), _numpy_shape(tensor)
-    experts = len(shape) == 3 and tensor.name.rsplit(".", 2)[-2] in MOE_TENSORS
-    try:
-        if ggml_type not in PACKED_TYPES:
-            arrays = {"weight": float_array(tensor.data, ggml_type, shape)}
-        elif len(shape) == 2 or experts:   # experts: the E matrices as one of E * N rows, then apart
-            arrays = pack(tensor.data, ggml_type, (math.prod(shape[:-1]), shape[-1]))
-            arrays = {k: v.reshape(*shape[:-1], -1) for k, v in arrays.items()}
-        else:
-            raise ValueError(f"a quantized tensor of {len(shape)} dimensions (only matrices and stacked "
-                             "experts are)")
-    except ValueError as exc:
-        raise GGUFImportError(f"tensor {tensor.name}: {exc}") from None
-    if experts and (ggml_type not in PACKED_TYPES or dequantize_to is not None):
-        return _expert_tensors(name, arrays, ggml_type, dequantize_to)
-    heads = ("num_attention_heads" if ".q_proj." in name else
-             "num_key_value_heads" if ".k_proj." in name else None)
-    if arch in PERMUTED_ARCHITECTURES and heads:
-        arrays = {k: unpermute_rows(v, config[heads]) for k, v in arrays.items()}
-    prefix = name.rsplit(".", 1)[0]
-    if ggml_type not in PACKED_TYPES:
-        tensor_ = _torch(arrays["weight"], ggml_type, dequantize_to)
-        if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stored 1 + w (mapping.py)
-            tensor_ = (tensor_.float() - GEMMA_NORM_SHIFT).to(tensor_.dtype)
-        return {name: tensor_}
-    if dequantize_to is None:
-        return {f"{prefix}.{k}": _torch(v) for k, v in arrays.items()}
-    from kernels.quant_reference import dequantize
-    parts = {k: _torch(v) for k, v in arrays.items()}
-    return {name: _to_dtype(dequantize(PACKED_TYPES[ggml_type], parts), dequantize_to)}
-
-
-def _expert_tensors(name: str, arrays: dict[str, np.ndarray], ggml_type: int,
-                    dequantize_to: Optional[str]) -> dict[str, Any]:
-    """Stacked experts written as float per-expert tensors, ``...experts.{e}.w1.weight`` (a float
-    file's, or --dequantize)."""
-    if ggml_type in PACKED_TYPES:
-        from kernels.quant_reference import dequantize
-        parts = {k: _torch(v).flatten(0, 1) for k, v in arrays.items()}
-        count, rows = arrays["qweight"].shape[:2]
-        stacked = _to_dtype(dequantize(PACKED_TYPES[ggml_type], parts), dequantize_to).unflatten(0, (count, rows))
-    else:
-        stacked = _torch(arrays["weight"], ggml_type, dequantize_to)
-    base, _, part = name.removesuffix(".weight").rpartition(".")
-    return {f"{base}.{e}.{part}.weight": stacked[e].contiguous() for e in range(stacked.shape[0])}
-
-
-def _torch(array: np.ndarray, ggml_type: Optional[int] = None, dtype: Optional[str] = None):
-    import torch
-    if ggml_type is not None and FLOAT_TYPES.get(ggml_type) == "BF16":  # numpy has no bfloat16
-        tensor = torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
-    else:  # a view of the read-only file map is copied (torch wants writable memory)
-        tensor = torch.from_numpy(array if array.flags.writeable else np.array(array))
-    return tensor if dtype is None else _to_dtype(tensor.float(), dtype)
-
-
-def _to_dtype(tensor, dtype: str):
-    import torch
-    return tensor.to(getattr(torch, dtype)).contiguous()
-
-
-def float_file_dtype(tensors) -> dict[str, str]:
-    """A float file's config keys: ``torch_dtype`` (its matrices' shared type, float32 for a mix) and
-    for an F16/BF16 file ``gguf_float_type``: dtype=auto keeps that type on the CPU too (resolve_dtype)."""
-    floats = {FLOAT_TYPES[int(t.tensor_type)] for t in tensors if len(t.shape) == 2}
-    kind = floats.pop() if len(floats) == 1 else "F32"
-    dtype = {"F16": "float16", "BF16": "bfloat16"}.get(kind, "float32")
-    return {"torch_dtype": dtype, **({"gguf_float_type": kind} if dtype != "float32" else {})}
-
-
-def _shards(tensors: list, nbytes) -> list[list]:
-    """Tensors grouped in file order into shards of at most SHARD_BYTES (a bigger one alone)."""
-    shards: list[list] = [[]]
-    size = 0
-    for tensor in tensors:
-        if shards[-1] and size + nbytes(tensor) > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(tensor)
-        size += nbytes(tensor)
-    return shards
-
-
-def _save(tensors: dict[str, Any], path: Path) -> None:
-    from safetensors.torch import save_file
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    path.chmod(0o644)  # safetensors creates the file owner-only; a server user must read it
-
-
-def write_weights(reader, config: dict[str, Any], arch: str, folder: Path,
-                  dequantize_to: Optional[str]) -> dict[str, str]:
-    """Every tensor into ``folder`` under HF names, one shard at a time; returns the quantized
-    modules (HF name without ``.weight`` -> GGUF type) that stay packed."""
-    weights = [t for t in reader.tensors if t.name != ROPE_FREQS]
-    if dequantize_to is None:
-        nbytes = lambda t: int(t.data.nbytes)  # noqa: E731  (packed: about the file's bytes)
-    else:
-        nbytes = lambda t: int(np.prod(_numpy_shape(t))) * OUTPUT_DTYPES[dequantize_to]  # noqa: E731
-    shards = _shards(weights, nbytes)
-    weight_map: dict[str, str] = {}
-    for index, shard in enumerate(shards, 1):
-        file = ("model.safetensors" if len(shards) == 1
-                else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
-        tensors: dict[str, Any] = {}
-        for t in shard:
-            tensors.update(_tensor_arrays(t, config, arch, dequantize_to))
-        _save(tensors, folder / file)
-        weight_map.update(dict.fromkeys(tensors, file))
-    if len(shards) > 1:
-        _write_json(folder / "model.safetensors.index.json",
-                    {"metadata": {"total_size": sum(nbytes(t) for t in weights)}, "weight_map": weight_map})
-    if dequantize_to is not None:
-        return {}
-    return {hf_tensor_name(t.name, arch).rsplit(".", 1)[0]: PACKED_TYPES[int(t.tensor_type)]
-            for t in weights if int(t.tensor_type) in PACKED_TYPES}
-
-
-def _write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _open(gguf_path: Path):
@@ -215,7 +82,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     start = time.monotonic()
     reader, meta = _open(gguf_path)
     arch, _ = hf_architecture(meta)
-    shapes = {t.name: _numpy_shape(t) for t in reader.tensors}
+    shapes = {t.name: numpy_shape(t) for t in reader.tensors}
     types = sorted({type_name(t.tensor_type) for t in reader.tensors})
     log(f"import-gguf: {gguf_path.name}: {arch}, {len(reader.tensors)} tensors ({', '.join(types)})")
     config = hf_config(meta, shapes, dtype if dequantize else "bfloat16")
@@ -223,7 +90,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     check_shapes({n: s for n, s in shapes.items() if n != ROPE_FREQS}, config, arch)
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:  # derived data, kept as config parameters
-            factors = _torch(float_array(tensor.data, int(tensor.tensor_type), _numpy_shape(tensor)),
+            factors = to_torch(float_array(tensor.data, int(tensor.tensor_type), numpy_shape(tensor)),
                              int(tensor.tensor_type), "float32").numpy()
             config["rope_scaling"] = llama3_rope_scaling(factors.astype(np.float64), config)
         else:
@@ -231,7 +98,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     vision = None
     if mmproj is not None:  # checked whole before anything is written
         vision_reader, vision_meta = _open(Path(mmproj))
-        vision = mm.read_mmproj(vision_meta, {t.name: _numpy_shape(t) for t in vision_reader.tensors},
+        vision = mm.read_mmproj(vision_meta, {t.name: numpy_shape(t) for t in vision_reader.tensors},
                                 Path(mmproj).name, arch, meta, config)
         log(f"import-gguf: {Path(mmproj).name}: {vision.summary}, {len(vision_reader.tensors)} tensors")
 
@@ -248,13 +115,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                       if k in config}
         if vision is not None:
-            vision.write(staging, vision_reader, _save)
+            vision.write(staging, vision_reader, save_safetensors)
             config = vision.config(config)
-        _write_json(staging / "config.json", config)
-        _write_json(staging / "generation_config.json", generation)
+        write_json(staging / "config.json", config)
+        write_json(staging / "generation_config.json", generation)
         try:
             build_tokenizer(meta).save(str(staging / "tokenizer.json"))
-            _write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
+            write_json(staging / "tokenizer_config.json", tokenizer_config(meta))
         except ValueError as exc:  # weights still serve requests sent as input_ids
             log(f"import-gguf: no tokenizer written: {exc}")
         if out_dir.exists():

@@ -245,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.threads is not None:  # before torch loads here, and inherited by tritonserver's stub
         os.environ["OMP_NUM_THREADS"] = str(a.threads)
     server_env = dict(os.environ)
-    if a.server_threads == 0:  # the server's own default (runner.cpu_threads: every core but one)
+    if a.server_threads == 0:  # the server's own default (cpu_affinity.cpu_threads: every core but one)
         server_env.pop("OMP_NUM_THREADS", None)
     elif a.server_threads is not None:
         server_env["OMP_NUM_THREADS"] = str(a.server_threads)
