@@ -1,6 +1,7 @@
 """The quantized GEMMs in the ahead-of-time table (kernels.aot; tests/kernels/test_aot.py's aot_full
 test, `make aot`, compiles the whole table): which variants an 8B model's projections launch, and
-that FP8 is planned for sm_90 only because sm_80 refuses e4m3. Run in a subprocess without TRITON_INTERPRET (the real compiler)."""
+that FP8 is planned for sm_90 only because sm_80 refuses e4m3. Run in a subprocess without
+TRITON_INTERPRET (the real compiler)."""
 import json
 import os
 import subprocess
