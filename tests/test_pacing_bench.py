@@ -1,6 +1,8 @@
 """The pacing benchmark's baseline (client/tools/benchmarks/pacing.py): the streams' gaps without the
 arrivals are compared at the same stream and token index as the gaps while prompts arrive, since a
 decode step grows with its rows' context."""
+import pytest
+
 from client.tools.benchmarks.pacing import Tracker, matched
 
 
@@ -29,3 +31,11 @@ def test_the_matched_baseline_takes_the_quiet_gaps_at_the_mixed_gaps_keys_only()
     for since, until in ((0.5, 2.5), (1.5, 3.5)):
         both.update(t.indexed_gaps(["a"], since, until))
     assert sorted(both) == [(0, 1), (0, 2), (0, 3)]
+
+
+def test_paced_params_become_typed_overrides_and_a_wrong_key_is_refused():
+    from client.tools.benchmarks.pacing import paced_overrides
+    assert paced_overrides(["inter_token_auto_factor=2.5", "max_num_seqs=12"]) == {
+        "inter_token_auto_factor": 2.5, "max_num_seqs": 12}
+    with pytest.raises(SystemExit, match="inter_token_auto_fctor"):
+        paced_overrides(["inter_token_auto_fctor=2"])

@@ -142,6 +142,19 @@ def pct(values: Sequence[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) if values else None
 
 
+def paced_overrides(pairs: Sequence[str]) -> dict:
+    """--paced-param KEY=VALUE pairs as EngineConfig overrides, each value as the field's type."""
+    from dataclasses import fields
+    types = {f.name: f.type for f in fields(EngineConfig)}
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in types:
+            raise SystemExit(f"--paced-param {pair!r}: KEY=VALUE with KEY an engine setting")
+        out[key] = float(value) if "float" in str(types[key]) else int(value) if "int" in str(types[key]) else value
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m client.tools.benchmarks.pacing", description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", required=True)
@@ -154,16 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gap", type=float, default=12.0, help="seconds between two long prompts' arrivals")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=1, help="each round runs paced, unpaced, unpaced, paced")
+    ap.add_argument("--paced-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine setting for the paced turns only (e.g. inter_token_auto_factor=2.5): "
+                         "the default's neighbours, measured against the same unpaced turns")
     ap.add_argument("--json", help="write every run's figures here")
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    modes = {**MODES, "paced": paced_overrides(args.paced_param)}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for i, mode in enumerate(("paced", "unpaced", "unpaced", "paced")):
-            res = run_mode(args, MODES[mode], seed=1000 * r + i)
+            res = run_mode(args, modes[mode], seed=1000 * r + i)
             runs[mode].append(res)
             print(mode, json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
                                     if not isinstance(v, list)}), flush=True)
