@@ -1,7 +1,8 @@
 """Structured outputs and tool calling on SmolLM2-135M-Instruct through the real servers, started as
 `make serve` starts them (`inflight serve`, tritonserver and its OpenAI port), one for this module:
 15 sampled JSON-schema answers (nested object, array of an enum, bounded integer, pattern) that all
-validate where the same 15 unconstrained ones do not, and 50 regex and 50 choice answers the same;
+validate where 5 of the same asked unconstrained do not, and 32 regex and 32 choice answers the same
+(8 unconstrained of each do not);
 the official `openai` SDK parsing response_format and tool calls (required and named, streamed and
 not) into its own types; a second turn with a `tool` message; the vLLM backend's guided-choice
 request over Triton gRPC and HTTP; bad constraints refused with a 400 while the server serves on and
@@ -26,8 +27,11 @@ openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 pytestmark = requires_tritonserver
 
-N = 50
+N = 32          # the server's max_num_seqs: one full batch (50 took two)
 N_SCHEMA = 15   # one batch (50 took 62 s of the suite; at 15 all validate, all distinct, 0 of 15 unconstrained do)
+# Unconstrained answers only show that the prompt alone does not make the format: a few are enough.
+N_FREE = 8
+N_FREE_SCHEMA = 5
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 2, "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -84,7 +88,7 @@ def _person_prompt(i):
                                         "(city and zip code) as JSON."}]
 
 
-def test_fifteen_schema_answers_validate_and_the_same_fifteen_unconstrained_do_not(served):
+def test_fifteen_schema_answers_validate_and_unconstrained_ones_do_not(served):
     api, _ = served
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
@@ -104,11 +108,11 @@ def test_fifteen_schema_answers_validate_and_the_same_fifteen_unconstrained_do_n
     assert all(c.finish_reason == "stop" for c in constrained), [c.message.content for c in constrained]
     assert all(valid(c.message.content) for c in constrained)
     assert len({c.message.content for c in constrained}) > N_SCHEMA // 2  # sampled answers, not one
-    free = fan_out(lambda i: ask(i, constrained=False), N_SCHEMA)
+    free = fan_out(lambda i: ask(i, constrained=False), N_FREE_SCHEMA)
     assert not all(valid(c.message.content) for c in free)
 
 
-def test_fifty_regex_and_choice_answers_match_and_unconstrained_ones_do_not(served):
+def test_a_batch_of_regex_and_choice_answers_match_and_unconstrained_ones_do_not(served):
     api, _ = served
 
     def complete(i, extra, prompt, max_tokens):
@@ -118,11 +122,11 @@ def test_fifty_regex_and_choice_answers_match_and_unconstrained_ones_do_not(serv
     phone = "My phone number, written as (123) 456-7890, is"
     regex = fan_out(lambda i: complete(i, {"guided_regex": PHONE}, phone, 20))
     assert all(re.fullmatch(PHONE, t) for t in regex), regex
-    assert not all(re.fullmatch(PHONE, t) for t in fan_out(lambda i: complete(i, {}, phone, 20)))
+    assert not all(re.fullmatch(PHONE, t) for t in fan_out(lambda i: complete(i, {}, phone, 20), N_FREE))
     review = "Review: the food was cold and late. Sentiment (positive, negative or neutral):"
     choice = fan_out(lambda i: complete(i, {"structured_outputs": {"choice": MOODS}}, review, 8))
     assert set(choice) <= set(MOODS)
-    assert not all(t in MOODS for t in fan_out(lambda i: complete(i, {}, review, 8)))
+    assert not all(t in MOODS for t in fan_out(lambda i: complete(i, {}, review, 8), N_FREE))
 
 
 class Person(pydantic.BaseModel):
