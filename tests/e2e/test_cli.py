@@ -1,6 +1,7 @@
 """The `inflight` command line against real servers: `generate` prints what the engine makes, and
-`serve` stops on SIGINT / SIGTERM mid-stream, ending the stream with `abort` and leaving no
-tritonserver or stub process behind."""
+`serve` runs the OpenAI server beside Triton (its banner prints the /v1 address, the `openai` SDK
+gets an answer) and stops on SIGINT / SIGTERM mid-stream, ending the stream with `abort` and leaving
+no tritonserver, stub or OpenAI server process behind."""
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from serving.triton_launcher import free_port
 
 from .conftest import requires_tritonserver
 
+openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
 
 
@@ -36,11 +38,11 @@ def test_generate_reports_a_bad_request(server, capsys):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_stops_cleanly_mid_stream(model_repository, model_path, sig):
-    http, grpc, metrics, openai = free_port(), free_port(), free_port(), free_port()
+    http, grpc, metrics, openai_port = free_port(), free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "serve", "--model-repository", str(model_repository),
          "--model-path", str(model_path), "--host", "127.0.0.1", "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai),
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai_port),
          "--param", "max_model_len=512"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
@@ -59,6 +61,9 @@ def test_serve_stops_cleanly_mid_stream(model_repository, model_path, sig):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("tritonserver" in c.name() for c in children)
         assert any("stub" in " ".join(c.cmdline()) for c in children)
+        assert any("openai_server" in " ".join(c.cmdline()) for c in children)
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{openai_port}/v1", api_key="unused", max_retries=0)
+        assert api.completions.create(model="llm", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
         chunks = []
         with GrpcClient(f"127.0.0.1:{grpc}") as client:
             for chunk in client.stream("Stream until stopped", max_tokens=480, ignore_eos=True):
@@ -69,6 +74,7 @@ def test_serve_stops_cleanly_mid_stream(model_repository, model_path, sig):
         assert proc.wait(30) == 0
         reader.join(5)
         assert "inflight serve: stopping" in "".join(lines)
+        assert f"http://localhost:{openai_port}/v1" in "".join(lines)   # the banner's OpenAI address
         gone, alive = psutil.wait_procs(children, timeout=5)
         assert not alive, f"left behind: {[' '.join(p.cmdline()) for p in alive]}"
     finally:

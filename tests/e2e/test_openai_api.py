@@ -8,7 +8,7 @@ import pytest
 from serving.openai_launcher import OpenAIServer
 from serving.triton_launcher import free_port
 
-from .conftest import MAX_MODEL_LEN, inflight_serve, requires_tritonserver, stop_serve, wait_until
+from .conftest import MAX_MODEL_LEN, requires_tritonserver, wait_until
 
 openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
@@ -277,27 +277,4 @@ def test_a_queued_stream_whose_client_leaves_is_cancelled_before_it_runs(smollm2
         running.close()
 
 
-# -- inflight serve starts it beside tritonserver and stops it with it -------------------------------
-
-def test_inflight_serve_runs_the_openai_server_beside_triton(model_repository, model_path):
-    import signal
-
-    import psutil
-
-    port = free_port()
-    proc, lines = inflight_serve(
-        ["--model-repository", str(model_repository), "--model-path", str(model_path), "--host", "127.0.0.1",
-         "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-         "--openai-port", str(port), "--param", "max_model_len=512"])
-    try:
-        assert f"http://localhost:{port}/v1" in "".join(lines)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert any("openai_server" in " ".join(c.cmdline()) for c in children)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        assert client.completions.create(model="llm", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-        _, alive = psutil.wait_procs(children, timeout=5)
-        assert not alive, f"left behind: {[' '.join(p.cmdline()) for p in alive]}"
-    finally:
-        stop_serve(proc)
+# `inflight serve` starting it beside tritonserver and stopping it with it: tests/e2e/test_cli.py
