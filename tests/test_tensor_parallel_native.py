@@ -180,28 +180,36 @@ def test_tp2_on_the_c_stack_of_every_rank_gives_one_rank_s_tokens(model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env", ["", "INFLIGHT_TP_SHM=python", "INFLIGHT_TP_SHM=0"])
-def test_tp2_c_stack_hidden_states_are_the_python_layers_bits(model_dir, monkeypatch, env):
-    """The same kernels in the same order on each rank, the same sums (shared memory in C or in
-    Python, or gloo: a + b for two ranks): bit for bit, log-probabilities and hidden states."""
+@pytest.mark.parametrize("reduction", ["shared memory", "gloo"])
+def test_tp2_c_stack_hidden_states_are_the_python_layers_bits(model_dir, monkeypatch, reduction):
+    """The same kernels in the same order on each rank, the same sums (a + b for two ranks): bit for
+    bit, log-probabilities and hidden states, the C stack against the Python layers of a group that
+    reduces the same way: on the group's shared memory (the C stack summing in C, and calling the
+    Python side back with INFLIGHT_TP_SHM=python: one run of the Python layers is the oracle of
+    both, INFLIGHT_TP_SHM=python changing nothing there), or with gloo (INFLIGHT_TP_SHM=0)."""
     prompts, params = random_prompts(4, seed=9), greedy(8, logprobs=3)
-    if env:
-        monkeypatch.setenv(*env.split("="))
+    if reduction == "gloo":
+        monkeypatch.setenv("INFLIGHT_TP_SHM", "0")
     with monkeypatch.context() as off:
         off.setenv("INFLIGHT_NATIVE_DECODE", "0")
         with _engine(model_dir, 2) as llm:
             assert llm.engine.runner.decode_path.native_ranks == [False, False]
+            assert (llm.engine.runner.tp.shm is None) == (reduction == "gloo")
             python_hidden = []
             python = _run(llm, prompts, params, python_hidden)
-    with _engine(model_dir, 2) as llm:
-        native_path = llm.engine.runner.decode_path
-        assert native_path.native_ranks == [True, True]
-        assert (native_path.native.shm is None) == bool(env)
-        native_hidden = []
-        native = _run(llm, prompts, params, native_hidden)
-    assert native == python
-    assert len(native_hidden) == len(python_hidden)
-    assert all(torch.equal(a, b) for a, b in zip(native_hidden, python_hidden))
+    for env in ["INFLIGHT_TP_SHM=0"] if reduction == "gloo" else ["", "INFLIGHT_TP_SHM=python"]:
+        with monkeypatch.context() as way:
+            if env:
+                way.setenv(*env.split("="))
+            with _engine(model_dir, 2) as llm:
+                native_path = llm.engine.runner.decode_path
+                assert native_path.native_ranks == [True, True]
+                assert (native_path.native.shm is None) == bool(env)
+                native_hidden = []
+                native = _run(llm, prompts, params, native_hidden)
+        assert native == python, env
+        assert len(native_hidden) == len(python_hidden), env
+        assert all(torch.equal(a, b) for a, b in zip(native_hidden, python_hidden)), env
 
 
 @pytest.mark.slow
