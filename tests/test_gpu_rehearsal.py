@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_PY = ROOT / "model_repository" / "llm" / "1" / "model.py"
 PARAMS = {"max_num_seqs": "4", "max_num_batched_tokens": "40", "max_model_len": "96", "kv_block_size": "16"}
 FRACTION = 0.9
+# The default model's architecture at gpu-check's dry-run size: the warm-up and the requests run
+# the Triton kernels under the interpreter, whose time grows with the layers and heads; nothing
+# checked here depends on the size (the cache is sized in bytes, per block of this model).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16)
 
 
 class _Metric:
@@ -84,8 +89,14 @@ def triton_args(model_dir: Path, repo: Path) -> dict[str, str]:
             "model_name": "llm"}
 
 
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from backend.models.make_model import make_model
+    return make_model(tmp_path_factory.mktemp("tiny-model"), **TINY)
+
+
 @pytest.fixture
-def rehearsal(monkeypatch, tmp_path, default_model_dir):
+def rehearsal(monkeypatch, tmp_path, tiny_model_dir):
     cuda = FakeCuda().install(monkeypatch)
     monkeypatch.setenv("INFLIGHT_LOCK_DIR", str(tmp_path))
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
@@ -93,7 +104,7 @@ def rehearsal(monkeypatch, tmp_path, default_model_dir):
     spec = importlib.util.spec_from_file_location("inflight_rehearsal_model", MODEL_PY)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return cuda, module, triton_args(default_model_dir, tmp_path / "model_repository" / "llm")
+    return cuda, module, triton_args(tiny_model_dir, tmp_path / "model_repository" / "llm")
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from hf_checkpoints import make_checkpoint
-from test_gpu_rehearsal import _MetricFamily, rehearsal, triton_args  # noqa: F401 (the fixture)
+from test_gpu_rehearsal import _MetricFamily, rehearsal, tiny_model_dir, triton_args  # noqa: F401 (fixtures)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fake_cuda import GIB, MIB, FakeCuda, FakeGpu
-from test_gpu_rehearsal import PARAMS, fake_pb_utils
+from test_gpu_rehearsal import PARAMS, fake_pb_utils, tiny_model_dir  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def four_gpus(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_kind_model_instances_with_tp2_take_disjoint_pairs_of_gpus(four_gpus, tmp_path, default_model_dir):
+def test_two_kind_model_instances_with_tp2_take_disjoint_pairs_of_gpus(four_gpus, tmp_path, tiny_model_dir):
     from backend.kv.sizing import kv_bytes_per_token
     from backend.core.sampling_params import SamplingParams
 
@@ -63,7 +63,7 @@ def test_two_kind_model_instances_with_tp2_take_disjoint_pairs_of_gpus(four_gpus
     for instance in (1, 0):
         cuda.calls.clear()
         model = module.TritonPythonModel()
-        model.initialize(kind_model_args(default_model_dir, tmp_path / "repo", instance))
+        model.initialize(kind_model_args(tiny_model_dir, tmp_path / "repo", instance))
         try:
             runner = model.engine.engine.runner
             first, second = 2 * instance, 2 * instance + 1
