@@ -90,34 +90,28 @@ def _run_time_loads(llm, adapters):
 
 
 @pytest.mark.slow
-def test_adapters_loaded_at_run_time_reach_every_rank(tiny):
+def test_adapters_loaded_at_run_time_reach_every_rank_and_one_a_rank_cannot_read_fails_it(tiny, tmp_path):
+    """Then, on the same group: every rank reads an adapter's folder itself (a rank on another
+    machine needs the same path there): one that cannot fails as a lost rank does, naming the rank,
+    the adapter and the folder, and leaves no process behind."""
+    import shutil
+
     base, adapters = tiny
     lora = dict(enable_lora=True, max_loras=1)
     expected = _run_time_loads(LLM(str(base), max_model_len=256, **lora), adapters)
+    folder = tmp_path / "gone"
+    shutil.copytree(adapters["a"], folder)
     with LLM(str(base), max_model_len=256, tensor_parallel_size=2, **lora) as two:
         got = _run_time_loads(two, adapters)
         two.check_integrity()
         assert two.stats()["kv_blocks_used"] == 0
-    assert got == expected
-    assert got[0] != got[8] and got[4] != got[8]   # "x" answered as a, then as b
-
-
-@pytest.mark.slow
-def test_an_adapter_folder_a_rank_cannot_read_fails_that_rank_naming_it(tiny, tmp_path):
-    """Every rank reads the adapter's folder itself (a rank on another machine needs the same path
-    there): one that cannot fails as a lost rank does, naming the rank, the adapter and the folder,
-    and leaves no process behind."""
-    import shutil
-
-    base, adapters = tiny
-    folder = tmp_path / "gone"
-    shutil.copytree(adapters["a"], folder)
-    with LLM(str(base), max_model_len=256, tensor_parallel_size=2, enable_lora=True) as two:
-        two.load_lora("x", str(folder))  # rank 0 reads it here; rank 1 when a step first needs it
+        two.load_lora("z", str(folder))  # rank 0 reads it here; rank 1 when a step first needs it
         workers = tp_workers()
         shutil.rmtree(folder)
-        out = two.generate([[5, 6, 7, 8]], greedy(4), lora_request="x")[0]
+        out = two.generate([[5, 6, 7, 8]], greedy(4), lora_request="z")[0]
         assert out.finish_reason == "error"
-        assert f"tensor-parallel rank 1 failed: ValueError: LoRA adapter 'x' ({folder}): no adapter folder there" in out.error
+        assert f"tensor-parallel rank 1 failed: ValueError: LoRA adapter 'z' ({folder}): no adapter folder there" in out.error
+    assert got == expected
+    assert got[0] != got[8] and got[4] != got[8]   # "x" answered as a, then as b
     psutil.wait_procs(workers, timeout=10)
     assert not tp_workers()
