@@ -77,7 +77,7 @@ def test_a_bounded_headless_locust_run_has_no_failures(server, tmp_path):
                INFLIGHT_MAX_TOKENS="8", PYTHONPATH=str(REPO_ROOT))
     locust = Path(sys.executable).with_name("locust")
     cmd = [str(locust), "-f", str(REPO_ROOT / "client" / "tools" / "load" / "locustfile.py"), "--headless", "-u", "4", "-r", "4",
-           "-t", "12s", "--stop-timeout", "30", "--host", f"http://{server.http_url}", "--csv", str(prefix),
+           "-t", "4s", "--stop-timeout", "30", "--host", f"http://{server.http_url}", "--csv", str(prefix),
            "--only-summary", "--loglevel", "WARNING"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

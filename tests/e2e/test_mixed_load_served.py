@@ -139,7 +139,7 @@ def test_the_locust_scenario_runs_without_failures_and_leaves_the_server_idle(mi
     prefix = tmp_path / "locust"
     locust = Path(sys.executable).with_name("locust")
     cmd = [str(locust), "-f", str(root / "client" / "tools" / "load" / "mixed_locustfile.py"), "--headless",
-           "-u", "5", "-r", "5", "-t", "8s", "--stop-timeout", "30", "--host", f"http://{mixed_server.http_url}",
+           "-u", "5", "-r", "5", "-t", "4s", "--stop-timeout", "30", "--host", f"http://{mixed_server.http_url}",
            "--csv", str(prefix), "--only-summary", "--loglevel", "WARNING"]
     env = dict(os.environ, INFLIGHT_MAX_TOKENS="4", PYTHONPATH=str(root))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90, cwd=root)
