@@ -1,4 +1,4 @@
-"""The soak's short version (`make soak` runs the same for 2 minutes): 20 seconds of Locust load on a
+"""The soak's short version (`make soak` runs the same for 2 minutes): 12 seconds of Locust load on a
 tritonserver the soak driver starts on loopback, with requests cancelled at random. Nothing that was
 not cancelled may fail, every request must be accounted for, the KV blocks must all come back, and
 resident memory must not grow by 10% from the first to the last window."""
@@ -10,8 +10,8 @@ from .conftest import requires_tritonserver
 pytestmark = requires_tritonserver
 
 
-def test_a_20_second_soak_loses_nothing_and_leaks_nothing(model_repository, model_path, tmp_path, capsys):
-    report = soak.run(duration=20, max_num_seqs=4, cancel=0.15, max_tokens=48,
+def test_a_12_second_soak_loses_nothing_and_leaks_nothing(model_repository, model_path, tmp_path, capsys):
+    report = soak.run(duration=12, max_num_seqs=4, cancel=0.15, max_tokens=48,
                       params={"max_model_len": "2048"}, model_repository=model_repository,
                       model_path=str(model_path), workdir=tmp_path, seed=3)
     print(soak.summary(report))

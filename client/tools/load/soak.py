@@ -2,7 +2,7 @@
 the checks that say whether anything was lost or leaked.
 
     make soak                                          # 2 minutes (the figures in docs/reliability.md)
-    .venv/bin/python -m client.tools.load.soak --duration 20      # the short version `make test` runs
+    .venv/bin/python -m client.tools.load.soak --duration 12      # the short version `make test` runs
 
 What it does:
 1. starts the real tritonserver (serving/triton_launcher.py) on free loopback ports, on the repository's
