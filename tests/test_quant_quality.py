@@ -1,8 +1,9 @@
 """SmolLM2-135M-Instruct served from its packed Q4_1 GGUF weights (`make serve`'s model) against the
 same weights dequantized to float32 in our own engine (quantization=none on the same folder):
-perplexity on public-domain prose within 1%, resident weights within 35% of float32's, and the
-greedy outputs on the 8 prompts of tests/test_smollm2.py compared (reported; quantized activations
-need not reproduce every token, docs/quantization.md has the figures and llama.cpp's beside them).
+perplexity on public-domain prose (its first 3,072 tokens) within 1%, resident weights within 35%
+of float32's, and the greedy outputs on the 8 prompts of tests/test_smollm2.py compared (reported;
+quantized activations need not reproduce every token, docs/quantization.md has the figures and
+llama.cpp's beside them).
 """
 import pytest
 
@@ -37,9 +38,12 @@ def test_perplexity_within_one_percent_of_the_dequantized_weights(folder, engine
     tokenizer = Tokenizer.from_dir(folder)
     ids = tokenizer.encode(TEXT.read_text(encoding="utf-8"))
     assert len(ids) > 5000  # a few thousand tokens of Lewis Carroll
+    # its first 6 windows of 512 (of 11): the ratio over them, 1.0043, is the whole text's within 0.001
+    # (1.0050: `python -m client.tools.quality.perplexity` scores it all), at half the time
+    ids = ids[:6 * 512]
     quant = perplexity(engines["gguf"], ids)
     floats = perplexity(engines["float32"], ids)
-    assert quant["scored_tokens"] == floats["scored_tokens"] > 2500
+    assert quant["scored_tokens"] == floats["scored_tokens"] == 6 * 256
     ratio = quant["perplexity"] / floats["perplexity"]
     print(f"\nperplexity: gguf {quant['perplexity']:.4f}, float32 {floats['perplexity']:.4f}, ratio {ratio:.4f}")
     assert abs(ratio - 1) < 0.01
