@@ -63,9 +63,11 @@ CONFIGS = {
                  max_lora_rank=8, lora_modules=json.dumps({"a": str(adapter)})),
 }
 BATCHES = {"int8-eager": (1, 30, 70, 5, 45)}   # decode batches of 1, 17-64 and > 64 rows
+MODES = sys.argv[2].split(",") if len(sys.argv) > 2 else list(CONFIGS)   # (default: every configuration)
 
 result = {}
-for mode, config in CONFIGS.items():
+for mode in MODES:
+    config = CONFIGS[mode]
     with launch.recording() as warm:
         llm = LLM(str(model), **COMMON, **config)
     assert str(llm.engine.runner.dtype) == "torch.bfloat16"

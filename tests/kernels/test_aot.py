@@ -192,18 +192,14 @@ def test_plan_uses_the_gpu_configuration_when_asked():
     assert (cpu.constexprs["BLOCK_M"], cpu.num_stages) == (32, 1)
 
 
-def test_sliding_windows_add_one_variant_per_attention_kind():
+def test_sliding_windows_add_one_variant_per_attention_kind(variant_counts):
     """A Gemma 3 (local layers beside global ones): decode and prefill attention compile once more
     each for the window (SLIDING; the window's length is an argument, not a constant), whatever
     the step; the q/k norm adds one RMSNorm variant (rows of head_dim). With two KV groups the
     second group's slots and block tables may start off a 16-byte boundary (aot_launches._alignments):
     the cache kernels compile once more for that, so 2 x 2 decode (one pass, split-K), 2 x 2 prefill
     and 2 store variants."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = VARIANTS.replace("Llama-3.1-8B", "Gemma-3-270M")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])["bf16"]
+    counts = variant_counts["Gemma-3-270M"]["bf16"]
     assert (counts["decode_attention_kernel"], counts["prefill_attention_kernel"], counts["store_kv_kernel"]) == (8, 4, 2)
     assert (counts["rms_norm_kernel"], counts["gated_act_kernel"], counts["decode_merge_kernel"]) == (3, 1, 1)
 
@@ -211,28 +207,36 @@ def test_sliding_windows_add_one_variant_per_attention_kind():
 VARIANTS = """
 import json, sys
 from kernels import aot
-rows, _ = aot.collect({"Llama-3.1-8B": aot.MODELS["Llama-3.1-8B"]}, ["bf16"], ["sm_90"])
 counts = {}
-for r in rows:
-    column = counts.setdefault(r["dtype"], {})
-    column[r["kernel"]] = column.get(r["kernel"], 0) + 1
+for model in sys.argv[1:]:
+    rows, _ = aot.collect({model: aot.MODELS[model]}, ["bf16"], ["sm_90"])
+    for r in rows:
+        column = counts.setdefault(model, {}).setdefault(r["dtype"], {})
+        column[r["kernel"]] = column.get(r["kernel"], 0) + 1
 print(json.dumps(counts))
 """
 
 
+@pytest.fixture(scope="module")
+def variant_counts():
+    """kernels.aot's planned variants per model, dtype column and kernel (bf16, sm_90), for the two
+    tests below: one process (the planning imports the real Triton), not one each."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", VARIANTS, "Llama-3.1-8B", "Gemma-3-270M"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
-def test_each_kernel_compiles_to_a_few_variants_whatever_the_step():
+def test_each_kernel_compiles_to_a_few_variants_whatever_the_step(variant_counts):
     """kernels.aot plans every split count (1..MAX_SPLITS) at several step shapes (tokens, sequences,
     block-table width): the values that change from step to step must not make Triton compile new
     variants (an integer argument equal to 1 or divisible by 16 is specialized unless the kernel
     says not to), or each new one would compile in the middle of serving. What is left is one
     variant per kernel, two for decode attention (one pass, split-K) and RMSNorm (with and without
     the residual): the warm-up runs them all."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", VARIANTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    columns = json.loads(proc.stdout.strip().splitlines()[-1])
+    columns = variant_counts["Llama-3.1-8B"]
     counts = columns["bf16"]
     # an fp8 cache: the same variants again for the kernels that touch the cache, nothing more
     assert columns["bf16+kv-fp8"] == {"decode_attention_kernel": 2, "prefill_attention_kernel": 1, "store_kv_kernel": 1}
