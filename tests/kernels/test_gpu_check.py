@@ -53,8 +53,15 @@ def test_dry_run_passes_on_the_cpu_with_every_part(dry_run):
     assert compiled["target"] == "sm_90" and compiled["compiled"] == compiled["variants"] > 10
     assert compiled["variants"] == DRY["compile_max_variants"] < compiled["planned"]   # (each kernel first)
     assert compiled["failed"] == [] and compiled["cached"] == 0          # a cache of its own: all compiled
-    assert {c["kernel"] for c in parts["kernels"]["checks"]} == {
+    kernels = parts["kernels"]   # kernel_bench's whole CPU rehearsal (--dry-run-cpu), through its command line
+    assert {c["kernel"] for c in kernels["checks"]} == {
         "decode_attention", "prefill_attention", "store_kv", "rms_norm", "rotary_embedding", "silu_mul", "fused_moe"}
+    assert kernels["failed_checks"] == 0 and all(c["ok"] for c in kernels["checks"])
+    assert kernels["quant_checks"] and all(c["ok"] for c in kernels["quant_checks"]) and kernels["quant_linear"]
+    assert any(r["kernel"] == "fused_moe" for r in kernels["kernels"]) and kernels["copy_bandwidth_gbs"] > 0
+    assert len(kernels["decode_attention"]) == 2 and kernels["decode_tuning"]
+    assert [(r["batch"], r["context"]) for r in kernels["engine_decode_step"]] == [(1, 20), (2, 20)]
+    assert kernels["partial"] is False
     greedy = parts["greedy"]
     assert [b["batch"] for b in greedy["batches"]] == [b for b, _, _ in DRY["greedy_batches"]]
     assert all(b["ok"] and b["tokens"] == b["batch"] * DRY["max_tokens"] for b in greedy["batches"])
@@ -181,12 +188,28 @@ CUT_RUN = """
 import sys
 from client.tools.gpu_check import run as g
 
-# the kernels part gets one second (it cannot finish), the greedy part enough to be under way
+# the kernels part gets one second (it cannot finish), the greedy part enough to be under way;
+# the interpreter's probe (a process of its own) is the dry run's test's: here both parts run
 from client.tools.gpu_check import plan
 plan.budget = lambda part, dry_run: 1 if part.name == "kernels" else 600
+plan.interpreter_problem = lambda: None
 g.PARTS = tuple(p for p in plan.PARTS if p.name in ("kernels", "greedy"))
 sys.exit(g.main(["--dry-run", "--out", sys.argv[1]]))
 """
+
+
+def _handles_sigterm(parent: int, part: str) -> bool:
+    """Whether the run's child process for `part` (its command line names it) has installed its
+    SIGTERM handler (run_part's first line): bit 15 of its caught-signals mask in /proc."""
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            cmdline = (status.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:   # the process has gone
+            continue
+        if int(fields.get("PPid", "0")) == parent and part.encode() in cmdline:
+            return bool(int(fields["SigCgt"], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
 
 
 @pytest.mark.slow
@@ -200,7 +223,10 @@ def test_a_part_over_its_budget_is_cut_and_sigterm_prints_the_table(tmp_path):
     deadline = time.monotonic() + 300
     while not (out / "kernels.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(8)                                   # the greedy part is loading its engine
+    # the greedy part is under way once its process handles SIGTERM (then it imports and loads)
+    while not _handles_sigterm(proc.pid, "greedy") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
     kernels = json.loads((out / "kernels.json").read_text())

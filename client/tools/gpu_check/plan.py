@@ -85,7 +85,7 @@ FULL = dict(
     # all-reduce, two per layer): a first difference must be at a top-two logprob gap within this
     tp_near_tie=0.5,
     # the images case's token budgets (vision.py): whole prompts, and 16-token chunks cut before images
-    vision_budgets=(("whole", 512), ("chunked", 16)),
+    vision_budgets=(("whole", 512), ("chunked", 16)), vision_max_tokens=8,
     server_params={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
     throughput=["--num-requests", "256", "--concurrency", "64", "--max-output-len", "128"],
 )
@@ -95,18 +95,20 @@ DRY = dict(
     # compile: 12 of the model's 22 variants (each kernel once; tests/kernels/test_aot.py compiles
     # every kernel for sm_80 and sm_90); structured: the torch attention (what the part checks is the
     # sampler's and the grammar's side; the interpreted kernels are the kernels, greedy and decode
-    # parts' and were half the rehearsal's time here)
+    # parts' and were half the rehearsal's time here); kernels: kernel_bench's whole CPU rehearsal, its
+    # engine step too (tests/kernels/test_gpu_check.py checks its JSON for kernel_bench's command line);
+    # greedy: a long prompt alone and a batch of short ones; decode: one batch x context point
     compile_models=("gpu-check",), compile_dtypes=("bf16",), compile_max_variants=12,
     structured_attention_backend="torch",
-    kernels=["--dry-run-cpu", "--batches", "1,2", "--contexts", "40", "--skip-engine", "--skip-reference"],
-    greedy_batches=[(1, 60, 80), (3, 5, 40), (5, 3, 20)], max_tokens=6, greedy_cases=("vision", "pooling"),
+    kernels=["--dry-run-cpu", "--batches", "1,2", "--contexts", "40", "--engine-contexts", "20", "--skip-reference"],
+    greedy_batches=[(1, 60, 80), (4, 3, 30)], max_tokens=4, greedy_cases=("vision", "pooling"),
     expected_dtype="float32", attention_backend="triton", max_num_batched_tokens=48, max_model_len=256,
-    decode_shapes=[(1, 40), (3, 20)], decode_steps=3,
+    decode_shapes=[(3, 20)], decode_steps=3,
     graph_check=dict(batches=(1, 3), prompt=(3, 30), max_tokens=4),
     tp_near_tie=1e-3,
     # chunked only: on the interpreter the images case was half the greedy part (~90 of 180 s), and
     # the chunked run covers what the whole one does (an image's rows in one step) and the cut
-    vision_budgets=(("chunked", 16),),
+    vision_budgets=(("chunked", 16),), vision_max_tokens=4,
     server_params={"max_num_seqs": 8, "cpu_kv_cache_tokens": 2048},
     throughput=["--num-requests", "6", "--concurrency", "3", "--max-output-len", "8", "--warmup", "0"],
 )

@@ -18,7 +18,6 @@ from pathlib import Path
 BOI, EOI, IMAGE, PER_IMAGE, SIZE = 498, 499, 500, 9, 48
 CASES = (([5, 6, BOI, 7, 8, 9], ((1, 30, 40),)), ([11, BOI, 12, 13, BOI, 14], ((2, 64, 48), (3, 48, 47))),
          ([40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], ()))
-MAX_TOKENS = 8
 
 
 def _checkpoint(folder: Path) -> Path:
@@ -50,7 +49,7 @@ def _image(seed: int, width: int, height: int):
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def _reference(model, prompt: list[int], images: list, device: str) -> list[int]:
+def _reference(model, prompt: list[int], images: list, device: str, max_tokens: int) -> list[int]:
     import numpy as np
     import torch
 
@@ -63,7 +62,7 @@ def _reference(model, prompt: list[int], images: list, device: str) -> list[int]
                       token_type_ids=torch.tensor([[int(t == IMAGE) for t in ids]], device=device))
     with torch.no_grad():
         model.generation_config.eos_token_id = None  # as ignore_eos: EOS may be chosen, nothing stops
-        out = model.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=MAX_TOKENS,
+        out = model.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=max_tokens,
                              do_sample=False, **kwargs)
     return out[0, len(ids):].tolist()
 
@@ -77,14 +76,14 @@ def vision_check(plan: dict, work: Path, device: str) -> dict:
     prompts = [({"prompt_token_ids": p, "multi_modal_data": {"image": [_image(*i) for i in imgs]}} if imgs else p)
                for p, imgs in CASES]
     hf = tf.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    expected = [_reference(hf, p, [_image(*i) for i in imgs], device) for p, imgs in CASES]
+    expected = [_reference(hf, p, [_image(*i) for i in imgs], device, plan["vision_max_tokens"]) for p, imgs in CASES]
     del hf
     results = {}
     for name, budget in plan["vision_budgets"]:
         llm = LLM(str(path), device=device, dtype="float32", attention_backend=plan["attention_backend"],
                   kv_block_size=16, max_model_len=512, max_num_batched_tokens=budget)
         try:
-            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=plan["vision_max_tokens"], temperature=0.0, ignore_eos=True)
             got = [o.token_ids for o in llm.generate(prompts, params)]
             runs = llm.stats()["encoder_runs_total"]
             again = llm.generate(prompts[:1], params)[0].token_ids
