@@ -143,16 +143,18 @@ def pct(values: Sequence[float], q: float) -> Optional[float]:
 
 
 def paced_overrides(pairs: Sequence[str]) -> dict:
-    """--paced-param KEY=VALUE pairs as EngineConfig overrides, each value as the field's type."""
-    from dataclasses import fields
-    types = {f.name: f.type for f in fields(EngineConfig)}
-    out = {}
+    """--paced-param KEY=VALUE pairs as EngineConfig overrides, typed and checked as config.pbtxt's
+    parameters are (EngineConfig.typed_overrides)."""
+    params = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or key not in types:
+        if not sep:
             raise SystemExit(f"--paced-param {pair!r}: KEY=VALUE with KEY an engine setting")
-        out[key] = float(value) if "float" in str(types[key]) else int(value) if "int" in str(types[key]) else value
-    return out
+        params[key] = value
+    try:
+        return EngineConfig.typed_overrides(params)
+    except ValueError as exc:
+        raise SystemExit(f"--paced-param: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
