@@ -26,7 +26,7 @@ class Device:
         self.base, self.row, self.token = base, row, token
 
     def seconds(self, batch) -> float:
-        rows, tokens, _ = batch_shape(batch)
+        rows, tokens, _, _ = batch_shape(batch)
         return self.base + self.row * rows + self.token * tokens
 
 
@@ -42,8 +42,8 @@ def run(sched, device, drain, clock=0.0, until=None):
     while sched.has_work and not (until and until()):
         out = step(sched, check=False)
         seconds = device.seconds(out)
-        rows, tokens, pairs = batch_shape(out)
-        sched.pacer.observe(rows, tokens, pairs, seconds)
+        rows, tokens, pairs, kv = batch_shape(out)
+        sched.pacer.observe(rows, tokens, pairs, seconds, kv)
         drain.observe(rows, tokens, seconds)
         for s in out.seqs:
             started.setdefault(s.request.seq_id, clock)

@@ -24,11 +24,13 @@ class Device:
     """A synthetic device: a step's seconds from its rows, prompt tokens and attention pairs, and a
     fixed price for having prompt rows at all (the CPU's Python layers instead of the C stack)."""
 
-    def __init__(self, base=2e-3, row=5e-4, token=1e-3, pair=2e-6, fixed=0.0):
-        self.base, self.row, self.token, self.pair, self.fixed = base, row, token, pair, fixed
+    def __init__(self, base=2e-3, row=5e-4, token=1e-3, pair=2e-6, fixed=0.0, kv=0.0):
+        self.base, self.row, self.token, self.pair, self.fixed, self.kv = base, row, token, pair, fixed, kv
 
-    def price(self, rows, tokens, pairs) -> float:
-        return self.base + self.row * rows + (self.fixed if tokens else 0.0) + self.token * tokens + self.pair * pairs
+    def price(self, rows, tokens, pairs, kv=0) -> float:
+        """kv: the positions the decode rows read (each row its context), priced self.kv each."""
+        return self.base + self.row * rows + self.kv * kv + (self.fixed if tokens else 0.0) + self.token * tokens \
+            + self.pair * pairs
 
     def seconds(self, batch) -> float:
         # a one-token prompt chunk runs as a decode row but costs what a prompt token at its position does
@@ -37,7 +39,7 @@ class Device:
         rows = len(decodes)
         tokens = sum(s.num_new_tokens - 1 for s in decodes) + sum(s.num_new_tokens for s in chunks)
         pairs = sum(chunk_pairs(s.start, s.num_new_tokens) for s in chunks)
-        return self.price(rows, tokens, pairs)
+        return self.price(rows, tokens, pairs, sum(s.start + s.num_new_tokens for s in decodes))
 
     def train(self, pacer: Pacer, seed=0, steps=200) -> None:
         rng = random.Random(seed)
@@ -117,7 +119,7 @@ def test_a_one_token_prompt_chunk_is_priced_as_a_prompt_token_not_a_decode_row()
     sched.config = type(sched.config)(**{**sched.config.__dict__, "max_num_batched_tokens": 4})
     out = step(sched)                              # 3 decode rows + a 1-token chunk at position 61
     assert len(out.decodes) == 4 and not out.prefills
-    assert batch_shape(out) == (3, 1, chunk_pairs(61, 1))
+    assert batch_shape(out)[:3] == (3, 1, chunk_pairs(61, 1))
 
 
 def test_slow_start_until_the_model_has_priced_a_chunk_beside_decode_rows():
@@ -211,6 +213,35 @@ def test_decodes_keep_their_pace_while_a_long_prompt_arrives(target):
     assert max(tokens for _, tokens, _ in logs["unpaced"]) == 2048 - 6  # the budget less the decode rows'
     assert max(s for _, _, s in logs["unpaced"]) > 5 * limit(6)
     assert sum(tokens for _, tokens, _ in logs["paced"]) == 3001 + 1003
+
+
+def test_paced_steps_land_on_the_target_as_the_streams_context_grows():
+    """A decode row's price grows with the context it reads (on a 2-core CPU, six SmolLM2 streams'
+    step is ~17 ms at 300 tokens and ~78 ms at 1,500), and a paced step's target, 1.75x the decode
+    rows' own time, grows with it. Six streams decode from ~600 tokens on while a 3,001-token prompt
+    is paced in beside them for hundreds of steps: once the model has seen a few paced steps, they
+    land within 10% of the target at their own context, neither above (the streams' pace) nor well
+    below (the prompt's speed, the throughput)."""
+    device = Device(base=2e-3, row=5e-4, token=4e-3, pair=1e-7, kv=8e-6)
+    sched = paced_scheduler(target=-1.0, device=device)
+    streams = [request(f"s{i}", 200 + 7 * i, 2_000, seed=i) for i in range(6)]
+    for r in streams:
+        sched.add(r)
+    run(sched, device, lambda: all(len(r.output_token_ids) > 40 for r in streams))
+    long = request("long", 3001, 2, seed=9)
+    sched.add(long)
+    ratios, context = [], []
+    while not long.output_token_ids:
+        out = step(sched, token=7)
+        seconds = device.seconds(out)
+        sched.pacer.observe_batch(out, seconds)
+        rows, tokens, _, kv = batch_shape(out)
+        if rows == 6 and tokens:
+            ratios.append(seconds / (1.75 * device.price(rows, 0, 0.0, kv)))
+            context.append(kv)
+    late = sorted(ratios[30:])
+    assert len(late) > 150 and context[-1] > 1.4 * context[0]  # the decode rows' price grew by a third
+    assert 0.9 <= late[len(late) // 20] and late[-len(late) // 20] <= 1.1, (late[:3], late[-3:])
 
 
 @pytest.mark.slow  # ~3 s of CPU

@@ -120,9 +120,9 @@ class EngineCore:
             self.expert_tally = result.expert_tally
         if batch.is_empty:
             return self._deliver(refused)
-        seconds, shape = time.perf_counter() - started, batch_shape(batch)
-        self.scheduler.observe_step(*shape, seconds)  # the step's cost on this device: the step model learns
-        self.drain.observe(shape[0], shape[1], seconds)
+        seconds, (rows, tokens, pairs, kv) = time.perf_counter() - started, batch_shape(batch)
+        self.scheduler.observe_step(rows, tokens, pairs, seconds, kv)  # the step's cost on this device: the model learns
+        self.drain.observe(rows, tokens, seconds)
         self.beams.take(result.sampled)  # the beams' numbers: chosen for below, never appended as sampled
         self.scheduler.postprocess(batch, result.sampled, time.monotonic())
         if self.speculator is not None:

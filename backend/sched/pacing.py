@@ -7,10 +7,13 @@ SmolLM2 are ~3 s: 3 s between two tokens of every stream). The pacer caps the pr
 step that has decode rows, from the engine's own measurements:
 
 - `StepCost`: an online least-squares model of a step's wall time on this engine's device,
-  t = base + per_row x decode rows + fixed x [prompt tokens > 0] + per_token x prompt tokens
-  + per_pair x attention pairs / 1024 (a chunk of n prompt tokens from position s attends to
-  n x (s + n/2) earlier positions), fitted in relative error over the last steps the engine ran
-  (`observe`). `fixed` is what a step pays for having prompt rows at all: on the CPU a step of
+  t = base + per_row x decode rows + per_kv x decode context / 1024 + fixed x [prompt tokens > 0]
+  + per_token x prompt tokens + per_pair x attention pairs / 1024 (a decode row at position p reads
+  p + 1 positions of KV; a chunk of n prompt tokens from position s attends to n x (s + n/2) earlier
+  positions), fitted in relative error over the last steps the engine ran (`observe`). Without the
+  context term the decode rows' price lags their growth: six streams' step goes from ~17 ms at 300
+  tokens of context to ~78 ms at 1,500 on a 2-core CPU, and the auto target and the prompt's share
+  of each step followed a window's average instead. `fixed` is what a step pays for having prompt rows at all: on the CPU a step of
   decode rows runs the C decode stack and one with a prompt chunk the Python layers, on a GPU a
   decode step replays a CUDA graph and a mixed one launches its kernels.
 - `Pacer.prefill_cap(rows, start)`: the most prompt tokens a step with `rows` decode rows may take
@@ -41,7 +44,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 if TYPE_CHECKING:
     from backend.sched.batch import SchedulerOutput
 
-FEATURES = 5              # 1, decode rows, [prompt tokens > 0], prompt tokens, attention pairs / 1024
+FEATURES = 6              # 1, decode rows, decode context / 1024, [prompt tokens > 0], prompt tokens, attention pairs / 1024
+DECODE_FEATURES = 3       # a decode-only step's features past the first three are all 0
+KV, FIXED = 2, 3          # the indices of the decode context and of [prompt tokens > 0]
 WINDOW = 128              # the fit uses the last this many decode-only steps and as many steps with prompt tokens
 RIDGE = 1e-9              # relative to the normal matrix's trace: a direction no step has shown stays at 0
 FLOOR_SHARE = 2 / 3       # a paced step's prompt tokens cost at least this share of the rest of the step
@@ -56,8 +61,10 @@ PROBE_TOKENS = 16         # the largest paced chunk before the model has priced 
 TRUST_SLACK = 1.25        # a paced step within this factor of its predicted time vouches for the model
 
 
-def step_features(decode_rows: int, prompt_tokens: int, pairs: float) -> list[float]:
-    return [1.0, float(decode_rows), 1.0 if prompt_tokens else 0.0, float(prompt_tokens), pairs / PAIR_UNIT]
+def step_features(decode_rows: int, prompt_tokens: int, pairs: float, decode_kv: float = 0.0) -> list[float]:
+    """`decode_kv`: the positions the decode rows read (a row at position p reads p + 1)."""
+    return [1.0, float(decode_rows), decode_kv / PAIR_UNIT, 1.0 if prompt_tokens else 0.0, float(prompt_tokens),
+            pairs / PAIR_UNIT]
 
 
 def chunk_pairs(start: int, n: int) -> float:
@@ -67,7 +74,7 @@ def chunk_pairs(start: int, n: int) -> float:
 
 class _Window:
     """The last WINDOW observations' normal equations (sum of x x^T and of x y) over their first k
-    features, kept as sums (a decode-only step's features past the rows are all 0: k = 2 for them)."""
+    features, kept as sums (a decode-only step's features past its context are all 0: k = 3 for them)."""
 
     def __init__(self, k: int):
         self.k = k
@@ -97,11 +104,12 @@ class StepCost:
     so a long run of decode steps never forgets what a prompt token costs. Pure Python: 5 x 5."""
 
     def __init__(self):
-        self.decode_only, self.with_prompt = _Window(2), _Window(FEATURES)
+        self.decode_only, self.with_prompt = _Window(DECODE_FEATURES), _Window(FEATURES)
         self._theta = [0.0] * FEATURES
         self._stale = False  # observed since the last fit: solved again when next read (most steps never read it)
         self.steps = 0
         self.prompt_steps = 0  # observed steps that had prompt tokens: the per-token cost is known after one
+        self.kv_per_row = 0.0  # the last step's decode context per row: what a decode row reads now
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x))
@@ -110,9 +118,12 @@ class StepCost:
         if not math.isfinite(seconds) or seconds <= 0:
             return
         scale = 1.0 / max(seconds, MIN_SECONDS)
-        (self.with_prompt if x[3] > 0 else self.decode_only).add([v * scale for v in x], seconds * scale)
+        prompt = x[FIXED + 1] > 0
+        (self.with_prompt if prompt else self.decode_only).add([v * scale for v in x], seconds * scale)
         self.steps += 1
-        self.prompt_steps += x[3] > 0
+        self.prompt_steps += prompt
+        if x[1] > 0:
+            self.kv_per_row = x[2] * PAIR_UNIT / x[1]
         self._stale = True
 
     @property
@@ -122,24 +133,34 @@ class StepCost:
         return self._theta
 
     def _fit(self) -> list[float]:
+        """The context's price from the decode-only steps alone, then the rest from both windows
+        with it taken off. While a prompt is paced in, its chunks' start and the decode rows'
+        context grow together, step after step: fitted jointly, those steps cannot tell the
+        decode rows' context from the chunk's attention pairs, and a mix of the two mispriced a
+        chunk of another size. Steps of decode rows alone can."""
+        kv = max(0.0, _ridge_solve(self.decode_only.a, self.decode_only.b)[KV])
         a = [row[:] for row in self.with_prompt.a]
         b = self.with_prompt.b[:]
         for i, row in enumerate(self.decode_only.a):
             b[i] += self.decode_only.b[i]
             for j, v in enumerate(row):
                 a[i][j] += v
-        ridge = RIDGE * sum(a[i][i] for i in range(FEATURES)) + 1e-30
-        for i in range(FEATURES):
-            a[i][i] += ridge * (FIXED_RIDGE if i == 2 else 1.0)
-        return _solve(a, b)
+        rest = [i for i in range(FEATURES) if i != KV]
+        theta = _ridge_solve([[a[i][j] for j in rest] for i in rest], [b[i] - kv * a[i][KV] for i in rest],
+                             [FIXED_RIDGE if i == FIXED else 1.0 for i in rest])
+        theta.insert(KV, kv)
+        return theta
 
-    def decode_seconds(self, rows: int) -> float:
-        return max(0.0, self.predict(step_features(rows, 0, 0.0)))
+    def decode_seconds(self, rows: int, kv: Optional[float] = None) -> float:
+        """A step of `rows` decode rows reading `kv` positions in all (None: at the context per row
+        of the last step that had decode rows)."""
+        kv = rows * self.kv_per_row if kv is None else kv
+        return max(0.0, self.predict(step_features(rows, 0, 0.0, kv)))
 
     def prices(self) -> tuple[float, float, float]:
         """A step's price of prompt rows: fixed, per token, per attention pair / PAIR_UNIT (each >= 0; a
         token never below MIN_TOKEN_SECONDS)."""
-        fixed, per_token, per_pair = (max(0.0, v) for v in self.theta[2:])
+        fixed, per_token, per_pair = (max(0.0, v) for v in self.theta[FIXED:])
         return fixed, max(MIN_TOKEN_SECONDS, per_token), per_pair
 
     def prompt_seconds(self, start: int, n: int) -> float:
@@ -173,24 +194,26 @@ class Pacer:
     def enabled(self) -> bool:
         return self.target_ms != 0
 
-    def target_seconds(self, rows: int) -> float:
+    def target_seconds(self, rows: int, kv: Optional[float] = None) -> float:
         if self.target_ms > 0:
             return self.target_ms / 1000.0
-        return self.auto_factor * self.cost.decode_seconds(rows)
+        return self.auto_factor * self.cost.decode_seconds(rows, kv)
 
-    def prefill_cap(self, rows: int, start: int) -> Optional[int]:
-        """The prompt-token cap of a step with `rows` decode rows whose first prompt chunk starts at
-        position `start`; None: no cap (pacing off, or nothing decoding)."""
+    def prefill_cap(self, rows: int, start: int, kv: Optional[float] = None) -> Optional[int]:
+        """The prompt-token cap of a step with `rows` decode rows reading `kv` positions (None: at
+        the last step's context per row) whose first prompt chunk starts at position `start`; None:
+        no cap (pacing off, or nothing decoding)."""
         cost = self.cost
         if not self.enabled or rows == 0 or cost.prompt_steps == 0:  # (no prompt step seen: no price yet)
             return None
-        decode = cost.decode_seconds(rows)
+        decode = cost.decode_seconds(rows, kv)
         fixed = cost.prices()[0]
         floor = max(1, cost.tokens_within(start, fixed + FLOOR_SHARE * (decode + fixed)))
-        return min(self.trusted, max(floor, cost.tokens_within(start, self.target_seconds(rows) - decode)))
+        return min(self.trusted, max(floor, cost.tokens_within(start, self.target_seconds(rows, kv) - decode)))
 
-    def observe(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float) -> None:
-        x = step_features(decode_rows, prompt_tokens, pairs)
+    def observe(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float,
+                decode_kv: float = 0.0) -> None:
+        x = step_features(decode_rows, prompt_tokens, pairs, decode_kv)
         if decode_rows and prompt_tokens:  # a paced step: did the model price it right?
             right = seconds <= TRUST_SLACK * self.cost.predict(x)
             self.trusted = max(self.trusted, 2 * prompt_tokens) if right else max(PROBE_TOKENS, prompt_tokens // 2)
@@ -198,18 +221,20 @@ class Pacer:
 
     def observe_batch(self, batch: "SchedulerOutput", seconds: float) -> None:
         """A step the worker ran, and its wall time."""
-        self.observe(*batch_shape(batch), seconds)
+        rows, tokens, pairs, kv = batch_shape(batch)
+        self.observe(rows, tokens, pairs, seconds, kv)
 
 
-def batch_shape(batch: "SchedulerOutput") -> tuple[int, int, float]:
+def batch_shape(batch: "SchedulerOutput") -> tuple[int, int, float, int]:
     """A step's decode rows, prompt tokens (a verify row's drafts count as prompt tokens: positions
-    computed beside the row's own) and prompt chunks' attention pairs. A one-token prompt chunk runs
+    computed beside the row's own), prompt chunks' attention pairs and the positions its decode
+    rows read (a row from position s computing k tokens reads s + k). A one-token prompt chunk runs
     as a decode row (batch.py) but is priced as what it is, a prompt token at its position, as the
     scheduler charges it to the step's prompt cap (the prompt's last token excepted: the scheduler
     runs that one as a decode). Counted as a decode row, a paced prompt's one-token chunks at long
     context taught the model that decode rows cost what they do, and the prompt's price was never
     learnt from them."""
-    rows = tokens = 0
+    rows = tokens = kv = 0
     pairs = 0.0
     for s in batch.decodes:
         if s.num_new_tokens == 1 and s.start < s.request.num_prompt_tokens - 1:
@@ -218,10 +243,21 @@ def batch_shape(batch: "SchedulerOutput") -> tuple[int, int, float]:
             continue
         rows += 1
         tokens += s.num_new_tokens - 1
+        kv += s.start + s.num_new_tokens
     for s in batch.prefills:
         tokens += s.num_new_tokens
         pairs += chunk_pairs(s.start, s.num_new_tokens)
-    return rows, tokens, pairs
+    return rows, tokens, pairs, kv
+
+
+def _ridge_solve(a: list[list[float]], b: list[float], weights: Optional[Sequence[float]] = None) -> list[float]:
+    """The least-squares solution of normal equations a x = b with a ridge of RIDGE x trace(a) on
+    the diagonal (times `weights`): a direction no step has shown stays at 0."""
+    n = len(b)
+    ridge = RIDGE * sum(a[i][i] for i in range(n)) + 1e-30
+    a = [[v + (ridge * (weights[i] if weights else 1.0) if i == j else 0.0) for j, v in enumerate(row)]
+         for i, row in enumerate(a)]
+    return _solve(a, b)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

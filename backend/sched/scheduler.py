@@ -73,12 +73,13 @@ class Scheduler:
     steps = property(lambda self: self.admission.steps)
     reservation = property(lambda self: self.admission.reservation)
 
-    def observe_step(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float) -> None:
+    def observe_step(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float,
+                     decode_kv: float = 0.0) -> None:
         """A step the worker ran (pacing.batch_shape) and its wall time: the step model learns."""
         if self.pacer is not None:
-            self.pacer.observe(decode_rows, prompt_tokens, pairs, seconds)  # (its cost is step_cost)
+            self.pacer.observe(decode_rows, prompt_tokens, pairs, seconds, decode_kv)  # (its cost is step_cost)
         else:
-            self.step_cost.observe(step_features(decode_rows, prompt_tokens, pairs), seconds)
+            self.step_cost.observe(step_features(decode_rows, prompt_tokens, pairs, decode_kv), seconds)
 
     # -- arrivals and aborts ------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1, pooling: bool = False) -> None:
@@ -179,14 +180,15 @@ class Scheduler:
         """The pacer's cap on this step's prompt tokens (pacing.py), from its decode rows."""
         if self.pacer is None or not self.pacer.enabled:
             return None
-        rows, start, prompts = 0, 0, bool(self.pool.waiting)  # start: the farthest chunk's (it attends to the most)
+        rows, kv, start, prompts = 0, 0, 0, bool(self.pool.waiting)  # start: the farthest chunk's (it attends to the most)
         for req in running:
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining == 1:
                 rows += 1
+                kv += req.num_tokens  # the positions its row reads (batch_shape's count)
             elif remaining > 1:
                 start, prompts = max(start, req.num_computed_tokens), True
-        return self.pacer.prefill_cap(rows, start) if prompts else None  # a decode-only step asks nothing
+        return self.pacer.prefill_cap(rows, start, kv) if prompts else None  # a decode-only step asks nothing
 
     def _head_floor(self) -> int:
         """A paced step's room for new prompts is never below one token while a head holds a
