@@ -44,7 +44,8 @@ class Device:
     def train(self, pacer: Pacer, seed=0, steps=200) -> None:
         rng = random.Random(seed)
         for _ in range(steps):
-            rows, tokens, start = rng.randint(0, 64), rng.choice([0, rng.randint(1, 2048)]), rng.randint(0, 4096)
+            rows, tokens, start = rng.randint(0, 64), rng.choice([0, rng.randint(1, 2048), rng.randint(1, 32)]), \
+                rng.randint(0, 4096)
             pairs = chunk_pairs(start, tokens) if tokens else 0.0
             pacer.observe(rows, tokens, pairs, self.price(rows, tokens, pairs))
 
@@ -103,7 +104,9 @@ def test_a_fixed_price_of_prompt_rows_raises_the_floor_not_below_it():
     device.train(pacer)
     decode = device.base + 6 * device.row
     cap = pacer.prefill_cap(6, 0)
-    assert cap == pytest.approx(FLOOR_SHARE * (decode + 0.02) / device.token, abs=1)  # 16 tokens, not 3
+    # 16 tokens, not 3; less by the shrink of a fixed price the steps show only in their small chunks
+    # (pacing.FIXED_SHRINK: a paced prompt's chunks all of one size cannot tell it from a token's price)
+    assert cap == pytest.approx(FLOOR_SHARE * (decode + 0.02) / device.token, rel=0.12)
 
 
 def test_a_one_token_prompt_chunk_is_priced_as_a_prompt_token_not_a_decode_row():
@@ -219,9 +222,9 @@ def test_paced_steps_land_on_the_target_as_the_streams_context_grows():
     """A decode row's price grows with the context it reads (on a 2-core CPU, six SmolLM2 streams'
     step is ~17 ms at 300 tokens and ~78 ms at 1,500), and a paced step's target, 1.75x the decode
     rows' own time, grows with it. Six streams decode from ~600 tokens on while a 3,001-token prompt
-    is paced in beside them for hundreds of steps: once the model has seen a few paced steps, they
-    land within 10% of the target at their own context, neither above (the streams' pace) nor well
-    below (the prompt's speed, the throughput)."""
+    is paced in beside them for hundreds of steps: once the model has seen a few paced steps, 90% of
+    them land within -15%/+10% of the target at their own context, neither above (the streams' pace)
+    nor well below (the prompt's speed, the throughput)."""
     device = Device(base=2e-3, row=5e-4, token=4e-3, pair=1e-7, kv=8e-6)
     sched = paced_scheduler(target=-1.0, device=device)
     streams = [request(f"s{i}", 200 + 7 * i, 2_000, seed=i) for i in range(6)]
@@ -230,18 +233,20 @@ def test_paced_steps_land_on_the_target_as_the_streams_context_grows():
     run(sched, device, lambda: all(len(r.output_token_ids) > 40 for r in streams))
     long = request("long", 3001, 2, seed=9)
     sched.add(long)
-    ratios, context = [], []
+    ratios, context, rng = [], [], random.Random(5)
     while not long.output_token_ids:
         out = step(sched, token=7)
         seconds = device.seconds(out)
-        sched.pacer.observe_batch(out, seconds)
+        sched.pacer.observe_batch(out, seconds * rng.uniform(0.85, 1.15))  # a machine's noise
         rows, tokens, _, kv = batch_shape(out)
         if rows == 6 and tokens:
             ratios.append(seconds / (1.75 * device.price(rows, 0, 0.0, kv)))
             context.append(kv)
     late = sorted(ratios[30:])
     assert len(late) > 150 and context[-1] > 1.4 * context[0]  # the decode rows' price grew by a third
-    assert 0.9 <= late[len(late) // 20] and late[-len(late) // 20] <= 1.1, (late[:3], late[-3:])
+    # (the model learns from steps timed within +-15%, as a shared machine's are; without the fixed
+    # price's shrink, pacing.FIXED_SHRINK, a chunk's noise made a fixed price that took steps to 1.23x)
+    assert 0.85 <= late[len(late) // 20] and late[-len(late) // 20] <= 1.1, (late[:3], late[-3:])
 
 
 @pytest.mark.slow  # ~3 s of CPU

@@ -53,7 +53,13 @@ FLOOR_SHARE = 2 / 3       # a paced step's prompt tokens cost at least this shar
 # The fixed price of prompt rows is held to 0 harder than the rest: where the steps seen cannot tell it
 # from the per-token price (a paced prompt's chunks all of one size), a chunk's whole price goes to its
 # tokens, so a larger chunk is priced high, not low (its step then within the target, not over it).
+# FIXED_RIDGE alone (relative to the whole trace) left it free: paced chunks of 5-17 tokens at up to
+# 3,000 tokens of context gave a fixed price of 1-15 ms and tokens at 1e-8 s, where a chunk's steps
+# show ~0 (a 2-core Xeon, SmolLM2 Q4_1); the floor, which counts the fixed price, then took steps
+# 1.2-1.7x over the target. FIXED_SHRINK adds that share of its own diagonal: a fixed price the steps
+# show clearly (chunks of many sizes) loses a few %, one they cannot tell from the tokens' goes to ~2 ms.
 FIXED_RIDGE = 30.0
+FIXED_SHRINK = 0.03
 PAIR_UNIT = 1024.0
 MIN_SECONDS = 1e-5        # a step's weight is capped at this (relative-error weighting)
 MIN_TOKEN_SECONDS = 1e-8  # a prompt token's price is never below this (a fit can only say "cheap")
@@ -145,6 +151,7 @@ class StepCost:
             b[i] += self.decode_only.b[i]
             for j, v in enumerate(row):
                 a[i][j] += v
+        a[FIXED][FIXED] *= 1.0 + FIXED_SHRINK
         rest = [i for i in range(FEATURES) if i != KV]
         theta = _ridge_solve([[a[i][j] for j in rest] for i in rest], [b[i] - kv * a[i][KV] for i in rest],
                              [FIXED_RIDGE if i == FIXED else 1.0 for i in rest])
