@@ -13,7 +13,8 @@ from backend.core.config import EngineConfig
 from backend.core.request import Request
 from backend.core.sampling_params import SamplingParams
 from backend.kv.block_manager import BlockManager
-from backend.sched.pacing import FLOOR_SHARE, PROBE_TOKENS, Pacer, StepCost, batch_shape, chunk_pairs, step_features
+from backend.sched.pacing import (FLOOR_SHARE, LARGE_CHUNK, PROBE_TOKENS, WINDOW, Pacer, StepCost, batch_shape, chunk_pairs,
+                                  step_features)
 from backend.sched.scheduler import Scheduler
 from test_backfill import SHAPES, make, req, seeded_run, step
 
@@ -64,11 +65,37 @@ def test_the_cost_model_recovers_a_devices_coefficients_through_noise():
         assert cost.decode_seconds(rows) == pytest.approx(device.base + rows * device.row, rel=0.05)
 
 
+def test_a_long_run_of_tiny_chunks_keeps_the_price_of_a_larger_one():
+    """A paced prompt deep in its context may run hundreds of one- and two-token chunks at a start
+    that barely moves: those steps alone cannot tell a token's price from its attention pairs'. The
+    whole prompts' chunks seen before are kept apart (LARGE_CHUNK), so a 10-token chunk stays priced
+    near what it costs, not at many times that (which would cap the chunks at a token for good)."""
+    device, cost, rng = Device(kv=3e-6, pair=1.2e-6, token=8e-4), StepCost(), random.Random(3)
+    for start, n in ((0, 2048), (2048, 952), (0, 2048), (2048, 952)):  # prompts alone
+        cost.observe(step_features(0, n, chunk_pairs(start, n)), device.price(0, n, chunk_pairs(start, n)))
+    for i in range(400):
+        rows, kv = 6, 6 * (300 + i)
+        if i < 40:  # the streams decode
+            cost.observe(step_features(rows, 0, 0.0, kv), device.price(rows, 0, 0.0, kv) * rng.uniform(0.85, 1.15))
+            continue
+        start, n = 2000 + i // 4, rng.choice([1, 1, 2])  # the paced prompt, a token or two a step
+        pairs = chunk_pairs(start, n)
+        cost.observe(step_features(rows, n, pairs, kv), device.price(rows, n, pairs, kv) * rng.uniform(0.85, 1.15))
+    for n in (1, 10, 40):
+        want = device.token * n + device.pair * chunk_pairs(2100, n)
+        assert cost.prompt_seconds(2100, n) == pytest.approx(want, rel=0.3), n
+
+
 def test_the_cost_model_follows_a_device_that_slows_down():
-    cost = StepCost()
-    for i in range(800):  # the cost doubles at step 300: after a window of each kind of step, the fit has followed
+    cost, seen = StepCost(), {}
+    for i in range(5000):  # the cost doubles at step 300: after a window of each kind of step, the fit has followed
         rows, tokens = 1 + i % 32, (i * 37) % 500 if i % 3 == 0 else 0  # most steps decode only
         cost.observe(step_features(rows, tokens, 0.0), (2e-3 if i < 300 else 4e-3) * (1 + rows / 8 + tokens / 100))
+        kind = "decode" if not tokens else "large" if tokens >= LARGE_CHUNK else "small"
+        seen[kind] = seen.get(kind, 0) + (i >= 300)
+        if min(seen.values()) >= WINDOW and len(seen) == 3:
+            break
+    assert i < 4999
     assert cost.decode_seconds(8) == pytest.approx(4e-3 * 2, rel=0.01)
     assert cost.prompt_seconds(0, 100) == pytest.approx(4e-3, rel=0.01)
 

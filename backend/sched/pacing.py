@@ -47,7 +47,13 @@ if TYPE_CHECKING:
 FEATURES = 6              # 1, decode rows, decode context / 1024, [prompt tokens > 0], prompt tokens, attention pairs / 1024
 DECODE_FEATURES = 3       # a decode-only step's features past the first three are all 0
 KV, FIXED = 2, 3          # the indices of the decode context and of [prompt tokens > 0]
-WINDOW = 128              # the fit uses the last this many decode-only steps and as many steps with prompt tokens
+WINDOW = 128              # the fit uses the last this many steps of each kind: decode-only, small chunks, large chunks
+# Steps with prompt tokens are kept in two windows by the chunk's size. A paced prompt's hundreds of
+# steps are chunks of a few tokens at a slowly moving start: alone they cannot tell a token's price
+# from its attention pairs' (a 2-core Xeon's fit, with the large chunks gone from one shared window,
+# priced a token at 2,100 tokens of context at 36 ms where it cost ~7, capped the chunks at one token,
+# and so never saw a larger chunk again). Whole prompts' chunks, kept apart, hold the split.
+LARGE_CHUNK = 128
 RIDGE = 1e-9              # relative to the normal matrix's trace: a direction no step has shown stays at 0
 FLOOR_SHARE = 2 / 3       # a paced step's prompt tokens cost at least this share of the rest of the step
 # The fixed price of prompt rows is held to 0 harder than the rest: where the steps seen cannot tell it
@@ -106,11 +112,12 @@ class _Window:
 class StepCost:
     """Least squares over `step_features` on a sliding window, in relative error: each step weighs
     by 1/its seconds, since a step's noise grows with its length and a long prompt's chunk must not
-    drown a decode step's figure. Decode-only steps and steps with prompt tokens have a window each,
+    drown a decode step's figure. Decode-only steps, small chunks and large chunks have a window each,
     so a long run of decode steps never forgets what a prompt token costs. Pure Python: 5 x 5."""
 
     def __init__(self):
-        self.decode_only, self.with_prompt = _Window(DECODE_FEATURES), _Window(FEATURES)
+        self.decode_only = _Window(DECODE_FEATURES)
+        self.small_chunks, self.large_chunks = _Window(FEATURES), _Window(FEATURES)
         self._theta = [0.0] * FEATURES
         self._stale = False  # observed since the last fit: solved again when next read (most steps never read it)
         self.steps = 0
@@ -125,7 +132,9 @@ class StepCost:
             return
         scale = 1.0 / max(seconds, MIN_SECONDS)
         prompt = x[FIXED + 1] > 0
-        (self.with_prompt if prompt else self.decode_only).add([v * scale for v in x], seconds * scale)
+        window = self.decode_only if not prompt else \
+            self.large_chunks if x[FIXED + 1] >= LARGE_CHUNK else self.small_chunks
+        window.add([v * scale for v in x], seconds * scale)
         self.steps += 1
         self.prompt_steps += prompt
         if x[1] > 0:
@@ -145,12 +154,13 @@ class StepCost:
         decode rows' context from the chunk's attention pairs, and a mix of the two mispriced a
         chunk of another size. Steps of decode rows alone can."""
         kv = max(0.0, _ridge_solve(self.decode_only.a, self.decode_only.b)[KV])
-        a = [row[:] for row in self.with_prompt.a]
-        b = self.with_prompt.b[:]
-        for i, row in enumerate(self.decode_only.a):
-            b[i] += self.decode_only.b[i]
-            for j, v in enumerate(row):
-                a[i][j] += v
+        a = [[0.0] * FEATURES for _ in range(FEATURES)]
+        b = [0.0] * FEATURES
+        for window in (self.decode_only, self.small_chunks, self.large_chunks):
+            for i, row in enumerate(window.a):
+                b[i] += window.b[i]
+                for j, v in enumerate(row):
+                    a[i][j] += v
         a[FIXED][FIXED] *= 1.0 + FIXED_SHRINK
         rest = [i for i in range(FEATURES) if i != KV]
         theta = _ridge_solve([[a[i][j] for j in rest] for i in rest], [b[i] - kv * a[i][KV] for i in rest],
