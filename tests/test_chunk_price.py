@@ -3,13 +3,13 @@ size beside the decode rows, at the asked position (the engine's own step shapes
 report has a cell per (start, chunk)."""
 import pytest
 
-from backend.sched import pacing
+from backend.sched import step_cost
 from client.tools.benchmarks import chunk_price
 
 
 def test_each_timed_step_carries_one_chunk_of_the_asked_size_at_its_start(default_model_dir, monkeypatch):
     shapes = []
-    real = pacing.batch_shape
+    real = step_cost.batch_shape
 
     def spy(batch):
         shapes.append([(s.start, s.num_new_tokens) for s in batch.prefills + batch.decodes  # (a 1-token chunk: a decode row)

@@ -11,7 +11,7 @@ import pytest
 
 from backend.core.errors import QueueFullError, TTFTTargetError, retry_after_of
 from backend.sched.drain import MAX_SIMULATED, DrainEstimator, EwmaCost, Limits, Prices, Work, simulate
-from backend.sched.pacing import batch_shape
+from backend.sched.step_cost import batch_shape
 from test_backfill import make, req, step
 
 # The estimate is a replay of the same policy with the device's mean prices: within this share of

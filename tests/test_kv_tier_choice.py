@@ -9,7 +9,7 @@ import pytest
 from backend import EngineConfig
 from backend.kv.tiers.disk import DiskStore
 from backend.kv.tiers.plan import CopyPrices, TierCounts
-from backend.sched.pacing import StepCost, step_features
+from backend.sched.step_cost import StepCost, step_features
 from backend.sched.tier_choice import TierChoice
 
 US = 1e-6

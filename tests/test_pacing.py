@@ -1,4 +1,4 @@
-"""Prefill pacing (backend/sched/pacing.py): the online step-cost model, the cap it puts on a step's
+"""Prefill pacing (backend/sched/pacing.py) and the online step-cost model (step_cost.py), the cap it puts on a step's
 prompt tokens beside decode rows, its floor (no prompt starves), the no-evict guarantee and
 backfill's promise kept with it on, and scheduler_delay_factor. The scheduler runs with no model:
 a synthetic device prices each step (time = base + per row x decode rows + per token x prompt
@@ -13,8 +13,8 @@ from backend.core.config import EngineConfig
 from backend.core.request import Request
 from backend.core.sampling_params import SamplingParams
 from backend.kv.block_manager import BlockManager
-from backend.sched.pacing import (FLOOR_SHARE, LARGE_CHUNK, PROBE_TOKENS, WINDOW, Pacer, StepCost, batch_shape, chunk_pairs,
-                                  step_features)
+from backend.sched.pacing import FLOOR_SHARE, PROBE_TOKENS, Pacer
+from backend.sched.step_cost import LARGE_CHUNK, WINDOW, StepCost, batch_shape, chunk_pairs, step_features
 from backend.sched.scheduler import Scheduler
 from test_backfill import SHAPES, make, req, seeded_run, step
 

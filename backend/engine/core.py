@@ -20,7 +20,7 @@ from typing import Union
 from backend.core.outputs import CoreOutput
 from backend.core.request import Request, RequestStatus
 from backend.core.step import StepResult
-from backend.sched.pacing import batch_shape
+from backend.sched.step_cost import batch_shape
 from backend.worker.vision import encoder_stats
 
 log = logging.getLogger(__name__)

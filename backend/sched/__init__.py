@@ -9,7 +9,7 @@ torch at import.
 - `step_plan.py`: the step plan made of a batch (backend/core/step.py): what the worker does not
   know yet of each sequence, by id; with the grammar bitmask of the constrained rows (`grammar.py`:
   each sequence's grammar state, advanced by the update) and the KV tiers' copies;
-- `pacing.py`: the engine's model of its step time, and the prefill pacer on it; `tier_choice.py`:
+- `step_cost.py`: the engine's model of its step time; `pacing.py`: the prefill pacer on it; `tier_choice.py`:
   whether a prefix the KV tiers hold is loaded or computed again, priced by that model;
 - `speculation.py`: room for drafts in a formed batch; `lora_slots.py`: adapters per step;
   `grammar_waitlist.py`: requests whose constraint compiles, out of the queue until it is ready;

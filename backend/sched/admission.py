@@ -27,7 +27,7 @@ from backend.sched.lora_slots import LoRASlots
 from backend.sched.pool import RequestPool
 from backend.sched.siblings import family_size, first_sibling, start_family, waits_for_sibling
 from backend.sched.batch import SchedulerOutput
-from backend.sched.pacing import StepCost
+from backend.sched.step_cost import StepCost
 from backend.sched.tier_choice import TierChoice
 
 

@@ -33,7 +33,8 @@ from backend.sched.pool import RequestPool
 from backend.core.step import StepPlan
 from backend.sched.batch import ScheduledSeq, SchedulerOutput
 from backend.sched.grammar import step_masks
-from backend.sched.pacing import Pacer, StepCost, step_features
+from backend.sched.pacing import Pacer
+from backend.sched.step_cost import StepCost, step_features
 from backend.sched.speculation import attach_drafts, draft_room
 from backend.sched.step_plan import WorkerView
 
@@ -75,7 +76,7 @@ class Scheduler:
 
     def observe_step(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float,
                      decode_kv: float = 0.0) -> None:
-        """A step the worker ran (pacing.batch_shape) and its wall time: the step model learns."""
+        """A step the worker ran (step_cost.batch_shape) and its wall time: the step model learns."""
         if self.pacer is not None:
             self.pacer.observe(decode_rows, prompt_tokens, pairs, seconds, decode_kv)  # (its cost is step_cost)
         else:

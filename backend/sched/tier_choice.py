@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from backend.kv.tiers.plan import CopyPrices
-from backend.sched.pacing import PAIR_UNIT, StepCost, chunk_pairs
+from backend.sched.step_cost import PAIR_UNIT, StepCost, chunk_pairs
 
 
 class TierChoice:
