@@ -358,6 +358,12 @@ class TritonServer:
             while _group_alive(proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             _killpg(proc.pid, signal.SIGKILL)
+            # and gone, before the caller starts the next server: a stub of several GB still tearing
+            # down its memory would compete with the next one's start (a second server once died at
+            # load in a loaded test run, the Python backend's shared-memory mutex failing: not reproduced)
+            deadline = time.monotonic() + 5
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         finally:
             self.process = None
             if self._log:
