@@ -368,7 +368,7 @@ def test_auto_computes_a_disk_block_again_rather_than_sit_out_a_busy_step(chat, 
     choice = llm.engine.scheduler.admission.choice
     choice.prices = CopyPrices(0.0, 0.0, 0.0)
     decode = choice.cost.decode_seconds
-    choice.cost.decode_seconds = lambda rows: 100.0 if rows else decode(rows)
+    choice.cost.decode_seconds = lambda rows, kv=None: 100.0 if rows else decode(rows, kv)
     assert run_turns(llm, turns) == expected
     disk = llm.stats()["kv_tiers"]["disk"]
     assert disk["recompute_chosen"] >= 1 and disk["recompute_chosen"] + disk["load_chosen"] == disk["hits"], disk
