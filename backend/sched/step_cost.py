@@ -9,9 +9,9 @@ A decode row at position p reads p + 1 positions of KV; a chunk of n prompt toke
 attends to n x (s + n/2) earlier positions. `StepCost` fits it by least squares in relative error over
 the last steps the engine ran (`observe`), a window per kind of step. Without the context term the
 decode rows' price lags their growth: six streams' step goes from ~17 ms at 300 tokens of context to
-~78 ms at 1,500 on a 2-core CPU. `fixed` is what a step pays for having prompt rows at all: on the
-CPU a step of decode rows runs the C decode stack and one with a prompt chunk the Python layers, on a
-GPU a decode step replays a CUDA graph and a mixed one launches its kernels. `batch_shape` reads a
+~78 ms at 1,500 on a 2-core CPU. `fixed` is what a step pays for having prompt rows at all: on a GPU a
+decode step replays a CUDA graph and a mixed one launches its kernels; on the CPU, where both run the
+C layer stack, it is small (a paced chunk's steps show 0-2 ms). `batch_shape` reads a
 step's features off the scheduler's output.
 """
 from __future__ import annotations
