@@ -15,8 +15,9 @@ own AVX2 GEMM may round differently).
 Some cases are not within that tolerance from one CPU vendor to another: SmolLM2 Q4_1 (the packed
 integer GEMMs, AVX2 build forced, one thread) gives top-1 logprobs up to ~0.15 apart on an Intel Xeon
 (Sapphire Rapids class) and the AMD EPYC of the main recording, and other tokens after a few steps,
-while each machine repeats its own bit for bit (threads, -march, -mrecip changed nothing there; the
-cause is not found). For those the file holds a recording per CPU (`by_cpu`, made with `--record-cpu`
+while each machine repeats its own bit for bit (two threads, or the native kernels built for
+AVX2, changed nothing there; the cause is not found: elementwise.c's -ffast-math build holds vrsqrtss
+and vrcpps, whose low bits differ by vendor, a lead not followed). For those the file holds a recording per CPU (`by_cpu`, made with `--record-cpu`
 on that CPU), checked exactly there; the float cases still hold every CPU to the main recording.
 
 Float weights run the default path, float_gemm.c and the C layer stack (INFLIGHT_FLOAT_GEMM=auto,
