@@ -354,16 +354,12 @@ class TritonServer:
                 code = proc.returncode
             # A stub whose parent went away too early would linger in the group: end it.
             _killpg(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + 5
-            while _group_alive(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            _wait_group_gone(proc.pid, 5.0)
             _killpg(proc.pid, signal.SIGKILL)
             # and gone, before the caller starts the next server: a stub of several GB still tearing
             # down its memory would compete with the next one's start (a second server once died at
             # load in a loaded test run, the Python backend's shared-memory mutex failing: not reproduced)
-            deadline = time.monotonic() + 5
-            while _group_alive(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait_group_gone(proc.pid, 5.0)
         finally:
             self.process = None
             if self._log:
@@ -432,6 +428,12 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_group_gone(pgid: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _group_alive(pgid: int) -> bool:

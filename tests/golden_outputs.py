@@ -16,9 +16,10 @@ Some cases are not within that tolerance from one CPU vendor to another: SmolLM2
 integer GEMMs, AVX2 build forced, one thread) gives top-1 logprobs up to ~0.15 apart on an Intel Xeon
 (Sapphire Rapids class) and the AMD EPYC of the main recording, and other tokens after a few steps,
 while each machine repeats its own bit for bit (two threads, or the native kernels built for
-AVX2, changed nothing there; the cause is not found: elementwise.c's -ffast-math build holds vrsqrtss
-and vrcpps, whose low bits differ by vendor, a lead not followed). For those the file holds a recording per CPU (`by_cpu`, made with `--record-cpu`
-on that CPU), checked exactly there; the float cases still hold every CPU to the main recording.
+AVX2, changed nothing there; the cause is not found: elementwise.c's -ffast-math build holds
+vrsqrtss and vrcpps, whose low bits differ by vendor, a lead not followed). For those the file
+holds a recording per CPU (`by_cpu`, made with `--record-cpu` on that CPU), checked exactly there;
+the float cases still hold every CPU to the main recording.
 
 Float weights run the default path, float_gemm.c and the C layer stack (INFLIGHT_FLOAT_GEMM=auto,
 named so that a caller's environment cannot switch it). The recording before that (d59236a) had
@@ -222,10 +223,10 @@ def main(argv=None) -> int:
         args.record_cpu.write_text(json.dumps(recorded, indent=None, sort_keys=True) + "\n")
         return 0
     recorded = json.loads(args.check.read_text())
-    own = recorded.get("by_cpu", {}).get(cpu_name(), {})  # this CPU's own recordings, checked exactly
+    own = {k: v for k, v in recorded.get("by_cpu", {}).get(cpu_name(), {}).items()
+           if k in names}  # this CPU's own recordings, checked exactly
     want = {k: v for k, v in recorded["cases"].items() if k in names and k not in own}
     exact = recorded["cpu"] == cpu_name()
-    own = {k: v for k, v in own.items() if k in names}
     problems = compare(want, got, exact) + compare(own, got, True)
     mine = f"; {', '.join(sorted(own))} bit for bit against this CPU's own recording" if own else ""
     print(f"compared {sum(len(v) for v in [*want.values(), *own.values()])} outputs of {len(want) + len(own)} cases "

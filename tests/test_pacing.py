@@ -1,5 +1,5 @@
-"""Prefill pacing (backend/sched/pacing.py) and the online step-cost model (step_cost.py), the cap it puts on a step's
-prompt tokens beside decode rows, its floor (no prompt starves), the no-evict guarantee and
+"""Prefill pacing (backend/sched/pacing.py) and the online step-cost model (step_cost.py): the cap
+the pacer puts on a step's prompt tokens beside decode rows, its floor (no prompt starves), the no-evict guarantee and
 backfill's promise kept with it on, and scheduler_delay_factor. The scheduler runs with no model:
 a synthetic device prices each step (time = base + per row x decode rows + per token x prompt
 tokens + per pair x attention pairs), and the engine-level test runs the real tiny model."""
@@ -23,7 +23,7 @@ EOS = 0
 
 class Device:
     """A synthetic device: a step's seconds from its rows, prompt tokens and attention pairs, and a
-    fixed price for having prompt rows at all (the CPU's Python layers instead of the C stack)."""
+    fixed price for having prompt rows at all (a GPU's kernel launches beside a decode step's graph)."""
 
     def __init__(self, base=2e-3, row=5e-4, token=1e-3, pair=2e-6, fixed=0.0, kv=0.0):
         self.base, self.row, self.token, self.pair, self.fixed, self.kv = base, row, token, pair, fixed, kv
@@ -132,7 +132,7 @@ def test_a_fixed_price_of_prompt_rows_raises_the_floor_not_below_it():
     decode = device.base + 6 * device.row
     cap = pacer.prefill_cap(6, 0)
     # 16 tokens, not 3; less by the shrink of a fixed price the steps show only in their small chunks
-    # (pacing.FIXED_SHRINK: a paced prompt's chunks all of one size cannot tell it from a token's price)
+    # (step_cost.FIXED_SHRINK: a paced prompt's chunks all of one size cannot tell it from a token's price)
     assert cap == pytest.approx(FLOOR_SHARE * (decode + 0.02) / device.token, rel=0.12)
 
 
@@ -248,7 +248,7 @@ def test_decodes_keep_their_pace_while_a_long_prompt_arrives(target):
 def test_paced_steps_land_on_the_target_as_the_streams_context_grows():
     """A decode row's price grows with the context it reads (on a 2-core CPU, six SmolLM2 streams'
     step is ~17 ms at 300 tokens and ~78 ms at 1,500), and a paced step's target, 1.75x the decode
-    rows' own time, grows with it. Six streams decode from ~600 tokens on while a 3,001-token prompt
+    rows' own time, grows with it. Six streams decode from ~200 tokens on while a 3,001-token prompt
     is paced in beside them for hundreds of steps: once the model has seen a few paced steps, 90% of
     them land within -15%/+10% of the target at their own context, neither above (the streams' pace)
     nor well below (the prompt's speed, the throughput)."""
@@ -270,9 +270,9 @@ def test_paced_steps_land_on_the_target_as_the_streams_context_grows():
             ratios.append(seconds / (1.75 * device.price(rows, 0, 0.0, kv)))
             context.append(kv)
     late = sorted(ratios[30:])
-    assert len(late) > 150 and context[-1] > 1.4 * context[0]  # the decode rows' price grew by a third
+    assert len(late) > 150 and context[-1] > 1.4 * context[0]  # the decode rows' context grew by 40%
     # (the model learns from steps timed within +-15%, as a shared machine's are; without the fixed
-    # price's shrink, pacing.FIXED_SHRINK, a chunk's noise made a fixed price that took steps to 1.23x)
+    # price's shrink, step_cost.FIXED_SHRINK, a chunk's noise made a fixed price that took steps to 1.23x)
     assert 0.85 <= late[len(late) // 20] and late[-len(late) // 20] <= 1.1, (late[:3], late[-3:])
 
 

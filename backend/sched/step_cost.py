@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 FEATURES = 6              # 1, decode rows, decode context / 1024, [prompt tokens > 0], prompt tokens, attention pairs / 1024
 DECODE_FEATURES = 3       # a decode-only step's features past the first three are all 0
-KV, FIXED = 2, 3          # the indices of the decode context and of [prompt tokens > 0]
+KV, FIXED, TOKENS = 2, 3, 4  # the indices of the decode context, [prompt tokens > 0] and prompt tokens
 WINDOW = 128              # the fit uses the last this many steps of each kind: decode-only, small chunks, large chunks
 # Steps with prompt tokens are kept in two windows by the chunk's size. A paced prompt's hundreds of
 # steps are chunks of a few tokens at a slowly moving start: alone they cannot tell a token's price
@@ -107,9 +107,9 @@ class StepCost:
         if not math.isfinite(seconds) or seconds <= 0:
             return
         scale = 1.0 / max(seconds, MIN_SECONDS)
-        prompt = x[FIXED + 1] > 0
+        prompt = x[TOKENS] > 0
         window = self.decode_only if not prompt else \
-            self.large_chunks if x[FIXED + 1] >= LARGE_CHUNK else self.small_chunks
+            self.large_chunks if x[TOKENS] >= LARGE_CHUNK else self.small_chunks
         window.add([v * scale for v in x], seconds * scale)
         self.steps += 1
         self.prompt_steps += prompt

@@ -135,7 +135,7 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
         loaded = protocol(scrape(url))
         # the truth, from the client: the running requests are those that have streamed tokens and
         # not ended, once every token the frozen engines made has arrived (a fast CPU decodes the tiny
-        # model's MAX_TOKENS in ~2 s: a request may end, and the next start, before the stall)
+        # model's MAX_TOKENS in ~4 s: a request may end, and the next start, before the stall)
         wait_until(lambda: _settled(lambda: list(received)), timeout=30)
         running = [i for i, n in enumerate(received) if n and not finished[i]]
         ended = [i for i in range(len(ADAPTERS)) if finished[i]]
