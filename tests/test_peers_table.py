@@ -132,3 +132,28 @@ def test_llamacpp_figures_are_its_own_timings():
                                                    "predicted_per_second": 0.0}}]
     assert run_llamacpp.server_prompt_rate(replies) == {"server_prompt_tok_s": 70.0, "ttft_s": 0.8, "decode_tok_s": 20.0}
     assert run_llamacpp.server_prompt_rate(replies[1:])["decode_tok_s"] is None
+
+
+def test_the_png_title_wraps_a_long_flag_list(tmp_path, monkeypatch):
+    """The machine line (CPU model, every ISA flag) is wrapped to the figure's width: a Xeon's 11 flags
+    ran off both edges of a one-row figure."""
+    import matplotlib.figure
+
+    from client.tools.peers import table_plot
+
+    titles = []
+    real = matplotlib.figure.Figure.suptitle
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
+                        lambda fig, text, **kw: (titles.append((text, fig.get_figwidth())), real(fig, text, **kw))[1])
+    flags = {f: True for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                               "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")}
+    cell = {"column": "single", "target": 2, "ratios": {"inflight": [3.0, 3.1]}, "median": {"inflight": 3.05}}
+    report = {"engines": ["inflight", "llamacpp"], "sizes": {}, "threads": 2, "started": "2026-12-04T10:33:38+00:00",
+              "machine": {**AVX512, "cpu_model": "Intel(R) Xeon(R) Processor", "isa_flags": flags},
+              "rows": [{"label": "SmolLM2-135M Q4_1", "cells": [cell]}]}
+    table_plot.plot(report, tmp_path / "t.png")
+    (text, width), = titles
+    lines = text.split("\n")
+    assert len(lines) > 1 and all(len(line) <= width * 14 for line in lines), lines
+    assert " ".join(lines).split() == ("Intel(R) Xeon(R) Processor (" + " ".join(flags) + "); 2 threads; "
+                                       "2026-12-04T10:33:38+00:00").split()

@@ -3,6 +3,7 @@ one bar a column (the median ratio inflight / llama.cpp over the cell's rounds, 
 the issue's target for that cell a black tick over its bar, 1.0x (parity) a dashed line."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from client.tools.peers.table_rows import COLUMNS
@@ -62,8 +63,10 @@ def plot(report: dict, path: Path) -> Path:
         fig.legend(list(handles.values()), list(handles), fontsize=7, ncol=len(handles), loc="lower center")
     machine = report["machine"]
     flags = " ".join(f for f, on in machine["isa_flags"].items() if on)
-    fig.suptitle(f"{machine['cpu_model']} ({flags}); {report['threads']} threads; {report['started']}"
-                 + (" — SMOKE sizes, not a claim" if report.get("smoke") else ""), fontsize=9)
+    title = (f"{machine['cpu_model']} ({flags}); {report['threads']} threads; {report['started']}"
+             + (" — SMOKE sizes, not a claim" if report.get("smoke") else ""))
+    # wrapped to the figure's width (~14 characters an inch at 9 points): a long flag list was cut off
+    fig.suptitle("\n".join(textwrap.wrap(title, int(fig.get_figwidth() * 14))), fontsize=9)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
