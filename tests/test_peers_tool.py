@@ -55,3 +55,46 @@ def test_prompt_lens_run_fixed_prompts_of_one_output_token_and_compare_prompt_ra
     assert first["prompt_tok_s"] == 2000.0 and second["prompt_tok_s"] == 1000.0
     assert second["ratio_of_first"] == [2.0, 2.0]
     assert "(prompt_tok_s): 2.00x, 2.00x" in capsys.readouterr().out
+
+
+def test_a_killed_llamacpp_runner_takes_its_server_with_it(tmp_path):
+    """The llama.cpp runner starts llama-server in a session of its own; when the runner dies (here
+    SIGKILL: no finally runs) the server goes too. Before, a stopped table left a spinning server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "server.pid"
+    fake = tmp_path / "llama-server"  # never answers /health: the runner waits on it
+    fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 300\n")
+    fake.chmod(0o755)
+    workload = tmp_path / "w.json"
+    workload.write_text('[{"input_ids": [1, 2, 3], "max_tokens": 2}]')
+    env = {**os.environ, "LLAMACPP_GGUF": str(tmp_path / "m.gguf"), "LLAMACPP_SERVER": str(fake), "LLAMACPP_THREADS": "1"}
+    runner = subprocess.Popen([sys.executable, "-m", "client.tools.peers.run_llamacpp", "--model-path", str(tmp_path),
+                               "--workload", str(workload), "--out", str(tmp_path / "out.json")], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server = int(pidfile.read_text())
+        os.kill(server, 0)  # running
+        runner.send_signal(signal.SIGKILL)
+        runner.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server, 0)
+            except ProcessLookupError:
+                break
+            if open(f"/proc/{server}/stat").read().split(") ")[1].startswith("Z"):
+                break  # gone, not yet reaped by init
+            time.sleep(0.1)
+        else:
+            os.killpg(server, signal.SIGKILL)
+            raise AssertionError("llama-server outlived its runner")
+    finally:
+        if runner.poll() is None:
+            runner.kill()

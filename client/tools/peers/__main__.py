@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from client.tools.peers.common import die_with_parent
 from client.tools.peers.machine import describe, machine_report
 from client.tools.benchmarks.workloads import make_workload
 
@@ -101,7 +102,8 @@ def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) ->
         cmd += ["--dtype", "float32"]
     elif engine == "inflight-bf16":
         cmd += ["--dtype", "bfloat16"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          preexec_fn=die_with_parent)  # a stopped table stops its runner (and its server)
     if proc.returncode != 0 or not out.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
         return {"engine": engine, "error": f"exit {proc.returncode}:\n{tail}"}

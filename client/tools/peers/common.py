@@ -3,10 +3,21 @@ standard library, so the runners import it from the peer venvs too (by path, see
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import resource
+import signal
 from pathlib import Path
 from typing import Optional
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn`: the child gets SIGTERM when the process that started it ends, however it ends
+    (Linux's PR_SET_PDEATHSIG). The table starts a runner, a runner starts llama-server in its own
+    session: stopping the table (Ctrl-C, kill) used to leave the runner and a 2-thread llama-server
+    spinning, which skewed every later measurement on the machine."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 def parse_runner_args(argv) -> argparse.Namespace:

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from client.tools.peers.common import load_workload, parse_runner_args, warmup_items, write_result
+from client.tools.peers.common import die_with_parent, load_workload, parse_runner_args, warmup_items, write_result
 
 
 def _free_port() -> int:
@@ -127,7 +127,8 @@ def main() -> int:
            "-tb", str(threads), "-np", str(slots), "-c", str(slots * per_slot), "--cont-batching",
            "--no-warmup", "-b", "2048", "-ub", "512", "--log-disable"]
     log = open(args.out.with_suffix(".llama-server.log"), "wb")  # a pipe nobody reads could fill
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=die_with_parent)  # gone with this runner, however it ends
     try:
         try:
             _wait_ready(port, proc)
