@@ -53,8 +53,9 @@ def test_matmul_matches_the_reference(isa, qtype):
         weight = cpu_quant.CpuQuantWeight(qtype, parts)
         assert weight.isa == isa
         bias = torch.randn(n, generator=gen)
-        # 1: a decode step's GEMV; 3, 17, 65: rows left over after blocks of 4; 300: past one pass of 256
-        for m in (1, 3, 17, 65, 300) if n == 37 else (1, 17):
+        # 1: a decode step's GEMV; 3, 7, 15, 17, 65: rows left over after blocks of 4 (and of 8, the
+        # AVX-512 build's 4- and 5-bit formats: 15 = 8 + 4 + 3); 300: past one pass of 256
+        for m in (1, 3, 7, 15, 17, 65, 300) if n == 37 else (1, 15, 17):
             x = torch.randn(m, blocks * per_block, generator=gen)
             x[0, :5] = 40.0  # an outlier: one group's scale, not the row's
             got = weight.matmul(x, bias)

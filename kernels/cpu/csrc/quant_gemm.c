@@ -172,11 +172,24 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, floa
     }
 }
 
-/* The intrinsics builds' loop over a tile's activation rows [m, m1): blocks of MT_MAX rows, then
-   the 1-3 left, each through ROWS(TYPE, MT) with the weight type and the block's rows as
-   compile-time constants, so each pair compiles to its own straight-line loop. NEXT runs after
-   each whole block. */
+/* The intrinsics builds' loop over a tile's activation rows [m, m1): blocks of rows, each through
+   ROWS(TYPE, MT) with the weight type and the block's rows as compile-time constants, so each pair
+   compiles to its own straight-line loop; NEXT runs after each block of 4 or more. A block unpacks
+   each group's codes and scales once for its MT rows. With AVX-512 (32 vector registers) the packed
+   4- and 5-bit formats take blocks of 8 (MT_WIDE): ~6-13% faster from 16 rows on (Q4_K, Q4_1);
+   Q8_0 (nothing to unpack) and Q6_K keep 4 (Q8_0 at 8 was ~17% slower). The rest: a block of 4,
+   then 1-3 rows. `row_blocks` counts the blocks of 4 or more, the passes the prefetch spreads over. */
 #define MT_MAX 4
+#if defined(QUANT_AVX512)
+#define MT_WIDE 8
+#else
+#define MT_WIDE 0
+#endif
+static inline int wide_rows(int type) { return MT_WIDE && type != Q8_0 && type != Q6_K; }
+static inline int64_t row_blocks(int type, int64_t rows) {
+    const int64_t wide = wide_rows(type) ? rows / 8 : 0;
+    return wide + (rows - 8 * wide + MT_MAX - 1) / MT_MAX;
+}
 #define BY_TYPE(ROWS, MT_)                                                      \
     switch (type) {                                                             \
     case Q8_0: ROWS(Q8_0, MT_); break; case Q4_0: ROWS(Q4_0, MT_); break;       \
@@ -184,8 +197,22 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, floa
     case Q5_1: ROWS(Q5_1, MT_); break; case Q4_K: ROWS(Q4_K, MT_); break;       \
     case Q5_K: ROWS(Q5_K, MT_); break; default: ROWS(Q6_K, MT_); break;         \
     }
+#define BY_WIDE_TYPE(ROWS, MT_)                                                 \
+    switch (type) {                                                             \
+    case Q4_0: ROWS(Q4_0, MT_); break; case Q4_1: ROWS(Q4_1, MT_); break;       \
+    case Q5_0: ROWS(Q5_0, MT_); break; case Q5_1: ROWS(Q5_1, MT_); break;       \
+    case Q4_K: ROWS(Q4_K, MT_); break; default: ROWS(Q5_K, MT_); break;         \
+    }
+#if MT_WIDE
+#define WIDE_BLOCKS(ROWS, NEXT)                                                 \
+    if (wide_rows(type))                                                        \
+        for (; m + MT_WIDE <= m1; m += MT_WIDE, NEXT) BY_WIDE_TYPE(ROWS, MT_WIDE)
+#else
+#define WIDE_BLOCKS(ROWS, NEXT)
+#endif
 #define ROW_BLOCKS(ROWS, NEXT)                                                  \
-    for (; m + MT_MAX <= m1; m += MT_MAX, NEXT) BY_TYPE(ROWS, 4)                \
+    WIDE_BLOCKS(ROWS, NEXT)                                                     \
+    for (; m + MT_MAX <= m1; m += MT_MAX, NEXT) BY_TYPE(ROWS, MT_MAX)           \
     switch (m1 - m) {                                                           \
     case 3: BY_TYPE(ROWS, 3) break;                                             \
     case 2: BY_TYPE(ROWS, 2) break;                                             \

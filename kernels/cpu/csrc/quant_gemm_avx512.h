@@ -111,7 +111,7 @@ static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, i
                           const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
                           int stream) {
 #define TILE_ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, bias, out, ldo, stream, pass, passes)
-    const int64_t passes = (m1 - m0 + MT_MAX - 1) / MT_MAX;
+    const int64_t passes = row_blocks(type, m1 - m0);
     int64_t m = m0, pass = 0;
     ROW_BLOCKS(TILE_ROWS, pass++)
 #undef TILE_ROWS
