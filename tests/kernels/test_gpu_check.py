@@ -250,3 +250,25 @@ def test_graph_replayed_tokens_must_equal_eager_ones():
     res = compare_tokens({1: [[5, 6, 7]], 16: [[1, 2], [3, 9]]}, eager)
     assert not res["ok"] and res["first_diff"] == dict(batch=16, request=1, position=1, replayed=[9], eager=[4])
     assert not compare_tokens({1: [[5, 6]], 16: [[1, 2], [3, 4]]}, eager)["ok"]     # one came out shorter
+
+
+def test_only_runs_the_named_parts_and_skips_the_rest(tmp_path, monkeypatch, capsys):
+    """`--only decode,greedy` (a rerun of failed parts in what is left of a GPU lease) starts those
+    parts alone, in plan order; every other part is SKIP and says why; a misspelt part is refused
+    with the list of parts."""
+    started = []
+
+    def fake_part(self, name, work, env, budget, limit):
+        started.append(name)
+        self.record(name, dict(ok=True), time.time(), budget)
+
+    monkeypatch.setattr(gpu_check.Run, "part", fake_part)
+    monkeypatch.setattr(gpu_check_plan, "interpreter_problem", lambda: None)
+    assert gpu_check.main(["--dry-run", "--only", "decode,greedy", "--out", str(tmp_path)]) == 0
+    assert started == ["greedy", "decode"]
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert {n for n, p in parts.items() if p.get("skipped") == "not asked for (--only)"} == \
+        set(gpu_check_plan.PART_NAMES) - {"greedy", "decode"}
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--dry-run", "--only", "decode,kernel", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "unknown part kernel; the parts are compile, kernels" in capsys.readouterr().err

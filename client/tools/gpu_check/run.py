@@ -13,6 +13,9 @@ DIR/gpu_check.md rewritten, so a run stopped from outside still leaves every fin
 one-page table (part, PASS/FAIL/SKIP/CUT, seconds, budget, figures) is printed at the end and on
 SIGTERM. Exit 0 if every part that ran passed, 1 if not, 2 without a GPU (outside --dry-run).
 
+`--only PART[,PART]` runs those parts alone (the others SKIP): a failed part rerun in what is left
+of a GPU lease.
+
 `--dry-run` prints the plan with each part's budget, then rehearses every part on the CPU with
 tiny shapes (Triton kernels under TRITON_INTERPRET=1; compile for sm_90 with the real compiler;
 timings mean nothing). There, by design, the served part's device check must FAIL (the instances
@@ -210,6 +213,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="results folder (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, then rehearse it on the CPU")
+    parser.add_argument("--only", type=_part_list, default=None, metavar="PART[,PART...]",
+                        help=f"run these parts alone (the rest SKIP), e.g. to rerun a failed one: {','.join(PART_NAMES)}")
     parser.add_argument("--part", choices=PART_NAMES, help=argparse.SUPPRESS)      # a child process: one part
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -226,7 +231,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run = Run(args.out, args.dry_run, torch.cuda.get_device_name(0) if gpus else "CPU dry run (timings meaningless)")
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        _run_all(run, args.dry_run, gpus)
+        _run_all(run, args.dry_run, gpus, args.only)
     except Stop as exc:
         run.res["stopped"] = f"SIGTERM ({exc}) after {time.time() - run.start:.0f} s"
     page = run.write()
@@ -234,10 +239,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if run.res["ok"] else 1
 
 
-def _run_all(run: Run, dry_run: bool, gpus: int) -> None:
+def _part_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PART_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--only: unknown part {', '.join(unknown) or '(none)'}; "
+                                         f"the parts are {', '.join(PART_NAMES)}")
+    return names
+
+
+def _run_all(run: Run, dry_run: bool, gpus: int, only: Optional[tuple[str, ...]] = None) -> None:
     env = run.res["environment"] = environment(dry_run)
-    interpreter = plan_mod.interpreter_problem() if dry_run else None
-    reasons = {p.name: plan_mod.skip_reason(p, dry_run, gpus, env["tritonserver"], interpreter) for p in PARTS}
+    interpreted = any(p.interpreted for p in PARTS if only is None or p.name in only)
+    interpreter = plan_mod.interpreter_problem() if dry_run and interpreted else None
+    reasons = {p.name: "not asked for (--only)" if only is not None and p.name not in only
+               else plan_mod.skip_reason(p, dry_run, gpus, env["tritonserver"], interpreter) for p in PARTS}
     print(plan_mod.plan_table(dry_run, reasons), flush=True)
     run.write()
     deadline = run.start + (TOTAL_BUDGET_S if not dry_run else 10 * 3600)
