@@ -200,7 +200,7 @@ bench-seed: model
 
 # -- The bare GPU image's package set (issue 31) --
 # A second venv holding what a bare H200 image has (torch 2.11 + triton 3.6.0, transformers 5.17,
-# peft, numpy 2.x, safetensors 0.8; no xgrammar, tritonclient, tritonserver, fastapi, gguf), with the
+# peft, numpy 2.x, safetensors 0.8, pillow; no xgrammar, tritonclient, tritonserver, fastapi, gguf), with the
 # local torch 2.13.0 CPU wheel standing in for 2.11, and the project NOT installed (PYTHONPATH=.,
 # as a source checkout runs there). It runs the kernel tests under triton 3.6.0's CPU interpreter,
 # kernels.aot for sm_90 with triton 3.6.0's compiler, and `gpu-check --dry-run` (its xgrammar and
@@ -210,7 +210,7 @@ bench-seed: model
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_PACKAGES := torch==2.13.0 triton==3.6.0 transformers==5.17.0 peft==0.21.2 "numpy>=2,<2.4" \
-	safetensors==0.8.0 pytest==9.2.0 hypothesis==6.170.17
+	safetensors==0.8.0 pytest==9.2.0 hypothesis==6.170.17 pillow
 COMPAT_OUT ?= $${TMPDIR:-/tmp}/inflight-compat
 # Two tests there write GGUF files with the gguf package, which the image does not have.
 COMPAT_DESELECT := --deselect tests/kernels/test_quant_dispatch.py::test_imported_matrices_of_every_type_run_through_quant_linear \
