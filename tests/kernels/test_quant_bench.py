@@ -60,3 +60,18 @@ def test_a_failed_quantized_check_fails_the_kernel_benchmark(monkeypatch, tmp_pa
     out = tmp_path / "bench.json"
     assert bench.main(["--dry-run-cpu", "--skip-engine", "--out", str(out)]) == 1
     assert json.loads(out.read_text())["failed_checks"] == 1
+
+
+@pytest.mark.parametrize("plan", ["FULL", "DRY"])
+def test_every_qtype_can_be_made_at_the_planned_shapes(plan):
+    """The GPU run's shapes (FULL: the check matrix and every benchmarked projection) are valid for
+    every qtype it names: the first H200 run died on AWQ at N=300 (AWQ packs 8 outputs a word),
+    which the CPU rehearsal's N=40 could not show. Made on the CPU from the same code."""
+    p = getattr(quant_bench, plan)
+    gen = torch.Generator().manual_seed(0)
+    n, k = p["check_shape"]
+    for qtype in {q for qtypes in p["check_dtypes"].values() for q in qtypes}:
+        parts = quant_bench.random_parts(qtype, n, k, "cpu", gen)
+        assert quant_bench.dequantize(qtype, parts).shape == (n, k), qtype
+    for n, k in p["projections"].values():   # (too large to make here): AWQ's words, K super-blocks
+        assert n % 8 == 0 and k % 256 == 0, (n, k)

@@ -43,7 +43,11 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
     copy_gbs = bench.copy_bandwidth(bench.P["copy_gib"], iters=10)
     shapes = plan["decode_shapes"]
     steps = plan["decode_steps"]
-    kv_tokens = max(b * (ctx + steps + 16) for b, ctx in shapes)
+    # the first requests to get their first token decode while the others still prefill: enough
+    # tokens that none finishes before the timed steps end (every row decodes), and KV for all of
+    # them at once (guaranteed_no_evict admits a request with room for all its tokens; 32: blocks)
+    max_tokens = {(b, ctx): steps + 8 + -(-b * ctx // plan["max_num_batched_tokens"]) + 1 for b, ctx in shapes}
+    kv_tokens = max(b * (ctx + max_tokens[b, ctx] + 32) for b, ctx in shapes)
     on_gpu = device.startswith("cuda")
     variants = [("none", True), ("none", False)]
     fp8 = "skipped: the engine is on the CPU" if not on_gpu else None
@@ -56,12 +60,12 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
         llm = LLM(str(model_dir), device=device, attention_backend=plan["attention_backend"], enforce_eager=not graphs,
                   max_num_seqs=max(b for b, _ in shapes), max_num_batched_tokens=plan["max_num_batched_tokens"],
                   max_model_len=plan["max_model_len"], max_tokens_in_paged_kv_cache=kv_tokens,
-                  quantization=quantization)
+                  quantization=quantization, inter_token_target_ms=0)   # unpaced: prefill takes the steps counted below
         engine = llm.engine
         weight_bytes = _streamed_weight_bytes(engine.runner, cfg)
         rng = random.Random(9)
         for b, ctx in shapes:
-            params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens[b, ctx], temperature=0.0, ignore_eos=True)
             reqs = [engine.add_request(f"d{graphs}-{b}-{ctx}-{i}", p, params)
                     for i, p in enumerate(_prompts(rng, [ctx] * b, cfg.vocab_size))]
             _prefill(engine, reqs)                                      # (chunked) to the first token
@@ -71,6 +75,10 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
                 t0 = time.perf_counter()
                 engine.step()                                           # ends with the sampler's read back
                 times.append(time.perf_counter() - t0)
+            done = [(r.request_id, r.status.value, len(r.output_token_ids)) for r in reqs if r.status.finished]
+            if done:
+                raise RuntimeError(f"{len(done)} of {b} requests finished during the timed steps ({done[:2]}): the steps "
+                                   f"did not decode {b} rows")
             tokens[(quantization, graphs, b, ctx)] = [list(r.output_token_ids[:steps]) for r in reqs]
             for r in reqs:
                 engine.abort(r.request_id)
@@ -82,7 +90,8 @@ def decode(plan: dict, model_dir: Path, device: str) -> dict:
                              pct_of_floor=100 * floor_ms / ms, tokens_per_s=b / ms * 1e3,
                              captured=bool(engine.runner.decode_path.graphs and engine.runner.decode_path.graphs.graphs)))
         if quantization == "none":
-            replayed[graphs] = _graph_check_tokens(llm, plan["graph_check"], cfg.vocab_size)
+            replayed[graphs] = _graph_check_tokens(llm, plan["graph_check"], cfg.vocab_size,
+                                                   plan["max_num_batched_tokens"])
         llm.close()
         del llm, engine
         free(device)
@@ -113,15 +122,24 @@ def _prefill(engine, reqs) -> None:
     raise RuntimeError(f"no first token after {MAX_STEPS_PER_POINT} engine steps")
 
 
-def _graph_check_tokens(llm, check: dict, vocab: int) -> dict:
-    """Greedy tokens of the same seeded prompts at each batch size (a capture size), by batch."""
+def _graph_check_tokens(llm, check: dict, vocab: int, step_tokens: int) -> dict:
+    """Greedy tokens of the same seeded prompts at each batch size (a capture size), by batch.
+    The prompts of a batch fit one step's `step_tokens`, so all of them prefill in one step and
+    decode together to the end: every decode step has exactly `b` rows, no padding. (Staggered
+    ones finish one by one, and a step of 50 rows replays the 64-row graph while the eager step
+    runs 50: another split count or GEMM tiling, rounding that flips near-ties on random weights;
+    the first GPU run, 2026-12-04, met exactly that.)"""
     from backend import SamplingParams
 
     rng = random.Random(13)
     params = SamplingParams(max_tokens=check["max_tokens"], temperature=0.0, ignore_eos=True)
     out = {}
     for b in check["batches"]:
-        prompts = _prompts(rng, [rng.randint(*check["prompt"]) for _ in range(b)], vocab)
+        low, high = check["prompt"]
+        high = min(high, step_tokens // b)
+        if high < low:
+            raise ValueError(f"graph_check: {b} prompts of at least {low} tokens do not fit one step of {step_tokens}")
+        prompts = _prompts(rng, [rng.randint(low, high) for _ in range(b)], vocab)
         out[b] = [list(o.token_ids) for o in llm.generate(prompts, params)]
     return out
 
