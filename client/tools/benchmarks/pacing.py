@@ -142,19 +142,19 @@ def pct(values: Sequence[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) if values else None
 
 
-def paced_overrides(pairs: Sequence[str]) -> dict:
-    """--paced-param KEY=VALUE pairs as EngineConfig overrides, typed and checked as config.pbtxt's
-    parameters are (EngineConfig.typed_overrides)."""
+def paced_overrides(pairs: Sequence[str], flag: str = "--paced-param") -> dict:
+    """KEY=VALUE pairs (--paced-param, --param) as EngineConfig overrides, typed and checked as
+    config.pbtxt's parameters are (EngineConfig.typed_overrides)."""
     params = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--paced-param {pair!r}: KEY=VALUE with KEY an engine setting")
+            raise SystemExit(f"{flag} {pair!r}: KEY=VALUE with KEY an engine setting")
         params[key] = value
     try:
         return EngineConfig.typed_overrides(params)
     except ValueError as exc:
-        raise SystemExit(f"--paced-param: {exc}") from None
+        raise SystemExit(f"{flag}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,13 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--paced-param", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine setting for the paced turns only (e.g. inter_token_auto_factor=2.5): "
                          "the default's neighbours, measured against the same unpaced turns")
-    ap.add_argument("--json", help="write every run's figures here")
+    ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine setting for every turn (e.g. max_tokens_in_paged_kv_cache=200000 on a GPU, "
+                         "where each turn's engine would otherwise size its KV cache from the free memory)")
+    ap.add_argument("--json", help="write every run's figures here (rewritten after each turn)")
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    modes = {**MODES, "paced": paced_overrides(args.paced_param)}
+    common = paced_overrides(args.param, "--param")
+    modes = {mode: {**common, **over} for mode, over in {**MODES, "paced": paced_overrides(args.paced_param)}.items()}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for i, mode in enumerate(("paced", "unpaced", "unpaced", "paced")):
@@ -188,9 +192,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                     if not isinstance(v, list)}), flush=True)
             print("  ttft alone", [round(x, 2) for x in res["alone_ttft_s"]], "mixed",
                   [round(x, 2) for x in res["mixed_ttft_s"]], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+            if args.json:   # after each turn: a run cut short keeps its finished turns
+                with open(args.json, "w") as f:
+                    json.dump({"args": vars(args), "runs": runs}, f, indent=1)
     return 0
 
 
