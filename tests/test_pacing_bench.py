@@ -1,7 +1,11 @@
 """The pacing benchmark's baseline (client/tools/benchmarks/pacing.py): the streams' gaps without the
 arrivals are compared at the same stream and token index as the gaps while prompts arrive, since a
 decode step grows with its rows' context."""
+import json
+
 import pytest
+
+from client.tools.benchmarks import pacing
 
 from client.tools.benchmarks.pacing import Tracker, matched
 
@@ -39,3 +43,26 @@ def test_paced_params_become_typed_overrides_and_a_wrong_key_is_refused():
         "inter_token_auto_factor": 2.5, "max_num_seqs": 12}
     with pytest.raises(SystemExit, match="inter_token_auto_fctor"):
         paced_overrides(["inter_token_auto_fctor=2"])
+
+
+def test_the_trace_records_caps_and_paced_steps_with_their_prediction_then_unwraps(tmp_path):
+    from backend.sched.pacing import Pacer
+    from backend.sched.step_cost import step_features
+
+    path = tmp_path / "trace.jsonl"
+    original = Pacer.prefill_cap, Pacer.observe
+    pacer = Pacer(-1.0, 1.75)
+    for _ in range(20):   # a device: 2 ms a step, 1 ms a decode row, 10 us a prompt token
+        pacer.observe(4, 0, 0.0, 6e-3)
+        pacer.observe(0, 512, 0.0, 2e-3 + 512e-5)
+    with pacing.PacerTrace(str(path)) as trace:
+        trace.turn = "0.0.paced"
+        cap = pacer.prefill_cap(4, 100, 400.0)
+        predicted = pacer.cost.predict(step_features(4, cap, 0.0, 400.0))
+        pacer.observe(4, cap, 0.0, 0.02, 400.0)
+        pacer.observe(4, 0, 0.0, 6e-3, 400.0)   # a decode-only step: not a paced one, not written
+    assert (Pacer.prefill_cap, Pacer.observe) == original
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["cap", "step"] and {r["turn"] for r in rows} == {"0.0.paced"}
+    assert rows[0]["cap"] == cap and rows[0]["target_s"] == pytest.approx(pacer.target_seconds(4, 400.0), rel=0.2)
+    assert rows[1]["tokens"] == cap and rows[1]["seconds"] == 0.02 and rows[1]["predicted_s"] == pytest.approx(predicted)

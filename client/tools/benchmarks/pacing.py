@@ -18,6 +18,11 @@ Per mode and round it measures:
   long prompt's time to first token, and the workload's throughput (prompt and output tokens of every request
   over the time from the first stream's start to the last request's end).
 Gaps are per token as the output thread hands them out (stream_interval 1).
+
+`--trace FILE` writes one JSON line per step that had decode rows and prompt tokens, and per cap the
+pacer set: the step's shape, its wall time, what the step model predicted for it before learning from
+it, the target and the slow start's bound (what the first GPU run needed to see why its paced steps
+were ~100 a prompt where a synthetic device with its prices gives 3).
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ import numpy as np
 from backend.core.config import EngineConfig
 from backend.core.sampling_params import SamplingParams
 from backend.engine.async_engine import AsyncEngine
+from backend.sched import pacing as pacing_mod
+from backend.sched.step_cost import step_features
 
 MODES = {"paced": {}, "unpaced": {"inter_token_target_ms": 0.0}}
 
@@ -80,6 +87,48 @@ def matched(quiet: dict[tuple[int, int], float], during: dict[tuple[int, int], f
 
 def prompt_of(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
+class PacerTrace:
+    """Records the pacer's caps and the paced steps it learns from (Pacer.prefill_cap and
+    Pacer.observe, wrapped while the context is open) as JSON lines tagged with the turn."""
+
+    def __init__(self, path: Optional[str]):
+        self.file = open(path, "w") if path else None
+        self.turn = ""
+
+    def _write(self, **row) -> None:
+        self.file.write(json.dumps(dict(turn=self.turn, t=time.perf_counter(), **row)) + "\n")
+
+    def __enter__(self) -> "PacerTrace":
+        if self.file is None:
+            return self
+        trace, cls = self, pacing_mod.Pacer
+        self.saved = cls.prefill_cap, cls.observe
+        cap, observe = self.saved
+
+        def traced_cap(pacer, rows, start, kv=None):
+            out = cap(pacer, rows, start, kv)
+            if out is not None:
+                trace._write(kind="cap", rows=rows, start=start, kv=kv, cap=out, trusted=pacer.trusted,
+                             target_s=pacer.target_seconds(rows, kv), decode_s=pacer.cost.decode_seconds(rows, kv),
+                             prices=list(pacer.cost.prices()))
+            return out
+
+        def traced_observe(pacer, decode_rows, prompt_tokens, pairs, seconds, decode_kv=0.0):
+            if decode_rows and prompt_tokens and pacer.cost.prompt_steps:
+                x = step_features(decode_rows, prompt_tokens, pairs, decode_kv)
+                trace._write(kind="step", rows=decode_rows, tokens=prompt_tokens, pairs=pairs, kv=decode_kv,
+                             seconds=seconds, predicted_s=pacer.cost.predict(x), trusted=pacer.trusted)
+            return observe(pacer, decode_rows, prompt_tokens, pairs, seconds, decode_kv)
+
+        cls.prefill_cap, cls.observe = traced_cap, traced_observe
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            pacing_mod.Pacer.prefill_cap, pacing_mod.Pacer.observe = self.saved
+            self.file.close()
 
 
 def run_mode(args, overrides: dict, seed: int) -> dict:
@@ -176,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an engine setting for every turn (e.g. max_tokens_in_paged_kv_cache=200000 on a GPU, "
                          "where each turn's engine would otherwise size its KV cache from the free memory)")
     ap.add_argument("--json", help="write every run's figures here (rewritten after each turn)")
+    ap.add_argument("--trace", help="write the pacer's caps and paced steps here, a JSON line each")
     return ap
 
 
@@ -184,18 +234,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     common = paced_overrides(args.param, "--param")
     modes = {mode: {**common, **over} for mode, over in {**MODES, "paced": paced_overrides(args.paced_param)}.items()}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for r in range(args.rounds):
-        for i, mode in enumerate(("paced", "unpaced", "unpaced", "paced")):
-            res = run_mode(args, modes[mode], seed=1000 * r + i)
-            runs[mode].append(res)
-            print(mode, json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
-                                    if not isinstance(v, list)}), flush=True)
-            print("  ttft alone", [round(x, 2) for x in res["alone_ttft_s"]], "mixed",
-                  [round(x, 2) for x in res["mixed_ttft_s"]], flush=True)
-            if args.json:   # after each turn: a run cut short keeps its finished turns
-                with open(args.json, "w") as f:
-                    json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+    with PacerTrace(args.trace) as trace:
+        for r in range(args.rounds):
+            for i, mode in enumerate(("paced", "unpaced", "unpaced", "paced")):
+                trace.turn = f"{r}.{i}.{mode}"
+                _turn(args, modes, runs, mode, seed=1000 * r + i)
     return 0
+
+
+def _turn(args, modes: dict, runs: dict, mode: str, seed: int) -> None:
+    """One engine's turn: its figures printed, and the JSON rewritten (a cut run keeps its turns)."""
+    res = run_mode(args, modes[mode], seed=seed)
+    runs[mode].append(res)
+    print(mode, json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
+                            if not isinstance(v, list)}), flush=True)
+    print("  ttft alone", [round(x, 2) for x in res["alone_ttft_s"]], "mixed",
+          [round(x, 2) for x in res["mixed_ttft_s"]], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
