@@ -387,3 +387,90 @@ def test_the_engine_prices_its_steps_and_pacing_leaves_greedy_outputs_unchanged(
         steps[target] = llm.engine.scheduler.steps
     assert outputs[0.0] == outputs[0.001]
     assert steps[0.001] > steps[0.0]  # the prompts beside decodes went in smaller chunks
+
+
+class EagerMixedDevice(Device):
+    """A GPU's prices (the first H200, 2026-12-04): decode steps replay a graph (~2 ms), a step with
+    prompt rows launches its kernels eagerly (~8 ms more) and more again beside decode rows, and
+    a prompt token is ~3 us."""
+
+    def __init__(self, beside: float, **kw):
+        super().__init__(**kw)
+        self.beside = beside
+
+    def price(self, rows, tokens, pairs, kv=0) -> float:
+        return super().price(rows, tokens, pairs, kv) + (self.beside if rows and tokens else 0.0)
+
+
+def _ttfts_from_a_fresh_engine(device: Device, target: float, noise: float, seed: int) -> tuple[list, list]:
+    """The pacing benchmark's phases on a scheduler whose model has seen nothing: a warm-up request,
+    three 3,000-token prompts alone, six streams, then three such prompts arriving one after another
+    beside them. Returns (TTFT alone, TTFT beside the streams) in the device's seconds."""
+    cfg = EngineConfig(model_path="unused", kv_block_size=16, max_num_batched_tokens=2048, max_num_seqs=16,
+                       inter_token_target_ms=target)
+    sched = Scheduler(cfg, BlockManager(8192, 16), max_model_len=100_000)
+    rng = random.Random(seed)
+
+    def drive(until) -> float:
+        total = 0.0
+        while not until():
+            out = step(sched, token=7)
+            seconds = device.seconds(out) * rng.uniform(1 - noise, 1 + noise)
+            sched.pacer.observe_batch(out, seconds)
+            total += seconds
+        return total
+
+    warm = request("warm", 64, 4)
+    sched.add(warm)
+    drive(lambda: warm.status.finished)
+    alone = []
+    for k in range(3):
+        r = request(f"a{k}", 3000, 1, seed=50 + k)
+        sched.add(r)
+        alone.append(drive(lambda: r.status.finished))
+    streams = [request(f"s{i}", 37, 3000, seed=i) for i in range(6)]
+    for r in streams:
+        sched.add(r)
+    drive(lambda: all(len(r.output_token_ids) >= 8 for r in streams))
+    beside = []
+    for k in range(3):
+        r = request(f"long{k}", 3000, 2, seed=9 + k)
+        sched.add(r)
+        beside.append(drive(lambda: bool(r.output_token_ids)))
+    return alone, beside
+
+
+@pytest.mark.parametrize("beside", [0.0, 5e-3, 10e-3])
+def test_where_a_mixed_steps_fixed_price_dominates_pacing_costs_a_prompt_little(beside):
+    """On the first H200 a paced 3,000-token prompt beside six streams took 5-36x its time alone
+    (~100 steps of a few tokens, each a whole eager step): the slow start probed 16 tokens and
+    grew from there, halving after each step the model priced too low (mixed steps cost more than a
+    prompt's plus the graphed decode rows'). With the slow start's bound never below the chunk whose
+    tokens cost what the step's fixed part does, a fresh engine's paced prompts take at most 2.5x
+    their unpaced TTFT, through +-30% noise (without it up to ~6x)."""
+    device = EagerMixedDevice(beside, base=1.8e-3, row=3e-5, token=3e-6, pair=1e-9, fixed=8e-3)
+    for seed in range(3):
+        _, paced = _ttfts_from_a_fresh_engine(device, -1.0, 0.3, seed)
+        _, unpaced = _ttfts_from_a_fresh_engine(device, 0.0, 0.3, seed)
+        assert max(paced) <= 2.5 * max(unpaced), (seed, paced, unpaced)
+
+
+def test_the_fixed_price_allowance_needs_prompts_alone_priced_near_right(monkeypatch):
+    """The slow start may be skipped up to the chunk whose tokens cost what the fixed price does,
+    but only as far as a prompt alone showed the tokens' price: a fit that says tokens cost nothing
+    and the fixed part 20 ms (as one did before step_cost's FIXED_SHRINK) would otherwise allow a
+    whole 2,048-token chunk beside decode rows, a 4-s stall on a CPU."""
+    pacer = Pacer(-1.0, 1.75)
+    for i in range(40):
+        pacer.observe(6, 0, 0.0, 10e-3)            # decode rows: 10 ms
+        pacer.observe(0, 5 + i % 13, 0.0, 20e-3)   # small chunks alone, all 20 ms
+    monkeypatch.setattr(pacer.cost, "prices", lambda: (20e-3, 1e-8, 0.0))   # tokens free, fixed 20 ms
+    assert pacer.prefill_cap(6, 0, 600.0) <= 2 * PROBE_TOKENS      # no large prompt alone priced: slow start
+    pacer.observe(0, 2048, 0.0, 4.0)               # a whole chunk alone: 4 s, priced far lower
+    assert pacer.prefill_cap(6, 0, 600.0) <= 2 * PROBE_TOKENS
+    fair = Pacer(-1.0, 1.75)                       # a GPU's: 8 ms fixed, 3 us a token, priced right alone
+    for i in range(40):
+        fair.observe(1 + i % 8, 0, 0.0, 1.7e-3 + 5e-5 * (1 + i % 8))
+        n = 64 + 61 * i
+        fair.observe(0, n, 0.0, 8e-3 + 3e-6 * n)
+    assert fair.prefill_cap(6, 0, 600.0) >= 1000   # (the slow start alone: 16)

@@ -22,8 +22,14 @@ Until the model has seen a step with prompt tokens it cannot price one, and does
 engine the decoding requests' own prompts were such steps). Then it starts slow: a paced chunk is at
 most `PROBE_TOKENS`, and at most twice the largest chunk whose step the model priced within
 `TRUST_SLACK` (halved after a step it priced too low), because a model fitted on whole prompts
-alone can misprice a small chunk beside decode rows by seconds. The no-evict guarantee is untouched:
-the pacer only says how many tokens run in a step, never who holds blocks.
+alone can misprice a small chunk beside decode rows by seconds. But a chunk whose tokens cost no
+more than the step's fixed price of prompt rows is always allowed: where that price dominates (a
+GPU's eager launches, ~7 ms against ~3 us a token on the first H200: ~2,000 tokens) a small chunk
+is nearly as long a step as a whole one, and slow-starting there made a paced prompt ~100 steps and
+5-36x its time alone; the CPU's fixed price of 0-2 ms allows a token or two. (Only up to the largest
+prompt chunk without decode rows that the model priced within `ALONE_SLACK`: a fit that priced tokens at
+nothing would otherwise allow any chunk.) The no-evict guarantee
+is untouched: the pacer only says how many tokens run in a step, never who holds blocks.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 FLOOR_SHARE = 2 / 3       # a paced step's prompt tokens cost at least this share of the rest of the step
 PROBE_TOKENS = 16         # the largest paced chunk before the model has priced one beside decode rows
 TRUST_SLACK = 1.25        # a paced step within this factor of its predicted time vouches for the model
+ALONE_SLACK = 2.0         # a prompt's step without decode rows within this factor vouches for its tokens' price
 
 
 class Pacer:
@@ -49,6 +56,9 @@ class Pacer:
         # Slow start: a paced chunk is at most twice the largest one whose step the model priced right
         # (a model fitted on whole prompts alone may price a chunk beside decode rows badly).
         self.trusted = PROBE_TOKENS
+        # the largest chunk of a step without decode rows that the model priced right (its tokens'
+        # price is then not far too low, and a chunk of up to that many may ride on the fixed price)
+        self.priced_alone = 0
 
     @property
     def enabled(self) -> bool:
@@ -69,14 +79,22 @@ class Pacer:
         decode = cost.decode_seconds(rows, kv)
         fixed = cost.prices()[0]
         floor = max(1, cost.tokens_within(start, fixed + FLOOR_SHARE * (decode + fixed)))
-        return min(self.trusted, max(floor, cost.tokens_within(start, self.target_seconds(rows, kv) - decode)))
+        # the slow start's bound, but never below the chunk whose tokens cost what the step's fixed
+        # part does (where that part dominates, a GPU's eager launches, any chunk is about the same
+        # step), as far as prompts alone have shown the tokens' price right
+        bound = max(self.trusted, min(self.priced_alone, cost.tokens_within(start, 2 * fixed)))
+        return min(bound, max(floor, cost.tokens_within(start, self.target_seconds(rows, kv) - decode)))
 
     def observe(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float,
                 decode_kv: float = 0.0) -> None:
         x = step_features(decode_rows, prompt_tokens, pairs, decode_kv)
+        predicted = self.cost.predict(x)
         if decode_rows and prompt_tokens:  # a paced step: did the model price it right?
-            right = seconds <= TRUST_SLACK * self.cost.predict(x)
+            right = seconds <= TRUST_SLACK * predicted
             self.trusted = max(self.trusted, 2 * prompt_tokens) if right else max(PROBE_TOKENS, prompt_tokens // 2)
+        elif prompt_tokens:  # a prompt alone: is its tokens' price not far too low?
+            near = seconds <= ALONE_SLACK * predicted
+            self.priced_alone = max(self.priced_alone, prompt_tokens) if near else self.priced_alone // 2
         self.cost.observe(x, seconds)
 
     def observe_batch(self, batch: "SchedulerOutput", seconds: float) -> None:
