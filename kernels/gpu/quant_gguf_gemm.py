@@ -6,9 +6,11 @@ codes and scales in registers, one [BLOCK_N, BLOCK_K] tile at a time, rounded to
 to tl.dot (float32 accumulation). The layout puts values 0..15 of a 32-value group in the low
 nibbles of 16 bytes and values 16..31 in the high nibbles, so a tile of BLOCK_K / 2 bytes per row
 is two half-tiles: the low nibbles against x at k = 32 g + i, the high ones against x at
-k = 32 g + 16 + i (i < 16). Each byte is read once; the scales of a group are read for the 16 bytes
-that share them (the same addresses: L1 hits). Q5 and Q6_K add bit planes (`qhigh`): bit i of a
-group's little-endian uint32 is bit 4 (bit 5) of value i, so a lane reads byte i // 8, bit i % 8.
+k = 32 g + 16 + i (i < 16). Each byte is read once, and so is each group's scale (and min, sub-scale),
+spread over the group's lanes in registers. Q5 and Q6_K add bit planes (`qhigh`): bit i of a group's
+little-endian uint32 is bit 4 (bit 5) of value i: the two bytes of a half-group's 16 lanes are read
+once and their bits spread. (Before, every lane loaded its own scale and bit byte: on the first H200,
+2026-12-04, the decode GEMMs ran at 1-4% of their bandwidth floor.)
 
 Oracle: kernels/quant_reference.py `dequantize` (ggml's floats, bit for bit).
 """
@@ -31,15 +33,25 @@ K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 @triton.jit
-def _high_bit(qh_ptr, row_off, byte, bit, mask):
-    """Bit `bit` of byte `byte` of each row's `qhigh` ([BLOCK_N, HALF] of 0/1, int32)."""
-    b = tl.load(qh_ptr + row_off + byte[None, :], mask=mask, other=0).to(tl.int32)
-    return (b >> bit[None, :]) & 1
+def _lanes(v, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """[BLOCK_N, G] per-group values -> [BLOCK_N, G * 16]: each group's value for its 16 lanes."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, G * 16))
 
 
-# The strides of the per-group arrays are not specialized either: those loads are gathers (no
-# vector width to gain), and K-quant rows of K / 256 scales would otherwise split one configuration
-# into two binaries by whether K / 256 is a multiple of 16.
+@triton.jit
+def _high_bits(qh_ptr, row_off, first, gmask, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """Bit i % 8 of byte `first` + i // 8 of each group's bit plane, for lanes i < 16 ([BLOCK_N,
+    G * 16] of 0/1, int32): the two bytes a half-group's 16 lanes share, read once and spread."""
+    two = tl.arange(0, 2)
+    b = tl.load(qh_ptr + row_off[:, :, None] + (first[:, None] + two[None, :])[None, :, :],
+                mask=gmask[:, :, None], other=0).to(tl.int32)                     # [BLOCK_N, G, 2]
+    bits = (b[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1        # [BLOCK_N, G, 2, 8]
+    return tl.reshape(bits, (BLOCK_N, G * 16))
+
+
+# The strides of the per-group arrays are not specialized either: the K-quants' rows of K / 256
+# scales would otherwise split one configuration into two binaries by whether K / 256 is a multiple
+# of 16. Per-group values are read once a group ([BLOCK_N, G]) and spread over its lanes in registers.
 @triton.jit(do_not_specialize=["M", "stride_qh", "stride_d", "stride_dm", "stride_sc", "stride_sm"])
 def _gguf_gemm_kernel(
     x_ptr, qw_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, sm_ptr, bias_ptr, out_ptr, part_ptr,
@@ -50,6 +62,7 @@ def _gguf_gemm_kernel(
     HAS_BIAS: tl.constexpr,
 ):
     HALF: tl.constexpr = BLOCK_K // 2
+    G: tl.constexpr = BLOCK_K // 32                 # groups of 32 values in a K tile
     FIVE_BITS: tl.constexpr = (QTYPE == 2) or (QTYPE == 3) or (QTYPE == 5)
     K_QUANT: tl.constexpr = QTYPE >= 4
     offs_m, offs_n, mask_m, mask_n, k_start, k_end = T.program_tile(M, N, K, K_PER_SPLIT, BLOCK_M, BLOCK_N)
@@ -57,47 +70,54 @@ def _gguf_gemm_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     j = tl.arange(0, HALF)          # byte of the tile's row = (group, lane i)
     lane = j % 16
+    g = tl.arange(0, G)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_lo = k0 + (j // 16) * 32 + lane          # the low nibble's value; the high one is k_lo + 16
         kmask = k_lo < k_end                        # K and k_end are multiples of 32
         wmask = mask_n[:, None] & kmask[None, :]
-        group = k_lo // 32
+        group = k0 // 32 + g                        # the tile's groups
+        gmask = mask_n[:, None] & (group < k_end // 32)[None, :]
         b = tl.load(qw_ptr + rows * stride_qw + (k0 // 2 + j)[None, :], mask=wmask, other=0).to(tl.int32)
         q_lo, q_hi = b & 15, b >> 4
         if FIVE_BITS:
             qh = rows * stride_qh
-            q_lo |= _high_bit(qh_ptr, qh, group * 4 + lane // 8, lane % 8, wmask) << 4
-            q_hi |= _high_bit(qh_ptr, qh, group * 4 + 2 + lane // 8, lane % 8, wmask) << 4
+            q_lo |= _high_bits(qh_ptr, qh, group * 4, gmask, BLOCK_N, G) << 4
+            q_hi |= _high_bits(qh_ptr, qh, group * 4 + 2, gmask, BLOCK_N, G) << 4
         if QTYPE == 6:  # Q6_K: two planes per group, bit 4 then bit 5
             qh = rows * stride_qh
-            q_lo |= _high_bit(qh_ptr, qh, group * 8 + lane // 8, lane % 8, wmask) << 4
-            q_hi |= _high_bit(qh_ptr, qh, group * 8 + 2 + lane // 8, lane % 8, wmask) << 4
-            q_lo |= _high_bit(qh_ptr, qh, group * 8 + 4 + lane // 8, lane % 8, wmask) << 5
-            q_hi |= _high_bit(qh_ptr, qh, group * 8 + 6 + lane // 8, lane % 8, wmask) << 5
-        if K_QUANT:
-            d = tl.load(d_ptr + rows * stride_d + (k_lo // 256)[None, :], mask=wmask, other=0.0).to(tl.float32)
+            q_lo |= _high_bits(qh_ptr, qh, group * 8, gmask, BLOCK_N, G) << 4
+            q_hi |= _high_bits(qh_ptr, qh, group * 8 + 2, gmask, BLOCK_N, G) << 4
+            q_lo |= _high_bits(qh_ptr, qh, group * 8 + 4, gmask, BLOCK_N, G) << 5
+            q_hi |= _high_bits(qh_ptr, qh, group * 8 + 6, gmask, BLOCK_N, G) << 5
+        if K_QUANT:   # one super-block of 256 per tile (BLOCK_K divides 256): its scale for every lane
+            d = tl.load(d_ptr + rows * stride_d + k0 // 256, mask=mask_n[:, None], other=0.0).to(tl.float32)
         else:
-            d = tl.load(d_ptr + rows * stride_d + group[None, :], mask=wmask, other=0.0).to(tl.float32)
+            d = tl.load(d_ptr + rows * stride_d + group[None, :], mask=gmask, other=0.0).to(tl.float32)
         # the value table of docs/quantization.md, in its float32 operation order
         if QTYPE == 0 or QTYPE == 2:
             zero = 8.0 if QTYPE == 0 else 16.0
+            d = _lanes(d, BLOCK_N, G)
             w_lo = d * (q_lo.to(tl.float32) - zero)
             w_hi = d * (q_hi.to(tl.float32) - zero)
         elif QTYPE == 1 or QTYPE == 3:
-            mn = tl.load(dm_ptr + rows * stride_dm + group[None, :], mask=wmask, other=0.0).to(tl.float32)
+            mn = _lanes(tl.load(dm_ptr + rows * stride_dm + group[None, :], mask=gmask, other=0.0).to(tl.float32),
+                        BLOCK_N, G)
+            d = _lanes(d, BLOCK_N, G)
             w_lo = d * q_lo.to(tl.float32) + mn
             w_hi = d * q_hi.to(tl.float32) + mn
         elif QTYPE == 6:
             sc = sc_ptr + rows * stride_sc + (group * 2)[None, :]
-            s_lo = d * tl.load(sc, mask=wmask, other=0).to(tl.float32)
-            s_hi = d * tl.load(sc + 1, mask=wmask, other=0).to(tl.float32)
+            s_lo = _lanes(d * tl.load(sc, mask=gmask, other=0).to(tl.float32), BLOCK_N, G)
+            s_hi = _lanes(d * tl.load(sc + 1, mask=gmask, other=0).to(tl.float32), BLOCK_N, G)
             w_lo = s_lo * (q_lo.to(tl.float32) - 32.0)
             w_hi = s_hi * (q_hi.to(tl.float32) - 32.0)
         else:  # Q4_K, Q5_K
-            scale = d * tl.load(sc_ptr + rows * stride_sc + group[None, :], mask=wmask, other=0).to(tl.float32)
-            dmin = tl.load(dm_ptr + rows * stride_dm + (k_lo // 256)[None, :], mask=wmask, other=0.0).to(tl.float32)
-            mn = dmin * tl.load(sm_ptr + rows * stride_sm + group[None, :], mask=wmask, other=0).to(tl.float32)
+            scale = _lanes(d * tl.load(sc_ptr + rows * stride_sc + group[None, :], mask=gmask, other=0).to(tl.float32),
+                           BLOCK_N, G)
+            dmin = tl.load(dm_ptr + rows * stride_dm + k0 // 256, mask=mask_n[:, None], other=0.0).to(tl.float32)
+            mn = _lanes(dmin * tl.load(sm_ptr + rows * stride_sm + group[None, :], mask=gmask, other=0).to(tl.float32),
+                        BLOCK_N, G)
             w_lo = scale * q_lo.to(tl.float32) + mn
             w_hi = scale * q_hi.to(tl.float32) + mn
         xmask = mask_m[:, None] & kmask[None, :]
