@@ -122,13 +122,16 @@ def test_only_a_gguf_float_file_keeps_its_type_under_auto():
 
 def test_the_onednn_callback_where_forced(folder, monkeypatch):
     """INFLIGHT_FLOAT_ONEDNN_FROM=16: a BF16 file's prompt steps (16 to 24 rows) run oneDNN's bf16 GEMM
-    on the same tensor, called back from the stack; an F16 file's stay on float_gemm.c (oneDNN has no
-    fp16 GEMM here). Bit for bit either way."""
+    on the same tensor, called back from the stack; an F16 file's too where oneDNN has an fp16 GEMM
+    (AVX512-FP16: a Sapphire Rapids Xeon), else they stay on float_gemm.c (an AMD EPYC). Bit for bit
+    either way."""
+    from backend.models.float_linear import onednn_fp16
     kind, path, _ = folder
     monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "16")
     llm = LLM(str(path), **ENGINE)
     down, rows = llm.engine.runner.model.layers[1].mlp.down_proj, []
-    assert down.onednn_from == (16 if kind == "BF16" else 0)
+    onednn = kind == "BF16" or onednn_fp16()
+    assert down.onednn_from == (16 if onednn else 0)
     monkeypatch.setattr(down, "onednn", lambda x, f=down.onednn: rows.append(x.shape[0]) or f(x))
     assert_the_stack_matches_the_python_layers(llm)
-    assert (min(rows) >= 16) if kind == "BF16" else not rows
+    assert (min(rows) >= 16) if onednn else not rows

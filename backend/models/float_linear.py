@@ -46,17 +46,41 @@ ONEDNN_FROM = {
 }
 
 
+# Where oneDNN has a faster kernel than the build's table assumes (measured on a Sapphire Rapids
+# Xeon, 2026-12-04, one thread, SmolLM2's shapes; docs/performance.md, "Issue 47: the F16 and BF16
+# rows"): bfloat16 on AMX tiles passes the C kernel by 1.56x at 16 rows (0.83 vs 1.29 ms) and 7x at
+# 512; float16 on AVX512-FP16 by 1.11x at 64 rows and 1.25-1.37x from 128.
+ONEDNN_FROM_AMX_BF16 = 16
+ONEDNN_FROM_FP16 = 128
+
+
+def onednn_fp16() -> bool:
+    """Whether oneDNN runs float16 GEMMs here: torch says the CPU can (avx512_fp16 or
+    avx_ne_convert) and ONEDNN_MAX_CPU_ISA does not cap oneDNN below AVX512-FP16."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()) and (cap == "ALL" or "FP16" in cap or "AMX" in cap)
+
+
 def float_onednn_from(dtype: torch.dtype) -> int:
     """The rows from which float layers of weight ``dtype`` run oneDNN instead of the C kernel on
     this CPU (0: never): INFLIGHT_FLOAT_ONEDNN_FROM (for every dtype oneDNN takes), else
-    ONEDNN_FROM for the float kernel's build."""
+    ONEDNN_FROM for the float kernel's build, lowered where oneDNN runs bfloat16 on AMX tiles and
+    raised from never where it runs float16."""
     from kernels.cpu import float_gemm
+    from kernels.cpu.moe import onednn_runs_amx
+    takes = (torch.float32, torch.bfloat16) + ((torch.float16,) if onednn_fp16() else ())
     forced = os.environ.get("INFLIGHT_FLOAT_ONEDNN_FROM")
     if forced is not None:
         if not forced.isdigit():
             raise ValueError(f"INFLIGHT_FLOAT_ONEDNN_FROM={forced!r}; a row count (0: never)")
-        return int(forced) if dtype in (torch.float32, torch.bfloat16) else 0
-    return ONEDNN_FROM[float_gemm.chosen_isa()].get(dtype, 0)
+        return int(forced) if dtype in takes else 0
+    isa = float_gemm.chosen_isa()
+    if isa.startswith("avx512"):   # (a forced AVX2 build stands for a CPU with neither)
+        if dtype == torch.bfloat16 and onednn_runs_amx():
+            return ONEDNN_FROM_AMX_BF16
+        if dtype == torch.float16 and dtype in takes:
+            return ONEDNN_FROM_FP16
+    return ONEDNN_FROM[isa].get(dtype, 0)
 
 
 class FloatLinear(nn.Module):

@@ -41,8 +41,8 @@ def layers(dtype: torch.dtype, count: int) -> list[tuple]:
 def time_ways(mods: list[tuple], rows: int, rounds: int, repeats: int) -> list[float]:
     """The fastest round's CPU seconds of each way: C kernel, PackedLinear, oneDNN on the same tensor."""
     ways = [lambda f, p, x: f.kernel.matmul(x), lambda f, p, x: p(x), lambda f, p, x: f.onednn(x)]
-    if mods[0][0].weight.dtype == torch.float16:  # oneDNN has no fp16 GEMM without avx512_fp16 (PackedLinear: a float32 copy)
-        ways = ways[:2]
+    if mods[0][0].weight.dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        ways = ways[:2]   # oneDNN has no fp16 GEMM without avx512_fp16 or avx_ne_convert (PackedLinear: a float32 copy)
     xs = [torch.randn(rows, f.in_features) for f, _ in mods]
     best = [float("inf")] * 3
     for r in range(rounds):

@@ -1,0 +1,64 @@
+"""backend/models/float_linear.py's choice of the rows from which a float layer runs oneDNN's GEMM
+instead of the C kernel: lowered for bfloat16 where oneDNN runs AMX tiles, opened for float16 where
+it has an fp16 kernel (AVX512-FP16), and never where ONEDNN_MAX_CPU_ISA caps oneDNN below it."""
+import pytest
+import torch
+
+from backend.models import float_linear as fl
+from kernels.cpu import moe
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Set what the CPU offers: (oneDNN runs AMX bf16, torch reports an fp16 kernel)."""
+    monkeypatch.delenv("INFLIGHT_FLOAT_ONEDNN_FROM", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+
+    def offer(amx: bool, fp16: bool, isa: str = "avx512_bf16"):
+        from kernels.cpu import float_gemm
+        monkeypatch.setattr(float_gemm, "chosen_isa", lambda: isa)
+        monkeypatch.setattr(moe, "onednn_runs_amx", lambda: amx)
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16)
+    return offer
+
+
+def test_amx_lowers_bfloat16_and_fp16_opens_float16(cpu):
+    cpu(amx=True, fp16=True)
+    assert fl.float_onednn_from(torch.bfloat16) == fl.ONEDNN_FROM_AMX_BF16 == 16
+    assert fl.float_onednn_from(torch.float16) == fl.ONEDNN_FROM_FP16 == 128
+
+
+@pytest.mark.parametrize("amx, fp16, isa", [(False, False, "avx512_bf16"), (True, True, "avx2")])
+def test_without_them_or_with_the_avx2_build_forced_the_builds_table_holds(cpu, amx, fp16, isa):
+    """(A forced AVX2 build stands for an AVX2 CPU: no AMX, no AVX512-FP16.)"""
+    cpu(amx=amx, fp16=fp16, isa=isa)
+    table = fl.ONEDNN_FROM[isa]
+    assert fl.float_onednn_from(torch.bfloat16) == table.get(torch.bfloat16, 0)
+    assert fl.float_onednn_from(torch.float16) == 0                 # the C kernel at every row count
+    assert fl.float_onednn_from(torch.float32) == table.get(torch.float32, 0)
+
+
+def test_a_capped_onednn_gets_no_float16_and_the_override_follows_what_it_takes(cpu, monkeypatch):
+    cpu(amx=False, fp16=True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")   # (the golden outputs' setting)
+    assert fl.float_onednn_from(torch.float16) == 0
+    monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "32")
+    assert fl.float_onednn_from(torch.float16) == 0 and fl.float_onednn_from(torch.bfloat16) == 32
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert fl.float_onednn_from(torch.float16) == 32
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_fp16_supported(), reason="this CPU has no oneDNN fp16 GEMM")
+def test_float16_through_onednn_matches_the_c_kernel_within_fp16_rounding():
+    """Where the CPU has it: a float16 layer's prompt rows through oneDNN (the activations rounded
+    to float16, as bfloat16's are) against the C kernel's float32 activations."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=False)
+    linear.weight.data = (linear.weight.data * 0.5).half()
+    layer = fl.FloatLinear(linear, onednn_from=128)
+    x = torch.randn(130, 576)
+    want = layer.kernel.matmul(x, None)
+    got = layer(x)
+    assert got.shape == want.shape
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 2e-3 * scale
