@@ -16,9 +16,9 @@ from typing import Optional
 from kernels import cpuinfo as kernels_cpuinfo
 
 # the /proc/cpuinfo flags reported, those that choose kernels: AVX2 (+FMA, F16C), AVX-512 (F, BW,
-# VNNI, BF16), AVX-VNNI on 256 bits, AMX
-REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
-                  "amx_tile", "amx_int8", "amx_bf16")
+# VNNI, BF16, FP16: oneDNN's float16 GEMM), AVX-VNNI on 256 bits, AMX
+REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                  "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 _GGML_OPTION = re.compile(r"^GGML_(NATIVE|SSE42|AVX\w*|FMA|F16C|BMI2|AMX_\w+):BOOL=(\w+)$", re.M)
 
 
