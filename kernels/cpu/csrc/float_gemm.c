@@ -158,15 +158,21 @@ ALWAYS_INLINE void block(const int type, const int MR, const int NR, const fweig
 #else
     (void)xb;
 #endif
-    for (int64_t k = 0; k < K; k += LANES) {
-        VEC wv[NR_MAX];
-        for (int j = 0; j < NR; j++) {
-            wv[j] = vload_w(type, w->w, (n + j) * K + k);
+    /* a 64-byte line of each weight row a step: LANES float32, or 2 x LANES 16-bit values (two
+       vectors into the same accumulators in order, so the sums are the one-vector loop's), and one
+       prefetch a line */
+    const int VECS = type == F32 || LANES < 16 ? 1 : 2;
+    for (int64_t k = 0; k < K; k += VECS * LANES) {
+        for (int j = 0; j < NR; j++)
             PREFETCH((const char *)w->w + ((n + AHEAD + j) * K + k) * (type == F32 ? 4 : 2));
-        }
-        for (int i = 0; i < MR; i++) {
-            const VEC xv = VLOADX(x + (m + i) * K + k);
-            for (int j = 0; j < NR; j++) acc[i][j] = VFMA(wv[j], xv, acc[i][j]);
+        for (int v = 0; v < VECS; v++) {
+            const int64_t kv = k + v * LANES;
+            VEC wv[NR_MAX];
+            for (int j = 0; j < NR; j++) wv[j] = vload_w(type, w->w, (n + j) * K + kv);
+            for (int i = 0; i < MR; i++) {
+                const VEC xv = VLOADX(x + (m + i) * K + kv);
+                for (int j = 0; j < NR; j++) acc[i][j] = VFMA(wv[j], xv, acc[i][j]);
+            }
         }
     }
 #if defined(__AVX512BF16__)
