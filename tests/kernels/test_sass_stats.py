@@ -31,3 +31,15 @@ def test_one_variant_compiles_for_sm_90_and_is_counted(tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["target"] == "sm_90" and row["qtype"] == "Q4_0" and row["block_m"] == 16
     assert row["instructions"] > 100 and 0 < row["global_loads"] < row["instructions"]
+
+
+def test_importing_it_leaves_the_interpreter_setting_alone(monkeypatch):
+    """(The first version popped TRITON_INTERPRET at import, as kernels.aot does in its own process:
+    imported by a test, it took the interpreter from every kernel test after it in that worker.)"""
+    import importlib
+
+    import client.tools.benchmarks.sass_stats as sass_stats
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(sass_stats)
+    import os
+    assert os.environ.get("TRITON_INTERPRET") == "1"
