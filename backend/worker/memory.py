@@ -47,10 +47,9 @@ def measure(env: "DeviceEnv", warm_up: Callable[[], None]) -> GpuMemory:
 
 def available_bytes(env: "DeviceEnv") -> Available:
     """(bytes available for new allocations, where) on the engine's device: the GPU's free memory
-    or the host's available memory, after what nothing uses is freed (a closed engine's KV cache,
-    the allocator's cached blocks)."""
-    env.release_cached()
+    (its allocator's cached blocks handed back first), or the host's available memory."""
     if env.is_cuda:
+        env.release_cached()
         return env.mem_get_info()[0], f"{env.device} memory free"
     import psutil
 
