@@ -145,17 +145,13 @@ class AsyncEngine:
         finally:
             ready.set()
         self.engine.waitlist.on_ready = self._wake  # a compiled grammar: its request can be queued
-        tp = getattr(self.engine.runner, "tp", None)
-        if tp is not None:
+        if (tp := getattr(self.engine.runner, "tp", None)) is not None:
             tp.on_failure(self._rank_lost)
         try:
             self._loop()
         finally:
             self.engine.close()
-            # the one link back from the engine to this object: without it, a shut-down engine
-            # dropped by its owner is freed at once, not when the cycle collector next runs (on the
-            # first H200 the next engine of one process found 19 MiB of 140 GiB free and died)
-            self.engine.waitlist.on_ready = None
+            self.engine.waitlist.on_ready = None  # the cycle back to us: a dropped engine is freed at once
             self._delivery.put(None)  # the output thread ends once it has delivered everything
 
     def _settle_loras(self) -> None:
