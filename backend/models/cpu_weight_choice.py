@@ -38,7 +38,7 @@ from kernels.quant_formats import logical_shape
 from kernels.quant_reference import dequantize
 
 log = logging.getLogger(__name__)
-FAST_BUILDS = ("avx512_vnni",)  # packed known faster: nothing to measure
+FAST_BUILDS = ("amx_int8", "avx512_vnni")  # packed known faster: nothing to measure
 MEASURED_ROWS = (1, 16)
 MARGIN = 1.1
 MAX_MEASURED_OUT = 2048  # output rows of one measured matrix (a 7B model's 14336-row MLP: a slice)

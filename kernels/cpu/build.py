@@ -42,6 +42,9 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 ISA_FLAGS = {
     "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                     "-mfma", "-DQUANT_AVX512"],
+    # The AVX512-VNNI build with AMX's int8 tiles for GEMMs of 16 rows or more (quant_gemm_amx.h)
+    "amx_int8": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
+                 "-mfma", "-mamx-tile", "-mamx-int8", "-DQUANT_AVX512", "-DQUANT_AMX"],
     "avx_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DQUANT_AVX2", "-DQUANT_AVXVNNI"],  # 256-bit VNNI
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DQUANT_AVX2"],  # AVX2 intrinsics (AMD Zen 1-3, most laptops)
     # The portable C code vectorized by the compiler for AVX2: what the avx2 build was before its

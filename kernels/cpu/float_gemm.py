@@ -31,7 +31,7 @@ K_MULTIPLE = 32
 BUILDS = ("avx512_bf16", "avx512", "avx2", "portable")  # best first (kernels/cpu/build.py ISA_FLAGS)
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
 NEEDS = {"avx512_bf16": AVX512 + ("avx512_bf16",), "avx512": AVX512, "avx2": ("avx2", "fma", "f16c")}
-CAPS = {"avx512_vnni": "avx512_bf16", "avx_vnni": "avx2", "avx2": "avx2", "portable": "portable"}
+CAPS = {"amx_int8": "avx512_bf16", "avx512_vnni": "avx512_bf16", "avx_vnni": "avx2", "avx2": "avx2", "portable": "portable"}
 BF16_PAIRS = ("avx512_bf16",)  # builds that round the activations to bfloat16 for bfloat16 weights
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

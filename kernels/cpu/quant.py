@@ -6,7 +6,9 @@ the kernel's tiles of 16 rows (`tile_layout`: the same bytes in another order, n
 then `matmul(x, bias)` is one C call per projection and `rows(ids)` dequantizes a few rows (the
 quantized embedding). Their oracles are kernels/quant_reference.py `qmatmul` and `dequantize`.
 
-Which build runs (`chosen_isa`): the AVX512-VNNI one where /proc/cpuinfo lists avx512f, avx512bw
+Which build runs (`chosen_isa`): the AMX one (the AVX512-VNNI kernel, with AMX's int8 tiles for 16
+rows or more: quant_gemm_amx.h) where /proc/cpuinfo lists amx_tile and amx_int8 too AND its probe
+ran them in a child process, else the AVX512-VNNI one where /proc/cpuinfo lists avx512f, avx512bw
 and avx512_vnni AND a child process ran it and got the right answer (some hypervisors list
 instructions they then kill a process for: docs/design.md, llama.cpp's AMX), else the AVX-VNNI
 one (256-bit vpdpbusd) and the AVX2 one (maddubs; both quant_gemm_avx2.h) on the same two
@@ -35,8 +37,10 @@ TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q
 VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 AVX_VNNI_FLAGS = AVX2_FLAGS + ("avx_vnni",)
-BUILDS = ("avx512_vnni", "avx_vnni", "avx2", "portable")  # best first (kernels/cpu/build.py ISA_FLAGS)
-NEEDS = {"avx512_vnni": VNNI_FLAGS, "avx_vnni": AVX_VNNI_FLAGS, "avx2": AVX2_FLAGS}  # /proc/cpuinfo flags
+AMX_FLAGS = VNNI_FLAGS + ("amx_tile", "amx_int8")
+BUILDS = ("amx_int8", "avx512_vnni", "avx_vnni", "avx2", "portable")  # best first (kernels/cpu/build.py ISA_FLAGS)
+NEEDS = {"amx_int8": AMX_FLAGS, "avx512_vnni": VNNI_FLAGS, "avx_vnni": AVX_VNNI_FLAGS,
+         "avx2": AVX2_FLAGS}  # /proc/cpuinfo flags
 NAME = "quant_gemm"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -91,7 +95,8 @@ def _probe_runs(isa: str) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def chosen_isa() -> str:
-    """The build of quant_gemm.c this process uses: "avx512_vnni" (intrinsics), else "avx_vnni"
+    """The build of quant_gemm.c this process uses: "amx_int8" (AVX512-VNNI, and AMX tiles for 16 rows
+    or more), else "avx512_vnni" (intrinsics), else "avx_vnni"
     (the same dot product on 256 bits), else "avx2" (maddubs/madd in place of vpdpbusd), else
     "portable" (plain C for the compiler's baseline)."""
     forced = cpu_build.forced_build("INFLIGHT_CPU_ISA", BUILDS)

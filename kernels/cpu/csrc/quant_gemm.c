@@ -242,6 +242,9 @@ static inline int64_t row_blocks(int type, int64_t rows) {
 #else
 #include "quant_gemm_portable.h"
 #endif
+#ifdef QUANT_AMX
+#include "quant_gemm_amx.h"
+#endif
 
 /* out[M, N] (row stride ldo) = x[M, K] @ W^T + bias.
 
@@ -251,6 +254,12 @@ static inline int64_t row_blocks(int type, int64_t rows) {
 void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, float *out, int64_t ldo) {
     const int64_t K = w->K, G = K / QK, T = (w->N + TILE - 1) / TILE;
     const int stream = ((uintptr_t)out % 64 == 0) && (ldo % 16 == 0) && M * ldo * 4 > (4 << 20);
+#ifdef QUANT_AMX
+    if (M >= AMX_MIN_ROWS && amx_type((int)w->type) && amx_ready()) {
+        qgemm_amx(w, x, M, bias, out, ldo, stream);
+        return;
+    }
+#endif
     int8_t *qa = malloc((size_t)(M * K));
     float *da = malloc(sizeof(float) * (size_t)(M * G));
     int32_t *sa = malloc(sizeof(int32_t) * (size_t)(M * G * 2));
@@ -307,18 +316,28 @@ void qgemm_experts(const qweight_t *ws, int64_t E, const float *x, const int64_t
 
 /* The ISA check (kernels/cpu_quant.py runs it in a child process before trusting this build):
    one Q4_0 tile-group through the kernel, with activations whose codes are exact (max 127, so
-   scale 1) and scales 1.0: the result is an integer sum the caller computes on its own. */
+   scale 1) and scales 1.0: the result is an integer sum the caller computes on its own. The AMX
+   build runs it as a block of 16 rows (the first that row, the rest zeros: they add nothing) through
+   its tiles, and returns NaN where the kernel refuses it the tile state. */
+#ifdef QUANT_AMX
+#define PROBE_ROWS AMX_MIN_ROWS
+#else
+#define PROBE_ROWS 1
+#endif
 float probe(void) {
     static uint8_t qs[256];
     static uint16_t scales[TILE];
-    static float x[QK], out[TILE];
+    static float x[PROBE_ROWS * QK], out[PROBE_ROWS * TILE];
     for (int i = 0; i < 256; i++) qs[i] = (uint8_t)(i * 7);
     for (int n = 0; n < TILE; n++) scales[n] = 0x3C00; /* 1.0 */
     for (int i = 0; i < QK; i++) x[i] = (float)(((i % 5) - 2) * 50);
     x[QK - 1] = 127.0f;
+#ifdef QUANT_AMX
+    if (!amx_ready()) return __builtin_nanf("");
+#endif
     qweight_t w = {qs, NULL, scales, NULL, NULL, NULL, Q4_0, TILE, QK};
-    qgemm(&w, x, 1, NULL, out, TILE);
+    qgemm(&w, x, PROBE_ROWS, NULL, out, TILE);
     float s = 0.0f;
-    for (int n = 0; n < TILE; n++) s += out[n];
+    for (int n = 0; n < PROBE_ROWS * TILE; n++) s += out[n];
     return s;
 }

@@ -2,14 +2,98 @@
    VNNI, F16C): one 512-bit vector holds the 4 codes of each of a tile's 16 rows, vpdpbusd multiplies
    them by 4 activation codes broadcast to every lane. quant_gemm.c's header comment has the layout
    and the sums; quant_gemm_avx2.h is the same on 256 bits. */
+/* A tile-group's codes as 8 vectors of 4 codes x 16 rows (wlo: values 0-15, whi: 16-31; unsigned,
+   the 5th and 6th bits or-ed in), and its scales as 16 lanes: dvec (K-quants: times the group's
+   sub-scale), mvec (the group's min, or the super-block's times the sub-min; else zero), and Q6_K's
+   two sub-scales a half in sclo / schi. Shared by the VNNI tile below and quant_gemm_amx.h. */
+static inline __attribute__((always_inline)) void group_codes(const int TYPE, const qweight_t *w, int64_t tg,
+                                                              __m512i wlo[4], __m512i whi[4]) {
+    const __m512i nib = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01), two = _mm512_set1_epi8(0x03);
+    if (TYPE == Q8_0) {
+        const uint8_t *p = w->qs + tg * 512;
+        for (int c = 0; c < 4; c++) {
+            wlo[c] = _mm512_loadu_si512(p + c * 64);
+            whi[c] = _mm512_loadu_si512(p + (c + 4) * 64);
+        }
+    } else {
+        const uint8_t *p = w->qs + tg * 256;
+        for (int c = 0; c < 4; c++) {
+            const __m512i x = _mm512_loadu_si512(p + c * 64);
+            wlo[c] = _mm512_and_si512(x, nib);
+            whi[c] = _mm512_and_si512(_mm512_srli_epi32(x, 4), nib);
+        }
+    }
+    if (high_bits(TYPE) == 1) {
+        const __m512i h = _mm512_loadu_si512(w->qh + tg * 64);
+        for (int c = 0; c < 4; c++) {
+            wlo[c] = _mm512_or_si512(wlo[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, c), one), 4));
+            whi[c] = _mm512_or_si512(whi[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, c + 4), one), 4));
+        }
+    } else if (high_bits(TYPE) == 2) {
+        const __m512i h0 = _mm512_loadu_si512(w->qh + tg * 128), h1 = _mm512_loadu_si512(w->qh + tg * 128 + 64);
+        for (int c = 0; c < 4; c++) {
+            wlo[c] = _mm512_or_si512(wlo[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h0, 2 * c), two), 4));
+            whi[c] = _mm512_or_si512(whi[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h1, 2 * c), two), 4));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void group_scales(const int TYPE, const qweight_t *w, int64_t t,
+                                                               int64_t g, __m512 *dvec, __m512 *mvec,
+                                                               __m512i *sclo, __m512i *schi) {
+    const int64_t G = w->K / QK, S = w->K / 256, tg = t * G + g;
+    *mvec = _mm512_setzero_ps();
+    *sclo = *schi = _mm512_setzero_si512();
+    if (!k_quant(TYPE)) {
+        *dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + tg * TILE)));
+        if (has_group_mins(TYPE)) *mvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + tg * TILE)));
+    } else {
+        const int64_t ts = t * S + g / 8;
+        *dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + ts * TILE)));
+        if (TYPE == Q6_K) {
+            *sclo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE)));
+            *schi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE)));
+        } else {
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * TILE))));
+            const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_mins + tg * TILE))));
+            *mvec = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + ts * TILE))), mn);
+            *dvec = _mm512_mul_ps(*dvec, sc);
+        }
+    }
+}
+
+/* A row's share of a group, added to its accumulator: the int32 dot products (zero point and, for
+   Q6_K, the sub-scales applied) scaled by the weights' and the row's scales, then the mins' term. */
+static inline __attribute__((always_inline)) __m512 group_row_sum(const int TYPE, __m512 acc, __m512i dot,
+                                                                  __m512 dvec, __m512 mvec, float dm, int32_t s) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(dm)), acc);
+    if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
+        acc = _mm512_fmadd_ps(mvec, _mm512_set1_ps(dm * (float)s), acc);
+    return acc;
+}
+
+/* The tile's 16 outputs of each row [m0, m0 + MT) (+ bias), stored (see qgemm for `stream`). */
+static inline __attribute__((always_inline)) void store_rows(const int MT, const __m512 *acc, int64_t t,
+                                                             int64_t m0, int64_t N, const float *bias,
+                                                             float *out, int64_t ldo, int stream) {
+    const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    if (valid == TILE && stream) /* see qgemm */
+        for (int r = 0; r < MT; r++) _mm512_stream_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
+        for (int r = 0; r < MT; r++) _mm512_storeu_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else
+        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
+}
+
 /* One tile (16 output rows) against activation rows [m0, m0 + MT): TYPE and MT are constants
    where it is called, so each (type, MT) pair compiles to its own straight-line loop. */
 static inline __attribute__((always_inline)) void tile_rows(
         const int TYPE, const int MT, const qweight_t *w, int64_t t, int64_t m0, const int8_t *qa,
         const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo, int stream,
         int64_t pass, int64_t passes) {
-    const int64_t K = w->K, G = K / QK, S = K / 256, N = w->N;
-    const __m512i nib = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01), two = _mm512_set1_epi8(0x03);
+    const int64_t K = w->K, G = K / QK;
     __m512 acc[MT];
     for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
     int64_t g_fetch = pass; /* this pass's next group to prefetch for: pass, pass + passes, ... (no division per group) */
@@ -21,56 +105,14 @@ static inline __attribute__((always_inline)) void tile_rows(
             const char *next = (const char *)(w->qs + (tg + G) * qs_bytes(TYPE));
             for (int c = 0; c < qs_bytes(TYPE) / 64; c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
         }
-        if (TYPE == Q8_0) {
-            const uint8_t *p = w->qs + tg * 512;
-            for (int c = 0; c < 4; c++) {
-                wlo[c] = _mm512_loadu_si512(p + c * 64);
-                whi[c] = _mm512_loadu_si512(p + (c + 4) * 64);
-            }
-        } else {
-            const uint8_t *p = w->qs + tg * 256;
-            for (int c = 0; c < 4; c++) {
-                const __m512i x = _mm512_loadu_si512(p + c * 64);
-                wlo[c] = _mm512_and_si512(x, nib);
-                whi[c] = _mm512_and_si512(_mm512_srli_epi32(x, 4), nib);
-            }
-        }
-        if (high_bits(TYPE) == 1) {
-            const __m512i h = _mm512_loadu_si512(w->qh + tg * 64);
-            for (int c = 0; c < 4; c++) {
-                wlo[c] = _mm512_or_si512(wlo[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, c), one), 4));
-                whi[c] = _mm512_or_si512(whi[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, c + 4), one), 4));
-            }
-        } else if (high_bits(TYPE) == 2) {
-            const __m512i h0 = _mm512_loadu_si512(w->qh + tg * 128), h1 = _mm512_loadu_si512(w->qh + tg * 128 + 64);
-            for (int c = 0; c < 4; c++) {
-                wlo[c] = _mm512_or_si512(wlo[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h0, 2 * c), two), 4));
-                whi[c] = _mm512_or_si512(whi[c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h1, 2 * c), two), 4));
-            }
-        }
-        __m512 dvec, mvec = _mm512_setzero_ps();
-        __m512i sclo = _mm512_setzero_si512(), schi = _mm512_setzero_si512();
-        if (!k_quant(TYPE)) {
-            dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + tg * TILE)));
-            if (has_group_mins(TYPE)) mvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + tg * TILE)));
-        } else {
-            const int64_t ts = t * S + g / 8;
-            dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + ts * TILE)));
-            if (TYPE == Q6_K) {
-                sclo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE)));
-                schi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE)));
-            } else {
-                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * TILE))));
-                const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_mins + tg * TILE))));
-                mvec = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + ts * TILE))), mn);
-                dvec = _mm512_mul_ps(dvec, sc);
-            }
-        }
+        group_codes(TYPE, w, tg, wlo, whi);
+        __m512 dvec, mvec;
+        __m512i sclo, schi;
+        group_scales(TYPE, w, t, g, &dvec, &mvec, &sclo, &schi);
         for (int r = 0; r < MT; r++) {
             const int64_t m = m0 + r;
             const int8_t *a = qa + m * K + g * QK;
             const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
-            const float dm = da[m * G + g];
             /* the zero point's share (-zero x the codes' sum) starts the sum: exact in int32, the
                same sum as subtracting it after, one instruction fewer a row */
             __m512i lo = TYPE != Q6_K && zero_point(TYPE) ? _mm512_set1_epi32(-zero_point(TYPE) * (s0 + s1))
@@ -91,20 +133,10 @@ static inline __attribute__((always_inline)) void tile_rows(
             } else {
                 dot = _mm512_add_epi32(lo, hi);
             }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(dm)), acc[r]);
-            if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
-                acc[r] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(dm * (float)(s0 + s1)), acc[r]);
+            acc[r] = group_row_sum(TYPE, acc[r], dot, dvec, mvec, da[m * G + g], s0 + s1);
         }
     }
-    const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
-    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    if (valid == TILE && stream) /* see qgemm */
-        for (int r = 0; r < MT; r++) _mm512_stream_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
-    else if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
-        for (int r = 0; r < MT; r++) _mm512_storeu_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
-    else
-        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
+    store_rows(MT, acc, t, m0, w->N, bias, out, ldo, stream);
 }
 
 static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,

@@ -1,0 +1,219 @@
+/* The AMX build's GEMM for many rows (included by quant_gemm.c under QUANT_AMX, beside the AVX-512
+   tile kernel it shares its helpers with; AMX-TILE and AMX-INT8, Intel Sapphire Rapids and later).
+
+   Blocks of 16 activation rows against a tile of 16 weight rows: per group of 32 values one tdpbsud
+   takes the block's 16 x 32 signed activation codes (tile A, rows straight from the quantized
+   activations) and the group's 32 x 16 unsigned weight codes (tile B, 8 rows of 64 bytes: exactly
+   the tile layout's 8 vectors of 4 codes x 16 rows, so Q8_0's are loaded where they lie and the
+   4- and 5-bit ones unpacked once into a 512-byte buffer) into 16 x 16 int32 dot products: the
+   integer sums the VNNI kernel builds with 8 vpdpbusd a row. They are stored and scaled a row at a
+   time with the same float operations in the same order (group_row_sum), so every output equals the
+   AVX-512 build's bit for bit. The int8 work leaves the vector ports; what remains a row and group is
+   the scaling (~5 vector instructions against the VNNI kernel's ~15).
+
+   Q6_K (a sub-scale per 16 values, applied in integers) keeps the VNNI tile kernel, as do calls with
+   fewer than AMX_MIN_ROWS rows (a decode step's few rows: the tile's setup outweighs it there) and a
+   process the kernel refuses the tile state to (`amx_ready`). Linux hands a process the AMX state only
+   on request (arch_prctl ARCH_REQ_XCOMP_PERM); a VM that lists AMX but refuses it, or kills the
+   process for running it, fails the build's probe in a child process (kernels/cpu/quant.py), and the
+   AVX512-VNNI build runs instead. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16     /* activation rows a block: tile A's and C's rows */
+#define AMX_MIN_ROWS 16 /* below this, the VNNI tile kernel (measured: docs/performance.md) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* 1 once the kernel granted this process the tile state, 0 if it refused (asked once). */
+static int amx_ready(void) {
+    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused */
+    if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) == 0) {
+        const long granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
+        __atomic_store_n(&state, granted == 0 ? 1 : -1, __ATOMIC_RELEASE); /* asking twice is harmless */
+    }
+    return state > 0;
+}
+
+static inline int amx_type(int type) { return type != Q6_K; }
+
+/* The tile shapes, per thread (the configuration is a thread's state): A 16 rows x 32 codes,
+   B 8 rows x 64 bytes (32 values x 16 lanes), C 16 x 16 int32; tiles 0-2 and again 3-5. */
+static void amx_configure(void) {
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int set = 0; set < 6; set += 3) { /* two sets: see AMX_ISSUE */
+        c.rows[set] = AMX_ROWS, c.colsb[set] = QK;
+        c.rows[set + 1] = QK / 4, c.colsb[set + 1] = 64;
+        c.rows[set + 2] = AMX_ROWS, c.colsb[set + 2] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Group g's tiles: its weight codes into tile B (from `codes`: the tile's, unpacked once a tile
+   by amx_tile, or Q8_0's where they lie), the block's activation codes into A, their products into
+   C. Two sets of tiles, (0, 1, 2) and (3, 4, 5), so one group's products are made while the last
+   one's are scaled. */
+#define AMX_ISSUE(A_, B_, C_, g_)                                               \
+    do {                                                                        \
+        const uint8_t *b_ = codes + (g_) * 512;                                 \
+        if (UNPACK) { /* a lone block: this group's codes, unpacked here */     \
+            uint8_t *u_ = own[(A_) != 0];                                       \
+            __m512i wlo[4], whi[4];                                             \
+            group_codes(TYPE, w, t * G + (g_), wlo, whi);                       \
+            for (int c = 0; c < 4; c++) {                                       \
+                _mm512_store_si512(u_ + c * 64, wlo[c]);                        \
+                _mm512_store_si512(u_ + (c + 4) * 64, whi[c]);                  \
+            }                                                                   \
+            b_ = u_;                                                            \
+        }                                                                       \
+        _tile_loadd(A_, qa + m0 * K + (g_) * QK, K);                            \
+        _tile_loadd(B_, b_, 64);                                                \
+        _tile_zero(C_);                                                         \
+        _tile_dpbsud(C_, A_, B_);                                               \
+    } while (0)
+
+/* Group g's int32 products (`dots`, row-major 16 x 16) into the rows' accumulators: the zero
+   point's share added in integers, then group_row_sum's float operations, in the VNNI kernel's
+   order (so the same float result). zs and ms: each row's -zero x its codes' sum and da x that sum,
+   made once per call (qgemm_amx), broadcast from memory. */
+static inline __attribute__((always_inline)) void amx_scale_group(
+        const int TYPE, const qweight_t *w, int64_t t, int64_t g, int64_t m0, const int32_t *dots,
+        const float *da, const int32_t *zs, const float *ms, __m512 *acc) {
+    const int64_t G = w->K / QK;
+    __m512 dvec, mvec;
+    __m512i sclo, schi;
+    group_scales(TYPE, w, t, g, &dvec, &mvec, &sclo, &schi);
+    for (int r = 0; r < AMX_ROWS; r++) {
+        const int64_t i = (m0 + r) * G + g;
+        __m512i dot = _mm512_load_si512(dots + r * TILE);
+        if (zero_point(TYPE)) dot = _mm512_add_epi32(_mm512_set1_epi32(zs[i]), dot);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(da[i])), acc[r]);
+        if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
+            acc[r] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(ms[i]), acc[r]);
+    }
+}
+
+/* Tile t's outputs for activation rows [m0, m0 + rows) (rows <= 16; the quantized activations are
+   padded with zero rows to a whole block, whose outputs are not stored). `codes`: the tile's weight
+   codes, 512 bytes a group in tile B's layout; with UNPACK (a tile's only block) each group's 4- or
+   5-bit codes are unpacked as it is issued instead. */
+static inline __attribute__((always_inline)) void amx_block(
+        const int TYPE, const int UNPACK, const qweight_t *w, int64_t t, int64_t m0, int64_t rows, const uint8_t *codes,
+        const int8_t *qa, const float *da, const int32_t *zs, const float *ms, const float *bias, float *out,
+        int64_t ldo, int stream) {
+    const int64_t K = w->K, G = K / QK;
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    _Alignas(64) int32_t dots[2][AMX_ROWS * TILE];
+    _Alignas(64) uint8_t own[2][UNPACK ? 8 * 64 : 64];
+    /* Group g's products are stored one group after they were issued and scaled one group after
+       they were stored: a tile store's lines are read back only once the next group's is under way. */
+    AMX_ISSUE(0, 1, 2, 0);
+    for (int64_t g = 0; g < G; g += 2) { /* g in tiles 0-2, g + 1 in 3-5 */
+        if (g + 1 < G) AMX_ISSUE(3, 4, 5, g + 1);
+        _tile_stored(2, dots[0], 64);
+        if (g > 0) amx_scale_group(TYPE, w, t, g - 1, m0, dots[1], da, zs, ms, acc);
+        if (g + 1 < G) {
+            if (g + 2 < G) AMX_ISSUE(0, 1, 2, g + 2);
+            _tile_stored(5, dots[1], 64);
+            amx_scale_group(TYPE, w, t, g, m0, dots[0], da, zs, ms, acc);
+        }
+    }
+    if (G % 2) amx_scale_group(TYPE, w, t, G - 1, m0, dots[0], da, zs, ms, acc);
+    else amx_scale_group(TYPE, w, t, G - 1, m0, dots[1], da, zs, ms, acc);
+    if (rows == AMX_ROWS) store_rows(AMX_ROWS, acc, t, m0, w->N, bias, out, ldo, stream);
+    else store_rows(rows, acc, t, m0, w->N, bias, out, ldo, stream);
+}
+
+/* Tile t against activation rows [m0, m1): for more than one block of 16 rows, its 4- and 5-bit
+   codes unpacked once into `buffer` (G x 512 bytes; written well before a tile load reads them back),
+   then each block. */
+static inline __attribute__((always_inline)) void amx_tile(
+        const int TYPE, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, int64_t M, uint8_t *buffer,
+        const int8_t *qa, const float *da, const int32_t *zs, const float *ms, const float *bias, float *out,
+        int64_t ldo, int stream) {
+    const int64_t G = w->K / QK;
+    const uint8_t *codes = w->qs + t * G * 512;
+    if (TYPE != Q8_0 && m1 - m0 <= AMX_ROWS) {
+        amx_block(TYPE, 1, w, t, m0, M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS, codes, qa, da, zs, ms, bias, out, ldo, stream);
+        return;
+    }
+    if (TYPE != Q8_0) {
+        for (int64_t g = 0; g < G; g++) {
+            __m512i wlo[4], whi[4];
+            group_codes(TYPE, w, t * G + g, wlo, whi);
+            for (int c = 0; c < 4; c++) {
+                _mm512_store_si512(buffer + g * 512 + c * 64, wlo[c]);
+                _mm512_store_si512(buffer + g * 512 + (c + 4) * 64, whi[c]);
+            }
+        }
+        codes = buffer;
+    }
+    for (int64_t mb = m0; mb < m1; mb += AMX_ROWS)
+        amx_block(TYPE, 0, w, t, mb, M - mb < AMX_ROWS ? M - mb : AMX_ROWS, codes, qa, da, zs, ms, bias, out, ldo, stream);
+}
+
+#define AMX_BY_TYPE(ROWS)                                                       \
+    switch (w->type) {                                                          \
+    case Q8_0: ROWS(Q8_0); break; case Q4_0: ROWS(Q4_0); break;                 \
+    case Q4_1: ROWS(Q4_1); break; case Q5_0: ROWS(Q5_0); break;                 \
+    case Q5_1: ROWS(Q5_1); break; case Q4_K: ROWS(Q4_K); break;                 \
+    default: ROWS(Q5_K); break;                                                 \
+    }
+
+/* How many qgemm calls took the tiles (tests/kernels/test_cpu_quant_amx.py: the outputs alone
+   cannot tell, being the VNNI kernel's bit for bit). */
+static int64_t amx_call_count = 0;
+int64_t amx_calls(void) { return __atomic_load_n(&amx_call_count, __ATOMIC_RELAXED); }
+
+/* qgemm for M >= AMX_MIN_ROWS rows of an amx_type: the activations quantized as qgemm does, padded
+   to whole blocks of 16 rows with zeros. */
+static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float *bias, float *out,
+                      int64_t ldo, int stream) {
+    const int64_t K = w->K, G = K / QK, T = (w->N + TILE - 1) / TILE;
+    const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    __atomic_add_fetch(&amx_call_count, 1, __ATOMIC_RELAXED);
+    int8_t *qa = malloc((size_t)(Mp * K));
+    float *da = malloc(sizeof(float) * (size_t)(Mp * G));
+    int32_t *sa = malloc(sizeof(int32_t) * (size_t)(Mp * G * 2));
+    int32_t *zs = malloc(sizeof(int32_t) * (size_t)(Mp * G));
+    float *ms = malloc(sizeof(float) * (size_t)(Mp * G));
+    quantize_rows(x, M, K, qa, da, sa);
+    memset(qa + M * K, 0, (size_t)((Mp - M) * K));
+    memset(da + M * G, 0, sizeof(float) * (size_t)((Mp - M) * G));
+    memset(sa + M * G * 2, 0, sizeof(int32_t) * (size_t)((Mp - M) * G * 2));
+    const int zp = zero_point((int)w->type);
+    for (int64_t i = 0; i < Mp * G; i++) {
+        const int32_t s = sa[2 * i] + sa[2 * i + 1];
+        zs[i] = -zp * s;
+        ms[i] = da[i] * (float)s;
+    }
+    for (int64_t m0 = 0; m0 < Mp; m0 += M_CHUNK) {
+        const int64_t m1 = m0 + M_CHUNK < Mp ? m0 + M_CHUNK : Mp;
+#pragma omp parallel
+        {
+            uint8_t *buffer = aligned_alloc(64, (size_t)(G * 512));
+            amx_configure();
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+#define AMX_TILE_OF(TYPE_) amx_tile(TYPE_, w, t, m0, m1, M, buffer, qa, da, zs, ms, bias, out, ldo, stream)
+                AMX_BY_TYPE(AMX_TILE_OF)
+#undef AMX_TILE_OF
+            }
+            _tile_release();
+            free(buffer);
+        }
+    }
+    if (stream) _mm_sfence();
+    free(qa);
+    free(da);
+    free(sa);
+    free(zs);
+    free(ms);
+}

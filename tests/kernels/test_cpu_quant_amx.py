@@ -1,0 +1,54 @@
+"""The AMX build of the quantized GEMM (kernels/cpu/csrc/quant_gemm_amx.h) against the AVX512-VNNI
+build it extends: for 16 rows or more it makes the same integer dot products with AMX's int8 tiles
+and scales them with the same float operations in the same order, so every output must equal the
+VNNI build's bit for bit (both are checked against the torch reference in test_cpu_quant.py). Runs
+where this CPU lists AMX and the build's probe ran in a child process (test_cpu_quant.amx_runs: a
+VM may list AMX and refuse or kill it); elsewhere there is no AMX to test."""
+import ctypes
+
+import pytest
+import torch
+
+from kernels.cpu import build as cpu_build
+from kernels.cpu import quant as cpu_quant
+from test_cpu_quant import TYPES, amx_runs, packed
+
+from backend.models.gguf.packed import BLOCK_SIZES, TYPE_IDS
+
+
+pytestmark = pytest.mark.skipif(not amx_runs(), reason="this CPU does not run the AMX build")
+
+
+def amx_calls() -> int:
+    return cpu_build.function(cpu_quant.NAME, "amx_calls", (), "amx_int8", restype=ctypes.c_int64)()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
+    per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
+    gen = torch.Generator().manual_seed(11)
+    # blocks: 5 and 6 groups of 32 (odd and even: the tiles alternate two sets a group); 37 output
+    # rows: two whole tiles and a partial one
+    for n, blocks in ((37, 2), (37, 3)) if per_block == 256 else ((37, 5), (21, 6)):
+        parts = packed(qtype, n, blocks, seed=len(qtype) + n + blocks)
+        amx = cpu_quant.CpuQuantWeight(qtype, parts, isa="amx_int8")
+        vnni = cpu_quant.CpuQuantWeight(qtype, parts, isa="avx512_vnni")
+        bias = torch.randn(n, generator=gen)
+        # 15: below a block (the VNNI kernel); 16, 17, 31, 33: a block and the padded rows of the
+        # next; 300: past one pass of 256 rows, ending in a partial block
+        for m in (15, 16, 17, 31, 33, 300):
+            x = torch.randn(m, blocks * per_block, generator=gen)
+            x[0, :5] = 40.0  # an outlier: one group's scale
+            x[-1] = 0.0  # a row of zeros: its groups' scales are 0
+            before = amx_calls()
+            got = amx.matmul(x, bias)
+            took_tiles = amx_calls() - before
+            assert torch.equal(got, vnni.matmul(x, bias)), (qtype, n, blocks, m)
+            # the tiles ran for every type but Q6_K (its sub-scales a half group stay in integers
+            # in the VNNI kernel), from 16 rows on
+            assert took_tiles == (1 if m >= 16 and qtype != "Q6_K" else 0), (qtype, m, took_tiles)
+
+
+def test_the_probe_runs_the_tiles_here():
+    assert cpu_quant._probe_runs("amx_int8") == (True, "")
+    assert cpu_quant.chosen_isa() == "amx_int8" or cpu_build.forced_build("INFLIGHT_CPU_ISA", cpu_quant.BUILDS)
