@@ -72,7 +72,7 @@ static void amx_configure(void) {
             }                                                                   \
             b_ = u_;                                                            \
         }                                                                       \
-        _tile_loadd(A_, qa + m0 * K + (g_) * QK, K);                            \
+        _tile_loadd(A_, qa + ((m0) / AMX_ROWS * G + (g_)) * AMX_ROWS * QK, QK); \
         _tile_loadd(B_, b_, 64);                                                \
         _tile_zero(C_);                                                         \
         _tile_dpbsud(C_, A_, B_);                                               \
@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void amx_scale_group(
     __m512i sclo, schi;
     group_scales(TYPE, w, t, g, &dvec, &mvec, &sclo, &schi);
     for (int r = 0; r < AMX_ROWS; r++) {
-        const int64_t i = (m0 + r) * G + g;
+        const int64_t i = (m0 / AMX_ROWS * G + g) * AMX_ROWS + r;
         __m512i dot = _mm512_load_si512(dots + r * TILE);
         if (zero_point(TYPE)) dot = _mm512_add_epi32(_mm512_set1_epi32(zs[i]), dot);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(da[i])), acc[r]);
@@ -188,12 +188,24 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
     memset(qa + M * K, 0, (size_t)((Mp - M) * K));
     memset(da + M * G, 0, sizeof(float) * (size_t)((Mp - M) * G));
     memset(sa + M * G * 2, 0, sizeof(int32_t) * (size_t)((Mp - M) * G * 2));
+    /* re-laid by block of 16 rows and group: [Mp / 16][G][16] (and 32 codes a row for A), so a tile
+       load reads 512 contiguous bytes and a group's 16 rows' scales sit on one line */
+    int8_t *qb = aligned_alloc(64, (size_t)(Mp * K));
+    float *db = malloc(sizeof(float) * (size_t)(Mp * G));
     const int zp = zero_point((int)w->type);
-    for (int64_t i = 0; i < Mp * G; i++) {
-        const int32_t s = sa[2 * i] + sa[2 * i + 1];
-        zs[i] = -zp * s;
-        ms[i] = da[i] * (float)s;
-    }
+    for (int64_t m = 0; m < Mp; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t i = m * G + g, j = (m / AMX_ROWS * G + g) * AMX_ROWS + m % AMX_ROWS;
+            const int32_t s = sa[2 * i] + sa[2 * i + 1];
+            memcpy(qb + j * QK, qa + i * QK, QK);
+            db[j] = da[i];
+            zs[j] = -zp * s;
+            ms[j] = da[i] * (float)s;
+        }
+    free(qa);
+    free(da);
+    qa = qb;
+    da = db;
     for (int64_t m0 = 0; m0 < Mp; m0 += M_CHUNK) {
         const int64_t m1 = m0 + M_CHUNK < Mp ? m0 + M_CHUNK : Mp;
 #pragma omp parallel
