@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backend.models import float_linear as fl
-from kernels.cpu import moe
+from kernels.cpu import onednn
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def cpu(monkeypatch):
     def offer(amx: bool, fp16: bool, isa: str = "avx512_bf16"):
         from kernels.cpu import float_gemm
         monkeypatch.setattr(float_gemm, "chosen_isa", lambda: isa)
-        monkeypatch.setattr(moe, "onednn_runs_amx", lambda: amx)
+        monkeypatch.setattr(onednn, "runs_amx_bf16", lambda: amx)
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16)
     return offer
 

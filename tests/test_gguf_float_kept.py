@@ -125,12 +125,12 @@ def test_the_onednn_callback_where_forced(folder, monkeypatch):
     on the same tensor, called back from the stack; an F16 file's too where oneDNN has an fp16 GEMM
     (AVX512-FP16: a Sapphire Rapids Xeon), else they stay on float_gemm.c (an AMD EPYC). Bit for bit
     either way."""
-    from backend.models.float_linear import onednn_fp16
+    from kernels.cpu import onednn as onednn_caps
     kind, path, _ = folder
     monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "16")
     llm = LLM(str(path), **ENGINE)
     down, rows = llm.engine.runner.model.layers[1].mlp.down_proj, []
-    onednn = kind == "BF16" or onednn_fp16()
+    onednn = kind == "BF16" or onednn_caps.runs_fp16()
     assert down.onednn_from == (16 if onednn else 0)
     monkeypatch.setattr(down, "onednn", lambda x, f=down.onednn: rows.append(x.shape[0]) or f(x))
     assert_the_stack_matches_the_python_layers(llm)

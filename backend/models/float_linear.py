@@ -54,21 +54,13 @@ ONEDNN_FROM_AMX_BF16 = 16
 ONEDNN_FROM_FP16 = 128
 
 
-def onednn_fp16() -> bool:
-    """Whether oneDNN runs float16 GEMMs here: torch says the CPU can (avx512_fp16 or
-    avx_ne_convert) and ONEDNN_MAX_CPU_ISA does not cap oneDNN below AVX512-FP16."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()) and (cap == "ALL" or "FP16" in cap or "AMX" in cap)
-
-
 def float_onednn_from(dtype: torch.dtype) -> int:
     """The rows from which float layers of weight ``dtype`` run oneDNN instead of the C kernel on
     this CPU (0: never): INFLIGHT_FLOAT_ONEDNN_FROM (for every dtype oneDNN takes), else
     ONEDNN_FROM for the float kernel's build, lowered where oneDNN runs bfloat16 on AMX tiles and
     raised from never where it runs float16."""
-    from kernels.cpu import float_gemm
-    from kernels.cpu.moe import onednn_runs_amx
-    takes = (torch.float32, torch.bfloat16) + ((torch.float16,) if onednn_fp16() else ())
+    from kernels.cpu import float_gemm, onednn
+    takes = (torch.float32, torch.bfloat16) + ((torch.float16,) if onednn.runs_fp16() else ())
     forced = os.environ.get("INFLIGHT_FLOAT_ONEDNN_FROM")
     if forced is not None:
         if not forced.isdigit():
@@ -76,7 +68,7 @@ def float_onednn_from(dtype: torch.dtype) -> int:
         return int(forced) if dtype in takes else 0
     isa = float_gemm.chosen_isa()
     if isa.startswith("avx512"):   # (a forced AVX2 build stands for a CPU with neither)
-        if dtype == torch.bfloat16 and onednn_runs_amx():
+        if dtype == torch.bfloat16 and onednn.runs_amx_bf16():
             return ONEDNN_FROM_AMX_BF16
         if dtype == torch.float16 and dtype in takes:
             return ONEDNN_FROM_FP16

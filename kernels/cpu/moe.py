@@ -23,7 +23,6 @@ import ctypes
 import functools
 import logging
 import mmap
-import os
 from typing import Callable
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from kernels import checks as _common
 
 from kernels.cpu import build as cpu_build
+from kernels.cpu import onednn
 log = logging.getLogger(__name__)
 
 NAME = "moe_gemm"
@@ -53,22 +53,12 @@ def available() -> bool:
         return False
 
 
-def onednn_runs_amx() -> bool:
-    """Whether oneDNN's bfloat16 GEMMs run on AMX tiles here: the CPU lists amx_bf16, the kernel
-    grants the tile state (torch's `_init_amx`), and ONEDNN_MAX_CPU_ISA does not cap it below."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    if "amx_bf16" not in cpu_build._cpu_flags().split() or not (cap == "ALL" or "AMX" in cap):
-        return False
-    init = getattr(torch._C._cpu, "_init_amx", None)
-    return bool(init and init())
-
-
 def panels_serve(dtype: torch.dtype) -> bool:
     """Whether the kernel's panels serve experts of `dtype` better than one oneDNN GEMM per expert:
     float32 always; bfloat16 unless oneDNN runs AMX, whose tile GEMM ties the kernel at a decode
     batch's ~16 rows an expert and is 2.5x faster at 64 (docs/performance.md, "Mixture of experts
     on the CPU"); without AMX the kernel is 4x (AVX512_BF16) to 13x (AVX-512) faster."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and not onednn_runs_amx())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not onednn.runs_amx_bf16())
 
 
 def _fn(isa=None):
