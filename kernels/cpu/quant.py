@@ -6,7 +6,7 @@ the kernel's tiles of 16 rows (`tile_layout`: the same bytes in another order, n
 then `matmul(x, bias)` is one C call per projection and `rows(ids)` dequantizes a few rows (the
 quantized embedding). Their oracles are kernels/quant_reference.py `qmatmul` and `dequantize`.
 
-Which build runs (`chosen_isa`): the AMX one (the AVX512-VNNI kernel, with AMX's int8 tiles for 16
+Which build runs (`chosen_isa`): the AMX one (the AVX512-VNNI kernel, with AMX's int8 tiles for 12
 rows or more: quant_gemm_amx.h) where /proc/cpuinfo lists amx_tile and amx_int8 too AND its probe
 ran them in a child process, else the AVX512-VNNI one where /proc/cpuinfo lists avx512f, avx512bw
 and avx512_vnni AND a child process ran it and got the right answer (some hypervisors list
@@ -95,7 +95,7 @@ def _probe_runs(isa: str) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def chosen_isa() -> str:
-    """The build of quant_gemm.c this process uses: "amx_int8" (AVX512-VNNI, and AMX tiles for 16 rows
+    """The build of quant_gemm.c this process uses: "amx_int8" (AVX512-VNNI, and AMX tiles for 12 rows
     or more), else "avx512_vnni" (intrinsics), else "avx_vnni"
     (the same dot product on 256 bits), else "avx2" (maddubs/madd in place of vpdpbusd), else
     "portable" (plain C for the compiler's baseline)."""

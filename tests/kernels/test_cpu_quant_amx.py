@@ -34,9 +34,9 @@ def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
         amx = cpu_quant.CpuQuantWeight(qtype, parts, isa="amx_int8")
         vnni = cpu_quant.CpuQuantWeight(qtype, parts, isa="avx512_vnni")
         bias = torch.randn(n, generator=gen)
-        # 15: below a block (the VNNI kernel); 16, 17, 31, 33: a block and the padded rows of the
-        # next; 300: past one pass of 256 rows, ending in a partial block
-        for m in (15, 16, 17, 31, 33, 300):
+        # 11: below AMX_MIN_ROWS (the VNNI kernel); 12, 15: one padded block; 16, 17, 31, 33: a
+        # block and the padded rows of the next; 300: past one pass of 256 rows, ending part way
+        for m in (11, 12, 15, 16, 17, 31, 33, 300):
             x = torch.randn(m, blocks * per_block, generator=gen)
             x[0, :5] = 40.0  # an outlier: one group's scale
             x[-1] = 0.0  # a row of zeros: its groups' scales are 0
@@ -45,8 +45,8 @@ def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
             took_tiles = amx_calls() - before
             assert torch.equal(got, vnni.matmul(x, bias)), (qtype, n, blocks, m)
             # the tiles ran for every type but Q6_K (its sub-scales a half group stay in integers
-            # in the VNNI kernel), from 16 rows on
-            assert took_tiles == (1 if m >= 16 and qtype != "Q6_K" else 0), (qtype, m, took_tiles)
+            # in the VNNI kernel), from AMX_MIN_ROWS = 12 rows on
+            assert took_tiles == (1 if m >= 12 and qtype != "Q6_K" else 0), (qtype, m, took_tiles)
 
 
 def test_the_probe_runs_the_tiles_here():

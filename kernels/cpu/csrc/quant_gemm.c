@@ -23,7 +23,7 @@
 
    Builds of this one file (kernels/cpu/quant.py picks), each with its own tile kernel:
    QUANT_AVX512 (AVX512-F/BW/VNNI, F16C: quant_gemm_avx512.h), with QUANT_AMX also AMX's int8 tiles
-   for 16 rows or more (quant_gemm_amx.h), QUANT_AVX2 (AVX2, FMA, F16C: quant_gemm_avx2.h's maddubs
+   for 12 rows or more (quant_gemm_amx.h), QUANT_AVX2 (AVX2, FMA, F16C: quant_gemm_avx2.h's maddubs
    kernel) and the portable one (quant_gemm_portable.h), plain C over the same layout, for any
    other CPU. */
 #include <stdint.h>

@@ -2,17 +2,19 @@
    tile kernel it shares its helpers with; AMX-TILE and AMX-INT8, Intel Sapphire Rapids and later).
 
    Blocks of 16 activation rows against a tile of 16 weight rows: per group of 32 values one tdpbsud
-   takes the block's 16 x 32 signed activation codes (tile A, rows straight from the quantized
-   activations) and the group's 32 x 16 unsigned weight codes (tile B, 8 rows of 64 bytes: exactly
-   the tile layout's 8 vectors of 4 codes x 16 rows, so Q8_0's are loaded where they lie and the
-   4- and 5-bit ones unpacked once into a 512-byte buffer) into 16 x 16 int32 dot products: the
-   integer sums the VNNI kernel builds with 8 vpdpbusd a row. They are stored and scaled a row at a
-   time with the same float operations in the same order (group_row_sum), so every output equals the
-   AVX-512 build's bit for bit. The int8 work leaves the vector ports; what remains a row and group is
-   the scaling (~5 vector instructions against the VNNI kernel's ~15).
+   takes the block's 16 x 32 signed activation codes (tile A: the quantized activations re-laid by
+   block and group, 512 contiguous bytes) and the group's 32 x 16 unsigned weight codes (tile B, 8
+   rows of 64 bytes: exactly the tile layout's 8 vectors of 4 codes x 16 rows, so Q8_0's are loaded
+   where they lie and the 4- and 5-bit ones unpacked once a tile) into 16 x 16 int32 dot products:
+   the integer sums the VNNI kernel builds with 8 vpdpbusd a row. They are stored and scaled a row at
+   a time with group_row_sum's float operations in its order (amx_scale_group), so every output
+   equals the AVX-512 build's bit for bit. The int8 work leaves the vector ports; what remains a row
+   and group is the scaling (~5 vector instructions against the VNNI kernel's ~15) and the tile store.
+   A last block of fewer than 16 rows is padded with zero rows and costs a whole one, hence
+   AMX_MIN_ROWS.
 
    Q6_K (a sub-scale per 16 values, applied in integers) keeps the VNNI tile kernel, as do calls with
-   fewer than AMX_MIN_ROWS rows (a decode step's few rows: the tile's setup outweighs it there) and a
+   fewer than AMX_MIN_ROWS rows (a decode step's few rows) and a
    process the kernel refuses the tile state to (`amx_ready`). Linux hands a process the AMX state only
    on request (arch_prctl ARCH_REQ_XCOMP_PERM); a VM that lists AMX but refuses it, or kills the
    process for running it, fails the build's probe in a child process (kernels/cpu/quant.py), and the
@@ -21,7 +23,7 @@
 #include <unistd.h>
 
 #define AMX_ROWS 16     /* activation rows a block: tile A's and C's rows */
-#define AMX_MIN_ROWS 16 /* below this, the VNNI tile kernel (measured: docs/performance.md) */
+#define AMX_MIN_ROWS 12 /* below this, the VNNI tile kernel: a padded block costs a whole one (docs/performance.md) */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
