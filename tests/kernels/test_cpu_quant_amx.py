@@ -44,9 +44,9 @@ def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
             got = amx.matmul(x, bias)
             took_tiles = amx_calls() - before
             assert torch.equal(got, vnni.matmul(x, bias)), (qtype, n, blocks, m)
-            # the tiles ran for every type but Q6_K (its sub-scales a half group stay in integers
-            # in the VNNI kernel), from AMX_MIN_ROWS = 12 rows on
-            assert took_tiles == (1 if m >= 12 and qtype != "Q6_K" else 0), (qtype, m, took_tiles)
+            # the tiles ran for every type from AMX_MIN_ROWS = 12 rows on, Q6_K (two products a
+            # group, one per half) from 32
+            assert took_tiles == (1 if m >= (32 if qtype == "Q6_K" else 12) else 0), (qtype, m, took_tiles)
 
 
 def test_the_probe_runs_the_tiles_here():

@@ -256,7 +256,7 @@ void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, flo
     const int64_t K = w->K, G = K / QK, T = (w->N + TILE - 1) / TILE;
     const int stream = ((uintptr_t)out % 64 == 0) && (ldo % 16 == 0) && M * ldo * 4 > (4 << 20);
 #ifdef QUANT_AMX
-    if (M >= AMX_MIN_ROWS && amx_type((int)w->type) && amx_ready()) {
+    if (M >= amx_min_rows((int)w->type) && amx_ready()) {
         qgemm_amx(w, x, M, bias, out, ldo, stream);
         return;
     }

@@ -13,8 +13,9 @@
    A last block of fewer than 16 rows is padded with zero rows and costs a whole one, hence
    AMX_MIN_ROWS.
 
-   Q6_K (a sub-scale per 16 values, applied in integers) keeps the VNNI tile kernel, as do calls with
-   fewer than AMX_MIN_ROWS rows (a decode step's few rows) and a
+   Q6_K (a sub-scale per 16 values, applied in integers) makes two products a group, one per half
+   (amx_block_q6k). Calls with fewer than AMX_MIN_ROWS rows (a decode step's few rows) keep the VNNI
+   tile kernel, as does a
    process the kernel refuses the tile state to (`amx_ready`). Linux hands a process the AMX state only
    on request (arch_prctl ARCH_REQ_XCOMP_PERM); a VM that lists AMX but refuses it, or kills the
    process for running it, fails the build's probe in a child process (kernels/cpu/quant.py), and the
@@ -24,6 +25,9 @@
 
 #define AMX_ROWS 16     /* activation rows a block: tile A's and C's rows */
 #define AMX_MIN_ROWS 12 /* below this, the VNNI tile kernel: a padded block costs a whole one (docs/performance.md) */
+#define AMX_MIN_ROWS_Q6K 32 /* Q6_K's two products a group tie the VNNI kernel at 16 rows */
+
+static inline int64_t amx_min_rows(int type) { return type == Q6_K ? AMX_MIN_ROWS_Q6K : AMX_MIN_ROWS; }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -40,8 +44,6 @@ static int amx_ready(void) {
     }
     return state > 0;
 }
-
-static inline int amx_type(int type) { return type != Q6_K; }
 
 /* The tile shapes, per thread (the configuration is a thread's state): A 16 rows x 32 codes,
    B 8 rows x 64 bytes (32 values x 16 lanes), C 16 x 16 int32; tiles 0-2 and again 3-5. */
@@ -133,15 +135,67 @@ static inline __attribute__((always_inline)) void amx_block(
     else store_rows(rows, acc, t, m0, w->N, bias, out, ldo, stream);
 }
 
+/* Q6_K's block: each group's values 0-15 and 16-31 take their own sub-scale, applied to their
+   integer sums (as the VNNI kernel does), so a group makes two products: tile A against B_lo (the
+   group's first 16 values, the rest zero) and against B_hi (its last 16). `codes`: 1024 bytes a
+   group, B_lo then B_hi. zs, zh: each row's -32 x its codes' sum over values 0-15 and over 16-31. */
+static void amx_block_q6k(const qweight_t *w, int64_t t, int64_t m0, int64_t rows, const uint8_t *codes,
+                          const int8_t *qa, const float *da, const int32_t *zs, const int32_t *zh,
+                          const float *bias, float *out, int64_t ldo, int stream) {
+    const int64_t G = w->K / QK;
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    _Alignas(64) int32_t lo[AMX_ROWS * TILE], hi[AMX_ROWS * TILE];
+    for (int64_t g = 0; g < G; g++) {
+        _tile_loadd(0, qa + (m0 / AMX_ROWS * G + g) * AMX_ROWS * QK, QK);
+        _tile_loadd(1, codes + g * 1024, 64);
+        _tile_loadd(4, codes + g * 1024 + 512, 64);
+        _tile_zero(2);
+        _tile_zero(5);
+        _tile_dpbsud(2, 0, 1);
+        _tile_dpbsud(5, 0, 4);
+        _tile_stored(2, lo, 64);
+        _tile_stored(5, hi, 64);
+        __m512 dvec, mvec;
+        __m512i sclo, schi;
+        group_scales(Q6_K, w, t, g, &dvec, &mvec, &sclo, &schi);
+        for (int r = 0; r < AMX_ROWS; r++) {
+            const int64_t i = (m0 / AMX_ROWS * G + g) * AMX_ROWS + r;
+            const __m512i l = _mm512_add_epi32(_mm512_load_si512(lo + r * TILE), _mm512_set1_epi32(zs[i]));
+            const __m512i h = _mm512_add_epi32(_mm512_load_si512(hi + r * TILE), _mm512_set1_epi32(zh[i]));
+            const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(l, sclo), _mm512_mullo_epi32(h, schi));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(da[i])), acc[r]);
+        }
+    }
+    if (rows == AMX_ROWS) store_rows(AMX_ROWS, acc, t, m0, w->N, bias, out, ldo, stream);
+    else store_rows(rows, acc, t, m0, w->N, bias, out, ldo, stream);
+}
+
 /* Tile t against activation rows [m0, m1): for more than one block of 16 rows, its 4- and 5-bit
-   codes unpacked once into `buffer` (G x 512 bytes; written well before a tile load reads them back),
-   then each block. */
+   codes unpacked once into `buffer` (G x 512 bytes, Q6_K's G x 1024; written well before a tile load
+   reads them back), then each block. */
 static inline __attribute__((always_inline)) void amx_tile(
         const int TYPE, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, int64_t M, uint8_t *buffer,
-        const int8_t *qa, const float *da, const int32_t *zs, const float *ms, const float *bias, float *out,
-        int64_t ldo, int stream) {
+        const int8_t *qa, const float *da, const int32_t *zs, const int32_t *zh, const float *ms,
+        const float *bias, float *out, int64_t ldo, int stream) {
     const int64_t G = w->K / QK;
     const uint8_t *codes = w->qs + t * G * 512;
+    if (TYPE == Q6_K) { /* B_lo and B_hi a group (amx_block_q6k) */
+        const __m512i zero = _mm512_setzero_si512();
+        for (int64_t g = 0; g < G; g++) {
+            __m512i wlo[4], whi[4];
+            group_codes(Q6_K, w, t * G + g, wlo, whi);
+            for (int c = 0; c < 4; c++) {
+                _mm512_store_si512(buffer + g * 1024 + c * 64, wlo[c]);
+                _mm512_store_si512(buffer + g * 1024 + (c + 4) * 64, zero);
+                _mm512_store_si512(buffer + g * 1024 + 512 + c * 64, zero);
+                _mm512_store_si512(buffer + g * 1024 + 512 + (c + 4) * 64, whi[c]);
+            }
+        }
+        for (int64_t mb = m0; mb < m1; mb += AMX_ROWS)
+            amx_block_q6k(w, t, mb, M - mb < AMX_ROWS ? M - mb : AMX_ROWS, buffer, qa, da, zs, zh, bias, out, ldo, stream);
+        return;
+    }
     if (TYPE != Q8_0 && m1 - m0 <= AMX_ROWS) {
         amx_block(TYPE, 1, w, t, m0, M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS, codes, qa, da, zs, ms, bias, out, ldo, stream);
         return;
@@ -166,7 +220,7 @@ static inline __attribute__((always_inline)) void amx_tile(
     case Q8_0: ROWS(Q8_0); break; case Q4_0: ROWS(Q4_0); break;                 \
     case Q4_1: ROWS(Q4_1); break; case Q5_0: ROWS(Q5_0); break;                 \
     case Q5_1: ROWS(Q5_1); break; case Q4_K: ROWS(Q4_K); break;                 \
-    default: ROWS(Q5_K); break;                                                 \
+    case Q5_K: ROWS(Q5_K); break; default: ROWS(Q6_K); break;                   \
     }
 
 /* How many qgemm calls took the tiles (tests/kernels/test_cpu_quant_amx.py: the outputs alone
@@ -174,7 +228,7 @@ static inline __attribute__((always_inline)) void amx_tile(
 static int64_t amx_call_count = 0;
 int64_t amx_calls(void) { return __atomic_load_n(&amx_call_count, __ATOMIC_RELAXED); }
 
-/* qgemm for M >= AMX_MIN_ROWS rows of an amx_type: the activations quantized as qgemm does, padded
+/* qgemm for M >= AMX_MIN_ROWS rows: the activations quantized as qgemm does, padded
    to whole blocks of 16 rows with zeros. */
 static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float *bias, float *out,
                       int64_t ldo, int stream) {
@@ -184,7 +238,7 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
     int8_t *qa = malloc((size_t)(Mp * K));
     float *da = malloc(sizeof(float) * (size_t)(Mp * G));
     int32_t *sa = malloc(sizeof(int32_t) * (size_t)(Mp * G * 2));
-    int32_t *zs = malloc(sizeof(int32_t) * (size_t)(Mp * G));
+    int32_t *zs = malloc(sizeof(int32_t) * (size_t)(Mp * G)), *zh = malloc(sizeof(int32_t) * (size_t)(Mp * G));
     float *ms = malloc(sizeof(float) * (size_t)(Mp * G));
     quantize_rows(x, M, K, qa, da, sa);
     memset(qa + M * K, 0, (size_t)((Mp - M) * K));
@@ -201,7 +255,8 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
             const int32_t s = sa[2 * i] + sa[2 * i + 1];
             memcpy(qb + j * QK, qa + i * QK, QK);
             db[j] = da[i];
-            zs[j] = -zp * s;
+            zs[j] = w->type == Q6_K ? -32 * sa[2 * i] : -zp * s;
+            zh[j] = -32 * sa[2 * i + 1];
             ms[j] = da[i] * (float)s;
         }
     free(qa);
@@ -212,11 +267,11 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
         const int64_t m1 = m0 + M_CHUNK < Mp ? m0 + M_CHUNK : Mp;
 #pragma omp parallel
         {
-            uint8_t *buffer = aligned_alloc(64, (size_t)(G * 512));
+            uint8_t *buffer = aligned_alloc(64, (size_t)(G * 1024));
             amx_configure();
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-#define AMX_TILE_OF(TYPE_) amx_tile(TYPE_, w, t, m0, m1, M, buffer, qa, da, zs, ms, bias, out, ldo, stream)
+#define AMX_TILE_OF(TYPE_) amx_tile(TYPE_, w, t, m0, m1, M, buffer, qa, da, zs, zh, ms, bias, out, ldo, stream)
                 AMX_BY_TYPE(AMX_TILE_OF)
 #undef AMX_TILE_OF
             }
@@ -229,5 +284,6 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
     free(da);
     free(sa);
     free(zs);
+    free(zh);
     free(ms);
 }
