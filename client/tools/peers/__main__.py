@@ -27,7 +27,7 @@ REPO = HERE.parents[2]
 ENGINES = {"inflight": (None, "client.tools.peers.run_inflight", "model"),
            # the same engine with its decode steps through the Python layers (backend/worker/native_decode.py)
            "inflight-python-layers": (None, "client.tools.peers.run_inflight", "model"),
-           # the same engine with its AVX2 kernels forced (INFLIGHT_CPU_ISA=avx2) on an AVX-512 CPU
+           # the same engine as on an AVX2-only CPU, forced on an AVX-512 one (AVX2_ONLY)
            "inflight-avx2": (None, "client.tools.peers.run_inflight", "model"),
            "inflight-float32": (None, "client.tools.peers.run_inflight", "float"),
            "inflight-bf16": (None, "client.tools.peers.run_inflight", "float"),
@@ -78,6 +78,12 @@ def _command(engine: str, args) -> list[str]:
     return [str(python), str(runner)]
 
 
+# What an AVX2-only CPU gives inflight, forced on a bigger one: our packed and float GEMMs' AVX2
+# builds (INFLIGHT_CPU_ISA caps both), oneDNN's GEMMs (float and bfloat16 layers, with AMX or
+# AVX-512 otherwise) and torch's own vectorized ops capped at AVX2 too.
+AVX2_ONLY = {"INFLIGHT_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
 def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) -> dict:
     out = tmp / f"{engine}.json"
     role = ENGINES[engine][2]
@@ -87,7 +93,7 @@ def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) ->
     if engine.startswith("inflight") and args.inflight_threads:
         env["OMP_NUM_THREADS"] = str(args.inflight_threads)
     if engine == "inflight-avx2":
-        env["INFLIGHT_CPU_ISA"] = "avx2"
+        env.update(AVX2_ONLY)
     if engine == "inflight-python-layers":
         env["INFLIGHT_NATIVE_DECODE"] = "0"
     if engine == "llamacpp":
