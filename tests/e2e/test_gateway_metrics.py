@@ -128,8 +128,19 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
         t.start()
     try:
         # all five in the engines: one running per instance that has any, the others queued
-        wait_until(lambda: (lambda p: p["running"] + p["waiting"] == len(ADAPTERS))(protocol(scrape(url))),
-                   timeout=60, interval=0.05)
+        seen = []  # (running, waiting, tokens received per request) as they changed, for a failure's message
+
+        def all_in():
+            p = protocol(scrape(url))
+            now = (p["running"], p["waiting"], tuple(received))
+            if not seen or seen[-1][:2] != now[:2]:
+                seen.append(now)
+            return p["running"] + p["waiting"] == len(ADAPTERS)
+        try:
+            wait_until(all_in, timeout=60, interval=0.05)
+        except AssertionError:
+            raise AssertionError(f"never all {len(ADAPTERS)} in the engines; (running, waiting, received) in "
+                                 f"turn: {seen[-20:]}; finished: {finished}") from None
         fault.write_text("stall")                       # hold both engines still
         frozen = wait_until(lambda: _settled(lambda: _gauge_lines(triton.metrics_url)), timeout=30)[0]
         loaded = protocol(scrape(url))
