@@ -67,14 +67,8 @@ static void amx_configure(void) {
     do {                                                                        \
         const uint8_t *b_ = codes + (g_) * 512;                                 \
         if (UNPACK) { /* a lone block: this group's codes, unpacked here */     \
-            uint8_t *u_ = own[(A_) != 0];                                       \
-            __m512i wlo[4], whi[4];                                             \
-            group_codes(TYPE, w, t * G + (g_), wlo, whi);                       \
-            for (int c = 0; c < 4; c++) {                                       \
-                _mm512_store_si512(u_ + c * 64, wlo[c]);                        \
-                _mm512_store_si512(u_ + (c + 4) * 64, whi[c]);                  \
-            }                                                                   \
-            b_ = u_;                                                            \
+            store_group_codes(TYPE, w, t * G + (g_), own[(A_) != 0]);           \
+            b_ = own[(A_) != 0];                                                \
         }                                                                       \
         _tile_loadd(A_, qa + ((m0) / AMX_ROWS * G + (g_)) * AMX_ROWS * QK, QK); \
         _tile_loadd(B_, b_, 64);                                                \
@@ -83,9 +77,8 @@ static void amx_configure(void) {
     } while (0)
 
 /* Group g's int32 products (`dots`, row-major 16 x 16) into the rows' accumulators: the zero
-   point's share added in integers, then group_row_sum's float operations, in the VNNI kernel's
-   order (so the same float result). zs and ms: each row's -zero x its codes' sum and da x that sum,
-   made once per call (qgemm_amx), broadcast from memory. */
+   point's share added in integers, then the VNNI kernel's group_row_sum (so the same float result).
+   zs and ms: each row's -zero x its codes' sum and da x that sum, made once per call (qgemm_amx). */
 static inline __attribute__((always_inline)) void amx_scale_group(
         const int TYPE, const qweight_t *w, int64_t t, int64_t g, int64_t m0, const int32_t *dots,
         const float *da, const int32_t *zs, const float *ms, __m512 *acc) {
@@ -97,9 +90,7 @@ static inline __attribute__((always_inline)) void amx_scale_group(
         const int64_t i = (m0 / AMX_ROWS * G + g) * AMX_ROWS + r;
         __m512i dot = _mm512_load_si512(dots + r * TILE);
         if (zero_point(TYPE)) dot = _mm512_add_epi32(_mm512_set1_epi32(zs[i]), dot);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(da[i])), acc[r]);
-        if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
-            acc[r] = _mm512_fmadd_ps(mvec, _mm512_set1_ps(ms[i]), acc[r]);
+        acc[r] = group_row_sum(TYPE, acc[r], dot, dvec, mvec, da[i], ms[i]);
     }
 }
 
@@ -164,7 +155,7 @@ static void amx_block_q6k(const qweight_t *w, int64_t t, int64_t m0, int64_t row
             const __m512i l = _mm512_add_epi32(_mm512_load_si512(lo + r * TILE), _mm512_set1_epi32(zs[i]));
             const __m512i h = _mm512_add_epi32(_mm512_load_si512(hi + r * TILE), _mm512_set1_epi32(zh[i]));
             const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(l, sclo), _mm512_mullo_epi32(h, schi));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(da[i])), acc[r]);
+            acc[r] = group_row_sum(Q6_K, acc[r], dot, dvec, mvec, da[i], 0.0f); /* Q6_K: no mins */
         }
     }
     if (rows == AMX_ROWS) store_rows(AMX_ROWS, acc, t, m0, w->N, bias, out, ldo, stream);
@@ -201,14 +192,7 @@ static inline __attribute__((always_inline)) void amx_tile(
         return;
     }
     if (TYPE != Q8_0) {
-        for (int64_t g = 0; g < G; g++) {
-            __m512i wlo[4], whi[4];
-            group_codes(TYPE, w, t * G + g, wlo, whi);
-            for (int c = 0; c < 4; c++) {
-                _mm512_store_si512(buffer + g * 512 + c * 64, wlo[c]);
-                _mm512_store_si512(buffer + g * 512 + (c + 4) * 64, whi[c]);
-            }
-        }
+        for (int64_t g = 0; g < G; g++) store_group_codes(TYPE, w, t * G + g, buffer + g * 512);
         codes = buffer;
     }
     for (int64_t mb = m0; mb < m1; mb += AMX_ROWS)

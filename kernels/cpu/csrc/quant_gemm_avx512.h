@@ -63,13 +63,27 @@ static inline __attribute__((always_inline)) void group_scales(const int TYPE, c
 }
 
 /* A row's share of a group, added to its accumulator: the int32 dot products (zero point and, for
-   Q6_K, the sub-scales applied) scaled by the weights' and the row's scales, then the mins' term. */
+   Q6_K, the sub-scales applied) scaled by the weights' and the row's scales, then the mins' term
+   (dms: the row's scale times its codes' sum, dm * (float)s). quant_gemm_amx.h scales its tiles'
+   products with it too, so both kernels' outputs are the same bits. */
 static inline __attribute__((always_inline)) __m512 group_row_sum(const int TYPE, __m512 acc, __m512i dot,
-                                                                  __m512 dvec, __m512 mvec, float dm, int32_t s) {
+                                                                  __m512 dvec, __m512 mvec, float dm, float dms) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dvec, _mm512_set1_ps(dm)), acc);
     if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
-        acc = _mm512_fmadd_ps(mvec, _mm512_set1_ps(dm * (float)s), acc);
+        acc = _mm512_fmadd_ps(mvec, _mm512_set1_ps(dms), acc);
     return acc;
+}
+
+/* A tile-group's codes in tile B's layout (quant_gemm_amx.h): group_codes' 8 vectors, values 0-15
+   then 16-31, into 512 bytes at `dst` (64-byte aligned). */
+static inline __attribute__((always_inline)) void store_group_codes(const int TYPE, const qweight_t *w, int64_t tg,
+                                                                    uint8_t *dst) {
+    __m512i wlo[4], whi[4];
+    group_codes(TYPE, w, tg, wlo, whi);
+    for (int c = 0; c < 4; c++) {
+        _mm512_store_si512(dst + c * 64, wlo[c]);
+        _mm512_store_si512(dst + (c + 4) * 64, whi[c]);
+    }
 }
 
 /* The tile's 16 outputs of each row [m0, m0 + MT) (+ bias), stored (see qgemm for `stream`). */
@@ -133,7 +147,7 @@ static inline __attribute__((always_inline)) void tile_rows(
             } else {
                 dot = _mm512_add_epi32(lo, hi);
             }
-            acc[r] = group_row_sum(TYPE, acc[r], dot, dvec, mvec, da[m * G + g], s0 + s1);
+            acc[r] = group_row_sum(TYPE, acc[r], dot, dvec, mvec, da[m * G + g], da[m * G + g] * (float)(s0 + s1));
         }
     }
     store_rows(MT, acc, t, m0, w->N, bias, out, ldo, stream);
