@@ -3,6 +3,7 @@
 products, then scaled), for every packed type, in both builds (AVX512-VNNI where this CPU runs it,
 and the portable C one); and the choice of build, which must fall back, saying why, when the CPU
 lacks the instructions or a probe of them dies."""
+import functools
 import logging
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ def packed(qtype: str, n: int, blocks: int, seed: int) -> dict[str, torch.Tensor
     return {a: torch.from_numpy(v) for a, v in pack(raw, TYPE_IDS[qtype], (n, k)).items()}
 
 
+@functools.lru_cache(maxsize=None)  # asked at collection here and by test_cpu_quant_amx.py: one child probe
 def amx_runs() -> bool:
     """This CPU lists AMX and a child process was given the tiles and ran them: its probe survived and
     did not return NaN (the kernel refused the tile state). A probe that ran and computed a wrong sum
