@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import urllib.error
 
 import pytest
 
@@ -131,7 +132,13 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
         seen = []  # (running, waiting, tokens received per request) as they changed, for a failure's message
 
         def all_in():
-            p = protocol(scrape(url))
+            try:
+                p = protocol(scrape(url))
+            except urllib.error.HTTPError as e:
+                if e.code != 503:  # 503: Triton's metrics did not answer in the gateway's timeout (a
+                    raise          # starved host: seen with two busy processes beside the two tests)
+                seen.append(("503",))
+                return False
             now = (p["running"], p["waiting"], tuple(received))
             if not seen or seen[-1][:2] != now[:2]:
                 seen.append(now)
