@@ -54,6 +54,9 @@ ISA_FLAGS = {
     # float_gemm.c's (kernels/cpu/float_gemm.py): AVX-512 with vdpbf16ps for bfloat16 weights, and without
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mf16c", "-mfma"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c", "-mfma"],
+    # prefill_attention.c's for bfloat16 caches on AMX's bfloat16 tiles (prefill_attention_amx.h)
+    "amx_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mf16c", "-mfma",
+                 "-mamx-tile", "-mamx-bf16", "-DPREFILL_AMX"],
 }
 
 # A library's own flags after those: float_gemm.c's outputs must not depend on the block of rows they

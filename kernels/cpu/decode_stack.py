@@ -193,7 +193,7 @@ class DecodeStack:
                          _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
                          _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
                          _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]), None, None,
-                         _address(cpu_build.load(cpu_prefill_attention.NAME)[f"prefill_attention_{suffix}"]))
+                         _address(cpu_prefill_attention.kernel_for(self.cache_dtype)))
         self._failure: Optional[BaseException] = None
         self._lora = None  # the step's backend.worker.lora.step.LoRAStep, while a call with one runs
         # kept on self: C calls them as long as the stack lives

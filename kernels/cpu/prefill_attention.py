@@ -8,11 +8,16 @@ so the two stay bit for bit alike. It reads each chunk's context out of its bloc
 (no gathered copy per layer and sequence) and shares each K/V tile among the query heads of a
 group.
 
-float32 queries over float32 or bfloat16 caches.
+float32 queries over float32 or bfloat16 caches. Over bfloat16 caches, where the CPU has AMX's
+bfloat16 tiles and the process is granted them (`amx_build`), the amx_bf16 build runs them on the
+tiles (csrc/prefill_attention_amx.h): queries and probabilities rounded to bfloat16, float32 sums.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+import os
 from typing import Optional
 
 import torch
@@ -22,9 +27,51 @@ from kernels import checks as _common
 from kernels.cpu import build as cpu_build
 from kernels.cpu.decode_attention import CACHE_DTYPES, SUFFIX
 
+log = logging.getLogger(__name__)
+
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURE = (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I)
 NAME = "prefill_attention"
+
+
+AMX_BUILD = "amx_bf16"  # kernels/cpu/build.py ISA_FLAGS
+AMX_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16")
+PROBE_SUM = 8704.0  # what csrc/prefill_attention.c's `probe` returns: 64 x (1 + 2 + .. + 16)
+PROBE_REFUSED = -1.0  # ... and where the kernel refuses the process the tiles
+
+
+@functools.lru_cache(maxsize=None)
+def amx_build() -> Optional[str]:
+    """AMX_BUILD where /proc/cpuinfo lists AMX_NEEDS and the build's probe ran on the tiles in a
+    child process (a VM may list AMX and kill the process that runs it); else None (-march=native).
+    INFLIGHT_CPU_ISA set to a build without AMX (kernels/cpu/quant.py BUILDS) turns it off too: one
+    switch keeps every kernel off the tiles."""
+    forced = os.environ.get("INFLIGHT_CPU_ISA")
+    if forced and not forced.startswith("amx"):
+        return None
+    isa, passed_over = cpu_build.first_that_runs((AMX_BUILD, "native"), {AMX_BUILD: AMX_NEEDS}, _probe_runs)
+    if isa != AMX_BUILD:
+        log.info("prefill attention: not on AMX's tiles (%s)", passed_over[AMX_BUILD])
+        return None
+    return AMX_BUILD
+
+
+def _probe_runs(isa: str) -> tuple[bool, str]:
+    from kernels.cpu.quant import probe_library  # one way to probe a build
+
+    try:
+        return probe_library(cpu_build.build(NAME, isa), PROBE_SUM)
+    except cpu_build.CpuKernelUnavailable as e:  # an older gcc without -mamx-bf16
+        return False, f"it did not compile ({str(e).splitlines()[-1][:200]})"
+
+
+def kernel_for(cache_dtype: torch.dtype, isa: Optional[str] = None):
+    """The C function for caches of `cache_dtype`: from `isa`'s build, else bfloat16 caches' from
+    `amx_build()` where it runs, else the -march=native build's. The C layer stack
+    (kernels/cpu/decode_stack.py) takes the same, so both paths' numbers agree."""
+    if isa is None and cache_dtype == torch.bfloat16:
+        isa = amx_build()
+    return cpu_build.function(NAME, f"prefill_attention_{SUFFIX[cache_dtype]}", SIGNATURE, isa)
 
 
 def check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window: int = 0) -> None:
@@ -75,8 +122,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       max_q_len: Optional[int] = None, window: int = 0, isa: Optional[str] = None) -> torch.Tensor:
     """q [T, H, D] (S chunks back to back, at cu_seqlens_q); seq_lens [S] cached tokens of each
     sequence, its chunk's included -> [T, H, D]; window > 0: each query reads only its last
-    `window` positions. `isa`: a build of kernels/cpu/build.py's ISA_FLAGS instead of -march=native
-    (the tests run every one)."""
+    `window` positions. `isa`: a build of kernels/cpu/build.py's ISA_FLAGS instead of the chosen one
+    (`kernel_for`; the tests run every one)."""
     q = q.contiguous()
     block_tables, cu_seqlens_q, seq_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), seq_lens.contiguous()
     check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window)
@@ -84,8 +131,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     t, h, d = q.shape
     _, bs, g, _ = k_cache.shape
     if t:
-        kernel = cpu_build.function(NAME, f"prefill_attention_{SUFFIX[k_cache.dtype]}", SIGNATURE, isa)
-        kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), cu_seqlens_q.data_ptr(),
+        kernel_for(k_cache.dtype, isa)(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), cu_seqlens_q.data_ptr(),
                seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], h, g, d, bs, block_tables.shape[1],
                float(scale), window)
     return out

@@ -12,6 +12,7 @@ import torch
 
 from kernels import dispatch, reference
 from kernels.cpu import build as cpu_build
+from kernels.cpu import prefill_attention as cpu_prefill
 from kernels.cpu import quant as cpu_quant
 from kernels.cpu.prefill_attention import prefill_attention
 from kernel_testutil import build_paged_cache, seed_for
@@ -59,7 +60,10 @@ def test_a_sliding_window_reads_only_each_querys_last_positions(window):
     check(args, window=window)
 
 
-def test_a_bfloat16_cache_is_widened_as_it_is_read():
+def test_a_bfloat16_cache_is_widened_as_it_is_read(monkeypatch):
+    """The float32 kernel's (where AMX-BF16 runs, bfloat16 caches take the tiles by default:
+    test_cpu_prefill_attention_amx.py)."""
+    monkeypatch.setattr(cpu_prefill, "amx_build", lambda: None)
     args = step([70, 300], [70, 45], 9, 3, 64, 16, seed_for("cpu-prefill-bf16"), cache_dtype=torch.bfloat16)
     check(args, window=0)
     check(args, window=50)

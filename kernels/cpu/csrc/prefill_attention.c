@@ -34,10 +34,68 @@
 #define QT 32 /* queries per task (times the group's heads: its rows); each K/V tile is read once per task */
 #include "prefill_vec.h"
 
+/* The tasks of a call: task j is sequence owner[j], kv head (j - first[s]) % G and tile of qt
+   queries (j - first[s]) / G. */
+typedef struct {
+    int64_t tasks, *first, *owner;
+} task_plan_t;
+
+static task_plan_t task_plan(const int32_t *cu_seqlens_q, int64_t S, int64_t G, int64_t qt) {
+    task_plan_t plan;
+    plan.first = malloc(sizeof(int64_t) * (size_t)(S + 1));
+    plan.first[0] = 0;
+    for (int64_t s = 0; s < S; s++)
+        plan.first[s + 1] = plan.first[s] + (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + qt - 1) / qt * G;
+    plan.tasks = plan.first[S];
+    plan.owner = malloc(sizeof(int64_t) * (size_t)(plan.tasks ? plan.tasks : 1));
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = plan.first[s]; j < plan.first[s + 1]; j++) plan.owner[j] = s;
+    return plan;
+}
+
+static void task_plan_free(task_plan_t *plan) {
+    free(plan->owner);
+    free(plan->first);
+}
+
+#ifdef PREFILL_AMX /* the amx_bf16 build: bfloat16 caches on AMX's tiles (prefill_attention_amx.h) */
+#include "prefill_attention_amx.h"
+#endif
+
 /* Compiled twice, as decode_attention.c: float32 caches (prefill_attention_f32) and bfloat16 ones
    (prefill_attention_bf16). */
 #define KERNEL_FILE "prefill_attention.c"
 #include "cache_types.h"
+
+#ifdef PREFILL_AMX
+/* The amx_bf16 build's probe (kernels/cpu/prefill_attention.py runs it in a child process): 16
+   queries of one head over their own 16 keys, D = 64, through the tiles. Key j is dim j's unit
+   vector, query i -200 but at dim i (so it sees its own key 0 and every earlier one -200: weights
+   1 and exactly 0), V's row j is j + 1 throughout: each output row i is i + 1, and the sum
+   64 x 136 = 8704. -1 where the kernel refuses the tile state (a NaN is the kernel's fault). */
+float probe(void) {
+    enum { N = 16, PD = 64 };
+    static float q[N * PD], out[N * PD];
+    static uint16_t k[N * PD], v[N * PD];
+    const int32_t table[1] = {0}, cu[2] = {0, N}, lens[1] = {N};
+    if (!amx_ready()) return -1.0f;
+    for (int i = 0; i < N; i++)
+        for (int d = 0; d < PD; d++) {
+            q[i * PD + d] = d == i ? 0.0f : -200.0f;
+            k[i * PD + d] = d == i ? 0x3F80 : 0; /* 1.0 */
+        }
+    for (int i = 0; i < N; i++) {
+        const float x = (float)(i + 1);
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        for (int d = 0; d < PD; d++) v[i * PD + d] = (uint16_t)(u >> 16); /* i + 1 <= 16: exact in bfloat16 */
+    }
+    prefill_attention_bf16(q, k, v, table, cu, lens, out, 1, 1, 1, PD, N, 1, 1.0f, 0);
+    float s = 0.0f;
+    for (int n = 0; n < N * PD; n++) s += out[n];
+    return s;
+}
+#endif
 #else /* the kernel, for one cache element type */
 
 /* Keys [k0, k0 + n) of kv head g, out of their blocks: kt [D][KT] (transposed, zero past n) and
@@ -227,15 +285,15 @@ void NAME(prefill_attention)(const float *restrict q, const CACHE_T *restrict k_
                              const int32_t *restrict cu_seqlens_q, const int32_t *restrict seq_lens,
                              float *restrict out, int64_t S, int64_t H, int64_t G, int64_t D, int64_t BS,
                              int64_t MB, float scale, int64_t window) {
-    /* Task j: sequence owner[j], kv head (j - first[s]) % G, query tile (j - first[s]) / G. */
-    int64_t *first = malloc(sizeof(int64_t) * (S + 1));
-    first[0] = 0;
-    for (int64_t s = 0; s < S; s++)
-        first[s + 1] = first[s] + (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + QT - 1) / QT * G;
-    const int64_t tasks = first[S], rep = H / G;
-    int64_t *owner = malloc(sizeof(int64_t) * (tasks ? tasks : 1));
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t j = first[s]; j < first[s + 1]; j++) owner[j] = s;
+#ifdef PREFILL_AMX
+    if (CACHE_IS_BF16 && D % 32 == 0 && D <= 256 && amx_ready()) {
+        prefill_attention_amx(q, (const uint16_t *)(const void *)k_cache, (const uint16_t *)(const void *)v_cache,
+                              block_tables, cu_seqlens_q, seq_lens, out, S, H, G, D, BS, MB, scale, window);
+        return;
+    }
+#endif
+    task_plan_t plan = task_plan(cu_seqlens_q, S, G, QT);
+    const int64_t tasks = plan.tasks, rep = H / G, *first = plan.first, *owner = plan.owner;
     const size_t floats = (size_t)(QT * rep * D * 2 + 3 * D * KT + QT * rep * 2) + 2 * (size_t)QT * rep * 2;
 #pragma omp parallel
     {
@@ -259,7 +317,6 @@ void NAME(prefill_attention)(const float *restrict q, const CACHE_T *restrict k_
         }
         free(buf);
     }
-    free(owner);
-    free(first);
+    task_plan_free(&plan);
 }
 #endif

@@ -35,9 +35,10 @@ static inline vf_t vset(float x) { const vf_t z = {0}; return z + x; }
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define TRANSPOSE16 1
-static inline void transpose16(const float *restrict src, int64_t ls, float *restrict dst, int64_t ld) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ls);
+/* In place in 16 registers: r[c] lane i = r[i] lane c (32-bit lanes; a permutation, so bit patterns
+   pass unchanged: prefill_attention_amx.h transposes pairs of bfloat16 with it). */
+static inline void transpose16_regs(__m512 r[16]) {
+    __m512 t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -60,6 +61,12 @@ static inline void transpose16(const float *restrict src, int64_t ls, float *res
         r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
         r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
     }
+}
+
+static inline void transpose16(const float *restrict src, int64_t ls, float *restrict dst, int64_t ld) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ls);
+    transpose16_regs(r);
     for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ld, r[i]);
 }
 #else

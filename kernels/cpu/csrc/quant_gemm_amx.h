@@ -16,12 +16,9 @@
    Q6_K (a sub-scale per 16 values, applied in integers) makes two products a group, one per half
    (amx_block_q6k). Calls with fewer than AMX_MIN_ROWS rows (a decode step's few rows) keep the VNNI
    tile kernel, as does a
-   process the kernel refuses the tile state to (`amx_ready`). Linux hands a process the AMX state only
-   on request (arch_prctl ARCH_REQ_XCOMP_PERM); a VM that lists AMX but refuses it, or kills the
-   process for running it, fails the build's probe in a child process (kernels/cpu/quant.py), and the
-   AVX512-VNNI build runs instead. */
-#include <sys/syscall.h>
-#include <unistd.h>
+   process the kernel refuses the tile state to (`amx_ready`, amx.h): where the tiles are refused or
+   kill the build's probe, the AVX512-VNNI build runs instead. */
+#include "amx.h"
 
 #define AMX_ROWS 16     /* activation rows a block: tile A's and C's rows */
 #define AMX_MIN_ROWS 12 /* below this, the VNNI tile kernel: a padded block costs a whole one (docs/performance.md) */
@@ -29,28 +26,10 @@
 
 static inline int64_t amx_min_rows(int type) { return type == Q6_K ? AMX_MIN_ROWS_Q6K : AMX_MIN_ROWS; }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config_t;
-
-/* 1 once the kernel granted this process the tile state, 0 if it refused (asked once). */
-static int amx_ready(void) {
-    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused */
-    if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) == 0) {
-        const long granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
-        __atomic_store_n(&state, granted == 0 ? 1 : -1, __ATOMIC_RELEASE); /* asking twice is harmless */
-    }
-    return state > 0;
-}
-
 /* The tile shapes, per thread (the configuration is a thread's state): A 16 rows x 32 codes,
    B 8 rows x 64 bytes (32 values x 16 lanes), C 16 x 16 int32; tiles 0-2 and again 3-5. */
 static void amx_configure(void) {
-    amx_config_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
+    amx_config_t c = amx_config();
     for (int set = 0; set < 6; set += 3) { /* two sets: see AMX_ISSUE */
         c.rows[set] = AMX_ROWS, c.colsb[set] = QK;
         c.rows[set + 1] = QK / 4, c.colsb[set + 1] = 64;

@@ -1,0 +1,295 @@
+/* Prefill attention on AMX's bfloat16 tiles (AMX-TILE, AMX-BF16: Intel Sapphire Rapids and later):
+   the amx_bf16 build of prefill_attention.c (PREFILL_AMX), for bfloat16 caches, in a process the
+   kernel grants the tiles (amx.h). Same arguments and layouts as prefill_attention.c's kernel.
+
+   A task is one sequence, one kv head and up to AROWS rows (queries x the group's heads, as there),
+   in blocks of 16 rows. Per block of AKB keys it lays the keys out once as tiles B: K's rows
+   transposed by pairs of bfloat16 (a 16 x 16 transposition of 32-bit words: tile B's rows are pairs
+   of head dims, its columns keys) and V's rows interleaved by pairs of keys. Then per block of 16
+   rows: the scores, 16 rows x up to 64 keys a pass in four tiles C, one tdpbf16ps per 32 head dims
+   and 16 keys against the queries (tile A, bfloat16, the softmax scale folded in before rounding);
+   the online softmax over the block's scores in float32 (the running max, sum and rescaling of
+   prefill_attention.c, once per AKB keys, not per 64); the probabilities rounded to bfloat16 (their
+   sum is that of the rounded values, so the weights the row divides by are those it multiplied by)
+   and multiplied with V, 32 keys a tdpbf16ps, into 16 x 16 float32 tiles added to the rows' sums.
+
+   Numbers: the queries and the probabilities are rounded to bfloat16 (K and V already are in the
+   cache); products and sums are float32. Against the float32 kernel that is ~2^-9 relative per
+   score and weight (tests/kernels/test_prefill_attention_amx.py bounds it). A row's result does not
+   depend on the other rows of its chunk or on how its prompt was chunked: key blocks start at
+   multiples of AKB from position 0, and each row's sums are its own. */
+#include "amx.h"
+
+#define AKB 256   /* keys a block: their tiles B laid out once per task, a row's max and sum updated once */
+#define AROWS 128 /* a task's rows at most (before padding to 16) */
+
+static int64_t amx_attention_count; /* calls that ran on the tiles (tests) */
+int64_t amx_attention_calls(void) { return __atomic_load_n(&amx_attention_count, __ATOMIC_RELAXED); }
+
+static const uint16_t amx_zero_row[256] __attribute__((aligned(64))); /* keys past the last: D <= 256 */
+
+/* Tile 0-3: C (16 x 16 float32), 4: A (16 rows x 32 bfloat16), 5-7: B (16 pairs x 16 columns). */
+static void amx_attention_configure(void) {
+    amx_config_t c = amx_config();
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+static inline const uint16_t *amx_row(const uint16_t *cache, const int32_t *table, int64_t t, int64_t g,
+                                      int64_t G, int64_t D, int64_t BS) {
+    return cache + (((int64_t)table[t / BS] * BS + t % BS) * G + g) * D;
+}
+
+/* Keys k0 + [j0, j1) (multiples of 32; those at or past n zeros) of kv head g as tiles B:
+   kk [AKB / 16][D / 32] tiles: pair p of head dims (row) x 16 keys (columns), for the scores;
+   vv [AKB / 32][D / 16] tiles: pair p of keys (row) x 16 head dims (columns), for the weighted V. */
+static void amx_load_keys(const uint16_t *restrict k_cache, const uint16_t *restrict v_cache,
+                          const int32_t *restrict table, int64_t k0, int64_t n, int64_t j0, int64_t j1,
+                          int64_t g, int64_t G, int64_t D, int64_t BS, uint16_t *restrict kk, uint16_t *restrict vv) {
+    static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i mix = _mm512_loadu_si512(pairs);
+    const int64_t DC = D / 32, DN = D / 16;
+    for (int64_t j = j0; j < j1; j += 16) {
+        const uint16_t *kr[16];
+        for (int i = 0; i < 16; i++) kr[i] = j + i < n ? amx_row(k_cache, table, k0 + j + i, g, G, D, BS) : amx_zero_row;
+        for (int64_t c = 0; c < DC; c++) {
+            __m512 r[16]; /* key i's 16 pairs of dims 32c .. 32c + 31, as 32-bit words */
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps((const float *)(kr[i] + 32 * c));
+            transpose16_regs(r); /* r[p]: pair p of the 16 keys */
+            uint16_t *dst = kk + ((j / 16) * DC + c) * 512;
+            for (int p = 0; p < 16; p++) _mm512_storeu_ps((float *)(dst + 32 * p), r[p]);
+        }
+    }
+    for (int64_t j = j0; j < j1; j += 32)
+        for (int p = 0; p < 16; p++) {
+            const int64_t a = j + 2 * p, b = a + 1;
+            const uint16_t *va = a < n ? amx_row(v_cache, table, k0 + a, g, G, D, BS) : amx_zero_row;
+            const uint16_t *vb = b < n ? amx_row(v_cache, table, k0 + b, g, G, D, BS) : amx_zero_row;
+            for (int64_t c = 0; c < DN; c++) {
+                const __m512i both = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(va + 16 * c))),
+                    _mm256_loadu_si256((const __m256i *)(vb + 16 * c)), 1);
+                _mm512_storeu_si512(vv + (((j / 32) * DN + c) * 16 + p) * 32, _mm512_permutexvar_epi16(mix, both));
+            }
+        }
+}
+
+/* s [16][AKB] (float32) = the 16 rows of qb [16][D] against keys [j0, j1) (a multiple of 32 apart). */
+static void amx_scores(const uint16_t *restrict qb, const uint16_t *restrict kk, int64_t D, int64_t j0,
+                       int64_t j1, float *restrict s) {
+    const int64_t DC = D / 32;
+    for (int64_t j = j0; j < j1; j += 64) {
+        const int wide = j1 - j >= 64; /* four tiles of 16 keys, else two */
+        const uint16_t *b = kk + (j / 16) * DC * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < DC; c++) {
+            _tile_loadd(4, qb + 32 * c, D * 2);
+            _tile_loadd(5, b + c * 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, b + (DC + c) * 512, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            if (wide) {
+                _tile_loadd(7, b + (2 * DC + c) * 512, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, b + (3 * DC + c) * 512, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, s + j, AKB * 4);
+        _tile_stored(1, s + j + 16, AKB * 4);
+        if (wide) {
+            _tile_stored(2, s + j + 32, AKB * 4);
+            _tile_stored(3, s + j + 48, AKB * 4);
+        }
+    }
+}
+
+/* The block's scores into the 16 rows' running max m and sum l, their probabilities p [16][AKB]
+   (bfloat16, zero outside each row's keys [lo, hi)) over [j0, j1), and keep: the factor the rows'
+   sums of weighted V so far are multiplied by (0 for a row's first keys, 1 for a row without any). */
+static void amx_softmax(float *restrict s, uint16_t *restrict p, int64_t j0, int64_t j1,
+                        const int64_t *restrict lo, const int64_t *restrict hi, float *restrict m,
+                        float *restrict l, float *restrict keep) {
+    for (int r = 0; r < 16; r++) {
+        float *sr = s + r * AKB;
+        uint16_t *pr = p + r * AKB;
+        const int64_t a = lo[r], e = hi[r];
+        if (a >= e) { /* sees none of these keys: weights 0, its state as it was */
+            memset(pr + j0, 0, sizeof(uint16_t) * (size_t)(j1 - j0));
+            keep[r] = 1.0f;
+            continue;
+        }
+        float top = sr[a];
+        for (int64_t j = a + 1; j < e; j++) top = sr[j] > top ? sr[j] : top;
+        const int first = l[r] == 0.0f;
+        const float new_m = first || top > m[r] ? top : m[r];
+        keep[r] = first ? 0.0f : expf(m[r] - new_m);
+#pragma omp simd
+        for (int64_t j = a; j < e; j++) sr[j] = expf(sr[j] - new_m);
+        for (int64_t j = j0; j < a; j++) sr[j] = 0.0f;
+        for (int64_t j = e; j < j1; j++) sr[j] = 0.0f;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = j0; j < j1; j += 16) { /* rounded to bfloat16; the sum is of the rounded weights */
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + j));
+            _mm256_storeu_si256((__m256i *)(pr + j), h);
+            sum += _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
+        m[r] = new_m;
+    }
+}
+
+/* acc [16][D] = acc * keep + p [16][AKB] (keys [j0, j1), a multiple of 32 apart) @ V's tiles. */
+static void amx_weighted_v(const uint16_t *restrict p, const uint16_t *restrict vv, int64_t D, int64_t j0,
+                           int64_t j1, const float *restrict keep, float *restrict acc, float *restrict tmp) {
+    const int64_t DN = D / 16;
+    for (int64_t c0 = 0; c0 < DN; c0 += 4) {
+        const int wide = DN - c0 >= 4; /* four tiles of 16 head dims, else two (D is a multiple of 32) */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = j0; j < j1; j += 32) {
+            const uint16_t *b = vv + ((j / 32) * DN + c0) * 512;
+            _tile_loadd(4, p + j, AKB * 2);
+            _tile_loadd(5, b, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, b + 512, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            if (wide) {
+                _tile_loadd(7, b + 1024, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, b + 1536, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, tmp, 256);
+        _tile_stored(1, tmp + 16, 256);
+        if (wide) {
+            _tile_stored(2, tmp + 32, 256);
+            _tile_stored(3, tmp + 48, 256);
+        }
+        const int cols = wide ? 4 : 2;
+        for (int r = 0; r < 16; r++) {
+            const __m512 k = _mm512_set1_ps(keep[r]);
+            for (int c = 0; c < cols; c++) {
+                float *o = acc + r * D + (c0 + c) * 16;
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), k, _mm512_loadu_ps(tmp + r * 64 + c * 16)));
+            }
+        }
+    }
+}
+
+typedef struct { /* a thread's buffers; rp: a task's rows, padded to 16 */
+    uint16_t *qb, *kk, *vv, *p;
+    float *acc, *s, *m, *l, *tmp;
+    int64_t *lo, *hi;
+} amx_buffers_t;
+
+static int amx_buffers(amx_buffers_t *b, int64_t rp, int64_t D) {
+    b->qb = aligned_alloc(64, (size_t)(rp * D * 2));
+    b->kk = aligned_alloc(64, (size_t)(AKB * D * 2));
+    b->vv = aligned_alloc(64, (size_t)(AKB * D * 2));
+    b->p = aligned_alloc(64, (size_t)(16 * AKB * 2));
+    b->acc = aligned_alloc(64, (size_t)(rp * D * 4));
+    b->s = aligned_alloc(64, (size_t)(16 * AKB * 4));
+    b->tmp = aligned_alloc(64, 16 * 64 * 4);
+    b->m = malloc(sizeof(float) * (size_t)rp), b->l = malloc(sizeof(float) * (size_t)rp);
+    b->lo = malloc(sizeof(int64_t) * (size_t)rp), b->hi = malloc(sizeof(int64_t) * (size_t)rp);
+    return b->qb && b->kk && b->vv && b->p && b->acc && b->s && b->tmp && b->m && b->l && b->lo && b->hi;
+}
+
+static void amx_buffers_free(amx_buffers_t *b) {
+    free(b->qb), free(b->kk), free(b->vv), free(b->p), free(b->acc), free(b->s), free(b->tmp);
+    free(b->m), free(b->l), free(b->lo), free(b->hi);
+}
+
+/* Queries [q0, q1) of one sequence (its chunk's rows from row0, its L cached tokens) under kv head
+   g's query heads, as prefill_attention.c's task. */
+static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, const uint16_t *restrict v_cache,
+                     const int32_t *restrict table, int64_t row0, int64_t qlen, int64_t L, int64_t q0, int64_t q1,
+                     int64_t g, float *restrict out, int64_t H, int64_t G, int64_t D, int64_t BS, float scale,
+                     int64_t window, const amx_buffers_t *b) {
+    const int64_t rep = H / G, R = (q1 - q0) * rep, RP = (R + 15) / 16 * 16, base = L - qlen;
+    for (int64_t row = 0; row < RP; row++) { /* row (i - q0) * rep + h: query i under head g * rep + h */
+        uint16_t *dst = b->qb + row * D;
+        if (row >= R) {
+            memset(dst, 0, sizeof(uint16_t) * (size_t)D);
+            continue;
+        }
+        const float *src = q + ((row0 + q0 + row / rep) * H + g * rep + row % rep) * D;
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d) * sc));
+    }
+    memset(b->acc, 0, sizeof(float) * (size_t)(RP * D));
+    memset(b->l, 0, sizeof(float) * (size_t)RP);
+    memset(b->m, 0, sizeof(float) * (size_t)RP);
+    const int64_t first_pos = base + q0, last_pos = base + q1 - 1;
+    const int64_t start = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    for (int64_t k0 = start - start % AKB; k0 <= last_pos; k0 += AKB) {
+        const int64_t n = last_pos + 1 - k0 < AKB ? last_pos + 1 - k0 : AKB;
+        int64_t ja = AKB, je = 0; /* the keys any row sees */
+        for (int64_t row = 0; row < RP; row++) { /* row sees keys [from, p]: [a, e) of the block */
+            int64_t a = 0, e = 0;
+            if (row < R) {
+                const int64_t p = base + q0 + row / rep, from = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+                a = from - k0 > 0 ? from - k0 : 0;
+                e = p + 1 - k0 < n ? p + 1 - k0 : n;
+            }
+            if (a < e) ja = a < ja ? a : ja, je = e > je ? e : je;
+            b->lo[row] = a, b->hi[row] = e;
+        }
+        if (ja >= je) continue;
+        amx_load_keys(k_cache, v_cache, table, k0, n, ja / 32 * 32, (je + 31) / 32 * 32, g, G, D, BS, b->kk, b->vv);
+        for (int64_t r0 = 0; r0 < RP; r0 += 16) {
+            int64_t ba = AKB, be = 0;
+            for (int64_t r = r0; r < r0 + 16; r++)
+                if (b->lo[r] < b->hi[r]) ba = b->lo[r] < ba ? b->lo[r] : ba, be = b->hi[r] > be ? b->hi[r] : be;
+            if (ba >= be) continue;
+            const int64_t j0 = ba / 32 * 32, j1 = (be + 31) / 32 * 32;
+            float keep[16];
+            amx_scores(b->qb + r0 * D, b->kk, D, j0, j1, b->s);
+            amx_softmax(b->s, b->p, j0, j1, b->lo + r0, b->hi + r0, b->m + r0, b->l + r0, keep);
+            amx_weighted_v(b->p, b->vv, D, j0, j1, keep, b->acc + r0 * D, b->tmp);
+        }
+    }
+    for (int64_t row = 0; row < R; row++) {
+        float *o = out + ((row0 + q0 + row / rep) * H + g * rep + row % rep) * D;
+        const float inv = b->l[row] > 0.0f ? 1.0f / b->l[row] : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] = b->acc[row * D + d] * inv;
+    }
+}
+
+/* prefill_attention_bf16's work where it runs on the tiles: D a multiple of 32, at most 256. */
+static void prefill_attention_amx(const float *restrict q, const uint16_t *restrict k_cache,
+                                  const uint16_t *restrict v_cache, const int32_t *restrict block_tables,
+                                  const int32_t *restrict cu_seqlens_q, const int32_t *restrict seq_lens,
+                                  float *restrict out, int64_t S, int64_t H, int64_t G, int64_t D, int64_t BS,
+                                  int64_t MB, float scale, int64_t window) {
+    const int64_t rep = H / G, qt = rep < AROWS ? AROWS / rep : 1, rp = (qt * rep + 15) / 16 * 16;
+    task_plan_t plan = task_plan(cu_seqlens_q, S, G, qt);
+    __atomic_add_fetch(&amx_attention_count, 1, __ATOMIC_RELAXED);
+#pragma omp parallel
+    {
+        amx_buffers_t b;
+        if (!amx_buffers(&b, rp, D)) abort(); /* a few hundred KB a thread */
+        amx_attention_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t jj = 0; jj < plan.tasks; jj++) {
+            const int64_t j = plan.tasks - 1 - jj; /* a chunk's last tiles see the most keys: they go first */
+            const int64_t s = plan.owner[j], tile = (j - plan.first[s]) / G, g = (j - plan.first[s]) % G;
+            const int64_t qlen = cu_seqlens_q[s + 1] - cu_seqlens_q[s], q0 = tile * qt;
+            const int64_t q1 = q0 + qt < qlen ? q0 + qt : qlen;
+            amx_task(q, k_cache, v_cache, block_tables + s * MB, cu_seqlens_q[s], qlen, seq_lens[s], q0, q1, g, out,
+                     H, G, D, BS, scale, window, &b);
+        }
+        _tile_release();
+        amx_buffers_free(&b);
+    }
+    task_plan_free(&plan);
+}
