@@ -309,7 +309,32 @@ class TritonServer:
             if self.is_ready() and self.metrics_listening():
                 return self
             time.sleep(0.25)
-        raise ServerError(f"model '{MODEL_NAME}' not ready after {timeout:.0f}s" + self._log_excerpt())
+        asked = self.dump_stub_stacks()
+        raise ServerError(f"model '{MODEL_NAME}' not ready after {timeout:.0f}s (metrics port listening: "
+                          f"{self.metrics_listening()}; {asked} stub(s) asked for their stacks)"
+                          + self._log_excerpt(lines=120 if asked else 15))
+
+    def dump_stub_stacks(self, settle: float = 2.0) -> int:
+        """SIGUSR1 to each Python-backend stub of this tritonserver: the models' initialize registers
+        faulthandler on it (model_repository/llm/1/model.py), so every thread's Python stack goes to
+        the log: where a load that never finishes stands. The number of stubs asked."""
+        if self.process is None or self.process.poll() is not None:
+            return 0
+        asked = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                if ppid == self.process.pid and "python_backend_stub" in (entry / "cmdline").read_text():
+                    os.kill(int(entry.name), signal.SIGUSR1)
+                    asked += 1
+            except (OSError, ValueError, IndexError):
+                continue
+        if asked:
+            time.sleep(settle)
+        return asked
 
     def log_text(self) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -1,4 +1,5 @@
 """Exit when the parent process dies: for a process that must not outlive the one that started it.
+(And `stacks_on_request`: the stub's Python stacks to its log on SIGUSR1.)
 
 Triton's Python backend runs each model in a `triton_python_backend_stub` process that tritonserver
 forks. When tritonserver dies abruptly (SIGKILL, a crash), the 2.51 stub does not notice: it lives
@@ -70,3 +71,14 @@ def kill_when_orphaned(pid: int, parent: int, interval: float = 0.5) -> Optional
     return subprocess.Popen(["/bin/sh", "-c", WATCH_SCRIPT, "inflight-parent-watch", str(pid), str(parent)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={"PATH": "/usr/bin:/bin", "WATCH_INTERVAL": str(interval)}, close_fds=True)
+
+
+def stacks_on_request() -> None:
+    """Every thread's Python stack to stderr (a stub's: Triton's log) on SIGUSR1, the process going
+    on: serving/triton_launcher.py `TritonServer.dump_stub_stacks` asks when a model's load outlasts
+    its wait, so the log says where it stands. Called from initialize; a stub signalled before then
+    dies of it (SIGUSR1's default), which the log shows too."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -339,3 +339,19 @@ def test_a_bad_config_parameter_fails_the_load_naming_the_key(model_repository, 
     finally:
         server.stop()
     assert not _group_alive(pid), "a tritonserver or stub process was left behind"
+
+
+def test_a_stub_asked_for_its_stacks_writes_them_to_the_log_and_serves_on(server):
+    """What a load that never finishes would show (TritonServer.wait_ready asks on its timeout): each
+    stub dumps every thread's Python stack to Triton's log on SIGUSR1 and carries on serving."""
+    before = len(server.log_text())
+    assert server.dump_stub_stacks(settle=1.0) >= 2  # llm and llm_trtllm
+    dumped = server.log_text()[before:]
+    assert "Thread 0x" in dumped and "File " in dumped, dumped[-2000:]
+    assert "adapter.py" in dumped or "async_engine.py" in dumped or "engine" in dumped, dumped[-2000:]
+    with GrpcClient(server.grpc_url) as client:
+        assert client.generate("still here", stream=False, max_tokens=3)
+    import urllib.request
+    for model in ("llm", "llm_trtllm"):  # both stubs lived through it
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=5) as r:
+            assert r.status == 200, model

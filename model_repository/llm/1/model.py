@@ -48,8 +48,9 @@ def respond(sender, tensors, error, final):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from backend.worker.parent_watch import exit_with_parent
+        from backend.worker.parent_watch import exit_with_parent, stacks_on_request
         exit_with_parent()  # a tritonserver killed abruptly must not leave this stub behind
+        stacks_on_request()  # a load that hangs can be asked where it is
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(

@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from backend.worker.parent_watch import exit_with_parent  # noqa: E402
+from backend.worker.parent_watch import exit_with_parent, stacks_on_request  # noqa: E402
 from templates.tensors import INPUTS, OUTPUTS  # noqa: E402
 
 TARGET = "llm"
@@ -35,6 +35,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         exit_with_parent()  # a tritonserver killed abruptly must not leave this stub behind
+        stacks_on_request()  # a load that hangs can be asked where it is
         self.output_names = [t.name for t in OUTPUTS]
 
     def execute(self, requests):
