@@ -132,10 +132,22 @@ def server_env(install: TritonInstall, base: Optional[Mapping[str, str]] = None)
     return env
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` ports free now, all different: each socket stays bound until all are chosen (the OS
+    may hand out a port again once its socket is closed: a server once got one port for HTTP and
+    metrics and failed to start)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def make_run_repository(dest: Path, model_repository: Path = DEFAULT_MODEL_REPOSITORY,
@@ -202,9 +214,10 @@ class TritonServer:
         self.params = {k: str(v) for k, v in (params or {}).items()}
         self.model_path = model_path
         self.host = host
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        chosen = iter(free_ports(3))  # distinct: the ones given are used as they are
+        self.http_port = http_port or next(chosen)
+        self.grpc_port = grpc_port or next(chosen)
+        self.metrics_port = metrics_port or next(chosen)
         self.log_verbose = log_verbose
         self.log_to_console = log_to_console
         self.exit_timeout = exit_timeout  # on stop, seconds in-flight requests get to finish

@@ -26,7 +26,7 @@ from backend.kv.block_manager import BlockListener, BlockManager, block_hashes
 from backend.core.config import EngineConfig
 from backend.core.kv_events_config import parse_kv_events_config
 from backend.kv.events import cbor
-from serving.triton_launcher import free_port
+from serving.triton_launcher import free_ports
 
 BS = 8
 TOPIC = "kv@10.0.0.7:9000@tiny"
@@ -93,7 +93,7 @@ def run(tmp_path_factory, monkeypatch_module):
 
     monkeypatch_module.delenv("PYTHONHASHSEED", raising=False)  # vLLM's fixed seed, then
     path = make_model(tmp_path_factory.mktemp("kv-events"), num_hidden_layers=1)
-    pub_port, replay_port = free_port(), free_port()
+    pub_port, replay_port = free_ports(2)
     llm = LLM(str(path), enable_kv_cache_reuse=True, kv_block_size=BS, max_tokens_in_paged_kv_cache=12 * BS,
               max_num_batched_tokens=64, kv_events_config={
                   "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub_port}",

@@ -10,7 +10,8 @@ group.
 
 float32 queries over float32 or bfloat16 caches. Over bfloat16 caches, where the CPU has AMX's
 bfloat16 tiles and the process is granted them (`amx_build`), the amx_bf16 build runs them on the
-tiles (csrc/prefill_attention_amx.h): queries and probabilities rounded to bfloat16, float32 sums.
+tiles (csrc/prefill_attention_amx.h): queries and probabilities as pairs of bfloat16, float32 sums,
+float32's result within ~1e-5.
 """
 from __future__ import annotations
 

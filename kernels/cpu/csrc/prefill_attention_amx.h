@@ -3,21 +3,21 @@
    kernel grants the tiles (amx.h). Same arguments and layouts as prefill_attention.c's kernel.
 
    A task is one sequence, one kv head and up to AROWS rows (queries x the group's heads, as there),
-   in blocks of 16 rows. Per block of AKB keys it lays the keys out once as tiles B: K's rows
-   transposed by pairs of bfloat16 (a 16 x 16 transposition of 32-bit words: tile B's rows are pairs
-   of head dims, its columns keys) and V's rows interleaved by pairs of keys. Then per block of 16
-   rows: the scores, 16 rows x up to 64 keys a pass in four tiles C, one tdpbf16ps per 32 head dims
-   and 16 keys against the queries (tile A, bfloat16, the softmax scale folded in before rounding);
+   in blocks of 16. Per block of AKB keys it lays the keys out once as tiles B: K's rows transposed
+   by pairs of bfloat16 (a 16 x 16 transposition of 32-bit words: tile B's rows are pairs of head
+   dims, its columns keys) and V's rows interleaved by pairs of keys. Then per block of 16 rows: the
+   scores, 16 rows x up to 64 keys a pass in four tiles C, tdpbf16ps per 32 head dims and 16 keys;
    the online softmax over the block's scores in float32 (the running max, sum and rescaling of
-   prefill_attention.c, once per AKB keys, not per 64); the probabilities rounded to bfloat16 (their
-   sum is that of the rounded values, so the weights the row divides by are those it multiplied by)
-   and multiplied with V, 32 keys a tdpbf16ps, into 16 x 16 float32 tiles added to the rows' sums.
+   prefill_attention.c, once per AKB keys, not per 64); the probabilities multiplied with V, 32 keys
+   a tdpbf16ps, into 16 x 16 float32 tiles added to the rows' sums.
 
-   Numbers: the queries and the probabilities are rounded to bfloat16 (K and V already are in the
-   cache); products and sums are float32. Against the float32 kernel that is ~2^-9 relative per
-   score and weight (tests/kernels/test_prefill_attention_amx.py bounds it). A row's result does not
-   depend on the other rows of its chunk or on how its prompt was chunked: key blocks start at
-   multiples of AKB from position 0, and each row's sums are its own. */
+   Numbers: K and V are bfloat16 already; the queries (the softmax scale folded in) and the
+   probabilities go in as two bfloat16 each, hi + lo (lo: what hi's rounding left), so each product
+   is two tile products and the result is float32's but for ~2^-16 of each query and weight and the
+   order of the sums (1e-5 of the outputs; one bfloat16 each was 2^-9, and moved a tensor-parallel
+   run's greedy tokens off the one-rank run's where their top two were 0.29 apart). A row's result
+   does not depend on the other rows of its chunk or on how its prompt was chunked: key blocks start
+   at multiples of AKB from position 0, and each row's sums are its own. */
 #include "amx.h"
 
 #define AKB 256   /* keys a block: their tiles B laid out once per task, a row's max and sum updated once */
@@ -75,9 +75,11 @@ static void amx_load_keys(const uint16_t *restrict k_cache, const uint16_t *rest
         }
 }
 
-/* s [16][AKB] (float32) = the 16 rows of qb [16][D] against keys [j0, j1) (a multiple of 32 apart). */
-static void amx_scores(const uint16_t *restrict qb, const uint16_t *restrict kk, int64_t D, int64_t j0,
-                       int64_t j1, float *restrict s) {
+/* s [16][AKB] (float32) = the 16 rows of the queries against keys [j0, j1) (a multiple of 32 apart);
+   each query is two rows of bfloat16, qh + ql (ql: what qh's rounding left), so a score is two tile
+   products and as exact as float32's but for ~2^-16 of each query value. */
+static void amx_scores(const uint16_t *restrict qh, const uint16_t *restrict ql, const uint16_t *restrict kk,
+                       int64_t D, int64_t j0, int64_t j1, float *restrict s) {
     const int64_t DC = D / 32;
     for (int64_t j = j0; j < j1; j += 64) {
         const int wide = j1 - j >= 64; /* four tiles of 16 keys, else two */
@@ -87,16 +89,21 @@ static void amx_scores(const uint16_t *restrict qb, const uint16_t *restrict kk,
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t c = 0; c < DC; c++) {
-            _tile_loadd(4, qb + 32 * c, D * 2);
-            _tile_loadd(5, b + c * 512, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, b + (DC + c) * 512, 64);
-            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(4, qh + 32 * c, D * 2);
+            _tile_loadd(5, ql + 32 * c, D * 2);
+            _tile_loadd(6, b + c * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_loadd(7, b + (DC + c) * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(1, 5, 7);
             if (wide) {
-                _tile_loadd(7, b + (2 * DC + c) * 512, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, b + (3 * DC + c) * 512, 64);
-                _tile_dpbf16ps(3, 4, 5);
+                _tile_loadd(6, b + (2 * DC + c) * 512, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_loadd(7, b + (3 * DC + c) * 512, 64);
+                _tile_dpbf16ps(3, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
             }
         }
         _tile_stored(0, s + j, AKB * 4);
@@ -108,18 +115,30 @@ static void amx_scores(const uint16_t *restrict qb, const uint16_t *restrict kk,
     }
 }
 
-/* The block's scores into the 16 rows' running max m and sum l, their probabilities p [16][AKB]
-   (bfloat16, zero outside each row's keys [lo, hi)) over [j0, j1), and keep: the factor the rows'
-   sums of weighted V so far are multiplied by (0 for a row's first keys, 1 for a row without any). */
-static void amx_softmax(float *restrict s, uint16_t *restrict p, int64_t j0, int64_t j1,
+/* x (float32, n a multiple of 16) as hi + lo, two bfloat16 each: hi = x rounded, lo = the rest rounded. */
+static inline void split_bf16(const float *restrict x, int64_t n, uint16_t *restrict hi, uint16_t *restrict lo) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm256_storeu_si256((__m256i *)(hi + j), h);
+        _mm256_storeu_si256((__m256i *)(lo + j), (__m256i)_mm512_cvtneps_pbh(v - back));
+    }
+}
+
+/* The block's scores into the 16 rows' running max m and sum l, their probabilities over [j0, j1)
+   as ph + pl (bfloat16 pairs, as the queries; zero outside each row's keys [lo, hi)), and keep: the
+   factor the rows' sums of weighted V so far are multiplied by (0 for a row's first keys, 1 for a
+   row without any). */
+static void amx_softmax(float *restrict s, uint16_t *restrict ph, uint16_t *restrict pl, int64_t j0, int64_t j1,
                         const int64_t *restrict lo, const int64_t *restrict hi, float *restrict m,
                         float *restrict l, float *restrict keep) {
     for (int r = 0; r < 16; r++) {
         float *sr = s + r * AKB;
-        uint16_t *pr = p + r * AKB;
         const int64_t a = lo[r], e = hi[r];
         if (a >= e) { /* sees none of these keys: weights 0, its state as it was */
-            memset(pr + j0, 0, sizeof(uint16_t) * (size_t)(j1 - j0));
+            memset(ph + r * AKB + j0, 0, sizeof(uint16_t) * (size_t)(j1 - j0));
+            memset(pl + r * AKB + j0, 0, sizeof(uint16_t) * (size_t)(j1 - j0));
             keep[r] = 1.0f;
             continue;
         }
@@ -128,24 +147,24 @@ static void amx_softmax(float *restrict s, uint16_t *restrict p, int64_t j0, int
         const int first = l[r] == 0.0f;
         const float new_m = first || top > m[r] ? top : m[r];
         keep[r] = first ? 0.0f : expf(m[r] - new_m);
-#pragma omp simd
-        for (int64_t j = a; j < e; j++) sr[j] = expf(sr[j] - new_m);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = a; j < e; j++) {
+            sr[j] = expf(sr[j] - new_m);
+            sum += sr[j];
+        }
         for (int64_t j = j0; j < a; j++) sr[j] = 0.0f;
         for (int64_t j = e; j < j1; j++) sr[j] = 0.0f;
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = j0; j < j1; j += 16) { /* rounded to bfloat16; the sum is of the rounded weights */
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + j));
-            _mm256_storeu_si256((__m256i *)(pr + j), h);
-            sum += _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        }
-        l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum);
+        split_bf16(sr + j0, j1 - j0, ph + r * AKB + j0, pl + r * AKB + j0);
+        l[r] = l[r] * keep[r] + sum;
         m[r] = new_m;
     }
 }
 
-/* acc [16][D] = acc * keep + p [16][AKB] (keys [j0, j1), a multiple of 32 apart) @ V's tiles. */
-static void amx_weighted_v(const uint16_t *restrict p, const uint16_t *restrict vv, int64_t D, int64_t j0,
-                           int64_t j1, const float *restrict keep, float *restrict acc, float *restrict tmp) {
+/* acc [16][D] = acc * keep + (ph + pl) [16][AKB] (keys [j0, j1), a multiple of 32 apart) @ V's tiles. */
+static void amx_weighted_v(const uint16_t *restrict ph, const uint16_t *restrict pl, const uint16_t *restrict vv,
+                           int64_t D, int64_t j0, int64_t j1, const float *restrict keep, float *restrict acc,
+                           float *restrict tmp) {
     const int64_t DN = D / 16;
     for (int64_t c0 = 0; c0 < DN; c0 += 4) {
         const int wide = DN - c0 >= 4; /* four tiles of 16 head dims, else two (D is a multiple of 32) */
@@ -155,16 +174,21 @@ static void amx_weighted_v(const uint16_t *restrict p, const uint16_t *restrict 
         _tile_zero(3);
         for (int64_t j = j0; j < j1; j += 32) {
             const uint16_t *b = vv + ((j / 32) * DN + c0) * 512;
-            _tile_loadd(4, p + j, AKB * 2);
-            _tile_loadd(5, b, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, b + 512, 64);
-            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(4, ph + j, AKB * 2);
+            _tile_loadd(5, pl + j, AKB * 2);
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(1, 5, 7);
             if (wide) {
-                _tile_loadd(7, b + 1024, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, b + 1536, 64);
-                _tile_dpbf16ps(3, 4, 5);
+                _tile_loadd(6, b + 1024, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_loadd(7, b + 1536, 64);
+                _tile_dpbf16ps(3, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
             }
         }
         _tile_stored(0, tmp, 256);
@@ -185,26 +209,28 @@ static void amx_weighted_v(const uint16_t *restrict p, const uint16_t *restrict 
 }
 
 typedef struct { /* a thread's buffers; rp: a task's rows, padded to 16 */
-    uint16_t *qb, *kk, *vv, *p;
+    uint16_t *qh, *ql, *kk, *vv, *ph, *pl;
     float *acc, *s, *m, *l, *tmp;
     int64_t *lo, *hi;
 } amx_buffers_t;
 
 static int amx_buffers(amx_buffers_t *b, int64_t rp, int64_t D) {
-    b->qb = aligned_alloc(64, (size_t)(rp * D * 2));
+    b->qh = aligned_alloc(64, (size_t)(rp * D * 2));
+    b->ql = aligned_alloc(64, (size_t)(rp * D * 2));
     b->kk = aligned_alloc(64, (size_t)(AKB * D * 2));
     b->vv = aligned_alloc(64, (size_t)(AKB * D * 2));
-    b->p = aligned_alloc(64, (size_t)(16 * AKB * 2));
+    b->ph = aligned_alloc(64, (size_t)(16 * AKB * 2));
+    b->pl = aligned_alloc(64, (size_t)(16 * AKB * 2));
     b->acc = aligned_alloc(64, (size_t)(rp * D * 4));
     b->s = aligned_alloc(64, (size_t)(16 * AKB * 4));
     b->tmp = aligned_alloc(64, 16 * 64 * 4);
     b->m = malloc(sizeof(float) * (size_t)rp), b->l = malloc(sizeof(float) * (size_t)rp);
     b->lo = malloc(sizeof(int64_t) * (size_t)rp), b->hi = malloc(sizeof(int64_t) * (size_t)rp);
-    return b->qb && b->kk && b->vv && b->p && b->acc && b->s && b->tmp && b->m && b->l && b->lo && b->hi;
+    return b->qh && b->ql && b->kk && b->vv && b->ph && b->pl && b->acc && b->s && b->tmp && b->m && b->l && b->lo && b->hi;
 }
 
 static void amx_buffers_free(amx_buffers_t *b) {
-    free(b->qb), free(b->kk), free(b->vv), free(b->p), free(b->acc), free(b->s), free(b->tmp);
+    free(b->qh), free(b->ql), free(b->kk), free(b->vv), free(b->ph), free(b->pl), free(b->acc), free(b->s), free(b->tmp);
     free(b->m), free(b->l), free(b->lo), free(b->hi);
 }
 
@@ -216,15 +242,16 @@ static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, 
                      int64_t window, const amx_buffers_t *b) {
     const int64_t rep = H / G, R = (q1 - q0) * rep, RP = (R + 15) / 16 * 16, base = L - qlen;
     for (int64_t row = 0; row < RP; row++) { /* row (i - q0) * rep + h: query i under head g * rep + h */
-        uint16_t *dst = b->qb + row * D;
+        uint16_t *hi = b->qh + row * D, *lo = b->ql + row * D;
         if (row >= R) {
-            memset(dst, 0, sizeof(uint16_t) * (size_t)D);
+            memset(hi, 0, sizeof(uint16_t) * (size_t)D);
+            memset(lo, 0, sizeof(uint16_t) * (size_t)D);
             continue;
         }
         const float *src = q + ((row0 + q0 + row / rep) * H + g * rep + row % rep) * D;
-        const __m512 sc = _mm512_set1_ps(scale);
-        for (int64_t d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d) * sc));
+        float scaled[256];
+        for (int64_t d = 0; d < D; d++) scaled[d] = src[d] * scale;
+        split_bf16(scaled, D, hi, lo);
     }
     memset(b->acc, 0, sizeof(float) * (size_t)(RP * D));
     memset(b->l, 0, sizeof(float) * (size_t)RP);
@@ -253,9 +280,9 @@ static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, 
             if (ba >= be) continue;
             const int64_t j0 = ba / 32 * 32, j1 = (be + 31) / 32 * 32;
             float keep[16];
-            amx_scores(b->qb + r0 * D, b->kk, D, j0, j1, b->s);
-            amx_softmax(b->s, b->p, j0, j1, b->lo + r0, b->hi + r0, b->m + r0, b->l + r0, keep);
-            amx_weighted_v(b->p, b->vv, D, j0, j1, keep, b->acc + r0 * D, b->tmp);
+            amx_scores(b->qh + r0 * D, b->ql + r0 * D, b->kk, D, j0, j1, b->s);
+            amx_softmax(b->s, b->ph, b->pl, j0, j1, b->lo + r0, b->hi + r0, b->m + r0, b->l + r0, keep);
+            amx_weighted_v(b->ph, b->pl, b->vv, D, j0, j1, keep, b->acc + r0 * D, b->tmp);
         }
     }
     for (int64_t row = 0; row < R; row++) {
