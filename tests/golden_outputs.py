@@ -42,7 +42,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 ENV = {"OMP_NUM_THREADS": "1", "INFLIGHT_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
        "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "INFLIGHT_CPU_PIN": "0",
-       "HF_HUB_OFFLINE": "1", "INFLIGHT_FLOAT_GEMM": "auto"}  # float layers: the default, float_gemm.c
+       "HF_HUB_OFFLINE": "1", "INFLIGHT_FLOAT_GEMM": "auto",  # float layers: the default, float_gemm.c
+       # the -march=native kernels (attention, norms) as they were recorded: uncapped, though
+       # INFLIGHT_CPU_ISA=avx2 caps them by default since 2026-12-04 (kernels/cpu/build.py NATIVE_CAPS;
+       # capped, SmolLM2 Q4_1 moves tokens here, and the Xeon's own recording could not be redone)
+       "INFLIGHT_NATIVE_ISA": "native"}
 LOGPROB_TOLERANCE = 1e-4
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

@@ -59,6 +59,21 @@ ISA_FLAGS = {
                  "-mamx-tile", "-mamx-bf16", "-DPREFILL_AMX"],
 }
 
+# What -march=native may not use where INFLIGHT_CPU_ISA (kernels/cpu/quant.py BUILDS) names a
+# smaller instruction set than the CPU's: the -march=native libraries (attention, the layer stack,
+# the elementwise ops, the grouped experts) then play that CPU too, not only the GEMMs, so an
+# "AVX2 build forced" figure is what an AVX2-only CPU would get (`native_flags`). INFLIGHT_NATIVE_ISA
+# sets this cap alone ("native": none), over INFLIGHT_CPU_ISA's
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+NATIVE_CAPS = {
+    "native": [],
+    "amx_int8": [],
+    "avx512_vnni": ["-mno-avx512bf16", "-mno-avx512fp16", *_NO_AMX],
+    "avx_vnni": ["-mno-avx512f", *_NO_AMX],
+    "avx2": ["-mno-avx512f", "-mno-avxvnni", *_NO_AMX],
+    "portable": ["-mno-avx", *_NO_AMX],  # SSE only: no AVX, AVX2, FMA, F16C or AVX-512
+}
+
 # A library's own flags after those: float_gemm.c's outputs must not depend on the block of rows they
 # fall in (the C layer stack and the Python layers then agree bit for bit), so the compiler may not
 # reassociate its sums (the portable build's did, per block shape)
@@ -121,6 +136,13 @@ def first_that_runs(builds: Sequence[str], needs: Mapping[str, Sequence[str]],
     return builds[-1], passed_over
 
 
+def native_flags() -> list[str]:
+    """The flags of a -march=native library: COMPILE_FLAGS, capped (NATIVE_CAPS) by INFLIGHT_NATIVE_ISA
+    where it is set, else by INFLIGHT_CPU_ISA."""
+    cap = forced_build("INFLIGHT_NATIVE_ISA", tuple(NATIVE_CAPS)) or forced_build("INFLIGHT_CPU_ISA", tuple(NATIVE_CAPS))
+    return COMPILE_FLAGS + NATIVE_CAPS[cap or "native"]
+
+
 def _compiler() -> Optional[str]:
     chosen = os.environ.get("CC")
     return shutil.which(chosen) if chosen else shutil.which("gcc") or shutil.which("cc")
@@ -140,7 +162,8 @@ def _run(cmd: list[str]) -> None:
 
 def build(name: str, isa: Optional[str] = None) -> Path:
     """Compile kernels/cpu/csrc/<name>.c into the cache (if not there yet); the library's path. With
-    ``isa`` (a key of ISA_FLAGS) it is built for that instruction set, not -march=native."""
+    ``isa`` (a key of ISA_FLAGS) it is built for that instruction set, not -march=native (capped by
+    INFLIGHT_CPU_ISA: `native_flags`)."""
     cc = _compiler()
     if cc is None:
         raise CpuKernelUnavailable(f"no C compiler: CC={os.environ.get('CC')!r} is not runnable"
@@ -149,7 +172,7 @@ def build(name: str, isa: Optional[str] = None) -> Path:
         source = (CSRC / f"{name}.c").read_bytes()
     except OSError as e:  # an install that left the C sources out
         raise CpuKernelUnavailable(f"no source for CPU kernel '{name}': {e}") from e
-    flags = (COMPILE_FLAGS if isa is None else BASE_FLAGS + ISA_FLAGS[isa]) + SOURCE_FLAGS.get(name, [])
+    flags = (native_flags() if isa is None else BASE_FLAGS + ISA_FLAGS[isa]) + SOURCE_FLAGS.get(name, [])
     headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]  # what the sources #include
     key = hashlib.sha256(b"\0".join([source, *headers, " ".join(flags + LINK_FLAGS).encode(),
                                      _compiler_version(cc).encode(), _cpu_flags().encode()])).hexdigest()[:16]

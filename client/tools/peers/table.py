@@ -17,7 +17,8 @@ Ratios are inflight's figure over llama.cpp's (llama.cpp's TTFT over inflight's)
 inflight runs as built for the CPU (``inflight``) and, on a CPU that lists AVX-512, again with its
 AVX2 build forced (``inflight-avx2``: INFLIGHT_CPU_ISA=avx2, and since 2026-12-04 oneDNN and torch's
 ops capped at AVX2 too, __main__.AVX2_ONLY: before, its float rows kept oneDNN's AVX-512/AMX GEMMs
-and overstated an AVX2-only CPU), as the issue-37 runs did; llama.cpp is
+and overstated an AVX2-only CPU; since the evening of 2026-12-04 INFLIGHT_CPU_ISA caps inflight's
+-march=native kernels as well, attention and norms, which had kept AVX-512), as the issue-37 runs did; llama.cpp is
 `make peers-llamacpp`'s build for this CPU. The JSON holds the machine (CPU model, ISA flags, builds),
 the command, times and load averages of every cell; table_plot.py draws the PNG next to it.
 Sizes are flags, so a smoke run (`--smoke`) takes minutes: the figures of such a run are no claim.
