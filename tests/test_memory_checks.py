@@ -59,11 +59,13 @@ def test_the_block_tables_count_every_kv_cache_group(monkeypatch):
         sizing.check_block_tables(config, 64, available, groups=4)
 
 
-def test_a_shut_down_engines_memory_is_free_when_the_next_one_sizes_its_cache(default_model_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_shut_down_engines_memory_is_free_when_the_next_one_sizes_its_cache(default_model_dir, tp):
     """An AsyncEngine shut down and dropped is freed at once, by reference counting: no reference
-    cycle (its grammar wake-up callback on the engine's waitlist was one) holds its KV cache until
-    the cycle collector runs, which need not happen before the next engine measures the memory it
-    may take. On the first H200 the next engine of one process found 19 MiB free of 140 GiB and died."""
+    cycle (its grammar wake-up callback on the engine's waitlist was one; with tensor parallelism,
+    its rank-lost callback on the group) holds its KV cache until the cycle collector runs, which
+    need not happen before the next engine measures the memory it may take. On the first H200 the
+    next engine of one process found 19 MiB free of 140 GiB and died."""
     import gc
     import weakref
 
@@ -72,7 +74,8 @@ def test_a_shut_down_engines_memory_is_free_when_the_next_one_sizes_its_cache(de
     enabled = gc.isenabled()
     gc.disable()   # as if the collector had not come round before the next engine sizes its cache
     try:
-        engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_model_len=256))
+        engine = AsyncEngine(EngineConfig(model_path=str(default_model_dir), max_model_len=256,
+                                          tensor_parallel_size=tp))
         runner = weakref.ref(engine.engine.runner)
         engine.shutdown()
         del engine

@@ -252,6 +252,8 @@ class TensorParallelGroup:
             except Exception:
                 log.warning("could not send STOP to the tensor-parallel ranks; ending them")
         self._closed = True
+        with self._lock:  # a closed group tells no one: its callbacks (the AsyncEngine's) go with it
+            self._callbacks = []
         if self.shm is not None:
             self.shm.close()
         if self.workers is not None:
