@@ -58,6 +58,29 @@ static void task_plan_free(task_plan_t *plan) {
     free(plan->first);
 }
 
+/* One row's online softmax over a block of keys [j0, j1) of which it sees [a, e) (a < e): its scores
+   sr (times scale) become exp(score - the new max) there and 0 elsewhere; its max m and sum l move on;
+   returns keep, the factor its sums of weighted V so far are multiplied by (0 for its first keys). */
+static inline float softmax_row(float *restrict sr, int64_t j0, int64_t a, int64_t e, int64_t j1, float scale,
+                                float *restrict m, float *restrict l) {
+    float top = sr[a] * scale;
+    for (int64_t j = a + 1; j < e; j++) top = sr[j] * scale > top ? sr[j] * scale : top;
+    const int first = *l == 0.0f;
+    const float new_m = first || top > *m ? top : *m;
+    const float keep = first ? 0.0f : expf(*m - new_m);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = a; j < e; j++) {
+        sr[j] = expf(sr[j] * scale - new_m);
+        sum += sr[j];
+    }
+    for (int64_t j = j0; j < a; j++) sr[j] = 0.0f;
+    for (int64_t j = e; j < j1; j++) sr[j] = 0.0f;
+    *l = *l * keep + sum;
+    *m = new_m;
+    return keep;
+}
+
 #ifdef PREFILL_AMX /* the amx_bf16 build: bfloat16 caches on AMX's tiles (prefill_attention_amx.h) */
 #include "prefill_attention_amx.h"
 #endif
@@ -203,21 +226,7 @@ static inline __attribute__((always_inline)) void NAME(tile)(
             }
             ja = a < ja ? a : ja;
             je = e > je ? e : je;
-            float top = sr[a] * scale;
-            for (int64_t j = a + 1; j < e; j++) top = sr[j] * scale > top ? sr[j] * scale : top;
-            const int first = l[r] == 0.0f;
-            const float new_m = first || top > m[r] ? top : m[r];
-            keep[b] = first ? 0.0f : expf(m[r] - new_m);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = a; j < e; j++) {
-                sr[j] = expf(sr[j] * scale - new_m);
-                sum += sr[j];
-            }
-            for (int64_t j = 0; j < a; j++) sr[j] = 0.0f; /* weights 0 outside its range */
-            for (int64_t j = e; j < KT; j++) sr[j] = 0.0f;
-            l[r] = l[r] * keep[b] + sum;
-            m[r] = new_m;
+            keep[b] = softmax_row(sr, 0, a, e, KT, scale, m + r, l + r);
         }
         if (ja >= je) continue;
         if (D % VW) { /* a head size the vectors do not divide: plain loops */

@@ -142,22 +142,8 @@ static void amx_softmax(float *restrict s, uint16_t *restrict ph, uint16_t *rest
             keep[r] = 1.0f;
             continue;
         }
-        float top = sr[a];
-        for (int64_t j = a + 1; j < e; j++) top = sr[j] > top ? sr[j] : top;
-        const int first = l[r] == 0.0f;
-        const float new_m = first || top > m[r] ? top : m[r];
-        keep[r] = first ? 0.0f : expf(m[r] - new_m);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = a; j < e; j++) {
-            sr[j] = expf(sr[j] - new_m);
-            sum += sr[j];
-        }
-        for (int64_t j = j0; j < a; j++) sr[j] = 0.0f;
-        for (int64_t j = e; j < j1; j++) sr[j] = 0.0f;
+        keep[r] = softmax_row(sr, j0, a, e, j1, 1.0f, m + r, l + r); /* the scale is in the queries */
         split_bf16(sr + j0, j1 - j0, ph + r * AKB + j0, pl + r * AKB + j0);
-        l[r] = l[r] * keep[r] + sum;
-        m[r] = new_m;
     }
 }
 
