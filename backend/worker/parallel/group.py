@@ -251,9 +251,7 @@ class TensorParallelGroup:
                 self._send(StepMessage(STOP))
             except Exception:
                 log.warning("could not send STOP to the tensor-parallel ranks; ending them")
-        self._closed = True
-        with self._lock:  # a closed group tells no one: its callbacks (the AsyncEngine's) go with it
-            self._callbacks = []
+        self._closed, self._callbacks = True, []  # a closed group tells no one (the AsyncEngine's callback goes)
         if self.shm is not None:
             self.shm.close()
         if self.workers is not None:
