@@ -87,3 +87,15 @@ def test_prompt_logprobs_of_smollm2_equal_transformers():
         for tok, lp in entries.items():
             assert abs(lp.logprob - float(row[tok])) < 2e-3, (pos, tok)
         assert entries[token].decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("chunk", [19, 18])
+def test_prompt_logprobs_when_the_last_chunk_is_the_last_prompt_token_alone(default_model_dir, reference, chunk):
+    """A 20-token prompt in chunks of 19 ends with a chunk of its last token alone, whose next token is
+    not a prompt token: the logprobs the earlier chunks kept are still handed over with the first
+    token (they were lost: [None] came back; the pacing's timing-dependent chunks met it in a loaded
+    run). Chunks of 18 end with two tokens, the case that always worked."""
+    llm = LLM(str(default_model_dir), max_num_seqs=4, max_model_len=128, max_num_batched_tokens=chunk,
+              enable_chunked_context=True)
+    out = llm.generate([PROMPT[:20]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))[0]
+    check(out, PROMPT[:20], reference(PROMPT[:20]), 1)

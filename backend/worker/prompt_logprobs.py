@@ -24,11 +24,13 @@ PromptRows = list[tuple]
 
 def chunk_rows(seq, flat_row: int, start: int, num_tokens: int) -> tuple | None:
     """The positions of a prefill chunk whose next token is a prompt token, for a sequence that
-    asked for prompt logprobs (None: none)."""
+    asked for prompt logprobs (None: none). The prompt's last chunk is a row even where it has none
+    (its last token alone): `hand_over` finds the sequence by its rows."""
     if seq.params.prompt_logprobs is None:
         return None
     count = min(start + num_tokens, len(seq.prompt_token_ids) - 1) - start
-    return (seq, flat_row, start, count) if count > 0 else None
+    last = start + num_tokens == len(seq.prompt_token_ids)
+    return (seq, flat_row, start, max(count, 0)) if count > 0 or last else None
 
 
 def compute(rows: PromptRows, hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         med = lambda key, w: statistics.median(r[key] for r in rows[(w, b)])  # noqa: E731
         for w in WAYS:
             print(f"| {b} | {w} | {med('tok_s', w):.1f} | {med('step_ms', w):.2f} | {med('all_reduce_share', w):.0%} | "
-                  f"{med('all_reduce_us', w):.0f} | {med('ttft_s', w):.2f} | {med('tok_s', w) / med('tok_s', 'python'):.2f}x | "
+                  f"{med('all_reduce_us', w):.0f} | {med('ttft_s', w):.3g} | {med('tok_s', w) / med('tok_s', 'python'):.2f}x | "
                   f"{med('ttft_s', 'python') / med('ttft_s', w):.2f}x |")
     return 0
 
