@@ -348,7 +348,7 @@ def test_a_stub_asked_for_its_stacks_writes_them_to_the_log_and_serves_on(server
     assert server.dump_stub_stacks(settle=1.0) >= 2  # llm and llm_trtllm
     dumped = server.log_text()[before:]
     assert "Thread 0x" in dumped and "File " in dumped, dumped[-2000:]
-    assert "adapter.py" in dumped or "async_engine.py" in dumped or "engine" in dumped, dumped[-2000:]
+    assert "adapter.py" in dumped or "engine" in dumped, dumped[-2000:]  # (async_engine.py among them)
     with GrpcClient(server.grpc_url) as client:
         assert client.generate("still here", stream=False, max_tokens=3)
     import urllib.request

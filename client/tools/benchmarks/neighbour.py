@@ -45,14 +45,6 @@ def start(kind: str, cpu: int) -> Optional[subprocess.Popen]:
     return proc
 
 
-def cpu_seconds(proc: Optional[subprocess.Popen]) -> float:
-    if proc is None:
-        return 0.0
-    import psutil
-    t = psutil.Process(proc.pid).cpu_times()
-    return t.user + t.system
-
-
 def summary(turns: list[dict]) -> dict:
     med = {k: statistics.median(t["decode_ms"] for t in turns if t["kind"] == k) for k in KINDS}
     return {k: {"median_ms": round(med[k], 4), "vs_idle": round(med[k] / med["idle"], 4)} for k in KINDS}
@@ -72,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import numpy as np
 
     from backend.engine.async_engine import AsyncEngine
-    from client.tools.benchmarks.served_gap import DECODE_PROMPT, in_process, served_config
+    from client.tools.benchmarks.served_gap import DECODE_PROMPT, cpu_of, in_process, served_config
     from kernels.cpuinfo import cpu_model
 
     cpu = a.cpu if a.cpu is not None else max(os.sched_getaffinity(0))
@@ -93,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         values.append(1000 * (last - first) / max(1, n - 1))
                     turn = {"kind": kind, "decode_ms": round(statistics.median(values), 4),
                             "values": [round(v, 4) for v in values],
-                            "wall_s": round(time.monotonic() - t0, 3), "neighbour_cpu_s": round(cpu_seconds(proc), 3),
+                            "wall_s": round(time.monotonic() - t0, 3), "neighbour_cpu_s": round(cpu_of({"n": proc.pid})["n"] if proc else 0.0, 3),
                             "load_average": os.getloadavg()}
                 finally:
                     if proc is not None:
