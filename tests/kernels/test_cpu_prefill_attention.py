@@ -88,6 +88,43 @@ def test_the_result_does_not_depend_on_the_thread_count(threads):
         torch.set_num_threads(before)
 
 
+# Short chunks at long contexts: few (tile, kv head) tasks, so their keys are split into parts
+# (prefill_attention.c, key_parts: fewer than 16 tasks and at least 2 x 256 keys), merged after.
+SPLIT = dict(lens=[1300, 700, 560, 90], q_lens=[9, 1, 40, 90])
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 32), (6, 2, 48)])
+@pytest.mark.parametrize("window", [0, 300, 700])
+def test_short_chunks_at_long_contexts_split_their_keys_and_match_the_reference(heads, kv_heads, head_dim, window):
+    """The split's parts (and the rows of a part that see none of its keys, under a window) merge to
+    the whole softmax: the reference sees every chunk whole."""
+    args = step(SPLIT["lens"], SPLIT["q_lens"], heads, kv_heads, head_dim, 16,
+                seed_for("cpu-prefill-split", heads, head_dim, window))
+    check(args, window=window)
+
+
+@pytest.mark.parametrize("isa", builds())
+def test_every_build_splits_alike(isa):
+    check(step(SPLIT["lens"], SPLIT["q_lens"], 9, 3, 64, 16, seed_for("cpu-prefill-split-isa")), isa=isa)
+
+
+def test_a_split_sequence_does_not_depend_on_its_neighbours_or_the_thread_count():
+    """The parts are chosen from a sequence's own shape: the 9-token chunk at 1,300 tokens gives the
+    same bits alone, beside other sequences, on one thread or two."""
+    args = step(SPLIT["lens"], SPLIT["q_lens"], 9, 3, 64, 16, seed_for("cpu-prefill-split-alone"))
+    q, k_cache, v_cache, tables, cu, lens = args
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        together = prefill_attention(*args, 0.125)
+        torch.set_num_threads(2)
+        assert torch.equal(prefill_attention(*args, 0.125), together)
+        alone = prefill_attention(q[:9], k_cache, v_cache, tables[:1], cu[:2], lens[:1], 0.125)
+        assert torch.equal(alone, together[:9])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_no_prompt_rows():
     k_cache = torch.zeros(2, 16, 1, 8)
     out = prefill_attention(torch.zeros(0, 2, 8), k_cache, k_cache, torch.zeros(0, 1, dtype=torch.int32),

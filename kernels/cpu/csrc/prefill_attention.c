@@ -12,8 +12,10 @@
 
    Blocked, flash-attention style. A task is one sequence, one kv head and a tile of QT queries:
    its rows are those queries under every query head of the group (GQA: the group shares each key
-   read). It walks the keys its rows can see in tiles of KT, each tile copied once out of its blocks
-   (transposed K, widened from bfloat16 where the cache is), and keeps per row the running max, sum
+   read); a short chunk at a long context also splits its keys into parts, a task each, merged
+   afterwards (prefill_split.h). It walks the keys its rows can see in tiles of KT, each tile
+   copied once out of its blocks (transposed K, widened from bfloat16 where the cache is), and
+   keeps per row the running max, sum
    and weighted V (online softmax), so no [Q, K] score matrix exists. Each row sums exactly the keys
    it sees (a range per row, no -inf: -ffast-math assumes none). Tasks are independent, so the
    result does not depend on the thread count.
@@ -22,7 +24,8 @@
    x 4 vectors of accumulators in registers, each K or V vector loaded once into a register and fed
    to RB FMAs (IN_REG; GCC otherwise re-read it from memory for every FMA, and the loads, not the
    FMAs, set the pace: 1.5x on SmolLM2's shapes); a task takes QT = 32 queries, so each key tile
-   is widened and transposed once for 32 x (heads per group) rows (1.1x over 16); and with AVX-512
+   is widened and transposed once for 32 x (heads per group) rows (1.1x over 16); a task's last
+   rows, fewer than RB, are a block of their own (prefill_vec.h BY_ROWS); and with AVX-512
    a tile's K is transposed 16 x 16 in registers (prefill_vec.h), not element by element (1.1-1.2x).
    The vector width and RB are the build's (prefill_vec.h). */
 #ifndef CACHE_T
@@ -33,30 +36,7 @@
 
 #define QT 32 /* queries per task (times the group's heads: its rows); each K/V tile is read once per task */
 #include "prefill_vec.h"
-
-/* The tasks of a call: task j is sequence owner[j], kv head (j - first[s]) % G and tile of qt
-   queries (j - first[s]) / G. */
-typedef struct {
-    int64_t tasks, *first, *owner;
-} task_plan_t;
-
-static task_plan_t task_plan(const int32_t *cu_seqlens_q, int64_t S, int64_t G, int64_t qt) {
-    task_plan_t plan;
-    plan.first = malloc(sizeof(int64_t) * (size_t)(S + 1));
-    plan.first[0] = 0;
-    for (int64_t s = 0; s < S; s++)
-        plan.first[s + 1] = plan.first[s] + (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + qt - 1) / qt * G;
-    plan.tasks = plan.first[S];
-    plan.owner = malloc(sizeof(int64_t) * (size_t)(plan.tasks ? plan.tasks : 1));
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t j = plan.first[s]; j < plan.first[s + 1]; j++) plan.owner[j] = s;
-    return plan;
-}
-
-static void task_plan_free(task_plan_t *plan) {
-    free(plan->owner);
-    free(plan->first);
-}
+#include "prefill_split.h"
 
 /* One row's online softmax over a block of keys [j0, j1) of which it sees [a, e) (a < e): its scores
    sr (times scale) become exp(score - the new max) there and 0 elsewhere; its max m and sum l move on;
@@ -210,10 +190,9 @@ static inline __attribute__((always_inline)) void NAME(tile)(
     float s[RB][KT];
     for (int64_t r0 = 0; r0 < R; r0 += RB) {
         const int64_t rb = R - r0 < RB ? R - r0 : RB;
-        if (rb == RB)
-            NAME(scores)(RB, qs + r0 * D, kt, D, s);
-        else
-            for (int64_t b = 0; b < rb; b++) NAME(scores)(1, qs + (r0 + b) * D, kt, D, s + b);
+#define SCORES(NR) NAME(scores)(NR, qs + r0 * D, kt, D, s)
+        BY_ROWS(SCORES)
+#undef SCORES
         int64_t ja = KT, je = 0; /* the block's keys: the union of its rows' ranges */
         float keep[RB];
         for (int64_t b = 0; b < rb; b++) {
@@ -236,21 +215,23 @@ static inline __attribute__((always_inline)) void NAME(tile)(
                 for (int64_t j = ja; j < je; j++)
                     for (int64_t d = 0; d < D; d++) ar[d] += s[b][j] * vt[j * D + d];
             }
-        } else if (rb == RB) {
-            NAME(weighted_v)(RB, vt, D, s, keep, ja, je, acc + r0 * D);
         } else {
-            for (int64_t b = 0; b < rb; b++) NAME(weighted_v)(1, vt, D, s + b, keep + b, ja, je, acc + (r0 + b) * D);
+#define WEIGHTED_V(NR) NAME(weighted_v)(NR, vt, D, s, keep, ja, je, acc + r0 * D)
+            BY_ROWS(WEIGHTED_V)
+#undef WEIGHTED_V
         }
     }
 }
 
 /* Queries [q0, q1) of one sequence (its chunk's rows from `row0`, its L cached tokens) under kv
-   head g's query heads. */
+   head g's query heads, over the keys they see in [k_from, k_to) (a part of them: key_parts). With
+   `part` NULL (every key) the rows' results go to `out`; else each row's max, sum and unnormalized
+   weighted V go to part[row * (D + 2)] (sum 0: the row saw none of these keys). */
 static inline __attribute__((always_inline)) void NAME(task)(
         const float *restrict q, const CACHE_T *restrict k_cache, const CACHE_T *restrict v_cache,
         const int32_t *restrict table, int64_t row0, int64_t qlen, int64_t L, int64_t q0, int64_t q1,
         int64_t g, float *restrict out, int64_t H, int64_t G, const int64_t D, int64_t BS, float scale,
-        int64_t window, float *restrict buf) {
+        int64_t window, int64_t k_from, int64_t k_to, float *restrict part, float *restrict buf) {
     const int64_t rep = H / G, R = (q1 - q0) * rep, base = L - qlen; /* query i at position base + i */
     float *qs = buf, *kt = qs + QT * rep * D, *vt = kt + D * KT, *acc = vt + KT * D;
     float *m = acc + QT * rep * D, *l = m + QT * rep;
@@ -263,9 +244,11 @@ static inline __attribute__((always_inline)) void NAME(task)(
     memset(acc, 0, sizeof(float) * R * D);
     memset(l, 0, sizeof(float) * R);
     const int64_t first_pos = base + q0, last_pos = base + q1 - 1;
-    const int64_t start = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
-    for (int64_t k0 = start; k0 <= last_pos; k0 += KT) {
-        const int64_t n = last_pos + 1 - k0 < KT ? last_pos + 1 - k0 : KT;
+    int64_t start = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    start = start > k_from ? start : k_from;
+    const int64_t end = last_pos + 1 < k_to ? last_pos + 1 : k_to; /* keys [start, end) */
+    for (int64_t k0 = start; k0 < end; k0 += KT) {
+        const int64_t n = end - k0 < KT ? end - k0 : KT;
         int64_t any = 0;
         for (int64_t i = q0; i < q1; i++) { /* query i sees keys [from, p]; here [a, e) of the tile */
             const int64_t p = base + i, from = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
@@ -278,6 +261,15 @@ static inline __attribute__((always_inline)) void NAME(task)(
         if (!any) continue;
         NAME(load_tile)(k_cache, v_cache, table, k0, n, g, G, D, BS, kt, vt, rows);
         NAME(tile)(qs, kt, vt, R, D, lo, hi, m, l, acc, scale);
+    }
+    if (part) {
+        for (int64_t row = 0; row < R; row++) {
+            float *p = part + row * (D + 2);
+            p[0] = l[row] > 0.0f ? m[row] : 0.0f;
+            p[1] = l[row];
+            memcpy(p + 2, acc + row * D, sizeof(float) * D);
+        }
+        return;
     }
     for (int64_t i = q0; i < q1; i++)
         for (int64_t r = 0; r < rep; r++) {
@@ -301,31 +293,43 @@ void NAME(prefill_attention)(const float *restrict q, const CACHE_T *restrict k_
         return;
     }
 #endif
-    task_plan_t plan = task_plan(cu_seqlens_q, S, G, QT);
-    const int64_t tasks = plan.tasks, rep = H / G, *first = plan.first, *owner = plan.owner;
+    const int64_t rep = H / G;
+    split_plan_t plan = split_plan(cu_seqlens_q, seq_lens, S, G, rep, D, QT, window);
     const size_t floats = (size_t)(QT * rep * D * 2 + 3 * D * KT + QT * rep * 2) + 2 * (size_t)QT * rep * 2;
 #pragma omp parallel
     {
         float *buf = malloc(sizeof(float) * floats);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t jj = 0; jj < tasks; jj++) {
-            const int64_t j = tasks - 1 - jj; /* a chunk's last tiles see the most keys: they go first */
-            const int64_t s = owner[j], tile = (j - first[s]) / G, g = (j - first[s]) % G;
-            const int64_t qlen = cu_seqlens_q[s + 1] - cu_seqlens_q[s], q0 = tile * QT;
+        for (int64_t jj = 0; jj < plan.tasks; jj++) {
+            const int64_t j = plan.tasks - 1 - jj; /* a chunk's last tiles see the most keys: they go first */
+            int64_t k_from, k_to;
+            float *part;
+            const int64_t s = plan.owner[j], pair = split_task(&plan, j, seq_lens, &k_from, &k_to, &part);
+            const int64_t tile = pair / G, g = pair % G, qlen = cu_seqlens_q[s + 1] - cu_seqlens_q[s], q0 = tile * QT;
             const int64_t q1 = q0 + QT < qlen ? q0 + QT : qlen;
             const int32_t *table = block_tables + s * MB;
             if (D == 64) /* the common head sizes, each with its inner loops' trip count known */
                 NAME(task)(q, k_cache, v_cache, table, cu_seqlens_q[s], qlen, seq_lens[s], q0, q1, g, out, H, G,
-                           64, BS, scale, window, buf);
+                           64, BS, scale, window, k_from, k_to, part, buf);
             else if (D == 128)
                 NAME(task)(q, k_cache, v_cache, table, cu_seqlens_q[s], qlen, seq_lens[s], q0, q1, g, out, H, G,
-                           128, BS, scale, window, buf);
+                           128, BS, scale, window, k_from, k_to, part, buf);
             else
                 NAME(task)(q, k_cache, v_cache, table, cu_seqlens_q[s], qlen, seq_lens[s], q0, q1, g, out, H, G,
-                           D, BS, scale, window, buf);
+                           D, BS, scale, window, k_from, k_to, part, buf);
         }
         free(buf);
+        if (plan.held) {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < plan.tasks; j++) {
+                const int64_t s = plan.owner[j], P = plan.parts[s], at = j - plan.first[s];
+                if (P == 1 || at % P) continue; /* once per split (tile, kv head) pair */
+                const int64_t qlen = cu_seqlens_q[s + 1] - cu_seqlens_q[s], q0 = at / P / G * QT;
+                const int64_t q1 = q0 + QT < qlen ? q0 + QT : qlen;
+                merge_parts(&plan, j, (q1 - q0) * rep, D, rep, H, G, cu_seqlens_q[s], q0, out);
+            }
+        }
     }
-    task_plan_free(&plan);
+    split_plan_free(&plan);
 }
 #endif

@@ -278,6 +278,30 @@ static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, 
     }
 }
 
+/* The tasks of a call (the tiles' kernel splits no keys): task j is sequence owner[j], kv head (j - first[s]) % G and tile of qt
+   queries (j - first[s]) / G. */
+typedef struct {
+    int64_t tasks, *first, *owner;
+} task_plan_t;
+
+static task_plan_t task_plan(const int32_t *cu_seqlens_q, int64_t S, int64_t G, int64_t qt) {
+    task_plan_t plan;
+    plan.first = malloc(sizeof(int64_t) * (size_t)(S + 1));
+    plan.first[0] = 0;
+    for (int64_t s = 0; s < S; s++)
+        plan.first[s + 1] = plan.first[s] + (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + qt - 1) / qt * G;
+    plan.tasks = plan.first[S];
+    plan.owner = malloc(sizeof(int64_t) * (size_t)(plan.tasks ? plan.tasks : 1));
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = plan.first[s]; j < plan.first[s + 1]; j++) plan.owner[j] = s;
+    return plan;
+}
+
+static void task_plan_free(task_plan_t *plan) {
+    free(plan->owner);
+    free(plan->first);
+}
+
 /* prefill_attention_bf16's work where it runs on the tiles: D a multiple of 32, at most 256. */
 static void prefill_attention_amx(const float *restrict q, const uint16_t *restrict k_cache,
                                   const uint16_t *restrict v_cache, const int32_t *restrict block_tables,
