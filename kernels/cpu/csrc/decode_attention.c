@@ -18,16 +18,22 @@
 
    Speed (docs/performance.md): the kernel waits on memory, rows scattered block by block. The
    loops walk blocks, not tokens (no division per token), head sizes 32, 64 and 128 get their own
-   copies with a known trip count, and each row is prefetched AHEAD tokens early. 30 layers of
+   copies with a known trip count, and each row is prefetched early. 30 layers of
    SmolLM2's caches, 2 threads: batch 32 at ~150 tokens 16.8 -> 13.8 ms (the same rows only
-   summed take 9.4 ms); one sequence of 900 tokens 5.8 -> 3.1 ms. */
+   summed take 9.4 ms); one sequence of 900 tokens 5.8 -> 3.1 ms. The prefetch runs AHEAD_BYTES
+   of rows ahead (16 of SmolLM2's rows, 12 of Gemma 3's, 3 of Qwen3's): where the blocks lie
+   scattered, as a cache's do after some turnover, 4 rows ahead left one AMD EPYC core reading at
+   ~10 GB/s; 6 KB ahead 1.18-1.40x on those shapes (blocks in order: 1.0-1.12x; 1 and 2 threads,
+   A/B interleaved). Tried, not kept: widening each kv head's rows once per run of 16 tokens for
+   its group's heads and holding their weighted sums in registers through the run (0.5-0.8x: the
+   walk then crosses each row once per kv head; GCC already widens a K row once for the group). */
 #ifndef CACHE_T
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define AHEAD 4       /* rows prefetched ahead (2 to 16 measured alike) */
+#define AHEAD_BYTES 6144 /* how far ahead rows are prefetched: rows of this many bytes, at least 2 */
 #define MIN_CHUNK 128 /* tokens, a floor that keeps each merge small against its chunk (not tuned) */
 #define TASKS 16      /* chunks a batch is cut into, about: enough for every core of a small server */
 
@@ -82,19 +88,20 @@ static inline __attribute__((always_inline)) void NAME(pv_row)(
 }
 
 /* One pass over the rows of tokens [t0, t1): block by block (no division per token; a window's
-   first block is entered part way), the row AHEAD on prefetched. `values` (a constant where it is
+   first block is entered part way), the row `ahead` on prefetched. `values` (a constant where it is
    called) picks the pass: K rows into scores, or V rows into the weighted sums. */
 static inline __attribute__((always_inline)) void NAME(walk)(
         int values, const CACHE_T *restrict cache, const int32_t *restrict table, int64_t t0, int64_t t1,
         const float *restrict qs, float *restrict scores, float *restrict part,
         int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
     const int64_t row = G * D, n = t1 - t0;
+    const int64_t ahead = AHEAD_BYTES / (row * (int64_t)sizeof(CACHE_T)) > 2 ? AHEAD_BYTES / (row * (int64_t)sizeof(CACHE_T)) : 2;
     for (int64_t t = t0, m; t < t1; t += m) {
         const int64_t offset = t % BS;
         const CACHE_T *block = cache + ((int64_t)table[t / BS] * BS + offset) * row;
         m = t1 - t < BS - offset ? t1 - t : BS - offset;
         for (int64_t j = 0; j < m; j++) {
-            NAME(prefetch_row)(cache, table, t + j + AHEAD, t1, BS, row);
+            NAME(prefetch_row)(cache, table, t + j + ahead, t1, BS, row);
             if (values)
                 NAME(pv_row)(block + j * row, t - t0 + j, scores, part, n, H, G, D);
             else
