@@ -15,8 +15,8 @@
    read); a short chunk at a long context also splits its keys into parts, a task each, merged
    afterwards (prefill_split.h). It walks the keys its rows can see in tiles of KT, each tile
    copied once out of its blocks (transposed K, widened from bfloat16 where the cache is), and
-   keeps per row the running max, sum
-   and weighted V (online softmax), so no [Q, K] score matrix exists. Each row sums exactly the keys
+   keeps per row the running max, sum and weighted V (online softmax), so no [Q, K] score matrix
+   exists. Each row sums exactly the keys
    it sees (a range per row, no -inf: -ffast-math assumes none). Tasks are independent, so the
    result does not depend on the thread count.
 
