@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "merge_parts.h"
+
 #define AHEAD_BYTES 6144 /* how far ahead rows are prefetched: rows of this many bytes, at least 2 */
 #define MIN_CHUNK 128 /* tokens, a floor that keeps each merge small against its chunk (not tuned) */
 #define TASKS 16      /* chunks a batch is cut into, about: enough for every core of a small server */
@@ -185,22 +187,10 @@ void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_c
         for (int64_t s = 0; s < S; s++) { /* merge: each chunk rescaled to the sequence's top */
             for (int64_t h = 0; h < H; h++) {
                 float *o = out + (s * H + h) * D;
-                memset(o, 0, sizeof(float) * D);
-                if (first[s + 1] == first[s]) continue;
-                float top = -INFINITY, sum = 0.0f;
-                for (int64_t j = first[s]; j < first[s + 1]; j++) {
-                    const float m = parts[(j * H + h) * stride];
-                    top = m > top ? m : top;
-                }
-                for (int64_t j = first[s]; j < first[s + 1]; j++) {
-                    const float *ph = parts + (j * H + h) * stride, w = expf(ph[0] - top);
-                    sum += w * ph[1];
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) o[d] += w * ph[2 + d];
-                }
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                if (first[s + 1] == first[s])
+                    memset(o, 0, sizeof(float) * D);
+                else
+                    merge_parts_row(parts + (first[s] * H + h) * stride, first[s + 1] - first[s], H * stride, D, o);
             }
         }
     }

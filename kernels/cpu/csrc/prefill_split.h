@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "merge_parts.h"
+
 #define MIN_TASKS 16
 #define MIN_PART_KEYS 256
 
@@ -85,31 +87,13 @@ static inline int64_t split_task(const split_plan_t *p, int64_t j, const int32_t
     return at / P;
 }
 
-/* The first task of each split (tile, kv head) pair merges its `R` rows' parts into `out`: each part
-   rescaled to the rows' overall max (a part whose sum is 0 saw none of the row's keys). */
+/* The first task of each split (tile, kv head) pair merges its `R` rows' parts into `out`. */
 static void merge_parts(const split_plan_t *p, int64_t j, int64_t R, int64_t D, int64_t rep, int64_t H,
                         int64_t G, int64_t row0, int64_t q0, float *restrict out) {
     const int64_t s = p->owner[j], P = p->parts[s], pair = (j - p->first[s]) / P, g = pair % G;
     const float *at = p->held + p->part_at[s] + pair * P * p->stride;
-    for (int64_t row = 0; row < R; row++) {
-        float top = -INFINITY, sum = 0.0f;
-        for (int64_t k = 0; k < P; k++) {
-            const float *pr = at + k * p->stride + row * (D + 2);
-            top = pr[1] > 0.0f && pr[0] > top ? pr[0] : top;
-        }
-        float *o = out + ((row0 + q0 + row / rep) * H + g * rep + row % rep) * D;
-        memset(o, 0, sizeof(float) * D);
-        for (int64_t k = 0; k < P; k++) {
-            const float *pr = at + k * p->stride + row * (D + 2);
-            if (pr[1] == 0.0f) continue;
-            const float w = expf(pr[0] - top);
-            sum += w * pr[1];
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] += w * pr[2 + d];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t d = 0; d < D; d++) o[d] *= inv;
-    }
+    for (int64_t row = 0; row < R; row++)
+        merge_parts_row(at + row * (D + 2), P, p->stride, D,
+                        out + ((row0 + q0 + row / rep) * H + g * rep + row % rep) * D);
 }
 #endif
