@@ -3,8 +3,9 @@ random checkpoint: what they time, in which order, and that the numbers they rep
 import json
 
 import pytest
+import torch
 
-from client.tools.benchmarks import step_probe
+from client.tools.benchmarks import step_floor, step_probe
 from client.tools.peers.common import write_result
 from hf_checkpoints import make_checkpoint
 
@@ -30,7 +31,7 @@ def test_the_floor_is_four_projections_per_layer_and_the_lm_head(llama_dir):
         if hasattr(module, "in_features"):
             module.register_forward_hook(lambda m, args, out: shapes.append(
                 (tuple(args[0].shape), (m.out_features, m.in_features), tuple(out.shape))))
-    step_probe.matmul_floor(model, batch=3)()
+    step_floor.matmul_floor(model, batch=3)()
     cfg = model.cfg
     assert len(shapes) == 4 * cfg.num_layers + 1
     assert all(x == (3, w[1]) and out == (3, w[0]) for x, w, out in shapes)  # B rows, dims agree
@@ -106,10 +107,45 @@ def test_the_floor_counts_the_weights_as_held(llama_dir, tmp_path):
     from backend.models.make_model import make_model
     from gguf_files import write_gguf
     floats = LLM(str(llama_dir)).engine.runner.model
-    nbytes, count = step_probe.step_weights(floats)
+    nbytes, count = step_floor.step_weights(floats)
     assert nbytes == 4 * count
     write_gguf(tmp_path / "q.gguf", make_model(tmp_path / "tok") / "tokenizer.json", types=("Q4_0",))
     packed = LLM(str(import_gguf(tmp_path / "q.gguf", tmp_path / "q", log=lambda *_: None))).engine.runner.model
-    nbytes, count = step_probe.step_weights(packed)
+    nbytes, count = step_floor.step_weights(packed)
     assert count * 18 / 32 <= nbytes <= count * 18 / 32 * 1.2
-    assert step_probe.gemm_peak_gop_s(packed, rows=8, calls=2) > 0
+    assert step_floor.gemm_peak_gop_s(packed, rows=8, calls=2) > 0
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """Qwen3-MoE: 8 experts, top 2, its layer 1 dense (tests/hf_checkpoints.py)."""
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=3)
+
+
+def test_a_mixture_of_experts_floor_is_its_router_and_the_experts_a_step_reads(moe_dir, monkeypatch):
+    """B rows read min(B x top_k, E) experts a layer (`moe_routing`), each counted as held, beside the
+    router; a dense layer among them keeps its two projections; and the probe runs end to end."""
+    from backend import LLM
+    model = LLM(str(moe_dir)).engine.runner.model
+    cfg = model.cfg
+    blocks = [layer.mlp for layer in model.layers if step_floor._is_moe(layer.mlp)]
+    assert 0 < len(blocks) < cfg.num_layers  # the fixture mixes both kinds
+    block = blocks[0]
+    weights, ids = step_floor.moe_routing(block, 5)
+    assert ids.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1]] and weights.sum(1).tolist() == [1.0] * 5
+    per_expert = 3 * cfg.hidden_size * block.experts.intermediate
+    nbytes, count = {}, {}
+    for b in (1, 2, 4, 9):
+        nbytes[b], count[b] = step_floor.step_weights(model, b)
+        assert nbytes[b] == 4 * count[b]  # float32 weights, held as they are
+    assert count[2] - count[1] == len(blocks) * 2 * per_expert  # top 2: two more experts a row
+    assert count[9] == count[4]  # every expert already read at 4 rows (4 x 2 = 8)
+    seen = []
+    monkeypatch.setattr(type(block.experts), "forward",
+                        lambda self, h, w, i, ops: seen.append(sorted(set(i.flatten().tolist()))) or torch.zeros_like(h))
+    step_floor.matmul_floor(model, batch=3)()
+    assert seen == [[0, 1, 2, 3, 4, 5]] * len(blocks)
+    monkeypatch.undo()
+    monkeypatch.setattr(step_probe, "MEMORY_BYTES", 2**24)
+    row = step_probe.probe_decode(str(moe_dir), batch=2, context=9, steps=2, seed=0)
+    assert row["engine_step_ms"] > 0 and row["matmul_step_ms"] > 0 and row["gemm_peak_gop_s"] > 0

@@ -8,8 +8,9 @@
 
 Decode: for each batch size B, B requests with `--context`-token prompts are prefilled, then
 `--steps` full engine steps (schedule, model, sampling, postprocess) are timed against the same
-step's matmuls alone: every layer's qkv, o, gate_up and down projections and the lm_head, on the
-model's own weights, for B rows. The two are timed interleaved (engine, floor, floor, engine) in
+step's matmuls alone: every layer's qkv, o, gate_up and down projections (a mixture of experts'
+layer: its router and the min(B x top_k, E) experts a fixed routing gives B rows) and the lm_head,
+on the model's own weights, for B rows (step_floor.py). The two are timed interleaved (engine, floor, floor, engine) in
 one process, so a noisy machine skews both alike; the report is the ratio ("% of floor").
 
 The floor itself is set against what bounds it: the bytes of weights one step reads (packed ones
@@ -37,6 +38,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from client.tools.benchmarks.step_floor import gemm_peak_gop_s, matmul_floor, step_weights
 from client.tools.benchmarks.workloads import FIRST_ID
 from templates.render import parse_param
 
@@ -79,65 +81,7 @@ def interleaved(a: Callable[[], None], b: Callable[[], None], rounds: int = 1) -
     return float(np.median(times["a"])), float(np.median(times["b"]))
 
 
-# -- decode steps against their matmul floor ------------------------------------------------------
-def matmul_floor(model, batch: int) -> Callable[[], None]:
-    """One decode step's matmuls alone: each layer's four projections and the lm_head, B rows,
-    through the model's own linear modules (so the floor uses the engine's GEMM: oneDNN's on
-    reordered weights on CPU, see backend/models/packed_linear.py)."""
-    cfg = model.cfg
-    x = torch.randn(batch, cfg.hidden_size)
-    attn_out = torch.randn(batch, cfg.num_heads * cfg.head_dim)
-    act = torch.randn(batch, cfg.intermediate_size)
-    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                layer.mlp.down_proj) for layer in model.layers]
-
-    @torch.inference_mode()
-    def step() -> None:
-        for qkv, o, gate_up, down in linears:
-            qkv(x)
-            o(attn_out)
-            gate_up(x)
-            down(act)
-        model.lm_head(x)
-    return step
-
-
-def _held_bytes(module) -> int:
-    """Bytes of weight a linear module reads per call, in the form it holds them."""
-    if hasattr(module, "weight_bytes"):  # QuantLinear
-        return module.weight_bytes
-    if hasattr(module, "parts"):  # ConcatLinear
-        return sum(_held_bytes(p) for p in module.parts)
-    weight = module.packed if hasattr(module, "packed") else module.weight  # PackedLinear / nn.Linear
-    return weight.numel() * weight.element_size()
-
-
-def step_weights(model) -> tuple[int, int]:
-    """(bytes of weights, number of weights) one decode step's matmuls read."""
-    cfg = model.cfg
-    modules = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    modules.append(model.lm_head)
-    count = sum(m.in_features * m.out_features for m in modules)
-    assert count > 0 and cfg.num_layers == len(model.layers)
-    return sum(_held_bytes(m) for m in modules), count
-
-
-@torch.inference_mode()
-def gemm_peak_gop_s(model, rows: int = 256, calls: int = 5) -> float:
-    """The engine's GEMM at its most efficient: one layer's gate/up projection on `rows` rows,
-    the fastest of `calls` (2 x weights x rows operations per call)."""
-    layer = model.layers[0].mlp.gate_up_proj
-    x = torch.randn(rows, layer.in_features)
-    layer(x)
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        layer(x)
-        times.append(time.perf_counter() - t0)
-    return 2 * layer.in_features * layer.out_features * rows / min(times) / 1e9
-
-
+# -- decode steps against their matmul floor (step_floor.py) --------------------------------------
 MEMORY_BYTES = 2**30  # past the last-level cache of the machines at hand (480 MiB on the largest)
 
 
@@ -183,7 +127,7 @@ def probe_decode(model_path: str, batch: int, context: int, steps: int, seed: in
     step_s, floor_s = interleaved(engine.step, floor, rounds=steps)
     while engine.has_work():
         engine.step()
-    weight_bytes, weights = step_weights(model)
+    weight_bytes, weights = step_weights(model, batch)
     memory_gb_s = read_bandwidth_gb_s(MEMORY_BYTES)
     bandwidth_floor_s = weight_bytes / memory_gb_s / 1e9
     return {"batch": batch, "context": context, "engine_step_ms": 1e3 * step_s, "matmul_step_ms": 1e3 * floor_s,
