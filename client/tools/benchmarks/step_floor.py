@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from backend.models.moe import SparseMoeBlock
+
 
 def matmul_floor(model, batch: int) -> Callable[[], None]:
     """One decode step's matmuls alone: each layer's four projections and the lm_head, B rows,
@@ -45,7 +47,7 @@ def matmul_floor(model, batch: int) -> Callable[[], None]:
 
 
 def _is_moe(mlp) -> bool:
-    return hasattr(mlp, "experts") and hasattr(mlp, "top_k")
+    return isinstance(mlp, SparseMoeBlock)
 
 
 def moe_routing(block, batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,9 @@ Decode: for each batch size B, B requests with `--context`-token prompts are pre
 `--steps` full engine steps (schedule, model, sampling, postprocess) are timed against the same
 step's matmuls alone: every layer's qkv, o, gate_up and down projections (a mixture of experts'
 layer: its router and the min(B x top_k, E) experts a fixed routing gives B rows) and the lm_head,
-on the model's own weights, for B rows (step_floor.py). The two are timed interleaved (engine, floor, floor, engine) in
-one process, so a noisy machine skews both alike; the report is the ratio ("% of floor").
+on the model's own weights, for B rows (step_floor.py). The two are timed interleaved (engine,
+floor, floor, engine) in one process, so a noisy machine skews both alike; the report is the ratio
+("% of floor").
 
 The floor itself is set against what bounds it: the bytes of weights one step reads (packed ones
 as they are held: 4-5 bits a weight for GGUF folders), the bandwidth the matmuls got from them, and

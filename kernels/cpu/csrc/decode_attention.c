@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void NAME(walk)(
         const float *restrict qs, float *restrict scores, float *restrict part,
         int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
     const int64_t row = G * D, n = t1 - t0;
-    const int64_t ahead = AHEAD_BYTES / (row * (int64_t)sizeof(CACHE_T)) > 2 ? AHEAD_BYTES / (row * (int64_t)sizeof(CACHE_T)) : 2;
+    const int64_t fit = AHEAD_BYTES / (row * (int64_t)sizeof(CACHE_T)), ahead = fit > 2 ? fit : 2;
     for (int64_t t = t0, m; t < t1; t += m) {
         const int64_t offset = t % BS;
         const CACHE_T *block = cache + ((int64_t)table[t / BS] * BS + offset) * row;

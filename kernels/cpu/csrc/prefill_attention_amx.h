@@ -278,8 +278,8 @@ static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, 
     }
 }
 
-/* The tasks of a call (the tiles' kernel splits no keys): task j is sequence owner[j], kv head (j - first[s]) % G and tile of qt
-   queries (j - first[s]) / G. */
+/* The tasks of a call (the tiles' kernel splits no keys): task j is sequence owner[j], kv head
+   (j - first[s]) % G and tile of qt queries (j - first[s]) / G. */
 typedef struct {
     int64_t tasks, *first, *owner;
 } task_plan_t;

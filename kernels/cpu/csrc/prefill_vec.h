@@ -22,7 +22,10 @@
    tokens x 3 heads is 27 rows: 6 blocks of 4 and 3 left) share each K or V load too. One row at a
    time, as they were, cost a small chunk's attention ~30% more a token than a large one's. */
 #if RB == 4
-#define BY_ROWS(CALL) switch (rb) { case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
+#define BY_ROWS(CALL)                                                                    \
+    switch (rb) {                                                                        \
+    case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); \
+    }
 #else
 #define BY_ROWS(CALL) switch (rb) { case 2: CALL(2); break; default: CALL(1); }
 #endif

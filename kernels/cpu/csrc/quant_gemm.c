@@ -180,9 +180,9 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, floa
    4- and 5-bit formats take blocks of 8 (MT_WIDE): ~6-13% faster from 16 rows on (Q4_K, Q4_1);
    Q8_0 (nothing to unpack) and Q6_K keep 4 (Q8_0 at 8 was ~17% slower). The rest: with blocks of 8,
    5-7 rows left over are one block (a decode step of 7 rows, or 6 decode rows beside a paced chunk
-   of 9 tokens, unpacks each group twice, not three times: SmolLM2's layer in Q4_1 and Q4_K 1.05-1.09x
-   at 5-7 rows, 1.01-1.08x at 13-15, AMD EPYC, A/B interleaved); else a block of 4, then 1-3 rows. `row_blocks` counts the
-   blocks, the passes the prefetch spreads over. */
+   of 9 tokens, unpacks each group twice, not three times: SmolLM2's layer in Q4_1 and Q4_K
+   1.05-1.09x at 5-7 rows, 1.01-1.08x at 13-15, AMD EPYC, A/B interleaved); else a block of 4, then
+   1-3 rows. `row_blocks` counts the blocks, the passes the prefetch spreads over. */
 #define MT_MAX 4
 #if defined(QUANT_AVX512)
 #define MT_WIDE 8
