@@ -27,6 +27,10 @@ oneDNN's GEMMs; re-run on float_gemm.c every token, text, finish reason and top-
 outputs stayed, and logprobs moved by at most 2.9e-5 (SmolLM2 float32; Q4_1 and TP=2, which do not
 run float_gemm.c, bit for bit): the kernel sums in another order, and closer to float64 than oneDNN's
 (mean |error| 1.5e-7 vs 3.9e-7 on SmolLM2's 576 -> 1536 projection, AVX2, 1-33 rows).
+The mixtral case was re-recorded (2026-12-05, on the AMD EPYC of the main recording) when a mixture of
+experts' route and weighted sum moved from torch's ops to one C call (kernels/cpu/csrc/moe_block.c):
+every token, text and top-2 rank stayed, and logprobs moved by at most 9.5e-7 (the C softmax's exp
+and the weighted sum's multiply-adds round differently from torch's).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ head norms, a sliding window shorter than the contexts, Gemma 3's GeGLU, sandwic
 KV-cache groups, fused projections of mixed packed types, K-quants, float32 and bfloat16 weights
 (float_gemm.c, issue 47; the AVX2 build forced too; oneDNN called back where it is the faster)
 and float tensors beside packed ones, float32 and bfloat16 caches,
-mixtures of experts whose blocks the C loop calls back),
+mixtures of experts (the router and moe_block.c in the C loop; a block it does not take called back),
 with prompts that are not block multiples in a batch of mixed lengths; with LoRA on, a batch
 with an adapter's rows too (the deltas called back). Models it does not take keep the Python layers, and say
 why; bad step tensors are refused by name."""
@@ -57,7 +57,7 @@ CASES = {
     # a GGUF of float and packed tensors: q/k/v F16, o Q4_0, gate/up BF16, down and the embedding Q8_0
     # (the types go round the matrices, seven a layer), the float ones held as bfloat16
     "gguf, F16/BF16 tensors beside packed ones": ("gguf", {"types": MIXED_TYPES}, {"dtype": "bfloat16"}),
-    "mixtral (8 experts, top 2: the MoE block called back from C)": ("mixtral", {}, {}),
+    "mixtral (8 experts, top 2: the MoE block in C)": ("mixtral", {}, {}),
     "qwen3-moe (a dense layer between MoE ones, no top-k renormalization)": ("qwen3_moe", {}, {}),
 }
 
@@ -93,6 +93,11 @@ def test_the_c_stack_gives_the_python_layers_results_bit_for_bit(case, tmp_path,
         attn = llm.engine.runner.model.layers[0].self_attn
         assert isinstance(attn.qkv_proj, FloatLinear) and attn.qkv_proj.weight.dtype == torch.bfloat16
         assert type(attn.o_proj).__name__ == "QuantLinear"
+    if "moe" in case or "mixtral" in case:  # the router and moe_block.c in the C loop, no call back
+        stack = llm.engine.runner.decode_path.native
+        run(llm)
+        assert stack._stack._ops.moe and not stack._stack._ops.mlp
+        assert all(layer.moe is not None for layer in stack._stack._keep if layer.down is None)
     assert_the_stack_matches_the_python_layers(llm)
 
 
@@ -227,12 +232,16 @@ def test_with_lora_on_steps_with_adapter_rows_run_in_c_with_their_deltas_called_
     assert adapter_answer != base_answer  # the adapter's row ran with its deltas (same prompt, other tokens)
 
 
-def test_an_error_in_a_called_back_moe_block_is_raised_by_the_stack(tmp_path, tiny_tokenizer_json):
-    """The C loop cannot pass a Python exception through: the stack keeps it, stops, and raises it
+def test_an_error_in_a_called_back_moe_block_is_raised_by_the_stack(tmp_path, tiny_tokenizer_json, monkeypatch):
+    """Experts that moe_block.c does not take (here all, as if) are the Python block's, called back;
+    the C loop cannot pass a Python exception through: the stack keeps it, stops, and raises it
     once C returns; the next call runs normally."""
-    llm = engine("mixtral (8 experts, top 2: the MoE block called back from C)", tmp_path, tiny_tokenizer_json)
+    from backend.models.moe import SparseMoeBlock
+    monkeypatch.setattr(SparseMoeBlock, "cpu_moe", lambda self: None)
+    llm = engine("mixtral (8 experts, top 2: the MoE block in C)", tmp_path, tiny_tokenizer_json)
     run(llm)  # the stack is made at the first decode step
     stack = llm.engine.runner.decode_path.native._stack
+    assert stack._ops.mlp and not stack._ops.moe
     args = (torch.zeros(2, stack.hidden), torch.tensor([3, 4]), torch.tensor([[3, 4]]),
             torch.zeros(1, 2, 2, dtype=torch.int32), torch.tensor([4, 5], dtype=torch.int32))
     good = stack(*args)
@@ -267,7 +276,7 @@ def test_steps_with_an_images_rows_run_the_python_layers(llama, monkeypatch, cap
         return python_layers(x, positions, ctx, rope)
     monkeypatch.setattr(runner.metadata, "for_step", marked)
     monkeypatch.setattr(native, "_python_layers", spied)
-    monkeypatch.setattr(native, "_stack", lambda x, *a: in_c.append(x.shape[0]) or stack(x, *a))
+    monkeypatch.setattr(native, "_stack", lambda x, *a, **kw: in_c.append(x.shape[0]) or stack(x, *a, **kw))
     monkeypatch.setattr(native, "_made_for", native._made_for)
     with caplog.at_level(logging.INFO, logger="backend.worker.native_decode"):
         marked_run = run(llama)

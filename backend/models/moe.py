@@ -11,9 +11,11 @@ oneDNN-packed layer per expert where that serves better (bf16 on AMX); packed GG
 an import keeps them (`install_packed_experts`, one QuantLinear each) and int8 quantizes them
 (`quantize_experts`), both also gathered into one int8 C call per projection (`quant_experts`).
 The block's forward is the same either way: `ops.fused_moe` (kernels/dispatch.py) on stacked
-tensors, kernels/cpu/moe.py `sorted_moe` (one call per projection for every active expert) on
-panels and packed experts, kernels/moe_reference.py's grouped path on other per-expert layers:
-only the experts that have tokens run (docs/design.md, "Mixture of experts").
+tensors; with the CPU's kernels, on panels and packed experts, everything after the router in one C
+call (kernels/cpu/moe_block.py: route, sort, one GEMM call per projection for every active expert,
+weighted sum, tally; the C layer stack makes the same call); with the torch references,
+kernels/cpu/moe.py `sorted_moe` on those (its oracle); kernels/moe_reference.py's grouped path on
+other per-expert layers: only the experts that have tokens run (docs/design.md, "Mixture of experts").
 
 Checkpoint names: Mixtral's `block_sparse_moe.{gate, experts.N.w1/w3/w2}`, Qwen3-MoE's
 `mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`; an imported GGUF's packed experts arrive
@@ -30,6 +32,7 @@ from torch import nn
 from backend.models.loader import ModelConfig
 from backend.models.weight_shapes import checkpoint_name  # noqa: F401  (weights.py reads it here)
 from kernels.cpu import moe as cpu_moe
+from kernels.cpu import moe_block as cpu_moe_block
 from kernels.moe_reference import grouped_moe, route
 
 # expert weight -> (stacked parameter, shard of w13: 0 gate, 1 up; None: w2)
@@ -43,7 +46,7 @@ STACKED = re.compile(rf"^(?:model\.)?(?P<layer>layers\.\d+)\.(?:block_sparse_moe
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
         # one layer per expert, once they replace w13 and w2
@@ -99,14 +102,34 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, h: torch.Tensor, ops, lora=None, layer: int = 0) -> torch.Tensor:
-        weights, ids = route(self.gate(h), self.top_k, self.renormalize)
+        logits = self.gate(h)
+        native = self.cpu_moe() if ops.name == "cpu" else None
+        if native is not None:   # the CPU's kernels: the route, the experts and the tally in one C call
+            return native(h, logits, self.tally_rows())
+        weights, ids = route(logits, self.top_k, self.renormalize)
         if self.load is not None:
             self.load.record(self.load_row, ids)
         return self.experts(h, weights, ids, ops)
 
     load = None   # the engine's tally of tokens per expert (backend/models/expert_load.py)
     load_row = 0
+    _cpu, _cpu_made_for = None, None
 
+    def cpu_moe(self) -> Optional[cpu_moe_block.CpuMoe]:
+        """The block after its router as one C call (kernels/cpu/moe_block.py) on the experts'
+        layout of now (panels, or packed experts of one type), adding to the engine's tally; None
+        for other layouts. The C layer stack calls the same (backend/worker/native_decode.py), so
+        both give the same bits."""
+        made_for = (self.experts.w13_panels, self.experts.quant_experts, self.load)
+        if self._cpu_made_for is None or any(a is not b for a, b in zip(made_for, self._cpu_made_for)):
+            counts = None if self.load is None or self.load.counts.is_cuda else self.load.counts[self.load_row]
+            self._cpu = cpu_moe_block.CpuMoe.of(self.experts, self.top_k, self.renormalize, counts)
+            self._cpu_made_for = made_for
+        return self._cpu
+
+    def tally_rows(self) -> Optional[torch.Tensor]:
+        """The step's rows the engine's tally counts (ExpertLoad.valid), or None: none to count."""
+        return None if self.load is None or self.load.skip else self.load.valid
 
 def quant_experts(gate_up: nn.ModuleList, down: nn.ModuleList) -> Optional[tuple]:
     """Packed per-expert layers (QuantLinear on the C kernel) as kernels/cpu/quant.py

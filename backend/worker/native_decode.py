@@ -19,10 +19,11 @@ attention is prefill_attention.c's, the kernel the Python layers' prompt rows ru
 (kernels/dispatch.py cpu_ops), so both paths stay bit for bit alike. The input is the step's
 embeddings buffer (LlamaForCausalLM.forward's x), so rows whose embeddings are not the token
 table's run here as well, once forward has written them into x; a step with an image's rows, whose
-attention runs both ways within the image (attention.py, in torch), runs the Python layers. Two
-things stay Python's, called back from the C loop (ctypes callbacks on its buffers, so the results
-stay the Python path's): a mixture-of-experts layer's MLP (Mixtral, Qwen3-MoE: the block's router
-and experts as ever), and in a step with an adapter's rows the LoRA deltas of each projection
+attention runs both ways within the image (attention.py, in torch), runs the Python layers. A
+mixture-of-experts layer (Mixtral, Qwen3-MoE) runs its router and then kernels/cpu/moe_block.py's C
+call, the one the Python block makes. Two things stay Python's, called back from the C loop (ctypes
+callbacks on its buffers, so the results stay the Python path's): the MLP of a MoE layer whose
+experts that call does not take, and in a step with an adapter's rows the LoRA deltas of each projection
 (LoRAStep.add, right after the projection, as lora_project adds them); and a float projection at
 the rows where oneDNN is faster than float_gemm.c (backend/models/float_linear.py): the module.
 Tensor-parallel ranks on the CPU (issue 47) run their shard of the stack in C as well: the
@@ -112,6 +113,7 @@ class NativeDecode:
         self.model, self.tp = model, tp
         self._stack, self._made_for = None, None
         self._said = False  # the log line on steps with images, once
+        self._tally = None  # the engine's ExpertLoad, where the stack's MoE layers add to it
         self.shm, self.reduction = None, ""  # a rank's C all-reduce (ShmReduce) and the log's words for it
         if tp is not None:
             self.shm, self.reduction = _c_all_reduce(tp)
@@ -129,8 +131,10 @@ class NativeDecode:
         prompt = None if ctx.num_decode_tokens == x.shape[0] else (ctx.prefill_cu_seqlens_q.contiguous(),
                                                                    ctx.prefill_block_tables.contiguous(),
                                                                    ctx.prefill_seq_lens.contiguous())
+        tally = self._tally
         out = self._stack(x, positions.contiguous(), ctx.slot_mapping.contiguous(),
-                          ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous(), ctx.lora, prompt)
+                          ctx.decode_block_tables.contiguous(), ctx.decode_seq_lens.contiguous(), ctx.lora, prompt,
+                          expert_valid=None if tally is None or tally.skip else tally.valid)
         if self.shm is not None:  # the group's stats count every all-reduce, C's too
             calls, seconds = self.shm.stats()
             self.tp.count("all_reduce", calls - self._counted[0], seconds - self._counted[1])
@@ -156,12 +160,18 @@ class NativeDecode:
             cos, sin = rope.for_layer(attn.window)  # as the Python layer picks its table
             k_cache, v_cache = ctx.kv_caches[i]
             dense = isinstance(mlp, MLP)
+            moe = None if dense else mlp.cpu_moe()   # the route and the experts in C (moe_block.c)
+            router = None if moe is None else _projection(mlp.gate)
+            moe = None if router is None else moe
+            if moe is not None and mlp.load is not None:
+                self._tally = mlp.load
             layers.append(StackLayer(
                 qkv=_projection(attn.qkv_proj), o=_projection(attn.o_proj),
                 gate_up=_projection(mlp.gate_up_proj) if dense else None,
                 down=_projection(mlp.down_proj) if dense else None,
-                # a mixture of experts: the block itself, as DecoderLayer calls it (the stack passes lora)
-                mlp=None if dense else functools.partial(mlp, ops=ctx.ops, layer=attn.layer),
+                router=router, moe=moe,
+                # other experts: the block itself, as DecoderLayer calls it (the stack passes lora)
+                mlp=None if dense or moe is not None else functools.partial(mlp, ops=ctx.ops, layer=attn.layer),
                 input_norm=layer.input_layernorm.weight.detach(),
                 post_attn_norm=layer.post_attention_layernorm.weight.detach(), k_cache=k_cache, v_cache=v_cache,
                 cos=cos, sin=sin, q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),

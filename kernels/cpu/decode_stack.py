@@ -42,17 +42,19 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
                 ("input_norm", _P), ("post_attn_norm", _P), ("pre_ff_norm", _P), ("post_ff_norm", _P),
                 ("q_norm", _P), ("k_norm", _P),
-                ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P), ("group", _I), ("window", _I)]
+                ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P), ("group", _I), ("window", _I),
+                ("router", _Proj), ("moe", _P)]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
-                ("block_size", _I), ("table_width", _I), ("eps", _F), ("scale", _F)]
+                ("block_size", _I), ("table_width", _I), ("eps", _F), ("scale", _F), ("moe_valid", _P)]
 
 
 class _Ops(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("rms_norm", "rotary", "store_kv", "attention", "act_mul", "mlp",
-                                        "delta", "prefill", "project", "reduce", "shm_reduce", "shm")]
+                                        "delta", "prefill", "project", "reduce", "shm_reduce", "shm", "moe",
+                                        "moe_scratch")]
 
 
 class _Prompt(ctypes.Structure):  # decode_stack.c's prompt_rows_t
@@ -66,6 +68,7 @@ _DELTA_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctype
                              ctypes.c_void_p)
 _REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)  # reduce_fn (x, n)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # decode_stack.c's QKV, O, GATE_UP, DOWN
+STACK_PROJECTIONS = ("qkv", "o", "gate_up", "down", "router")  # StackLayer's, by decode_stack.c's index
 
 
 @dataclass
@@ -97,8 +100,11 @@ class StackLayer:
     post_ff_norm: Optional[torch.Tensor] = None
     group: int = 0  # its KV-cache group (the row of slots and tables it reads)
     window: int = 0  # its sliding window, 0: full attention
-    # A mixture of experts in place of gate_up and down: (h [T, hidden], lora) -> [T, hidden], the
-    # Python block itself, called back from the C loop (its router and experts are torch's and C's)
+    # A mixture of experts in place of gate_up and down: its router [E, hidden] and kernels/cpu/moe_block.py
+    # CpuMoe (the route and the experts in C); or, for experts that takes not, the Python block itself,
+    # (h [T, hidden], lora) -> [T, hidden], called back from the C loop
+    router: Optional[Projection] = None
+    moe: Optional[object] = None
     mlp: Optional[Callable[..., torch.Tensor]] = None
 
 
@@ -129,7 +135,9 @@ class DecodeStack:
         if not layers:
             raise ValueError("decode_stack: no layers")
         first = layers[0]
-        dense = [layer for layer in layers if layer.mlp is None]
+        dense = [layer for layer in layers if layer.mlp is None and layer.moe is None]
+        moe = [layer.moe for layer in layers if layer.moe is not None]
+        self.experts = moe[0].num_experts if moe else 0
         self.hidden = first.input_norm.shape[0]
         self.intermediate = dense[0].down.parts[0].in_features if dense else 0
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -144,15 +152,23 @@ class DecodeStack:
         self.groups = 1 + max(layer.group for layer in layers)
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         widths = {"qkv": (self.hidden, q_size + 2 * kv_size), "o": (q_size, self.hidden),
-                  "gate_up": (self.hidden, 2 * self.intermediate), "down": (self.intermediate, self.hidden)}
+                  "gate_up": (self.hidden, 2 * self.intermediate), "down": (self.intermediate, self.hidden),
+                  "router": (self.hidden, self.experts)}
         # each part's own build (kernels/cpu/quant.py's or float_gemm.py's): what the log and benches say
         self.isas = sorted({f"{type(w).__name__} {w.isa}" for layer in layers for name in widths
                             if getattr(layer, name) is not None for w in getattr(layer, name).parts})
         self._keep = list(layers)  # the tensors the structs point into
         self._layers = (_Layer * len(layers))()
         for i, (layer, out) in enumerate(zip(layers, self._layers)):
-            if (layer.mlp is None) == (layer.gate_up is None or layer.down is None):
-                raise ValueError(f"decode_stack: layer {i} needs gate_up and down, or an mlp, not both")
+            kinds = (layer.gate_up is not None and layer.down is not None, layer.mlp is not None,
+                     layer.moe is not None and layer.router is not None)
+            if sum(kinds) != 1 or (layer.moe is None) != (layer.router is None):
+                raise ValueError(f"decode_stack: layer {i} needs gate_up and down, a router and a moe, or an mlp: one")
+            if layer.moe is not None:
+                if (layer.moe.num_experts, layer.moe.hidden) != (self.experts, self.hidden):
+                    raise ValueError(f"decode_stack: layer {i}'s experts are {layer.moe.num_experts} of hidden "
+                                     f"{layer.moe.hidden}; the first MoE layer's {self.experts} of {self.hidden}")
+                out.moe = ctypes.addressof(layer.moe.struct)
             for name, (k, n) in widths.items():
                 if getattr(layer, name) is not None:  # a caller's MLP leaves gate_up.parts 0
                     self._projection(f"layer {i} {name}", getattr(layer, name), k, n, getattr(out, name))
@@ -198,8 +214,12 @@ class DecodeStack:
         self._lora = None  # the step's backend.worker.lora.step.LoRAStep, while a call with one runs
         # kept on self: C calls them as long as the stack lives
         self._mlp_callback, self._delta_callback = _MLP_FN(self._caller_mlp), _DELTA_FN(self._lora_deltas)
-        if len(dense) < len(layers):
+        if any(layer.mlp is not None for layer in layers):
             self._ops.mlp = _address(self._mlp_callback)
+        if moe:
+            from kernels.cpu import moe_block
+            self._ops.moe = moe_block.address(moe_block.NAME, "moe_block")
+            self._ops.moe_scratch = moe_block.address(moe_block.NAME, "moe_scratch_bytes")
         self._delta_address = _address(self._delta_callback)
         self._project_callback = _DELTA_FN(self._caller_projection)  # project_fn: delta_fn's signature
         self._ops.project = _address(self._project_callback)
@@ -208,13 +228,13 @@ class DecodeStack:
             self._ops.reduce = _address(self._reduce_callback)
             if shm is not None:
                 self._ops.shm_reduce, self._ops.shm, self._shm = shm.function, shm.address, shm
-        self._shapes = tuple(widths.values())  # (K, N) by decode_stack.c's QKV, O, GATE_UP, DOWN
+        self._shapes = tuple(widths.values())  # (K, N) by decode_stack.c's QKV, O, GATE_UP, DOWN, ROUTER
         self._run = cpu_build.function("decode_stack", "decode_stack",
                                        (_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P), restype=ctypes.c_int)
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.intermediate, bs, 0, self.eps, self.scale)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 seq_lens: torch.Tensor, lora=None, prompt=None) -> torch.Tensor:
+                 seq_lens: torch.Tensor, lora=None, prompt=None, expert_valid=None) -> torch.Tensor:
         """Every layer on a step's T rows: x [T, hidden] float32 (the embeddings), positions [T]
         int64, slots [groups, T] int64 (-1: not stored); its ND decode rows first, tables [groups,
         ND, MB] int32, seq_lens [ND] int32 (the row's own token included; 0: an empty row); then,
@@ -222,7 +242,8 @@ class DecodeStack:
         AttentionContext's prefill_* hold them, P prompt chunks in the other T - ND rows -> the
         hidden states [T, hidden] after the final norm, as the model's forward returns them.
         `lora`: the step's LoRAStep when a row has an adapter; its deltas are added after each
-        projection, as lora_project does."""
+        projection, as lora_project does. `expert_valid`: the rows the experts' tally counts
+        (ExpertLoad.valid, int64 [>= T]), or None: not this step."""
         t = x.shape[0]
         nd = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
         _f32("x", x, (t, self.hidden))
@@ -252,6 +273,9 @@ class DecodeStack:
             cpu_prefill_attention.check_chunks("decode_stack (the prompt rows)", "stack_prompt", cu, p_lens, p_tables,
                                                t - nd, self.num_blocks, self.block_size)
             rows = _Prompt(p_lens.shape[0], p_tables.shape[2], cu.data_ptr(), p_tables.data_ptr(), p_lens.data_ptr())
+        from kernels.cpu.moe_block import check_valid
+        check_valid("decode_stack: expert_valid", expert_valid, t)
+        self._dims.moe_valid = None if expert_valid is None or not self.experts else expert_valid.data_ptr()
         x = x.clone()  # the stack's running activations
         out = torch.empty_like(x)
         self._dims.table_width = width
@@ -297,7 +321,7 @@ class DecodeStack:
         loop's buffers, for the steps whose rows it is faster at."""
         try:
             k, n = self._shapes[which]
-            proj = getattr(self._keep[layer], ("qkv", "o", "gate_up", "down")[which])
+            proj = getattr(self._keep[layer], STACK_PROJECTIONS[which])
             _rows(out, t, n).copy_(proj.caller(_rows(x, t, k)))
             return 0
         except BaseException as exc:  # noqa: BLE001 (raised again in __call__)

@@ -25,7 +25,9 @@
      Gemma's sandwich norms: h = rmsnorm(o) ; h, residual = rmsnorm(h + residual) ;
              x = rmsnorm(down(act(gate) * up))
    act: SiLU, or GELU's tanh form (Gemma's GeGLU), whichever act_mul the wrapper passes. A layer
-   whose MLP is a mixture of experts calls back into the caller for it (ops->mlp) instead.
+   whose MLP is a mixture of experts runs its router (a projection, ROUTER) and then moe_block.c's
+   call (the route, the experts, the weighted sum: ops->moe), as the Python block does with the
+   CPU's kernels; one whose experts that call does not take calls back into the caller (ops->mlp).
    After the last layer: out = rmsnorm(x + residual) with the model's final norm.
    On a tensor-parallel rank (issue 47) the projections are the rank's shard and the attention output
    projection's and the MLP's outputs (after their LoRA deltas, before any norm) are its partial
@@ -54,8 +56,8 @@ typedef void (*prefill_fn)(const float *q, const void *k_cache, const void *v_ca
                            const int32_t *cu_seqlens_q, const int32_t *seq_lens, float *out, int64_t S, int64_t H,
                            int64_t G, int64_t D, int64_t BS, int64_t MB, float scale, int64_t window);
 typedef void (*act_mul_fn)(const float *x, float *out, int64_t T, int64_t I);
-/* A layer's MLP run by the caller (a mixture of experts: its router and experts stay the Python
-   block's): out [T, hidden] from h; nonzero if it failed (the stack then stops). */
+/* A layer's MLP run by the caller (a mixture of experts whose experts moe_block.c does not take):
+   out [T, hidden] from h; nonzero if it failed (the stack then stops). */
 typedef int (*mlp_fn)(int64_t layer, const float *h, int64_t T, float *out);
 /* The step's LoRA deltas of projection `which` (QKV, O, GATE_UP, DOWN) added to its output out
    [T, N] from its input x [T, K], by the caller (backend/lora: the adapters' segments of rows);
@@ -70,7 +72,12 @@ typedef int (*project_fn)(int64_t layer, int64_t which, const float *x, int64_t 
 typedef int (*reduce_fn)(float *x, int64_t n);
 /* shm_reduce.c's: 0 summed, else not (1: the caller's path; 2: the group stopped while waiting). */
 typedef int (*shm_reduce_fn)(void *group, float *x, int64_t n);
-enum { QKV, O, GATE_UP, DOWN };
+/* moe_block.c's: a mixture of experts after its router, out [T, hidden] from h and the router's
+   logits; valid: the rows its tally counts (NULL: none); scratch of moe_scratch_bytes(moe, T). */
+typedef void (*moe_fn)(const void *moe, const float *h, const float *logits, int64_t T, float *out,
+                       const int64_t *valid, void *scratch);
+typedef int64_t (*moe_scratch_fn)(const void *moe, int64_t T);
+enum { QKV, O, GATE_UP, DOWN, ROUTER };
 
 typedef struct {
     rms_norm_fn rms_norm;
@@ -85,6 +92,8 @@ typedef struct {
     reduce_fn reduce;   /* tensor parallelism: the partial sums' all-reduce; NULL on one rank */
     shm_reduce_fn shm_reduce; /* and the same in C where the ranks share memory; NULL otherwise */
     void *shm;
+    moe_fn moe;                  /* for layers with a moe_t; NULL if none has */
+    moe_scratch_fn moe_scratch;
 } stack_ops_t;
 
 #define MAX_PARTS 4
@@ -109,11 +118,14 @@ typedef struct {
     void *k_cache, *v_cache;                 /* [NB, BS, G, D] */
     const float *cos, *sin;                  /* this layer's RoPE table [max_pos, D/2] */
     int64_t group, window;                   /* its KV-cache group; its sliding window (0: none) */
+    proj_t router;                           /* a mixture of experts in C: its router [E, hidden] */
+    const void *moe;                         /* and its moe_t (moe_block.c); NULL: not one */
 } stack_layer_t;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, table_width;
     float eps, scale;
+    const int64_t *moe_valid; /* this step's rows the experts' tally counts; NULL: none */
 } stack_dims_t;
 
 /* A step's rows after its decode rows: S sequences' prompt chunks back to back (issue 47), as
@@ -139,7 +151,7 @@ static int project(const stack_ops_t *ops, const proj_t *p, int64_t layer, int64
             for (int64_t t = 0; t < T; t++)
                 for (int64_t n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];
     }
-    return ops->delta ? ops->delta(layer, which, x, T, out) : 0;
+    return ops->delta && which != ROUTER ? ops->delta(layer, which, x, T, out) : 0;
 }
 
 /* A tensor-parallel rank's partial sums, all-reduced in place: 0, or nonzero if the group failed. */
@@ -163,7 +175,14 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
     const int64_t H = d->heads, G = d->kv_heads, D = d->head_dim, hidden = d->hidden;
     const int64_t q_size = H * D, kv_size = G * D, qkv_n = q_size + 2 * kv_size;
     const int64_t widest = 2 * d->intermediate > qkv_n ? 2 * d->intermediate : qkv_n;
-    const size_t floats = (size_t)T * (size_t)(4 * hidden + widest + d->intermediate + 3 * q_size + 2 * kv_size);
+    size_t moe_floats = 0; /* a mixture of experts' logits and scratch, the most any layer needs */
+    for (int64_t l = 0; l < L; l++)
+        if (layers[l].moe) {
+            const size_t need = (size_t)(T * layers[l].router.N + ops->moe_scratch(layers[l].moe, T) / 4 + 32);
+            moe_floats = need > moe_floats ? need : moe_floats;
+        }
+    const size_t floats =
+        (size_t)T * (size_t)(4 * hidden + widest + d->intermediate + 3 * q_size + 2 * kv_size) + moe_floats;
     float *buf = malloc(sizeof(float) * floats);
     if (!buf) return -1;
     float *residual = buf, *h = residual + T * hidden; /* [T, hidden] each, as are tmp and scratch */
@@ -171,6 +190,7 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
     float *wide = scratch + T * hidden;                                     /* qkv, then gate | up */
     float *act = wide + T * widest, *q_rot = act + T * d->intermediate, *attn = q_rot + T * q_size;
     float *qn = attn + T * q_size, *k_rot = qn + T * q_size, *kn = k_rot + T * kv_size;
+    float *logits = kn + T * kv_size; /* [T, E], then the experts' scratch, 64-byte aligned */
 
     for (int64_t l = 0; l < L; l++) {
         const stack_layer_t *ly = &layers[l];
@@ -206,7 +226,11 @@ int decode_stack(const stack_ops_t *ops, const stack_dims_t *d, const stack_laye
             ops->rms_norm(tmp, residual, ly->post_attn_norm, h, residual, T, hidden, d->eps);
         }
         float *mlp_out = ly->post_ff_norm ? tmp : x;
-        if (ly->gate_up.parts == 0) {
+        if (ly->moe) {
+            if (project(ops, &ly->router, l, ROUTER, h, T, logits)) goto failed;
+            ops->moe(ly->moe, h, logits, T, mlp_out, d->moe_valid,
+                     (void *)(((uintptr_t)(logits + T * ly->router.N) + 63) & ~(uintptr_t)63));
+        } else if (ly->gate_up.parts == 0) {
             if (ops->mlp(l, h, T, mlp_out)) goto failed;
         } else {
             if (project(ops, &ly->gate_up, l, GATE_UP, h, T, wide)) goto failed;

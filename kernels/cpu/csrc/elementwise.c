@@ -40,14 +40,16 @@ void rms_norm_f32(const float *x, const float *residual, const float *weight, fl
     }
 }
 
-/* x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. */
+/* x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. e^-g is taken at -g <= 88 (e^88 is still
+   finite in float32, so no value changes where it was): past that, -ffast-math assumes no infinity,
+   and a gate below -88 (an outlier's pre-activation) gave NaN where torch gives 0. */
 void silu_mul_f32(const float *x, float *out, int64_t T, int64_t I) {
 #pragma omp parallel for if (T * I >= PARALLEL_MIN) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *g = x + t * 2 * I, *u = g + I;
         float *o = out + t * I;
 #pragma omp simd
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
     }
 }
 
