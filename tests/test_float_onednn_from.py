@@ -30,11 +30,12 @@ def test_amx_lowers_bfloat16_and_fp16_opens_float16(cpu):
 
 @pytest.mark.parametrize("amx, fp16, isa", [(False, False, "avx512_bf16"), (True, True, "avx2")])
 def test_without_them_or_with_the_avx2_build_forced_the_builds_table_holds(cpu, amx, fp16, isa):
-    """(A forced AVX2 build stands for an AVX2 CPU: no AMX, no AVX512-FP16.)"""
+    """(A forced AVX2 build stands for an AVX2 CPU: no AMX, no AVX512-FP16.) float16 on an AVX-512
+    build without oneDNN's fp16 kernel: oneDNN's float32 one on the widened weight, from 128 rows."""
     cpu(amx=amx, fp16=fp16, isa=isa)
     table = fl.ONEDNN_FROM[isa]
     assert fl.float_onednn_from(torch.bfloat16) == table.get(torch.bfloat16, 0)
-    assert fl.float_onednn_from(torch.float16) == 0                 # the C kernel at every row count
+    assert fl.float_onednn_from(torch.float16) == (fl.ONEDNN_FROM_F16_WIDENED if isa.startswith("avx512") else 0)
     assert fl.float_onednn_from(torch.float32) == table.get(torch.float32, 0)
 
 
@@ -62,3 +63,35 @@ def test_float16_through_onednn_matches_the_c_kernel_within_fp16_rounding():
     assert got.shape == want.shape
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) <= 2e-3 * scale
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float16_widened_for_onednns_float32_gemm(monkeypatch, bias):
+    """Where oneDNN has no fp16 kernel: the weight widened to float32 a slice at a time (here 40 rows a
+    slice: 100 outputs are 3 slices, the last short), 130 rows in calls of 64 (padded to their row
+    buckets): each slice's columns are oneDNN's float32 GEMM on that slice exactly, and the whole is
+    the C kernel's product within float32 rounding."""
+    monkeypatch.setattr(fl, "_onednn_fp16", lambda: False)
+    monkeypatch.setattr(fl, "WIDEN_BYTES", 40 * 4 * 96)
+    monkeypatch.setattr(fl, "MAX_ROWS", 64)
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(96, 100, bias=bias)
+    linear.weight.data = (linear.weight.data * 0.5).half()
+    layer = fl.FloatLinear(linear, onednn_from=fl.ONEDNN_FROM_F16_WIDENED)
+    assert layer.widen
+    x = torch.randn(130, 96)
+    got = layer(x)
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    for n0 in (0, 40, 80):
+        w = linear.weight.detach()[n0:n0 + 40].float()
+        for start in (0, 64, 128):
+            part = x[start:start + 64]
+            padded = fl.row_bucket(part.shape[0])
+            part = torch.nn.functional.pad(part, (0, 0, 0, padded - part.shape[0]))
+            want = pointwise(part, w, None, "none", [], "")[:min(64, 130 - start)]
+            if bias:
+                want = want + linear.bias.detach()[n0:n0 + 40].float()
+            assert torch.equal(got[start:start + 64, n0:n0 + 40], want), (n0, start)
+    kernel = layer.kernel.matmul(x, layer.float_bias())
+    assert float((got - kernel).abs().max()) <= 1e-5 * float(kernel.abs().max())
+    assert torch.equal(layer(x[:127]), layer.kernel.matmul(x[:127], layer.float_bias()))   # under 128 rows: the C kernel

@@ -122,15 +122,17 @@ def test_only_a_gguf_float_file_keeps_its_type_under_auto():
 
 def test_the_onednn_callback_where_forced(folder, monkeypatch):
     """INFLIGHT_FLOAT_ONEDNN_FROM=16: a BF16 file's prompt steps (16 to 24 rows) run oneDNN's bf16 GEMM
-    on the same tensor, called back from the stack; an F16 file's too where oneDNN has an fp16 GEMM
-    (AVX512-FP16: a Sapphire Rapids Xeon), else they stay on float_gemm.c (an AMD EPYC). Bit for bit
-    either way."""
+    on the same tensor, called back from the stack; an F16 file's too, on oneDNN's fp16 GEMM where it
+    has one (AVX512-FP16: a Sapphire Rapids Xeon), else on its float32 GEMM on the weight widened a slice
+    at a time (an AMD EPYC), unless ONEDNN_MAX_CPU_ISA caps oneDNN below AVX-512 (then float_gemm.c).
+    Bit for bit either way."""
     from kernels.cpu import onednn as onednn_caps
     kind, path, _ = folder
     monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "16")
     llm = LLM(str(path), **ENGINE)
     down, rows = llm.engine.runner.model.layers[1].mlp.down_proj, []
-    onednn = kind == "BF16" or onednn_caps.runs_fp16()
+    onednn = kind == "BF16" or onednn_caps.runs_fp16() or onednn_caps.max_isa_allows("AVX512")
+    assert down.widen == (kind == "F16" and onednn and not onednn_caps.runs_fp16())
     assert down.onednn_from == (16 if onednn else 0)
     monkeypatch.setattr(down, "onednn", lambda x, f=down.onednn: rows.append(x.shape[0]) or f(x))
     assert_the_stack_matches_the_python_layers(llm)

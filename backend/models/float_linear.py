@@ -52,15 +52,26 @@ ONEDNN_FROM = {
 # 512; float16 on AVX512-FP16 by 1.11x at 64 rows and 1.25-1.37x from 128.
 ONEDNN_FROM_AMX_BF16 = 16
 ONEDNN_FROM_FP16 = 128
+# float16 where oneDNN has no fp16 kernel (AVX-512 without AVX512-FP16: the AMD EPYC): the weight is
+# widened to float32 a slice at a time (WIDEN_BYTES, so each slice is still in the cache when oneDNN's
+# float32 GEMM reads it) and oneDNN multiplies that; measured on the EPYC, 2 threads, SmolLM2's four
+# projections against the C kernel (which widens every weight vector once per block of 4 rows):
+# 0.65-1.05x at 32 rows, 0.80-1.21x at 64, 1.12-1.60x at 128, 1.25-1.89x at 512 (docs/performance.md,
+# "Issue 47 on the AMD EPYC: a mixture of experts' layer in one C call")
+ONEDNN_FROM_F16_WIDENED = 128
+WIDEN_BYTES = 8 << 20
 
 
 def float_onednn_from(dtype: torch.dtype) -> int:
     """The rows from which float layers of weight ``dtype`` run oneDNN instead of the C kernel on
     this CPU (0: never): INFLIGHT_FLOAT_ONEDNN_FROM (for every dtype oneDNN takes), else
     ONEDNN_FROM for the float kernel's build, lowered where oneDNN runs bfloat16 on AMX tiles and
-    raised from never where it runs float16."""
+    raised from never for float16 on the AVX-512 builds: on oneDNN's fp16 kernel where it has one, else
+    on its float32 one (the weight widened a slice at a time), unless ONEDNN_MAX_CPU_ISA caps oneDNN
+    below AVX-512."""
     from kernels.cpu import float_gemm, onednn
-    takes = (torch.float32, torch.bfloat16) + ((torch.float16,) if onednn.runs_fp16() else ())
+    takes = (torch.float32, torch.bfloat16) + ((torch.float16,) if onednn.runs_fp16() or onednn.max_isa_allows("AVX512")
+                                                else ())
     forced = os.environ.get("INFLIGHT_FLOAT_ONEDNN_FROM")
     if forced is not None:
         if not forced.isdigit():
@@ -71,7 +82,7 @@ def float_onednn_from(dtype: torch.dtype) -> int:
         if dtype == torch.bfloat16 and onednn.runs_amx_bf16():
             return ONEDNN_FROM_AMX_BF16
         if dtype == torch.float16 and dtype in takes:
-            return ONEDNN_FROM_FP16
+            return ONEDNN_FROM_FP16 if onednn.runs_fp16() else ONEDNN_FROM_F16_WIDENED
     return ONEDNN_FROM[isa].get(dtype, 0)
 
 
@@ -85,6 +96,8 @@ class FloatLinear(nn.Module):
         self.bias = linear.bias
         self.kernel = CpuFloatWeight(self.weight.detach())
         self.onednn_from = onednn_from
+        # oneDNN without an fp16 kernel: a float16 weight's slices widened to float32 for its GEMM
+        self.widen = self.weight.dtype == torch.float16 and onednn_from > 0 and not _onednn_fp16()
 
     def float_bias(self) -> Optional[torch.Tensor]:
         return None if self.bias is None else self.bias.detach().float()
@@ -101,21 +114,39 @@ class FloatLinear(nn.Module):
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's GEMM on the weight as it is (x cast to its dtype, as PackedLinear does), in
         slices of at most MAX_ROWS rows, each padded to its row bucket (one primitive per bucket,
-        packed_linear.py); the bias added in float32 after."""
-        weight, out = self.weight.detach(), torch.empty(x.shape[0], self.out_features)
-        for start in range(0, x.shape[0], MAX_ROWS):
-            part = x[start:start + MAX_ROWS]
-            rows, padded = part.shape[0], row_bucket(part.shape[0])
-            if padded != rows:
-                part = torch.nn.functional.pad(part, (0, 0, 0, padded - rows))
-            out[start:start + rows] = torch.ops.mkldnn._linear_pointwise(
-                part.to(weight.dtype), weight, None, "none", [], "")[:rows]
+        packed_linear.py); the bias added in float32 after. A float16 weight oneDNN has no kernel
+        for (`widen`): WIDEN_BYTES of its rows at a time widened to float32 (exactly), each slice's
+        output columns from oneDNN's float32 GEMM."""
+        weight = self.weight.detach()
+        step = max(16, WIDEN_BYTES // (4 * self.in_features)) if self.widen else self.out_features
+        slices = []
+        for n0 in range(0, self.out_features, step):
+            w = weight[n0:n0 + step].float() if self.widen else weight
+            for start in range(0, x.shape[0], MAX_ROWS):
+                part = x[start:start + MAX_ROWS]
+                rows, padded = part.shape[0], row_bucket(part.shape[0])
+                if padded != rows:
+                    part = torch.nn.functional.pad(part, (0, 0, 0, padded - rows))
+                slices.append((start, n0, torch.ops.mkldnn._linear_pointwise(part.to(w.dtype), w, None, "none", [],
+                                                                             "")[:rows]))
+        if len(slices) == 1:   # one GEMM call: its output as it is (no copy)
+            out = slices[0][2]
+        else:
+            out = torch.empty(x.shape[0], self.out_features, dtype=slices[0][2].dtype)
+            for start, n0, part in slices:
+                out[start:start + part.shape[0], n0:n0 + part.shape[1]] = part
+        out = out.float()
         return out if self.bias is None else out + self.float_bias()
 
     def extra_repr(self) -> str:
         onednn = f", oneDNN from {self.onednn_from} rows" if self.onednn_from else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{str(self.weight.dtype).removeprefix('torch.')}, C kernel ({self.kernel.isa}){onednn}")
+
+
+def _onednn_fp16() -> bool:
+    from kernels.cpu import onednn
+    return onednn.runs_fp16()
 
 
 def _kernel_ready() -> bool:
