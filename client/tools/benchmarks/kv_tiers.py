@@ -53,10 +53,17 @@ def conversations(tokenizer, n: int, system_tokens: int, seed: int) -> tuple[lis
     return tokenizer.encode(text)[:system_tokens], rng
 
 
-def user_turns(tokenizer, rng: random.Random, n: int, turns: int, lo: int, hi: int) -> list[list[list[int]]]:
-    """[conversation][turn] -> the user message's tokens (drawn once: every configuration sends the same)."""
-    return [[tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))),
-                              add_special_tokens=False) for _ in range(turns)] for _ in range(n)]
+def user_turns(tokenizer, rng: random.Random, n: int, turns: int, lo: int, hi: int,
+               document: int = 0) -> list[list[list[int]]]:
+    """[conversation][turn] -> the user message's tokens (drawn once: every configuration sends the same).
+    `document`: each conversation's first message starts with a document of its own of that many
+    tokens (a long history per conversation, as a user who pastes a file has)."""
+    def message(words: int) -> list[int]:
+        return tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(words)), add_special_tokens=False)
+    out = [[message(rng.randint(lo, hi)) for _ in range(turns)] for _ in range(n)]
+    for turns_of in out if document else ():
+        turns_of[0] = message(document)[:document] + turns_of[0]
+    return out
 
 
 class Chat:
@@ -120,6 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--system-tokens", type=int, default=200)
     p.add_argument("--user-tokens", type=int, nargs=2, default=(16, 48), metavar=("MIN", "MAX"), help="words per user turn")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--document-tokens", type=int, default=0,
+                   help="each conversation's first message opens with a document of its own of this many tokens")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--kv-tokens", type=int, default=4096, help="the KV cache (max_tokens_in_paged_kv_cache)")
     p.add_argument("--host-bytes", type=int, default=2 << 30, help="kv_host_cache_bytes of `host`")
@@ -143,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     chats = [Chat(name, EngineConfig(**base, **tier_settings(tiers, name)), [], args.conversations) for name in names]
     tokenizer = chats[0].engine.tokenizer
     system, rng = conversations(tokenizer, args.conversations, args.system_tokens, args.seed)
-    users = user_turns(tokenizer, rng, args.conversations, args.turns, *args.user_tokens)
+    users = user_turns(tokenizer, rng, args.conversations, args.turns, *args.user_tokens, document=args.document_tokens)
     for chat in chats:
         chat.history = [list(system) for _ in range(args.conversations)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
