@@ -140,11 +140,16 @@ def test_a_mixture_of_experts_floor_is_its_router_and_the_experts_a_step_reads(m
         assert nbytes[b] == 4 * count[b]  # float32 weights, held as they are
     assert count[2] - count[1] == len(blocks) * 2 * per_expert  # top 2: two more experts a row
     assert count[9] == count[4]  # every expert already read at 4 rows (4 x 2 = 8)
+    # the floor is the experts' GEMMs alone, on the rows sorted by expert (no route, sort or sum)
+    from kernels.cpu import moe as cpu_moe
+    from kernels.cpu.quant import CpuQuantExperts
     seen = []
-    monkeypatch.setattr(type(block.experts), "forward",
-                        lambda self, h, w, i, ops: seen.append(sorted(set(i.flatten().tolist()))) or torch.zeros_like(h))
+    record = lambda rows, offsets: seen.append((rows.shape[0], offsets.tolist())) or torch.zeros(rows.shape[0], 1)  # noqa: E731
+    monkeypatch.setattr(CpuQuantExperts, "matmul", lambda self, rows, offsets: record(rows, offsets))
+    monkeypatch.setattr(cpu_moe, "expert_gemm", lambda rows, panels, n, offsets, isa=None: record(rows, offsets))
+    monkeypatch.setattr(type(block.experts), "forward", lambda *a: pytest.fail("the floor ran the whole experts' call"))
     step_floor.matmul_floor(model, batch=3)()
-    assert seen == [[0, 1, 2, 3, 4, 5]] * len(blocks)
+    assert seen == [(6, [0, 1, 2, 3, 4, 5, 6, 6, 6])] * 2 * len(blocks)   # experts 0-5, a row each; gate/up and down
     monkeypatch.undo()
     monkeypatch.setattr(step_probe, "MEMORY_BYTES", 2**24)
     row = step_probe.probe_decode(str(moe_dir), batch=2, context=9, steps=2, seed=0)

@@ -1,14 +1,14 @@
 """What a decode step's matmuls alone cost and read: the step probe's floor (step_probe.py).
 
 `matmul_floor` runs one step's matmuls through the model's own modules (each layer's qkv and o
-projections, its MLP's gate/up and down, or a mixture of experts' router and the experts a fixed
-routing gives the rows, and the lm_head); `step_weights` counts the bytes and weights those matmuls
+projections, its MLP's gate/up and down, or a mixture of experts' router and the GEMMs of the experts
+a fixed routing gives the rows, and the lm_head); `step_weights` counts the bytes and weights those matmuls
 read, as the model holds them; `gemm_peak_gop_s` is the engine's GEMM at its most efficient.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -19,7 +19,7 @@ def matmul_floor(model, batch: int) -> Callable[[], None]:
     """One decode step's matmuls alone: each layer's four projections and the lm_head, B rows,
     through the model's own linear modules (so the floor uses the engine's GEMM: oneDNN's on
     reordered weights on CPU, see backend/models/packed_linear.py). A mixture-of-experts layer's MLP
-    is its router and its experts' call on `moe_routing`'s fixed choice."""
+    is its router and its experts' GEMMs (`expert_matmuls`) on `moe_routing`'s fixed choice."""
     from kernels.dispatch import get_ops
     cfg = model.cfg
     x = torch.randn(batch, cfg.hidden_size)
@@ -30,7 +30,9 @@ def matmul_floor(model, batch: int) -> Callable[[], None]:
         mlp = layer.mlp
         if _is_moe(mlp):
             weights, ids = moe_routing(mlp, batch)
-            mlps.append(lambda mlp=mlp, weights=weights, ids=ids: (mlp.gate(x), mlp.experts(x, weights, ids, ops)))
+            experts = expert_matmuls(mlp.experts, x, ids) or (
+                lambda mlp=mlp, weights=weights, ids=ids: mlp.experts(x, weights, ids, ops))
+            mlps.append(lambda mlp=mlp, experts=experts: (mlp.gate(x), experts()))
         else:
             act = torch.randn(batch, mlp.down_proj.in_features)
             mlps.append(lambda mlp=mlp, act=act: (mlp.gate_up_proj(x), mlp.down_proj(act)))
@@ -44,6 +46,27 @@ def matmul_floor(model, batch: int) -> Callable[[], None]:
             mlp()
         model.lm_head(x)
     return step
+
+
+def expert_matmuls(experts, x: torch.Tensor, ids: torch.Tensor) -> Optional[Callable[[], None]]:
+    """The experts' GEMMs alone for routing `ids` [B, k]: the rows sorted by expert once, as the
+    engine's C call (kernels/cpu/moe_block.py) hands them over, then one call per projection for
+    every active expert, on packed experts (CpuQuantExperts) or float panels; None for other
+    layouts (one GEMM pair per active expert, the fused kernel), whose floor is the experts' own call."""
+    from kernels.cpu import moe as cpu_moe
+    flat = ids.reshape(-1).long()
+    offsets = torch.zeros(experts.num_experts + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(flat, minlength=experts.num_experts), 0, out=offsets[1:])
+    rows = x.index_select(0, torch.sort(flat, stable=True).indices // ids.shape[1]).float()
+    act = torch.randn(rows.shape[0], experts.intermediate)
+    if experts.quant_experts is not None:
+        gate_up, down = experts.quant_experts
+        return lambda: (gate_up.matmul(rows, offsets), down.matmul(act, offsets))
+    if experts.w13_panels is not None:
+        inter, hidden = experts.intermediate, x.shape[1]
+        return lambda: (cpu_moe.expert_gemm(rows, experts.w13_panels, 2 * inter, offsets),
+                        cpu_moe.expert_gemm(act, experts.w2_panels, hidden, offsets))
+    return None
 
 
 def _is_moe(mlp) -> bool:
