@@ -232,6 +232,20 @@ def test_with_lora_on_steps_with_adapter_rows_run_in_c_with_their_deltas_called_
     assert adapter_answer != base_answer  # the adapter's row ran with its deltas (same prompt, other tokens)
 
 
+def test_a_routers_onednn_rows_are_called_back(tmp_path, tiny_tokenizer_json, monkeypatch):
+    """A MoE layer's router is a projection of the stack: where oneDNN is the faster for a step's rows
+    (forced here from 16 rows, so the 24-token prompt steps reach it) the stack calls the module back,
+    as for any float projection; bit for bit the Python layers' results either way."""
+    from backend.models.moe import moe_blocks
+    monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "16")
+    llm = engine("qwen3-moe (a dense layer between MoE ones, no top-k renormalization)", tmp_path, tiny_tokenizer_json)
+    gate, rows = moe_blocks(llm.engine.runner.model)[0].gate, []
+    assert isinstance(gate, FloatLinear) and gate.onednn_from == 16
+    monkeypatch.setattr(gate, "onednn", lambda x, f=gate.onednn: rows.append(x.shape[0]) or f(x))
+    assert_the_stack_matches_the_python_layers(llm)
+    assert rows and min(rows) >= 16
+
+
 def test_an_error_in_a_called_back_moe_block_is_raised_by_the_stack(tmp_path, tiny_tokenizer_json, monkeypatch):
     """Experts that moe_block.c does not take (here all, as if) are the Python block's, called back;
     the C loop cannot pass a Python exception through: the stack keeps it, stops, and raises it
