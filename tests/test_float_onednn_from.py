@@ -30,13 +30,27 @@ def test_amx_lowers_bfloat16_and_fp16_opens_float16(cpu):
 
 @pytest.mark.parametrize("amx, fp16, isa", [(False, False, "avx512_bf16"), (True, True, "avx2")])
 def test_without_them_or_with_the_avx2_build_forced_the_builds_table_holds(cpu, amx, fp16, isa):
-    """(A forced AVX2 build stands for an AVX2 CPU: no AMX, no AVX512-FP16.) float16 on an AVX-512
-    build without oneDNN's fp16 kernel: oneDNN's float32 one on the widened weight, from 128 rows."""
+    """(A forced AVX2 build stands for an AVX2 CPU: no AMX, no AVX512-FP16.) float16 from 128 rows
+    either way: on oneDNN's float32 GEMM on the widened weight where it has no fp16 kernel."""
     cpu(amx=amx, fp16=fp16, isa=isa)
     table = fl.ONEDNN_FROM[isa]
     assert fl.float_onednn_from(torch.bfloat16) == table.get(torch.bfloat16, 0)
-    assert fl.float_onednn_from(torch.float16) == (fl.ONEDNN_FROM_F16_WIDENED if isa.startswith("avx512") else 0)
+    assert fl.float_onednn_from(torch.float16) == fl.ONEDNN_FROM_F16_WIDENED == 128
     assert fl.float_onednn_from(torch.float32) == table.get(torch.float32, 0)
+
+
+def test_float16_widens_only_where_onednn_keeps_the_builds_isa(cpu, monkeypatch):
+    """The widened path was measured against oneDNN at the float kernel's own ISA: an AVX2 build under
+    ONEDNN_MAX_CPU_ISA=AVX2 (what the benches' forced AVX2 runs set) widens; an AVX-512 build under it
+    does not (oneDNN's AVX2 float32 GEMM is slower than the AVX-512 C kernel); the portable build never."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    cpu(amx=False, fp16=False, isa="avx2")
+    assert fl.float_onednn_from(torch.float16) == 128
+    cpu(amx=False, fp16=False, isa="avx512")
+    assert fl.float_onednn_from(torch.float16) == 0
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    cpu(amx=False, fp16=False, isa="portable")
+    assert fl.float_onednn_from(torch.float16) == 0
 
 
 def test_a_capped_onednn_gets_no_float16_and_the_override_follows_what_it_takes(cpu, monkeypatch):

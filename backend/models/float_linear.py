@@ -52,37 +52,42 @@ ONEDNN_FROM = {
 # 512; float16 on AVX512-FP16 by 1.11x at 64 rows and 1.25-1.37x from 128.
 ONEDNN_FROM_AMX_BF16 = 16
 ONEDNN_FROM_FP16 = 128
-# float16 where oneDNN has no fp16 kernel (AVX-512 without AVX512-FP16: the AMD EPYC): the weight is
-# widened to float32 a slice at a time (WIDEN_BYTES, so each slice is still in the cache when oneDNN's
-# float32 GEMM reads it) and oneDNN multiplies that; measured on the EPYC, 2 threads, SmolLM2's four
-# projections against the C kernel (which widens every weight vector once per block of 4 rows):
-# 0.65-1.05x at 32 rows, 0.80-1.21x at 64, 1.12-1.60x at 128, 1.25-1.89x at 512 (docs/performance.md,
-# "Issue 47 on the AMD EPYC: a mixture of experts' layer in one C call")
+# float16 where oneDNN has no fp16 kernel (every CPU without AVX512-FP16 or AVX-NE-CONVERT: the AMD
+# EPYC, AVX2 CPUs): the weight is widened to float32 a slice at a time (WIDEN_BYTES, so each slice is
+# still in the cache when oneDNN's float32 GEMM reads it) and oneDNN multiplies that. Measured on the
+# EPYC, 2 threads, SmolLM2's four projections, against the C kernel (which widens every weight vector
+# once per block of rows): the AVX-512 builds 0.65-1.05x at 32 rows, 0.80-1.21x at 64, 1.12-1.60x at
+# 128, 1.25-1.89x at 512; the AVX2 build against oneDNN capped at AVX2 0.96-1.18x at 64, 1.09-1.19x at
+# 128, 1.24-1.55x at 512 (docs/performance.md, "Issue 47 on the AMD EPYC: a mixture of experts' layer
+# in one C call"). The portable build was not measured. Each was measured with oneDNN at least at the
+# build's own ISA (WIDENED_NEEDS): a cap below it leaves float16 on the C kernel.
 ONEDNN_FROM_F16_WIDENED = 128
+WIDENED_NEEDS = {"avx512_bf16": ("AVX512", "AMX"), "avx512": ("AVX512", "AMX"), "avx2": ("AVX2", "AVX512", "AMX")}
 WIDEN_BYTES = 8 << 20
 
 
 def float_onednn_from(dtype: torch.dtype) -> int:
     """The rows from which float layers of weight ``dtype`` run oneDNN instead of the C kernel on
     this CPU (0: never): INFLIGHT_FLOAT_ONEDNN_FROM (for every dtype oneDNN takes), else
-    ONEDNN_FROM for the float kernel's build, lowered where oneDNN runs bfloat16 on AMX tiles and
-    raised from never for float16 on the AVX-512 builds: on oneDNN's fp16 kernel where it has one, else
-    on its float32 one (the weight widened a slice at a time), unless ONEDNN_MAX_CPU_ISA caps oneDNN
-    below AVX-512."""
+    ONEDNN_FROM for the float kernel's build, lowered where oneDNN runs bfloat16 on AMX tiles, and for
+    float16 oneDNN's fp16 kernel where it has one (AVX512-FP16), else its float32 one on the weight
+    widened a slice at a time (`ONEDNN_FROM_F16_WIDENED`) where ONEDNN_MAX_CPU_ISA leaves oneDNN the
+    build's ISA."""
     from kernels.cpu import float_gemm, onednn
-    takes = (torch.float32, torch.bfloat16) + ((torch.float16,) if onednn.runs_fp16() or onednn.max_isa_allows("AVX512")
-                                                else ())
+    isa = float_gemm.chosen_isa()
+    widens = isa in WIDENED_NEEDS and onednn.max_isa_allows(*WIDENED_NEEDS[isa]) and not onednn.runs_fp16()
+    takes = (torch.float32, torch.bfloat16) + ((torch.float16,) if onednn.runs_fp16() or widens else ())
     forced = os.environ.get("INFLIGHT_FLOAT_ONEDNN_FROM")
     if forced is not None:
         if not forced.isdigit():
             raise ValueError(f"INFLIGHT_FLOAT_ONEDNN_FROM={forced!r}; a row count (0: never)")
         return int(forced) if dtype in takes else 0
-    isa = float_gemm.chosen_isa()
-    if isa.startswith("avx512"):   # (a forced AVX2 build stands for a CPU with neither)
-        if dtype == torch.bfloat16 and onednn.runs_amx_bf16():
-            return ONEDNN_FROM_AMX_BF16
-        if dtype == torch.float16 and dtype in takes:
-            return ONEDNN_FROM_FP16 if onednn.runs_fp16() else ONEDNN_FROM_F16_WIDENED
+    if dtype == torch.float16:   # oneDNN's fp16 GEMM, else its float32 one on the widened weight
+        if dtype not in takes or isa not in WIDENED_NEEDS:
+            return 0
+        return ONEDNN_FROM_FP16 if onednn.runs_fp16() else ONEDNN_FROM_F16_WIDENED
+    if isa.startswith("avx512") and dtype == torch.bfloat16 and onednn.runs_amx_bf16():
+        return ONEDNN_FROM_AMX_BF16   # (a forced AVX2 build stands for a CPU without AMX)
     return ONEDNN_FROM[isa].get(dtype, 0)
 
 

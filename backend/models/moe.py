@@ -131,6 +131,7 @@ class SparseMoeBlock(nn.Module):
         """The step's rows the engine's tally counts (ExpertLoad.valid), or None: none to count."""
         return None if self.load is None or self.load.skip else self.load.valid
 
+
 def quant_experts(gate_up: nn.ModuleList, down: nn.ModuleList) -> Optional[tuple]:
     """Packed per-expert layers (QuantLinear on the C kernel) as kernels/cpu/quant.py
     CpuQuantExperts, (gate/up, down); None where any layer is something else (a ConcatLinear of
