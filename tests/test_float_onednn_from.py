@@ -85,7 +85,7 @@ def test_float16_widened_for_onednns_float32_gemm(monkeypatch, bias):
     slice: 100 outputs are 3 slices, the last short), 130 rows in calls of 64 (padded to their row
     buckets): each slice's columns are oneDNN's float32 GEMM on that slice exactly, and the whole is
     the C kernel's product within float32 rounding."""
-    monkeypatch.setattr(fl, "_onednn_fp16", lambda: False)
+    monkeypatch.setattr(onednn, "runs_fp16", lambda: False)
     monkeypatch.setattr(fl, "WIDEN_BYTES", 40 * 4 * 96)
     monkeypatch.setattr(fl, "MAX_ROWS", 64)
     torch.manual_seed(1)

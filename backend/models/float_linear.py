@@ -94,6 +94,7 @@ def float_onednn_from(dtype: torch.dtype) -> int:
 class FloatLinear(nn.Module):
     def __init__(self, linear: nn.Linear, onednn_from: int = 0):
         """``onednn_from``: steps of this many rows or more run oneDNN's GEMM; 0: never."""
+        from kernels.cpu import onednn
         from kernels.cpu.float_gemm import CpuFloatWeight
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -102,7 +103,7 @@ class FloatLinear(nn.Module):
         self.kernel = CpuFloatWeight(self.weight.detach())
         self.onednn_from = onednn_from
         # oneDNN without an fp16 kernel: a float16 weight's slices widened to float32 for its GEMM
-        self.widen = self.weight.dtype == torch.float16 and onednn_from > 0 and not _onednn_fp16()
+        self.widen = self.weight.dtype == torch.float16 and onednn_from > 0 and not onednn.runs_fp16()
 
     def float_bias(self) -> Optional[torch.Tensor]:
         return None if self.bias is None else self.bias.detach().float()
@@ -147,11 +148,6 @@ class FloatLinear(nn.Module):
         onednn = f", oneDNN from {self.onednn_from} rows" if self.onednn_from else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{str(self.weight.dtype).removeprefix('torch.')}, C kernel ({self.kernel.isa}){onednn}")
-
-
-def _onednn_fp16() -> bool:
-    from kernels.cpu import onednn
-    return onednn.runs_fp16()
 
 
 def _kernel_ready() -> bool:

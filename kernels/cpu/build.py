@@ -199,6 +199,12 @@ def function(library: str, name: str, argtypes: tuple, isa: Optional[str] = None
     return fn
 
 
+def address(fn) -> int:
+    """A C function's address (a library's function, or a ctypes callback), as the structs of
+    function pointers the kernels call through (decode_stack.c's ops, moe_block.c's experts) hold it."""
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 @functools.lru_cache(maxsize=None)
 def load(name: str, isa: Optional[str] = None) -> ctypes.CDLL:
     """The compiled library (built on first use). torch is imported first, so that libgomp.so.1

@@ -113,10 +113,6 @@ def _rows(address: int, t: int, width: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_float * (t * width)).from_address(address), dtype=torch.float32).view(t, width)
 
 
-def _address(fn) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
-
-
 def _f32(name: str, t: torch.Tensor, shape: tuple) -> int:
     if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != shape:
         raise ValueError(f"decode_stack: {name} must be a contiguous float32 CPU tensor {list(shape)}; got "
@@ -204,28 +200,28 @@ class DecodeStack:
         if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"decode_stack: activation must be silu or gelu_tanh; got {activation!r}")
         suffix = CACHE_SUFFIX[self.cache_dtype]
-        self._ops = _Ops(_address(cpu_build.load("elementwise").rms_norm_f32),
-                         _address(cpu_build.load("elementwise").rotary_f32),
-                         _address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
-                         _address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
-                         _address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]), None, None,
-                         _address(cpu_prefill_attention.kernel_for(self.cache_dtype)))
+        self._ops = _Ops(cpu_build.address(cpu_build.load("elementwise").rms_norm_f32),
+                         cpu_build.address(cpu_build.load("elementwise").rotary_f32),
+                         cpu_build.address(cpu_build.load("elementwise")[f"store_kv_{suffix}"]),
+                         cpu_build.address(cpu_build.load(cpu_decode_attention.NAME)[f"decode_attention_{suffix}"]),
+                         cpu_build.address(cpu_build.load("elementwise")[f"{activation}_mul_f32"]), None, None,
+                         cpu_build.address(cpu_prefill_attention.kernel_for(self.cache_dtype)))
         self._failure: Optional[BaseException] = None
         self._lora = None  # the step's backend.worker.lora.step.LoRAStep, while a call with one runs
         # kept on self: C calls them as long as the stack lives
         self._mlp_callback, self._delta_callback = _MLP_FN(self._caller_mlp), _DELTA_FN(self._lora_deltas)
         if any(layer.mlp is not None for layer in layers):
-            self._ops.mlp = _address(self._mlp_callback)
+            self._ops.mlp = cpu_build.address(self._mlp_callback)
         if moe:
             from kernels.cpu import moe_block
-            self._ops.moe = moe_block.address(moe_block.NAME, "moe_block")
-            self._ops.moe_scratch = moe_block.address(moe_block.NAME, "moe_scratch_bytes")
-        self._delta_address = _address(self._delta_callback)
+            self._ops.moe = cpu_build.address(cpu_build.load(moe_block.NAME).moe_block)
+            self._ops.moe_scratch = cpu_build.address(cpu_build.load(moe_block.NAME).moe_scratch_bytes)
+        self._delta_address = cpu_build.address(self._delta_callback)
         self._project_callback = _DELTA_FN(self._caller_projection)  # project_fn: delta_fn's signature
-        self._ops.project = _address(self._project_callback)
+        self._ops.project = cpu_build.address(self._project_callback)
         self._all_reduce, self._reduce_callback = all_reduce, _REDUCE_FN(self._caller_reduce)
         if all_reduce is not None:
-            self._ops.reduce = _address(self._reduce_callback)
+            self._ops.reduce = cpu_build.address(self._reduce_callback)
             if shm is not None:
                 self._ops.shm_reduce, self._ops.shm, self._shm = shm.function, shm.address, shm
         self._shapes = tuple(widths.values())  # (K, N) by decode_stack.c's QKV, O, GATE_UP, DOWN, ROUTER
@@ -350,7 +346,7 @@ class DecodeStack:
                 raise ValueError(f"decode_stack: {what} part {i} must be a packed or float matrix; got {type(w).__name__}")
             if w.in_features != k:
                 raise ValueError(f"decode_stack: {what} part {i} has {w.in_features} inputs; expected {k}")
-            out.gemm[i] = _address(cpu_build.load(library, w.isa)[gemm])
+            out.gemm[i] = cpu_build.address(cpu_build.load(library, w.isa)[gemm])
             out.w[i], out.col[i] = ctypes.addressof(w._struct), col
             col += w.out_features
         if col != n:

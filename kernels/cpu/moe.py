@@ -158,6 +158,20 @@ def expert_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, offsets: torch.Te
     return out
 
 
+def sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of topk_ids [T, K] grouped by expert, token order kept: (order [T K],
+    the pair numbers in that order; offsets int64 [E + 1], expert e's pairs at places offsets[e] ..
+    offsets[e + 1] - 1; tokens [T K], each sorted pair's token)."""
+    flat = topk_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts)
+    if counts.numel() != num_experts:
+        raise ValueError(f"grouped experts: expert ids reach {counts.numel() - 1}; there are {num_experts} experts")
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return order, offsets, order // topk_ids.shape[1]
+
+
 def sorted_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                gate_up: GroupedGemm, down: GroupedGemm, silu_mul) -> torch.Tensor:
     """The experts' output [T, H] (x's dtype, summed in float32) for x [T, H]: the (token, slot)
@@ -167,14 +181,7 @@ def sorted_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     outputs weighted and added into their tokens. kernels/moe_reference.py `grouped_moe` (one GEMM
     pair per expert) is its oracle."""
     t, hidden = x.shape
-    flat = topk_ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices              # pairs grouped by expert, token order kept
-    counts = torch.bincount(flat, minlength=num_experts)
-    if counts.numel() != num_experts:
-        raise ValueError(f"grouped experts: expert ids reach {counts.numel() - 1}; there are {num_experts} experts")
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    tokens = order // topk_ids.shape[1]
+    order, offsets, tokens = sort_pairs(topk_ids, num_experts)
     y = down(silu_mul(gate_up(x.index_select(0, tokens).float(), offsets)), offsets)
     y.mul_(topk_weights.reshape(-1)[order].float()[:, None])
     return torch.zeros(t, hidden, dtype=torch.float32).index_add_(0, tokens, y).to(x.dtype)

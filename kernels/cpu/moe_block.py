@@ -40,10 +40,6 @@ def _fn(name: str, argtypes: tuple, restype=None):
     return cpu_build.function(NAME, name, argtypes, restype=restype)
 
 
-def address(library: str, name: str, isa: Optional[str] = None) -> int:
-    return ctypes.cast(getattr(cpu_build.load(library, isa), name), ctypes.c_void_p).value
-
-
 def _check_logits(name: str, logits: torch.Tensor, top_k: int) -> None:
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous():
         raise ValueError(f"{name}: router logits must be a contiguous float32 CPU tensor [T, E]; got "
@@ -82,7 +78,7 @@ class CpuMoe:
         self._keep = (gate_up, down, counts)
         self.struct = _Moe(self._experts("gate_up", gate_up, hidden, 2 * intermediate, num_experts),
                            self._experts("down", down, intermediate, hidden, num_experts),
-                           address("elementwise", "silu_mul_f32"), num_experts, top_k, int(renormalize), hidden,
+                           cpu_build.address(cpu_build.load("elementwise").silu_mul_f32), num_experts, top_k, int(renormalize), hidden,
                            intermediate, None if counts is None else counts.data_ptr())
         self._run = _fn("moe_block", (_P, _P, _P, _I, _P, _P, _P))
         self._scratch = _fn("moe_scratch_bytes", (_P, _I), restype=ctypes.c_int64)
@@ -107,14 +103,14 @@ class CpuMoe:
             if (len(w.weights), w.in_features, w.out_features) != (experts, k, n):
                 raise ValueError(f"moe_block: {what} holds {len(w.weights)} experts [{w.out_features}, "
                                  f"{w.in_features}]; expected {experts} of [{n}, {k}]")
-            return _Experts(address(cpu_quant.NAME, "qgemm_experts", w.weights[0].isa),
+            return _Experts(cpu_build.address(cpu_build.load(cpu_quant.NAME, w.weights[0].isa).qgemm_experts),
                             ctypes.addressof(w._structs), -1)
         if not isinstance(w, torch.Tensor):
             raise ValueError(f"moe_block: {what} must be packed experts or float panels; got {type(w).__name__}")
         e, columns, k_padded = cpu_moe.panel_shape(w)
         if e != experts or not columns - cpu_moe.PANEL < n <= columns or k_padded != k + (k % 2) * (w.dtype != torch.float32):
             raise ValueError(f"moe_block: {what} panels {tuple(w.shape)} do not hold {experts} experts of [{n}, {k}]")
-        return _Experts(address(cpu_moe.NAME, "moe_gemm"), w.data_ptr(), cpu_moe.DTYPES[w.dtype])
+        return _Experts(cpu_build.address(cpu_build.load(cpu_moe.NAME).moe_gemm), w.data_ptr(), cpu_moe.DTYPES[w.dtype])
 
     def scratch_bytes(self, rows: int) -> int:
         return self._scratch(ctypes.byref(self.struct), rows)

@@ -33,7 +33,7 @@ class ShmReduce:
         self.group = _Group(ctrl, data, rank, size, slot_bytes, failed, 0, 0.0)
         self._run = cpu_build.function(NAME, "shm_all_reduce", (_P, _P, _I), restype=ctypes.c_int)
         self.address = ctypes.addressof(self.group)  # what the stack passes to the function below
-        self.function = ctypes.cast(self._run, _P).value
+        self.function = cpu_build.address(self._run)
 
     def __call__(self, tensor: torch.Tensor) -> int:
         """Sum a contiguous float32 CPU tensor over the ranks in place: SUMMED, or PYTHON_PATH (it

@@ -61,8 +61,9 @@ def user_turns(tokenizer, rng: random.Random, n: int, turns: int, lo: int, hi: i
     def message(words: int) -> list[int]:
         return tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(words)), add_special_tokens=False)
     out = [[message(rng.randint(lo, hi)) for _ in range(turns)] for _ in range(n)]
-    for turns_of in out if document else ():
-        turns_of[0] = message(document)[:document] + turns_of[0]
+    if document:
+        for turns_of in out:
+            turns_of[0] = message(document)[:document] + turns_of[0]
     return out
 
 

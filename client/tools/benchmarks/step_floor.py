@@ -54,10 +54,8 @@ def expert_matmuls(experts, x: torch.Tensor, ids: torch.Tensor) -> Optional[Call
     every active expert, on packed experts (CpuQuantExperts) or float panels; None for other
     layouts (one GEMM pair per active expert, the fused kernel), whose floor is the experts' own call."""
     from kernels.cpu import moe as cpu_moe
-    flat = ids.reshape(-1).long()
-    offsets = torch.zeros(experts.num_experts + 1, dtype=torch.int64)
-    torch.cumsum(torch.bincount(flat, minlength=experts.num_experts), 0, out=offsets[1:])
-    rows = x.index_select(0, torch.sort(flat, stable=True).indices // ids.shape[1]).float()
+    _, offsets, tokens = cpu_moe.sort_pairs(ids, experts.num_experts)
+    rows = x.index_select(0, tokens).float()
     act = torch.randn(rows.shape[0], experts.intermediate)
     if experts.quant_experts is not None:
         gate_up, down = experts.quant_experts

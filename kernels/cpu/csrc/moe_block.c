@@ -51,13 +51,41 @@ typedef struct {
 #define MAX_TOP_K 64 /* the wrapper refuses more experts a token */
 #define ALIGN(n) (((n) + 63) / 64 * 64)
 
-/* The bytes of scratch moe_block needs for T rows. */
-int64_t moe_scratch_bytes(const moe_t *m, int64_t T) {
-    const int64_t P = T * m->top_k, H = m->hidden, I = m->intermediate;
-    const int64_t wide = H > I ? H : I;
-    return ALIGN(4 * P) + ALIGN(4 * P) + 2 * ALIGN(8 * P) + ALIGN(16 * (m->experts + 1)) + ALIGN(4 * P * H) +
-           ALIGN(4 * P * 2 * I) + ALIGN(4 * P * I) + ALIGN(4 * P * (wide + 2));
+/* moe_block's scratch for T rows, each region 64-byte aligned: laid out from `base` (NULL: only
+   sized) by scratch_layout, the one description of it; moe_scratch_bytes is its size. */
+typedef struct {
+    float *weights;       /* [P] the pairs' routing weights */
+    int32_t *ids;         /* [P] the pairs' experts */
+    int64_t *order;       /* [P] sorted place -> pair */
+    int64_t *place;       /* [P] pair -> sorted place */
+    int64_t *offsets;     /* [E + 1] each expert's first place, then [E] each one's next while sorting */
+    float *rows;          /* [P, H] the pairs' tokens, sorted; later their outputs */
+    float *gate_up;       /* [P, 2I] */
+    float *act;           /* [P, I] */
+    float *gemm_scratch;  /* [P, max(H, I) + 2] moe_gemm's (bfloat16 panels' rows) */
+} scratch_t;
+
+static int64_t scratch_layout(const moe_t *m, int64_t T, char *base, scratch_t *s) {
+    const int64_t P = T * m->top_k, H = m->hidden, I = m->intermediate, wide = H > I ? H : I;
+    const int64_t sizes[9] = {4 * P, 4 * P, 8 * P, 8 * P, 16 * (m->experts + 1), 4 * P * H, 4 * P * 2 * I,
+                              4 * P * I, 4 * P * (wide + 2)};
+    int64_t at[10] = {0};
+    for (int i = 0; i < 9; i++) at[i + 1] = at[i] + ALIGN(sizes[i]);
+    if (base) {
+        s->weights = (float *)(base + at[0]);
+        s->ids = (int32_t *)(base + at[1]);
+        s->order = (int64_t *)(base + at[2]);
+        s->place = (int64_t *)(base + at[3]);
+        s->offsets = (int64_t *)(base + at[4]);
+        s->rows = (float *)(base + at[5]);
+        s->gate_up = (float *)(base + at[6]);
+        s->act = (float *)(base + at[7]);
+        s->gemm_scratch = (float *)(base + at[8]);
+    }
+    return at[9];
 }
+
+int64_t moe_scratch_bytes(const moe_t *m, int64_t T) { return scratch_layout(m, T, NULL, NULL); }
 
 /* logits [T, E] -> weights [T, K] float32 and ids [T, K] int32, best first (torch.topk's order). */
 void moe_route(const float *logits, int64_t T, int64_t E, int64_t K, int64_t renormalize, float *weights,
@@ -102,17 +130,11 @@ static void experts_gemm(const experts_t *x_of, const moe_t *m, const float *x, 
 void moe_block(const moe_t *m, const float *h, const float *logits, int64_t T, float *out, const int64_t *valid,
                void *scratch) {
     const int64_t K = m->top_k, E = m->experts, H = m->hidden, I = m->intermediate, P = T * K;
-    char *s = scratch;
-    float *weights = (float *)s;
-    int32_t *ids = (int32_t *)(s += ALIGN(4 * P));
-    int64_t *order = (int64_t *)(s += ALIGN(4 * P)); /* sorted place -> pair */
-    int64_t *place = (int64_t *)(s += ALIGN(8 * P)); /* pair -> sorted place */
-    int64_t *offsets = (int64_t *)(s += ALIGN(8 * P));
-    int64_t *fill = offsets + E + 1; /* each expert's next place while sorting */
-    float *rows = (float *)(s += ALIGN(16 * (E + 1))); /* the pairs' tokens, sorted; later their outputs */
-    float *gate_up = (float *)(s += ALIGN(4 * P * H));
-    float *act = (float *)(s += ALIGN(4 * P * 2 * I));
-    float *gemm_scratch = (float *)(s += ALIGN(4 * P * I));
+    scratch_t sc;
+    scratch_layout(m, T, scratch, &sc);
+    float *weights = sc.weights, *rows = sc.rows, *gate_up = sc.gate_up, *act = sc.act, *gemm_scratch = sc.gemm_scratch;
+    int32_t *ids = sc.ids;
+    int64_t *order = sc.order, *place = sc.place, *offsets = sc.offsets, *fill = offsets + E + 1;
 
     moe_route(logits, T, E, K, m->renormalize, weights, ids);
     memset(offsets, 0, sizeof(int64_t) * (size_t)(E + 1));
