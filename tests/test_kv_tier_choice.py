@@ -57,6 +57,22 @@ def test_a_partial_prefix_loads_the_host_blocks_and_computes_the_dear_disk_ones(
     assert choice(disk=50_000 * US).blocks_to_load([HOST, DISK], 32, 100) == 1
 
 
+def test_a_prefix_of_several_groups_loads_whole_when_its_copies_cost_less_than_its_tokens():
+    # 6 copies (4 positions of the first group, a window of 2 in a local group) bring tokens 0..64 of 100
+    assert choice(host=100 * US).worth_loading([HOST] * 6, 0, 64, 100)
+    # each copy at 11 ms: 66 ms against the 64 ms of tokens they save; a tie computes
+    assert not choice(host=11_000 * US).worth_loading([HOST] * 6, 0, 64, 100)
+    assert not choice(host=64_000 * US / 6).worth_loading([HOST] * 6, 0, 64, 100)
+    # a disk copy sits out a step of the 4 running rows (10 ms); the host one lands before the run
+    assert choice(host=9_500 * US).worth_loading([HOST] * 6, 0, 64, 100, rows=4)
+    assert not choice(host=9_500 * US).worth_loading([DISK] + [HOST] * 5, 0, 64, 100, rows=4)
+    for policy, load in (("always", True), ("never", False)):
+        assert choice(host=1.0, policy=policy).worth_loading([HOST] * 6, 0, 64, 100) is load
+    assert choice(host=1.0, steps=0).worth_loading([HOST] * 6, 0, 64, 100)  # nothing priced yet: load
+    c = choice(host=11_000 * US)
+    assert c.choose_whole("r", [HOST] * 6, 0, 64, 100) is False and c.declined("r") == ([HOST] * 6, 0)
+
+
 def test_the_attention_over_the_context_before_them_is_priced():
     # no per-token price, a pair per us: computing positions s..32 costs pairs(s, 33 - s) us:
     # from 0: 33 x 17 = 561, from 16: 17 x 25 = 425, from 32: 1 x 33 = 33. A block's copy costs

@@ -238,15 +238,6 @@ def test_preempted_requests_under_max_utilization_keep_transformers_tokens(chat)
     llm.close()
 
 
-def test_a_model_with_sliding_window_layers_is_refused_naming_the_key(tmp_path):
-    """Gemma 3's local layers keep a KV-cache group of their own (blocks freed as the window
-    moves); the tiers follow one group's blocks, so such a model is refused, not served wrong."""
-    path = make_checkpoint("gemma3", tmp_path / "gemma3", seed=6)
-    with pytest.raises(ValueError, match=r"kv_host_cache_bytes: this model keeps [23] KV-cache groups .* set kv_host_cache_bytes to 0"):
-        LLM(str(path), kv_host_cache_bytes=1 << 20, kv_block_size=16, max_tokens_in_paged_kv_cache=96,
-            max_num_seqs=1, max_num_batched_tokens=64)
-
-
 @pytest.mark.parametrize("settings, words", [
     (dict(kv_host_cache_bytes=-1), ["kv_host_cache_bytes", ">= 0"]),
     (dict(kv_disk_cache_dir="/tmp/x"), ["kv_disk_cache_bytes > 0"]),
@@ -350,7 +341,7 @@ def test_auto_loads_where_the_copy_is_cheaper_and_computes_where_it_is_dearer(ch
         llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, **{**ENGINE, "kv_tier_load_policy": "auto"})
         measured = llm.engine.kv_tiers.prices
         assert 0 < measured.plan_seconds + measured.host_block_seconds < 0.1, measured  # (4 KB blocks: ~all plan)
-        llm.engine.scheduler.admission.choice.prices = prices
+        llm.engine.scheduler.admission.tiers.choice.prices = prices
         assert run_turns(llm, turns) == expected
         host = llm.stats()["kv_tiers"]["host"]
         assert host[chosen] == host["hits"] >= 12, host
@@ -365,7 +356,7 @@ def test_auto_computes_a_disk_block_again_rather_than_sit_out_a_busy_step(chat, 
     path, turns, expected = chat
     llm = LLM(str(path), kv_host_cache_bytes=3 * BLOCK_BYTES, kv_disk_cache_dir=str(tmp_path / "kv"),
               kv_disk_cache_bytes=64 * FILE_BYTES, **{**ENGINE, "kv_tier_load_policy": "auto"})
-    choice = llm.engine.scheduler.admission.choice
+    choice = llm.engine.scheduler.admission.tiers.choice
     choice.prices = CopyPrices(0.0, 0.0, 0.0)
     decode = choice.cost.decode_seconds
     choice.cost.decode_seconds = lambda rows, kv=None: 100.0 if rows else decode(rows, kv)

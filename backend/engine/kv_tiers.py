@@ -16,6 +16,7 @@ from typing import Union
 from backend.core.config import EngineConfig
 from backend.kv.tiers.disk import DiskStore
 from backend.kv.tiers.fingerprint import model_fingerprint
+from backend.kv.tiers.grouped import GroupListener
 from backend.kv.tiers.manager import KVTiers
 from backend.kv.tiers.plan import CopyPrices
 from backend.models.loader import weight_files
@@ -34,6 +35,9 @@ class NoKVTiers:
     def figures(self) -> dict:
         return {}
 
+    def follow(self, blocks) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -48,6 +52,12 @@ class EngineKVTiers(KVTiers):
 
     def figures(self) -> dict:
         return {"kv_tiers": self.stats()}
+
+    def follow(self, blocks) -> None:
+        """Hear every KV-cache group's prefix cache: the first group's through the listeners the
+        groups were built with, the others' under their own keys (backend/kv/tiers/grouped.py)."""
+        for g, manager in enumerate(getattr(blocks, "groups", ())[1:], 1):
+            manager.listeners.append(GroupListener(self, g))
 
     @property
     def idle(self) -> bool:
@@ -65,11 +75,6 @@ def make_kv_tiers(config: EngineConfig, runner) -> Union[EngineKVTiers, NoKVTier
     """The host pool (the runner's copier), the disk store and the bookkeeping."""
     if not config.kv_host_cache_bytes:
         return NoKVTiers()
-    groups = runner.kv_layout.num_groups  # (the tiers follow one group's blocks; a window's come and go with it)
-    if groups > 1:
-        raise ValueError(f"kv_host_cache_bytes: this model keeps {groups} KV-cache groups (sliding-window "
-                         "layers beside global ones); the KV tiers serve models with one group (docs/design.md); "
-                         "set kv_host_cache_bytes to 0")
     copier = runner.attach_kv_copier(config.kv_host_cache_bytes)
     disk, capacity = None, 0
     if config.kv_disk_cache_dir:

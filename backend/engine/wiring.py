@@ -36,6 +36,7 @@ def build_core(core, config: EngineConfig, model_config: ModelConfig, max_model_
                                     enable_prefix_caching=config.enable_kv_cache_reuse,
                                     max_prefill_tokens=config.max_num_batched_tokens, max_decode_tokens=1 + drafts,
                                     listeners=listeners)
+        core.kv_tiers.follow(core.blocks)  # a model of several KV-cache groups: every group's blocks
         core.kv_events.started(core.blocks)
         core.scheduler = make_scheduler(config, core.blocks, max_model_len, tiers=core.kv_tiers.listener)
         # speculative decoding (backend/speculative/): None when speculative_config is empty

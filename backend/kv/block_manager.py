@@ -188,6 +188,26 @@ class BlockManager(PoolCounts, PrefixCache):
             self._hashed.pop(child_id, None)
         return copies
 
+    def extend(self, seq_id: str, entries: Sequence[Optional[int]], evicted: Optional[list] = None) -> list[int]:
+        """Append entries to seq_id's table (a new list): a cached block, already held by the
+        caller (backend/kv/groups.py `attach_hit`), None for a block taken now (returned in order,
+        evictions noted in `evicted`), NULL_BLOCK for a position before the window of the new end.
+        A local group then gives back its blocks before that window."""
+        table = list(self._tables.get(seq_id, ()))
+        taken = []
+        for entry in entries:
+            if entry is None:
+                entry = self.pool.take(evicted)
+                taken.append(entry)
+            table.append(entry)
+        self.num_held += sum(b != NULL_BLOCK for b in entries)  # (None: a block taken)
+        if self.window:
+            cut = max(0, len(table) * self.block_size - self.window + 1) // self.block_size
+            self._release([b for b in table[:cut] if b != NULL_BLOCK])
+            table[:cut] = [NULL_BLOCK] * cut
+        self._tables[seq_id] = table
+        return taken
+
     def window_blocks(self) -> int:
         """The blocks before a position that its window reaches back into (0: all of them)."""
         return -(-(self.window - 1) // self.block_size) if self.window else 0

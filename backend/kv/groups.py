@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from backend.kv.block_manager import BlockManager
-from backend.kv.block_pool import ROOT_KEY, BlockPool, PoolCounts, block_hashes
+from backend.kv.block_pool import NULL_BLOCK, ROOT_KEY, BlockPool, PoolCounts, block_hashes
 from backend.core.errors import NoFreeBlocksError
 
 
@@ -146,6 +146,20 @@ class KVCacheGroups(PoolCounts):
     def adopt(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]]:
         """BlockManager.adopt in every group (beam search's copy-on-write); the copies to make."""
         return [c for g in self.groups for c in g.adopt(parent_id, child_id, num_tokens)]
+
+    def attach(self, seq_id: str, entries: Sequence[Sequence[Optional[int]]]) -> list[list[int]]:
+        """Extend seq_id's table in every group by that group's entries (BlockManager.extend): the
+        cached blocks named are held first, in every group, so that no block taken after evicts
+        them; then each None takes a block. Returns each group's blocks taken, in order (a prefix
+        found in the KV tiers: backend/kv/tiers/grouped.py)."""
+        for group in entries:
+            for block in group:
+                if block is not None and block != NULL_BLOCK:
+                    self.pool.hold(block)
+        evicted = self.pool.evictions()
+        taken = [g.extend(seq_id, e, evicted) for g, e in zip(self.groups, entries)]
+        self.pool.announce(evicted)
+        return taken
 
     # -- prefix caching -------------------------------------------------------------------------
     def prefix_hit(self, hashes: Sequence[bytes]) -> int:

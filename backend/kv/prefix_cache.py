@@ -71,6 +71,10 @@ class PrefixCache:
                 return i + run
         return 0
 
+    def cached_block(self, key: bytes) -> Optional[int]:
+        """The block the cache holds under key (None: none)."""
+        return self._cached.get(key)
+
     def prefix_blocks(self, hashes: Sequence[bytes], length: int) -> list[int]:
         """The cached blocks a hit of `length` blocks attaches (a local group: its window's only)."""
         first = max(0, length - self.window_blocks()) if self.window else 0

@@ -4,7 +4,7 @@ torch at import.
 - `scheduler.py`: batch forming for in-flight batching (`Scheduler`), composed of `pool.py` (who
   waits and who runs, and every move between them), `admission.py` (which waiting requests start;
   `backfill.py` for the head's reservation; `siblings.py` for the n sequences of one prompt, a beam
-  search's started as one), `policies.py` (capacity: who may hold KV blocks) and
+  search's started as one; `tier_admission.py` for a prefix the KV tiers bring back), `policies.py` (capacity: who may hold KV blocks) and
   `batching.py` (the `batching_mode` gates); `batch.py`, its batch of one step over live requests;
 - `step_plan.py`: the step plan made of a batch (backend/core/step.py): what the worker does not
   know yet of each sequence, by id; with the grammar bitmask of the constrained rows (`grammar.py`:

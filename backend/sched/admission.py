@@ -28,7 +28,7 @@ from backend.sched.pool import RequestPool
 from backend.sched.siblings import family_size, first_sibling, start_family, waits_for_sibling
 from backend.sched.batch import SchedulerOutput
 from backend.sched.step_cost import StepCost
-from backend.sched.tier_choice import TierChoice
+from backend.sched.tier_admission import TierAdmission
 
 
 class Reservation(NamedTuple):
@@ -62,11 +62,9 @@ class Admission:
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None  # lora_slots.py
         self.encoder = EncoderBudget(config)  # the step's image tokens to encode (reset by schedule())
         # The KV tiers (backend/kv/tiers/manager.KVTiers) when they are on: a prefix found there comes
-        # back into the request's blocks before it runs a row.
-        self.tiers = tiers
-        # Load or recompute a prefix found there (tier_choice.py), priced by `cost`: the scheduler's step model.
-        self.choice = TierChoice(config.kv_tier_load_policy, self.blocks.block_size, cost or StepCost(),
-                                 tiers.prices) if tiers is not None else None
+        # back into the request's blocks before it runs a row (tier_admission.py).
+        self.tiers = None if tiers is None else TierAdmission(config.kv_tier_load_policy, pool, tiers, cost,
+                                                               self._prefix_hashes)
         c = config
         if (c.enable_backfill and c.batch_scheduler_policy == "guaranteed_no_evict" and c.batching_mode == "inflight"
                 and Backfill.usable(c.enable_chunked_context, c.max_num_batched_tokens, c.max_num_seqs)):
@@ -92,6 +90,8 @@ class Admission:
         queue, i = list(pool.waiting), 0
         if self.lora_slots is not None:
             self.lora_slots.begin(pool.running)
+        if self.tiers is not None:
+            self.tiers.begin()
         while i < len(queue):
             req = queue[i]
             i += 1
@@ -109,7 +109,7 @@ class Admission:
                 n, lower, fits = 0, 0, False
             else:
                 req.num_computed_tokens = self._reuse_computed(req)
-                lower = self._lower_tier_blocks(req)  # > 0: it holds them now and runs once they are back
+                lower = self.tiers.lower_blocks(req) if self.tiers is not None else 0  # > 0: runs once back
                 n = 0 if lower else chunk(req, budget, config, self.encoder)
                 held = req.num_computed_tokens + (lower * self.blocks.block_size if lower else n)
                 fits = ((n > 0 or lower > 0) and len(pool.running) + family_size(req) <= config.max_num_seqs
@@ -136,7 +136,7 @@ class Admission:
                         break  # strict order: no skipping past a request that does not fit
                 continue
             if self.tiers is not None and req.index == 0:
-                self._start_with_tiers(req, lower, n, now)
+                self.tiers.start(req, lower, n, now, self.steps)
             else:
                 pool.start(req, req.num_computed_tokens + n, now, self.steps)
             if family_size(req) > 1:
@@ -219,55 +219,21 @@ class Admission:
                                                            root=req.cache_salt))
         return req.prefix_hashes[1]
 
-    # -- the KV tiers: a prefix in host memory or on disk comes back instead of being computed -----
-    def _lower_tier_blocks(self, req: Request) -> int:
-        """How many blocks after req's device prefix a lower tier holds (nothing is claimed yet).
-        Where copies are done when issued (the CPU) and all of them are in host memory, they come
-        back before this step's model run: they count as computed at once, and 0 is returned."""
-        if self.tiers is None or req.index or req.computes_whole_prompt:
-            return 0
-        start = req.num_computed_tokens
-        where = self.tiers.locate(self._prefix_hashes(req)[start // self.blocks.block_size:])
-        lower = self.choice.choose(req.seq_id, where, start, req.num_tokens, len(self.pool.running),
-                                   self.tiers.loads_at_once)  # the blocks worth loading
-        if lower and not any(where[:lower]) and self.tiers.loads_at_once:
-            req.num_computed_tokens += lower * self.blocks.block_size  # undone with the rest if it does not fit
-            return 0
-        return lower
-
-    def _start_with_tiers(self, req: Request, lower: int, n: int, now: float) -> None:
-        """Start req: with `lower` blocks to come back, holding its device prefix and the blocks
-        they return to (a claim may get fewer: no host slot left to stage a disk block in; with
-        none it runs from its next step on); else as usual with its first n tokens' blocks, those
-        that come back at once included. Counts where its prefix was found."""
-        bs, hashes = self.blocks.block_size, self._prefix_hashes(req)
-        first = self.blocks.num_blocks_of(req.seq_id)  # its device prefix
-        at_once = (req.num_computed_tokens - first * bs) // bs  # host blocks copied before this step's run
-        claim = self.tiers.claim(hashes[first:first + (lower or at_once)]) if lower or at_once else None
-        got = claim.num_blocks if claim is not None else 0
-        assert lower or got == at_once, "host blocks probed for this step are gone"
-        self.pool.start(req, (first + got) * bs if lower else req.num_computed_tokens + n, now, self.steps)
-        where, chosen = self.choice.declined(req.seq_id)
-        self.tiers.counts.lookup(len(hashes), first, claim, declined=where[chosen:])
-        claimed = list(claim.from_disk) if claim is not None else []  # (where a staging slot took a host block's)
-        self.tiers.counts.chose(claimed + where[chosen:], got)  # (chosen but not claimed: misses)
-        if claim is not None:  # it runs once the load is done (`landed`), or now for blocks back at once
-            blocks = self.blocks.block_table(req.seq_id)[first:first + got]
-            req.kv_load = self.tiers.start_load(req.seq_id, claim, blocks)
-            req.kv_load.counted = not lower
-
     def landed(self, req: Request) -> bool:
         """Has req's prefix come back from the lower tiers? Then its blocks that arrived (all, or
         those before a file that failed its checks) are computed tokens from now on."""
-        load = req.kv_load
-        if not load.done:
+        if not req.kv_load.done:
             return False
-        tokens = 0 if load.counted else load.num_loaded * self.blocks.block_size
+        tokens = self.tiers.arrived(req)
+        if tokens is None:  # a grouped load failed: the request computes from its device prefix again
+            self.blocks.free(req.seq_id)
+            req.num_computed_tokens = self._reuse_computed(req)
+            self.policy.refresh(req)
+            return True
         req.num_computed_tokens += tokens
         self.prefix_hit_tokens += tokens
         if not req.num_preemptions:
             req.num_cached_tokens += tokens
-        req.kv_load = None
         return True
 
     def _cannot_fit_untried(self, req: Request) -> bool:

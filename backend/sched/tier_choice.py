@@ -67,6 +67,27 @@ class TierChoice:
                 best, best_k = seconds, k
         return best_k
 
+    def worth_loading(self, from_disk: Sequence[bool], start: int, hit_end: int, end: int, rows: int = 0,
+                      at_once: bool = True) -> bool:
+        """A prefix that is loaded whole or not at all (a model of several KV-cache groups:
+        backend/kv/tiers/grouped.py): these blocks bring the request from `start` to `hit_end`
+        tokens; is that cheaper than computing them?"""
+        if self.policy == "never":
+            return False
+        if self.policy == "always" or not from_disk or not self.cost.prompt_steps:
+            return True
+        prices, disk = self.cost.prices(), sum(from_disk)
+        seconds = self.prices.load_seconds(len(from_disk) - disk, disk) + self.compute_seconds(hit_end, end, prices)
+        seconds += self.cost.decode_seconds(rows) if rows and (disk or not at_once) else 0.0
+        return seconds < self.compute_seconds(start, end, prices)
+
+    def choose_whole(self, seq_id: str, from_disk: list[bool], start: int, hit_end: int, end: int, rows: int = 0,
+                     at_once: bool = True) -> bool:
+        """worth_loading, kept until the request starts (`declined`)."""
+        load = self.worth_loading(from_disk, start, hit_end, end, rows, at_once)
+        self.last = (seq_id, from_disk, len(from_disk) if load else 0)
+        return load
+
     def choose(self, seq_id: str, from_disk: list[bool], start: int, end: int, rows: int = 0,
                at_once: bool = True) -> int:
         """blocks_to_load, kept until the request starts (`declined`)."""

@@ -7,6 +7,7 @@ all (engine/kv_tiers.py).
 - `manager.py`: `KVTiers`, the bookkeeping on the engine thread: saves, claims, loads, each step's
   plan of copies (carried to the worker by the step plan), stats, `check_integrity`;
 - `plan.py`: a step's copies, a claim, a load in flight, the per-tier counts;
+- `grouped.py`: the tiers over several KV-cache groups (a key per group, the hit they hold together);
 - `disk.py`: the files (fingerprint, HMAC) and the thread that reads and writes them;
 - `folder.py`: the disk tier's folder: its modes, its secret, its lock and the one budget of the
   engines sharing it;

@@ -75,15 +75,20 @@ class KVTiers(BlockListener):
             self._salted.discard(key)
 
     # -- admission ----------------------------------------------------------------------------
+    def where(self, key: bytes) -> Optional[bool]:
+        """Where the lower tiers hold key: False in host memory, True on disk only, None nowhere."""
+        if self.host.slot(key) is not None:
+            return False
+        return True if self.disk_index is not None and key in self.disk_index else None
+
     def locate(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Where the lower tiers hold these keys, from the first until one they do not: per key,
-        True on disk only, False in host memory (nothing changes)."""
-        where, disk = [], self.disk_index if self.disk_index is not None else ()
+        """`where` of these keys, from the first until one the tiers do not hold (nothing changes)."""
+        found = []
         for key in hashes:
-            if self.host.slot(key) is None and key not in disk:
+            if (disk := self.where(key)) is None:
                 break
-            where.append(self.host.slot(key) is None)
-        return where
+            found.append(disk)
+        return found
 
     def claim(self, hashes: Sequence[bytes]) -> Optional[TierClaim]:
         """Pin the blocks of these keys, from the first, that a lower tier holds: host slots as they

@@ -62,12 +62,16 @@ class KVLoad:
         self.cancelled = False
         self.num_loaded = 0  # blocks from the first on that arrived (set when issued)
         self.counted = False  # its request counted them computed when it started (they came back at once)
+        # a model of several KV-cache groups (grouped.py): whole or nothing, and the positions it brings
+        self.positions: Optional[int] = None
         self.started = time.monotonic()
 
     def retire(self, host) -> int:
         """Its reads all ended and it leaves the waiting list: the leading blocks that arrived
         (none when its request left) are to be copied, the other host slots are unpinned."""
         n = 0 if self.cancelled else next((i for i, ok in enumerate(self.ok) if not ok), len(self.ok))
+        if self.positions is not None and n < len(self.ok):
+            n = 0  # a part of a grouped load would leave a local group without its window
         for slot in self.slots[n:]:
             host.unpin(slot)
         self.num_loaded, self.issued, self.done = n, True, not n
@@ -111,6 +115,10 @@ class TierCounts:
         `declined`: the blocks after the claim that a tier held but are computed again (True: on disk)."""
         on_disk = (sum(claim.from_disk) if claim else 0) + sum(declined)
         in_host = (claim.num_blocks if claim else 0) + len(declined) - on_disk
+        self.found(num_hashes, device_blocks, in_host, on_disk)
+
+    def found(self, num_hashes: int, device_blocks: int, in_host: int, on_disk: int) -> None:
+        """Of a request's `num_hashes` prefix blocks, how many each tier held."""
         left = num_hashes - device_blocks
         for tier, hits, asked in (("device", device_blocks, num_hashes), ("host", in_host, left),
                                   ("disk", on_disk, left - in_host)):
