@@ -186,6 +186,8 @@ def test_returning_turns_of_a_model_of_three_groups_come_back_from_host_memory(c
     path, turns, expected = chat
     llm = LLM(str(path), kv_host_cache_bytes=1 << 20, **ENGINE)
     assert llm.engine.runner.kv_layout.num_groups == 3
+    k = llm.engine.runner.kv_caches[0][0]  # a slot holds a block of one group's layers (one here), K and V
+    assert block_bytes(llm) == llm.engine.runner.kv_layout.slots * 2 * k[0].numel() * k.element_size()
     assert run_turns(llm, turns) == expected
     host = llm.stats()["kv_tiers"]["host"]
     assert host["hits"] > 0 and host["load_chosen"] > host["hits"], host  # the windows' blocks too

@@ -1,7 +1,8 @@
 """The host pool and the copies between it and the device's KV cache (the model runner's).
 
 A host slot holds one block of every layer: [layers, K|V, block_size, kv_heads, head_dim] in the
-cache's dtype, contiguous, so that a slot is one DMA and one file's payload (backend/kv/tiers/disk.py).
+cache's dtype (a model of several KV-cache groups: one group's layers, the cache's `slots` pairs),
+contiguous, so that a slot is one DMA and one file's payload (backend/kv/tiers/disk.py).
 
 On the CPU the pool is a second buffer beside the KV cache and a plan's copies are 2 x layers
 index copies each way, done when `execute` returns (its handle is None).
@@ -35,6 +36,9 @@ STAGING_BYTES = 64 << 20  # the device staging buffer's cap (GPU): plans larger 
 
 class KVCopier:
     def __init__(self, env: DeviceEnv, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], host_bytes: int):
+        # the runner's per-layer list names each pair once per KV-cache group (groups.py: layer k of every
+        # group reads pair k); a block is one group's layers, so a slot holds each distinct pair once
+        kv_caches = list({id(pair[0]): pair for pair in kv_caches}.values())
         k0 = kv_caches[0][0]
         shapes = sorted({(tuple(c.shape[1:]), c.dtype) for kv in kv_caches for c in kv}, key=str)
         if len(shapes) > 1:  # (a model with per-layer KV shapes: its blocks are not one slot's layout)
