@@ -12,11 +12,12 @@ blocks come back from host memory (`--host-bytes`) or disk (`disk`: `--disk-host
 in front of the disk tier).
 
 Each configuration (`--configs`: none, host, disk; `host:always`, `disk:never`, ... also set
-kv_tier_load_policy, whose default is auto) is its own engine in this process; every turn
+kv_tier_load_policy, whose default is auto; `device`: no tier, a KV cache of `--device-kv-tokens`
+that holds every history, the answers a tier must give) is its own engine in this process; every turn
 runs once per configuration, in an order that alternates from turn to turn, so that the machine's
 load falls on all of them alike. Reported per configuration: time to first token of first turns
 and of returning turns (p50, p99), the tiers' hits and bytes, whether every answer equals the
-first configuration's token for token (greedy), and the leak check after the workload (no block
+first configuration's, and `device`'s when it ran, token for token (greedy), and the leak check after the workload (no block
 used, nothing pinned or in flight, the engine's check_integrity); with it the CPU model, its ISA and
 the load average before and after (the machine may be shared).
 """
@@ -132,6 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="each conversation's first message opens with a document of its own of this many tokens")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--kv-tokens", type=int, default=4096, help="the KV cache (max_tokens_in_paged_kv_cache)")
+    p.add_argument("--device-kv-tokens", type=int, default=65536, help="the KV cache of `device`: every history")
     p.add_argument("--host-bytes", type=int, default=2 << 30, help="kv_host_cache_bytes of `host`")
     p.add_argument("--disk-host-bytes", type=int, default=64 << 20, help="kv_host_cache_bytes in front of `disk`")
     p.add_argument("--disk-bytes", type=int, default=4 << 30)
@@ -143,14 +145,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
 
     disk_dir = tempfile.TemporaryDirectory(prefix="kv-tiers-bench-") if args.disk_dir is None else None
-    tiers = {"none": {}, "host": {"kv_host_cache_bytes": args.host_bytes},
+    tiers = {"none": {}, "device": {"max_tokens_in_paged_kv_cache": args.device_kv_tokens},
+             "host": {"kv_host_cache_bytes": args.host_bytes},
              "disk": {"kv_host_cache_bytes": args.disk_host_bytes, "kv_disk_cache_bytes": args.disk_bytes,
                       "kv_disk_cache_dir": args.disk_dir or disk_dir.name}}
     names = args.configs.split(",")
     base = dict(model_path=args.model_path, max_tokens_in_paged_kv_cache=args.kv_tokens, max_num_seqs=args.concurrency,
                 **EngineConfig.typed_overrides(dict(args.param)))
     load = {"loadavg_start": os.getloadavg()}
-    chats = [Chat(name, EngineConfig(**base, **tier_settings(tiers, name)), [], args.conversations) for name in names]
+    chats = [Chat(name, EngineConfig(**{**base, **tier_settings(tiers, name)}), [], args.conversations) for name in names]
     tokenizer = chats[0].engine.tokenizer
     system, rng = conversations(tokenizer, args.conversations, args.system_tokens, args.seed)
     users = user_turns(tokenizer, rng, args.conversations, args.turns, *args.user_tokens, document=args.document_tokens)
@@ -165,8 +168,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = {c.name: c.report(args.turns) for c in chats}
     first = chats[0]
     for c in chats[1:]:
-        same = sum(c.answers[k] == first.answers[k] for k in first.answers)
-        results[c.name]["answers_equal_to_" + first.name] = f"{same}/{len(first.answers)}"
+        for ref in {first.name: first, **{x.name: x for x in chats if x.name == "device"}}.values():
+            if ref is not c:
+                same = sum(c.answers[k] == ref.answers[k] for k in ref.answers)
+                results[c.name]["answers_equal_to_" + ref.name] = f"{same}/{len(ref.answers)}"
         if results[first.name]["returning_ttft_p50_s"] and results[c.name]["returning_ttft_p50_s"]:
             for q in ("p50", "p99"):
                 results[c.name][f"returning_ttft_{q}_speedup"] = (results[first.name][f"returning_ttft_{q}_s"]
