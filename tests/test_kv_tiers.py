@@ -365,3 +365,18 @@ def test_auto_computes_a_disk_block_again_rather_than_sit_out_a_busy_step(chat, 
     assert disk["recompute_chosen"] >= 1 and disk["recompute_chosen"] + disk["load_chosen"] == disk["hits"], disk
     assert_idle(llm)
     llm.close()
+
+
+def test_the_host_pool_is_resident_when_the_engine_starts():
+    """The host tier's memory is touched at allocation, not page by page by the first saves of a
+    serving engine (a first touch costs up to tens of microseconds a page in a VM)."""
+    from backend.worker.device import host_empty
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    before = rss()
+    pool = host_empty(64 << 20, pinned=False)
+    assert rss() - before >= (64 << 20) * 0.9
+    assert not pool.any()

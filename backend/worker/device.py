@@ -145,8 +145,12 @@ class DeviceEnv:
 
 def host_empty(num_bytes: int, pinned: bool) -> torch.Tensor:
     """Host memory that device copies read and write (the KV tiers' host pool): page-locked when
-    `pinned`, so that copies to and from a GPU are asynchronous DMA. The rehearsal replaces it."""
-    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
+    `pinned`, so that copies to and from a GPU are asynchronous DMA; else touched now, at start,
+    rather than page by page by the first saves of a serving engine (a first touch can cost tens of
+    microseconds a 4 KiB page in a VM: seconds a GiB, docs/performance.md). The rehearsal replaces it."""
+    if pinned:
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    return torch.zeros(num_bytes, dtype=torch.uint8)
 
 
 def to_device(array, device: torch.device) -> torch.Tensor:
