@@ -239,3 +239,18 @@ def test_a_file_that_fails_its_check_sends_the_request_back_to_its_device_prefix
     assert disk["tampered"] >= 1, disk
     assert_idle(again)
     again.close()
+
+
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
+def test_a_grouped_load_the_request_waits_for_brings_the_same_tokens(chat):
+    """Where a load does not land before the step's model run (a GPU's copy stream), the request
+    holds its blocks, runs no row until the load is done, and then counts the hit's positions."""
+    path, turns, expected = chat
+    llm = LLM(str(path), kv_host_cache_bytes=1 << 20, **ENGINE)
+    llm.engine.kv_tiers.loads_at_once = False
+    assert run_turns(llm, turns) == expected
+    host = llm.stats()["kv_tiers"]["host"]
+    assert host["hits"] > 0 and host["bytes_loaded"] > 0, host
+    assert llm.engine.scheduler.prefix_hit_tokens > 0
+    assert_idle(llm)
+    llm.close()
