@@ -3,7 +3,6 @@ the KV cache come back from host memory and from disk instead of being computed 
 transformers' greedy tokens; the disk tier survives a restart and refuses torn or foreign files;
 a request given up while its prefix is on its way back leaks nothing."""
 import os
-import random
 import threading
 import time
 
@@ -13,11 +12,10 @@ from backend import LLM, EngineConfig, SamplingParams
 from backend.kv.tiers.disk import DiskStore
 from backend.kv.tiers.index import HostIndex
 from backend.kv.tiers.plan import CopyPrices
-from hf_checkpoints import hf_greedy, make_checkpoint
+from tier_chats import MAX_TOKENS, assert_idle, chat_turns, run_turns
 
 BLOCK_BYTES = 4096  # the llama checkpoint: 2 layers x K,V x 16 tokens x 2 kv heads x 8 dims x 4 bytes
 FILE_BYTES = 80 + BLOCK_BYTES + 32  # a disk tier file: header, block, HMAC-SHA256 (backend/kv/tiers/disk.py)
-MAX_TOKENS = 5
 # 10 blocks of 16: one request's prompt at most (7 blocks); 6 conversations' prefixes never fit.
 # Every prefix found is loaded (kv_tier_load_policy always): these tests are about the tiers' copies,
 # which auto would skip where this machine computes the tiny model's tokens faster (see the last tests).
@@ -29,35 +27,7 @@ ENGINE = dict(kv_block_size=16, max_tokens_in_paged_kv_cache=160, max_num_seqs=2
 def chat(tmp_path_factory):
     """6 conversations x 3 turns on one system prompt (37 tokens): turn t's prompt is turn t-1's
     with 9-23 new tokens, so every returning turn starts with its conversation's earlier blocks."""
-    path = make_checkpoint("llama", tmp_path_factory.mktemp("llama-tiers"), seed=5)
-    rng = random.Random(11)
-    system = [rng.randrange(3, 512) for _ in range(37)]
-    convs = [list(system) for _ in range(6)]
-    turns = []
-    for _ in range(3):
-        for c in convs:
-            c += [rng.randrange(3, 512) for _ in range(rng.randint(9, 23))]
-        turns.append([list(c) for c in convs])
-    flat = [p for turn in turns for p in turn]
-    expected = hf_greedy(path, flat, [MAX_TOKENS] * len(flat))
-    return path, turns, [expected[i * 6:(i + 1) * 6] for i in range(3)]
-
-
-def run_turns(llm, turns):
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    outs = []
-    for prompts in turns:
-        outs.append([o.token_ids for o in llm.generate(prompts, params)])
-        llm.check_integrity()
-    return outs
-
-
-def assert_idle(llm):
-    """Nothing held or in flight: the device cache's blocks are all free, no host slot is pinned."""
-    tiers = llm.engine.kv_tiers
-    llm.check_integrity()
-    assert llm.stats()["kv_blocks_used"] == 0
-    assert tiers.idle and not tiers.busy and not any(tiers.host.pins)
+    return chat_turns("llama", tmp_path_factory.mktemp("llama-tiers"), seed=5, rng_seed=11)
 
 
 def reusable_tokens(turns):

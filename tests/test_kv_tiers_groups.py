@@ -6,17 +6,14 @@ disk with transformers' greedy tokens, a file that fails its check sends its req
 device prefix, and nothing is left held."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from backend import LLM, SamplingParams
 from backend.kv.block_pool import NULL_BLOCK, block_hashes
 from backend.kv.groups import KVCacheGroups
 from backend.kv.tiers.grouped import GroupListener, group_key, tiered_hit
-from hf_checkpoints import hf_greedy, make_checkpoint
+from tier_chats import MAX_TOKENS, assert_idle, chat_turns, run_turns, written_turns
 
-MAX_TOKENS = 5
 # 36 pool blocks (192 tokens x 3 layers, one slot): 6 conversations' prefixes never fit; always load
 ENGINE = dict(kv_block_size=16, max_tokens_in_paged_kv_cache=192, max_num_seqs=2, max_num_batched_tokens=64,
               kv_tier_load_policy="always")
@@ -147,34 +144,7 @@ def test_a_group_listener_tells_the_tiers_its_own_keys():
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
     """6 conversations x 3 turns on one system prompt (37 tokens), each turn 9-23 tokens more."""
-    path = make_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3-tiers"), seed=6)
-    rng = random.Random(12)
-    system = [rng.randrange(3, 512) for _ in range(37)]
-    convs = [list(system) for _ in range(6)]
-    turns = []
-    for _ in range(3):
-        for c in convs:
-            c += [rng.randrange(3, 512) for _ in range(rng.randint(9, 23))]
-        turns.append([list(c) for c in convs])
-    flat = [p for turn in turns for p in turn]
-    expected = hf_greedy(path, flat, [MAX_TOKENS] * len(flat))
-    return path, turns, [expected[i * 6:(i + 1) * 6] for i in range(3)]
-
-
-def run_turns(llm, turns):
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    outs = []
-    for prompts in turns:
-        outs.append([o.token_ids for o in llm.generate(prompts, params)])
-        llm.check_integrity()
-    return outs
-
-
-def assert_idle(llm):
-    tiers = llm.engine.kv_tiers
-    llm.check_integrity()
-    assert llm.stats()["kv_blocks_used"] == 0
-    assert tiers.idle and not tiers.busy and not any(tiers.host.pins)
+    return chat_turns("gemma3", tmp_path_factory.mktemp("gemma3-tiers"), seed=6, rng_seed=12)
 
 
 def block_bytes(llm):
@@ -204,11 +174,10 @@ def test_returning_turns_of_a_model_of_three_groups_come_back_from_host_memory(c
 @pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_the_disk_tier_of_a_model_of_three_groups_survives_a_restart(chat, tmp_path):
     path, turns, expected = chat
-    tiers = dict(kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 22)
-    llm = LLM(str(path), kv_host_cache_bytes=1 << 18, **tiers, **ENGINE)
-    assert run_turns(llm, turns[:2]) == expected[:2]
-    llm.close()  # the device's cached blocks, every group's, are written down
-    again = LLM(str(path), kv_host_cache_bytes=1 << 18, **tiers, **ENGINE)
+    tiers = dict(kv_host_cache_bytes=1 << 18, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 22)
+    # closed, the engine writes the device's cached blocks down, every group's
+    assert written_turns(lambda: LLM(str(path), **tiers, **ENGINE), turns[:2]) == expected[:2]
+    again = LLM(str(path), **tiers, **ENGINE)
     request = again.engine.add_request("first", turns[2][0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     while again.engine.has_work():
         again.engine.step()
@@ -224,16 +193,14 @@ def test_the_disk_tier_of_a_model_of_three_groups_survives_a_restart(chat, tmp_p
 @pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_a_file_that_fails_its_check_sends_the_request_back_to_its_device_prefix(chat, tmp_path):
     path, turns, expected = chat
-    tiers = dict(kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 22)
-    llm = LLM(str(path), kv_host_cache_bytes=1 << 18, **tiers, **ENGINE)
-    run_turns(llm, turns[:2])
-    llm.close()
+    tiers = dict(kv_host_cache_bytes=1 << 18, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 22)
+    written_turns(lambda: LLM(str(path), **tiers, **ENGINE), turns[:2])
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     for f in sorted(folder.iterdir())[::2]:  # every other file tampered with: a payload byte
         data = bytearray(f.read_bytes())
         data[-40] ^= 0x01
         f.write_bytes(bytes(data))
-    again = LLM(str(path), kv_host_cache_bytes=1 << 18, **tiers, **ENGINE)
+    again = LLM(str(path), **tiers, **ENGINE)
     assert run_turns(again, [turns[2]]) == [expected[2]]  # computed again where a load failed, right
     disk = again.stats()["kv_tiers"]["disk"]
     assert disk["tampered"] >= 1, disk

@@ -70,7 +70,6 @@ def tiered_hit(groups, seq_id: str, hashes: Sequence[bytes], start: int,
     caches and the tiers hold together (the module's docstring); `where(key)`: None when no tier
     holds key, False in host memory, True on disk. None when no tier block would be loaded."""
     managers = groups.groups
-    first = managers[0]
 
     def source(g: int, i: int) -> tuple[Optional[int], Optional[bool]]:
         """(cached device block, None) or (None, where a tier holds it) or (None, None)."""
