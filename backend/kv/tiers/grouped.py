@@ -78,27 +78,28 @@ def tiered_hit(groups, seq_id: str, hashes: Sequence[bytes], start: int,
             return block, None
         return None, where(group_key(hashes[i], g))
 
-    reach, sources = start, [[] for _ in managers]
+    reach, first = start, []
     while reach < len(hashes):
         block, disk = source(0, reach)
         if block is None and disk is None:
             break
-        sources[0].append((block, disk))
+        first.append((block, disk))
         reach += 1
-    if reach == start:
-        return None
-    # per local group, the positions it can give (its window before `start` is attached: see below)
-    ok = [None] + [[False] * reach for _ in managers[1:]]
-    for g, manager in enumerate(managers[1:], 1):
-        table = manager.block_table(seq_id)
-        for i in range(max(0, start - manager.window_blocks()), reach):
-            if i < start:
-                ok[g][i] = i < len(table) and table[i] != NULL_BLOCK
-            else:
-                sources[g].append(source(g, i))
-                ok[g][i] = sources[g][-1] != (None, None)
+    known: dict[tuple[int, int], tuple[Optional[int], Optional[bool]]] = {}  # (group, position): source
+
+    def held(g: int, i: int) -> bool:
+        """Whether local group g can give position i: its window before `start` is attached (the
+        device prefix), the rest comes from its cache or a tier (asked once, when first needed)."""
+        if i < start:
+            table = managers[g].block_table(seq_id)
+            return i < len(table) and table[i] != NULL_BLOCK
+        if (g, i) not in known:
+            known[(g, i)] = source(g, i)
+        return known[(g, i)] != (None, None)
+
     end = next((e for e in range(reach, start, -1)
-                if all(all(ok[g][max(0, e - m.window_blocks()):e]) for g, m in enumerate(managers[1:], 1))), None)
+                if all(held(g, i) for g, m in enumerate(managers[1:], 1) for i in range(max(0, e - m.window_blocks()), e))),
+               None)
     if end is None:
         return None
     hit = TieredHit(start, end, [[] for _ in managers])
@@ -108,7 +109,7 @@ def tiered_hit(groups, seq_id: str, hashes: Sequence[bytes], start: int,
             if g and i < end - manager.window_blocks():
                 hit.entries[g].append(NULL_BLOCK)
                 continue
-            block, disk = sources[g][i - start]
+            block, disk = first[i - start] if g == 0 else known[(g, i)]
             hit.entries[g].append(block)
             if block is None:
                 loads.append((group_key(hashes[i], g), disk))
