@@ -9,6 +9,7 @@ tiers"). No torch here: it decides which blocks move, the model runner moves the
 """
 from __future__ import annotations
 
+from itertools import takewhile
 from typing import Any, Optional, Sequence
 
 from backend.kv.block_manager import BlockListener
@@ -77,18 +78,12 @@ class KVTiers(BlockListener):
     # -- admission ----------------------------------------------------------------------------
     def where(self, key: bytes) -> Optional[bool]:
         """Where the lower tiers hold key: False in host memory, True on disk only, None nowhere."""
-        if self.host.slot(key) is not None:
-            return False
-        return True if self.disk_index is not None and key in self.disk_index else None
+        on_disk = self.disk_index is not None and key in self.disk_index
+        return False if self.host.slot(key) is not None else True if on_disk else None
 
     def locate(self, hashes: Sequence[bytes]) -> list[bool]:
         """`where` of these keys, from the first until one the tiers do not hold (nothing changes)."""
-        found = []
-        for key in hashes:
-            if (disk := self.where(key)) is None:
-                break
-            found.append(disk)
-        return found
+        return list(takewhile(lambda disk: disk is not None, map(self.where, hashes)))
 
     def claim(self, hashes: Sequence[bytes]) -> Optional[TierClaim]:
         """Pin the blocks of these keys, from the first, that a lower tier holds: host slots as they

@@ -14,7 +14,7 @@ reuse between turns):
 - `ttft_<L>`: one prompt of L tokens, one output token: send to first token (s);
 - `decode`: a 32-token prompt, --decode tokens (ignore_eos): ms per output token after the first.
 Beside each figure: the engine process's threads that worked (CPU seconds over 2% of the wall, and
-their cores), and the CPU of tritonserver, the OpenAI server and this process as the client. First it
+their cores), its minor page faults, and the CPU of tritonserver, the OpenAI server and this process as the client. First it
 prints what the served engine logged at start (TritonServer.engine_reports: EngineConfig, CPU team,
 OpenMP environment) beside the in-process engine's; last, the summary (medians, served / in-process,
 as JSON and as a table). --threads sets OMP_NUM_THREADS for both engines, --server-threads for the
@@ -98,6 +98,15 @@ class Threads:
             for t in p.threads():
                 out[t.id] = thread_cpu_seconds(p.pid, t)
         return out
+
+    def minor_faults(self) -> int:
+        """The processes' minor page faults so far (/proc/<pid>/stat's 10th field): memory touched for
+        the first time, tens of microseconds a page in some VMs."""
+        total = 0
+        for p in self.procs:
+            with open(f"/proc/{p.pid}/stat") as f:
+                total += int(f.read().rsplit(")", 1)[1].split()[7])
+        return total
 
     @staticmethod
     def busy(before: dict, after: dict, wall: float) -> list:
@@ -193,7 +202,7 @@ def figures(once: Callable, prompts: Sequence[int], decode: int, vocab: int, rng
         wall = (last if max_tokens > 1 else first) - t0
         other = {k: round(after[1][k] - before[1][k], 3) for k in after[1]} if after[1] else {}
         out[name] = {"value": round(value, 4), "tokens": n, "threads": Threads.busy(before[0], after[0], wall),
-                     "other_cpu_s": other}
+                     "other_cpu_s": other, "minor_faults": after[2] - before[2]}
     return out
 
 
@@ -289,7 +298,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for _ in range(a.rounds):
             for arm in arms + arms[::-1]:
                 threads, other = watchers[arm]
-                watch = lambda: (threads.snap(), cpu_of(other) if other else {})  # noqa: E731
+                watch = lambda: (threads.snap(), cpu_of(other) if other else {}, threads.minor_faults())  # noqa: E731
                 turn = {"arm": arm, "load_average": os.getloadavg(),
                         "figures": figures(runners[arm], prompts, a.decode, engine.vocab_size, rng, watch)}
                 turns.append(turn)
