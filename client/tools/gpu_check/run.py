@@ -82,11 +82,13 @@ def environment(dry_run: bool) -> dict:
 
 def run_part(name: str, dry_run: bool, work: Path, out: Path) -> dict:
     """One part, in this (child) process; its result goes to out/NAME.json, also when cut."""
-    signal.signal(signal.SIGTERM, _raise_stop)   # first: a part stopped while importing torch reports too
     plan = DRY if dry_run else FULL
     progress: dict = {}
     counter = None
     try:
+        # first, and inside the try: a part stopped while importing torch reports too, from the handler's
+        # first moment (installed before the try, a signal between the two would escape it)
+        signal.signal(signal.SIGTERM, _raise_stop)
         from client.tools.gpu_check.compile import CompileCounter
         counter = CompileCounter().install()
         res = _part(name, plan, dry_run, work / "model", work, progress)
