@@ -29,10 +29,13 @@ pytestmark = requires_tritonserver
 openai = pytest.importorskip("openai")
 
 BS = 16
-KV_TOKENS = 4096                 # per instance
+KV_TOKENS = 8192                 # per instance: one request of MAX_TOKENS fits
 BLOCKS = 2 * KV_TOKENS // BS     # both caches
 PROMPT_LEN = 37                  # not a block multiple
-MAX_TOKENS = 1900                # seconds of decoding: nothing finishes before the scrape
+# tens of seconds of decoding: nothing finishes before a scrape sees all five in the engines, even on
+# a loaded host whose Triton metrics port answers the gateway late (503s) for tens of seconds
+MAX_TOKENS = 4000
+MAX_MODEL_LEN = 4096             # what the test model supports
 ADAPTERS = [None, "sql", None, "poet", None]   # five requests for two slots
 
 
@@ -46,7 +49,7 @@ def gateway(tmp_path_factory, model_path):
     folder, _ = checkpoint_with_adapters(model_path, root, ("sql", "poet"), seed=5, spec=AdapterSpec(r=4, alpha=8))
     repo = root / "repo"
     cpu_repository(repo, count=2)
-    params = {"max_num_seqs": "1", "max_model_len": "2048", "cpu_kv_cache_tokens": str(KV_TOKENS),
+    params = {"max_num_seqs": "1", "max_model_len": str(MAX_MODEL_LEN), "cpu_kv_cache_tokens": str(KV_TOKENS),
               "kv_block_size": str(BS), "enable_lora": "true", "max_loras": "1"}
     fault = root / "fault"
     env = dict(os.environ, INFLIGHT_FAULT_INJECTION="1", INFLIGHT_FAULT_FILE=str(fault))
