@@ -7,6 +7,8 @@ device prefix, and nothing is left held."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from backend import LLM, SamplingParams
 from backend.kv.block_pool import NULL_BLOCK, block_hashes
@@ -221,3 +223,99 @@ def test_a_grouped_load_the_request_waits_for_brings_the_same_tokens(chat):
     assert llm.engine.scheduler.prefix_hit_tokens > 0
     assert_idle(llm)
     llm.close()
+
+
+# -- a state machine: sequences over three groups and a tier that keeps every block given away ---
+
+class TieredGroupsMachine(RuleBasedStateMachine):
+    """GroupsMachine's sequences (tests/test_kv_groups.py: a tiny alphabet, block size 2, a global
+    group and two local ones) on a small pool, so that cached blocks are handed out again; every block
+    that leaves a group's prefix cache goes to a fake tier under that group's key (through the
+    group listeners, as the engine wires them), with what it held. A sequence that starts takes its
+    device prefix and then the hit the device's caches and the tier hold together: every table
+    entry must then hold that prefix's tokens, the device's shared and the tier's copied in."""
+    WINDOWS = (0, 3, 5)
+
+    def __init__(self):
+        super().__init__()
+        self.contents: dict[tuple[int, int], tuple] = {}  # (group, block) -> (group, tokens written): a
+        # group's layers differ, so a block copied in from another group's entry must show
+        self.tier: dict[bytes, tuple] = {}  # tier key -> the tokens its block held
+        machine = self
+
+        class Recorder:
+            def __init__(self, group):
+                self.group = group
+
+            def blocks_stored(self, blocks, keys, parent, root, token_ids):
+                pass
+
+            def blocks_removed(self, blocks, keys):
+                for block, key in zip(blocks, keys):
+                    machine.tier[key] = machine.contents[(self.group, block)]
+
+            def cache_cleared(self):
+                pass
+
+        self.kv = KVCacheGroups(24, 2, self.WINDOWS, enable_prefix_caching=True, max_prefill_tokens=12,
+                                listeners=[Recorder(0)])
+        for g in range(1, len(self.WINDOWS)):
+            self.kv.groups[g].listeners.append(GroupListener(Recorder(g), g))
+        self.active: dict[str, list[int]] = {}
+        self.loaded = 0
+
+    def _compute(self, seq, tokens, start):
+        for g, table in enumerate(self.kv.block_tables(seq)):
+            for i in range(start // 2, len(table)):
+                if table[i] != NULL_BLOCK:
+                    self.contents[(g, table[i])] = (g, tuple(tokens[2 * i:2 * i + 2]))
+        self.kv.register_computed(seq, tokens, len(tokens))
+        self.kv.slide(seq, len(tokens))
+        self.active[seq] = tokens
+
+    @rule(seq=st.sampled_from("abcde"), tokens=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=14))
+    def start(self, seq, tokens):
+        if seq in self.active:
+            return
+        hashes = block_hashes(tokens, 2, len(tokens) - 1)
+        reused = self.kv.reuse_prefix(seq, hashes=hashes)
+        hit = tiered_hit(self.kv, seq, hashes, reused // 2, lambda k: False if k in self.tier else None)
+        computed = reused
+        if hit is not None and sum(e is None for g in hit.entries for e in g) <= len(self.kv.pool.free):
+            assert hit.start == reused // 2 < hit.end <= len(hashes)
+            taken = self.kv.attach(seq, hit.entries)
+            keys = iter(hit.keys)
+            for i in range(hit.end - hit.start):  # the copies, in the hit's order: position, then group
+                for g in range(len(self.WINDOWS)):
+                    if hit.entries[g][i] is None:
+                        block = taken[g].pop(0)
+                        self.contents[(g, block)] = self.tier[next(keys)]
+            assert next(keys, None) is None and not any(taken)
+            computed = hit.end * 2
+            self.loaded += 1
+        for g, table in enumerate(self.kv.block_tables(seq)):
+            for i, block in enumerate(table):
+                if block != NULL_BLOCK:
+                    assert self.contents[(g, block)] == (g, tuple(tokens[2 * i:2 * i + 2])), "another block's KV"
+            window = self.WINDOWS[g]
+            if window and computed:  # the blocks the next token's window reaches are there
+                assert NULL_BLOCK not in table[max(0, computed - window + 1) // 2:]
+        self.kv.check_integrity()
+        if not self.kv.can_grow(seq, len(tokens)):
+            self.kv.free(seq)
+            return
+        self.kv.grow(seq, len(tokens))
+        self._compute(seq, tokens, computed)
+
+    @rule(seq=st.sampled_from("abcde"))
+    def finish(self, seq):
+        self.kv.free(seq)
+        self.active.pop(seq, None)
+
+    @invariant()
+    def consistent(self):
+        self.kv.check_integrity()
+
+
+TestTieredGroupsMachine = TieredGroupsMachine.TestCase
+TestTieredGroupsMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
