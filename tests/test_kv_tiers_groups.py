@@ -281,7 +281,9 @@ class TieredGroupsMachine(RuleBasedStateMachine):
         reused = self.kv.reuse_prefix(seq, hashes=hashes)
         hit = tiered_hit(self.kv, seq, hashes, reused // 2, lambda k: False if k in self.tier else None)
         computed = reused
-        if hit is not None and sum(e is None for g in hit.entries for e in g) <= len(self.kv.pool.free):
+        # (admission's reservation sees to it that the blocks fit: those taken, and the cached ones held)
+        if hit is not None and sum(e is None or (e != NULL_BLOCK and self.kv.ref_count(e) == 0)
+                                   for g in hit.entries for e in g) <= len(self.kv.pool.free):
             assert hit.start == reused // 2 < hit.end <= len(hashes)
             taken = self.kv.attach(seq, hit.entries)
             keys = iter(hit.keys)
