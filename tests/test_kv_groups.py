@@ -1,7 +1,8 @@
 """KV-cache groups (backend/kv/groups.py): the layout of a model's layers into groups, local groups
 giving back the blocks that left the window, what a sequence may hold, prefix hits every group
 accepts, the n completions' sharing; a hypothesis state machine of sequences over three groups
-checked against a fake cache's contents; and the engine on a tiny Gemma 3 whose request fits only
+checked against a fake cache's contents, and the same with a fake KV tier taking every block handed
+out (the tiered hit: backend/kv/tiers/grouped.py); and the engine on a tiny Gemma 3 whose request fits only
 because its local layers keep their window alone, token for token with transformers."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from backend.kv.block_pool import NULL_BLOCK, block_hashes
 from backend.kv.groups import KVCacheGroups, kv_layout
+from backend.kv.tiers.grouped import GroupListener, tiered_hit
 
 
 # -- layout ---------------------------------------------------------------------------------------
@@ -113,14 +115,15 @@ class GroupsMachine(RuleBasedStateMachine):
         super().__init__()
         self.kv = KVCacheGroups(40, 2, self.WINDOWS, enable_prefix_caching=True, max_prefill_tokens=12,
                                 max_decode_tokens=3)
-        self.contents: dict[tuple[int, int], tuple] = {}  # (group, block) -> tokens written
+        self.contents: dict[tuple[int, int], tuple] = {}  # (group, block) -> (group, tokens written)
         self.active: dict[str, list[int]] = {}
 
     def _compute(self, seq, tokens, start):
         """Write the tokens from `start` on into every group's blocks, then publish and slide."""
         for g, table in enumerate(self.kv.block_tables(seq)):
             for i in range(start // 2, len(table)):
-                self.contents[(g, table[i])] = tuple(tokens[2 * i:2 * i + 2])
+                if table[i] != NULL_BLOCK:
+                    self.contents[(g, table[i])] = (g, tuple(tokens[2 * i:2 * i + 2]))
         self.kv.register_computed(seq, tokens, len(tokens))
         self.kv.slide(seq, len(tokens))
         self.active[seq] = tokens
@@ -134,7 +137,7 @@ class GroupsMachine(RuleBasedStateMachine):
         for g, table in enumerate(self.kv.block_tables(seq)):
             for i, block in enumerate(table):
                 if block != NULL_BLOCK:
-                    assert self.contents[(g, block)] == tuple(tokens[2 * i:2 * i + 2]), "reused other tokens"
+                    assert self.contents[(g, block)] == (g, tuple(tokens[2 * i:2 * i + 2])), "reused other tokens"
             window = self.WINDOWS[g]
             if window and reused:   # the blocks the next token's window reaches are there
                 assert NULL_BLOCK not in table[max(0, reused - window + 1) // 2:]
@@ -180,6 +183,76 @@ class GroupsMachine(RuleBasedStateMachine):
 
 TestGroupsMachine = GroupsMachine.TestCase
 TestGroupsMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class TieredGroupsMachine(GroupsMachine):
+    """The same sequences on a small pool, so that cached blocks are handed out again; every block
+    that leaves a group's prefix cache goes to a fake KV tier under that group's key (through the
+    group listeners, as the engine wires them: backend/kv/tiers/grouped.py), with what it held (its
+    group and tokens: a group's layers differ, so a block copied in from another group's entry
+    shows). A sequence that starts takes its device prefix, then the hit the device's caches and the
+    tier hold together, the tier's blocks copied in: every table entry must hold its prefix's tokens
+    of its own group, and each local group the window of the position computation resumes at."""
+
+    def __init__(self):
+        super().__init__()
+        self.tier: dict[bytes, tuple] = {}  # tier key -> what its block held
+        machine = self
+
+        class Recorder:
+            def __init__(self, group):
+                self.group = group
+
+            def blocks_stored(self, blocks, keys, parent, root, token_ids):
+                pass
+
+            def blocks_removed(self, blocks, keys):
+                for block, key in zip(blocks, keys):
+                    machine.tier[key] = machine.contents[(self.group, block)]
+
+            def cache_cleared(self):
+                pass
+
+        self.kv = KVCacheGroups(24, 2, self.WINDOWS, enable_prefix_caching=True, max_prefill_tokens=12,
+                                max_decode_tokens=3, listeners=[Recorder(0)])
+        for g in range(1, len(self.WINDOWS)):
+            self.kv.groups[g].listeners.append(GroupListener(Recorder(g), g))
+
+    @rule(seq=st.sampled_from("abcde"), tokens=st.lists(st.sampled_from([1, 2]), min_size=1, max_size=14))
+    def start(self, seq, tokens):
+        if seq in self.active:
+            return
+        hashes = block_hashes(tokens, 2, len(tokens) - 1)
+        computed = self.kv.reuse_prefix(seq, hashes=hashes)
+        hit = tiered_hit(self.kv, seq, hashes, computed // 2, lambda k: False if k in self.tier else None)
+        # (admission's reservation sees to it that the blocks fit: those taken, and the cached ones held)
+        if hit is not None and sum(e is None or (e != NULL_BLOCK and self.kv.ref_count(e) == 0)
+                                   for g in hit.entries for e in g) <= len(self.kv.pool.free):
+            assert hit.start == computed // 2 < hit.end <= len(hashes)
+            taken = self.kv.attach(seq, hit.entries)
+            keys = iter(hit.keys)
+            for i in range(hit.end - hit.start):  # the copies, in the hit's order: position, then group
+                for g in range(len(self.WINDOWS)):
+                    if hit.entries[g][i] is None:
+                        self.contents[(g, taken[g].pop(0))] = self.tier[next(keys)]
+            assert next(keys, None) is None and not any(taken)
+            computed = hit.end * 2
+        for g, table in enumerate(self.kv.block_tables(seq)):
+            for i, block in enumerate(table):
+                if block != NULL_BLOCK:
+                    assert self.contents[(g, block)] == (g, tuple(tokens[2 * i:2 * i + 2])), "another block's KV"
+            if self.WINDOWS[g] and computed:  # the blocks the next token's window reaches are there
+                assert NULL_BLOCK not in table[max(0, computed - self.WINDOWS[g] + 1) // 2:]
+        self.kv.check_integrity()
+        if not self.kv.can_grow(seq, len(tokens)):
+            self.kv.free(seq)
+            return
+        self.kv.grow(seq, len(tokens))
+        self._compute(seq, tokens, computed)
+
+
+TestTieredGroupsMachine = TieredGroupsMachine.TestCase
+TestTieredGroupsMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
 
 # -- the engine: a request that fits only because local layers keep their window -----------------
