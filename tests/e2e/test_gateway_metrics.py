@@ -66,6 +66,18 @@ def scrape(url: str) -> dict:
             for s in parse_exposition(text) if s.name.startswith(("inflight_", "vllm:"))}
 
 
+def protocol_or_none(url: str):
+    """The gateway's protocol figures, or None where its scrape of Triton's port timed out (503): a
+    starved host's metrics port answers late for a moment (seen right after the cancellations, with
+    two busy processes beside the two tests); a poll tries again."""
+    try:
+        return protocol(scrape(url))
+    except urllib.error.HTTPError as e:
+        if e.code != 503:
+            raise
+        return None
+
+
 def value(series: dict, name: str, **labels) -> float:
     (found,) = [v for (n, ls), v in series.items() if n == name and all((k, x) in ls for k, x in labels.items())]
     return found
@@ -135,11 +147,8 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
         seen = []  # (running, waiting, tokens received per request) as they changed, for a failure's message
 
         def all_in():
-            try:
-                p = protocol(scrape(url))
-            except urllib.error.HTTPError as e:
-                if e.code != 503:  # 503: Triton's metrics did not answer in the gateway's timeout (a
-                    raise          # starved host: seen with two busy processes beside the two tests)
+            p = protocol_or_none(url)
+            if p is None:
                 seen.append(("503",))
                 return False
             now = (p["running"], p["waiting"], tuple(received))
@@ -183,8 +192,8 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
             stream.close()                              # the client leaves: the requests are cancelled
         client.close()                                  # and the queued ones' connections (their headers
         fault.unlink(missing_ok=True)                   # were still to come) close too
-    after = wait_until(lambda: (lambda p: p if p["running"] + p["waiting"] + p["used"] == 0 else None)(
-        protocol(scrape(url))), timeout=60)
+    after = wait_until(lambda: (lambda p: p if p and p["running"] + p["waiting"] + p["used"] == 0 else None)(
+        protocol_or_none(url)), timeout=60)
     assert after["usage"] == 0 and lists(after["lora"]) == (set(), set())
 
 
@@ -210,7 +219,15 @@ def test_tritons_port_has_the_info_gauges_per_instance(gateway):
     """Per instance: one cache_config_info; lora_requests_info as vLLM keeps it, a series per set of
     labels seen, the current one (idle, now) the newest."""
     triton, _, _ = gateway
-    series = scrape(triton.metrics_url)
+    def idle():
+        """Triton's series once both instances' newest LoRA info is idle (the test before cancels its
+        requests; an engine ends a cancelled one at its next step)."""
+        series = scrape(triton.metrics_url)
+        newest = [max(((v, dict(ls)) for (n, ls), v in series.items() if n == "inflight_lora_requests_info"
+                       and dict(ls)["instance"] == instance), key=lambda x: x[0])[1]
+                  for instance in ("llm_0_0", "llm_0_1")]
+        return series if all(i["running_lora_adapters"] == i["waiting_lora_adapters"] == "" for i in newest) else None
+    series = wait_until(idle, timeout=60, interval=0.1)
     cache = [dict(ls) for (n, ls), _ in series.items() if n == "inflight_cache_config_info"]
     assert sorted(c["instance"] for c in cache) == ["llm_0_0", "llm_0_1"]
     assert {(c["block_size"], c["num_gpu_blocks"]) for c in cache} == {(str(BS), str(BLOCKS // 2))}
