@@ -35,11 +35,6 @@ static void amx_attention_configure(void) {
     _tile_loadconfig(&c);
 }
 
-static inline const uint16_t *amx_row(const uint16_t *cache, const int32_t *table, int64_t t, int64_t g,
-                                      int64_t G, int64_t D, int64_t BS) {
-    return cache + (((int64_t)table[t / BS] * BS + t % BS) * G + g) * D;
-}
-
 /* Keys k0 + [j0, j1) (multiples of 32; those at or past n zeros) of kv head g as tiles B:
    kk [AKB / 16][D / 32] tiles: pair p of head dims (row) x 16 keys (columns), for the scores;
    vv [AKB / 32][D / 16] tiles: pair p of keys (row) x 16 head dims (columns), for the weighted V. */
@@ -50,9 +45,20 @@ static void amx_load_keys(const uint16_t *restrict k_cache, const uint16_t *rest
                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i mix = _mm512_loadu_si512(pairs);
     const int64_t DC = D / 32, DN = D / 16;
+    /* each key's row offset in the caches, its block looked up once a block and not by a division a
+       key (the loads below wait on their addresses) */
+    int64_t off[AKB];
+    const int64_t last = j1 < n ? j1 : n;
+    if (j0 < last) {
+        int64_t blk = (k0 + j0) / BS, slot = (k0 + j0) % BS, first = (int64_t)table[blk] * BS;
+        for (int64_t j = j0; j < last; j++, slot++) {
+            if (slot == BS) slot = 0, first = (int64_t)table[++blk] * BS;
+            off[j] = ((first + slot) * G + g) * D;
+        }
+    }
     for (int64_t j = j0; j < j1; j += 16) {
         const uint16_t *kr[16];
-        for (int i = 0; i < 16; i++) kr[i] = j + i < n ? amx_row(k_cache, table, k0 + j + i, g, G, D, BS) : amx_zero_row;
+        for (int i = 0; i < 16; i++) kr[i] = j + i < n ? k_cache + off[j + i] : amx_zero_row;
         for (int64_t c = 0; c < DC; c++) {
             __m512 r[16]; /* key i's 16 pairs of dims 32c .. 32c + 31, as 32-bit words */
             for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps((const float *)(kr[i] + 32 * c));
@@ -64,8 +70,8 @@ static void amx_load_keys(const uint16_t *restrict k_cache, const uint16_t *rest
     for (int64_t j = j0; j < j1; j += 32)
         for (int p = 0; p < 16; p++) {
             const int64_t a = j + 2 * p, b = a + 1;
-            const uint16_t *va = a < n ? amx_row(v_cache, table, k0 + a, g, G, D, BS) : amx_zero_row;
-            const uint16_t *vb = b < n ? amx_row(v_cache, table, k0 + b, g, G, D, BS) : amx_zero_row;
+            const uint16_t *va = a < n ? v_cache + off[a] : amx_zero_row;
+            const uint16_t *vb = b < n ? v_cache + off[b] : amx_zero_row;
             for (int64_t c = 0; c < DN; c++) {
                 const __m512i both = _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(va + 16 * c))),
