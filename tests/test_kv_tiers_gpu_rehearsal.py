@@ -115,3 +115,6 @@ def test_the_gpu_check_of_the_tiers_passes_its_cpu_rehearsal(tmp_path):
     assert main(["--dry-run", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "kv_tiers.json").read_text())
     assert res["copies"]["exact"] and res["chat"]["host"]["host_hits"] > 0 and res["chat"]["host"]["idle"]
+    # a model of several KV-cache groups (Gemma 3's sliding-window layers) through the same tier
+    assert res["chat"]["host"]["kv_groups"] == 1 and res["groups"]["host"]["kv_groups"] == 3  # a global layer, two local ones: a group each
+    assert res["groups"]["host"]["host_hits"] > 0 and res["groups"]["host"]["idle"] and res["groups"]["none"]["idle"]

@@ -11,7 +11,10 @@ chat    Conversations whose history outgrows the KV cache, with the host tier an
         the tokens that agree. Not judged on the tokens: bf16 prefill of a whole history and of
         only its new tokens may round differently and flip a near-tie (as prefix caching may); it
         fails on an integrity error, a leak, or no hit.
-Exit 0 when both pass. DIR/kv_tiers.json holds every figure.
+groups  The same chat on a tiny Gemma 3-shaped checkpoint (transformers writes it: two sliding-window
+        layers of 13 tokens and a global one, so the KV cache has several groups and a hit loads
+        each group's blocks, the local ones within their window only), judged as `chat`.
+Exit 0 when all three pass. DIR/kv_tiers.json holds every figure.
 """
 from __future__ import annotations
 
@@ -37,9 +40,24 @@ SIZES = {"gpu": dict(tiers_copy_blocks=512, tiers_kv_tokens=4096, tiers_concurre
                      tiers_turns=2, tiers_system_tokens=20, tiers_host_blocks=64, max_tokens=6, max_model_len=256)}
 
 
-def kv_tiers(plan: dict, model_dir: Path, device: str) -> dict:
+def kv_tiers(plan: dict, model_dir: Path, device: str, grouped_dir: Optional[Path] = None) -> dict:
     copies, chat = _copies(plan, model_dir, device), _chat(plan, model_dir, device)
-    return dict(copies=copies, chat=chat, ok=copies["ok"] and chat["ok"])
+    groups = _chat(plan, grouped_dir, device) if grouped_dir else None
+    return dict(copies=copies, chat=chat, groups=groups,
+                ok=copies["ok"] and chat["ok"] and (groups is None or groups["ok"]))
+
+
+def gemma3_checkpoint(folder: Path, max_len: int) -> Path:
+    """A tiny random Gemma 3 text checkpoint (float32): layers 0 and 1 slide over 13 tokens, layer 2
+    sees everything, as tests/hf_checkpoints.py's "gemma3" (transformers writes it)."""
+    import transformers as tf
+    torch.manual_seed(3)
+    config = tf.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                 sliding_window=13, sliding_window_pattern=3, max_position_embeddings=max_len,
+                                 initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    tf.Gemma3ForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 def _engine(model_dir: Path, device: str, plan: dict, **tiers):
@@ -122,7 +140,8 @@ def _chat(plan: dict, model_dir: Path, device: str) -> dict:
         llm.check_integrity()
         stats = llm.stats()
         tiers = llm.engine.kv_tiers
-        out[name] = dict(returning_ttft_p50_ms=round(1e3 * statistics.median(ttft[name]), 2),
+        out[name] = dict(kv_groups=llm.engine.runner.kv_layout.num_groups,
+                         returning_ttft_p50_ms=round(1e3 * statistics.median(ttft[name]), 2),
                          idle=stats["kv_blocks_used"] == 0 and tiers.idle,
                          host_hits=(stats.get("kv_tiers") or {}).get("host", {}).get("hits"))
         llm.close()
@@ -146,7 +165,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     shape = (DRY if args.dry_run else FULL)["model"]
     with tempfile.TemporaryDirectory(prefix="inflight-kv-tiers-check-") as tmp:
         model_dir = make_model(Path(tmp) / "model", seed=3, **shape)
-        res = kv_tiers(SIZES["cpu" if args.dry_run else "gpu"], model_dir, "cpu" if args.dry_run else "cuda:0")
+        sizes = SIZES["cpu" if args.dry_run else "gpu"]
+        grouped_dir = gemma3_checkpoint(Path(tmp) / "gemma3", sizes["max_model_len"])
+        res = kv_tiers(sizes, model_dir, "cpu" if args.dry_run else "cuda:0", grouped_dir)
     res.update(date=time.strftime("%Y-%m-%d %H:%M:%S"), dry_run=args.dry_run,
                device=torch.cuda.get_device_name(0) if not args.dry_run else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
