@@ -325,7 +325,32 @@ class TritonServer:
         asked = self.dump_stub_stacks()
         raise ServerError(f"model '{MODEL_NAME}' not ready after {timeout:.0f}s (metrics port listening: "
                           f"{self.metrics_listening()}; {asked} stub(s) asked for their stacks)"
-                          + self._log_excerpt(lines=120 if asked else 15))
+                          + self._log_excerpt(lines=120 if asked else 15) + self.thread_states())
+
+    def thread_states(self) -> str:
+        """Every thread of tritonserver and of its stubs: name, state and the kernel function it
+        waits in (a futex: a lock or a shared-memory queue's semaphore), for the C++ side of a load
+        that never finishes, which the stubs' Python stacks do not show."""
+        if self.process is None:
+            return ""
+        pids = [self.process.pid]
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                        == self.process.pid:
+                    pids.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+        out = ["\n--- threads (pid/tid name state wchan) ---"]
+        for pid in pids:
+            try:
+                for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name)):
+                    stat = (task / "stat").read_text()
+                    name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
+                    out.append(f"{pid}/{task.name} {name} {state} {(task / 'wchan').read_text() or '-'}")
+            except (OSError, ValueError):
+                continue
+        return "\n".join(out)
 
     def dump_stub_stacks(self, settle: float = 2.0) -> int:
         """SIGUSR1 to each Python-backend stub of this tritonserver: the models' initialize registers

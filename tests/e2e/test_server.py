@@ -355,3 +355,13 @@ def test_a_stub_asked_for_its_stacks_writes_them_to_the_log_and_serves_on(server
     for model in ("llm", "llm_trtllm"):  # both stubs lived through it
         with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=5) as r:
             assert r.status == 200, model
+
+
+def test_the_thread_states_name_tritonserver_and_its_stubs_threads(server):
+    """The C++ half of the same diagnosis (TritonServer.wait_ready appends it on its timeout): a line
+    per thread of tritonserver and of each stub, with the kernel function it waits in."""
+    lines = server.thread_states().splitlines()[2:]
+    pids = {line.split("/")[0] for line in lines}
+    assert str(server.process.pid) in pids and len(pids) >= 3, lines[:20]  # tritonserver, llm's and llm_trtllm's stubs
+    assert any("triton_python" in line or "python_backend" in line for line in lines), lines[:20]
+    assert all(len(line.split(" ")) >= 4 for line in lines), lines[:20]
