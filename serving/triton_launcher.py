@@ -333,16 +333,8 @@ class TritonServer:
         that never finishes, which the stubs' Python stacks do not show."""
         if self.process is None:
             return ""
-        pids = [self.process.pid]
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
-                        == self.process.pid:
-                    pids.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                continue
         out = ["\n--- threads (pid/tid name state wchan) ---"]
-        for pid in pids:
+        for pid in [self.process.pid, *(int(child.name) for child in self._children())]:
             try:
                 for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name)):
                     stat = (task / "stat").read_text()
@@ -359,20 +351,28 @@ class TritonServer:
         if self.process is None or self.process.poll() is not None:
             return 0
         asked = 0
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
+        for child in self._children():
             try:
-                stat = (entry / "stat").read_text()
-                ppid = int(stat.rsplit(")", 1)[1].split()[1])
-                if ppid == self.process.pid and "python_backend_stub" in (entry / "cmdline").read_text():
-                    os.kill(int(entry.name), signal.SIGUSR1)
+                if "python_backend_stub" in (child / "cmdline").read_text():
+                    os.kill(int(child.name), signal.SIGUSR1)
                     asked += 1
-            except (OSError, ValueError, IndexError):
+            except OSError:
                 continue
         if asked:
             time.sleep(settle)
         return asked
+
+    def _children(self) -> list[Path]:
+        """/proc/<pid> of each process tritonserver started (its stubs)."""
+        children = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                        == self.process.pid:
+                    children.append(entry)
+            except (OSError, ValueError, IndexError):
+                continue
+        return children
 
     def log_text(self) -> str:
         if self.log_path is None or not self.log_path.exists():
