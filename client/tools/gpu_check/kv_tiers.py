@@ -48,15 +48,13 @@ def kv_tiers(plan: dict, model_dir: Path, device: str, grouped_dir: Optional[Pat
 
 
 def gemma3_checkpoint(folder: Path, max_len: int) -> Path:
-    """A tiny random Gemma 3 text checkpoint (float32): layers 0 and 1 slide over 13 tokens, layer 2
-    sees everything, as tests/hf_checkpoints.py's "gemma3" (transformers writes it)."""
+    """A tiny random Gemma 3 text checkpoint (float32), vision.py's text model alone (transformers
+    writes it)."""
     import transformers as tf
+
+    from client.tools.gpu_check.vision import gemma3_text_config
     torch.manual_seed(3)
-    config = tf.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
-                                 sliding_window=13, sliding_window_pattern=3, max_position_embeddings=max_len,
-                                 initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    tf.Gemma3ForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
+    tf.Gemma3ForCausalLM(gemma3_text_config(max_len)).eval().save_pretrained(folder, safe_serialization=True)
     return folder
 
 

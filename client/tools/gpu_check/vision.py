@@ -20,14 +20,21 @@ CASES = (([5, 6, BOI, 7, 8, 9], ((1, 30, 40),)), ([11, BOI, 12, 13, BOI, 14], ((
          ([40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], ()))
 
 
+def gemma3_text_config(max_positions: int = 512):
+    """The tiny Gemma 3 text model of gpu-check (here and kv_tiers.py's grouped chat): layers 0 and 1
+    slide over 13 tokens, layer 2 sees everything."""
+    import transformers as tf
+    return tf.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                               sliding_window=13, sliding_window_pattern=3, max_position_embeddings=max_positions,
+                               initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def _checkpoint(folder: Path) -> Path:
     import torch
     import transformers as tf
     torch.manual_seed(3)
-    text = tf.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
-                               sliding_window=13, sliding_window_pattern=3, max_position_embeddings=512,
-                               initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    text = gemma3_text_config()
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    image_size=SIZE, patch_size=8, vision_use_head=False)
     config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=PER_IMAGE,
