@@ -103,10 +103,9 @@ class TierAdmission:
             blocks = [taken[g].pop(0) for g in _load_groups(hit)]
         tokens = hit.end * bs if claim is not None and lower else req.num_computed_tokens + (0 if lower else n)
         self.pool.start(req, tokens, now, step)
-        found = hit.first_group
-        device = hit.start + sum(x is None for x in found)
-        on_disk = sum(x is True for x in found)
-        self.tiers.counts.found(len(self.hashes(req)), device, len(found) - (device - hit.start) - on_disk, on_disk)
+        found = hit.first_group  # per position: None on the device, False in host memory, True on disk
+        self.tiers.counts.found(len(self.hashes(req)), hit.start + found.count(None), found.count(False),
+                                found.count(True))
         where, chosen = self.choice.declined(req.seq_id)
         self.tiers.counts.chose(where, chosen if claim is not None else 0)
         if claim is not None:

@@ -167,8 +167,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"turn {turn + 1}/{args.turns} done", file=sys.stderr, flush=True)
     results = {c.name: c.report(args.turns) for c in chats}
     first = chats[0]
+    refs = [first] + [x for x in chats[1:] if x.name == "device"]  # the answers compared against
     for c in chats[1:]:
-        for ref in {first.name: first, **{x.name: x for x in chats if x.name == "device"}}.values():
+        for ref in refs:
             if ref is not c:
                 same = sum(c.answers[k] == ref.answers[k] for k in ref.answers)
                 results[c.name]["answers_equal_to_" + ref.name] = f"{same}/{len(ref.answers)}"
