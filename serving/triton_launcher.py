@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from backend.core.kv_events_config import HOST_ENV
+from serving import proc_stacks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -328,21 +329,14 @@ class TritonServer:
                           + self._log_excerpt(lines=120 if asked else 15) + self.thread_states())
 
     def thread_states(self) -> str:
-        """Every thread of tritonserver and of its stubs: name, state and the kernel function it
-        waits in (a futex: a lock or a shared-memory queue's semaphore), for the C++ side of a load
-        that never finishes, which the stubs' Python stacks do not show."""
+        """Every thread of tritonserver and of its stubs (serving/proc_stacks.py): state, kernel wait,
+        the system call and what it waits on, the code on its stack; for the C++ side of a load that
+        never finishes, which the stubs' Python stacks do not show."""
         if self.process is None:
             return ""
-        out = ["\n--- threads (pid/tid name state wchan) ---"]
-        for pid in [self.process.pid, *(int(child.name) for child in self._children())]:
-            try:
-                for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name)):
-                    stat = (task / "stat").read_text()
-                    name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
-                    out.append(f"{pid}/{task.name} {name} {state} {(task / 'wchan').read_text() or '-'}")
-            except (OSError, ValueError):
-                continue
-        return "\n".join(out)
+        pids = [self.process.pid, *(int(child.name) for child in self._children())]
+        return "\n".join(["\n--- threads (pid/tid name state wchan syscall arg0 stack) ---",
+                          *proc_stacks.thread_states(pids)])
 
     def dump_stub_stacks(self, settle: float = 2.0) -> int:
         """SIGUSR1 to each Python-backend stub of this tritonserver: the models' initialize registers

@@ -1,0 +1,111 @@
+"""Where a process's threads stand, read from /proc without a debugger: for a tritonserver whose
+model load never finishes (TritonServer.wait_ready appends it to its timeout error).
+
+Per thread: name, state, the kernel function it waits in, the system call it is blocked in with
+the mapping its first argument points into (a futex in /dev/shm/triton_python_backend_shm_region_*
+is one of the Python backend's queues or its health mutex; one in [heap] or an anonymous mapping is
+a lock of the process's own), and a scan of its user stack: every word that points into an
+executable file mapping, as `library+0xoffset` (the offset within the file). That is not an
+unwound backtrace (stale words show up too) but it names the code a blocked thread came through;
+`addr2line -f -C -e <library> <offset>` (or `nm -D -C`) turns an offset into a function. No gdb,
+no ptrace: reading /proc/PID/mem needs the rights an ancestor of the process has.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+SYSCALLS = {0: "read", 7: "poll", 23: "select", 35: "nanosleep", 202: "futex", 232: "epoll_wait",
+            230: "clock_nanosleep", 61: "wait4", 271: "ppoll", 281: "epoll_pwait"}  # x86_64 numbers
+STACK_BYTES = 16384
+FRAMES = 12
+
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    executable: bool
+    offset: int
+    path: str
+
+    def describe(self, address: int) -> str:
+        name = os.path.basename(self.path) if self.path.startswith("/") else (self.path or "anonymous")
+        return f"{name}+{address - self.start + self.offset:#x}"
+
+
+def mappings(pid: int) -> list[Mapping]:
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        out.append(Mapping(start, end, "x" in parts[1], int(parts[2], 16), parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def _find(maps: list[Mapping], address: int) -> Optional[Mapping]:
+    for m in maps:
+        if m.start <= address < m.end:
+            return m
+    return None
+
+
+def stack_code(pid: int, sp: int, maps: list[Mapping], size: int = STACK_BYTES, limit: int = FRAMES) -> list[str]:
+    """The words on a thread's stack from `sp` up that point into executable file mappings, in
+    order, each as library+offset (return addresses, and some stale ones)."""
+    region = _find(maps, sp)
+    if region is None:
+        return []
+    try:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            mem.seek(sp)
+            data = mem.read(min(size, region.end - sp))
+    except (OSError, ValueError, OverflowError):
+        return []
+    frames = []
+    for i in range(0, len(data) - 7, 8):
+        word = int.from_bytes(data[i:i + 8], "little")
+        m = _find(maps, word) if word > 0x10000 else None
+        if m is not None and m.executable and m.path.startswith("/"):
+            frames.append(m.describe(word))
+            if len(frames) == limit:
+                break
+    return frames
+
+
+def thread_line(pid: int, task: Path, maps: list[Mapping]) -> str:
+    stat = (task / "stat").read_text()
+    name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
+    line = f"{pid}/{task.name} {name} {state} {(task / 'wchan').read_text() or '-'}"
+    try:
+        fields = (task / "syscall").read_text().split()
+    except OSError:
+        return line
+    if len(fields) < 9:  # "running", or -1 with only the stack and instruction pointers
+        return f"{line} syscall={fields[0] if fields else '?'}"
+    nr, arg0, sp = int(fields[0]), int(fields[1], 16), int(fields[7], 16)
+    target = _find(maps, arg0)
+    line += f" syscall={SYSCALLS.get(nr, nr)}"
+    if target is not None:
+        line += f" arg0={target.describe(arg0)}"
+    frames = stack_code(pid, sp, maps)
+    return line + (f" stack: {' < '.join(frames)}" if frames else "")
+
+
+def thread_states(pids: Iterable[int]) -> list[str]:
+    """One line per thread of each process (pid/tid name state wchan syscall arg0 stack)."""
+    out = []
+    for pid in pids:
+        try:
+            maps = mappings(pid)
+            tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name))
+        except (OSError, ValueError):
+            continue
+        for task in tasks:
+            try:
+                out.append(thread_line(pid, task, maps))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
