@@ -191,6 +191,30 @@ def test_the_disk_tier_of_a_model_of_three_groups_survives_a_restart(chat, tmp_p
 
 
 @pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
+def test_a_host_front_too_small_for_a_whole_hit_brings_back_a_shorter_one(chat, tmp_path):
+    """A disk block is staged in a host slot: with 4 slots the returning prompt's hit (6 loads: its
+    4 blocks of the first group and the local groups' windows) cannot be claimed whole, and a part
+    would leave a window short; the longest shorter hit that fits comes back instead of nothing."""
+    path, turns, expected = chat
+    tiers = dict(kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 22)
+    written_turns(lambda: LLM(str(path), kv_host_cache_bytes=1 << 20, **tiers, **ENGINE), turns[:2])
+    cached = {}
+    for slots in (16, 4):
+        again = LLM(str(path), kv_host_cache_bytes=slots * 8192, **tiers, **ENGINE)
+        assert block_bytes(again) == 8192 and again.stats()["kv_tiers"]["host"]["blocks_total"] == slots
+        request = again.engine.add_request("first", turns[2][0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+        while again.engine.has_work():
+            again.engine.step()
+        assert request.output_token_ids == expected[2][0]
+        disk = again.stats()["kv_tiers"]["disk"]
+        assert disk["load_chosen"] <= slots and disk["bytes_loaded"] == disk["load_chosen"] * 8192, disk
+        cached[slots] = request.num_cached_tokens
+        assert_idle(again)
+        again.close()
+    assert 0 < cached[4] < cached[16], cached
+
+
+@pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_a_file_that_fails_its_check_sends_the_request_back_to_its_device_prefix(chat, tmp_path):
     path, turns, expected = chat
     tiers = dict(kv_host_cache_bytes=1 << 18, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_bytes=1 << 22)

@@ -90,28 +90,49 @@ class TierAdmission:
     def _start_grouped(self, req: Request, hit: TieredHit, chosen: bool, lower: int, n: int, now: float,
                        step: int) -> None:
         """start() for a model of several groups: when the hit is `chosen`, its device blocks
-        shared, blocks taken for its loads, all claimed or none (a disk block with no host slot to
-        stage it in: the request then starts from its device prefix and runs from its next step on)."""
+        shared, blocks taken for its loads, each claimed (`_claim_whole`: a shorter hit where too few
+        host slots are left to stage its disk blocks in; with none, the request starts from its
+        device prefix and runs from its next step on)."""
         bs = self.blocks.block_size
-        claim = self.tiers.claim(hit.keys) if chosen else None
-        if claim is not None and claim.num_blocks < len(hit.keys):
-            self.tiers.drop_claim(claim)
-            claim = None
+        loaded, claim = self._claim_whole(req, hit) if chosen else (hit, None)
         assert claim is not None or lower or not chosen, "host blocks probed for this step are gone"
         if claim is not None:
-            taken = self.blocks.attach(req.seq_id, hit.entries)
-            blocks = [taken[g].pop(0) for g in _load_groups(hit)]
-        tokens = hit.end * bs if claim is not None and lower else req.num_computed_tokens + (0 if lower else n)
+            taken = self.blocks.attach(req.seq_id, loaded.entries)
+            blocks = [taken[g].pop(0) for g in _load_groups(loaded)]
+        tokens = loaded.end * bs if claim is not None and lower else req.num_computed_tokens + (0 if lower else n)
         self.pool.start(req, tokens, now, step)
         found = hit.first_group  # per position: None on the device, False in host memory, True on disk
         self.tiers.counts.found(len(self.hashes(req)), hit.start + found.count(None), found.count(False),
                                 found.count(True))
-        where, chosen = self.choice.declined(req.seq_id)
-        self.tiers.counts.chose(where, chosen if claim is not None else 0)
+        self.choice.declined(req.seq_id)  # (its record of the choice: the hit's, counted here)
+        kept = loaded.from_disk if claim is not None else []  # loaded, then the hit's others computed again
+        rest = [d for k, d in zip(hit.keys, hit.from_disk) if claim is None or k not in set(loaded.keys)]
+        self.tiers.counts.chose(kept + rest, len(kept))
         if claim is not None:
             req.kv_load = self.tiers.start_load(req.seq_id, claim, blocks)
-            req.kv_load.positions = hit.end - hit.start
+            req.kv_load.positions = loaded.end - loaded.start
             req.kv_load.counted = not lower
+
+    def _claim_whole(self, req: Request, hit: TieredHit) -> tuple[TieredHit, Optional[object]]:
+        """Claim every load of `hit`, or of the longest shorter hit whose loads fit the host slots
+        a claim could take (a disk block is staged in a host slot, and a host front may hold fewer
+        than a long history's blocks): a part of a hit would leave a local group without its window,
+        a shorter hit brings its own. (hit, None) when not even one block's hit fits."""
+        while True:
+            claim = self.tiers.claim(hit.keys)
+            if claim is not None and claim.num_blocks == len(hit.keys):
+                return hit, claim
+            room = claim.num_blocks if claim is not None else 0
+            if claim is not None:
+                self.tiers.drop_claim(claim)
+            shorter = None
+            for end in range(hit.end - 1, hit.start, -1):
+                shorter = tiered_hit(self.blocks, req.seq_id, self.hashes(req), hit.start, self.tiers.where, end)
+                if shorter is None or len(shorter.keys) <= room:
+                    break
+            if shorter is None or len(shorter.keys) > room:
+                return hit, None
+            hit = shorter
 
     def arrived(self, req: Request) -> Optional[int]:
         """req's load is done: the tokens it brought (0: counted when it started); None when a

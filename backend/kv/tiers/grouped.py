@@ -12,7 +12,8 @@ window reaches before `end`; each of those blocks may still be cached on the dev
 shared, as a device prefix is) or be held by the host or disk tier (it is copied back). A local
 group's blocks before that window are never needed: they are not loaded. The load is whole or
 nothing: a part of it would leave a local group without its window (a disk file that fails its
-checks sends the request back to its device prefix, backend/sched/tier_admission.py).
+checks sends the request back to its device prefix, backend/sched/tier_admission.py); where too
+few host slots are left to stage its disk blocks, a shorter hit (`max_end`) brings its own windows.
 """
 from __future__ import annotations
 
@@ -65,11 +66,14 @@ class TieredHit:
 
 
 def tiered_hit(groups, seq_id: str, hashes: Sequence[bytes], start: int,
-               where: Callable[[bytes], Optional[bool]]) -> Optional[TieredHit]:
-    """The longest prefix past seq_id's device prefix (`start` blocks, attached) that the device's
-    caches and the tiers hold together (the module's docstring); `where(key)`: None when no tier
-    holds key, False in host memory, True on disk. None when no tier block would be loaded."""
+               where: Callable[[bytes], Optional[bool]], max_end: Optional[int] = None) -> Optional[TieredHit]:
+    """The longest prefix past seq_id's device prefix (`start` blocks, attached), ending at most at
+    `max_end`, that the device's caches and the tiers hold together (the module's docstring);
+    `where(key)`: None when no tier holds key, False in host memory, True on disk. None when no tier
+    block would be loaded."""
     managers = groups.groups
+    if max_end is not None:
+        hashes = hashes[:max_end]
 
     def source(g: int, i: int) -> tuple[Optional[int], Optional[bool]]:
         """(cached device block, None) or (None, where a tier holds it) or (None, None)."""
