@@ -38,6 +38,18 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
+/* A last block's `rows` (< 16) outputs: its accumulators copied out first, so that no access with
+   a row index known only at run time keeps them out of registers (stored to the stack and loaded
+   back at every group, they cost more than the tile products: the scaling is this kernel's work). */
+static inline __attribute__((always_inline)) void amx_store_part(int64_t rows, const __m512 *acc, int64_t t,
+                                                                 int64_t m0, int64_t N, const float *bias,
+                                                                 float *out, int64_t ldo, int stream) {
+    __m512 part[AMX_ROWS];
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) part[r] = acc[r];
+    store_rows(rows, part, t, m0, N, bias, out, ldo, stream);
+}
+
 /* Group g's tiles: its weight codes into tile B (from `codes`: the tile's, unpacked once a tile
    by amx_tile, or Q8_0's where they lie), the block's activation codes into A, their products into
    C. Two sets of tiles, (0, 1, 2) and (3, 4, 5), so one group's products are made while the last
@@ -65,6 +77,7 @@ static inline __attribute__((always_inline)) void amx_scale_group(
     __m512 dvec, mvec;
     __m512i sclo, schi;
     group_scales(TYPE, w, t, g, &dvec, &mvec, &sclo, &schi);
+#pragma GCC unroll 16
     for (int r = 0; r < AMX_ROWS; r++) {
         const int64_t i = (m0 / AMX_ROWS * G + g) * AMX_ROWS + r;
         __m512i dot = _mm512_load_si512(dots + r * TILE);
@@ -83,6 +96,7 @@ static inline __attribute__((always_inline)) void amx_block(
         int64_t ldo, int stream) {
     const int64_t K = w->K, G = K / QK;
     __m512 acc[AMX_ROWS];
+#pragma GCC unroll 16
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
     _Alignas(64) int32_t dots[2][AMX_ROWS * TILE];
     _Alignas(64) uint8_t own[2][UNPACK ? 8 * 64 : 64];
@@ -102,7 +116,7 @@ static inline __attribute__((always_inline)) void amx_block(
     if (G % 2) amx_scale_group(TYPE, w, t, G - 1, m0, dots[0], da, zs, ms, acc);
     else amx_scale_group(TYPE, w, t, G - 1, m0, dots[1], da, zs, ms, acc);
     if (rows == AMX_ROWS) store_rows(AMX_ROWS, acc, t, m0, w->N, bias, out, ldo, stream);
-    else store_rows(rows, acc, t, m0, w->N, bias, out, ldo, stream);
+    else amx_store_part(rows, acc, t, m0, w->N, bias, out, ldo, stream);
 }
 
 /* Q6_K's block: each group's values 0-15 and 16-31 take their own sub-scale, applied to their
@@ -138,7 +152,7 @@ static void amx_block_q6k(const qweight_t *w, int64_t t, int64_t m0, int64_t row
         }
     }
     if (rows == AMX_ROWS) store_rows(AMX_ROWS, acc, t, m0, w->N, bias, out, ldo, stream);
-    else store_rows(rows, acc, t, m0, w->N, bias, out, ldo, stream);
+    else amx_store_part(rows, acc, t, m0, w->N, bias, out, ldo, stream);
 }
 
 /* Tile t against activation rows [m0, m1): for more than one block of 16 rows, its 4- and 5-bit
