@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from backend.core.request import Request
 from backend.kv.tiers.grouped import TieredHit, tiered_hit
+from backend.kv.tiers.plan import TierClaim
 from backend.sched.pool import RequestPool
 from backend.sched.step_cost import StepCost
 from backend.sched.tier_choice import TierChoice
@@ -106,14 +107,14 @@ class TierAdmission:
                                 found.count(True))
         self.choice.declined(req.seq_id)  # (its record of the choice: the hit's, counted here)
         kept = loaded.from_disk if claim is not None else []  # loaded, then the hit's others computed again
-        rest = [d for k, d in zip(hit.keys, hit.from_disk) if claim is None or k not in set(loaded.keys)]
-        self.tiers.counts.chose(kept + rest, len(kept))
+        held = set(loaded.keys) if claim is not None else set()
+        self.tiers.counts.chose(kept + [d for k, d in zip(hit.keys, hit.from_disk) if k not in held], len(kept))
         if claim is not None:
             req.kv_load = self.tiers.start_load(req.seq_id, claim, blocks)
             req.kv_load.positions = loaded.end - loaded.start
             req.kv_load.counted = not lower
 
-    def _claim_whole(self, req: Request, hit: TieredHit) -> tuple[TieredHit, Optional[object]]:
+    def _claim_whole(self, req: Request, hit: TieredHit) -> tuple[TieredHit, Optional[TierClaim]]:
         """Claim every load of `hit`, or of the longest shorter hit whose loads fit the host slots
         a claim could take (a disk block is staged in a host slot, and a host front may hold fewer
         than a long history's blocks): a part of a hit would leave a local group without its window,
