@@ -5,14 +5,16 @@ Per thread: name, state, the kernel function it waits in, the system call it is 
 the mapping its first argument points into (a futex in /dev/shm/triton_python_backend_shm_region_*
 is one of the Python backend's queues or its health mutex; one in [heap] or an anonymous mapping is
 a lock of the process's own), and a scan of its user stack: every word that points into an
-executable file mapping, as `library+0xoffset` (the offset within the file). That is not an
-unwound backtrace (stale words show up too) but it names the code a blocked thread came through;
-`addr2line -f -C -e <library> <offset>` (or `nm -D -C`) turns an offset into a function. No gdb,
-no ptrace: reading /proc/PID/mem needs the rights an ancestor of the process has.
+executable file mapping, as `library+0xoffset` (the offset within the file), named by binutils'
+`addr2line` where it is installed (the wheel's libraries carry their symbols' names). That is not an
+unwound backtrace (stale words show up too) but it names the code a blocked thread came through. No
+gdb, no ptrace: reading /proc/PID/mem needs the rights an ancestor of the process has.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -52,9 +54,10 @@ def _find(maps: list[Mapping], address: int) -> Optional[Mapping]:
     return None
 
 
-def stack_code(pid: int, sp: int, maps: list[Mapping], size: int = STACK_BYTES, limit: int = FRAMES) -> list[str]:
+def stack_code(pid: int, sp: int, maps: list[Mapping], size: int = STACK_BYTES,
+               limit: int = FRAMES) -> list[tuple[str, int]]:
     """The words on a thread's stack from `sp` up that point into executable file mappings, in
-    order, each as library+offset (return addresses, and some stale ones)."""
+    order, each as (library path, offset in the file): return addresses, and some stale ones."""
     region = _find(maps, sp)
     if region is None:
         return []
@@ -69,34 +72,56 @@ def stack_code(pid: int, sp: int, maps: list[Mapping], size: int = STACK_BYTES, 
         word = int.from_bytes(data[i:i + 8], "little")
         m = _find(maps, word) if word > 0x10000 else None
         if m is not None and m.executable and m.path.startswith("/"):
-            frames.append(m.describe(word))
+            frames.append((m.path, word - m.start + m.offset))
             if len(frames) == limit:
                 break
     return frames
 
 
-def thread_line(pid: int, task: Path, maps: list[Mapping]) -> str:
+def symbols(frames: Iterable[tuple[str, int]], timeout: float = 20.0) -> dict[tuple[str, int], str]:
+    """Function names of (library, offset) pairs, by `addr2line -f -C` once per library (the
+    libraries here are position-independent with their code at its file offsets); {} without
+    binutils. A name it cannot find is left out."""
+    tool = shutil.which("addr2line")
+    by_path: dict[str, list[int]] = {}
+    for path, offset in set(frames):
+        by_path.setdefault(path, []).append(offset)
+    names = {}
+    for path, offsets in by_path.items() if tool else ():
+        try:
+            out = subprocess.run([tool, "-f", "-C", "-e", path, *(hex(o) for o in offsets)], capture_output=True,
+                                 text=True, timeout=timeout).stdout.splitlines()
+        except (OSError, subprocess.SubprocessError):
+            continue
+        for offset, name in zip(offsets, out[0::2]):
+            if name and name != "??":
+                names[(path, offset)] = name
+    return names
+
+
+def _thread(pid: int, task: Path, maps: list[Mapping]) -> tuple[str, list[tuple[str, int]]]:
+    """A thread's line without its stack, and its stack's code addresses."""
     stat = (task / "stat").read_text()
     name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
     line = f"{pid}/{task.name} {name} {state} {(task / 'wchan').read_text() or '-'}"
     try:
         fields = (task / "syscall").read_text().split()
     except OSError:
-        return line
+        return line, []
     if len(fields) < 9:  # "running", or -1 with only the stack and instruction pointers
-        return f"{line} syscall={fields[0] if fields else '?'}"
+        return f"{line} syscall={fields[0] if fields else '?'}", []
     nr, arg0, sp = int(fields[0]), int(fields[1], 16), int(fields[7], 16)
     target = _find(maps, arg0)
     line += f" syscall={SYSCALLS.get(nr, nr)}"
     if target is not None:
         line += f" arg0={target.describe(arg0)}"
-    frames = stack_code(pid, sp, maps)
-    return line + (f" stack: {' < '.join(frames)}" if frames else "")
+    return line, stack_code(pid, sp, maps)
 
 
 def thread_states(pids: Iterable[int]) -> list[str]:
-    """One line per thread of each process (pid/tid name state wchan syscall arg0 stack)."""
-    out = []
+    """One line per thread of each process (pid/tid name state wchan syscall arg0 stack), each code
+    address on the stack as library+0xoffset, with its function's name where addr2line finds it."""
+    threads = []
     for pid in pids:
         try:
             maps = mappings(pid)
@@ -105,7 +130,12 @@ def thread_states(pids: Iterable[int]) -> list[str]:
             continue
         for task in tasks:
             try:
-                out.append(thread_line(pid, task, maps))
+                threads.append(_thread(pid, task, maps))
             except (OSError, ValueError, IndexError):
                 continue
-    return out
+    names = symbols(f for _, frames in threads for f in frames)
+
+    def frame(path: str, offset: int) -> str:
+        where = f"{os.path.basename(path)}+{offset:#x}"
+        return f"{names[(path, offset)]} ({where})" if (path, offset) in names else where
+    return [line + (f" stack: {' < '.join(frame(*f) for f in frames)}" if frames else "") for line, frames in threads]

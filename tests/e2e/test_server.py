@@ -370,3 +370,5 @@ def test_the_thread_states_name_tritonserver_and_its_stubs_threads(server):
     assert waits and all("syscall=futex" in line for line in waits), lines[:20]
     assert any("triton_python_backend_stub+0x" in line.partition(" stack: ")[2] for line in waits), waits
     assert any("libtriton_python.so+0x" in line for line in lines), lines[:20]  # the backend's threads in tritonserver
+    # and named (binutils' addr2line, which comes with the gcc the kernels are built with)
+    assert any("triton::backend::python::" in line.partition(" stack: ")[2] for line in lines), lines[:20]
