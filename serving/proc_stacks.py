@@ -34,8 +34,12 @@ class Mapping:
     path: str
 
     def describe(self, address: int) -> str:
-        name = os.path.basename(self.path) if self.path.startswith("/") else (self.path or "anonymous")
-        return f"{name}+{address - self.start + self.offset:#x}"
+        return _where(self.path or "anonymous", address - self.start + self.offset)
+
+
+def _where(path: str, offset: int) -> str:
+    """`library+0xoffset` ([heap]+0x.. for a mapping with no file)."""
+    return f"{os.path.basename(path) if path.startswith('/') else path}+{offset:#x}"
 
 
 def mappings(pid: int) -> list[Mapping]:
@@ -136,6 +140,6 @@ def thread_states(pids: Iterable[int]) -> list[str]:
     names = symbols(f for _, frames in threads for f in frames)
 
     def frame(path: str, offset: int) -> str:
-        where = f"{os.path.basename(path)}+{offset:#x}"
+        where = _where(path, offset)
         return f"{names[(path, offset)]} ({where})" if (path, offset) in names else where
     return [line + (f" stack: {' < '.join(frame(*f) for f in frames)}" if frames else "") for line, frames in threads]

@@ -119,6 +119,7 @@ class TierAdmission:
         a claim could take (a disk block is staged in a host slot, and a host front may hold fewer
         than a long history's blocks): a part of a hit would leave a local group without its window,
         a shorter hit brings its own. (hit, None) when not even one block's hit fits."""
+        hashes = self.hashes(req)
         while True:
             claim = self.tiers.claim(hit.keys)
             if claim is not None and claim.num_blocks == len(hit.keys):
@@ -128,7 +129,7 @@ class TierAdmission:
                 self.tiers.drop_claim(claim)
             shorter = None
             for end in range(hit.end - 1, hit.start, -1):
-                shorter = tiered_hit(self.blocks, req.seq_id, self.hashes(req), hit.start, self.tiers.where, end)
+                shorter = tiered_hit(self.blocks, req.seq_id, hashes, hit.start, self.tiers.where, end)
                 if shorter is None or len(shorter.keys) <= room:
                     break
             if shorter is None or len(shorter.keys) > room:
