@@ -94,11 +94,12 @@ def float_onednn_from(dtype: torch.dtype) -> int:
 class FloatLinear(nn.Module):
     def __init__(self, linear: nn.Linear, onednn_from: int = 0):
         """``onednn_from``: steps of this many rows or more run oneDNN's GEMM; 0: never."""
-        from kernels.cpu import onednn
+        from kernels.cpu import huge_pages, onednn
         from kernels.cpu.float_gemm import CpuFloatWeight
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: a tied lm_head still shares the embedding's
+        self.weight.data = huge_pages.place(self.weight.data.contiguous())  # streamed every step: 2 MB pages
         self.bias = linear.bias
         self.kernel = CpuFloatWeight(self.weight.detach())
         self.onednn_from = onednn_from

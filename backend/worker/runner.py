@@ -44,6 +44,7 @@ from backend.worker.parallel.rendezvous import start_group
 from backend.worker.sample_step import sample_step
 from backend.worker.step_inputs import StepInputs, build_step
 from backend.worker.warmup import prefill_tokens, warm_up_steps
+from kernels.cpu import huge_pages
 from kernels.dispatch import get_ops
 
 log = logging.getLogger(__name__)
@@ -141,8 +142,11 @@ class ModelRunner:
         reading pair k through its group's block tables (backend/kv/groups.py)."""
         c, layout = self.model_cfg, self.kv_layout
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        pairs = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device),
-                  torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device)) for _ in range(layout.slots)]
+        if self.env.tensor_device.type == "cpu":  # read every decode step: in 2 MB pages (kernels/cpu/huge_pages.py)
+            zeros = lambda: huge_pages.zeros(shape, self.kv_dtype)  # noqa: E731
+        else:
+            zeros = lambda: torch.zeros(shape, dtype=self.kv_dtype, device=self.env.tensor_device)  # noqa: E731
+        pairs = [(zeros(), zeros()) for _ in range(layout.slots)]
         return [pairs[slot] for slot in layout.layer_slot]
 
     def _warm_up(self) -> None:

@@ -29,6 +29,7 @@ import torch
 from kernels import checks as _common
 
 from kernels.cpu import build as cpu_build
+from kernels.cpu import huge_pages
 from kernels.quant_reference import ARRAYS, QK, QK_K
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,8 @@ class CpuQuantWeight:
         if self.in_features % block:
             raise ValueError(f"{NAME}: {qtype} rows of {self.in_features} values are not whole blocks of {block}")
         self.isa = isa or chosen_isa()
-        self.tiles = tile_layout(qtype, {k: v.contiguous() for k, v in parts.items()})
+        tiles = tile_layout(qtype, {k: v.contiguous() for k, v in parts.items()})
+        self.tiles = {k: huge_pages.place(v) for k, v in tiles.items()}  # streamed every step: 2 MB pages
         ptr = lambda name: self.tiles[name].data_ptr() if name in self.tiles else None  # noqa: E731
         self._struct = _QWeight(ptr("qs"), ptr("qh"), ptr("scales"), ptr("mins"), ptr("sub_scales"),
                                 ptr("sub_mins"), TYPE_IDS[qtype], self.out_features, self.in_features)
