@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from backend.core.kv_events_config import HOST_ENV
-from serving import proc_stacks
+from serving import proc_stacks, shm_regions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -230,6 +230,8 @@ class TritonServer:
         self.log_path: Optional[Path] = None
         self.last_log = ""  # the whole log of the last run, kept after stop()
         self._log = None
+        self.shm_prefix = shm_regions.new_prefix()  # its stubs' /dev/shm regions, removed by stop()
+        self.shm_left = 0  # how many of them the last stop() found left behind (a killed server's)
 
     # -- addresses ---------------------------------------------------------------------------
     @property
@@ -264,6 +266,7 @@ class TritonServer:
             "--model-control-mode=explicit", "--load-model=*",
             f"--exit-timeout-secs={self.exit_timeout}",
             f"--log-verbose={self.log_verbose}",
+            shm_regions.backend_config(self.shm_prefix),
             *self.extra_args,
         ]
 
@@ -428,6 +431,7 @@ class TritonServer:
             # load in a loaded test run, the Python backend's shared-memory mutex failing: not reproduced)
             _wait_group_gone(proc.pid, 5.0)
         finally:
+            self.shm_left = shm_regions.remove(self.shm_prefix)  # a killed tritonserver unlinks none
             self.process = None
             if self._log:
                 self._log.close()

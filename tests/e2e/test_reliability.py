@@ -604,24 +604,36 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
 def test_the_stubs_exit_when_tritonserver_is_killed(model_repository, model_path):
     """kill -9 of tritonserver itself: each model's stub (llm, and llm_trtllm's) sees its parent gone
     and exits within a second or two, instead of living on as an orphan holding the model
-    (~550 MB for the default model; backend/worker/parent_watch.py)."""
+    (~550 MB for the default model; backend/worker/parent_watch.py). And the stubs' shared-memory
+    regions, which a killed tritonserver cannot unlink, are gone from /dev/shm once the launcher
+    has stopped it (serving/shm_regions.py): none of another server's touched."""
     import psutil
 
+    from serving import shm_regions
     from serving.triton_launcher import TritonServer
 
-    server = TritonServer(model_repository, params={"max_model_len": "512"}, model_path=str(model_path))
-    with server:
-        _, stubs = server_processes(server.process.pid)
-        assert len(stubs) == 2, [p.cmdline() for p in stubs]
-        os.kill(server.process.pid, signal.SIGKILL)
+    other = shm_regions.SHM_DIR / f"{shm_regions.DEFAULT_PREFIX}not-this-servers"
+    other.write_bytes(b"x")
+    try:
+        server = TritonServer(model_repository, params={"max_model_len": "512"}, model_path=str(model_path))
+        with server:
+            _, stubs = server_processes(server.process.pid)
+            assert len(stubs) == 2, [p.cmdline() for p in stubs]
+            assert len(shm_regions.regions(server.shm_prefix)) == 2  # one a stub, under this server's prefix
+            os.kill(server.process.pid, signal.SIGKILL)
 
-        def gone(p) -> bool:
-            try:  # an exited stub may stay a zombie until its new parent reaps it: its memory is free
-                return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return True
+            def gone(p) -> bool:
+                try:  # an exited stub may stay a zombie until its new parent reaps it: its memory is free
+                    return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    return True
 
-        wait_until(lambda: all(gone(p) for p in stubs), timeout=10, interval=0.1)
+            wait_until(lambda: all(gone(p) for p in stubs), timeout=10, interval=0.1)
+            assert len(shm_regions.regions(server.shm_prefix)) == 2  # left behind by the kill
+        assert server.shm_left == 2 and shm_regions.regions(server.shm_prefix) == []
+        assert other.exists()
+    finally:
+        other.unlink()
 
 
 # -- the adapter's bounds, without a server -----------------------------------------------------------
