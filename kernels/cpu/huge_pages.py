@@ -3,7 +3,7 @@
 Why: a batch-1 decode step reads every weight once, from memory, in order, and each 2-core VM
 here reads at most ~13 GB/s a core: that rate is set by how many misses a core keeps in flight,
 and with 4 KB pages the hardware prefetcher stops at every page boundary and every page costs a
-TLB walk. In 2 MB pages the same GEMVs ran 1.2x faster, and a plain sum of the buffer read 38
+TLB walk. In 2 MB pages the same GEMVs ran 1.1-1.2x faster, and a plain sum of the buffer read 38
 GB/s instead of 27 (docs/performance.md, "Huge pages"). Linux gives 2 MB pages to anonymous memory
 that asks for them (transparent huge pages in `madvise` mode, the default of this machine and of
 many distributions; in `always` mode it needs no asking, in `never` mode nothing does). torch's
@@ -11,7 +11,7 @@ allocator asks only under THP_MEM_ALLOC_ENABLE, which must be set before its fir
 the arrays the kernels stream are placed here instead, once, at load:
 
 - `place(t)`: a copy of `t` in an anonymous mapping advised MADV_HUGEPAGE, 64-byte aligned; small
-  arrays share 64 MB mappings (an arena), each array at least 2 MB its own. The memory lives as
+  arrays share 64 MB mappings (an arena), arrays over 16 MB have their own. The memory lives as
   long as any tensor that views it (torch.frombuffer keeps the mapping).
 - `zeros(shape, dtype)`: a zeroed tensor of its own mapping (a layer's K or V cache), touched at
   once as torch.zeros would (no page faults while serving).
@@ -20,7 +20,6 @@ INFLIGHT_HUGE_PAGES=0 turns it off (plain torch tensors, as before), for measuri
 kernel whose transparent huge pages are `never`, or one without them."""
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import threading
@@ -28,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
 PAGE = 2 << 20   # x86-64's transparent huge page
 ARENA = 64 << 20  # the mapping small arrays share
 ALIGN = 64        # a cache line: every placed array starts on one
