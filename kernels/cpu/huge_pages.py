@@ -13,6 +13,7 @@ the arrays the kernels stream are placed here instead, once, at load:
 - `place(t)`: a copy of `t` in an anonymous mapping advised MADV_HUGEPAGE, 64-byte aligned; small
   arrays share 64 MB mappings (an arena), arrays over 16 MB have their own. The memory lives as
   long as any tensor that views it (torch.frombuffer keeps the mapping).
+- `empty(shape, dtype)`: the same placement, for a caller that fills it (a mixture of experts' packed panels).
 - `zeros(shape, dtype)`: a zeroed tensor of its own mapping (a layer's K or V cache), touched at
   once as torch.zeros would (no page faults while serving).
 
@@ -90,14 +91,21 @@ def _typed(raw: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Te
     return raw.view(dtype).view(shape)
 
 
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(shape, dtype) on the CPU, in huge pages where `enabled()` (its contents zeros or
+    whatever it is given: the mappings are never reused)."""
+    size = torch.Size(shape)
+    if size.numel() == 0 or not enabled():
+        return torch.empty(size, dtype=dtype)
+    return _typed(_arena.take(size.numel() * dtype.itemsize), size, dtype)
+
+
 def place(t: torch.Tensor) -> torch.Tensor:
-    """A copy of CPU tensor `t` (contiguous) in huge pages; `t` itself where `enabled()` is false,
+    """A copy of CPU tensor `t` in huge pages (contiguous); `t` itself where `enabled()` is false,
     or it is empty or not on the CPU."""
     if t.device.type != "cpu" or t.numel() == 0 or not enabled():
         return t
-    out = _typed(_arena.take(t.numel() * t.element_size()), t.shape, t.dtype)
-    out.copy_(t)
-    return out
+    return empty(tuple(t.shape), t.dtype).copy_(t)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 from typing import Callable
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from kernels import checks as _common
 
 from kernels.cpu import build as cpu_build
+from kernels.cpu import huge_pages
 from kernels.cpu import onednn
 log = logging.getLogger(__name__)
 
@@ -75,28 +75,6 @@ def build_config(isa=None) -> dict:
     return dict(panel=cfg[0], rows_one_panel=cfg[1], rows_two_panels=cfg[2])
 
 
-HUGE_PAGE = 2 << 20
-
-
-def huge_page_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor in anonymous memory the kernel is asked to back with 2 MB pages
-    (transparent huge pages, madvise; a best effort: ordinary pages where THP is off). The experts'
-    weights stream from memory once per step, hundreds of MB: with 4 KB pages every 4 KB of them
-    costs a TLB walk, and the kernel's prefetches wait on those (16% of the grouped GEMMs' time at
-    16 rows an expert, docs/performance.md). Small tensors take torch's allocator."""
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    if nbytes < 2 * HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE)        # page-aligned; huge pages need 2 MB alignment
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
-    region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
-    flat = torch.frombuffer(region, dtype=torch.uint8)   # holds the mapping as long as it lives
-    return flat[start:start + nbytes].view(dtype).view(shape)
-
-
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """w [E, N, K] -> float32: [E, P, K, 16]; bfloat16: [E, P, ceil(K / 2), 16, 2] (k and k + 1 side
     by side); P = ceil(N / 16), zero columns (and a zero k) as padding."""
@@ -112,7 +90,9 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
         src = w.view(e, p, PANEL, k).transpose(2, 3)
     else:
         src = torch.nn.functional.pad(w, (0, k % 2)).view(e, p, PANEL, -1, 2).permute(0, 1, 3, 2, 4)
-    return huge_page_empty(tuple(src.shape), w.dtype).copy_(src)
+    # streamed every step, hundreds of MB: in 2 MB pages (with 4 KB ones every 4 KB cost a TLB walk that the
+    # kernel's prefetches waited on: 16% of the grouped GEMMs' time at 16 rows an expert, docs/performance.md)
+    return huge_pages.empty(tuple(src.shape), w.dtype).copy_(src)
 
 
 def panel_shape(panels: torch.Tensor) -> tuple[int, int, int]:

@@ -3,6 +3,7 @@ aligned, memory advised MADV_HUGEPAGE (the `hg` flag of its mapping in /proc/sel
 is touched, freed with its last tensor, and INFLIGHT_HUGE_PAGES=0 leaving plain torch tensors. The
 engine test checks every packed matrix, float weight and KV cache of a loaded model."""
 import gc
+import mmap
 import sys
 
 import pytest
@@ -32,6 +33,20 @@ def advised(t: torch.Tensor) -> bool:
     return "hg" in mapping_of(t.data_ptr()).get("VmFlags", [])
 
 
+@pytest.fixture
+def mappings(monkeypatch) -> list:
+    """Every mapping huge_pages makes from here on, by size."""
+    made, make = [], huge_pages.mapping
+    monkeypatch.setattr(huge_pages, "mapping", lambda nbytes: made.append(nbytes) or make(nbytes))
+    return made
+
+
+def test_the_probe_tells_an_advised_mapping_from_a_plain_one():
+    plain = torch.frombuffer(mmap.mmap(-1, 4 << 20), dtype=torch.uint8).fill_(1)
+    assert not advised(plain) and mapping_of(plain.data_ptr())["Rss"] >= 4096
+    assert advised(huge_pages.mapping(4 << 20))
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.float32])
 def test_a_placed_copy_is_exact_aligned_and_advised(dtype):
     g = torch.Generator().manual_seed(3)
@@ -40,7 +55,7 @@ def test_a_placed_copy_is_exact_aligned_and_advised(dtype):
     for s, p in zip(sources, placed):
         assert p.dtype == s.dtype and p.shape == s.shape and torch.equal(p, s)
         assert p.data_ptr() != s.data_ptr() and p.data_ptr() % 64 == 0
-        assert advised(p) and not advised(s)
+        assert advised(p), mapping_of(p.data_ptr())
     del sources
     gc.collect()
     assert all(p.abs().sum() >= 0 for p in placed)  # readable after their sources are gone
@@ -66,18 +81,20 @@ def test_zeros_are_zero_advised_and_resident_at_once():
     assert m["Rss"] * 1024 >= z.numel() * 2  # faulted now, not while serving
 
 
-def test_turned_off_it_leaves_plain_tensors(monkeypatch):
+def test_turned_off_it_leaves_plain_tensors(monkeypatch, mappings):
     monkeypatch.setenv("INFLIGHT_HUGE_PAGES", "0")
     t = torch.ones(1000)
     assert huge_pages.place(t) is t
-    z = huge_pages.zeros((4, 5), torch.float32)
-    assert not z.any() and not advised(z)
+    z, e = huge_pages.zeros((4, 5), torch.float32), huge_pages.empty((3, 2), torch.bfloat16)
+    assert not z.any() and z.shape == (4, 5) and e.shape == (3, 2) and e.dtype == torch.bfloat16
+    assert mappings == []
 
 
 @pytest.mark.parametrize("off", [False, True])
-def test_the_engine_streams_its_weights_and_cache_from_advised_memory(tmp_path, monkeypatch, off):
+def test_the_engine_streams_its_weights_and_cache_from_advised_memory(tmp_path, monkeypatch, mappings, off):
     """A tiny packed model (every projection a CpuQuantWeight) and a tiny float32 one (FloatLinear):
-    every array a decode step streams lies in advised memory, or none does with the switch off."""
+    every array a decode step streams lies in advised memory, or, with the switch off, none was
+    placed (no mapping made)."""
     from backend import LLM, SamplingParams
     from backend.models.float_linear import FloatLinear
     from backend.models.gguf.importer import import_gguf
@@ -98,4 +115,15 @@ def test_the_engine_streams_its_weights_and_cache_from_advised_memory(tmp_path, 
                   for t in (m.kernel.tiles.values() if kind is QuantLinear else [m.weight])]
         arrays += [t for pair in runner.kv_caches for t in pair]
         assert len(arrays) > 2 * len(runner.kv_caches)
-        assert all(advised(t) != off for t in arrays), (kind.__name__, [advised(t) for t in arrays])
+        if off:
+            assert mappings == []
+        else:
+            assert mappings and all(advised(t) for t in arrays), [mapping_of(t.data_ptr()) for t in arrays if not advised(t)]
+
+
+def test_a_mixture_of_experts_float_panels_are_placed(mappings):
+    from kernels.cpu import moe
+    w = torch.randn(4, 40, 64, generator=torch.Generator().manual_seed(1))
+    panels = moe.pack_panels(w)
+    assert advised(panels)
+    assert torch.equal(panels[:, 0, :, :].transpose(1, 2).reshape(4, 16, 64), w[:, :16])  # panel 0: rows 0-15
