@@ -165,9 +165,24 @@ def inflight_serve(args, timeout: float = 120.0):
 
     threading.Thread(target=read, daemon=True).start()
     if not ready.wait(timeout):
+        where = serve_threads(proc.pid)  # a load that never finishes: where tritonserver and its stubs wait
         stop_serve(proc)
-        raise AssertionError("inflight serve did not start:\n" + "".join(lines[-30:]))
+        raise AssertionError("inflight serve did not start:\n" + "".join(lines[-30:]) + where)
     return proc, lines
+
+
+def serve_threads(pid: int) -> str:
+    """Every thread of `inflight serve`'s processes (tritonserver and its stubs: serving/proc_stacks.py)."""
+    import psutil
+
+    from serving import proc_stacks
+
+    try:
+        pids = [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+    except psutil.Error:
+        return ""
+    return "\n".join(["\n--- threads (pid/tid name state wchan syscall arg0 stack) ---",
+                      *proc_stacks.thread_states(pids)])
 
 
 def stop_serve(proc, timeout: float = 60.0) -> None:
