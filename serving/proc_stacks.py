@@ -122,6 +122,11 @@ def _thread(pid: int, task: Path, maps: list[Mapping]) -> tuple[str, list[tuple[
     return line, stack_code(pid, sp, maps)
 
 
+def report(pids: Iterable[int]) -> str:
+    """`thread_states` under a header line, for an error message."""
+    return "\n".join(["\n--- threads (pid/tid name state wchan syscall arg0 stack) ---", *thread_states(pids)])
+
+
 def thread_states(pids: Iterable[int]) -> list[str]:
     """One line per thread of each process (pid/tid name state wchan syscall arg0 stack), each code
     address on the stack as library+0xoffset, with its function's name where addr2line finds it."""

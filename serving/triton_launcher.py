@@ -338,8 +338,7 @@ class TritonServer:
         if self.process is None:
             return ""
         pids = [self.process.pid, *(int(child.name) for child in self._children())]
-        return "\n".join(["\n--- threads (pid/tid name state wchan syscall arg0 stack) ---",
-                          *proc_stacks.thread_states(pids)])
+        return proc_stacks.report(pids)
 
     def dump_stub_stacks(self, settle: float = 2.0) -> int:
         """SIGUSR1 to each Python-backend stub of this tritonserver: the models' initialize registers

@@ -181,8 +181,7 @@ def serve_threads(pid: int) -> str:
         pids = [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
     except psutil.Error:
         return ""
-    return "\n".join(["\n--- threads (pid/tid name state wchan syscall arg0 stack) ---",
-                      *proc_stacks.thread_states(pids)])
+    return proc_stacks.report(pids)
 
 
 def stop_serve(proc, timeout: float = 60.0) -> None:
