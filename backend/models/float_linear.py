@@ -99,7 +99,7 @@ class FloatLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: a tied lm_head still shares the embedding's
-        self.weight.data = huge_pages.place(self.weight.data.contiguous())  # streamed every step: 2 MB pages
+        self.weight.data = huge_pages.place(self.weight.data)  # streamed every step: 2 MB pages
         self.bias = linear.bias
         self.kernel = CpuFloatWeight(self.weight.detach())
         self.onednn_from = onednn_from

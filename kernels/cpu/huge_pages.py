@@ -21,6 +21,7 @@ INFLIGHT_HUGE_PAGES=0 turns it off (plain torch tensors, as before), for measuri
 kernel whose transparent huge pages are `never`, or one without them."""
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -34,6 +35,7 @@ ALIGN = 64        # a cache line: every placed array starts on one
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+@functools.lru_cache(maxsize=1)  # asked for every array placed at load: the file read once
 def thp_mode() -> str:
     """The kernel's transparent-huge-page mode (`always`, `madvise`, `never`), or "" without one."""
     try:
@@ -112,5 +114,6 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on the CPU, in huge pages of its own mapping where `enabled()`."""
     if not enabled():
         return torch.zeros(shape, dtype=dtype)
-    out = _typed(mapping(torch.Size(shape).numel() * dtype.itemsize), torch.Size(shape), dtype)
-    return out.zero_()  # every page faulted now, as torch.zeros does, not in a step
+    size = torch.Size(shape)
+    # every page faulted now, as torch.zeros does, not in a step
+    return _typed(mapping(size.numel() * dtype.itemsize), size, dtype).zero_()

@@ -164,11 +164,10 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
             except (OSError, MetricsUnavailable):  # (urllib's errors and timeouts are OSErrors)
                 seen.append(("no answer",))
                 return False
-            p = {"running": p.running, "waiting": p.waiting}
-            now = (p["running"], p["waiting"], tuple(received))
+            now = (p.running, p.waiting, tuple(received))
             if not seen or seen[-1][:2] != now[:2]:
                 seen.append(now)
-            return p["running"] + p["waiting"] == len(ADAPTERS)
+            return p.running + p.waiting == len(ADAPTERS)
         try:
             wait_until(all_in, timeout=60, interval=0.05)
         except AssertionError:

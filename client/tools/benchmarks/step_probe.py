@@ -92,7 +92,7 @@ def read_bandwidth_gb_s(nbytes: int, calls: int = 5) -> float:
     buffer lies in the pages the engine gives its weights (2 MB ones unless INFLIGHT_HUGE_PAGES=0,
     kernels/cpu/huge_pages.py): in 4 KB pages one sum here read 27 GB/s where 2 MB pages read 38."""
     from kernels.cpu import huge_pages
-    x = huge_pages.zeros((max(nbytes // 4, 1024),), torch.float32).fill_(1.0)
+    x = huge_pages.empty((max(nbytes // 4, 1024),), torch.float32).fill_(1.0)
     x.sum()
     times = []
     for _ in range(calls):
