@@ -157,6 +157,20 @@ peers-llamacpp:
 			-DLLAMA_CURL=OFF -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF && \
 		cmake --build $(LLAMACPP_BUILD) --config Release -j$(LLAMACPP_JOBS) --target llama-server llama-perplexity llama-tokenize; }
 
+# llama.cpp again, built for AVX2 alone (AVX-512, AVX-VNNI and AMX off): on a CPU that lists AVX-512 the
+# peer table forces inflight's AVX2 build, and issue 47 asks each build against llama.cpp "built for that
+# ISA", as an AVX2-only CPU would run both (client/tools/peers/table.py). Only the server target.
+.PHONY: peers-llamacpp-avx2
+LLAMACPP_AVX2_BUILD := $(PEERS_DIR)/llama.cpp-build-avx2
+LLAMACPP_AVX2_ISA := -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF \
+	-DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+peers-llamacpp-avx2: peers-llamacpp
+	@test -x $(LLAMACPP_AVX2_BUILD)/bin/llama-server || { \
+		cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_AVX2_BUILD) -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_AVX2_ISA) \
+			-DLLAMA_CURL=OFF -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF && \
+		cmake --build $(LLAMACPP_AVX2_BUILD) --config Release -j$(LLAMACPP_JOBS) --target llama-server; }
+
 $(GGUF): model
 	@$(PY) -m backend.models.gguf.fetch_model --model smollm2-135m-instruct-q4_1 --gguf-only --out $(GGUF)
 
@@ -180,11 +194,12 @@ bench-peers: model tiny-model peers-venvs peers-llamacpp $(GGUF)
 # Issue 47's table (docs/performance.md, "Issue 47: the peer table's tooling, and a smoke run"): per model
 # row (SmolLM2 Q4_1, Gemma 3 270M Q4_K_M, Qwen3-0.6B-shaped Q8_0 / Q4_K and Qwen3-MoE-shaped random files, SmolLM2 F16 / BF16) inflight
 # against llama-server on the same GGUF, single stream, 32 at once, TTFT at two prompt lengths and decode at
-# 8,192 tokens of context; both inflight builds on an AVX-512 CPU. JSON + PNG in docs/bench/peers_table.*.
+# 8,192 tokens of context; both inflight builds on an AVX-512 CPU, the AVX2 one against llama.cpp's AVX2
+# build (peers-llamacpp-avx2). JSON + PNG in docs/bench/peers_table.*.
 # PEERS_TABLE_ARGS: sizes and rows (`python -m client.tools.peers table --help`; --smoke: minutes).
 .PHONY: bench-peers-table
 PEERS_TABLE_ARGS ?=
-bench-peers-table: peers-llamacpp
+bench-peers-table: peers-llamacpp $(if $(filter avx512f,$(CPU_FLAGS)),peers-llamacpp-avx2)
 	$(PY) -m client.tools.peers table --peers-dir $(PEERS_DIR) $(PEERS_TABLE_ARGS)
 
 # -- The seed's three latency claims (issue 45; docs/benchmarks.md, "The seed's latency claims") --

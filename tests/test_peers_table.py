@@ -4,6 +4,7 @@ first token over inflight's), both inflight builds on an AVX-512 CPU, the JSON w
 the load, and the PNG beside it; the runners' per-request timing (time to first token, decode rate
 after it) that the prompt and decode columns compare."""
 import json
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
@@ -33,6 +34,38 @@ def test_both_builds_where_the_cpu_lists_avx512():
     assert table.engines_for(AVX2, "auto") == ["inflight", "llamacpp"]
     assert table.engines_for(AVX2, "both") == ["inflight", "inflight-avx2", "llamacpp"]
     assert table.engines_for(AVX512, "native") == ["inflight", "llamacpp"]
+    # llama.cpp's AVX2 build, where there is one, runs beside the AVX2 inflight and is its peer
+    both = table.engines_for(AVX512, "auto", avx2_peer=True)
+    assert both == ["inflight", "inflight-avx2", "llamacpp", "llamacpp-avx2"]
+    assert table.peers_of(both) == {"inflight": "llamacpp", "inflight-avx2": "llamacpp-avx2"}
+    assert table.engines_for(AVX512, "native", avx2_peer=True) == ["inflight", "llamacpp"]
+    assert table.peers_of(table.engines_for(AVX512, "auto")) == {"inflight": "llamacpp", "inflight-avx2": "llamacpp"}
+
+
+def test_each_llamacpp_engine_runs_its_own_build(tmp_path, monkeypatch):
+    """llamacpp and llamacpp-avx2 start the llama-server of their own build folders (or the flags')."""
+    seen = []
+
+    def fake_run(cmd, env, **kw):
+        seen.append(env["LLAMACPP_SERVER"])
+        with open(cmd[cmd.index("--out") + 1], "w") as f:
+            json.dump({"engine": "llamacpp"}, f)
+        return peers.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    for folder in ("llama.cpp-build", "llama.cpp-build-avx2"):
+        (tmp_path / folder / "bin").mkdir(parents=True)
+        (tmp_path / folder / "bin" / "llama-server").touch()
+    args = table.parse(["--peers-dir", str(tmp_path)])
+    ns = SimpleNamespace(inflight_threads=2, float_model_path=None, gguf=tmp_path / "x.gguf", concurrency=1,
+                         peers_dir=tmp_path, llama_server=args.llama_server, llama_server_avx2=args.llama_server_avx2)
+    for engine in ("llamacpp", "llamacpp-avx2"):
+        peers.run_engine(engine, ns, str(tmp_path), tmp_path / "w.json", tmp_path)
+    assert seen == [str(tmp_path / "llama.cpp-build" / "bin" / "llama-server"),
+                    str(tmp_path / "llama.cpp-build-avx2" / "bin" / "llama-server")]
+    missing = peers.run_engine("llamacpp-avx2", SimpleNamespace(**{**vars(ns), "llama_server_avx2": tmp_path / "none"}),
+                               str(tmp_path), tmp_path / "w.json", tmp_path)
+    assert "make peers-llamacpp-avx2 builds it" in missing["error"]
 
 
 def test_the_columns_workloads():
@@ -157,3 +190,42 @@ def test_the_png_title_wraps_a_long_flag_list(tmp_path, monkeypatch):
     assert len(lines) > 1 and all(len(line) <= width * 14 for line in lines), lines
     assert " ".join(lines).split() == ("Intel(R) Xeon(R) Processor (" + " ".join(flags) + "); 2 threads; "
                                        "2026-12-04T10:33:38+00:00").split()
+
+
+def test_the_avx2_build_is_compared_with_llamacpps_avx2_build(tmp_path, monkeypatch, capsys, default_model_dir):
+    """With llama.cpp's AVX2 build present, it runs in every round and is inflight-avx2's peer; the
+    ratio against llama.cpp's build for this CPU stays as cross_ratios."""
+    speed = {"inflight": 3.0, "inflight-avx2": 1.5, "llamacpp": 1.0, "llamacpp-avx2": 0.6}
+    calls = []
+
+    def fake_engine(engine, ns, model_path, workload, tmp):
+        calls.append(engine)
+        return {"engine": engine, "output_tok_s": 10 * speed[engine], "prompt_tok_s": 100 * speed[engine],
+                "ttft_s": 0.3 / speed[engine], "decode_tok_s": 7 * speed[engine]}
+
+    server = tmp_path / "avx2" / "bin" / "llama-server"
+    server.parent.mkdir(parents=True)
+    server.touch()
+    (server.parent.parent / "CMakeCache.txt").write_text("GGML_AVX2:BOOL=ON\nGGML_AVX512:BOOL=OFF\n")
+    monkeypatch.setattr(peers, "run_engine", fake_engine)
+    monkeypatch.setattr(table_rows, "row_files", lambda names, work, cache: {n: tmp_path / "x.gguf" for n in names})
+    monkeypatch.setattr(table_rows, "imported", lambda g, work: default_model_dir)
+    monkeypatch.setattr("client.tools.peers.machine.machine_report", lambda server: AVX512)
+    out = tmp_path / "t.json"
+    assert table.main(["--rows", "smollm2-q4_1", "--columns", "single,prompt_short", "--smoke", "--repeats", "2",
+                       "--llama-server-avx2", str(server), "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["engines"] == ["inflight", "inflight-avx2", "llamacpp", "llamacpp-avx2"]
+    assert report["peers"] == {"inflight": "llamacpp", "inflight-avx2": "llamacpp-avx2"}
+    assert report["machine"]["llamacpp_avx2_build"] == {"AVX2": "ON", "AVX512": "OFF"}
+    assert "llamacpp_avx2_build" not in AVX512  # the stand-in machine report was not changed in place
+    assert calls[:8] == ["inflight", "inflight-avx2", "llamacpp", "llamacpp-avx2"] * 1 + \
+        ["llamacpp-avx2", "llamacpp", "inflight-avx2", "inflight"]
+    single, prompt = report["rows"][0]["cells"]
+    assert single["ratios"]["inflight"] == [pytest.approx(3.0)] * 2
+    assert single["ratios"]["inflight-avx2"] == [pytest.approx(2.5)] * 2     # 1.5 over llama.cpp's AVX2 0.6
+    assert single["cross_ratios"] == {"inflight-avx2": [pytest.approx(1.5)] * 2}
+    assert prompt["median"]["inflight-avx2"] == pytest.approx(2.5)           # its TTFT against the AVX2 build's
+    printed = capsys.readouterr().out
+    assert "inflight-avx2/llamacpp-avx2 2.50x, 2.50x; inflight-avx2/llamacpp 1.50x, 1.50x" in printed
+    assert "inflight-avx2's peer: llama.cpp built with {'AVX2': 'ON', 'AVX512': 'OFF'}" in printed

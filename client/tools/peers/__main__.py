@@ -32,6 +32,9 @@ ENGINES = {"inflight": (None, "client.tools.peers.run_inflight", "model"),
            "inflight-float32": (None, "client.tools.peers.run_inflight", "float"),
            "inflight-bf16": (None, "client.tools.peers.run_inflight", "float"),
            "llamacpp": (None, "client.tools.peers.run_llamacpp", "gguf"),
+           # llama.cpp built for AVX2 alone (`make peers-llamacpp-avx2`): inflight-avx2's peer, as an
+           # AVX2-only CPU would have both
+           "llamacpp-avx2": (None, "client.tools.peers.run_llamacpp", "gguf"),
            "vllm": ("vllm", HERE / "run_vllm.py", "float"),
            "transformers": ("transformers", HERE / "run_transformers.py", "float")}
 
@@ -49,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: --model-path")
     p.add_argument("--gguf", type=Path, help="the GGUF file --model-path was imported from (llamacpp)")
     p.add_argument("--llama-server", type=Path, help="default: PEERS_DIR/llama.cpp-build/bin/llama-server")
+    p.add_argument("--llama-server-avx2", type=Path,
+                   help="llamacpp-avx2's; default: PEERS_DIR/llama.cpp-build-avx2/bin/llama-server")
     p.add_argument("--num-requests", type=_ints, default=[32, 128], help="comma list: one run per count")
     p.add_argument("--concurrency", type=int, default=0,
                    help="requests in flight at once: 0 all at once (default), 1 one at a time in turn "
@@ -84,6 +89,17 @@ def _command(engine: str, args) -> list[str]:
 AVX2_ONLY = {"INFLIGHT_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
+# llama.cpp's builds: engine -> (its folder under --peers-dir, the make target that builds it)
+LLAMACPP_BUILDS = {"llamacpp": ("llama.cpp-build", "peers-llamacpp"),
+                   "llamacpp-avx2": ("llama.cpp-build-avx2", "peers-llamacpp-avx2")}
+
+
+def llama_server(engine: str, args) -> Path:
+    """The llama-server binary of a llama.cpp engine: --llama-server (--llama-server-avx2) or its build's."""
+    given = getattr(args, "llama_server_avx2" if engine == "llamacpp-avx2" else "llama_server", None)
+    return Path(given) if given else args.peers_dir / LLAMACPP_BUILDS[engine][0] / "bin" / "llama-server"
+
+
 def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) -> dict:
     out = tmp / f"{engine}.json"
     role = ENGINES[engine][2]
@@ -96,10 +112,11 @@ def run_engine(engine: str, args, model_path: str, workload: Path, tmp: Path) ->
         env.update(AVX2_ONLY)
     if engine == "inflight-python-layers":
         env["INFLIGHT_NATIVE_DECODE"] = "0"
-    if engine == "llamacpp":
-        server = args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server"
+    if engine in LLAMACPP_BUILDS:
+        server = llama_server(engine, args)
         if not args.gguf or not Path(server).exists():
-            return {"engine": engine, "error": f"needs --gguf and {server} (make peers-llamacpp builds it)"}
+            return {"engine": engine, "error": f"needs --gguf and {server} (make {LLAMACPP_BUILDS[engine][1]} "
+                                               "builds it)"}
         env.update(LLAMACPP_GGUF=str(Path(args.gguf).resolve()), LLAMACPP_SERVER=str(server),
                    LLAMACPP_THREADS=str(args.inflight_threads or ""))
     cmd = _command(engine, args) + ["--model-path", str(Path(path).resolve()), "--workload", str(workload),

@@ -19,7 +19,12 @@ AVX2 build forced (``inflight-avx2``: INFLIGHT_CPU_ISA=avx2, and since 2026-12-0
 ops capped at AVX2 too, __main__.AVX2_ONLY: before, its float rows kept oneDNN's AVX-512/AMX GEMMs
 and overstated an AVX2-only CPU; since the evening of 2026-12-04 INFLIGHT_CPU_ISA caps inflight's
 -march=native kernels as well, attention and norms, which had kept AVX-512), as the issue-37 runs did; llama.cpp is
-`make peers-llamacpp`'s build for this CPU. The JSON holds the machine (CPU model, ISA flags, builds),
+`make peers-llamacpp`'s build for this CPU. The issue asks each inflight build against llama.cpp
+"built for that ISA": where `make peers-llamacpp-avx2` has built llama.cpp for AVX2 alone, it runs
+too (``llamacpp-avx2``) and is inflight-avx2's peer, as both would be on an AVX2-only CPU; the ratio
+of inflight-avx2 over llama.cpp's build for this CPU (the harder one, the earlier runs' only one)
+stays in the JSON as ``cross_ratios``. Without that build inflight-avx2 is compared with the native
+llama.cpp, and the run says so. The JSON holds the machine (CPU model, ISA flags, builds),
 the command, times and load averages of every cell; table_plot.py draws the PNG next to it.
 Sizes are flags, so a smoke run (`--smoke`) takes minutes: the figures of such a run are no claim.
 """
@@ -69,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=REPO / "models" / ".cache", help="the model wheels' cache")
     p.add_argument("--peers-dir", type=Path, default=Path.home() / ".cache" / "inflight-peers")
     p.add_argument("--llama-server", type=Path, help="default: PEERS_DIR/llama.cpp-build/bin/llama-server")
+    p.add_argument("--llama-server-avx2", type=Path, help="llama.cpp built for AVX2 alone, inflight-avx2's peer; "
+                   "default: PEERS_DIR/llama.cpp-build-avx2/bin/llama-server (make peers-llamacpp-avx2)")
     p.add_argument("--output-json", type=Path, default=REPO / "docs" / "bench" / "peers_table.json",
                    help="the PNG goes next to it (same name, .png)")
     return p
@@ -87,13 +94,24 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         raise SystemExit(f"peers table: --prompt-lens takes two lengths (short,long); got {args.prompt_lens}")
     if not 0 < args.decode_tokens < args.decode_context:
         raise SystemExit(f"peers table: --decode-tokens {args.decode_tokens} must be in 1..--decode-context - 1")
-    args.llama_server = args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server"
+    from client.tools.peers.__main__ import llama_server
+    args.llama_server, args.llama_server_avx2 = llama_server("llamacpp", args), llama_server("llamacpp-avx2", args)
     return args
 
 
-def engines_for(machine: dict, builds: str) -> list[str]:
+def engines_for(machine: dict, builds: str, avx2_peer: bool = False) -> list[str]:
+    """The engines of every cell: inflight as built for this CPU and llama.cpp's build for it; with both
+    builds, inflight-avx2 too, and llama.cpp's AVX2 build where there is one (`avx2_peer`)."""
     both = builds == "both" or (builds == "auto" and machine["isa_flags"].get("avx512f"))
-    return ["inflight", "inflight-avx2", "llamacpp"] if both else ["inflight", "llamacpp"]
+    if not both:
+        return ["inflight", "llamacpp"]
+    return ["inflight", "inflight-avx2", "llamacpp"] + (["llamacpp-avx2"] if avx2_peer else [])
+
+
+def peers_of(engines: list[str]) -> dict[str, str]:
+    """Each inflight engine's llama.cpp: the build for the same ISA where it runs, else the native one."""
+    return {e: "llamacpp-avx2" if e == "inflight-avx2" and "llamacpp-avx2" in engines else "llamacpp"
+            for e in engines if not e.startswith("llamacpp")}
 
 
 def cell_workload(column: str, args, vocab: int) -> tuple[list, int, str]:
@@ -110,17 +128,15 @@ def cell_workload(column: str, args, vocab: int) -> tuple[list, int, str]:
     return fixed(1, args.decode_context - args.decode_tokens, args.decode_tokens), 1, "decode_tok_s"
 
 
-def ratios(rounds: list[dict], engines: list[str], key: str) -> dict[str, list[float]]:
-    """Per inflight engine, its ``key`` over llama.cpp's in each round both finished (for ttft_s,
-    llama.cpp's over its: the higher the better either way)."""
+def ratios(rounds: list[dict], pairs: dict[str, str], key: str) -> dict[str, list[float]]:
+    """Per inflight engine, its ``key`` over its peer's (``pairs``: engine -> llama.cpp build) in each
+    round both finished (for ttft_s, the peer's over its: the higher the better either way)."""
     out = {}
-    for e in engines:
-        if e == "llamacpp":
-            continue
+    for e, peer in pairs.items():
         values = []
         for r in rounds:
-            a, b = r[e].get(key), r["llamacpp"].get(key)
-            if "error" not in r[e] and "error" not in r["llamacpp"] and a and b:
+            a, b = r[e].get(key), r[peer].get(key)
+            if "error" not in r[e] and "error" not in r[peer] and a and b:
                 values.append(b / a if key == "ttft_s" else a / b)
         out[e] = values
     return out
@@ -129,7 +145,8 @@ def ratios(rounds: list[dict], engines: list[str], key: str) -> dict[str, list[f
 def run_cell(row: str, column: str, args, model_dir: Path, gguf: Path, engines: list[str], vocab: int) -> dict:
     from client.tools.peers.__main__ import run_engine
     items, concurrency, key = cell_workload(column, args, vocab)
-    ns = SimpleNamespace(gguf=gguf, llama_server=args.llama_server, peers_dir=args.peers_dir,
+    ns = SimpleNamespace(gguf=gguf, llama_server=args.llama_server, llama_server_avx2=args.llama_server_avx2,
+                         peers_dir=args.peers_dir,
                          inflight_threads=args.threads, concurrency=concurrency, float_model_path=None)
     started, load0 = _now(), os.getloadavg()
     rounds = []
@@ -143,7 +160,9 @@ def run_cell(row: str, column: str, args, model_dir: Path, gguf: Path, engines: 
             "requests": len(items), "concurrency": concurrency,
             "prompt_tokens": sum(len(w.prompt) for w in items), "output_tokens": sum(w.max_tokens for w in items),
             "started": started, "finished": _now(), "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()),
-            "rounds": rounds, "ratios": ratios(rounds, engines, key)}
+            "rounds": rounds, "ratios": ratios(rounds, peers_of(engines), key)}
+    if "llamacpp-avx2" in engines:  # inflight-avx2 against llama.cpp's build for this CPU, as before
+        cell["cross_ratios"] = ratios(rounds, {"inflight-avx2": "llamacpp"}, key)
     cell["median"] = {e: statistics.median(v) if v else None for e, v in cell["ratios"].items()}
     return cell
 
@@ -153,12 +172,15 @@ def _now() -> str:
 
 
 def _print_cell(cell: dict, engines: list[str]) -> None:
+    pairs = peers_of(engines)
     figs = []
     for e in engines:
         values = [r[e].get(cell["figure"]) for r in cell["rounds"] if "error" not in r[e]]
         errors = [r[e]["error"].splitlines()[-1][:160] for r in cell["rounds"] if "error" in r[e]]
         figs.append(f"{e} {', '.join(f'{v:.4g}' for v in values if v is not None)}" + (f" FAILED: {errors[0]}" if errors else ""))
-    ratio = "; ".join(f"{e}/llamacpp {', '.join(f'{x:.2f}x' for x in v) or '-'}" for e, v in cell["ratios"].items())
+    shown = [(f"{e}/{pairs[e]}", v) for e, v in cell["ratios"].items()] + \
+        [(f"{e}/llamacpp", v) for e, v in cell.get("cross_ratios", {}).items()]
+    ratio = "; ".join(f"{name} {', '.join(f'{x:.2f}x' for x in v) or '-'}" for name, v in shown)
     target = f"target >= {cell['target']}x" if cell["target"] else "no target"
     print(f"  {cell['column']:<13} {cell['figure']:<13} {' | '.join(figs)}  ->  {ratio}  ({target}; load "
           f"{cell['loadavg_before'][0]:.2f} -> {cell['loadavg_after'][0]:.2f})", flush=True)
@@ -167,14 +189,21 @@ def _print_cell(cell: dict, engines: list[str]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from backend.models.loader import load_model_config
-    from client.tools.peers.machine import describe, machine_report
+    from client.tools.peers.machine import describe, llamacpp_build_options, machine_report
     from client.tools.peers.table_plot import plot
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
-    machine = machine_report(args.llama_server)
-    engines = engines_for(machine, args.builds)
+    machine = dict(machine_report(args.llama_server))
+    engines = engines_for(machine, args.builds, avx2_peer=args.llama_server_avx2.exists())
     print(describe(machine), flush=True)
+    if "llamacpp-avx2" in engines:
+        machine["llamacpp_avx2_build"] = llamacpp_build_options(args.llama_server_avx2)
+        print(f"inflight-avx2's peer: llama.cpp built with {machine['llamacpp_avx2_build']}", flush=True)
+    elif "inflight-avx2" in engines:
+        print(f"inflight-avx2's peer: llama.cpp's build for this CPU ({args.llama_server_avx2} not found: "
+              "make peers-llamacpp-avx2 builds llama.cpp for AVX2 alone)", flush=True)
     report = {"command": "python -m client.tools.peers table " + " ".join(sys.argv[1:] if argv is None else argv),
-              "started": _now(), "machine": machine, "engines": engines, "threads": args.threads,
+              "started": _now(), "machine": machine, "engines": engines, "peers": peers_of(engines),
+              "threads": args.threads,
               "sizes": {k: getattr(args, k) for k in ("single_requests", "batch_requests", "prompt_lens", "prompt_requests",
                                                       "decode_context", "decode_tokens", "repeats", "seed", "kv_gib")},
               "smoke": args.smoke, "rows": []}

@@ -1,5 +1,5 @@
 """The PNG of a peers table (table.py's JSON): per inflight build a panel (log scale), per row a group of bars,
-one bar a column (the median ratio inflight / llama.cpp over the cell's rounds, each round a dot),
+one bar a column (the median ratio inflight / its llama.cpp peer over the cell's rounds, each round a dot),
 the issue's target for that cell a black tick over its bar, 1.0x (parity) a dashed line."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def plot(report: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    builds = [e for e in report["engines"] if e != "llamacpp"]
+    builds = [e for e in report["engines"] if not e.startswith("llamacpp")]
+    peers = report.get("peers", {})
     sizes = report.get("sizes", {})
     short, long_ = sizes.get("prompt_lens", ("short", "long"))
     labels = {**COLUMN_LABELS, "batch32": f"{sizes.get('batch_requests', 32)} at once", "prompt_short": f"prompt {short} (TTFT)", "prompt_long": f"prompt {long_} (TTFT)",
@@ -50,7 +51,8 @@ def plot(report: dict, path: Path) -> Path:
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels([r["label"] for r in rows], fontsize=8, rotation=12)
-        ax.set_ylabel(f"{build} / llama.cpp")
+        peer = peers.get(build, "llamacpp")
+        ax.set_ylabel(f"{build} / {peer}")
         ax.set_title(f"{build}: ratio per row and column (black tick: the issue's target)", fontsize=9)
     for ax in axes[:, 0]:  # ratios on a log scale: 0.5x and 2x equally far from parity
         ax.set_yscale("log")
