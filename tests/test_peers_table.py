@@ -228,4 +228,4 @@ def test_the_avx2_build_is_compared_with_llamacpps_avx2_build(tmp_path, monkeypa
     assert prompt["median"]["inflight-avx2"] == pytest.approx(2.5)           # its TTFT against the AVX2 build's
     printed = capsys.readouterr().out
     assert "inflight-avx2/llamacpp-avx2 2.50x, 2.50x; inflight-avx2/llamacpp 1.50x, 1.50x" in printed
-    assert "inflight-avx2's peer: llama.cpp built with {'AVX2': 'ON', 'AVX512': 'OFF'}" in printed
+    assert "inflight-avx2's peer: llama.cpp built with AVX2=ON AVX512=OFF" in printed

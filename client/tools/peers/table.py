@@ -197,7 +197,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(describe(machine), flush=True)
     if "llamacpp-avx2" in engines:
         machine["llamacpp_avx2_build"] = llamacpp_build_options(args.llama_server_avx2)
-        print(f"inflight-avx2's peer: llama.cpp built with {machine['llamacpp_avx2_build']}", flush=True)
+        options = machine["llamacpp_avx2_build"] or {}
+        print("inflight-avx2's peer: llama.cpp built with " + " ".join(f"{k}={v}" for k, v in options.items()), flush=True)
     elif "inflight-avx2" in engines:
         print(f"inflight-avx2's peer: llama.cpp's build for this CPU ({args.llama_server_avx2} not found: "
               "make peers-llamacpp-avx2 builds llama.cpp for AVX2 alone)", flush=True)
