@@ -35,6 +35,14 @@ static void amx_attention_configure(void) {
     _tile_loadconfig(&c);
 }
 
+#define APF 32 /* keys ahead whose K and V rows the loader asks into L2 while it lays out the keys before */
+
+/* Key row `at` of the caches (kv head g's D values in K and in V) asked into L2. */
+static inline void amx_prefetch_key(const uint16_t *k_cache, const uint16_t *v_cache, int64_t at, int64_t D) {
+    const char *k = (const char *)(k_cache + at), *v = (const char *)(v_cache + at);
+    for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(k + b, _MM_HINT_T1), _mm_prefetch(v + b, _MM_HINT_T1);
+}
+
 /* Keys k0 + [j0, j1) (multiples of 32; those at or past n zeros) of kv head g as tiles B:
    kk [AKB / 16][D / 32] tiles: pair p of head dims (row) x 16 keys (columns), for the scores;
    vv [AKB / 32][D / 16] tiles: pair p of keys (row) x 16 head dims (columns), for the weighted V. */
@@ -56,7 +64,9 @@ static void amx_load_keys(const uint16_t *restrict k_cache, const uint16_t *rest
             off[j] = ((first + slot) * G + g) * D;
         }
     }
+    for (int64_t j = j0; j < j0 + APF && j < last; j++) amx_prefetch_key(k_cache, v_cache, off[j], D);
     for (int64_t j = j0; j < j1; j += 16) {
+        for (int64_t i = j + APF; i < j + APF + 16 && i < last; i++) amx_prefetch_key(k_cache, v_cache, off[i], D);
         const uint16_t *kr[16];
         for (int i = 0; i < 16; i++) kr[i] = j + i < n ? k_cache + off[j + i] : amx_zero_row;
         for (int64_t c = 0; c < DC; c++) {
