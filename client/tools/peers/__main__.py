@@ -163,7 +163,7 @@ def main(argv=None) -> int:
         print(f"bench-peers: unknown --engines {unknown}; known: {', '.join(ENGINES)}", file=sys.stderr)
         return 2
     from backend.models.loader import load_model_config
-    machine = machine_report(args.llama_server or args.peers_dir / "llama.cpp-build" / "bin" / "llama-server")
+    machine = machine_report(llama_server("llamacpp", args))
     print(describe(machine))
     report = []
     key = "prompt_tok_s" if args.prompt_lens else "output_tok_s"
