@@ -121,7 +121,7 @@ def test_the_engine_streams_its_weights_and_cache_from_advised_memory(tmp_path, 
             assert mappings and all(advised(t) for t in arrays), [mapping_of(t.data_ptr()) for t in arrays if not advised(t)]
 
 
-def test_a_mixture_of_experts_float_panels_are_placed(mappings):
+def test_a_mixture_of_experts_float_panels_are_placed():
     from kernels.cpu import moe
     w = torch.randn(4, 40, 64, generator=torch.Generator().manual_seed(1))
     panels = moe.pack_panels(w)

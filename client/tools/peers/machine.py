@@ -59,13 +59,18 @@ def machine_report(llama_server: Optional[Path], cpuinfo: Optional[Path] = None)
             "llamacpp_build": llamacpp_build_options(llama_server)}
 
 
+def build_text(options: Optional[dict[str, str]]) -> str:
+    """A llama.cpp build's GGML x86 options (llamacpp_build_options) as KEY=VALUE words."""
+    if options is None:
+        return "no build found"
+    return " ".join(f"{k}={v}" for k, v in options.items()) or "no GGML x86 options in its CMakeCache.txt"
+
+
 def describe(report: dict) -> str:
     """Two lines for the top of the printed comparison."""
     flags = report["isa_flags"]
     listed = " ".join(f for f, on in flags.items() if on) or "none of " + " ".join(flags)
     missing = " ".join(f for f, on in flags.items() if not on)
-    options = report["llamacpp_build"]
-    llama = ("no build found" if options is None else
-             " ".join(f"{k}={v}" for k, v in options.items()) or "no GGML x86 options in its CMakeCache.txt")
+    llama = build_text(report["llamacpp_build"])
     return (f"CPU: {report['cpu_model']}; lists {listed}{'; not ' + missing if missing and listed[:4] != 'none' else ''}\n"
             f"inflight's packed GEMM: the {report['inflight_quant_build']} build; llama.cpp built with {llama}")

@@ -189,7 +189,7 @@ def _print_cell(cell: dict, engines: list[str]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from backend.models.loader import load_model_config
-    from client.tools.peers.machine import describe, llamacpp_build_options, machine_report
+    from client.tools.peers.machine import build_text, describe, llamacpp_build_options, machine_report
     from client.tools.peers.table_plot import plot
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
     machine = dict(machine_report(args.llama_server))
@@ -197,8 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(describe(machine), flush=True)
     if "llamacpp-avx2" in engines:
         machine["llamacpp_avx2_build"] = llamacpp_build_options(args.llama_server_avx2)
-        options = machine["llamacpp_avx2_build"] or {}
-        print("inflight-avx2's peer: llama.cpp built with " + " ".join(f"{k}={v}" for k, v in options.items()), flush=True)
+        print(f"inflight-avx2's peer: llama.cpp built with {build_text(machine['llamacpp_avx2_build'])}", flush=True)
     elif "inflight-avx2" in engines:
         print(f"inflight-avx2's peer: llama.cpp's build for this CPU ({args.llama_server_avx2} not found: "
               "make peers-llamacpp-avx2 builds llama.cpp for AVX2 alone)", flush=True)
