@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -24,7 +25,10 @@ pytestmark = requires_tritonserver
 openai = pytest.importorskip("openai")
 
 KEY = "runtime-lora-key"
-LONG, SHORT = 160, 12
+# LONG: requests that run for ~1.5 s on an idle 2-core machine, so the two of sql overlap even when a
+# loaded host (CI) staggers their arrival by a fraction of that; the gauge that shows it is sampled
+# every stats_interval (0.1 s) and reaches the metrics port some tens of ms later.
+LONG, SHORT = 400, 12
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3, 4,"]
 
 
@@ -56,6 +60,15 @@ def stack(adapters, model_path, tmp_path_factory):
         with OpenAIServer(triton.grpc_url, model_path, extra_args=("--enable-runtime-lora",),
                           api_keys=(KEY,)) as api_server:
             yield triton, api_server
+
+
+@pytest.fixture(autouse=True)
+def no_adapter_left(stack):
+    """Each test starts with no adapter loaded: one that failed midway does not fail the next."""
+    yield
+    _, api_server = stack
+    for name in models(openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=KEY, max_retries=0))[1:]:
+        post(api_server, "/v1/unload_lora_adapter", {"lora_name": name})
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +132,14 @@ def test_load_and_unload_while_requests_run_nothing_lost(stack, adapters, refere
             enumerate([("sql", PROMPTS[0]), ("llm", PROMPTS[1]), ("sql", PROMPTS[2])])]
     for t in runs:
         t.start()
-    wait_until(lambda: gauge_running(triton, "sql") == 2, timeout=60, interval=0.02)
+    seen = []  # (seconds since the start, sql's running gauge): what the failure below reports
+    start = time.monotonic()
+    try:
+        wait_until(lambda: seen.append((round(time.monotonic() - start, 3), gauge_running(triton, "sql")))
+                   or seen[-1][1] == 2, timeout=60, interval=0.02)
+    except AssertionError:
+        raise AssertionError(f"sql's two requests never seen running together: gauge {seen[:8]} ... {seen[-4:]}; "
+                             f"answered {sorted(answers)}; errors {errors}") from None
     unload = {}
     unloading = threading.Thread(target=lambda: unload.update(
         answer=post(api_server, "/v1/unload_lora_adapter", {"lora_name": "sql"})))
