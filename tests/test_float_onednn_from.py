@@ -1,6 +1,7 @@
 """backend/models/float_linear.py's choice of the rows from which a float layer runs oneDNN's GEMM
 instead of the C kernel: lowered for bfloat16 where oneDNN runs AMX tiles, opened for float16 where
-it has an fp16 kernel (AVX512-FP16), and never where ONEDNN_MAX_CPU_ISA caps oneDNN below it."""
+it has an fp16 kernel (AVX512-FP16), float16 and (on the AVX2 build) bfloat16 widened to float32
+slices where it has none, and never where ONEDNN_MAX_CPU_ISA caps oneDNN below it."""
 import pytest
 import torch
 
@@ -30,11 +31,14 @@ def test_amx_lowers_bfloat16_and_fp16_opens_float16(cpu):
 
 @pytest.mark.parametrize("amx, fp16, isa", [(False, False, "avx512_bf16"), (True, True, "avx2")])
 def test_without_them_or_with_the_avx2_build_forced_the_builds_table_holds(cpu, amx, fp16, isa):
-    """(A forced AVX2 build stands for an AVX2 CPU: no AMX, no AVX512-FP16.) float16 from 128 rows
-    either way: on oneDNN's float32 GEMM on the widened weight where it has no fp16 kernel."""
+    """(A forced AVX2 build stands for an AVX2 CPU: no AMX, no AVX512-FP16, no oneDNN bf16 GEMM.)
+    float16 from 128 rows either way: on oneDNN's float32 GEMM on the widened weight where it has no
+    fp16 kernel; bfloat16 the same way on the AVX2 build."""
     cpu(amx=amx, fp16=fp16, isa=isa)
     table = fl.ONEDNN_FROM[isa]
-    assert fl.float_onednn_from(torch.bfloat16) == table.get(torch.bfloat16, 0)
+    assert fl.float_onednn_from(torch.bfloat16) == (fl.ONEDNN_FROM_BF16_WIDENED if isa == "avx2"
+                                                    else table[torch.bfloat16])
+    assert fl.ONEDNN_FROM_BF16_WIDENED == 128
     assert fl.float_onednn_from(torch.float16) == fl.ONEDNN_FROM_F16_WIDENED == 128
     assert fl.float_onednn_from(torch.float32) == table.get(torch.float32, 0)
 
@@ -51,6 +55,27 @@ def test_float16_widens_only_where_onednn_keeps_the_builds_isa(cpu, monkeypatch)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     cpu(amx=False, fp16=False, isa="portable")
     assert fl.float_onednn_from(torch.float16) == 0
+
+
+def test_bfloat16_widens_on_the_avx2_build_only_where_onednn_keeps_avx2(cpu, monkeypatch):
+    """oneDNN's bf16 GEMM needs AVX-512 (capped at AVX2 it refuses the primitive): the AVX2 build's
+    bfloat16 prompt rows go through the widened weight, also under the benches' ONEDNN_MAX_CPU_ISA=AVX2
+    and with INFLIGHT_FLOAT_ONEDNN_FROM; a cap below AVX2 leaves them on the C kernel; the AVX-512
+    builds keep oneDNN's own bf16 GEMM (not widened)."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    cpu(amx=False, fp16=False, isa="avx2")
+    assert fl.float_onednn_from(torch.bfloat16) == 128 and fl.widened(torch.bfloat16)
+    monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "32")
+    assert fl.float_onednn_from(torch.bfloat16) == 32
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
+    assert fl.float_onednn_from(torch.bfloat16) == 0 and not fl.widened(torch.bfloat16)
+    monkeypatch.delenv("INFLIGHT_FLOAT_ONEDNN_FROM")
+    assert fl.float_onednn_from(torch.bfloat16) == 0
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    for isa in ("avx512", "avx512_bf16"):
+        cpu(amx=False, fp16=False, isa=isa)
+        assert fl.float_onednn_from(torch.bfloat16) == fl.ONEDNN_FROM[isa][torch.bfloat16]
+        assert not fl.widened(torch.bfloat16)
 
 
 def test_a_capped_onednn_gets_no_float16_and_the_override_follows_what_it_takes(cpu, monkeypatch):
@@ -80,18 +105,24 @@ def test_float16_through_onednn_matches_the_c_kernel_within_fp16_rounding():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_float16_widened_for_onednns_float32_gemm(monkeypatch, bias):
-    """Where oneDNN has no fp16 kernel: the weight widened to float32 a slice at a time (here 40 rows a
-    slice: 100 outputs are 3 slices, the last short), 130 rows in calls of 64 (padded to their row
-    buckets): each slice's columns are oneDNN's float32 GEMM on that slice exactly, and the whole is
-    the C kernel's product within float32 rounding."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_widened_for_onednns_float32_gemm(monkeypatch, bias, dtype):
+    """Where oneDNN has no GEMM for the dtype (float16 without its fp16 kernel, bfloat16 on the AVX2
+    build): the weight widened to float32 a slice at a time (here 40 rows a slice: 100 outputs are 3
+    slices, the last short), 130 rows in calls of 64 (padded to their row buckets): each slice's
+    columns are oneDNN's float32 GEMM on that slice exactly, and the whole is the C kernel's product
+    within float32 rounding."""
+    from kernels.cpu import float_gemm
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(onednn, "runs_fp16", lambda: False)
+    if dtype == torch.bfloat16:   # as the AVX2 build (the C kernel below is that build: this CPU runs it)
+        monkeypatch.setattr(float_gemm, "chosen_isa", lambda: "avx2")
     monkeypatch.setattr(fl, "WIDEN_BYTES", 40 * 4 * 96)
     monkeypatch.setattr(fl, "MAX_ROWS", 64)
     torch.manual_seed(1)
     linear = torch.nn.Linear(96, 100, bias=bias)
-    linear.weight.data = (linear.weight.data * 0.5).half()
-    layer = fl.FloatLinear(linear, onednn_from=fl.ONEDNN_FROM_F16_WIDENED)
+    linear.weight.data = (linear.weight.data * 0.5).to(dtype)
+    layer = fl.FloatLinear(linear, onednn_from=128)
     assert layer.widen
     x = torch.randn(130, 96)
     got = layer(x)

@@ -64,6 +64,23 @@ ONEDNN_FROM_FP16 = 128
 ONEDNN_FROM_F16_WIDENED = 128
 WIDENED_NEEDS = {"avx512_bf16": ("AVX512", "AMX"), "avx512": ("AVX512", "AMX"), "avx2": ("AVX2", "AVX512", "AMX")}
 WIDEN_BYTES = 8 << 20
+# bfloat16 on the AVX2 build (oneDNN's bf16 GEMM needs AVX-512: capped at AVX2 it refuses the
+# primitive), the same way: widened a slice at a time (exactly: a 16-bit shift) for oneDNN's float32
+# GEMM. Measured on a Sapphire Rapids Xeon, the AVX2 build with oneDNN capped at AVX2, 2 threads,
+# SmolLM2's four projections summed, against the C kernel: 0.94x at 64 rows, 1.13x at 128, 1.39x at
+# 256, 1.38x at 512 (docs/performance.md, "Issue 47: bfloat16 prompts on the AVX2 build").
+ONEDNN_FROM_BF16_WIDENED = 128
+
+
+def widened(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies a weight of ``dtype`` as float32 slices widened from it (it has no
+    GEMM of its own for that dtype here): float16 without oneDNN's fp16 kernel, bfloat16 on the AVX2
+    build; each only where ONEDNN_MAX_CPU_ISA leaves oneDNN the float kernel's build ISA."""
+    from kernels.cpu import float_gemm, onednn
+    isa = float_gemm.chosen_isa()
+    if isa not in WIDENED_NEEDS or not onednn.max_isa_allows(*WIDENED_NEEDS[isa]):
+        return False
+    return (dtype == torch.float16 and not onednn.runs_fp16()) or (dtype == torch.bfloat16 and isa == "avx2")
 
 
 def float_onednn_from(dtype: torch.dtype) -> int:
@@ -71,12 +88,13 @@ def float_onednn_from(dtype: torch.dtype) -> int:
     this CPU (0: never): INFLIGHT_FLOAT_ONEDNN_FROM (for every dtype oneDNN takes), else
     ONEDNN_FROM for the float kernel's build, lowered where oneDNN runs bfloat16 on AMX tiles, and for
     float16 oneDNN's fp16 kernel where it has one (AVX512-FP16), else its float32 one on the weight
-    widened a slice at a time (`ONEDNN_FROM_F16_WIDENED`) where ONEDNN_MAX_CPU_ISA leaves oneDNN the
-    build's ISA."""
+    widened a slice at a time (`widened`: `ONEDNN_FROM_F16_WIDENED`, and bfloat16 on the AVX2 build
+    `ONEDNN_FROM_BF16_WIDENED`)."""
     from kernels.cpu import float_gemm, onednn
     isa = float_gemm.chosen_isa()
-    widens = isa in WIDENED_NEEDS and onednn.max_isa_allows(*WIDENED_NEEDS[isa]) and not onednn.runs_fp16()
-    takes = (torch.float32, torch.bfloat16) + ((torch.float16,) if onednn.runs_fp16() or widens else ())
+    takes = (torch.float32,) + tuple(t for t in (torch.bfloat16, torch.float16)
+                                     if widened(t) or (t == torch.float16 and onednn.runs_fp16())
+                                     or (t == torch.bfloat16 and isa != "avx2"))
     forced = os.environ.get("INFLIGHT_FLOAT_ONEDNN_FROM")
     if forced is not None:
         if not forced.isdigit():
@@ -86,6 +104,8 @@ def float_onednn_from(dtype: torch.dtype) -> int:
         if dtype not in takes or isa not in WIDENED_NEEDS:
             return 0
         return ONEDNN_FROM_FP16 if onednn.runs_fp16() else ONEDNN_FROM_F16_WIDENED
+    if dtype == torch.bfloat16 and widened(dtype):
+        return ONEDNN_FROM_BF16_WIDENED
     if isa.startswith("avx512") and dtype == torch.bfloat16 and onednn.runs_amx_bf16():
         return ONEDNN_FROM_AMX_BF16   # (a forced AVX2 build stands for a CPU without AMX)
     return ONEDNN_FROM[isa].get(dtype, 0)
@@ -94,7 +114,7 @@ def float_onednn_from(dtype: torch.dtype) -> int:
 class FloatLinear(nn.Module):
     def __init__(self, linear: nn.Linear, onednn_from: int = 0):
         """``onednn_from``: steps of this many rows or more run oneDNN's GEMM; 0: never."""
-        from kernels.cpu import huge_pages, onednn
+        from kernels.cpu import huge_pages
         from kernels.cpu.float_gemm import CpuFloatWeight
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -103,8 +123,8 @@ class FloatLinear(nn.Module):
         self.bias = linear.bias
         self.kernel = CpuFloatWeight(self.weight.detach())
         self.onednn_from = onednn_from
-        # oneDNN without an fp16 kernel: a float16 weight's slices widened to float32 for its GEMM
-        self.widen = self.weight.dtype == torch.float16 and onednn_from > 0 and not onednn.runs_fp16()
+        # oneDNN without a GEMM for the weight's dtype: its slices widened to float32 for its float32 one
+        self.widen = onednn_from > 0 and widened(self.weight.dtype)
 
     def float_bias(self) -> Optional[torch.Tensor]:
         return None if self.bias is None else self.bias.detach().float()
@@ -121,8 +141,8 @@ class FloatLinear(nn.Module):
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's GEMM on the weight as it is (x cast to its dtype, as PackedLinear does), in
         slices of at most MAX_ROWS rows, each padded to its row bucket (one primitive per bucket,
-        packed_linear.py); the bias added in float32 after. A float16 weight oneDNN has no kernel
-        for (`widen`): WIDEN_BYTES of its rows at a time widened to float32 (exactly), each slice's
+        packed_linear.py); the bias added in float32 after. A weight whose dtype oneDNN has no GEMM
+        for (`widen`: float16 or bfloat16, `widened`): WIDEN_BYTES of its rows at a time widened to float32 (exactly), each slice's
         output columns from oneDNN's float32 GEMM."""
         weight = self.weight.detach()
         step = max(16, WIDEN_BYTES // (4 * self.in_features)) if self.widen else self.out_features
