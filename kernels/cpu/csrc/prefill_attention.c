@@ -102,12 +102,14 @@ float probe(void) {
 #else /* the kernel, for one cache element type */
 
 /* Keys [k0, k0 + n) of kv head g, out of their blocks: kt [D][KT] (transposed, zero past n) and
-   vt [KT][D]. With AVX-512 a whole tile's K rows are widened like V's into `rows` and transposed 16
-   x 16 in registers (the element-wise transposition was a quarter of a small chunk's attention). */
+   vt [KT][D]. With AVX-512 or AVX2 a whole tile's K rows are widened like V's into `rows` and
+   transposed TW x TW in registers (prefill_vec.h): the element-wise transposition was a quarter of a
+   small chunk's attention with AVX-512, and with AVX2 the 8 x 8 one made a 4,096-token prompt's
+   attention 1.08-1.11x faster (Qwen3-MoE's shapes; docs/performance.md). */
 static void NAME(load_tile)(const CACHE_T *restrict k_cache, const CACHE_T *restrict v_cache,
                             const int32_t *restrict table, int64_t k0, int64_t n, int64_t g, int64_t G,
                             int64_t D, int64_t BS, float *restrict kt, float *restrict vt, float *restrict rows) {
-    const int whole = TRANSPOSE16 && n == KT && D % 16 == 0;
+    const int whole = TW > 1 && n == KT && D % TW == 0;
     if (n < KT)
         for (int64_t d = 0; d < D; d++) memset(kt + d * KT + n, 0, sizeof(float) * (KT - n));
     for (int64_t j = 0; j < n; j++) {
@@ -123,8 +125,8 @@ static void NAME(load_tile)(const CACHE_T *restrict k_cache, const CACHE_T *rest
         for (int64_t d = 0; d < D; d++) vt[j * D + d] = TO_F32(vr[d]);
     }
     if (whole)
-        for (int64_t j0 = 0; j0 < KT; j0 += 16)
-            for (int64_t d0 = 0; d0 < D; d0 += 16) transpose16(rows + j0 * D + d0, D, kt + d0 * KT + j0, KT);
+        for (int64_t j0 = 0; j0 < KT; j0 += TW)
+            for (int64_t d0 = 0; d0 < D; d0 += TW) transpose_block(rows + j0 * D + d0, D, kt + d0 * KT + j0, KT);
 }
 
 /* Scores of NR rows (NR = RB or 1) against a key tile: s[b][j] = q_b . k_j, the NR x 4 sums in registers. */

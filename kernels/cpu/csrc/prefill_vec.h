@@ -41,11 +41,12 @@ static inline vf_t vset(float x) { const vf_t z = {0}; return z + x; }
 #define IN_REG(v) (void)0
 #endif
 
-/* dst[c][r] = src[r][c] for a 16 x 16 block of floats (row strides ls, ld): in registers with AVX-512
-   (unpack 32-bit and 64-bit pairs, then swap 128-bit lanes twice), else not used (TRANSPOSE16 0). */
+/* dst[c][r] = src[r][c] for a TW x TW block of floats (row strides ls, ld), in registers: 16 x 16 with
+   AVX-512 (unpack 32-bit and 64-bit pairs, then swap 128-bit lanes twice), 8 x 8 with AVX (unpack
+   32-bit pairs, shuffle 64-bit pairs, swap 128-bit halves); the portable build has none (TW 1). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define TRANSPOSE16 1
+#define TW 16
 /* In place in 16 registers: r[c] lane i = r[i] lane c (32-bit lanes; a permutation, so bit patterns
    pass unchanged: prefill_attention_amx.h transposes pairs of bfloat16 with it). */
 static inline void transpose16_regs(__m512 r[16]) {
@@ -74,15 +75,36 @@ static inline void transpose16_regs(__m512 r[16]) {
     }
 }
 
-static inline void transpose16(const float *restrict src, int64_t ls, float *restrict dst, int64_t ld) {
+static inline void transpose_block(const float *restrict src, int64_t ls, float *restrict dst, int64_t ld) {
     __m512 r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ls);
     transpose16_regs(r);
     for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ld, r[i]);
 }
+#elif defined(__AVX__)
+#include <immintrin.h>
+#define TW 8
+static inline void transpose_block(const float *restrict src, int64_t ls, float *restrict dst, int64_t ld) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ls);
+    for (int i = 0; i < 8; i += 2) { /* t[i]: rows i, i+1 interleaved, elements 0-1 | 4-5; t[i+1]: 2-3 | 6-7 */
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* r[i + c]: column c (and c + 4) of rows i .. i+3 */
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(dst + c * ld, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+        _mm256_storeu_ps(dst + (c + 4) * ld, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+    }
+}
 #else
-#define TRANSPOSE16 0
-static inline void transpose16(const float *src, int64_t ls, float *dst, int64_t ld) {
+#define TW 1 /* no transposition in registers: load_tile transposes element by element */
+static inline void transpose_block(const float *src, int64_t ls, float *dst, int64_t ld) {
     (void)src, (void)ls, (void)dst, (void)ld;
 }
 #endif
