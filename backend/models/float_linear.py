@@ -68,7 +68,8 @@ WIDEN_BYTES = 8 << 20
 # primitive), the same way: widened a slice at a time (exactly: a 16-bit shift) for oneDNN's float32
 # GEMM. Measured on a Sapphire Rapids Xeon, the AVX2 build with oneDNN capped at AVX2, 2 threads,
 # SmolLM2's four projections summed, against the C kernel: 0.94x at 64 rows, 1.13x at 128, 1.39x at
-# 256, 1.38x at 512 (docs/performance.md, "Issue 47: bfloat16 prompts on the AVX2 build").
+# 256, 1.38x at 512 (docs/performance.md, "Issue 47: bfloat16 prompts and float GEMVs on the AVX2
+# build").
 ONEDNN_FROM_BF16_WIDENED = 128
 
 
@@ -142,8 +143,8 @@ class FloatLinear(nn.Module):
         """oneDNN's GEMM on the weight as it is (x cast to its dtype, as PackedLinear does), in
         slices of at most MAX_ROWS rows, each padded to its row bucket (one primitive per bucket,
         packed_linear.py); the bias added in float32 after. A weight whose dtype oneDNN has no GEMM
-        for (`widen`: float16 or bfloat16, `widened`): WIDEN_BYTES of its rows at a time widened to float32 (exactly), each slice's
-        output columns from oneDNN's float32 GEMM."""
+        for (`widen`, see `widened`): WIDEN_BYTES of its rows at a time widened to float32 (exactly),
+        each slice's output columns from oneDNN's float32 GEMM."""
         weight = self.weight.detach()
         step = max(16, WIDEN_BYTES // (4 * self.in_features)) if self.widen else self.out_features
         slices = []

@@ -1,6 +1,7 @@
 /* prefill_attention.c's vectors, per build: the width of one register of floats (GCC's vector
    extension, so one source serves the AVX-512, AVX2 and portable builds), the rows a tile computes
-   together, and AVX-512's 16 x 16 transposition of a key tile. Included once, before the kernel. */
+   together, and the transposition of a key tile in registers (16 x 16 with AVX-512, 8 x 8 with AVX).
+   Included once, before the kernel. */
 #ifndef INFLIGHT_PREFILL_VEC_H
 #define INFLIGHT_PREFILL_VEC_H
 #include <stdint.h>
