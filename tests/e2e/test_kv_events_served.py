@@ -36,10 +36,14 @@ def test_the_events_ports_follow_host_and_carry_a_requests_blocks(model_reposito
             sub = context.socket(zmq.SUB)
             sub.connect(f"tcp://127.0.0.1:{pub}")
             sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-            heard = []
+            heard, tries = [], iter(range(1 << 20))
 
             def hear() -> bool:
-                http_generate(server.http_url, {"text_input": "a prompt long enough to fill a block or two " * 4,
+                # A new prompt each try: a subscriber that joined after a request's blocks were published
+                # (zmq drops what it sends before the connection is up, slow on a loaded host) would never
+                # hear the same prompt again, its blocks then being the prefix cache's hits, not new ones.
+                http_generate(server.http_url, {"text_input": f"try {next(tries)}: " +
+                                                "a prompt long enough to fill a block or two " * 4,
                                                 "max_tokens": 2}, stream=False)
                 while sub.poll(200):
                     heard.append(sub.recv_multipart())
