@@ -93,19 +93,19 @@ def float_onednn_from(dtype: torch.dtype) -> int:
     `ONEDNN_FROM_BF16_WIDENED`)."""
     from kernels.cpu import float_gemm, onednn
     isa = float_gemm.chosen_isa()
-    takes = (torch.float32,) + tuple(t for t in (torch.bfloat16, torch.float16)
-                                     if widened(t) or (t == torch.float16 and onednn.runs_fp16())
-                                     or (t == torch.bfloat16 and isa != "avx2"))
+    wide = widened(dtype)
+    own = (dtype == torch.float32 or (dtype == torch.bfloat16 and isa != "avx2")  # a GEMM of oneDNN's own
+           or (dtype == torch.float16 and onednn.runs_fp16()))
     forced = os.environ.get("INFLIGHT_FLOAT_ONEDNN_FROM")
     if forced is not None:
         if not forced.isdigit():
             raise ValueError(f"INFLIGHT_FLOAT_ONEDNN_FROM={forced!r}; a row count (0: never)")
-        return int(forced) if dtype in takes else 0
+        return int(forced) if own or wide else 0
     if dtype == torch.float16:   # oneDNN's fp16 GEMM, else its float32 one on the widened weight
-        if dtype not in takes or isa not in WIDENED_NEEDS:
+        if not (own or wide) or isa not in WIDENED_NEEDS:
             return 0
-        return ONEDNN_FROM_FP16 if onednn.runs_fp16() else ONEDNN_FROM_F16_WIDENED
-    if dtype == torch.bfloat16 and widened(dtype):
+        return ONEDNN_FROM_FP16 if own else ONEDNN_FROM_F16_WIDENED
+    if wide:   # bfloat16 on the AVX2 build
         return ONEDNN_FROM_BF16_WIDENED
     if isa.startswith("avx512") and dtype == torch.bfloat16 and onednn.runs_amx_bf16():
         return ONEDNN_FROM_AMX_BF16   # (a forced AVX2 build stands for a CPU without AMX)
