@@ -116,8 +116,10 @@ void dequant_rows(const qweight_t *w, const int64_t *ids, int64_t R, float *out)
     }
 }
 
-/* ---- activations: int8 codes per group of 32, the group's scale, the codes' sum per 16 ---- */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, float *da, int32_t *sa) {
+/* ---- activations: int8 codes per group of 32, the group's scale (da), the codes' sum per 16 (sa),
+   and the scale times the group's sum (ms: the mins' factor, a float once here, not a scalar
+   conversion and product per row, group and tile in the kernels) ---- */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, float *da, int32_t *sa, float *ms) {
     const int64_t G = K / QK;
 #pragma omp parallel for if (M * K >= 65536) schedule(static)
     for (int64_t m = 0; m < M; m++) {
@@ -169,6 +171,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, floa
             sa[(m * G + g) * 2 + 1] = s1;
 #endif
             da[m * G + g] = d;
+            ms[m * G + g] = d * (float)(sa[(m * G + g) * 2] + sa[(m * G + g) * 2 + 1]);
         }
     }
 }
@@ -274,11 +277,12 @@ void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, flo
     int8_t *qa = malloc((size_t)(M * K));
     float *da = malloc(sizeof(float) * (size_t)(M * G));
     int32_t *sa = malloc(sizeof(int32_t) * (size_t)(M * G * 2));
-    quantize_rows(x, M, K, qa, da, sa);
+    float *ms = malloc(sizeof(float) * (size_t)(M * G));
+    quantize_rows(x, M, K, qa, da, sa, ms);
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
 #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < T; t++) tile_all_rows((int)w->type, w, t, m0, m1, qa, da, sa, bias, out, ldo, stream);
+        for (int64_t t = 0; t < T; t++) tile_all_rows((int)w->type, w, t, m0, m1, qa, da, sa, ms, bias, out, ldo, stream);
     }
 #ifdef QUANT_AVX512
     if (stream) _mm_sfence(); /* streaming stores are weakly ordered: visible before returning */
@@ -286,6 +290,7 @@ void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, flo
     free(qa);
     free(da);
     free(sa);
+    free(ms);
 }
 
 /* The experts of a mixture-of-experts layer in one call (kernels/cpu_quant.py `CpuQuantExperts`):
@@ -302,8 +307,9 @@ void qgemm_experts(const qweight_t *ws, int64_t E, const float *x, const int64_t
     int8_t *qa = malloc((size_t)(R * K) + 1);
     float *da = malloc(sizeof(float) * (size_t)(R * G + 1));
     int32_t *sa = malloc(sizeof(int32_t) * (size_t)(R * G * 2 + 1));
+    float *ms = malloc(sizeof(float) * (size_t)(R * G + 1));
     int64_t *item_rows = malloc(sizeof(int64_t) * (size_t)(2 * items + 1)); /* (expert, first row) */
-    quantize_rows(x, R, K, qa, da, sa);
+    quantize_rows(x, R, K, qa, da, sa, ms);
     items = 0;
     for (int64_t e = 0; e < E; e++)
         for (int64_t m0 = offsets[e]; m0 < offsets[e + 1]; m0 += M_CHUNK, items++) {
@@ -314,7 +320,7 @@ void qgemm_experts(const qweight_t *ws, int64_t E, const float *x, const int64_t
     for (int64_t i = 0; i < items * T; i++) { /* tiles innermost: one expert's weights stream in order */
         const int64_t e = item_rows[2 * (i / T)], m0 = item_rows[2 * (i / T) + 1];
         const int64_t m1 = m0 + M_CHUNK < offsets[e + 1] ? m0 + M_CHUNK : offsets[e + 1];
-        tile_all_rows((int)ws[e].type, &ws[e], i % T, m0, m1, qa, da, sa, NULL, out, ldo, stream);
+        tile_all_rows((int)ws[e].type, &ws[e], i % T, m0, m1, qa, da, sa, ms, NULL, out, ldo, stream);
     }
 #ifdef QUANT_AVX512
     if (stream) _mm_sfence();
@@ -322,6 +328,7 @@ void qgemm_experts(const qweight_t *ws, int64_t E, const float *x, const int64_t
     free(qa);
     free(da);
     free(sa);
+    free(ms);
     free(item_rows);
 }
 

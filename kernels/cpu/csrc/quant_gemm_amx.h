@@ -216,11 +216,12 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
     float *da = malloc(sizeof(float) * (size_t)(Mp * G));
     int32_t *sa = malloc(sizeof(int32_t) * (size_t)(Mp * G * 2));
     int32_t *zs = malloc(sizeof(int32_t) * (size_t)(Mp * G)), *zh = malloc(sizeof(int32_t) * (size_t)(Mp * G));
-    float *ms = malloc(sizeof(float) * (size_t)(Mp * G));
-    quantize_rows(x, M, K, qa, da, sa);
+    float *ms = malloc(sizeof(float) * (size_t)(Mp * G)), *msa = malloc(sizeof(float) * (size_t)(Mp * G));
+    quantize_rows(x, M, K, qa, da, sa, msa);
     memset(qa + M * K, 0, (size_t)((Mp - M) * K));
     memset(da + M * G, 0, sizeof(float) * (size_t)((Mp - M) * G));
     memset(sa + M * G * 2, 0, sizeof(int32_t) * (size_t)((Mp - M) * G * 2));
+    memset(msa + M * G, 0, sizeof(float) * (size_t)((Mp - M) * G));
     /* re-laid by block of 16 rows and group: [Mp / 16][G][16] (and 32 codes a row for A), so a tile
        load reads 512 contiguous bytes and a group's 16 rows' scales sit on one line */
     int8_t *qb = aligned_alloc(64, (size_t)(Mp * K));
@@ -234,7 +235,7 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
             db[j] = da[i];
             zs[j] = w->type == Q6_K ? -32 * sa[2 * i] : -zp * s;
             zh[j] = -32 * sa[2 * i + 1];
-            ms[j] = da[i] * (float)s;
+            ms[j] = msa[i];
         }
     free(qa);
     free(da);
@@ -263,4 +264,5 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
     free(zs);
     free(zh);
     free(ms);
+    free(msa);
 }

@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) __m256i group_dot(
    64-byte line of codes is used whole while it is in L1, and the loads stream in order. */
 static inline __attribute__((always_inline)) void half_tile_rows(
         const int TYPE, const int MT, const int HALVES, const qweight_t *w, int64_t t, int H0, int64_t m0,
-        const int8_t *qa, const float *da, const int32_t *sa, __m256 *acc) {
+        const int8_t *qa, const float *da, const int32_t *sa, const float *ms, __m256 *acc) {
     const int64_t K = w->K, G = K / QK, S = K / 256;
     const __m256i nib = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < HALVES * MT; r++) acc[r] = _mm256_setzero_ps();
@@ -143,7 +143,7 @@ static inline __attribute__((always_inline)) void half_tile_rows(
                 const __m256i dot = group_dot(TYPE, wq, qa + m * K + g * QK, s0, s1, sclo, schi);
                 acc[hh * MT + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dvec, _mm256_set1_ps(dm)), acc[hh * MT + r]);
                 if (has_group_mins(TYPE) || TYPE == Q4_K || TYPE == Q5_K)
-                    acc[hh * MT + r] = _mm256_fmadd_ps(mvec, _mm256_set1_ps(dm * (float)(s0 + s1)), acc[hh * MT + r]);
+                    acc[hh * MT + r] = _mm256_fmadd_ps(mvec, _mm256_set1_ps(ms[m * G + g]), acc[hh * MT + r]);
             }
         }
     }
@@ -166,12 +166,12 @@ static inline __attribute__((always_inline)) void store_rows(
 /* Tile t against rows [m0, m1): the row halves that hold output rows, MT_MAX rows at a time (one
    row, a decode step's GEMV, is the MT = 1 case). Same signature as the other builds'. */
 static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
-                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
-                          int stream) {
+                          const float *da, const int32_t *sa, const float *ms, const float *bias, float *out,
+                          int64_t ldo, int stream) {
     const int64_t n0 = t * TILE;
     if (m1 - m0 == 1 && n0 + 16 <= w->N) { /* a one-row GEMV over a whole tile: both halves at once */
         int64_t m = m0;
-#define GEMV(T_, MT_) do { __m256 acc[2]; half_tile_rows(T_, 1, 2, w, t, 0, m, qa, da, sa, acc);          \
+#define GEMV(T_, MT_) do { __m256 acc[2]; half_tile_rows(T_, 1, 2, w, t, 0, m, qa, da, sa, ms, acc);      \
                            store_rows(1, acc, m, n0, 8, bias, out, ldo, stream);                              \
                            store_rows(1, acc + 1, m, n0 + 8, 8, bias, out, ldo, stream); } while (0)
         BY_TYPE(GEMV, 1)
@@ -179,7 +179,7 @@ static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, i
     } else {
         for (int H = 0; H < 2 && n0 + 8 * H < w->N; H++) {
             const int64_t n = n0 + 8 * H, valid = w->N - n < 8 ? w->N - n : 8;
-#define HALF_ROWS(T_, MT_) do { __m256 acc[MT_]; half_tile_rows(T_, MT_, 1, w, t, H, m, qa, da, sa, acc); \
+#define HALF_ROWS(T_, MT_) do { __m256 acc[MT_]; half_tile_rows(T_, MT_, 1, w, t, H, m, qa, da, sa, ms, acc); \
                                 store_rows(MT_, acc, m, n, valid, bias, out, ldo, stream); } while (0)
             int64_t m = m0;
             ROW_BLOCKS(HALF_ROWS, (void)0)

@@ -38,28 +38,43 @@ static inline __attribute__((always_inline)) void group_codes(const int TYPE, co
     }
 }
 
-static inline __attribute__((always_inline)) void group_scales(const int TYPE, const qweight_t *w, int64_t t,
-                                                               int64_t g, __m512 *dvec, __m512 *mvec,
-                                                               __m512i *sclo, __m512i *schi) {
-    const int64_t G = w->K / QK, S = w->K / 256, tg = t * G + g;
+/* A K-quant super-block's two fp16 scale vectors (d, min), converted once for its 8 groups. */
+static inline __attribute__((always_inline)) void block_scales(const int TYPE, const qweight_t *w, int64_t t,
+                                                               int64_t g, __m512 *dsb, __m512 *msb) {
+    const int64_t ts = t * (w->K / 256) + g / 8;
+    *dsb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + ts * TILE)));
+    *msb = TYPE == Q6_K ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + ts * TILE)));
+}
+
+/* group_scales with the K-quants' super-block scales given (block_scales'): the tile kernel's loop
+   converts them once a super-block. */
+static inline __attribute__((always_inline)) void group_scales_in(const int TYPE, const qweight_t *w, int64_t t,
+                                                                  int64_t g, __m512 dsb, __m512 msb, __m512 *dvec,
+                                                                  __m512 *mvec, __m512i *sclo, __m512i *schi) {
+    const int64_t G = w->K / QK, tg = t * G + g;
     *mvec = _mm512_setzero_ps();
     *sclo = *schi = _mm512_setzero_si512();
     if (!k_quant(TYPE)) {
         *dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + tg * TILE)));
         if (has_group_mins(TYPE)) *mvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + tg * TILE)));
+    } else if (TYPE == Q6_K) {
+        *dvec = dsb;
+        *sclo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE)));
+        *schi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE)));
     } else {
-        const int64_t ts = t * S + g / 8;
-        *dvec = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->scales + ts * TILE)));
-        if (TYPE == Q6_K) {
-            *sclo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE)));
-            *schi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * 2 * TILE + TILE)));
-        } else {
-            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * TILE))));
-            const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_mins + tg * TILE))));
-            *mvec = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mins + ts * TILE))), mn);
-            *dvec = _mm512_mul_ps(*dvec, sc);
-        }
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_scales + tg * TILE))));
+        const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sub_mins + tg * TILE))));
+        *mvec = _mm512_mul_ps(msb, mn);
+        *dvec = _mm512_mul_ps(dsb, sc);
     }
+}
+
+static inline __attribute__((always_inline)) void group_scales(const int TYPE, const qweight_t *w, int64_t t,
+                                                               int64_t g, __m512 *dvec, __m512 *mvec,
+                                                               __m512i *sclo, __m512i *schi) {
+    __m512 dsb = _mm512_setzero_ps(), msb = dsb;
+    if (k_quant(TYPE)) block_scales(TYPE, w, t, g, &dsb, &msb);
+    group_scales_in(TYPE, w, t, g, dsb, msb, dvec, mvec, sclo, schi);
 }
 
 /* A row's share of a group, added to its accumulator: the int32 dot products (zero point and, for
@@ -86,30 +101,42 @@ static inline __attribute__((always_inline)) void store_group_codes(const int TY
     }
 }
 
-/* The tile's 16 outputs of each row [m0, m0 + MT) (+ bias), stored (see qgemm for `stream`). */
+/* Row m's 16 outputs of tile t (+ bias), stored (see qgemm for `stream`). One vector by value: the
+   tile kernel's accumulators stay in registers (an array passed by address made GCC keep them on
+   the stack, stored at every group). */
+static inline __attribute__((always_inline)) void store_row(__m512 acc, int64_t t, int64_t m, int64_t N,
+                                                            const float *bias, float *out, int64_t ldo, int stream) {
+    const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    const __m512 v = bias ? _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias + n0)) : acc;
+    if (valid == TILE && stream) _mm512_stream_ps(out + m * ldo + n0, v); /* see qgemm */
+    else if (valid == TILE) _mm512_storeu_ps(out + m * ldo + n0, v); /* whole lines: a masked store may read the line first */
+    else _mm512_mask_storeu_ps(out + m * ldo + n0, mask, v);
+}
+
+/* The tile's 16 outputs of each row [m0, m0 + MT) (+ bias), stored. */
 static inline __attribute__((always_inline)) void store_rows(const int MT, const __m512 *acc, int64_t t,
                                                              int64_t m0, int64_t N, const float *bias,
                                                              float *out, int64_t ldo, int stream) {
-    const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
-    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    if (valid == TILE && stream) /* see qgemm */
-        for (int r = 0; r < MT; r++) _mm512_stream_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
-    else if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
-        for (int r = 0; r < MT; r++) _mm512_storeu_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
-    else
-        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
+    for (int r = 0; r < MT; r++) store_row(acc[r], t, m0 + r, N, bias, out, ldo, stream);
 }
 
 /* One tile (16 output rows) against activation rows [m0, m0 + MT): TYPE and MT are constants
    where it is called, so each (type, MT) pair compiles to its own straight-line loop. */
 static inline __attribute__((always_inline)) void tile_rows(
         const int TYPE, const int MT, const qweight_t *w, int64_t t, int64_t m0, const int8_t *qa,
-        const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo, int stream,
-        int64_t pass, int64_t passes) {
+        const float *da, const int32_t *sa, const float *ms, const float *bias, float *out, int64_t ldo,
+        int stream, int64_t pass, int64_t passes) {
     const int64_t K = w->K, G = K / QK;
-    __m512 acc[MT];
+    __m512 acc[MT_WIDE > MT_MAX ? MT_WIDE : MT_MAX]; /* a fixed size (MT <= it), not a VLA: in registers */
     for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    __m512 dsb = _mm512_setzero_ps(), msb = dsb; /* K-quants: the super-block's scales */
+    /* HI16: a 4-bit format's high codes multiplied where they lie, 16 times their value (an and,
+       not a shift and an and, per 64 bytes), the row's sum of them shifted back once: exact (a
+       multiple of 16, at most 240 x 127 x 32 in int32), so the same sums: 4 shifts a group fewer, one
+       a row more, so for 1-2 rows (a decode step's GEMV, whose compute the weights' stream from
+       memory waits on). */
+    const int HI16 = MT <= 2 && high_bits(TYPE) == 0 && TYPE != Q8_0;
     int64_t g_fetch = pass; /* this pass's next group to prefetch for: pass, pass + passes, ... (no division per group) */
     for (int64_t g = 0; g < G; g++) {
         const int64_t tg = t * G + g;
@@ -119,10 +146,20 @@ static inline __attribute__((always_inline)) void tile_rows(
             const char *next = (const char *)(w->qs + (tg + G) * qs_bytes(TYPE));
             for (int c = 0; c < qs_bytes(TYPE) / 64; c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
         }
-        group_codes(TYPE, w, tg, wlo, whi);
+        if (k_quant(TYPE) && (g & 7) == 0) block_scales(TYPE, w, t, g, &dsb, &msb);
+        if (HI16) { /* see HI16 */
+            const uint8_t *p = w->qs + tg * 256;
+            for (int c = 0; c < 4; c++) {
+                const __m512i x = _mm512_loadu_si512(p + c * 64);
+                wlo[c] = _mm512_and_si512(x, _mm512_set1_epi8(0x0F));
+                whi[c] = _mm512_and_si512(x, _mm512_set1_epi8((char)0xF0));
+            }
+        } else {
+            group_codes(TYPE, w, tg, wlo, whi);
+        }
         __m512 dvec, mvec;
         __m512i sclo, schi;
-        group_scales(TYPE, w, t, g, &dvec, &mvec, &sclo, &schi);
+        group_scales_in(TYPE, w, t, g, dsb, msb, &dvec, &mvec, &sclo, &schi);
         for (int r = 0; r < MT; r++) {
             const int64_t m = m0 + r;
             const int8_t *a = qa + m * K + g * QK;
@@ -145,18 +182,18 @@ static inline __attribute__((always_inline)) void tile_rows(
                 hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(32 * s1));
                 dot = _mm512_add_epi32(_mm512_mullo_epi32(lo, sclo), _mm512_mullo_epi32(hi, schi));
             } else {
-                dot = _mm512_add_epi32(lo, hi);
+                dot = _mm512_add_epi32(lo, HI16 ? _mm512_srai_epi32(hi, 4) : hi);
             }
-            acc[r] = group_row_sum(TYPE, acc[r], dot, dvec, mvec, da[m * G + g], da[m * G + g] * (float)(s0 + s1));
+            acc[r] = group_row_sum(TYPE, acc[r], dot, dvec, mvec, da[m * G + g], ms[m * G + g]);
         }
     }
-    store_rows(MT, acc, t, m0, w->N, bias, out, ldo, stream);
+    for (int r = 0; r < MT; r++) store_row(acc[r], t, m0 + r, w->N, bias, out, ldo, stream);
 }
 
 static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
-                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
-                          int stream) {
-#define TILE_ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, bias, out, ldo, stream, pass, passes)
+                          const float *da, const int32_t *sa, const float *ms, const float *bias, float *out,
+                          int64_t ldo, int stream) {
+#define TILE_ROWS(T_, MT_) tile_rows(T_, MT_, w, t, m, qa, da, sa, ms, bias, out, ldo, stream, pass, passes)
     const int64_t passes = row_blocks(type, m1 - m0);
     int64_t m = m0, pass = 0;
     ROW_BLOCKS(TILE_ROWS, pass++)

@@ -40,8 +40,8 @@ static void decode_tile_group(const qweight_t *w, int64_t tg, int16_t codes[QK][
 }
 
 static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
-                          const float *da, const int32_t *sa, const float *bias, float *out, int64_t ldo,
-                          int stream) {
+                          const float *da, const int32_t *sa, const float *ms, const float *bias, float *out,
+                          int64_t ldo, int stream) {
     (void)stream;
     const int64_t K = w->K, G = K / QK, S = K / 256, N = w->N, n0 = t * TILE;
     const int64_t valid = N - n0 < TILE ? N - n0 : TILE, rows = m1 - m0;
@@ -69,7 +69,7 @@ static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, i
         for (int64_t m = m0; m < m1; m++) {
             const int8_t *a = qa + m * K + g * QK;
             const int32_t s0 = sa[(m * G + g) * 2], s1 = sa[(m * G + g) * 2 + 1];
-            const float dm = da[m * G + g], msum = dm * (float)(s0 + s1);
+            const float dm = da[m * G + g], msum = ms[m * G + g];
             float *o = acc[m - m0];
             int32_t lo[TILE] = {0}, hi[TILE] = {0};
             for (int v = 0; v < 16; v++) /* over the 16 rows: one vector lane each */
