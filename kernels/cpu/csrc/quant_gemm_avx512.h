@@ -101,24 +101,19 @@ static inline __attribute__((always_inline)) void store_group_codes(const int TY
     }
 }
 
-/* Row m's 16 outputs of tile t (+ bias), stored (see qgemm for `stream`). One vector by value: the
-   tile kernel's accumulators stay in registers (an array passed by address made GCC keep them on
-   the stack, stored at every group). */
-static inline __attribute__((always_inline)) void store_row(__m512 acc, int64_t t, int64_t m, int64_t N,
-                                                            const float *bias, float *out, int64_t ldo, int stream) {
-    const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
-    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    const __m512 v = bias ? _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias + n0)) : acc;
-    if (valid == TILE && stream) _mm512_stream_ps(out + m * ldo + n0, v); /* see qgemm */
-    else if (valid == TILE) _mm512_storeu_ps(out + m * ldo + n0, v); /* whole lines: a masked store may read the line first */
-    else _mm512_mask_storeu_ps(out + m * ldo + n0, mask, v);
-}
-
-/* The tile's 16 outputs of each row [m0, m0 + MT) (+ bias), stored. */
+/* The tile's 16 outputs of each row [m0, m0 + MT) (+ bias), stored (see qgemm for `stream`). */
 static inline __attribute__((always_inline)) void store_rows(const int MT, const __m512 *acc, int64_t t,
                                                              int64_t m0, int64_t N, const float *bias,
                                                              float *out, int64_t ldo, int stream) {
-    for (int r = 0; r < MT; r++) store_row(acc[r], t, m0 + r, N, bias, out, ldo, stream);
+    const int64_t n0 = t * TILE, valid = N - n0 < TILE ? N - n0 : TILE;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    if (valid == TILE && stream) /* see qgemm */
+        for (int r = 0; r < MT; r++) _mm512_stream_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else if (valid == TILE) /* whole lines: plain stores (a masked one may read the line first) */
+        for (int r = 0; r < MT; r++) _mm512_storeu_ps(out + (m0 + r) * ldo + n0, _mm512_add_ps(acc[r], b));
+    else
+        for (int r = 0; r < MT; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_add_ps(acc[r], b));
 }
 
 /* One tile (16 output rows) against activation rows [m0, m0 + MT): TYPE and MT are constants
@@ -187,7 +182,7 @@ static inline __attribute__((always_inline)) void tile_rows(
             acc[r] = group_row_sum(TYPE, acc[r], dot, dvec, mvec, da[m * G + g], ms[m * G + g]);
         }
     }
-    for (int r = 0; r < MT; r++) store_row(acc[r], t, m0 + r, w->N, bias, out, ldo, stream);
+    store_rows(MT, acc, t, m0, w->N, bias, out, ldo, stream);
 }
 
 static void tile_all_rows(int type, const qweight_t *w, int64_t t, int64_t m0, int64_t m1, const int8_t *qa,
