@@ -69,6 +69,7 @@ static inline __attribute__((always_inline)) void group_scales_in(const int TYPE
     }
 }
 
+/* One group's scales on their own, its super-block's converted here (the AMX kernel's scaling). */
 static inline __attribute__((always_inline)) void group_scales(const int TYPE, const qweight_t *w, int64_t t,
                                                                int64_t g, __m512 *dvec, __m512 *mvec,
                                                                __m512i *sclo, __m512i *schi) {
