@@ -74,6 +74,30 @@ def test_the_result_does_not_depend_on_the_thread_count(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (9, 3), (4, 1)])  # (4, 1): the query heads split
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_one_short_sequence_shares_its_heads_out_with_the_same_bits(num_heads, num_kv_heads, threads):
+    """A batch-1 decode step's one chunk is cut by heads over the threads (decode_attention.c
+    `heads_t`): each head's work is what one task does with all of them, so the result is the same bit for
+    bit, and the reference's."""
+    gen = torch.Generator().manual_seed(seed_for("cpu-decode-heads", num_heads, threads))
+    lens = [77]
+    k_cache, v_cache, tables = build_paged_cache(lens, 16, num_kv_heads, 64, torch.float32, gen)
+    q = torch.randn(1, num_heads, 64, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+        torch.set_num_threads(threads)
+        split = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(split, one)
+    expected = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(split, expected, atol=2e-6, rtol=1e-5)
+
+
 def test_an_empty_batch():
     k_cache = torch.zeros(2, 16, 1, 8)
     out = decode_attention(torch.zeros(0, 2, 8), k_cache, k_cache, torch.zeros(0, 1, dtype=torch.int32),

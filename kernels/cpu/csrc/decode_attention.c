@@ -32,6 +32,7 @@
    walk then crosses each row once per kv head; GCC already widens a K row once for the group). */
 #ifndef CACHE_T
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +46,14 @@
 #else
 #define MADD(x, y, z) ((z) + (x) * (y))
 #endif
+/* A task's query heads: h = g * rep + r for kv heads g in [g0, g1) and r in [r0, r1) of each group's
+   rep. Every head of a chunk normally; where a batch has fewer chunks than threads (one short
+   sequence: a batch-1 decode step), each chunk's heads are shared out over several tasks. A head's
+   work is the same whichever task does it, so the bits do not depend on the split. */
+typedef struct {
+    int64_t g0, g1, r0, r1;
+} heads_t;
+
 #define AHEAD_BYTES 6144 /* how far ahead rows are prefetched: rows of this many bytes, at least 2 */
 #define MIN_CHUNK 128 /* tokens, a floor that keeps each merge small against its chunk (not tuned) */
 #define TASKS 16      /* chunks a batch is cut into, about: enough for every core of a small server */
@@ -64,14 +73,14 @@ static inline void NAME(prefetch_row)(const CACHE_T *cache, const int32_t *table
     for (int64_t b = 0; b < row * (int64_t)sizeof(CACHE_T); b += 64) __builtin_prefetch(p + b);
 }
 
-/* Scores of one cached token (its K row holds every kv head) against every query head. */
+/* Scores of one cached token (its K row holds every kv head) against the task's query heads. */
 static inline __attribute__((always_inline)) void NAME(qk_row)(
         const CACHE_T *restrict k, int64_t i, const float *restrict qs, float *restrict scores,
-        int64_t n, int64_t H, int64_t G, const int64_t D, float scale) {
+        int64_t n, int64_t H, int64_t G, const int64_t D, float scale, heads_t hs) {
     const int64_t rep = H / G;
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = hs.g0; g < hs.g1; g++) {
         const CACHE_T *kg = k + g * D;
-        for (int64_t r = 0; r < rep; r++) {
+        for (int64_t r = hs.r0; r < hs.r1; r++) {
             const int64_t h = g * rep + r;
             const float *qh = qs + h * D;
             float acc = 0.0f;
@@ -85,11 +94,11 @@ static inline __attribute__((always_inline)) void NAME(qk_row)(
 /* One cached token's V row, weighted by its probability under every head, into the heads' sums. */
 static inline __attribute__((always_inline)) void NAME(pv_row)(
         const CACHE_T *restrict v, int64_t i, const float *restrict scores, float *restrict part,
-        int64_t n, int64_t H, int64_t G, const int64_t D) {
+        int64_t n, int64_t H, int64_t G, const int64_t D, heads_t hs) {
     const int64_t rep = H / G, stride = D + 2;
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = hs.g0; g < hs.g1; g++) {
         const CACHE_T *vg = v + g * D;
-        for (int64_t r = 0; r < rep; r++) {
+        for (int64_t r = hs.r0; r < hs.r1; r++) {
             const int64_t h = g * rep + r;
             const float p = scores[h * n + i];
             float *o = part + h * stride + 2;
@@ -104,11 +113,11 @@ static inline __attribute__((always_inline)) void NAME(pv_row)(
    same bits). */
 static inline __attribute__((always_inline)) void NAME(pv_rows2)(
         const CACHE_T *restrict v0, const CACHE_T *restrict v1, int64_t i, const float *restrict scores,
-        float *restrict part, int64_t n, int64_t H, int64_t G, const int64_t D) {
+        float *restrict part, int64_t n, int64_t H, int64_t G, const int64_t D, heads_t hs) {
     const int64_t rep = H / G, stride = D + 2;
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = hs.g0; g < hs.g1; g++) {
         const CACHE_T *a = v0 + g * D, *b = v1 + g * D;
-        for (int64_t r = 0; r < rep; r++) {
+        for (int64_t r = hs.r0; r < hs.r1; r++) {
             const int64_t h = g * rep + r;
             const float p0 = scores[h * n + i], p1 = scores[h * n + i + 1];
             float *o = part + h * stride + 2;
@@ -124,7 +133,7 @@ static inline __attribute__((always_inline)) void NAME(pv_rows2)(
 static inline __attribute__((always_inline)) void NAME(walk)(
         int values, const CACHE_T *restrict cache, const int32_t *restrict table, int64_t t0, int64_t t1,
         const float *restrict qs, float *restrict scores, float *restrict part,
-        int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
+        int64_t H, int64_t G, const int64_t D, int64_t BS, float scale, heads_t hs) {
     const int64_t row = G * D, n = t1 - t0;
     const int64_t fit = AHEAD_BYTES / (row * (int64_t)sizeof(CACHE_T)), ahead = fit > 2 ? fit : 2;
     for (int64_t t = t0, m; t < t1; t += m) {
@@ -136,14 +145,14 @@ static inline __attribute__((always_inline)) void NAME(walk)(
             for (; j + 2 <= m; j += 2) {
                 NAME(prefetch_row)(cache, table, t + j + ahead, t1, BS, row);
                 NAME(prefetch_row)(cache, table, t + j + 1 + ahead, t1, BS, row);
-                NAME(pv_rows2)(block + j * row, block + (j + 1) * row, t - t0 + j, scores, part, n, H, G, D);
+                NAME(pv_rows2)(block + j * row, block + (j + 1) * row, t - t0 + j, scores, part, n, H, G, D, hs);
             }
         for (; j < m; j++) {
             NAME(prefetch_row)(cache, table, t + j + ahead, t1, BS, row);
             if (values)
-                NAME(pv_row)(block + j * row, t - t0 + j, scores, part, n, H, G, D);
+                NAME(pv_row)(block + j * row, t - t0 + j, scores, part, n, H, G, D, hs);
             else
-                NAME(qk_row)(block + j * row, t - t0 + j, qs, scores, n, H, G, D, scale);
+                NAME(qk_row)(block + j * row, t - t0 + j, qs, scores, n, H, G, D, scale, hs);
         }
     }
 }
@@ -153,10 +162,11 @@ static inline __attribute__((always_inline)) void NAME(walk)(
 static inline __attribute__((always_inline)) void NAME(one_chunk)(
         const float *restrict qs, const CACHE_T *restrict k_cache, const CACHE_T *restrict v_cache,
         const int32_t *restrict table, int64_t t0, int64_t t1, float *restrict part,
-        float *restrict scores, int64_t H, int64_t G, const int64_t D, int64_t BS, float scale) {
-    const int64_t n = t1 - t0, stride = D + 2;
-    NAME(walk)(0, k_cache, table, t0, t1, qs, scores, part, H, G, D, BS, scale);
+        float *restrict scores, int64_t H, int64_t G, const int64_t D, int64_t BS, float scale, heads_t hs) {
+    const int64_t n = t1 - t0, stride = D + 2, rep = H / G;
+    NAME(walk)(0, k_cache, table, t0, t1, qs, scores, part, H, G, D, BS, scale, hs);
     for (int64_t h = 0; h < H; h++) {
+        if (h / rep < hs.g0 || h / rep >= hs.g1 || h % rep < hs.r0 || h % rep >= hs.r1) continue;
         float *sh = scores + h * n, *ph = part + h * stride;
         float top = sh[0];
         for (int64_t i = 1; i < n; i++) top = sh[i] > top ? sh[i] : top;
@@ -170,7 +180,7 @@ static inline __attribute__((always_inline)) void NAME(one_chunk)(
         ph[1] = sum;
         memset(ph + 2, 0, sizeof(float) * D);
     }
-    NAME(walk)(1, v_cache, table, t0, t1, qs, scores, part, H, G, D, BS, scale);
+    NAME(walk)(1, v_cache, table, t0, t1, qs, scores, part, H, G, D, BS, scale, hs);
 }
 
 void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_cache,
@@ -189,14 +199,18 @@ void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_c
     int64_t chunk = (total + TASKS - 1) / TASKS;
     chunk = chunk < MIN_CHUNK ? MIN_CHUNK : chunk;
     chunk = (chunk + BS - 1) / BS * BS; /* whole blocks' worth */
-    /* Task j covers chunk j - first[s] of sequence owner[j] = s. */
+    /* Chunk c is chunk c - first[s] of sequence owner[c] = s; task j takes chunk j / slices, heads slice j % slices. */
     int64_t *first = malloc(sizeof(int64_t) * (S + 1));
     first[0] = 0;
     for (int64_t s = 0; s < S; s++)
         first[s + 1] = first[s] + (SPAN(s) + chunk - 1) / chunk;
-    const int64_t tasks = first[S], stride = D + 2;
-    float *parts = malloc(sizeof(float) * (tasks ? tasks : 1) * H * stride);
-    int64_t *owner = malloc(sizeof(int64_t) * (tasks ? tasks : 1));
+    const int64_t chunks = first[S], stride = D + 2, rep = H / G, threads = omp_get_max_threads();
+    /* head slices a chunk: enough to give every thread a task, at most the kv heads (or, one kv
+       head, its query heads) */
+    const int64_t heads_max = G > 1 ? G : rep, want = chunks && chunks < threads ? (threads + chunks - 1) / chunks : 1;
+    const int64_t slices = want < heads_max ? want : heads_max, tasks = chunks * slices;
+    float *parts = malloc(sizeof(float) * (chunks ? chunks : 1) * H * stride);
+    int64_t *owner = malloc(sizeof(int64_t) * (chunks ? chunks : 1));
     for (int64_t s = 0; s < S; s++)
         for (int64_t j = first[s]; j < first[s + 1]; j++) owner[j] = s;
 #pragma omp parallel
@@ -204,19 +218,21 @@ void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_c
         float *scores = malloc(sizeof(float) * H * (chunk < longest ? chunk : longest));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t j = 0; j < tasks; j++) {
-            const int64_t s = owner[j], t0 = LO(s) + (j - first[s]) * chunk;
+            const int64_t c = j / slices, k = j % slices, s = owner[c], t0 = LO(s) + (c - first[s]) * chunk;
             const int64_t t1 = t0 + chunk < seq_lens[s] ? t0 + chunk : seq_lens[s];
             const float *qs = q + s * H * D;
             const int32_t *table = block_tables + s * MB;
-            float *part = parts + j * H * stride;
+            float *part = parts + c * H * stride;
+            const heads_t hs = G > 1 ? (heads_t){G * k / slices, G * (k + 1) / slices, 0, rep}
+                                     : (heads_t){0, 1, rep * k / slices, rep * (k + 1) / slices};
             if (D == 64) /* the common head sizes, each with its inner loops' trip count known */
-                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 64, BS, scale);
+                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 64, BS, scale, hs);
             else if (D == 32)
-                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 32, BS, scale);
+                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 32, BS, scale, hs);
             else if (D == 128)
-                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 128, BS, scale);
+                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 128, BS, scale, hs);
             else
-                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, D, BS, scale);
+                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, D, BS, scale, hs);
         }
         free(scores);
 #pragma omp for schedule(static)
