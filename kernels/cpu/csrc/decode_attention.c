@@ -14,7 +14,8 @@
    head, merged per sequence afterwards (flash-decoding's split). A few long sequences, the tail
    of a workload, would otherwise leave all but one core idle. Chunks are at least MIN_CHUNK
    tokens and sized from the batch alone (about TASKS of them), not from the thread count, so a
-   result does not depend on how many threads ran it.
+   result does not depend on how many threads ran it. Where there are fewer chunks than threads (a
+   batch-1 step under MIN_CHUNK tokens), a chunk's heads are shared out over tasks (heads_t).
 
    Speed (docs/performance.md): the kernel waits on memory, rows scattered block by block. The
    loops walk blocks, not tokens (no division per token), head sizes 32, 64 and 128 get their own
