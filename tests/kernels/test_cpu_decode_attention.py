@@ -57,6 +57,16 @@ def test_a_sequence_of_no_tokens_attends_to_nothing():
     torch.testing.assert_close(out[real], expected, atol=2e-6, rtol=1e-5)
 
 
+def on_threads(threads: int, run):
+    """run() with torch's (and so the kernels' OpenMP) thread count set to `threads`, then put back."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return run()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_result_does_not_depend_on_the_thread_count(threads):
     gen = torch.Generator().manual_seed(seed_for("cpu-decode-threads"))
@@ -64,14 +74,8 @@ def test_the_result_does_not_depend_on_the_thread_count(threads):
     k_cache, v_cache, tables = build_paged_cache(lens, 16, 2, 64, torch.float32, gen)
     q = torch.randn(len(lens), 6, 64, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
-        torch.set_num_threads(threads)
-        assert torch.equal(decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125), one)
-    finally:
-        torch.set_num_threads(before)
+    run = lambda: decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)  # noqa: E731
+    assert torch.equal(on_threads(threads, run), on_threads(1, run))
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (9, 3), (4, 1)])  # (4, 1): the query heads split
@@ -85,15 +89,9 @@ def test_one_short_sequence_shares_its_heads_out_with_the_same_bits(num_heads, n
     k_cache, v_cache, tables = build_paged_cache(lens, 16, num_kv_heads, 64, torch.float32, gen)
     q = torch.randn(1, num_heads, 64, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
-        torch.set_num_threads(threads)
-        split = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(split, one)
+    run = lambda: decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)  # noqa: E731
+    split = on_threads(threads, run)
+    assert torch.equal(split, on_threads(1, run))
     expected = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(split, expected, atol=2e-6, rtol=1e-5)
 
