@@ -166,8 +166,8 @@ static inline __attribute__((always_inline)) void NAME(one_chunk)(
         float *restrict scores, int64_t H, int64_t G, const int64_t D, int64_t BS, float scale, heads_t hs) {
     const int64_t n = t1 - t0, stride = D + 2, rep = H / G;
     NAME(walk)(0, k_cache, table, t0, t1, qs, scores, part, H, G, D, BS, scale, hs);
-    for (int64_t h = 0; h < H; h++) {
-        if (h / rep < hs.g0 || h / rep >= hs.g1 || h % rep < hs.r0 || h % rep >= hs.r1) continue;
+    for (int64_t g = hs.g0; g < hs.g1; g++)
+    for (int64_t h = g * rep + hs.r0; h < g * rep + hs.r1; h++) {
         float *sh = scores + h * n, *ph = part + h * stride;
         float top = sh[0];
         for (int64_t i = 1; i < n; i++) top = sh[i] > top ? sh[i] : top;
