@@ -168,7 +168,7 @@ static inline __attribute__((always_inline)) void amx_tile(
         const __m512i zero = _mm512_setzero_si512();
         for (int64_t g = 0; g < G; g++) {
             __m512i wlo[4], whi[4];
-            group_codes(Q6_K, w, t * G + g, wlo, whi);
+            group_codes(Q6_K, 0, w, t * G + g, wlo, whi);
             for (int c = 0; c < 4; c++) {
                 _mm512_store_si512(buffer + g * 1024 + c * 64, wlo[c]);
                 _mm512_store_si512(buffer + g * 1024 + (c + 4) * 64, zero);

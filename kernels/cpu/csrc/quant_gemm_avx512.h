@@ -3,11 +3,12 @@
    them by 4 activation codes broadcast to every lane. quant_gemm.c's header comment has the layout
    and the sums; quant_gemm_avx2.h is the same on 256 bits. */
 /* A tile-group's codes as 8 vectors of 4 codes x 16 rows (wlo: values 0-15, whi: 16-31; unsigned,
-   the 5th and 6th bits or-ed in), and its scales as 16 lanes: dvec (K-quants: times the group's
+   the 5th and 6th bits or-ed in; with HI16, a 4-bit format's whi are 16 times the values, see
+   tile_rows), and its scales as 16 lanes: dvec (K-quants: times the group's
    sub-scale), mvec (the group's min, or the super-block's times the sub-min; else zero), and Q6_K's
    two sub-scales a half in sclo / schi. Shared by the VNNI tile below and quant_gemm_amx.h. */
-static inline __attribute__((always_inline)) void group_codes(const int TYPE, const qweight_t *w, int64_t tg,
-                                                              __m512i wlo[4], __m512i whi[4]) {
+static inline __attribute__((always_inline)) void group_codes(const int TYPE, const int HI16, const qweight_t *w,
+                                                              int64_t tg, __m512i wlo[4], __m512i whi[4]) {
     const __m512i nib = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01), two = _mm512_set1_epi8(0x03);
     if (TYPE == Q8_0) {
         const uint8_t *p = w->qs + tg * 512;
@@ -20,7 +21,8 @@ static inline __attribute__((always_inline)) void group_codes(const int TYPE, co
         for (int c = 0; c < 4; c++) {
             const __m512i x = _mm512_loadu_si512(p + c * 64);
             wlo[c] = _mm512_and_si512(x, nib);
-            whi[c] = _mm512_and_si512(_mm512_srli_epi32(x, 4), nib);
+            whi[c] = HI16 ? _mm512_and_si512(x, _mm512_set1_epi8((char)0xF0)) /* see tile_rows */
+                          : _mm512_and_si512(_mm512_srli_epi32(x, 4), nib);
         }
     }
     if (high_bits(TYPE) == 1) {
@@ -95,7 +97,7 @@ static inline __attribute__((always_inline)) __m512 group_row_sum(const int TYPE
 static inline __attribute__((always_inline)) void store_group_codes(const int TYPE, const qweight_t *w, int64_t tg,
                                                                     uint8_t *dst) {
     __m512i wlo[4], whi[4];
-    group_codes(TYPE, w, tg, wlo, whi);
+    group_codes(TYPE, 0, w, tg, wlo, whi);
     for (int c = 0; c < 4; c++) {
         _mm512_store_si512(dst + c * 64, wlo[c]);
         _mm512_store_si512(dst + (c + 4) * 64, whi[c]);
@@ -143,16 +145,7 @@ static inline __attribute__((always_inline)) void tile_rows(
             for (int c = 0; c < qs_bytes(TYPE) / 64; c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
         }
         if (k_quant(TYPE) && (g & 7) == 0) block_scales(TYPE, w, t, g, &dsb, &msb);
-        if (HI16) { /* see HI16 */
-            const uint8_t *p = w->qs + tg * 256;
-            for (int c = 0; c < 4; c++) {
-                const __m512i x = _mm512_loadu_si512(p + c * 64);
-                wlo[c] = _mm512_and_si512(x, _mm512_set1_epi8(0x0F));
-                whi[c] = _mm512_and_si512(x, _mm512_set1_epi8((char)0xF0));
-            }
-        } else {
-            group_codes(TYPE, w, tg, wlo, whi);
-        }
+        group_codes(TYPE, HI16, w, tg, wlo, whi);
         __m512 dvec, mvec;
         __m512i sclo, schi;
         group_scales_in(TYPE, w, t, g, dsb, msb, &dvec, &mvec, &sclo, &schi);
