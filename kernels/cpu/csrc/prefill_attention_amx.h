@@ -8,8 +8,8 @@
    dims, its columns keys) and V's rows interleaved by pairs of keys. Then per block of 16 rows: the
    scores, 16 rows x up to 64 keys a pass in four tiles C, tdpbf16ps per 32 head dims and 16 keys;
    the online softmax over the block's scores in float32 (the running max, sum and rescaling of
-   prefill_attention.c, once per AKB keys, not per 64); the probabilities multiplied with V, 32 keys
-   a tdpbf16ps, into 16 x 16 float32 tiles added to the rows' sums.
+   prefill_attention.c, once per AKB keys, not per 64; exp inline, exp_neg); the probabilities
+   multiplied with V, 32 keys a tdpbf16ps, into 16 x 16 float32 tiles added to the rows' sums.
 
    Numbers: K and V are bfloat16 already; the queries (the softmax scale folded in) and the
    probabilities go in as two bfloat16 each, hi + lo (lo: what hi's rounding left), so each product
@@ -131,35 +131,81 @@ static void amx_scores(const uint16_t *restrict qh, const uint16_t *restrict ql,
     }
 }
 
-/* x (float32, n a multiple of 16) as hi + lo, two bfloat16 each: hi = x rounded, lo = the rest rounded. */
+/* x (float32) as hi + lo, two bfloat16 each: hi = x rounded, lo = the rest rounded. */
+static inline __attribute__((always_inline)) void split_bf16_16(__m512 v, uint16_t *restrict hi, uint16_t *restrict lo) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_storeu_si256((__m256i *)hi, h);
+    _mm256_storeu_si256((__m256i *)lo, (__m256i)_mm512_cvtneps_pbh(v - back));
+}
+
+/* x (float32, n a multiple of 16) as hi + lo (split_bf16_16). */
 static inline void split_bf16(const float *restrict x, int64_t n, uint16_t *restrict hi, uint16_t *restrict lo) {
-    for (int64_t j = 0; j < n; j += 16) {
-        const __m512 v = _mm512_loadu_ps(x + j);
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        _mm256_storeu_si256((__m256i *)(hi + j), h);
-        _mm256_storeu_si256((__m256i *)(lo + j), (__m256i)_mm512_cvtneps_pbh(v - back));
-    }
+    for (int64_t j = 0; j < n; j += 16) split_bf16_16(_mm512_loadu_ps(x + j), hi + j, lo + j);
+}
+
+/* exp(x) for x <= 0, 16 at once, to about 1 ulp of float32 (inline: libmvec's expf is a call per 16
+   values, about half a softmax's time here): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so
+   r is exact), exp(r) by Cephes' degree-7 polynomial, 2^n by vscalefps; x is held at -104 (below
+   which float32's exp is 0) so that r stays small. */
+static inline __attribute__((always_inline)) __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The lanes of keys [j, j + 16) that a row sees, [a, e). */
+static inline __mmask16 seen(int64_t j, int64_t a, int64_t e) {
+    const int64_t from = a > j ? a - j : 0, to = e < j + 16 ? e - j : 16;
+    return from >= to ? 0 : (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
 }
 
 /* The block's scores into the 16 rows' running max m and sum l, their probabilities over [j0, j1)
    as ph + pl (bfloat16 pairs, as the queries; zero outside each row's keys [lo, hi)), and keep: the
    factor the rows' sums of weighted V so far are multiplied by (0 for a row's first keys, 1 for a
-   row without any). */
-static void amx_softmax(float *restrict s, uint16_t *restrict ph, uint16_t *restrict pl, int64_t j0, int64_t j1,
+   row without any). prefill_attention.c's online softmax (softmax_row), in one pass over the scores
+   after the max: each probability split as it is made, never stored as float32. */
+static void amx_softmax(const float *restrict s, uint16_t *restrict ph, uint16_t *restrict pl, int64_t j0, int64_t j1,
                         const int64_t *restrict lo, const int64_t *restrict hi, float *restrict m,
                         float *restrict l, float *restrict keep) {
     for (int r = 0; r < 16; r++) {
-        float *sr = s + r * AKB;
+        const float *sr = s + r * AKB;
+        uint16_t *hr = ph + r * AKB, *lr = pl + r * AKB;
         const int64_t a = lo[r], e = hi[r];
         if (a >= e) { /* sees none of these keys: weights 0, its state as it was */
-            memset(ph + r * AKB + j0, 0, sizeof(uint16_t) * (size_t)(j1 - j0));
-            memset(pl + r * AKB + j0, 0, sizeof(uint16_t) * (size_t)(j1 - j0));
+            memset(hr + j0, 0, sizeof(uint16_t) * (size_t)(j1 - j0));
+            memset(lr + j0, 0, sizeof(uint16_t) * (size_t)(j1 - j0));
             keep[r] = 1.0f;
             continue;
         }
-        keep[r] = softmax_row(sr, j0, a, e, j1, 1.0f, m + r, l + r); /* the scale is in the queries */
-        split_bf16(sr + j0, j1 - j0, ph + r * AKB + j0, pl + r * AKB + j0);
+        __m512 top16 = _mm512_set1_ps(-3.402823466e38f) /* below any score */;
+        for (int64_t j = a / 16 * 16; j < e; j += 16)
+            top16 = _mm512_mask_max_ps(top16, seen(j, a, e), top16, _mm512_loadu_ps(sr + j));
+        const float top = _mm512_reduce_max_ps(top16);
+        const int first = l[r] == 0.0f;
+        const float new_m = first || top > m[r] ? top : m[r];
+        keep[r] = first ? 0.0f : expf(m[r] - new_m);
+        const __m512 mv = _mm512_set1_ps(new_m);
+        __m512 sum16 = _mm512_setzero_ps();
+        for (int64_t j = j0; j < j1; j += 16) {
+            const __mmask16 k = seen(j, a, e);
+            const __m512 p = k ? _mm512_maskz_mov_ps(k, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)))
+                               : _mm512_setzero_ps();
+            sum16 = _mm512_add_ps(sum16, p);
+            split_bf16_16(p, hr + j, lr + j);
+        }
+        l[r] = l[r] * keep[r] + _mm512_reduce_add_ps(sum16);
+        m[r] = new_m;
     }
 }
 
