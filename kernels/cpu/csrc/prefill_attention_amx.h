@@ -43,6 +43,21 @@ static inline void amx_prefetch_key(const uint16_t *k_cache, const uint16_t *v_c
     for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(k + b, _MM_HINT_T1), _mm_prefetch(v + b, _MM_HINT_T1);
 }
 
+/* The next block of keys asked into L2 a few keys at a time while this block's rows compute (the
+   loader's own prefetch runs only APF keys ahead of its copies, and the copies then wait on memory:
+   a short chunk's rows, a paced prompt's, spend most of their time there). Keys [next, end). */
+typedef struct {
+    const uint16_t *k_cache, *v_cache;
+    const int32_t *table;
+    int64_t next, end, g, G, D, BS;
+} amx_ahead_t;
+
+static inline void amx_ahead(amx_ahead_t *a, int64_t keys) {
+    for (const int64_t stop = a->next + keys < a->end ? a->next + keys : a->end; a->next < stop; a->next++)
+        amx_prefetch_key(a->k_cache, a->v_cache,
+                         (((int64_t)a->table[a->next / a->BS] * a->BS + a->next % a->BS) * a->G + a->g) * a->D, a->D);
+}
+
 /* Keys k0 + [j0, j1) (multiples of 32; those at or past n zeros) of kv head g as tiles B:
    kk [AKB / 16][D / 32] tiles: pair p of head dims (row) x 16 keys (columns), for the scores;
    vv [AKB / 32][D / 16] tiles: pair p of keys (row) x 16 head dims (columns), for the weighted V. */
@@ -174,11 +189,13 @@ static inline __mmask16 seen(int64_t j, int64_t a, int64_t e) {
    as ph + pl (bfloat16 pairs, as the queries; zero outside each row's keys [lo, hi)), and keep: the
    factor the rows' sums of weighted V so far are multiplied by (0 for a row's first keys, 1 for a
    row without any). prefill_attention.c's online softmax (softmax_row), in one pass over the scores
-   after the max: each probability split as it is made, never stored as float32. */
+   after the max: each probability split as it is made, never stored as float32. Before each row,
+   `ahead_keys` keys of the next block are asked for (amx_ahead). */
 static void amx_softmax(const float *restrict s, uint16_t *restrict ph, uint16_t *restrict pl, int64_t j0, int64_t j1,
                         const int64_t *restrict lo, const int64_t *restrict hi, float *restrict m,
-                        float *restrict l, float *restrict keep) {
+                        float *restrict l, float *restrict keep, amx_ahead_t *ahead, int64_t ahead_keys) {
     for (int r = 0; r < 16; r++) {
+        amx_ahead(ahead, ahead_keys);
         const float *sr = s + r * AKB;
         uint16_t *hr = ph + r * AKB, *lr = pl + r * AKB;
         const int64_t a = lo[r], e = hi[r];
@@ -321,6 +338,9 @@ static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, 
         }
         if (ja >= je) continue;
         amx_load_keys(k_cache, v_cache, table, k0, n, ja / 32 * 32, (je + 31) / 32 * 32, g, G, D, BS, b->kk, b->vv);
+        const int64_t after = k0 + AKB + AKB < last_pos + 1 ? k0 + AKB + AKB : last_pos + 1;
+        amx_ahead_t ahead = {k_cache, v_cache, table, k0 + AKB, after, g, G, D, BS};
+        const int64_t ahead_keys = after > k0 + AKB ? (after - k0 - AKB + RP - 1) / RP : 0; /* a share a row */
         for (int64_t r0 = 0; r0 < RP; r0 += 16) {
             int64_t ba = AKB, be = 0;
             for (int64_t r = r0; r < r0 + 16; r++)
@@ -329,7 +349,8 @@ static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, 
             const int64_t j0 = ba / 32 * 32, j1 = (be + 31) / 32 * 32;
             float keep[16];
             amx_scores(b->qh + r0 * D, b->ql + r0 * D, b->kk, D, j0, j1, b->s);
-            amx_softmax(b->s, b->ph, b->pl, j0, j1, b->lo + r0, b->hi + r0, b->m + r0, b->l + r0, keep);
+            amx_softmax(b->s, b->ph, b->pl, j0, j1, b->lo + r0, b->hi + r0, b->m + r0, b->l + r0, keep, &ahead,
+                        ahead_keys);
             amx_weighted_v(b->ph, b->pl, b->vv, D, j0, j1, keep, b->acc + r0 * D, b->tmp);
         }
     }
