@@ -19,6 +19,16 @@ from backend.models.gguf.packed import BLOCK_SIZES, TYPE_IDS
 pytestmark = pytest.mark.skipif(not amx_runs(), reason="this CPU does not run the AMX build")
 
 
+# Which row counts take the tiles (quant_gemm_amx.h amx_takes): a last block of 16 rows only a little
+# padded, more padding allowed the more blocks there are (the VNNI kernel pays by the row, the tiles
+# by the block); Q8_0 and Q6_K later.
+TOOK_TILES = {
+    "4/5-bit": {11: 0, 12: 0, 15: 1, 16: 1, 17: 0, 31: 1, 33: 0, 40: 1, 300: 1},
+    "Q8_0": {11: 0, 12: 0, 15: 0, 16: 0, 17: 0, 31: 1, 33: 0, 40: 0, 300: 1},
+    "Q6_K": {11: 0, 12: 0, 15: 0, 16: 0, 17: 0, 31: 0, 32: 1, 33: 0, 40: 0, 300: 1},
+}
+
+
 def amx_calls() -> int:
     return cpu_build.function(cpu_quant.NAME, "amx_calls", (), "amx_int8", restype=ctypes.c_int64)()
 
@@ -34,9 +44,9 @@ def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
         amx = cpu_quant.CpuQuantWeight(qtype, parts, isa="amx_int8")
         vnni = cpu_quant.CpuQuantWeight(qtype, parts, isa="avx512_vnni")
         bias = torch.randn(n, generator=gen)
-        # 11: below AMX_MIN_ROWS (the VNNI kernel); 12, 15: one padded block; 16, 17, 31, 33: a
-        # block and the padded rows of the next; 300: past one pass of 256 rows, ending part way
-        for m in (11, 12, 15, 16, 17, 31, 33, 300):
+        # 11, 12, 15: one padded block; 16: a whole one; 17, 31, 33, 40: a block or two and the
+        # padded rows of the next; 300: past one pass of 256 rows, ending part way
+        for m in TOOK_TILES["Q8_0" if qtype == "Q8_0" else "Q6_K" if qtype == "Q6_K" else "4/5-bit"]:
             x = torch.randn(m, blocks * per_block, generator=gen)
             x[0, :5] = 40.0  # an outlier: one group's scale
             x[-1] = 0.0  # a row of zeros: its groups' scales are 0
@@ -44,9 +54,9 @@ def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
             got = amx.matmul(x, bias)
             took_tiles = amx_calls() - before
             assert torch.equal(got, vnni.matmul(x, bias)), (qtype, n, blocks, m)
-            # the tiles ran for every type from AMX_MIN_ROWS = 12 rows on, Q6_K (two products a
-            # group, one per half) from 32
-            assert took_tiles == (1 if m >= (32 if qtype == "Q6_K" else 12) else 0), (qtype, m, took_tiles)
+            # the tiles ran where amx_takes says they pay (its table, from measurements)
+            expected = TOOK_TILES["Q8_0" if qtype == "Q8_0" else "Q6_K" if qtype == "Q6_K" else "4/5-bit"][m]
+            assert took_tiles == expected, (qtype, m, took_tiles)
 
 
 def test_the_probe_runs_the_tiles_here():

@@ -23,9 +23,9 @@
 
    Builds of this one file (kernels/cpu/quant.py picks), each with its own tile kernel:
    QUANT_AVX512 (AVX512-F/BW/VNNI, F16C: quant_gemm_avx512.h), with QUANT_AMX also AMX's int8 tiles
-   for 12 rows or more (quant_gemm_amx.h), QUANT_AVX2 (AVX2, FMA, F16C: quant_gemm_avx2.h's maddubs
-   kernel) and the portable one (quant_gemm_portable.h), plain C over the same layout, for any
-   other CPU. */
+   for the row counts where they pay (quant_gemm_amx.h amx_takes), QUANT_AVX2 (AVX2, FMA, F16C:
+   quant_gemm_avx2.h's maddubs kernel) and the portable one (quant_gemm_portable.h), plain C over
+   the same layout, for any other CPU. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -269,7 +269,7 @@ void qgemm(const qweight_t *w, const float *x, int64_t M, const float *bias, flo
     const int64_t K = w->K, G = K / QK, T = (w->N + TILE - 1) / TILE;
     const int stream = ((uintptr_t)out % 64 == 0) && (ldo % 16 == 0) && M * ldo * 4 > (4 << 20);
 #ifdef QUANT_AMX
-    if (M >= amx_min_rows((int)w->type) && amx_ready()) {
+    if (amx_takes((int)w->type, M) && amx_ready()) {
         qgemm_amx(w, x, M, bias, out, ldo, stream);
         return;
     }
@@ -338,7 +338,7 @@ void qgemm_experts(const qweight_t *ws, int64_t E, const float *x, const int64_t
    build runs it as a block of 16 rows (the first that row, the rest zeros: they add nothing) through
    its tiles, and returns NaN where the kernel refuses it the tile state. */
 #ifdef QUANT_AMX
-#define PROBE_ROWS AMX_MIN_ROWS
+#define PROBE_ROWS AMX_ROWS
 #else
 #define PROBE_ROWS 1
 #endif

@@ -10,21 +10,34 @@
    a time with group_row_sum's float operations in its order (amx_scale_group), so every output
    equals the AVX-512 build's bit for bit. The int8 work leaves the vector ports; what remains a row
    and group is the scaling (~5 vector instructions against the VNNI kernel's ~15) and the tile store.
-   A last block of fewer than 16 rows is padded with zero rows and costs a whole one, hence
-   AMX_MIN_ROWS.
+   A last block of fewer than 16 rows is padded with zero rows and costs a whole one, where the VNNI
+   kernel pays by the row: hence `amx_takes`.
 
    Q6_K (a sub-scale per 16 values, applied in integers) makes two products a group, one per half
-   (amx_block_q6k). Calls with fewer than AMX_MIN_ROWS rows (a decode step's few rows) keep the VNNI
-   tile kernel, as does a
-   process the kernel refuses the tile state to (`amx_ready`, amx.h): where the tiles are refused or
-   kill the build's probe, the AVX512-VNNI build runs instead. */
+   (amx_block_q6k). Calls `amx_takes` refuses (a decode step's few rows, a mostly padded last block)
+   keep the VNNI tile kernel, as does a process the kernel refuses the tile state to (`amx_ready`,
+   amx.h): where the tiles are refused or kill the build's probe, the AVX512-VNNI build runs instead. */
 #include "amx.h"
 
-#define AMX_ROWS 16     /* activation rows a block: tile A's and C's rows */
-#define AMX_MIN_ROWS 12 /* below this, the VNNI tile kernel: a padded block costs a whole one (docs/performance.md) */
-#define AMX_MIN_ROWS_Q6K 32 /* Q6_K's two products a group tie the VNNI kernel at 16 rows */
+#define AMX_ROWS 16 /* activation rows a block: tile A's and C's rows */
 
-static inline int64_t amx_min_rows(int type) { return type == Q6_K ? AMX_MIN_ROWS_Q6K : AMX_MIN_ROWS; }
+/* Whether a call of M rows takes the tiles: the padded rows of its last block at most AMX_MAX_PAD's
+   for its block count (1, 2, 3, 4, 5 blocks; 15, any, from 6). A block costs the tiles about what
+   ~11-12 rows cost the VNNI kernel (1 thread, Q4_1 and Q4_K), so a last block of a few rows is a
+   loss and a full one a gain; measured per row count, crossing where the two kernels tie
+   (docs/performance.md, "The tiles by how full their last block is"). -1: never at that count (Q8_0
+   and Q6_K tie the VNNI kernel at one whole block; Q6_K makes two products a group). */
+static const int8_t AMX_MAX_PAD[3][5] = {
+    {2, 6, 11, 15, 15}, /* the 4- and 5-bit formats */
+    {-1, 2, 5, 15, 15}, /* Q8_0 */
+    {-1, 0, 4, 8, 12},  /* Q6_K */
+};
+
+static inline int amx_takes(int type, int64_t M) {
+    const int64_t blocks = (M + AMX_ROWS - 1) / AMX_ROWS, pad = blocks * AMX_ROWS - M;
+    if (blocks > 5) return 1;
+    return pad <= AMX_MAX_PAD[type == Q8_0 ? 1 : type == Q6_K ? 2 : 0][blocks - 1];
+}
 
 /* The tile shapes, per thread (the configuration is a thread's state): A 16 rows x 32 codes,
    B 8 rows x 64 bytes (32 values x 16 lanes), C 16 x 16 int32; tiles 0-2 and again 3-5. */
@@ -205,7 +218,7 @@ static inline __attribute__((always_inline)) void amx_tile(
 static int64_t amx_call_count = 0;
 int64_t amx_calls(void) { return __atomic_load_n(&amx_call_count, __ATOMIC_RELAXED); }
 
-/* qgemm for M >= AMX_MIN_ROWS rows: the activations quantized as qgemm does, padded
+/* qgemm for the row counts amx_takes: the activations quantized as qgemm does, padded
    to whole blocks of 16 rows with zeros. */
 static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float *bias, float *out,
                       int64_t ldo, int stream) {
