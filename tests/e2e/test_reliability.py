@@ -572,7 +572,8 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
                 client.generate("after the crash", max_tokens=3)
             if re.search(unhealthy, str(err.value)) or time.monotonic() > deadline:
                 break
-            assert re.search(r"UNAVAILABLE|failed to connect", str(err.value)), err.value
+            # (or the call's stream cut as Triton notices, "Stream removed (Socket closed)": a clean-clone run)
+            assert re.search(r"UNAVAILABLE|failed to connect|Stream removed", str(err.value)), err.value
             time.sleep(0.5)
         if server.process.poll() is not None:   # the server aborted: nothing answers, a restart is due
             assert server.process.returncode == -signal.SIGABRT, (server.process.returncode, server.log_text()[-3000:])
