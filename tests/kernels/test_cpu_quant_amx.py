@@ -36,6 +36,7 @@ def amx_calls() -> int:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
     per_block = BLOCK_SIZES[TYPE_IDS[qtype]][0]
+    took = TOOK_TILES[qtype if qtype in ("Q8_0", "Q6_K") else "4/5-bit"]
     gen = torch.Generator().manual_seed(11)
     # blocks: 5 and 6 groups of 32 (odd and even: the tiles alternate two sets a group); 37 output
     # rows: two whole tiles and a partial one
@@ -46,7 +47,7 @@ def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
         bias = torch.randn(n, generator=gen)
         # 11, 12, 15: one padded block; 16: a whole one; 17, 31, 33, 40: a block or two and the
         # padded rows of the next; 300: past one pass of 256 rows, ending part way
-        for m in TOOK_TILES["Q8_0" if qtype == "Q8_0" else "Q6_K" if qtype == "Q6_K" else "4/5-bit"]:
+        for m, expected in took.items():
             x = torch.randn(m, blocks * per_block, generator=gen)
             x[0, :5] = 40.0  # an outlier: one group's scale
             x[-1] = 0.0  # a row of zeros: its groups' scales are 0
@@ -55,7 +56,6 @@ def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
             took_tiles = amx_calls() - before
             assert torch.equal(got, vnni.matmul(x, bias)), (qtype, n, blocks, m)
             # the tiles ran where amx_takes says they pay (its table, from measurements)
-            expected = TOOK_TILES["Q8_0" if qtype == "Q8_0" else "Q6_K" if qtype == "Q6_K" else "4/5-bit"][m]
             assert took_tiles == expected, (qtype, m, took_tiles)
 
 
