@@ -43,19 +43,35 @@ static inline void amx_prefetch_key(const uint16_t *k_cache, const uint16_t *v_c
     for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(k + b, _MM_HINT_T1), _mm_prefetch(v + b, _MM_HINT_T1);
 }
 
+/* A walk over kv head g's key rows from key `at` on: each key's row offset in the caches, its block
+   looked up once a block and not by a division a key (the loader's loads wait on their addresses). */
+typedef struct {
+    const int32_t *table;
+    int64_t blk, slot, first, g, G, D, BS;
+} key_walk_t;
+
+static inline key_walk_t key_walk(const int32_t *table, int64_t at, int64_t g, int64_t G, int64_t D, int64_t BS) {
+    return (key_walk_t){table, at / BS, at % BS, (int64_t)table[at / BS] * BS, g, G, D, BS};
+}
+
+/* This key's row offset; the walk moves on to the next (whose block is looked up only when asked for). */
+static inline int64_t key_next(key_walk_t *w) {
+    if (w->slot == w->BS) w->slot = 0, w->first = (int64_t)w->table[++w->blk] * w->BS;
+    return ((w->first + w->slot++) * w->G + w->g) * w->D;
+}
+
 /* The next block of keys asked into L2 a few keys at a time while this block's rows compute (the
    loader's own prefetch runs only APF keys ahead of its copies, and the copies then wait on memory:
    a short chunk's rows, a paced prompt's, spend most of their time there). Keys [next, end). */
 typedef struct {
     const uint16_t *k_cache, *v_cache;
-    const int32_t *table;
-    int64_t next, end, g, G, D, BS;
+    key_walk_t walk; /* at `next` (set only where next < end) */
+    int64_t next, end;
 } amx_ahead_t;
 
 static inline void amx_ahead(amx_ahead_t *a, int64_t keys) {
     for (const int64_t stop = a->next + keys < a->end ? a->next + keys : a->end; a->next < stop; a->next++)
-        amx_prefetch_key(a->k_cache, a->v_cache,
-                         (((int64_t)a->table[a->next / a->BS] * a->BS + a->next % a->BS) * a->G + a->g) * a->D, a->D);
+        amx_prefetch_key(a->k_cache, a->v_cache, key_next(&a->walk), a->walk.D);
 }
 
 /* Keys k0 + [j0, j1) (multiples of 32; those at or past n zeros) of kv head g as tiles B:
@@ -68,16 +84,11 @@ static void amx_load_keys(const uint16_t *restrict k_cache, const uint16_t *rest
                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i mix = _mm512_loadu_si512(pairs);
     const int64_t DC = D / 32, DN = D / 16;
-    /* each key's row offset in the caches, its block looked up once a block and not by a division a
-       key (the loads below wait on their addresses) */
-    int64_t off[AKB];
+    int64_t off[AKB]; /* each key's row offset in the caches (key_walk) */
     const int64_t last = j1 < n ? j1 : n;
     if (j0 < last) {
-        int64_t blk = (k0 + j0) / BS, slot = (k0 + j0) % BS, first = (int64_t)table[blk] * BS;
-        for (int64_t j = j0; j < last; j++, slot++) {
-            if (slot == BS) slot = 0, first = (int64_t)table[++blk] * BS;
-            off[j] = ((first + slot) * G + g) * D;
-        }
+        key_walk_t walk = key_walk(table, k0 + j0, g, G, D, BS);
+        for (int64_t j = j0; j < last; j++) off[j] = key_next(&walk);
     }
     for (int64_t j = j0; j < j0 + APF && j < last; j++) amx_prefetch_key(k_cache, v_cache, off[j], D);
     for (int64_t j = j0; j < j1; j += 16) {
@@ -339,7 +350,8 @@ static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, 
         if (ja >= je) continue;
         amx_load_keys(k_cache, v_cache, table, k0, n, ja / 32 * 32, (je + 31) / 32 * 32, g, G, D, BS, b->kk, b->vv);
         const int64_t after = k0 + AKB + AKB < last_pos + 1 ? k0 + AKB + AKB : last_pos + 1;
-        amx_ahead_t ahead = {k_cache, v_cache, table, k0 + AKB, after, g, G, D, BS};
+        amx_ahead_t ahead = {k_cache, v_cache, {0}, k0 + AKB, after};
+        if (ahead.next < ahead.end) ahead.walk = key_walk(table, ahead.next, g, G, D, BS);
         const int64_t ahead_keys = after > k0 + AKB ? (after - k0 - AKB + RP - 1) / RP : 0; /* a share a row */
         for (int64_t r0 = 0; r0 < RP; r0 += 16) {
             int64_t ba = AKB, be = 0;
