@@ -105,6 +105,34 @@ def test_a_row_does_not_depend_on_its_chunk_or_the_thread_count():
     assert torch.equal(tail, whole[417:])
 
 
+def amx_splits() -> int:
+    return cpu_build.function(cpu_prefill.NAME, "amx_attention_splits", (), cpu_prefill.AMX_BUILD,
+                              restype=ctypes.c_int64)()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 8, 128), (4, 1, 256)])
+@pytest.mark.parametrize("window", [0, 300, 700])
+def test_a_short_chunk_at_a_long_context_splits_its_keys_with_the_same_bits(heads, kv_heads, head_dim, window):
+    """A short chunk after a long context is few (tile, kv head) tasks, so its key parts (512 keys from
+    key 0) are tasks of their own, folded afterwards (a paced prompt's chunk beside decode steps): the
+    9 and 1 last tokens of 1,300, each chunk alone, give the rows of the whole prompt in one chunk bit
+    for bit (each row's parts fold in the same order either way) and match the reference; so do 40
+    tokens after 520 (two parts), under windows whose first key falls in each part."""
+    args = step([1300, 560], [1300, 560], heads, kv_heads, head_dim, 16,
+                seed_for("cpu-prefill-amx-split", heads, head_dim, window), cache_dtype=torch.bfloat16)
+    q, k_cache, v_cache, tables, _, lens = args
+    scale = head_dim ** -0.5
+    whole = check(args, window=window)
+    for s, row0, n in ((0, 0, 9), (0, 0, 1), (1, 1300, 40)):
+        at = row0 + int(lens[s]) - n
+        before = amx_splits()
+        part = cpu_prefill.prefill_attention(q[at:at + n], k_cache, v_cache, tables[s:s + 1],
+                                             torch.tensor([0, n], dtype=torch.int32), lens[s:s + 1], scale,
+                                             window=window)
+        assert amx_splits() == before + 1  # each spans two or three parts, under every window here
+        assert torch.equal(part, whole[at:at + n])
+
+
 def test_nan_in_the_unused_slots_stays_out():
     """A cache's unused slots hold whatever was there (torch.empty): the key blocks' tiles past a
     sequence's last key are zeros, not the slots' contents, since 0 x NaN is NaN."""

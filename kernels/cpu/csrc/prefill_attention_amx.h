@@ -10,18 +10,26 @@
    the online softmax over the block's scores in float32 (the running max, sum and rescaling of
    prefill_attention.c, once per AKB keys, not per 64; exp inline, exp_neg); the probabilities
    multiplied with V, 32 keys a tdpbf16ps, into 16 x 16 float32 tiles added to the rows' sums.
+   A row's keys are taken in parts of APK from key 0, each part's max, sum and weighted V computed
+   from scratch and folded into the row's total part after part (amx_fold). A short chunk at a long
+   context (a paced prompt's, beside decode steps) is few (tile, kv head) pairs: 3 on SmolLM2, one
+   thread idle a third of the time on two; its parts are then tasks of their own, folded after
+   (amx_merge), with the same bits, since the fold is the same either way.
 
    Numbers: K and V are bfloat16 already; the queries (the softmax scale folded in) and the
    probabilities go in as two bfloat16 each, hi + lo (lo: what hi's rounding left), so each product
    is two tile products and the result is float32's but for ~2^-16 of each query and weight and the
    order of the sums (1e-5 of the outputs; one bfloat16 each was 2^-9, and moved a tensor-parallel
    run's greedy tokens off the one-rank run's where their top two were 0.29 apart). A row's result
-   does not depend on the other rows of its chunk or on how its prompt was chunked: key blocks start
-   at multiples of AKB from position 0, and each row's sums are its own. */
+   does not depend on the other rows of its chunk, on how its prompt was chunked or on how its parts
+   were shared out: key blocks and parts start at multiples of AKB and APK from position 0, and each
+   row's sums are its own. */
 #include "amx.h"
+#include "prefill_amx_parts.h"
 
 #define AKB 256   /* keys a block: their tiles B laid out once per task, a row's max and sum updated once */
 #define AROWS 128 /* a task's rows at most (before padding to 16) */
+_Static_assert(APK % AKB == 0, "a part is whole key blocks");
 
 static int64_t amx_attention_count; /* calls that ran on the tiles (tests) */
 int64_t amx_attention_calls(void) { return __atomic_load_n(&amx_attention_count, __ATOMIC_RELAXED); }
@@ -286,7 +294,7 @@ static void amx_weighted_v(const uint16_t *restrict ph, const uint16_t *restrict
 
 typedef struct { /* a thread's buffers; rp: a task's rows, padded to 16 */
     uint16_t *qh, *ql, *kk, *vv, *ph, *pl;
-    float *acc, *s, *m, *l, *tmp;
+    float *acc, *s, *m, *l, *tmp, *total; /* total: the rows' parts folded so far (amx_fold) */
     int64_t *lo, *hi;
 } amx_buffers_t;
 
@@ -300,22 +308,26 @@ static int amx_buffers(amx_buffers_t *b, int64_t rp, int64_t D) {
     b->acc = aligned_alloc(64, (size_t)(rp * D * 4));
     b->s = aligned_alloc(64, (size_t)(16 * AKB * 4));
     b->tmp = aligned_alloc(64, 16 * 64 * 4);
+    b->total = aligned_alloc(64, (size_t)(rp * (D + 2) * 4));
     b->m = malloc(sizeof(float) * (size_t)rp), b->l = malloc(sizeof(float) * (size_t)rp);
     b->lo = malloc(sizeof(int64_t) * (size_t)rp), b->hi = malloc(sizeof(int64_t) * (size_t)rp);
-    return b->qh && b->ql && b->kk && b->vv && b->ph && b->pl && b->acc && b->s && b->tmp && b->m && b->l && b->lo && b->hi;
+    return b->qh && b->ql && b->kk && b->vv && b->ph && b->pl && b->acc && b->s && b->tmp && b->total && b->m &&
+           b->l && b->lo && b->hi;
 }
 
 static void amx_buffers_free(amx_buffers_t *b) {
     free(b->qh), free(b->ql), free(b->kk), free(b->vv), free(b->ph), free(b->pl), free(b->acc), free(b->s), free(b->tmp);
-    free(b->m), free(b->l), free(b->lo), free(b->hi);
+    free(b->total), free(b->m), free(b->l), free(b->lo), free(b->hi);
 }
 
 /* Queries [q0, q1) of one sequence (its chunk's rows from row0, its L cached tokens) under kv head
-   g's query heads, as prefill_attention.c's task. */
+   g's query heads, over key parts [pa, pb) (APK keys each, from key 0): each part's state computed
+   from scratch and folded into the rows' total (amx_fold), written normalized to out; or, with
+   `part` (a split task: one part), the part's state left there for the merge (amx_merge). */
 static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, const uint16_t *restrict v_cache,
                      const int32_t *restrict table, int64_t row0, int64_t qlen, int64_t L, int64_t q0, int64_t q1,
                      int64_t g, float *restrict out, int64_t H, int64_t G, int64_t D, int64_t BS, float scale,
-                     int64_t window, const amx_buffers_t *b) {
+                     int64_t window, int64_t pa, int64_t pb, float *part, const amx_buffers_t *b) {
     const int64_t rep = H / G, R = (q1 - q0) * rep, RP = (R + 15) / 16 * 16, base = L - qlen;
     for (int64_t row = 0; row < RP; row++) { /* row (i - q0) * rep + h: query i under head g * rep + h */
         uint16_t *hi = b->qh + row * D, *lo = b->ql + row * D;
@@ -329,72 +341,52 @@ static void amx_task(const float *restrict q, const uint16_t *restrict k_cache, 
         for (int64_t d = 0; d < D; d++) scaled[d] = src[d] * scale;
         split_bf16(scaled, D, hi, lo);
     }
-    memset(b->acc, 0, sizeof(float) * (size_t)(RP * D));
-    memset(b->l, 0, sizeof(float) * (size_t)RP);
-    memset(b->m, 0, sizeof(float) * (size_t)RP);
+    const amx_state_t total = amx_state_at(b->total, RP, D);
+    const amx_state_t st = part ? amx_state_at(part, RP, D) : (amx_state_t){b->m, b->l, b->acc};
+    memset(total.l, 0, sizeof(float) * (size_t)RP);
     const int64_t first_pos = base + q0, last_pos = base + q1 - 1;
     const int64_t start = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
-    for (int64_t k0 = start - start % AKB; k0 <= last_pos; k0 += AKB) {
-        const int64_t n = last_pos + 1 - k0 < AKB ? last_pos + 1 - k0 : AKB;
-        int64_t ja = AKB, je = 0; /* the keys any row sees */
-        for (int64_t row = 0; row < RP; row++) { /* row sees keys [from, p]: [a, e) of the block */
-            int64_t a = 0, e = 0;
-            if (row < R) {
-                const int64_t p = base + q0 + row / rep, from = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-                a = from - k0 > 0 ? from - k0 : 0;
-                e = p + 1 - k0 < n ? p + 1 - k0 : n;
+    const int64_t task_end = pb * APK < last_pos + 1 ? pb * APK : last_pos + 1; /* past the task's last key */
+    for (int64_t pp = pa; pp < pb; pp++) {
+        memset(st.acc, 0, sizeof(float) * (size_t)(RP * D));
+        memset(st.l, 0, sizeof(float) * (size_t)RP);
+        memset(st.m, 0, sizeof(float) * (size_t)RP);
+        const int64_t from = start - start % AKB > pp * APK ? start - start % AKB : pp * APK;
+        for (int64_t k0 = from; k0 < (pp + 1) * APK && k0 <= last_pos; k0 += AKB) {
+            const int64_t n = last_pos + 1 - k0 < AKB ? last_pos + 1 - k0 : AKB;
+            int64_t ja = AKB, je = 0; /* the keys any row sees */
+            for (int64_t row = 0; row < RP; row++) { /* row sees keys [from, p]: [a, e) of the block */
+                int64_t a = 0, e = 0;
+                if (row < R) {
+                    const int64_t p = base + q0 + row / rep, w0 = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+                    a = w0 - k0 > 0 ? w0 - k0 : 0;
+                    e = p + 1 - k0 < n ? p + 1 - k0 : n;
+                }
+                if (a < e) ja = a < ja ? a : ja, je = e > je ? e : je;
+                b->lo[row] = a, b->hi[row] = e;
             }
-            if (a < e) ja = a < ja ? a : ja, je = e > je ? e : je;
-            b->lo[row] = a, b->hi[row] = e;
+            if (ja >= je) continue;
+            amx_load_keys(k_cache, v_cache, table, k0, n, ja / 32 * 32, (je + 31) / 32 * 32, g, G, D, BS, b->kk, b->vv);
+            const int64_t after = k0 + AKB + AKB < task_end ? k0 + AKB + AKB : task_end;
+            amx_ahead_t ahead = {k_cache, v_cache, {0}, k0 + AKB, after};
+            if (ahead.next < ahead.end) ahead.walk = key_walk(table, ahead.next, g, G, D, BS);
+            const int64_t ahead_keys = after > k0 + AKB ? (after - k0 - AKB + RP - 1) / RP : 0; /* a share a row */
+            for (int64_t r0 = 0; r0 < RP; r0 += 16) {
+                int64_t ba = AKB, be = 0;
+                for (int64_t r = r0; r < r0 + 16; r++)
+                    if (b->lo[r] < b->hi[r]) ba = b->lo[r] < ba ? b->lo[r] : ba, be = b->hi[r] > be ? b->hi[r] : be;
+                if (ba >= be) continue;
+                const int64_t j0 = ba / 32 * 32, j1 = (be + 31) / 32 * 32;
+                float keep[16];
+                amx_scores(b->qh + r0 * D, b->ql + r0 * D, b->kk, D, j0, j1, b->s);
+                amx_softmax(b->s, b->ph, b->pl, j0, j1, b->lo + r0, b->hi + r0, st.m + r0, st.l + r0, keep, &ahead,
+                            ahead_keys);
+                amx_weighted_v(b->ph, b->pl, b->vv, D, j0, j1, keep, st.acc + r0 * D, b->tmp);
+            }
         }
-        if (ja >= je) continue;
-        amx_load_keys(k_cache, v_cache, table, k0, n, ja / 32 * 32, (je + 31) / 32 * 32, g, G, D, BS, b->kk, b->vv);
-        const int64_t after = k0 + AKB + AKB < last_pos + 1 ? k0 + AKB + AKB : last_pos + 1;
-        amx_ahead_t ahead = {k_cache, v_cache, {0}, k0 + AKB, after};
-        if (ahead.next < ahead.end) ahead.walk = key_walk(table, ahead.next, g, G, D, BS);
-        const int64_t ahead_keys = after > k0 + AKB ? (after - k0 - AKB + RP - 1) / RP : 0; /* a share a row */
-        for (int64_t r0 = 0; r0 < RP; r0 += 16) {
-            int64_t ba = AKB, be = 0;
-            for (int64_t r = r0; r < r0 + 16; r++)
-                if (b->lo[r] < b->hi[r]) ba = b->lo[r] < ba ? b->lo[r] : ba, be = b->hi[r] > be ? b->hi[r] : be;
-            if (ba >= be) continue;
-            const int64_t j0 = ba / 32 * 32, j1 = (be + 31) / 32 * 32;
-            float keep[16];
-            amx_scores(b->qh + r0 * D, b->ql + r0 * D, b->kk, D, j0, j1, b->s);
-            amx_softmax(b->s, b->ph, b->pl, j0, j1, b->lo + r0, b->hi + r0, b->m + r0, b->l + r0, keep, &ahead,
-                        ahead_keys);
-            amx_weighted_v(b->ph, b->pl, b->vv, D, j0, j1, keep, b->acc + r0 * D, b->tmp);
-        }
+        if (!part) amx_fold(total, st, R, D);
     }
-    for (int64_t row = 0; row < R; row++) {
-        float *o = out + ((row0 + q0 + row / rep) * H + g * rep + row % rep) * D;
-        const float inv = b->l[row] > 0.0f ? 1.0f / b->l[row] : 0.0f;
-        for (int64_t d = 0; d < D; d++) o[d] = b->acc[row * D + d] * inv;
-    }
-}
-
-/* The tasks of a call (the tiles' kernel splits no keys): task j is sequence owner[j], kv head
-   (j - first[s]) % G and tile of qt queries (j - first[s]) / G. */
-typedef struct {
-    int64_t tasks, *first, *owner;
-} task_plan_t;
-
-static task_plan_t task_plan(const int32_t *cu_seqlens_q, int64_t S, int64_t G, int64_t qt) {
-    task_plan_t plan;
-    plan.first = malloc(sizeof(int64_t) * (size_t)(S + 1));
-    plan.first[0] = 0;
-    for (int64_t s = 0; s < S; s++)
-        plan.first[s + 1] = plan.first[s] + (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + qt - 1) / qt * G;
-    plan.tasks = plan.first[S];
-    plan.owner = malloc(sizeof(int64_t) * (size_t)(plan.tasks ? plan.tasks : 1));
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t j = plan.first[s]; j < plan.first[s + 1]; j++) plan.owner[j] = s;
-    return plan;
-}
-
-static void task_plan_free(task_plan_t *plan) {
-    free(plan->owner);
-    free(plan->first);
+    if (!part) amx_write_rows(total, R, out, row0, q0, g, rep, H, D);
 }
 
 /* prefill_attention_bf16's work where it runs on the tiles: D a multiple of 32, at most 256. */
@@ -404,7 +396,7 @@ static void prefill_attention_amx(const float *restrict q, const uint16_t *restr
                                   float *restrict out, int64_t S, int64_t H, int64_t G, int64_t D, int64_t BS,
                                   int64_t MB, float scale, int64_t window) {
     const int64_t rep = H / G, qt = rep < AROWS ? AROWS / rep : 1, rp = (qt * rep + 15) / 16 * 16;
-    task_plan_t plan = task_plan(cu_seqlens_q, S, G, qt);
+    task_plan_t plan = task_plan(cu_seqlens_q, seq_lens, S, G, qt, rep, D, window);
     __atomic_add_fetch(&amx_attention_count, 1, __ATOMIC_RELAXED);
 #pragma omp parallel
     {
@@ -414,13 +406,25 @@ static void prefill_attention_amx(const float *restrict q, const uint16_t *restr
 #pragma omp for schedule(dynamic, 1)
         for (int64_t jj = 0; jj < plan.tasks; jj++) {
             const int64_t j = plan.tasks - 1 - jj; /* a chunk's last tiles see the most keys: they go first */
-            const int64_t s = plan.owner[j], tile = (j - plan.first[s]) / G, g = (j - plan.first[s]) % G;
+            const int64_t s = plan.owner[j], parts = plan.pb[s] - plan.pa[s], at = j - plan.first[s];
+            const int64_t pair = plan.split[s] ? at / parts : at, tile = pair / G, g = pair % G;
             const int64_t qlen = cu_seqlens_q[s + 1] - cu_seqlens_q[s], q0 = tile * qt;
             const int64_t q1 = q0 + qt < qlen ? q0 + qt : qlen;
+            const int64_t pa = plan.split[s] ? plan.pa[s] + at % parts : plan.pa[s];
+            const int64_t pb = plan.split[s] ? pa + 1 : plan.pb[s];
+            float *part = plan.split[s] ? plan.held + plan.held_at[s] + at * plan.stride[s] : NULL;
             amx_task(q, k_cache, v_cache, block_tables + s * MB, cu_seqlens_q[s], qlen, seq_lens[s], q0, q1, g, out,
-                     H, G, D, BS, scale, window, &b);
+                     H, G, D, BS, scale, window, pa, pb, part, &b);
         }
         _tile_release();
+        if (plan.held) {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < plan.tasks; j++) {
+                const int64_t s = plan.owner[j];
+                if (plan.split[s] && (j - plan.first[s]) % (plan.pb[s] - plan.pa[s]) == 0) /* once a split pair */
+                    amx_merge(&plan, j, cu_seqlens_q, out, H, G, D, qt, b.total);
+            }
+        }
         amx_buffers_free(&b);
     }
     task_plan_free(&plan);
