@@ -22,15 +22,22 @@ pytestmark = pytest.mark.skipif(not amx_runs(), reason="this CPU does not run th
 # Which row counts take the tiles (quant_gemm_amx.h amx_takes): a last block of 16 rows only a little
 # padded, more padding allowed the more blocks there are (the VNNI kernel pays by the row, the tiles
 # by the block); Q8_0 and Q6_K later.
+# (took the tiles, rows of the tail the VNNI kernel took beside them) per row count (amx_takes, amx_tail)
 TOOK_TILES = {
-    "4/5-bit": {11: 0, 12: 0, 15: 1, 16: 1, 17: 0, 31: 1, 33: 0, 40: 1, 300: 1},
-    "Q8_0": {11: 0, 12: 0, 15: 0, 16: 0, 17: 0, 31: 1, 33: 0, 40: 0, 300: 1},
-    "Q6_K": {11: 0, 12: 0, 15: 0, 16: 0, 17: 0, 31: 0, 32: 1, 33: 0, 40: 0, 300: 1},
+    "4/5-bit": {11: (0, 0), 12: (0, 0), 15: (1, 0), 16: (1, 0), 17: (1, 1), 21: (1, 5), 22: (1, 0), 31: (1, 0),
+                33: (1, 1), 40: (1, 0), 260: (1, 4), 275: (1, 3), 300: (1, 0)},
+    "Q8_0": {11: (0, 0), 15: (0, 0), 16: (1, 0), 17: (1, 1), 24: (1, 8), 25: (1, 0), 31: (1, 0), 33: (1, 1),
+             40: (1, 8), 260: (1, 4), 275: (1, 3), 300: (1, 0)},
+    "Q6_K": {15: (0, 0), 16: (0, 0), 33: (0, 0), 63: (0, 0), 64: (1, 0), 65: (1, 0), 260: (1, 0), 300: (1, 0)},
 }
 
 
 def amx_calls() -> int:
     return cpu_build.function(cpu_quant.NAME, "amx_calls", (), "amx_int8", restype=ctypes.c_int64)()
+
+
+def amx_tail_rows() -> int:
+    return cpu_build.function(cpu_quant.NAME, "amx_tail_rows", (), "amx_int8", restype=ctypes.c_int64)()
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -45,18 +52,20 @@ def test_every_row_count_equals_the_vnni_build_bit_for_bit(qtype):
         amx = cpu_quant.CpuQuantWeight(qtype, parts, isa="amx_int8")
         vnni = cpu_quant.CpuQuantWeight(qtype, parts, isa="avx512_vnni")
         bias = torch.randn(n, generator=gen)
-        # 11, 12, 15: one padded block; 16: a whole one; 17, 31, 33, 40: a block or two and the
-        # padded rows of the next; 300: past one pass of 256 rows, ending part way
+        # 11, 12, 15: one padded block; 16: a whole one; 17-40: a block or two and the next's rows,
+        # padded or the tail; 260, 275, 300: past one pass of 256 rows, ending part way (the tail in
+        # the second pass, or 275's a pass of its own of one block)
         for m, expected in took.items():
             x = torch.randn(m, blocks * per_block, generator=gen)
             x[0, :5] = 40.0  # an outlier: one group's scale
             x[-1] = 0.0  # a row of zeros: its groups' scales are 0
-            before = amx_calls()
+            before, tail_before = amx_calls(), amx_tail_rows()
             got = amx.matmul(x, bias)
-            took_tiles = amx_calls() - before
+            ran = (amx_calls() - before, amx_tail_rows() - tail_before)
             assert torch.equal(got, vnni.matmul(x, bias)), (qtype, n, blocks, m)
-            # the tiles ran where amx_takes says they pay (its table, from measurements)
-            assert took_tiles == expected, (qtype, m, took_tiles)
+            # the tiles ran, and left the tail to the VNNI kernel, where amx_takes and amx_tail say
+            # they pay (their tables, from measurements)
+            assert ran == expected, (qtype, m, ran)
 
 
 def test_the_probe_runs_the_tiles_here():

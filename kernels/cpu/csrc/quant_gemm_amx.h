@@ -11,7 +11,7 @@
    equals the AVX-512 build's bit for bit. The int8 work leaves the vector ports; what remains a row
    and group is the scaling (~5 vector instructions against the VNNI kernel's ~15) and the tile store.
    A last block of fewer than 16 rows is padded with zero rows and costs a whole one, where the VNNI
-   kernel pays by the row: hence `amx_takes`.
+   kernel pays by the row: hence `amx_takes`, and `amx_tail`, the last rows left to the VNNI kernel.
 
    Q6_K (a sub-scale per 16 values, applied in integers) makes two products a group, one per half
    (amx_block_q6k). Calls `amx_takes` refuses (a decode step's few rows, a mostly padded last block)
@@ -21,22 +21,31 @@
 
 #define AMX_ROWS 16 /* activation rows a block: tile A's and C's rows */
 
-/* Whether a call of M rows takes the tiles: the padded rows of its last block at most AMX_MAX_PAD's
-   for its block count (1, 2, 3, 4, 5 blocks; 15, any, from 6). A block costs the tiles about what
-   ~11-12 rows cost the VNNI kernel (1 thread, Q4_1 and Q4_K), so a last block of a few rows is a
-   loss and a full one a gain; measured per row count, crossing where the two kernels tie
-   (docs/performance.md, "The tiles by how full their last block is"). -1: never at that count (Q8_0
-   and Q6_K tie the VNNI kernel at one whole block; Q6_K makes two products a group). */
-static const int8_t AMX_MAX_PAD[3][5] = {
-    {2, 6, 11, 15, 15}, /* the 4- and 5-bit formats */
-    {-1, 2, 5, 15, 15}, /* Q8_0 */
-    {-1, 0, 4, 8, 12},  /* Q6_K */
-};
+/* Which rows of a call the tiles take. A block of 16 rows on the tiles costs what ~4-8 rows cost the
+   VNNI kernel beside it in the same pass over a weight tile, and ~11-12 rows alone (1 thread), and
+   the two give the same bits, so a call shares its rows: its whole blocks on the tiles and its last
+   M % 16 rows (the tail) on the VNNI kernel, right after the tiles' blocks of each weight tile,
+   unless the tail is nearly a whole block (its padded rows at most AMX_TAIL_PAD), which the tiles
+   then take padded. A call of fewer than 16 rows takes the tiles only as one padded block (at most
+   AMX_ONE_PAD rows of padding), a longer one from AMX_MIN_BLOCKS whole blocks. Measured per row count
+   (docs/performance.md, "The tiles by how full their last block is" and "Whole blocks on the tiles,
+   the tail beside them"). Per type class: the 4- and 5-bit formats, Q8_0, Q6_K (two products a
+   group: it ties the VNNI kernel up to ~4 blocks); -1: never. */
+static const int8_t AMX_ONE_PAD[3] = {2, -1, -1};
+static const int8_t AMX_MIN_BLOCKS[3] = {1, 1, 4};
+static const int8_t AMX_TAIL_PAD[3] = {10, 7, 15};
+
+static inline int amx_class(int type) { return type == Q8_0 ? 1 : type == Q6_K ? 2 : 0; }
 
 static inline int amx_takes(int type, int64_t M) {
-    const int64_t blocks = (M + AMX_ROWS - 1) / AMX_ROWS, pad = blocks * AMX_ROWS - M;
-    if (blocks > 5) return 1;
-    return pad <= AMX_MAX_PAD[type == Q8_0 ? 1 : type == Q6_K ? 2 : 0][blocks - 1];
+    if (M < AMX_ROWS) return AMX_ROWS - M <= AMX_ONE_PAD[amx_class(type)];
+    return M / AMX_ROWS >= AMX_MIN_BLOCKS[amx_class(type)];
+}
+
+/* The last rows of a call the tiles take (amx_takes) that the VNNI kernel takes instead: 0 or M % 16. */
+static inline int64_t amx_tail(int type, int64_t M) {
+    const int64_t r = M % AMX_ROWS;
+    return M > AMX_ROWS && r && AMX_ROWS - r > AMX_TAIL_PAD[amx_class(type)] ? r : 0;
 }
 
 /* The tile shapes, per thread (the configuration is a thread's state): A 16 rows x 32 codes,
@@ -213,28 +222,33 @@ static inline __attribute__((always_inline)) void amx_tile(
     case Q5_K: ROWS(Q5_K); break; default: ROWS(Q6_K); break;                   \
     }
 
-/* How many qgemm calls took the tiles (tests/kernels/test_cpu_quant_amx.py: the outputs alone
-   cannot tell, being the VNNI kernel's bit for bit). */
-static int64_t amx_call_count = 0;
+/* How many qgemm calls took the tiles, and how many rows of theirs the VNNI kernel took beside them
+   (tests/kernels/test_cpu_quant_amx.py: the outputs alone cannot tell, being the VNNI kernel's bit
+   for bit). */
+static int64_t amx_call_count = 0, amx_tail_count = 0;
 int64_t amx_calls(void) { return __atomic_load_n(&amx_call_count, __ATOMIC_RELAXED); }
+int64_t amx_tail_rows(void) { return __atomic_load_n(&amx_tail_count, __ATOMIC_RELAXED); }
 
-/* qgemm for the row counts amx_takes: the activations quantized as qgemm does, padded
-   to whole blocks of 16 rows with zeros. */
+/* qgemm for the row counts amx_takes: the activations quantized as qgemm does; the rows the tiles
+   take re-laid by block and padded to whole blocks with zeros, the tail (amx_tail) left as the VNNI
+   kernel reads them, each weight tile's tail rows made right after its blocks. */
 static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float *bias, float *out,
                       int64_t ldo, int stream) {
     const int64_t K = w->K, G = K / QK, T = (w->N + TILE - 1) / TILE;
-    const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int64_t tail = amx_tail((int)w->type, M), Mt = M - tail; /* rows [0, Mt) on the tiles */
+    const int64_t Mp = (Mt + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, Mq = Mp > M ? Mp : M;
     __atomic_add_fetch(&amx_call_count, 1, __ATOMIC_RELAXED);
-    int8_t *qa = malloc((size_t)(Mp * K));
-    float *da = malloc(sizeof(float) * (size_t)(Mp * G));
-    int32_t *sa = malloc(sizeof(int32_t) * (size_t)(Mp * G * 2));
+    __atomic_add_fetch(&amx_tail_count, tail, __ATOMIC_RELAXED);
+    int8_t *qa = malloc((size_t)(Mq * K));
+    float *da = malloc(sizeof(float) * (size_t)(Mq * G));
+    int32_t *sa = malloc(sizeof(int32_t) * (size_t)(Mq * G * 2));
     int32_t *zs = malloc(sizeof(int32_t) * (size_t)(Mp * G)), *zh = malloc(sizeof(int32_t) * (size_t)(Mp * G));
-    float *ms = malloc(sizeof(float) * (size_t)(Mp * G)), *msa = malloc(sizeof(float) * (size_t)(Mp * G));
+    float *ms = malloc(sizeof(float) * (size_t)(Mp * G)), *msa = malloc(sizeof(float) * (size_t)(Mq * G));
     quantize_rows(x, M, K, qa, da, sa, msa);
-    memset(qa + M * K, 0, (size_t)((Mp - M) * K));
-    memset(da + M * G, 0, sizeof(float) * (size_t)((Mp - M) * G));
-    memset(sa + M * G * 2, 0, sizeof(int32_t) * (size_t)((Mp - M) * G * 2));
-    memset(msa + M * G, 0, sizeof(float) * (size_t)((Mp - M) * G));
+    memset(qa + M * K, 0, (size_t)((Mq - M) * K));
+    memset(da + M * G, 0, sizeof(float) * (size_t)((Mq - M) * G));
+    memset(sa + M * G * 2, 0, sizeof(int32_t) * (size_t)((Mq - M) * G * 2));
+    memset(msa + M * G, 0, sizeof(float) * (size_t)((Mq - M) * G));
     /* re-laid by block of 16 rows and group: [Mp / 16][G][16] (and 32 codes a row for A), so a tile
        load reads 512 contiguous bytes and a group's 16 rows' scales sit on one line */
     int8_t *qb = aligned_alloc(64, (size_t)(Mp * K));
@@ -250,21 +264,19 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
             zh[j] = -32 * sa[2 * i + 1];
             ms[j] = msa[i];
         }
-    free(qa);
-    free(da);
-    qa = qb;
-    da = db;
     for (int64_t m0 = 0; m0 < Mp; m0 += M_CHUNK) {
         const int64_t m1 = m0 + M_CHUNK < Mp ? m0 + M_CHUNK : Mp;
+        const int last = m1 == Mp;
 #pragma omp parallel
         {
             uint8_t *buffer = aligned_alloc(64, (size_t)(G * 1024));
             amx_configure();
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) {
-#define AMX_TILE_OF(TYPE_) amx_tile(TYPE_, w, t, m0, m1, M, buffer, qa, da, zs, zh, ms, bias, out, ldo, stream)
+#define AMX_TILE_OF(TYPE_) amx_tile(TYPE_, w, t, m0, m1, Mt, buffer, qb, db, zs, zh, ms, bias, out, ldo, stream)
                 AMX_BY_TYPE(AMX_TILE_OF)
 #undef AMX_TILE_OF
+                if (last && tail) tile_all_rows((int)w->type, w, t, Mt, M, qa, da, sa, msa, bias, out, ldo, stream);
             }
             _tile_release();
             free(buffer);
@@ -273,6 +285,8 @@ static void qgemm_amx(const qweight_t *w, const float *x, int64_t M, const float
     if (stream) _mm_sfence();
     free(qa);
     free(da);
+    free(qb);
+    free(db);
     free(sa);
     free(zs);
     free(zh);
