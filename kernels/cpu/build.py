@@ -42,8 +42,8 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 ISA_FLAGS = {
     "avx512_vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                     "-mfma", "-DQUANT_AVX512"],
-    # The AVX512-VNNI build with AMX's int8 tiles for GEMMs of the row counts where they pay
-    # (quant_gemm_amx.h amx_takes)
+    # The AVX512-VNNI build with AMX's int8 tiles for the rows of a GEMM where they pay
+    # (quant_gemm_amx.h amx_takes, amx_tail)
     "amx_int8": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c",
                  "-mfma", "-mamx-tile", "-mamx-int8", "-DQUANT_AVX512", "-DQUANT_AMX"],
     "avx_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DQUANT_AVX2", "-DQUANT_AVXVNNI"],  # 256-bit VNNI

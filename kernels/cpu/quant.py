@@ -96,8 +96,8 @@ def _probe_runs(isa: str) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def chosen_isa() -> str:
-    """The build of quant_gemm.c this process uses: "amx_int8" (AVX512-VNNI, and AMX tiles for 12 rows
-    or more), else "avx512_vnni" (intrinsics), else "avx_vnni"
+    """The build of quant_gemm.c this process uses: "amx_int8" (AVX512-VNNI, and AMX tiles for a
+    GEMM's whole blocks of 16 rows where they pay), else "avx512_vnni" (intrinsics), else "avx_vnni"
     (the same dot product on 256 bits), else "avx2" (maddubs/madd in place of vpdpbusd), else
     "portable" (plain C for the compiler's baseline)."""
     forced = cpu_build.forced_build("INFLIGHT_CPU_ISA", BUILDS)
