@@ -136,7 +136,8 @@ class TritonBackend:
                        top_k: Optional[int] = None) -> AsyncIterator[list[Piece]]:
         """Send one request and yield each response (a Piece per completion) until every completion
         has its finish reason. Raises
-        APIError: the model's refusal (its status from the message), or Triton unreachable (503).
+        APIError: the model's refusal (its status from the message), or Triton unreachable (503: the
+        channel failed, or gRPC cut the stream, "Stream removed", as when the model's process dies).
         Leaving early cancels the request on the server."""
         await self.declared_inputs()
         inputs = []
@@ -169,7 +170,7 @@ class TritonBackend:
             if not done:
                 raise APIError(503, "Triton closed the stream before the answer was complete",
                                code="triton_unavailable")
-        except InferenceServerException as exc:  # the channel itself failed
+        except (InferenceServerException, grpc.RpcError) as exc:  # the channel failed, or cut the stream
             raise _unreachable(exc, self.url) from None
         finally:
             closing.set()
