@@ -13,6 +13,27 @@ from adapter_module import load_adapter  # noqa: F401  (the e2e tests import it 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO_ROOT / "model_repository" / "llm" / "1"
 
+LOG_LINES_ON_FAILURE = 200
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the last lines of the log of every tritonserver among its
+    fixtures: a server fixture's log is a temporary file removed at teardown, and an intermittent
+    failure (a stream cut, a model process that died) is otherwise not told from its client's side."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    from serving.triton_launcher import TritonServer
+
+    for name, value in getattr(item, "funcargs", {}).items():
+        if isinstance(value, TritonServer):
+            lines = (value.log_text() or value.last_log).splitlines()[-LOG_LINES_ON_FAILURE:]
+            report.sections.append((f"tritonserver log of fixture {name!r} (its last {len(lines)} lines)",
+                                    "\n".join(lines)))
+
+
 # Small enough that the too-long-prompt case is cheap; the in-process reference uses the same.
 MAX_MODEL_LEN = 512
 HAND_EDITED_KV_TOKENS = 16384
