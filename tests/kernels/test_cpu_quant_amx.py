@@ -19,10 +19,9 @@ from backend.models.gguf.packed import BLOCK_SIZES, TYPE_IDS
 pytestmark = pytest.mark.skipif(not amx_runs(), reason="this CPU does not run the AMX build")
 
 
-# Which row counts take the tiles (quant_gemm_amx.h amx_takes): a last block of 16 rows only a little
-# padded, more padding allowed the more blocks there are (the VNNI kernel pays by the row, the tiles
-# by the block); Q8_0 and Q6_K later.
-# (took the tiles, rows of the tail the VNNI kernel took beside them) per row count (amx_takes, amx_tail)
+# Per row count: (took the tiles, rows of the tail the VNNI kernel took beside them) (quant_gemm_amx.h
+# amx_takes, amx_tail): whole blocks of 16 on the tiles, a short tail beside them and a nearly whole
+# one padded (the VNNI kernel pays by the row, the tiles by the block); Q6_K from 4 blocks.
 TOOK_TILES = {
     "4/5-bit": {11: (0, 0), 12: (0, 0), 15: (1, 0), 16: (1, 0), 17: (1, 1), 21: (1, 5), 22: (1, 0), 31: (1, 0),
                 33: (1, 1), 40: (1, 0), 260: (1, 4), 275: (1, 3), 300: (1, 0)},

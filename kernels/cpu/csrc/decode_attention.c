@@ -211,9 +211,7 @@ void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_c
     const int64_t heads_max = G > 1 ? G : rep, want = chunks && chunks < threads ? (threads + chunks - 1) / chunks : 1;
     const int64_t slices = want < heads_max ? want : heads_max, tasks = chunks * slices;
     float *parts = malloc(sizeof(float) * (chunks ? chunks : 1) * H * stride);
-    int64_t *owner = malloc(sizeof(int64_t) * (chunks ? chunks : 1));
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t j = first[s]; j < first[s + 1]; j++) owner[j] = s;
+    int64_t *owner = task_owners(first, S);
 #pragma omp parallel
     {
         float *scores = malloc(sizeof(float) * H * (chunk < longest ? chunk : longest));

@@ -1,10 +1,21 @@
 /* Flash-decoding's merge, shared by the attention kernels that split one row's keys into parts
-   (decode_attention.c's chunks of a sequence, prefill_split.h's key parts of a short chunk). */
+   (decode_attention.c's chunks of a sequence, prefill_split.h's key parts of a short chunk, the AMX
+   prefill's parts in prefill_amx_parts.h), and their plans' task owners. */
 #ifndef INFLIGHT_MERGE_PARTS_H
 #define INFLIGHT_MERGE_PARTS_H
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* The sequence of each of the first[S] tasks (or chunks) of a split plan, whose sequence s has tasks
+   first[s] .. first[s + 1] - 1: owner[j] = s (freed by the caller; never a zero-sized malloc). */
+static inline int64_t *task_owners(const int64_t *first, int64_t S) {
+    int64_t *owner = malloc(sizeof(int64_t) * (size_t)(first[S] ? first[S] : 1));
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = first[s]; j < first[s + 1]; j++) owner[j] = s;
+    return owner;
+}
 
 /* o[D] = the softmax-weighted V of one row from `count` parts, part k at part + k * step laid out as
    (m: its top score, l: sum of exp(score - m), acc[D]: sum of exp(score - m) v). Each part is

@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "merge_parts.h"
+
 #define APK 512 /* keys a part, a multiple of the tiles' key block (AKB) */
 
 static int64_t amx_split_count; /* sequences whose parts were tasks of their own (tests) */
@@ -92,9 +94,7 @@ static task_plan_t task_plan(const int32_t *cu_seqlens_q, const int32_t *seq_len
         p.first[s + 1] = p.first[s] + pairs * (p.split[s] ? parts : 1);
     }
     p.tasks = p.first[S];
-    p.owner = malloc(sizeof(int64_t) * (size_t)(p.tasks ? p.tasks : 1));
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t j = p.first[s]; j < p.first[s + 1]; j++) p.owner[j] = s;
+    p.owner = task_owners(p.first, S);
     p.held = held ? aligned_alloc(64, sizeof(float) * (size_t)held) : NULL;
     return p;
 }

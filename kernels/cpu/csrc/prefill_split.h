@@ -59,9 +59,7 @@ static split_plan_t split_plan(const int32_t *cu_seqlens_q, const int32_t *seq_l
         p.first[s + 1] = p.first[s] + pairs * p.parts[s];
     }
     p.tasks = p.first[S];
-    p.owner = malloc(sizeof(int64_t) * (size_t)(p.tasks ? p.tasks : 1));
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t j = p.first[s]; j < p.first[s + 1]; j++) p.owner[j] = s;
+    p.owner = task_owners(p.first, S);
     p.held = held ? malloc(sizeof(float) * (size_t)held) : NULL;
     return p;
 }

@@ -14,7 +14,7 @@
    kernel pays by the row: hence `amx_takes`, and `amx_tail`, the last rows left to the VNNI kernel.
 
    Q6_K (a sub-scale per 16 values, applied in integers) makes two products a group, one per half
-   (amx_block_q6k). Calls `amx_takes` refuses (a decode step's few rows, a mostly padded last block)
+   (amx_block_q6k). Calls `amx_takes` refuses (a decode step's few rows, Q6_K's under 4 blocks)
    keep the VNNI tile kernel, as does a process the kernel refuses the tile state to (`amx_ready`,
    amx.h): where the tiles are refused or kill the build's probe, the AVX512-VNNI build runs instead. */
 #include "amx.h"
@@ -28,8 +28,8 @@
    unless the tail is nearly a whole block (its padded rows at most AMX_TAIL_PAD), which the tiles
    then take padded. A call of fewer than 16 rows takes the tiles only as one padded block (at most
    AMX_ONE_PAD rows of padding), a longer one from AMX_MIN_BLOCKS whole blocks. Measured per row count
-   (docs/performance.md, "The tiles by how full their last block is" and "Whole blocks on the tiles,
-   the tail beside them"). Per type class: the 4- and 5-bit formats, Q8_0, Q6_K (two products a
+   (docs/performance.md, "The tiles by how full their last block is" and "Issue 45's paced steps,
+   continued"). Per type class: the 4- and 5-bit formats, Q8_0, Q6_K (two products a
    group: it ties the VNNI kernel up to ~4 blocks); -1: never. */
 static const int8_t AMX_ONE_PAD[3] = {2, -1, -1};
 static const int8_t AMX_MIN_BLOCKS[3] = {1, 1, 4};
