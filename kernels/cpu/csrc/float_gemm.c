@@ -126,11 +126,17 @@ static inline float vhsum(VEC v) {
 /* While a block multiplies, the weight rows AHEAD rows on are prefetched at the same columns, a line
    a step: a decode step streams every weight from memory once, and the hardware prefetcher alone
    left the C kernel reading them more slowly than oneDNN (docs/performance.md, issue 47). Past the
-   last row the addresses run beyond the weights: a prefetch never faults. */
+   last row the addresses run beyond the weights: a prefetch never faults. Into L2 (prefetcht1), as
+   quant_gemm.c's: into L1 (prefetcht0, until 2026-12-06) the one-row GEMV over SmolLM2's 31 layers'
+   shapes read float16 and bfloat16 weights at 17-21 GB/s on a Zen 4 EPYC (2 threads) and at 24-33
+   GB/s into L2; float32 22-24 -> 27-37 (docs/performance.md, "Issue 47 on a Zen 4 EPYC"). */
 #ifndef AHEAD
 #define AHEAD 8
 #endif
-#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2 /* prefetcht1: into L2 */
+#endif
+#define PREFETCH(p) __builtin_prefetch((p), 0, PREFETCH_LOCALITY)
 
 /* out[m .. m+MR, n .. n+NR]: the dot products of MR activation rows with NR weight rows. */
 ALWAYS_INLINE void block(const int type, const int MR, const int NR, const fweight_t *w, const float *x,
