@@ -127,9 +127,10 @@ static inline float vhsum(VEC v) {
    a step: a decode step streams every weight from memory once, and the hardware prefetcher alone
    left the C kernel reading them more slowly than oneDNN (docs/performance.md, issue 47). Past the
    last row the addresses run beyond the weights: a prefetch never faults. Into L2 (prefetcht1), as
-   quant_gemm.c's: into L1 (prefetcht0, until 2026-12-06) the one-row GEMV over SmolLM2's 31 layers'
-   shapes read float16 and bfloat16 weights at 17-21 GB/s on a Zen 4 EPYC (2 threads) and at 24-33
-   GB/s into L2; float32 22-24 -> 27-37 (docs/performance.md, "Issue 47 on a Zen 4 EPYC"). */
+   quant_gemm.c's: into L1 (prefetcht0, until 2026-12-06) the one-row GEMV over SmolLM2's 30 layers
+   and lm_head read float16 and bfloat16 weights at 17-21 GB/s on a Zen 4 EPYC (2 threads) and at
+   24-32 GB/s into L2, float32 21-25 -> 27-37, the AVX2 build alike (docs/performance.md, "Issue 47 on
+   a Zen 4 EPYC"); not yet measured on an Intel CPU. */
 #ifndef AHEAD
 #define AHEAD 8
 #endif
