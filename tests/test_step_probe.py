@@ -50,6 +50,22 @@ def test_probe_decode_reports_engine_and_floor(llama_dir, monkeypatch):
     assert row["weights_size_read_gb_s"] > 0
 
 
+def test_each_long_prompt_run_computes_the_whole_prompt(llama_dir, monkeypatch):
+    """The A B B A rounds send the same ids to the engine twice: no run may be a prefix hit."""
+    from backend import LLM
+    runs = []
+    generate = LLM.generate
+
+    def counted(self, *args, **kwargs):
+        outputs = generate(self, *args, **kwargs)
+        runs.extend(o.num_cached_tokens for o in outputs)
+        return outputs
+    monkeypatch.setattr(LLM, "generate", counted)
+    row = step_probe.probe_long_prompt(str(llama_dir), length=53, seed=0)
+    assert runs == [0, 0, 0, 0]  # chunked and unchunked, twice each, nothing from the cache
+    assert row["engine_chunked_s"] > 0 and row["engine_unchunked_s"] > 0
+
+
 def test_read_bandwidth_counts_the_bytes_of_the_buffer(monkeypatch):
     """GB/s = the buffer's bytes over the fastest sum: a sum that takes 2 ms on 2**22 floats is 8.4 GB/s."""
     clock = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.003])

@@ -1,9 +1,14 @@
 """The queue's expected drain time: how long until each waiting request starts, and how long a
 request arriving now would wait for its first token (issue 45, "overload told early"). No torch.
 
-`DrainEstimator.update` runs once per engine step, on the engine thread, after the step: it replays
-the work the engine knows of as a fluid simulation, and publishes a `Snapshot` (immutable, swapped
-in one assignment) that any thread reads at arrival in O(max_num_seqs), without a lock:
+`DrainEstimator.update` runs after each engine step, on the engine thread: it replays the work the
+engine knows of as a fluid simulation, and publishes a `Snapshot` (immutable, swapped in one
+assignment) that any thread reads at arrival in O(max_num_seqs), without a lock. It replays when
+the running or waiting requests' counts changed since the last replay, or `REFRESH_SECONDS` after
+it; between, the batch only decodes and the last snapshot stands (an estimate at most that much
+older, so a little higher: the decode steps since are not taken off). Replaying after every step
+cost a batch-1 decode step of SmolLM2 ~0.1 ms of its ~4 (docs/performance.md, "The engine's own
+time a step"):
 
 - running requests: their prompt tokens still to compute and their tokens still to generate (up
   to max_tokens: the estimate is the worst case of an EOS that never comes), and the KV blocks
@@ -39,6 +44,7 @@ from backend.sched.pacing import Pacer
 MAX_SIMULATED = 128  # waiting requests replayed one by one each step; the rest extrapolated
 EWMA_ALPHA = 0.2     # weight of the newest step in EwmaCost
 CAP_BUCKETS = 16     # the pacer's cap is asked for at most this many row counts a step
+REFRESH_SECONDS = 0.05  # while the running and waiting counts stand, the snapshot is replayed at most this often
 
 
 class EwmaCost:
@@ -215,6 +221,7 @@ class DrainEstimator:
         self.blocks_for = blocks_for
         self.ewma = EwmaCost()
         self.snapshot = Snapshot()
+        self._replayed: tuple[float, int, int] = (-math.inf, -1, -1)  # (when, running, waiting) of the last replay
 
     def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         self.ewma.observe(decode_rows, prompt_tokens, seconds)
@@ -224,6 +231,10 @@ class DrainEstimator:
         return self.blocks_for(prompt + max_tokens - 1 if self.no_evict else prompt)
 
     def update(self, scheduler, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        counts = (len(scheduler.running), len(scheduler.waiting))
+        if counts == self._replayed[1:] and now - self._replayed[0] < REFRESH_SECONDS:
+            return  # the same requests decoding: the last snapshot stands (see the module's docstring)
         pacer: Optional[Pacer] = getattr(scheduler, "pacer", None)
         model = pacer.cost if pacer is not None and pacer.cost.prompt_steps and \
             pacer.cost.steps > pacer.cost.prompt_steps else None
@@ -239,8 +250,8 @@ class DrainEstimator:
         waiting = [Work(r.num_prompt_tokens, r.params.max_tokens - len(r.output_token_ids),
                         self.need(r.num_prompt_tokens, r.params.max_tokens), 0, r.seq_id)
                    for r in itertools.islice(queue, MAX_SIMULATED)]
-        self.snapshot = simulate(running, waiting, self.limits, prices, time.monotonic() if now is None else now,
-                                 beyond=max(0, len(queue) - len(waiting)))
+        self.snapshot = simulate(running, waiting, self.limits, prices, now, beyond=max(0, len(queue) - len(waiting)))
+        self._replayed = (now, *counts)
 
     def drain_seconds(self) -> float:
         """Seconds until every request waiting at the last step has started (from that step)."""

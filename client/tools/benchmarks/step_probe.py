@@ -25,7 +25,8 @@ large last-level cache, which can beat the memory floor).
 
 Long prompts: one prompt of each length to its first token through the engine, chunked (the
 default token budget) and unchunked (a budget of the whole prompt), beside transformers' forward
-pass on the same ids, interleaved the same way.
+pass on the same ids, interleaved the same way, prefix reuse off (before 2026-12-06 it was on, and
+the second of the two engine runs was a prefix hit: the engine's figure was about half its time).
 """
 from __future__ import annotations
 
@@ -163,8 +164,9 @@ def probe_long_prompt(model_path: str, length: int, seed: int) -> dict:
     row = {"prompt_tokens": length}
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for name, budget in (("chunked", 2048), ("unchunked", length)):
+        # no prefix reuse: the A B B A rounds send the same ids twice, and the second would be a hit
         llm = LLM(model_path, max_num_batched_tokens=max(budget, 64), cpu_kv_cache_tokens=length + 256,
-                  max_num_seqs=1)
+                  max_num_seqs=1, enable_kv_cache_reuse=False)
         first: list[int] = []
 
         def engine_first_token() -> None:
