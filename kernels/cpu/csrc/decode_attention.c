@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "merge_parts.h"
+#include "prefetch.h"
 
 /* x * y + z rounded once: the multiply-add GCC contracts `z += x * y` into where the CPU has FMA
    (-march=native), written out where two tokens' sums are chained, so both paths make the same bits. */
@@ -67,14 +68,14 @@ typedef struct {
 #include "cache_types.h"
 #else /* the kernel, for one cache element type */
 /* The hardware prefetcher stops at each 4 KB page and knows nothing of the block table. Into L2
-   (prefetcht1): into L1 (until 2026-12-06) a Qwen3-shaped row of 2 KB, 3 of them ahead, read at 10-15
+   (prefetch.h): into L1 (until 2026-12-06) a Qwen3-shaped row of 2 KB, 3 of them ahead, read at 10-15
    GB/s on a Zen 4 EPYC and at 23-26 into L2 (SmolLM2's and Gemma 3's rows 1.04-1.35x; docs/performance.md,
    "Issue 47 on a Zen 4 EPYC"). */
 static inline void NAME(prefetch_row)(const CACHE_T *cache, const int32_t *table, int64_t t, int64_t end,
                                 int64_t BS, int64_t row) {
     if (t >= end) return;
     const char *p = (const char *)(cache + ((int64_t)table[t / BS] * BS + t % BS) * row);
-    for (int64_t b = 0; b < row * (int64_t)sizeof(CACHE_T); b += 64) __builtin_prefetch(p + b, 0, 2);
+    for (int64_t b = 0; b < row * (int64_t)sizeof(CACHE_T); b += 64) PREFETCH_READ(p + b);
 }
 
 /* Scores of one cached token (its K row holds every kv head) against the task's query heads. */

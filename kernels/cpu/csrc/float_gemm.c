@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "prefetch.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -126,18 +129,13 @@ static inline float vhsum(VEC v) {
 /* While a block multiplies, the weight rows AHEAD rows on are prefetched at the same columns, a line
    a step: a decode step streams every weight from memory once, and the hardware prefetcher alone
    left the C kernel reading them more slowly than oneDNN (docs/performance.md, issue 47). Past the
-   last row the addresses run beyond the weights: a prefetch never faults. Into L2 (prefetcht1), as
-   quant_gemm.c's: into L1 (prefetcht0, until 2026-12-06) the one-row GEMV over SmolLM2's 30 layers
-   and lm_head read float16 and bfloat16 weights at 17-21 GB/s on a Zen 4 EPYC (2 threads) and at
-   24-32 GB/s into L2, float32 21-25 -> 27-37, the AVX2 build alike (docs/performance.md, "Issue 47 on
-   a Zen 4 EPYC"); not yet measured on an Intel CPU. */
+   last row the addresses run beyond the weights: a prefetch never faults. Into L2, as every kernel's
+   (prefetch.h): into L1 (until 2026-12-06) the one-row GEMV over SmolLM2's 30 layers and lm_head read
+   float16 and bfloat16 weights at 17-21 GB/s on a Zen 4 EPYC (2 threads) and at 24-32 GB/s into L2,
+   float32 21-25 -> 27-37, the AVX2 build alike (docs/performance.md, "Issue 47 on a Zen 4 EPYC"). */
 #ifndef AHEAD
 #define AHEAD 8
 #endif
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 2 /* prefetcht1: into L2 */
-#endif
-#define PREFETCH(p) __builtin_prefetch((p), 0, PREFETCH_LOCALITY)
 
 /* out[m .. m+MR, n .. n+NR]: the dot products of MR activation rows with NR weight rows. */
 ALWAYS_INLINE void block(const int type, const int MR, const int NR, const fweight_t *w, const float *x,
@@ -153,7 +151,7 @@ ALWAYS_INLINE void block(const int type, const int MR, const int NR, const fweig
             __m512i wv[NR_MAX];
             for (int j = 0; j < NR; j++) {
                 wv[j] = _mm512_loadu_si512(wr + j * K + k);
-                PREFETCH(wr + (AHEAD + j) * K + k);
+                PREFETCH_READ(wr + (AHEAD + j) * K + k);
             }
             for (int i = 0; i < MR; i++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + (m + i) * K + k);
@@ -173,7 +171,7 @@ ALWAYS_INLINE void block(const int type, const int MR, const int NR, const fweig
     const int VECS = 64 / (LANES * (type == F32 ? 4 : 2));
     for (int64_t k = 0; k < K; k += VECS * LANES) {
         for (int j = 0; j < NR; j++)
-            PREFETCH((const char *)w->w + ((n + AHEAD + j) * K + k) * (type == F32 ? 4 : 2));
+            PREFETCH_READ((const char *)w->w + ((n + AHEAD + j) * K + k) * (type == F32 ? 4 : 2));
         for (int v = 0; v < VECS; v++) {
             const int64_t kv = k + v * LANES;
             VEC wv[NR_MAX];

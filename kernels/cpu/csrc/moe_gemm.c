@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefetch.h"
+
 #define PANEL 16
 #if defined(__AVX512F__)
 #define VEC 16
@@ -60,9 +62,6 @@
 #endif
 #ifndef PANELS_PER_ITEM
 #define PANELS_PER_ITEM 8 /* 128 columns: one unit of work for a thread */
-#endif
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 2 /* prefetcht1: into L2 */
 #endif
 
 /* The target's own vector width (a wider generic vector, split by the compiler, went through the
@@ -101,7 +100,7 @@ static void pack_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t
 /* Per k: the line of each panel's stream at pf (+ a panel apart), k - k0 lines on; none without pf. */
 #define PREFETCH(k)                                                                                 \
     if (pf)                                                                                         \
-        for (int j = 0; j < NP; j++) __builtin_prefetch(pf + j * panel_bytes + ((k) - k0) / ((DT == F32) ? 1 : 2) * 64, 0, PREFETCH_LOCALITY)
+        for (int j = 0; j < NP; j++) PREFETCH_READ(pf + j * panel_bytes + ((k) - k0) / ((DT == F32) ? 1 : 2) * 64)
 
 /* One block of R rows against NP consecutive panels (R and NP constants where it is called), k in
    [k0, k1): acc[m][j] += sum_k xp[k][m] * W_j[k]. The accumulators start at zero (k0 == 0) or

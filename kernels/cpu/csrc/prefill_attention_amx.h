@@ -25,6 +25,7 @@
    were shared out: key blocks and parts start at multiples of AKB and APK from position 0, and each
    row's sums are its own. */
 #include "amx.h"
+#include "prefetch.h"
 #include "prefill_amx_parts.h"
 
 #define AKB 256   /* keys a block: their tiles B laid out once per task, a row's max and sum updated once */
@@ -48,7 +49,7 @@ static void amx_attention_configure(void) {
 /* Key row `at` of the caches (kv head g's D values in K and in V) asked into L2. */
 static inline void amx_prefetch_key(const uint16_t *k_cache, const uint16_t *v_cache, int64_t at, int64_t D) {
     const char *k = (const char *)(k_cache + at), *v = (const char *)(v_cache + at);
-    for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(k + b, _MM_HINT_T1), _mm_prefetch(v + b, _MM_HINT_T1);
+    for (int64_t b = 0; b < D * 2; b += 64) PREFETCH_READ(k + b), PREFETCH_READ(v + b);
 }
 
 /* A walk over kv head g's key rows from key `at` on: each key's row offset in the caches, its block

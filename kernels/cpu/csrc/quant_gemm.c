@@ -29,6 +29,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "prefetch.h"
+
 #if defined(QUANT_AVX512) || defined(QUANT_AVX2)
 #include <immintrin.h>
 #endif
@@ -245,9 +248,6 @@ static inline int64_t row_blocks(int type, int64_t rows) {
    measuring. */
 #ifndef PREFETCH
 #define PREFETCH 1
-#endif
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T1
 #endif
 #if defined(QUANT_AVX512)
 #include "quant_gemm_avx512.h"

@@ -84,7 +84,7 @@ static inline __attribute__((always_inline)) void half_tile_rows(
         const int64_t tg = t * G + g;
         if (PREFETCH && H0 == 0) { /* the next tile's codes into L2 while this one computes (see quant_gemm.c) */
             const char *next = (const char *)(w->qs + (tg + G) * (TYPE == Q8_0 ? 512 : 256));
-            for (int c = 0; c < (TYPE == Q8_0 ? 8 : 4); c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
+            for (int c = 0; c < (TYPE == Q8_0 ? 8 : 4); c++) PREFETCH_READ(next + c * 64);
         }
         for (int hh = 0; hh < HALVES; hh++) {
             const int H = H0 + hh;

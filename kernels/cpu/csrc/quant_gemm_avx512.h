@@ -142,7 +142,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         if (PREFETCH && g == g_fetch) { /* see PREFETCH */
             g_fetch += passes;
             const char *next = (const char *)(w->qs + (tg + G) * qs_bytes(TYPE));
-            for (int c = 0; c < qs_bytes(TYPE) / 64; c++) _mm_prefetch(next + c * 64, PREFETCH_HINT);
+            for (int c = 0; c < qs_bytes(TYPE) / 64; c++) PREFETCH_READ(next + c * 64);
         }
         if (k_quant(TYPE) && (g & 7) == 0) block_scales(TYPE, w, t, g, &dsb, &msb);
         group_codes(TYPE, HI16, w, tg, wlo, whi);
