@@ -87,8 +87,8 @@ def test_the_expected_waits_match_a_synthetic_workload(pacing):
 
 
 def test_the_snapshot_is_replayed_when_a_count_changes_or_the_refresh_interval_has_passed():
-    """Between, only decode steps ran: the last snapshot stands (a replay a step cost ~0.1 ms of a
-    ~4 ms batch-1 step), and a request arriving reads a figure at most REFRESH_SECONDS older."""
+    """Between, only decode steps ran: the last snapshot stands (a replay every step was ~10% of a
+    batch-1 step's host time), and a request arriving reads a figure at most REFRESH_SECONDS older."""
     sched = make(num_blocks=64, block_size=4, budget=64, max_seqs=4, backfill=False)
     device, drain = Device(), estimator(sched)
     workload(sched)

@@ -7,8 +7,8 @@ assignment) that any thread reads at arrival in O(max_num_seqs), without a lock.
 the running or waiting requests' counts changed since the last replay, or `REFRESH_SECONDS` after
 it; between, the batch only decodes and the last snapshot stands (an estimate at most that much
 older, so a little higher: the decode steps since are not taken off). Replaying after every step
-cost a batch-1 decode step of SmolLM2 ~0.1 ms of its ~4 (docs/performance.md, "The engine's own
-time a step"):
+cost a batch-1 decode step of SmolLM2 ~0.03 ms of the host's ~0.3 (docs/performance.md, "Issue 47 on
+the Zen 4 EPYC, continued"). What it replays:
 
 - running requests: their prompt tokens still to compute and their tokens still to generate (up
   to max_tokens: the estimate is the worst case of an EOS that never comes), and the KV blocks
