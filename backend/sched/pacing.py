@@ -88,13 +88,14 @@ class Pacer:
     def observe(self, decode_rows: int, prompt_tokens: int, pairs: float, seconds: float,
                 decode_kv: float = 0.0) -> None:
         x = step_features(decode_rows, prompt_tokens, pairs, decode_kv)
-        predicted = self.cost.predict(x)
-        if decode_rows and prompt_tokens:  # a paced step: did the model price it right?
-            right = seconds <= TRUST_SLACK * predicted
-            self.trusted = max(self.trusted, 2 * prompt_tokens) if right else max(PROBE_TOKENS, prompt_tokens // 2)
-        elif prompt_tokens:  # a prompt alone: is its tokens' price not far too low?
-            near = seconds <= ALONE_SLACK * predicted
-            self.priced_alone = max(self.priced_alone, prompt_tokens) if near else self.priced_alone // 2
+        if prompt_tokens:  # (a decode-only step asks no price: the model is not refitted for it)
+            predicted = self.cost.predict(x)
+            if decode_rows:  # a paced step: did the model price it right?
+                right = seconds <= TRUST_SLACK * predicted
+                self.trusted = max(self.trusted, 2 * prompt_tokens) if right else max(PROBE_TOKENS, prompt_tokens // 2)
+            else:  # a prompt alone: is its tokens' price not far too low?
+                near = seconds <= ALONE_SLACK * predicted
+                self.priced_alone = max(self.priced_alone, prompt_tokens) if near else self.priced_alone // 2
         self.cost.observe(x, seconds)
 
     def observe_batch(self, batch: "SchedulerOutput", seconds: float) -> None:
