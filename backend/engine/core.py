@@ -127,7 +127,7 @@ class EngineCore:
         self.scheduler.postprocess(batch, result.sampled, time.monotonic())
         if self.speculator is not None:
             self.speculator.after_step(batch, result.sampled)
-        self.drain.update(self.scheduler)  # after each step (it replays when the counts change, or each 50 ms): read at arrival and by the queue reports
+        self.drain.update(self.scheduler)  # read at arrival and by the queue reports (replayed on a change of counts)
         return self._deliver(refused + self._step_outputs(batch, result) + self.beams.advance())
 
     def _step_outputs(self, batch, result: StepResult) -> list[CoreOutput]:

@@ -170,14 +170,17 @@ def place_step(host: HostStep, tables) -> StepInputs:
     ip = _place(host.int32, host.int32_sizes, tables.device)
     if ip[3].shape[0]:
         tables.table.view(-1, tables.width)[lp[6], lp[7]] = ip[3]  # rows of the [groups * rows, width] view
-    runs, writes = _host_parts(host.int64, host.int64_sizes)[8:10] if any(host.int64_sizes[8:10]) else ((), ())
+    lora_runs, lora_writes = [], []
+    if any(host.int64_sizes[8:10]):  # (a step with adapter rows: their runs and slot writes read back)
+        runs, writes = _host_parts(host.int64, host.int64_sizes)[8:10]
+        lora_runs = [tuple(r) for r in runs.reshape(-1, 3).tolist()]
+        lora_writes = [tuple(w) for w in writes.reshape(-1, 2).tolist()]
     return StepInputs(
         ids=lp[0], positions=lp[1], slot_mapping=lp[2].view(tables.groups, -1), decode_rows=lp[3], decode_seq_lens=ip[0],
         prefill_rows=lp[4], prefill_cu_seqlens_q=ip[1], prefill_seq_lens=ip[2], sample_index=lp[5],
         num_decode_rows=host.num_decode_rows, decode_width=host.decode_width, prefill_width=host.prefill_width,
         decode_max_seq_len=host.decode_max_seq_len, prefill_max_q_len=host.prefill_max_q_len,
-        pure_decode=host.pure_decode, lora_runs=[tuple(r) for r in runs.reshape(-1, 3).tolist()] if len(runs) else [],
-        lora_writes=[tuple(w) for w in writes.reshape(-1, 2).tolist()] if len(writes) else [])
+        pure_decode=host.pure_decode, lora_runs=lora_runs, lora_writes=lora_writes)
 
 
 def _pack(parts: list, dtype) -> tuple[np.ndarray, list[int]]:
