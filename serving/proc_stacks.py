@@ -13,6 +13,7 @@ gdb, no ptrace: reading /proc/PID/mem needs the rights an ancestor of the proces
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Iterable, Optional
 
 SYSCALLS = {0: "read", 7: "poll", 23: "select", 35: "nanosleep", 202: "futex", 232: "epoll_wait",
             230: "clock_nanosleep", 61: "wait4", 271: "ppoll", 281: "epoll_pwait"}  # x86_64 numbers
+WAIT4 = {"x86_64": 61, "aarch64": 260}  # waitpid's system call, by machine
 STACK_BYTES = 16384
 FRAMES = 12
 
@@ -120,6 +122,28 @@ def _thread(pid: int, task: Path, maps: list[Mapping]) -> tuple[str, list[tuple[
     if target is not None:
         line += f" arg0={target.describe(arg0)}"
     return line, stack_code(pid, sp, maps)
+
+
+def waiting_for(pid: int) -> set[int]:
+    """The children some thread of process `pid` is blocked waiting for by number (waitpid(child,
+    ...), the wait4 system call): a tritonserver waiting for a stub to exit. Empty where /proc does
+    not say (a machine not in WAIT4, no rights to read a thread's system call)."""
+    number = WAIT4.get(platform.machine())
+    found: set[int] = set()
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir()) if number is not None else []
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            fields = (task / "syscall").read_text().split()
+        except OSError:
+            continue
+        if len(fields) > 1 and fields[0] == str(number):
+            child = int(fields[1], 16)
+            if 0 < child < 1 << 31:  # -1 (any child) reads as 0xffff...; not one process
+                found.add(child)
+    return found
 
 
 def report(pids: Iterable[int]) -> str:

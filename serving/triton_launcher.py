@@ -18,6 +18,7 @@ the interpreter's own `libpython` first on `LD_LIBRARY_PATH`, then the wheel's b
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -35,13 +36,14 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from backend.core.kv_events_config import HOST_ENV
-from serving import proc_stacks, shm_regions
+from serving import proc_stacks, shm_regions, stub_watch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "llm"
 STOP_FILE = ".inflight-stopping"  # model.py aborts its running requests when this appears
 ENGINE_REPORT = "inflight: engine as served: "  # the line model.py logs at start (instance_config.py)
+log = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
@@ -232,6 +234,7 @@ class TritonServer:
         self._log = None
         self.shm_prefix = shm_regions.new_prefix()  # its stubs' /dev/shm regions, removed by stop()
         self.shm_left = 0  # how many of them the last stop() found left behind (a killed server's)
+        self.recoveries: list[str] = []  # what wait_ready did about stubs Triton gave up on (stub_watch.py)
 
     # -- addresses ---------------------------------------------------------------------------
     @property
@@ -311,25 +314,48 @@ class TritonServer:
         except OSError:
             return False
 
-    def wait_ready(self, timeout: float = 300.0) -> "TritonServer":
+    def wait_ready(self, timeout: float = 300.0,
+                   abandoned_after: float = stub_watch.ABANDONED_AFTER) -> "TritonServer":
         """Until the model is ready and every endpoint listens: tritonserver starts its metrics
         service after HTTP (41 ms later on a quiet 2-core machine), so a ready model alone once
-        let a test's first scrape find the metrics port closed."""
+        let a test's first scrape find the metrics port closed.
+
+        A stub that tritonserver gave up on while it initialized (serving/stub_watch.py: Triton's
+        Python backend then waits for it to exit, and it never does) is killed after
+        `abandoned_after` seconds of that wait, and the server started again, on the same ports,
+        at most stub_watch.RESTARTS times; `recoveries` says each time why."""
         if self.process is None:
             raise ServerError("not started")
         deadline = time.monotonic() + timeout
+        watch = stub_watch.AbandonedStubs(self.process.pid, abandoned_after)
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
+                if watch.killed and len(self.recoveries) < stub_watch.RESTARTS:
+                    self._start_again(watch)
+                    watch = stub_watch.AbandonedStubs(self.process.pid, abandoned_after)
+                    continue
                 raise ServerError(f"tritonserver exited with code {code} before the model was ready"
                                   + self._log_excerpt())
             if self.is_ready() and self.metrics_listening():
                 return self
+            watch.check(self._stubs())
             time.sleep(0.25)
         asked = self.dump_stub_stacks()
         raise ServerError(f"model '{MODEL_NAME}' not ready after {timeout:.0f}s (metrics port listening: "
                           f"{self.metrics_listening()}; {asked} stub(s) asked for their stacks)"
                           + self._log_excerpt(lines=120 if asked else 15) + self.thread_states())
+
+    def _start_again(self, watch: stub_watch.AbandonedStubs) -> None:
+        """After a stub Triton gave up on was killed and the server exited: say so, start it again."""
+        reasons = "; ".join(self.load_errors()) or "see its log"
+        note = (f"tritonserver gave up on stub(s) {watch.killed} while they initialized and waited for them "
+                f"to exit (Triton's Python backend: a stub that missed a 1-second health check); killed after "
+                f"{watch.after:.0f} s of that wait, the server exited ({reasons}) and was started again")
+        self.recoveries.append(note)
+        log.warning("%s", note)
+        self.stop()
+        self.start()
 
     def thread_states(self) -> str:
         """Every thread of tritonserver and of its stubs (serving/proc_stacks.py): state, kernel wait,
@@ -347,16 +373,26 @@ class TritonServer:
         if self.process is None or self.process.poll() is not None:
             return 0
         asked = 0
-        for child in self._children():
+        for pid in self._stubs():
             try:
-                if "python_backend_stub" in (child / "cmdline").read_text():
-                    os.kill(int(child.name), signal.SIGUSR1)
-                    asked += 1
+                os.kill(pid, signal.SIGUSR1)
+                asked += 1
             except OSError:
                 continue
         if asked:
             time.sleep(settle)
         return asked
+
+    def _stubs(self) -> list[int]:
+        """The pids of this tritonserver's Python-backend stubs."""
+        pids = []
+        for child in self._children():
+            try:
+                if "python_backend_stub" in (child / "cmdline").read_text():
+                    pids.append(int(child.name))
+            except OSError:
+                continue
+        return pids
 
     def _children(self) -> list[Path]:
         """/proc/<pid> of each process tritonserver started (its stubs)."""

@@ -602,6 +602,50 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
 
 
 @requires_tritonserver
+def test_a_stub_stalled_in_its_initialize_is_ended_and_the_server_started_again(model_repository, model_path):
+    """Triton 2.51's Python backend gives up a load whose stub misses a 1-second health check while
+    it initializes, then waits for that stub to exit, which it never does: the model never becomes
+    ready (a loaded clean-clone run met it, docs/reliability.md). Here the stall is made: SIGSTOP
+    for 3 s once the llm stub is loading torch (its initialize under way). wait_ready must find the
+    stub tritonserver waits on, end it, and start the server again, which then serves."""
+    from serving.triton_launcher import TritonServer
+
+    server = TritonServer(model_repository, params={"max_model_len": "512"}, model_path=str(model_path))
+    stalled = []
+
+    def stall():
+        deadline = time.monotonic() + 120
+        while not stalled and time.monotonic() < deadline and server.process is not None:
+            for stub in server_processes(server.process.pid)[1]:
+                try:
+                    if "/llm/1/" in " ".join(stub.cmdline()) and \
+                            any("libtorch" in m.path for m in stub.memory_maps(grouped=True)):
+                        stub.suspend()
+                        time.sleep(3)
+                        stub.resume()
+                        stalled.append(stub.pid)
+                        break
+                except Exception:  # the stub not yet there, or gone
+                    continue
+            time.sleep(0.02)
+
+    try:
+        server.start()
+        staller = threading.Thread(target=stall)
+        staller.start()
+        server.wait_ready(timeout=180, abandoned_after=3)
+        staller.join()
+        assert len(stalled) == 1
+        assert len(server.recoveries) == 1, server.recoveries
+        assert f"[{stalled[0]}]" in server.recoveries[0]
+        assert "is not healthy" in server.recoveries[0]  # the backend's own reason, from the first run's log
+        out = HttpClient(server.http_url).generate("after the stall", max_tokens=3, ignore_eos=True)
+        assert out.finish_reason == "length"
+    finally:
+        server.stop()
+
+
+@requires_tritonserver
 def test_the_stubs_exit_when_tritonserver_is_killed(model_repository, model_path):
     """kill -9 of tritonserver itself: each model's stub (llm, and llm_trtllm's) sees its parent gone
     and exits within a second or two, instead of living on as an orphan holding the model

@@ -1,0 +1,54 @@
+"""A Python-backend stub that tritonserver gave up on while it initialized, and then waits for
+forever: found from outside and ended, so that the launcher can start the server again.
+
+Triton 2.51's Python backend (r24.10) waits for a stub's answer to its initialize request in
+windows of one second, and in each window it expects the stub's health thread (which ticks every
+0.3 s, in C++, without the GIL) to have ticked. A stub that stalls for a second or more while the
+model's `initialize` runs (the whole process descheduled: a starved or paused VM; one loaded CI run
+met it, docs/reliability.md) fails that check. The backend then judges the load failed, drops the
+stub's queues and waits for the stub to exit (StubLauncher::Launch's cleanup) without killing it;
+and a stub whose `initialize` then finishes never exits: it waits for its next command. Each waits
+for the other; the model stays "loading" and nothing is logged.
+
+`AbandonedStubs.check` finds such a stub (a thread of tritonserver blocked in waitpid on it for
+`after` seconds; a stub whose `initialize` failed exits by itself well before) and kills it. The
+backend then reports the load failed ("Stub process 'llm_0_0' is not healthy."), tritonserver exits
+(--exit-on-error) and `TritonServer.wait_ready` starts it again.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Iterable, Optional
+
+from serving import proc_stacks
+
+ABANDONED_AFTER = 10.0  # seconds tritonserver may wait on a live stub to exit before it counts as abandoned
+RESTARTS = 2  # starts of the server again, each after a stub was found abandoned, before wait_ready gives up
+
+
+class AbandonedStubs:
+    """The stubs of one tritonserver process that it has been waiting on to exit, and since when."""
+
+    def __init__(self, server_pid: int, after: float = ABANDONED_AFTER):
+        self.server_pid = server_pid
+        self.after = after
+        self.killed: list[int] = []
+        self._since: dict[int, float] = {}
+
+    def check(self, stubs: Iterable[int], now: Optional[float] = None) -> list[int]:
+        """Kill each of `stubs` that tritonserver has been waiting on for `after` seconds, as seen
+        at this and earlier calls; the ones killed now."""
+        now = time.monotonic() if now is None else now
+        waited = proc_stacks.waiting_for(self.server_pid) & set(stubs)
+        self._since = {pid: self._since.get(pid, now) for pid in waited}
+        ended = sorted(pid for pid, since in self._since.items() if now - since >= self.after)
+        for pid in ended:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            del self._since[pid]
+            self.killed.append(pid)
+        return ended
