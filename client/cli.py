@@ -38,6 +38,32 @@ def _config(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _supervise(server, args: argparse.Namespace) -> int:
+    """Watch the ready server; when tritonserver or a model's Python stub dies (a stub stalled a
+    second while tritonserver waited on it kills one or the other: docs/reliability.md), start it
+    again on the same ports, unless --no-restart or the last such start was under RESTART_INTERVAL
+    ago (a crash loop). The exit code once it gives up."""
+    from serving.stub_watch import RESTART_INTERVAL
+
+    restarted = None  # when it was last started again
+    while True:
+        failure = server.failure()
+        if failure is None:
+            time.sleep(0.5)
+            continue
+        looping = restarted is not None and time.monotonic() - restarted < RESTART_INTERVAL
+        if args.no_restart or looping:
+            print(f"inflight serve: {failure}" + (f" within {RESTART_INTERVAL:.0f} s of starting it again: "
+                  "not starting it again" if looping else ""), file=sys.stderr)
+            code = server.process.returncode if server.process is not None else None
+            return code or 1
+        print(f"inflight serve: {failure}; starting tritonserver again (--no-restart: exit instead)",
+              file=sys.stderr)
+        server.restart(args.ready_timeout)
+        restarted = time.monotonic()
+        print("inflight serve: ready again", file=sys.stderr)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from serving.openai_launcher import OpenAIServer, OpenAIServerError
     from serving.triton_launcher import MODEL_NAME, ServerError, TritonServer
@@ -124,11 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
         if openai_api is not None:
             openai_api.start()
         _print_usage(server, openai_api)
-        while server.process is not None and server.process.poll() is None:
-            time.sleep(0.5)
-        code = server.process.returncode if server.process is not None else 0
-        print(f"inflight serve: tritonserver exited with code {code}", file=sys.stderr)
-        return code or 1
+        return _supervise(server, args)
     except ServerError as exc:
         print(f"inflight serve: {exc}", file=sys.stderr)
         return 1
@@ -274,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for the model to load (default 600)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="exit when tritonserver or a model's process dies (default: start it again, at most "
+                        "once a minute; docs/reliability.md)")
     p.add_argument("--openai-port", type=int, default=9000,
                    help="port of the OpenAI-compatible API started beside tritonserver (default 9000; 0: none)")
     p.add_argument("--speculative-config", metavar="JSON",

@@ -14,17 +14,25 @@ for the other; the model stays "loading" and nothing is logged.
 `after` seconds; a stub whose `initialize` failed exits by itself well before) and kills it. The
 backend then reports the load failed ("Stub process 'llm_0_0' is not healthy."), tritonserver exits
 (--exit-on-error) and `TritonServer.wait_ready` starts it again.
+
+Once the model is up, a stub that stalls a second or more while tritonserver waits on its answer to
+an execute request fares worse: tritonserver answers those requests "Stub process 'llm_0_0' is not
+healthy.", and then either the stub or tritonserver dies (std::length_error, 2 s of SIGSTOP,
+docs/reliability.md). `gone` tells a stub that died; `inflight serve` starts the server again
+(`TritonServer.failure`, `restart`).
 """
 from __future__ import annotations
 
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Iterable, Optional
 
 from serving import proc_stacks
 
 ABANDONED_AFTER = 10.0  # seconds tritonserver may wait on a live stub to exit before it counts as abandoned
+RESTART_INTERVAL = 60.0  # inflight serve starts a failed server again only this long after its last start
 RESTARTS = 2  # starts of the server again, each after a stub was found abandoned, before wait_ready gives up
 
 
@@ -52,3 +60,16 @@ class AbandonedStubs:
             del self._since[pid]
             self.killed.append(pid)
         return ended
+
+
+def gone(pids: Iterable[int]) -> list[int]:
+    """Those of `pids` that are no longer running (exited: a zombie not yet reaped counts)."""
+    dead = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "X"
+        if state in "ZXx":
+            dead.append(pid)
+    return dead

@@ -235,6 +235,7 @@ class TritonServer:
         self.shm_prefix = shm_regions.new_prefix()  # its stubs' /dev/shm regions, removed by stop()
         self.shm_left = 0  # how many of them the last stop() found left behind (a killed server's)
         self.recoveries: list[str] = []  # what wait_ready did about stubs Triton gave up on (stub_watch.py)
+        self._ready_stubs: list[int] = []  # the stubs serving when wait_ready last returned
 
     # -- addresses ---------------------------------------------------------------------------
     @property
@@ -338,6 +339,7 @@ class TritonServer:
                 raise ServerError(f"tritonserver exited with code {code} before the model was ready"
                                   + self._log_excerpt())
             if self.is_ready() and self.metrics_listening():
+                self._ready_stubs = self._stubs()
                 return self
             watch.check(self._stubs())
             time.sleep(0.25)
@@ -356,6 +358,24 @@ class TritonServer:
         log.warning("%s", note)
         self.stop()
         self.start()
+
+    def failure(self) -> Optional[str]:
+        """Why this server, once ready, can no longer serve: tritonserver exited, or a model's
+        Python stub died (Triton 2.51 then still reports the model ready but fails every request,
+        docs/reliability.md); None while both run."""
+        if self.process is None:
+            return "tritonserver is not running"
+        code = self.process.poll()
+        if code is not None:
+            return f"tritonserver exited with code {code}"
+        dead = stub_watch.gone(self._ready_stubs)
+        return f"the Python stub(s) {dead} of its models died" if dead else None
+
+    def restart(self, timeout: float = 300.0) -> "TritonServer":
+        """Stop, start again on the same ports, and wait until ready."""
+        self.stop()
+        self.start()
+        return self.wait_ready(timeout)
 
     def thread_states(self) -> str:
         """Every thread of tritonserver and of its stubs (serving/proc_stacks.py): state, kernel wait,

@@ -6,6 +6,7 @@ first metrics scrape after a restart find the port closed (tests/e2e/test_kv_tie
 Here the "server" is a model that reports ready at once and a metrics socket that only starts
 listening later: wait_ready must wait for it. And the three ports it picks are three.
 """
+import os
 import socket
 import threading
 import time
@@ -14,6 +15,8 @@ from serving.triton_launcher import TritonServer, free_port
 
 
 class _Running:
+    pid = os.getpid()  # a process with no stubs, waiting on none
+
     def poll(self):
         return None
 

@@ -68,3 +68,18 @@ def test_a_stub_nobody_waits_on_is_left_alone(monkeypatch):
     watch = stub_watch.AbandonedStubs(1, after=0.0)
     assert watch.check([2, 3], now=0.0) == [] and watch.check([2, 3], now=50.0) == []
     assert killed == [] and watch.killed == []
+
+
+def test_gone_names_the_processes_that_exited_and_only_those():
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while stub_watch.gone([exited.pid]) == [] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stub_watch.gone([running.pid, exited.pid]) == [exited.pid]  # a zombie, not yet reaped
+        exited.wait()
+        assert stub_watch.gone([exited.pid, running.pid]) == [exited.pid]  # reaped: no such process
+    finally:
+        running.kill()
+        running.wait()

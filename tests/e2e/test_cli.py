@@ -15,7 +15,7 @@ from client.cli import main
 from client.grpc_client import GrpcClient
 from serving.triton_launcher import free_port
 
-from .conftest import requires_tritonserver
+from .conftest import inflight_serve, requires_tritonserver, stop_serve, wait_until
 
 openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
@@ -81,3 +81,26 @@ def test_serve_stops_cleanly_mid_stream(model_repository, model_path, sig):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_serve_starts_tritonserver_again_when_the_models_process_dies(model_repository, model_path):
+    """kill -9 of the llm stub under `inflight serve` (what a stub stalled a second mid-request ends
+    in, docs/reliability.md): it notices, starts tritonserver again on the same ports, and serves."""
+    from client.http_client import HttpClient
+
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    proc, lines = inflight_serve(["--model-repository", str(model_repository), "--model-path", str(model_path),
+                                  "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
+                                  str(metrics), "--openai-port", "0", "--param", "max_model_len=512"])
+    try:
+        stubs = [c for c in psutil.Process(proc.pid).children(recursive=True) if "/llm/1/" in " ".join(c.cmdline())]
+        assert len(stubs) == 1
+        stubs[0].kill()
+        wait_until(lambda: "inflight serve: ready again" in "".join(lines), timeout=180, interval=0.2)
+        said = "".join(lines)
+        assert (f"the Python stub(s) [{stubs[0].pid}] of its models died; starting tritonserver again" in said
+                or "tritonserver exited with code -6; starting tritonserver again" in said), said[-3000:]
+        out = HttpClient(f"127.0.0.1:{http}").generate("after the restart", max_tokens=3, ignore_eos=True)
+        assert out.finish_reason == "length" and proc.poll() is None
+    finally:
+        stop_serve(proc)

@@ -529,8 +529,9 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
     """kill -9 of the Python stub, as Triton 2.51 handles it: the model still reads as ready, new
     requests fail at once with "Stub process 'llm_0_0' is not healthy.", a request in flight gets
     no answer at all (only the client's timeout ends it; in some runs gRPC cuts its stream with
-    "Stream removed"); in some runs tritonserver itself aborts (SIGABRT) instead. Either way a
-    restart restores service. docs/reliability.md ("A crashed Python stub") tells users the same."""
+    "Stream removed"); in some runs tritonserver itself aborts (SIGABRT) instead. Either way
+    `failure()` names it and a restart restores service (`inflight serve` does it on its own).
+    docs/reliability.md ("A crashed Python stub") tells users the same."""
     from serving.triton_launcher import TritonServer
 
     params = {"max_model_len": "512"}
@@ -577,15 +578,17 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
             time.sleep(0.5)
         if server.process.poll() is not None:   # the server aborted: nothing answers, a restart is due
             assert server.process.returncode == -signal.SIGABRT, (server.process.returncode, server.log_text()[-3000:])
+            assert server.failure() == f"tritonserver exited with code {-signal.SIGABRT}"
         else:   # the server runs on and refuses every request, over gRPC and HTTP
             assert re.search(unhealthy, str(err.value)), err.value
             with pytest.raises(GenerationError, match="HTTP 400: " + unhealthy):
                 HttpClient(server.http_url).generate("after the crash", max_tokens=3)
             assert server.is_ready()  # ...and 2.51 still reports the model ready: probe with a request
-    # The restart (what `inflight serve` does when run again).
-    restarted = TritonServer(model_repository, params=params, model_path=str(model_path))
-    with restarted:
-        assert HttpClient(restarted.http_url).generate("after the restart", max_tokens=3, ignore_eos=True).finish_reason == "length"
+            assert server.failure() == f"the Python stub(s) [{stubs[0].pid}] of its models died"
+        # The restart, as `inflight serve` does on that failure (client/cli.py `_supervise`).
+        server.restart(120)
+        assert server.failure() is None
+        assert HttpClient(server.http_url).generate("after the restart", max_tokens=3, ignore_eos=True).finish_reason == "length"
         # Canary: Triton 2.51's HTTP server crashes (SIGSEGV) on a POST body of about 4 MB or more sent
         # as application/x-www-form-urlencoded (what `curl -d` and urllib send unless told otherwise),
         # before any model sees it; the same body as application/json is fine (the 10 MB case of
@@ -593,12 +596,13 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
         # docs/security.md say to keep untrusted clients off HTTP or behind a proxy with a
         # body limit. If this starts failing, the Triton in use no longer has the bug.
         try:
-            http_post(restarted, "generate", {"text_input": "a" * (8 << 20)}, timeout=30,
+            http_post(server, "generate", {"text_input": "a" * (8 << 20)}, timeout=30,
                       content_type="application/x-www-form-urlencoded")
         except (urllib.error.URLError, ConnectionError, OSError):
             pass
-        wait_until(lambda: restarted.process.poll() is not None, timeout=10)
-        assert restarted.process.returncode == -signal.SIGSEGV
+        wait_until(lambda: server.process.poll() is not None, timeout=10)
+        assert server.process.returncode == -signal.SIGSEGV
+        assert server.failure() == f"tritonserver exited with code {-signal.SIGSEGV}"
 
 
 @requires_tritonserver
