@@ -324,15 +324,16 @@ class TritonServer:
         A stub that tritonserver gave up on while it initialized (serving/stub_watch.py: Triton's
         Python backend then waits for it to exit, and it never does) is killed after
         `abandoned_after` seconds of that wait, and the server started again, on the same ports,
-        at most stub_watch.RESTARTS times; `recoveries` says each time why."""
+        at most stub_watch.RESTARTS times a call; `recoveries` says each time why."""
         if self.process is None:
             raise ServerError("not started")
         deadline = time.monotonic() + timeout
         watch = stub_watch.AbandonedStubs(self.process.pid, abandoned_after)
+        before = len(self.recoveries)
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
-                if watch.killed and len(self.recoveries) < stub_watch.RESTARTS:
+                if watch.killed and len(self.recoveries) - before < stub_watch.RESTARTS:
                     self._start_again(watch)
                     watch = stub_watch.AbandonedStubs(self.process.pid, abandoned_after)
                     continue
