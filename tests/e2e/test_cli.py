@@ -85,13 +85,14 @@ def test_serve_stops_cleanly_mid_stream(model_repository, model_path, sig):
 
 def test_serve_starts_tritonserver_again_when_the_models_process_dies(model_repository, model_path):
     """kill -9 of the llm stub under `inflight serve` (what a stub stalled a second mid-request ends
-    in, docs/reliability.md): it notices, starts tritonserver again on the same ports, and serves."""
+    in, docs/reliability.md): it notices, starts tritonserver again on the same ports, and serves,
+    through Triton's ports and through the OpenAI server it left running."""
     from client.http_client import HttpClient
 
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics, openai_port = free_port(), free_port(), free_port(), free_port()
     proc, lines = inflight_serve(["--model-repository", str(model_repository), "--model-path", str(model_path),
                                   "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
-                                  str(metrics), "--openai-port", "0", "--param", "max_model_len=512"])
+                                  str(metrics), "--openai-port", str(openai_port), "--param", "max_model_len=512"])
     try:
         stubs = [c for c in psutil.Process(proc.pid).children(recursive=True) if "/llm/1/" in " ".join(c.cmdline())]
         assert len(stubs) == 1
@@ -102,5 +103,8 @@ def test_serve_starts_tritonserver_again_when_the_models_process_dies(model_repo
                 or "tritonserver exited with code -6; starting tritonserver again" in said), said[-3000:]
         out = HttpClient(f"127.0.0.1:{http}").generate("after the restart", max_tokens=3, ignore_eos=True)
         assert out.finish_reason == "length" and proc.poll() is None
+        # the OpenAI server beside it (its own process, kept) reaches the new tritonserver on the same port
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{openai_port}/v1", api_key="unused", max_retries=0)
+        assert api.completions.create(model="llm", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
     finally:
         stop_serve(proc)
