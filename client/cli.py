@@ -59,8 +59,11 @@ def _supervise(server, args: argparse.Namespace) -> int:
             return code or 1
         print(f"inflight serve: {failure}; starting tritonserver again (--no-restart: exit instead)",
               file=sys.stderr)
+        told = len(server.recoveries)
         server.restart(args.ready_timeout)
         restarted = time.monotonic()
+        for note in server.recoveries[told:]:  # that start hung too, and was ended and retried
+            print(f"inflight serve: {note}", file=sys.stderr)
         print("inflight serve: ready again", file=sys.stderr)
 
 
