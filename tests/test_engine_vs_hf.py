@@ -39,9 +39,11 @@ def oracle(request, tmp_path_factory):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_greedy_matches_transformers(oracle, policy, chunked):
     arch, path, prompts, max_tokens, expected = oracle
+    # Pacing off: paced, a step's prompt tokens follow its measured step times, and so does whether the
+    # cache runs out (qwen2 chunked: 9, 12, 14 preemptions in three quiet runs, 0 in a loaded make test)
     llm = LLM(str(path), max_tokens_in_paged_kv_cache=CACHE_TOKENS_OF.get(arch, CACHE_TOKENS), kv_block_size=BLOCK,
               batch_scheduler_policy=policy, enable_chunked_context=chunked,
-              max_num_batched_tokens=96 if chunked else 512)
+              max_num_batched_tokens=96 if chunked else 512, inter_token_target_ms=0)
     assert CACHE_TOKENS < sum(len(p) for p in prompts)
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens])
     mismatches = [i for i, (o, e) in enumerate(zip(outputs, expected)) if o.token_ids != e]

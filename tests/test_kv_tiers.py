@@ -199,8 +199,9 @@ def test_a_failed_copy_forgets_its_saves_and_brings_nothing(chat, monkeypatch):
 @pytest.mark.slow  # the transformers oracle's checkpoint and greedy runs (module fixture)
 def test_preempted_requests_under_max_utilization_keep_transformers_tokens(chat):
     path, turns, expected = chat
+    # unpaced: preemptions that do not follow step times (test_engine_vs_hf.py)
     llm = LLM(str(path), kv_host_cache_bytes=64 * BLOCK_BYTES, batch_scheduler_policy="max_utilization",
-              **{**ENGINE, "max_tokens_in_paged_kv_cache": 112, "max_num_seqs": 4})
+              **{**ENGINE, "max_tokens_in_paged_kv_cache": 112, "max_num_seqs": 4, "inter_token_target_ms": 0})
     assert run_turns(llm, turns) == expected
     # a preempted request's full blocks stay cached, go to the host when handed out, and come back
     assert llm.stats()["num_preemptions"] > 0 and llm.stats()["kv_tiers"]["host"]["hits"] > 0

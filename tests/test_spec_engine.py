@@ -115,7 +115,8 @@ def test_max_utilization_under_pressure_speculates_without_preempting_for_drafts
     path = str(default_model_dir)
     ps = prompts(12, seed=4)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    small = dict(cpu_kv_cache_tokens=16 * 24, kv_block_size=16, batch_scheduler_policy="max_utilization")
+    small = dict(cpu_kv_cache_tokens=16 * 24, kv_block_size=16, batch_scheduler_policy="max_utilization",
+                 inter_token_target_ms=0)  # unpaced: preemptions that do not follow step times (test_engine_vs_hf.py)
     plain = LLM(path, **small)
     ref = run(plain, ps, params)
     llm = LLM(path, speculative_config=NGRAM, **small)
