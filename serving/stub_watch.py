@@ -5,7 +5,7 @@ Triton 2.51's Python backend (r24.10) waits for a stub's answer to its initializ
 windows of one second, and in each window it expects the stub's health thread (which ticks every
 0.3 s, in C++, without the GIL) to have ticked. A stub that stalls for a second or more while the
 model's `initialize` runs (not given a CPU that long: runs of the suite on two cores starve a thread
-up to 4.5 s; one loaded run met it, docs/reliability.md) fails that check. The backend then judges
+up to 9 s; one loaded run met it, docs/reliability.md) fails that check. The backend then judges
 the load failed, drops the stub's queues and waits for the stub to exit (StubLauncher::Launch's
 cleanup) without killing it; and a stub whose `initialize` then finishes never exits: it waits for
 its next command. Each waits for the other; the model stays "loading" and nothing is logged.
