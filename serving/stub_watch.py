@@ -32,7 +32,7 @@ from typing import Iterable, Optional
 from serving import proc_stacks
 
 ABANDONED_AFTER = 10.0  # seconds tritonserver may wait on a live stub to exit before it counts as abandoned
-RESTART_INTERVAL = 60.0  # inflight serve starts a failed server again only this long after its last start
+RESTART_INTERVAL = 60.0  # inflight serve exits when a server it started again fails again within this (a crash loop)
 RESTARTS = 2  # starts of the server again, each after a stub was found abandoned, before wait_ready gives up
 
 
