@@ -3,6 +3,7 @@
 gets an answer) and stops on SIGINT / SIGTERM mid-stream, ending the stream with `abort` and leaving
 no tritonserver, stub or OpenAI server process behind."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,8 +100,9 @@ def test_serve_starts_tritonserver_again_when_the_models_process_dies(model_repo
         stubs[0].kill()
         wait_until(lambda: "inflight serve: ready again" in "".join(lines), timeout=180, interval=0.2)
         said = "".join(lines)
+        # the stub's death, or tritonserver's own crash after it (SIGABRT in some runs: docs/reliability.md)
         assert (f"the Python stub(s) [{stubs[0].pid}] of its models died; starting tritonserver again" in said
-                or "tritonserver exited with code -6; starting tritonserver again" in said), said[-3000:]
+                or re.search(r"tritonserver exited with code -\d+; starting tritonserver again", said)), said[-3000:]
         out = HttpClient(f"127.0.0.1:{http}").generate("after the restart", max_tokens=3, ignore_eos=True)
         assert out.finish_reason == "length" and proc.poll() is None
         # the OpenAI server beside it (its own process, kept) reaches the new tritonserver on the same port
