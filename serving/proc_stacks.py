@@ -124,6 +124,11 @@ def _thread(pid: int, task: Path, maps: list[Mapping]) -> tuple[str, list[tuple[
     return line, stack_code(pid, sp, maps)
 
 
+def stat_fields(stat_path: Path) -> list[str]:
+    """The fields of a /proc/<pid>/stat (or a task's) after the command name: [state, ppid, ...]."""
+    return stat_path.read_text().rsplit(")", 1)[1].split()
+
+
 def waiting_for(pid: int) -> set[int]:
     """The children some thread of process `pid` is blocked waiting for by number (waitpid(child,
     ...), the wait4 system call): a tritonserver waiting for a stub to exit. Empty where /proc does

@@ -67,7 +67,7 @@ def gone(pids: Iterable[int]) -> list[int]:
     dead = []
     for pid in pids:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            state = proc_stacks.stat_fields(Path(f"/proc/{pid}/stat"))[0]
         except (OSError, IndexError):
             state = "X"
         if state in "ZXx":

@@ -420,7 +420,7 @@ class TritonServer:
         children = []
         for entry in Path("/proc").iterdir():
             try:
-                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                if entry.name.isdigit() and int(proc_stacks.stat_fields(entry / "stat")[1]) \
                         == self.process.pid:
                     children.append(entry)
             except (OSError, ValueError, IndexError):
