@@ -45,7 +45,7 @@ def test_engine_report_line_round_trips_through_both_log_formats():
     config = EngineConfig(model_path="/m/modèle", max_num_batched_tokens=1234,
                           kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq"},
                           enable_kv_cache_reuse=True)
-    line = adapter.engine_report(config, [[0], [1]])
+    line = adapter.engine_report(config, [[0], [1]], 231_000)
     assert line.startswith(ENGINE_REPORT) and "\n" not in line
     quoted = json.dumps(line)  # "inflight: ...{\"config\": ...}"
     log = (f"I1203 15:00:00.000000 11 model.py:90] {line}\n"
@@ -58,6 +58,7 @@ def test_engine_report_line_round_trips_through_both_log_formats():
         assert report["config"] == json.loads(json.dumps(dataclasses.asdict(config)))
         assert report["config"]["max_num_batched_tokens"] == 1234
         assert report["cpu_placement"] == [[0], [1]]
+        assert report["frozen_objects"] == 231_000
     assert engine_reports("no report here\n") == []
 
 
@@ -66,6 +67,6 @@ def test_engine_report_names_the_openmp_environment(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("INFLIGHT_CPU_PIN", "0")
     monkeypatch.setenv("UNRELATED_SETTING", "1")
-    env = engine_reports(adapter.engine_report(EngineConfig(), []))[0]["env"]
+    env = engine_reports(adapter.engine_report(EngineConfig(), [], 0))[0]["env"]
     assert env["OMP_NUM_THREADS"] == "3" and env["INFLIGHT_CPU_PIN"] == "0"
     assert "UNRELATED_SETTING" not in env

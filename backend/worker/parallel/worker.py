@@ -35,6 +35,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     try:
         runner = ModelRunner(config, model_cfg, max_model_len, tp=group)
+        from backend.worker.gc_heap import freeze_heap
+        freeze_heap()  # a full collection here would hold every rank's step
         while runner.follow():
             pass
     except Exception as exc:

@@ -284,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         others = {"tritonserver": root.pid, **({"openai_server": api.process.pid} if api else {})}
         check = {"config_differences": config_differences(report["config"], dataclasses.asdict(config)),
                  "served_cpu_placement": report["cpu_placement"], "in_process_cpu_placement": engine.cpu_placement,
-                 "served_env": report["env"]}
+                 "served_env": report["env"], "served_frozen_objects": report["frozen_objects"]}
         print(json.dumps(check), flush=True)
         runners = {"in_process": in_process(engine), "http": http(server.http_url),
                    "openai": openai_sdk(api.url) if api else None}

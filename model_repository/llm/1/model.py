@@ -84,13 +84,15 @@ class TritonPythonModel:
                                          stream_interval=engine_config.stream_interval,
                                          on_engine_failure=self.take_out_of_service,
                                          runtime_lora=engine_config.enable_runtime_lora)
+        from backend.worker.gc_heap import freeze_heap
+        frozen = freeze_heap()  # last of the start: no full collection walks the loaded model's objects again
         pb_utils.Logger.log_info(
             f"inflight: {args['model_instance_name']} on {self.engine.device}, model {engine_config.model_path}, "
             f"max_model_len {self.engine.max_model_len}, vocab {self.engine.vocab_size}, "
             f"KV blocks {self.engine.stats()['kv_blocks_total']}, weights: {self.engine.engine.runner.weights.summary}"
             + (f", CPU threads {len(self.engine.cpu_placement)} on cores {self.engine.cpu_placement} (OMP_NUM_THREADS "
                "sets the count)" if self.engine.cpu_placement else ""))
-        pb_utils.Logger.log_info(adapter.engine_report(engine_config, self.engine.cpu_placement))
+        pb_utils.Logger.log_info(adapter.engine_report(engine_config, self.engine.cpu_placement, frozen))
 
     def take_out_of_service(self, reason):
         """The engine stopped serving (a lost tensor-parallel rank, an unrecoverable fault): unload
