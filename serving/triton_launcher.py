@@ -5,134 +5,34 @@
     with TritonServer(params={"max_num_seqs": "8"}) as server:   # free loopback ports
         print(server.grpc_url, server.http_url, server.metrics_url)
 
-The server always runs on a *run copy* of the model repository, made in a temporary folder: the
-repository's own `llm/config.pbtxt` (the rendered file, hand edits and all) with only the
-`--param`/`--model-path` overrides applied, and `llm/1` linked to the repository's code. So the
-user's `config.pbtxt` stays the source of truth for everything that is not overridden, and is
-never rewritten by a run.
-
-Running Triton locally needs three things the wheel leaves to us (docs/design.md, "Running Triton
-locally"): the Python backend stub for the running interpreter's version in `backends/python/`,
-the interpreter's own `libpython` first on `LD_LIBRARY_PATH`, then the wheel's bundled libraries.
+The server always runs on a *run copy* of the model repository (serving/run_repository.py: the
+user's `config.pbtxt` with only the `--param`/`--model-path` overrides applied), with the binary,
+stub and environment serving/triton_install.py finds; what its log says is read by
+serving/triton_log.py. Here: the process, its ports, its readiness (and the recovery of a stub
+stalled in its start, serving/stub_watch.py), its failure and restart, and its stop.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
 from backend.core.kv_events_config import HOST_ENV
 from serving import proc_stacks, shm_regions, stub_watch
+from serving.run_repository import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, make_run_repository  # noqa: F401 (public here)
+from serving.triton_install import ServerError, ensure_python_stub, find_tritonserver, server_env  # noqa: F401
+from serving.triton_log import ENGINE_REPORT, engine_reports, load_errors  # noqa: F401
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-MODEL_NAME = "llm"
 STOP_FILE = ".inflight-stopping"  # model.py aborts its running requests when this appears
-ENGINE_REPORT = "inflight: engine as served: "  # the line model.py logs at start (instance_config.py)
 log = logging.getLogger(__name__)
-
-
-class ServerError(RuntimeError):
-    """tritonserver could not be started, or the model did not become ready."""
-
-
-@dataclass(frozen=True)
-class TritonInstall:
-    binary: Path
-    backend_dir: Path
-    lib_dirs: tuple[Path, ...]
-
-
-def find_tritonserver() -> TritonInstall:
-    """Locate the tritonserver binary, its backends and its bundled libraries in nvidia-pytriton."""
-    try:
-        import pytriton  # noqa: F401  (only its location is needed)
-    except ImportError as exc:
-        system = Path(shutil.which("tritonserver") or "/opt/tritonserver/bin/tritonserver")
-        if system.is_file():  # NVIDIA's tritonserver image: its own server, backends and stub
-            return TritonInstall(binary=system, backend_dir=system.resolve().parents[1] / "backends", lib_dirs=())
-        raise ServerError("the local tritonserver comes with nvidia-pytriton: "
-                          "run `make setup` (or pip install -e '.[server]')") from exc
-    pkg = Path(pytriton.__file__).resolve().parent
-    root = pkg / "tritonserver"
-    binary = root / "bin" / "tritonserver"
-    if not binary.is_file():
-        raise ServerError(f"no tritonserver binary at {binary}")
-    libs = pkg.parent / "nvidia_pytriton.libs"
-    return TritonInstall(binary=binary, backend_dir=root / "backends",
-                         lib_dirs=tuple(p for p in (libs,) if p.is_dir()))
-
-
-def ensure_python_stub(install: TritonInstall) -> Path:
-    """Put the running interpreter's Python-backend stub in backends/python/ (once).
-
-    Returns the backend directory to pass to tritonserver. When site-packages is read-only, the
-    Python backend is copied into a user cache folder with the stub beside it.
-    """
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = install.backend_dir.parent / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.parent.parent.is_dir() and (install.backend_dir / "python" / stub.name).is_file():
-        return install.backend_dir  # a server built for this Python (the tritonserver image)
-    if not stub.is_file():
-        raise ServerError(f"nvidia-pytriton ships no Python backend stub for Python {version} ({stub})")
-    target = install.backend_dir / "python" / stub.name
-    if _same_file(stub, target):
-        return install.backend_dir
-    try:
-        _copy_executable(stub, target)
-        return install.backend_dir
-    except OSError:
-        pass
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "inflight" / f"backends-py{version}"
-    if not _same_file(stub, cache / "python" / stub.name):
-        shutil.copytree(install.backend_dir / "python", cache / "python", dirs_exist_ok=True)
-        _copy_executable(stub, cache / "python" / stub.name)
-    return cache
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    return b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
-
-
-def _copy_executable(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
-    shutil.copyfile(src, tmp)
-    tmp.chmod(0o755)
-    os.replace(tmp, dst)  # atomic: a concurrent start never sees half a stub
-
-
-def server_env(install: TritonInstall, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """The environment tritonserver and its stubs need: libpython first, then the wheel's libs.
-
-    The stub embeds libpython and ignores PYTHONPATH; like `python3` it finds its prefix (and so a
-    venv's site-packages, through pyvenv.cfg) from `python3` on PATH. So the running interpreter's
-    folder goes first on PATH: the stub then sees this very environment (torch, the editable
-    install of this repository).
-    """
-    env = dict(os.environ if base is None else base)
-    libdir = sysconfig.get_config_var("LIBDIR")
-    ld = [d for d in [libdir, *map(str, install.lib_dirs)] if d]
-    if env.get("LD_LIBRARY_PATH"):
-        ld.append(env["LD_LIBRARY_PATH"])
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(ld)
-    bindir = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join([bindir] + [p for p in env.get("PATH", "").split(os.pathsep)
-                                              if p and p != bindir])
-    return env
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -151,48 +51,6 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
-
-
-def make_run_repository(dest: Path, model_repository: Path = DEFAULT_MODEL_REPOSITORY,
-                        params: Optional[Mapping[str, str]] = None,
-                        model_path: Optional[str] = None) -> Path:
-    """Write a run copy of the model repository into `dest`, with parameter overrides applied.
-
-    `llm/config.pbtxt` must exist in `model_repository` (`inflight config` renders it). Only the
-    overridden parameters change; the rest of the file is the user's.
-    """
-    from templates.render import apply_overrides
-
-    src = Path(model_repository).resolve() / MODEL_NAME
-    config = src / "config.pbtxt"
-    if not config.is_file():
-        raise ServerError(f"{config} does not exist: render it first with `inflight config`")
-    overrides = dict(params or {})
-    if model_path is not None:
-        overrides["model_path"] = str(Path(model_path).resolve())
-    text = apply_overrides(config.read_text(), overrides)
-    model_dir = Path(dest) / MODEL_NAME
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(text)
-    for version in sorted(p for p in src.iterdir() if p.is_dir() and p.name.isdigit()):
-        link = model_dir / version.name
-        if not link.exists():
-            link.symlink_to(version.resolve(), target_is_directory=True)
-    _add_trtllm_model(Path(dest))
-    return Path(dest)
-
-
-def _add_trtllm_model(dest: Path) -> None:
-    """`llm_trtllm` beside `llm`: the same model in the TensorRT-LLM request format ([1, 1]
-    shapes), which forwards to `llm` (model_repository/llm_trtllm/1/model.py)."""
-    from templates.render import TRTLLM_MODEL, render_trtllm
-
-    model_dir = dest / TRTLLM_MODEL
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(render_trtllm())
-    link = model_dir / "1"
-    if not link.exists():
-        link.symlink_to((DEFAULT_MODEL_REPOSITORY / TRTLLM_MODEL / "1").resolve(), target_is_directory=True)
 
 
 class TritonServer:
@@ -511,34 +369,6 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-_LOAD_ERROR = re.compile(r"failed to load '([^']+)' version (\d+): (.*)")
-
-
-def load_errors(log: str) -> list[str]:
-    """'model load failed: <reason>' for each model-load error in a tritonserver log."""
-    found = []
-    for line in log.splitlines():
-        m = _LOAD_ERROR.search(line)
-        if m:
-            reason = m.group(3).rstrip('"').replace("\\n", "\n").replace('\\"', '"')
-            reason = reason.split("\n\nAt:")[0].strip()
-            found.append(f"model '{m.group(1)}' failed to load: {reason}")
-    return list(dict.fromkeys(found))
-
-
-def engine_reports(log: str) -> list[dict]:
-    """The ENGINE_REPORT lines of a tritonserver log, as JSON objects, in the order logged."""
-    found = []
-    for line in log.splitlines():
-        start = line.find(ENGINE_REPORT)
-        if start < 0:
-            continue
-        if start > 0 and line[start - 1] == '"':  # Triton's log quotes a message, escaping as JSON does
-            line, start = json.loads(line[start - 1:line.rindex('"') + 1]), 0
-        found.append(json.loads(line[start + len(ENGINE_REPORT):line.rindex("}") + 1]))
-    return found
 
 
 def _die_with_parent() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from adapter_module import load_adapter
 from backend.core.config import EngineConfig
-from serving.triton_launcher import ENGINE_REPORT, engine_reports
+from serving.triton_log import ENGINE_REPORT, engine_reports
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -73,7 +73,7 @@ def grpc_error(server, tensors, request_id: str = "", timeout: float = 30) -> st
 
 def _has_tritonserver() -> bool:
     try:
-        from serving.triton_launcher import find_tritonserver
+        from serving.triton_install import find_tritonserver
         find_tritonserver()
         return True
     except Exception:

@@ -58,7 +58,7 @@ def environment(dry_run: bool) -> dict:
     import torch
 
     try:
-        from serving.triton_launcher import find_tritonserver
+        from serving.triton_install import find_tritonserver
         server = str(find_tritonserver().binary)
     except Exception as exc:  # reported: the served part is skipped
         server, server_error = None, str(exc)

@@ -63,7 +63,7 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# model.py logs this line at start; serving/triton_launcher.py's TritonServer.engine_report reads it back.
+# model.py logs this line at start; serving/triton_log.py's engine_reports reads it back.
 REPORT_PREFIX = "inflight: engine as served: "
 
 
