@@ -111,7 +111,8 @@ def test_config_keys_are_checked():
 
 
 def test_inflight_serve_lora_modules_becomes_the_parameters(tmp_path, monkeypatch):
-    from client.cli import build_parser, lora_params
+    from client.cli import build_parser
+    from client.serve import lora_params
     from client.protocol import Options
 
     monkeypatch.chdir(tmp_path)

@@ -201,7 +201,8 @@ def test_an_adapter_that_is_not_loaded_is_a_404_whichever_call_finds_out():
 
 
 def test_inflight_serve_forwards_the_switch_to_the_openai_server():
-    from client.cli import build_parser, openai_flags
+    from client.cli import build_parser
+    from client.serve import openai_flags
     from openai_server.__main__ import build_parser as openai_parser
 
     flags = openai_flags(build_parser().parse_args(["serve", "--enable-runtime-lora"]))

@@ -1,6 +1,7 @@
 """`inflight serve` hands the OpenAI server's own flags on: each one it takes, the OpenAI server's
 parser reads back with the same value (a flag renamed on one side fails here)."""
-from client.cli import build_parser, openai_flags
+from client.cli import build_parser
+from client.serve import openai_flags
 from openai_server.__main__ import build_parser as openai_parser
 
 

@@ -1,4 +1,4 @@
-"""`inflight serve`'s watch once ready (client/cli.py `_supervise`): a dead tritonserver or model stub is
+"""`inflight serve`'s watch once ready (client/serve.py `supervise`): a dead tritonserver or model stub is
 started again, unless --no-restart, and a second death within RESTART_INTERVAL of that ends the serve
 (a crash loop). The server here is a stand-in that reports the failures it is given; the real restart
 is tests/e2e/test_cli.py's (kill -9 of the stub under `inflight serve`)."""
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from client import cli
+from client import serve
 from serving.stub_watch import RESTART_INTERVAL
 
 DIED = "the Python stub(s) [7] of its models died"
@@ -31,10 +31,10 @@ class Server:
 
 @pytest.fixture
 def clock(monkeypatch):
-    """cli's time: sleep advances a clock that monotonic reads."""
+    """serve.py's time: sleep advances a clock that monotonic reads."""
     now = [1000.0]
-    monkeypatch.setattr(cli.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
-    monkeypatch.setattr(cli.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(serve.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    monkeypatch.setattr(serve.time, "monotonic", lambda: now[0])
     return now
 
 
@@ -44,7 +44,7 @@ def serve_args(no_restart=False):
 
 def test_a_death_is_started_again_and_a_second_soon_after_ends_the_serve(clock, capsys):
     server = Server([None, DIED, None, None, ABORTED])
-    assert cli._supervise(server, serve_args()) == -6
+    assert serve.supervise(server, serve_args()) == -6
     assert server.restarts == 1
     err = capsys.readouterr().err
     assert f"inflight serve: {DIED}; starting tritonserver again" in err and "ready again" in err
@@ -54,13 +54,13 @@ def test_a_death_is_started_again_and_a_second_soon_after_ends_the_serve(clock, 
 def test_deaths_further_apart_than_the_interval_are_each_started_again(clock):
     quiet = int(RESTART_INTERVAL / 0.5) + 1  # polls of 0.5 s: just over the interval
     server = Server([DIED] + [None] * quiet + [ABORTED] + [None] * quiet + [DIED, DIED])
-    assert cli._supervise(server, serve_args()) == -6
+    assert serve.supervise(server, serve_args()) == -6
     assert server.restarts == 3
 
 
 def test_no_restart_exits_at_the_first_death(clock, capsys):
     server = Server([None, None, DIED])
-    assert cli._supervise(server, serve_args(no_restart=True)) == -6
+    assert serve.supervise(server, serve_args(no_restart=True)) == -6
     assert server.restarts == 0
     assert capsys.readouterr().err.strip() == f"inflight serve: {DIED}"
 
@@ -72,5 +72,5 @@ def test_the_restarts_own_recoveries_are_printed(clock, capsys):
         server.restarts += 1
         server.recoveries.append("tritonserver gave up on stub(s) [9] while they initialized")
     server.restart = restart
-    cli._supervise(server, serve_args())
+    serve.supervise(server, serve_args())
     assert "inflight serve: tritonserver gave up on stub(s) [9] while they initialized" in capsys.readouterr().err

@@ -585,7 +585,7 @@ def test_a_crashed_stub_fails_requests_until_a_restart_restores_service(model_re
                 HttpClient(server.http_url).generate("after the crash", max_tokens=3)
             assert server.is_ready()  # ...and 2.51 still reports the model ready: probe with a request
             assert server.failure() == f"the Python stub(s) [{stubs[0].pid}] of its models died"
-        # The restart, as `inflight serve` does on that failure (client/cli.py `_supervise`).
+        # The restart, as `inflight serve` does on that failure (client/serve.py `supervise`).
         server.restart(120)
         assert server.failure() is None
         assert HttpClient(server.http_url).generate("after the restart", max_tokens=3, ignore_eos=True).finish_reason == "length"
