@@ -80,6 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      media_policy=MediaPolicy(args.allowed_local_media_path, tuple(h.lower() for h in
                                                                                    args.allowed_media_domains),
                                               args.media_fetch_timeout), **limits)
+    from backend.core.gc_heap import freeze_heap
+    freeze_heap()  # the tokenizer, templates and routes: no full collection stalls every stream walking them again
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 

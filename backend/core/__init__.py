@@ -5,7 +5,8 @@ Owns the engine's settings (`config.py`: `EngineConfig`, validated once, and its
 sampling parameters (`sampling_params.py`), the errors raised on purpose (`errors.py`), what the
 engine hands back (`outputs.py`), the doors' input guard (`input_guard.py`), the constraint a
 structured output must follow (`structured.py`, `schema_check.py`), one place for each default
-(`defaults.py`), what a pooling model pools and a pooling request asks (`pooling.py`), and the step contract between the scheduler and the worker (`step.py`).
+(`defaults.py`), what a pooling model pools and a pooling request asks (`pooling.py`), the step contract between the scheduler and the worker (`step.py`), and the freeze
+of a serving process's heap once it has started (`gc_heap.py`: the `llm` stub, a tensor-parallel rank, the OpenAI server).
 
 Imports nothing else of backend: it is the bottom of core < text < kv < sched < models < worker <
 speculative < engine (docs/design.md, "Map").

@@ -7,8 +7,7 @@ and block tables) and each step's flat inputs and attention metadata (`step_inpu
 speculative decoding, `rejection.py`), the decode fast path chosen in one place (`fast_paths.py`:
 CUDA graphs, `cuda_graphs.py`, or the CPU's C decode stack, `native_decode.py`), the device and its
 memory (`device.py`, `memory.py`), the warm-up (`warmup.py`), the KV tiers' copies (`kv_copier.py`),
-LoRA on the device (`lora/`), pooling sequences' hidden states (`pooler.py`), CPU thread placement (`cpu_affinity.py`, `cpu_memory.py`), a
-serving process's frozen heap (`gc_heap.py`), and the
+LoRA on the device (`lora/`), pooling sequences' hidden states (`pooler.py`), CPU thread placement (`cpu_affinity.py`, `cpu_memory.py`), and the
 tensor-parallel runtime (`parallel/`: the group, its shared-memory collectives, the step message).
 
 May import core, kv, sched's data and models; never the engine.

@@ -39,7 +39,7 @@ def test_served_gap_tool_runs_every_arm_on_one_config(tmp_path, model_path):
     # the parameters reached both: the in-process config has them, and the served one equals it
     assert served_config(PARAMS, str(model_path.resolve())).max_num_batched_tokens == 96
     assert result["served_env"].get("OMP_NUM_THREADS") == str(threads)
-    # the stub froze its heap once started (backend/worker/gc_heap.py): torch, transformers and the model
+    # the stub froze its heap once started (backend/core/gc_heap.py): torch, transformers and the model
     assert result["served_frozen_objects"] > 100_000, result["served_frozen_objects"]
     cores = sorted(os.sched_getaffinity(0))
     expected = [[c] for c in cores[:threads]] if threads > 1 else [cores]

@@ -35,7 +35,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     try:
         runner = ModelRunner(config, model_cfg, max_model_len, tp=group)
-        from backend.worker.gc_heap import freeze_heap
+        from backend.core.gc_heap import freeze_heap
         freeze_heap()  # a full collection here would hold every rank's step
         while runner.follow():
             pass

@@ -70,7 +70,7 @@ REPORT_PREFIX = "inflight: engine as served: "
 def engine_report(config: EngineConfig, cpu_placement: list, frozen_objects: int) -> str:
     """One log line: the effective EngineConfig, the engine thread's CPU team (each thread's cores,
     AsyncEngine.cpu_placement), the OpenMP environment the stub was given, and how many objects its
-    start froze out of the garbage collector's walks (backend/worker/gc_heap.py), as JSON, so a served
+    start froze out of the garbage collector's walks (backend/core/gc_heap.py), as JSON, so a served
     engine can be held to an in-process one built from the same parameters (issue 47)."""
     omp = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("OMP_", "GOMP_", "KMP_", "INFLIGHT_CPU"))}
     return REPORT_PREFIX + json.dumps({"config": dataclasses.asdict(config), "cpu_placement": cpu_placement,

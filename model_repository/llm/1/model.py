@@ -84,7 +84,7 @@ class TritonPythonModel:
                                          stream_interval=engine_config.stream_interval,
                                          on_engine_failure=self.take_out_of_service,
                                          runtime_lora=engine_config.enable_runtime_lora)
-        from backend.worker.gc_heap import freeze_heap
+        from backend.core.gc_heap import freeze_heap
         frozen = freeze_heap()  # last of the start: no full collection walks the loaded model's objects again
         pb_utils.Logger.log_info(
             f"inflight: {args['model_instance_name']} on {self.engine.device}, model {engine_config.model_path}, "
