@@ -27,30 +27,13 @@ from typing import Mapping, Optional
 
 from backend.core.kv_events_config import HOST_ENV
 from serving import proc_stacks, shm_regions, stub_watch
+from serving.ports import free_port, free_ports  # noqa: F401 (public here)
 from serving.run_repository import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, make_run_repository  # noqa: F401 (public here)
 from serving.triton_install import ServerError, ensure_python_stub, find_tritonserver, server_env  # noqa: F401
 from serving.triton_log import ENGINE_REPORT, engine_reports, load_errors  # noqa: F401
 
 STOP_FILE = ".inflight-stopping"  # model.py aborts its running requests when this appears
 log = logging.getLogger(__name__)
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` ports free now, all different: each socket stays bound until all are chosen (the OS
-    may hand out a port again once its socket is closed: a server once got one port for HTTP and
-    metrics and failed to start)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
 
 
 class TritonServer:
