@@ -16,7 +16,10 @@ says what the events are; docs/gateway.md how a router subscribes).
   AllBlocksCleared, so a subscriber forgets this engine's blocks rather than keep a stale view.
 - Publishing comes first: each round sends every queued batch, then at most
   `REPLAY_FRAMES_PER_ROUND` frames of replay answers, so a flood of requests delays events by a
-  few frames' work at most (it held them 10 s before, issue 46).
+  few frames' work at most (it held them 10 s before, issue 46). And replay gets at most
+  `REPLAY_SHARE` of the thread's time: after a round of answers it waits nine times as long (batches
+  still go out at once), so a flood of requests, answered as fast as they came, no longer keeps this
+  thread busy and the engine's thread waiting for the GIL (it halved SmolLM2's decode rate).
 - A publisher that stops (an error its loop cannot survive) says so: one ERROR line, the failure
   counted (`figures()`, inflight_kv_events_publisher_failures_total), and every later batch counted
   as dropped rather than queued for a thread that is gone.
@@ -29,6 +32,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 REPLAY_FRAMES_PER_ROUND = 32  # replay frames sent between two looks at the queue of batches
 PUBLISH_PER_ROUND = 256  # batches sent before the replay socket gets its turn
 IDLE_WAIT_S = 0.02  # the longest a replay request waits while no batch comes
+REPLAY_SHARE = 0.1  # of this thread's time, at most, for replay answers (a full buffer: ~0.1-0.2 s)
 
 
 class KVEventPublisher:
@@ -146,9 +151,13 @@ class KVEventPublisher:
     def _serve(self, pub, topic: bytes, msgpack) -> None:
         """Rounds of: every queued batch (up to PUBLISH_PER_ROUND), then a few frames of replay answers."""
         replay = self._replay
+        next_replay = 0.0  # replay answers wait until then (REPLAY_SHARE)
         while True:
+            wait = IDLE_WAIT_S
+            if replay is not None and replay.busy():
+                wait = min(IDLE_WAIT_S, max(0.0, next_replay - time.monotonic()))
             try:
-                item = self._queue.get(timeout=0 if replay is not None and replay.busy() else IDLE_WAIT_S)
+                item = self._queue.get(timeout=wait)
             except queue.Empty:
                 item = None
             sent = 0
@@ -162,8 +171,11 @@ class KVEventPublisher:
                     item = self._queue.get_nowait() if sent < PUBLISH_PER_ROUND else None
                 except queue.Empty:
                     item = None
-            if replay is not None:
+            if replay is not None and time.monotonic() >= next_replay:
+                started = time.monotonic()
                 replay.serve(self._buffer, REPLAY_FRAMES_PER_ROUND)
+                ended = time.monotonic()
+                next_replay = ended + (ended - started) * (1 - REPLAY_SHARE) / REPLAY_SHARE
 
     def _publish(self, pub, topic: bytes, msgpack, ts: float, records: list[tuple]) -> None:
         try:
