@@ -16,10 +16,10 @@ says what the events are; docs/gateway.md how a router subscribes).
   AllBlocksCleared, so a subscriber forgets this engine's blocks rather than keep a stale view.
 - Publishing comes first: each round sends every queued batch, then at most
   `REPLAY_FRAMES_PER_ROUND` frames of replay answers, so a flood of requests delays events by a
-  few frames' work at most (it held them 10 s before, issue 46). And replay gets at most
-  `REPLAY_SHARE` of the thread's time: after a round of answers it waits nine times as long (batches
-  still go out at once), so a flood of requests, answered as fast as they came, no longer keeps this
-  thread busy and the engine's thread waiting for the GIL (it halved SmolLM2's decode rate).
+  few frames' work at most (it held them 10 s before, issue 46). And replay answers get at most
+  `REPLAY_SHARE` of the thread's time, after a burst of `REPLAY_BURST_S` of work (a whole buffer's
+  answer, ~50 ms, goes out at full speed): a flood of requests, answered as fast as they came, kept
+  this thread busy and the engine's thread waiting for the GIL (SmolLM2's decode at 0.53-0.62x).
 - A publisher that stops (an error its loop cannot survive) says so: one ERROR line, the failure
   counted (`figures()`, inflight_kv_events_publisher_failures_total), and every later batch counted
   as dropped rather than queued for a thread that is gone.
@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 REPLAY_FRAMES_PER_ROUND = 32  # replay frames sent between two looks at the queue of batches
 PUBLISH_PER_ROUND = 256  # batches sent before the replay socket gets its turn
 IDLE_WAIT_S = 0.02  # the longest a replay request waits while no batch comes
-REPLAY_SHARE = 0.1  # of this thread's time, at most, for replay answers (a full buffer: ~0.1-0.2 s)
+REPLAY_SHARE = 0.1  # of this thread's time, at most, for replay answers once their burst is spent
+REPLAY_BURST_S = 0.2  # seconds of replay work allowed at full speed (a 2,000-batch answer: ~0.05 s)
 
 
 class KVEventPublisher:
@@ -151,11 +152,13 @@ class KVEventPublisher:
     def _serve(self, pub, topic: bytes, msgpack) -> None:
         """Rounds of: every queued batch (up to PUBLISH_PER_ROUND), then a few frames of replay answers."""
         replay = self._replay
-        next_replay = 0.0  # replay answers wait until then (REPLAY_SHARE)
+        credit, last = REPLAY_BURST_S, time.monotonic()  # seconds of replay work allowed now (REPLAY_SHARE)
         while True:
+            now = time.monotonic()
+            credit, last = min(REPLAY_BURST_S, credit + (now - last) * REPLAY_SHARE), now
             wait = IDLE_WAIT_S
             if replay is not None and replay.busy():
-                wait = min(IDLE_WAIT_S, max(0.0, next_replay - time.monotonic()))
+                wait = min(IDLE_WAIT_S, max(0.0, -credit / REPLAY_SHARE))
             try:
                 item = self._queue.get(timeout=wait)
             except queue.Empty:
@@ -171,11 +174,10 @@ class KVEventPublisher:
                     item = self._queue.get_nowait() if sent < PUBLISH_PER_ROUND else None
                 except queue.Empty:
                     item = None
-            if replay is not None and time.monotonic() >= next_replay:
+            if replay is not None and credit > 0:
                 started = time.monotonic()
                 replay.serve(self._buffer, REPLAY_FRAMES_PER_ROUND)
-                ended = time.monotonic()
-                next_replay = ended + (ended - started) * (1 - REPLAY_SHARE) / REPLAY_SHARE
+                credit -= time.monotonic() - started
 
     def _publish(self, pub, topic: bytes, msgpack, ts: float, records: list[tuple]) -> None:
         try:
