@@ -317,3 +317,32 @@ def test_the_gateway_pods_bind_the_events_ports_on_their_address_and_admit_only_
         if ports & {5557, 5559}:
             assert ports == {5557, 5559} and rule["from"] == [
                 {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "inflight-epp"}}}], rule
+
+
+def test_replay_gets_its_burst_at_full_speed_then_its_share_of_the_thread():
+    """ReplayBudget on a made clock: a whole-buffer answer (~50 ms of work) fits in the burst with no
+    wait; a flood answered round after round gets REPLAY_SHARE of the time once the burst is spent."""
+    from backend.kv.event_publisher import REPLAY_BURST_S, REPLAY_SHARE, ReplayBudget
+
+    budget = ReplayBudget(0.0)
+    now, waited = 0.0, 0.0
+    for _ in range(200):  # 200 rounds of 0.25 ms: one 2,000-batch answer
+        budget.refill(now)
+        assert budget.wait_s() == 0.0
+        budget.credit -= 0.00025
+        now += 0.00025
+    busy = 0.0
+    while now < 20.0:  # a flood: a round whenever there is credit
+        budget.refill(now)
+        pause = budget.wait_s()
+        if pause:
+            now += pause
+            waited += pause
+            continue
+        budget.credit -= 0.0003
+        busy += 0.0003
+        now += 0.0003
+    assert waited > 0
+    assert busy <= REPLAY_SHARE * now + REPLAY_BURST_S + 0.001, (busy, now)
+    assert busy >= REPLAY_SHARE * now * 0.9, "the share is a cap, not a stop"
+    assert busy / now < 0.2, f"a flood kept replay busy {busy / now:.0%} of the time"

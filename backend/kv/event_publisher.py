@@ -152,13 +152,12 @@ class KVEventPublisher:
     def _serve(self, pub, topic: bytes, msgpack) -> None:
         """Rounds of: every queued batch (up to PUBLISH_PER_ROUND), then a few frames of replay answers."""
         replay = self._replay
-        credit, last = REPLAY_BURST_S, time.monotonic()  # seconds of replay work allowed now (REPLAY_SHARE)
+        budget = ReplayBudget(time.monotonic())
         while True:
-            now = time.monotonic()
-            credit, last = min(REPLAY_BURST_S, credit + (now - last) * REPLAY_SHARE), now
+            budget.refill(time.monotonic())
             wait = IDLE_WAIT_S
             if replay is not None and replay.busy():
-                wait = min(IDLE_WAIT_S, max(0.0, -credit / REPLAY_SHARE))
+                wait = min(IDLE_WAIT_S, budget.wait_s())
             try:
                 item = self._queue.get(timeout=wait)
             except queue.Empty:
@@ -174,10 +173,10 @@ class KVEventPublisher:
                     item = self._queue.get_nowait() if sent < PUBLISH_PER_ROUND else None
                 except queue.Empty:
                     item = None
-            if replay is not None and credit > 0:
+            if replay is not None and budget.credit > 0:
                 started = time.monotonic()
                 replay.serve(self._buffer, REPLAY_FRAMES_PER_ROUND)
-                credit -= time.monotonic() - started
+                budget.credit -= time.monotonic() - started
 
     def _publish(self, pub, topic: bytes, msgpack, ts: float, records: list[tuple]) -> None:
         try:
@@ -190,6 +189,26 @@ class KVEventPublisher:
             self._buffer.append((seq, payload))
         except Exception:  # one bad batch must not end publishing
             self._publish_log.error("KV events: publishing a batch failed", exc_info=True)
+
+
+class ReplayBudget:
+    """The seconds of replay work allowed now (`credit`, spent by the caller): it refills at `share`
+    of the time that passes and holds at most `burst`, so replay gets a burst at full speed and then
+    `share` of the thread."""
+
+    RESUME_S = 1e-4  # the credit a wait ends with: a wait to exactly 0 would end in a round of none
+
+    def __init__(self, now: float, share: float = REPLAY_SHARE, burst: float = REPLAY_BURST_S):
+        self.share, self.burst = share, burst
+        self.credit, self._last = burst, now
+
+    def refill(self, now: float) -> None:
+        self.credit = min(self.burst, self.credit + (now - self._last) * self.share)
+        self._last = now
+
+    def wait_s(self) -> float:
+        """How long until there is credit again, RESUME_S of it (0: there is some now)."""
+        return 0.0 if self.credit > 0 else (self.RESUME_S - self.credit) / self.share
 
 
 class NoPublisher:
