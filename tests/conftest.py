@@ -42,3 +42,18 @@ def packed_folders_stay_packed(request, monkeypatch):
     from backend.models import cpu_weight_choice
     from kernels.cpu import quant as cpu_quant
     monkeypatch.setattr(cpu_weight_choice, "FAST_BUILDS", (*cpu_quant.BUILDS, None))
+
+
+@pytest.fixture
+def frozen_heap():
+    """The heap as a serving process has it (backend/core/gc_heap.py freezes it after start), for a
+    test that times something: a full collection of what earlier tests left in this worker stops
+    every thread for 0.1-0.2 s wherever it falls (129 ms in one CI run's flood test). Unfrozen after."""
+    import gc
+
+    from backend.core.gc_heap import freeze_heap
+    freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

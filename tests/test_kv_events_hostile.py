@@ -15,7 +15,6 @@ The publisher runs alone (no engine): batches go in through its collector, as th
 hands them over; the subscriber and the flooders are real ZMQ peers over loopback TCP."""
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -139,7 +138,7 @@ print(n)
 
 
 @pytest.mark.slow
-def test_a_replay_flood_neither_delays_events_nor_floods_the_log():
+def test_a_replay_flood_neither_delays_events_nor_floods_the_log(frozen_heap):
     publisher, pub_port, replay_port = make_publisher(buffer_steps=BUFFERED)
     context = zmq.Context()
     handler = LogBytes()
@@ -153,11 +152,6 @@ def test_a_replay_flood_neither_delays_events_nor_floods_the_log():
             time.sleep(0.01)
         while sub.poll(100):
             sub.recv_multipart()
-        # The heap as the serving process has it (model.py freezes it after start): without this a full
-        # collection of what earlier tests left in this worker, due at a count of allocations, stops
-        # every thread for 0.1-0.2 s wherever it falls (129 ms in the flooded window of one CI run).
-        gc.collect()
-        gc.freeze()
         quiet = latencies(publisher, sub, 50)
         rss = rss_bytes()
         flood = subprocess.Popen([sys.executable, "-c", FLOOD, f"tcp://127.0.0.1:{replay_port}", "3"],
@@ -169,7 +163,6 @@ def test_a_replay_flood_neither_delays_events_nor_floods_the_log():
         sent = int(flood.communicate(timeout=60)[0])
         grew = rss_bytes() - rss
     finally:
-        gc.unfreeze()
         logging.getLogger("backend.kv.event_publisher").removeHandler(handler)
         publisher.close()
         context.destroy(linger=0)

@@ -26,7 +26,7 @@ class SlowMetrics:
             self.updates.append(time.monotonic())
 
 
-def test_the_gauges_stay_fresh_while_a_backlog_of_samples_drains():
+def test_the_gauges_stay_fresh_while_a_backlog_of_samples_drains(frozen_heap):
     """Under load a metric IPC took long enough that 256 samples between two gauge updates held one
     instance's running gauge at 0 for the whole of a test's requests. The samples now get half the
     interval, whatever an IPC costs: with 1,000 queued at 2 ms each (2 s of IPC), the gauges are
