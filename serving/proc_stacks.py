@@ -9,6 +9,9 @@ executable file mapping, as `library+0xoffset` (the offset within the file), nam
 `addr2line` where it is installed (the wheel's libraries carry their symbols' names). That is not an
 unwound backtrace (stale words show up too) but it names the code a blocked thread came through. No
 gdb, no ptrace: reading /proc/PID/mem needs the rights an ancestor of the process has.
+
+Also the process tree the launcher and the stub watch look at: a process's children, tritonserver's
+stubs among them, the children a thread waits for (`waiting_for`).
 """
 from __future__ import annotations
 
@@ -127,6 +130,30 @@ def _thread(pid: int, task: Path, maps: list[Mapping]) -> tuple[str, list[tuple[
 def stat_fields(stat_path: Path) -> list[str]:
     """The fields of a /proc/<pid>/stat (or a task's) after the command name: [state, ppid, ...]."""
     return stat_path.read_text().rsplit(")", 1)[1].split()
+
+
+def children(pid: int) -> list[int]:
+    """The pids of the processes `pid` started that are alive (tritonserver's stubs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int(stat_fields(entry / "stat")[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def stubs(pid: int) -> list[int]:
+    """The pids of tritonserver `pid`'s Python-backend stubs."""
+    found = []
+    for child in children(pid):
+        try:
+            if "python_backend_stub" in Path(f"/proc/{child}/cmdline").read_text():
+                found.append(child)
+        except OSError:
+            continue
+    return found
 
 
 def waiting_for(pid: int) -> set[int]:

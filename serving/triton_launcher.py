@@ -225,7 +225,7 @@ class TritonServer:
         never finishes, which the stubs' Python stacks do not show."""
         if self.process is None:
             return ""
-        pids = [self.process.pid, *(int(child.name) for child in self._children())]
+        pids = [self.process.pid, *proc_stacks.children(self.process.pid)]
         return proc_stacks.report(pids)
 
     def dump_stub_stacks(self, settle: float = 2.0) -> int:
@@ -247,26 +247,7 @@ class TritonServer:
 
     def _stubs(self) -> list[int]:
         """The pids of this tritonserver's Python-backend stubs."""
-        pids = []
-        for child in self._children():
-            try:
-                if "python_backend_stub" in (child / "cmdline").read_text():
-                    pids.append(int(child.name))
-            except OSError:
-                continue
-        return pids
-
-    def _children(self) -> list[Path]:
-        """/proc/<pid> of each process tritonserver started (its stubs)."""
-        children = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and int(proc_stacks.stat_fields(entry / "stat")[1]) \
-                        == self.process.pid:
-                    children.append(entry)
-            except (OSError, ValueError, IndexError):
-                continue
-        return children
+        return proc_stacks.stubs(self.process.pid)
 
     def log_text(self) -> str:
         if self.log_path is None or not self.log_path.exists():
