@@ -30,7 +30,6 @@ import zmq
 from backend.core.config import EngineConfig
 from backend.core.kv_events_config import KVEventsConfig, parse_kv_events_config
 from backend.kv.event_publisher import KVEventPublisher
-from serving.proc_stacks import stat_fields
 from serving.triton_launcher import free_port
 
 TOPIC = b"kv@test"
@@ -103,9 +102,11 @@ def join(publisher, sub) -> None:
 
 
 def thread_cpu_s(tid: int) -> float:
-    """CPU seconds thread `tid` of this process has used (its utime + stime)."""
-    fields = stat_fields(Path(f"/proc/self/task/{tid}/stat"))
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds thread `tid` of this process has used (the served-gap tool's reading of a thread)."""
+    import psutil
+
+    from client.tools.benchmarks.served_gap import thread_cpu_seconds
+    return thread_cpu_seconds(os.getpid(), next(t for t in psutil.Process().threads() if t.id == tid))
 
 
 class LogBytes(logging.Handler):
