@@ -14,7 +14,7 @@ from kernel_testutil import build_paged_cache, seed_for
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",  # 48: a size with no copy of its own
-                         [(4, 4, 32), (9, 3, 64), (14, 2, 64), (8, 1, 128), (6, 2, 48)])
+                         [(4, 4, 32), (9, 3, 64), (14, 2, 64), (8, 1, 128), (4, 1, 256), (6, 2, 48)])  # 256: Gemma 3's
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_matches_the_reference_on_a_shuffled_cache(num_heads, num_kv_heads, head_dim, block_size):
     rng = random.Random(seed_for("cpu-decode", num_heads, head_dim, block_size))

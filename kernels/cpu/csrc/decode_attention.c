@@ -18,8 +18,9 @@
    batch-1 step under MIN_CHUNK tokens), a chunk's heads are shared out over tasks (heads_t).
 
    Speed (docs/performance.md): the kernel waits on memory, rows scattered block by block. The
-   loops walk blocks, not tokens (no division per token), head sizes 32, 64 and 128 get their own
-   copies with a known trip count, and each row is prefetched early. 30 layers of
+   loops walk blocks, not tokens (no division per token), head sizes 32, 64, 128 and 256 get their
+   own copies with a known trip count (256, Gemma 3's: its global layers at 8,192 tokens 1.23-1.46x
+   faster than in the general copy, a Zen 4 EPYC, 2 threads), and each row is prefetched early. 30 layers of
    SmolLM2's caches, 2 threads: batch 32 at ~150 tokens 16.8 -> 13.8 ms (the same rows only
    summed take 9.4 ms); one sequence of 900 tokens 5.8 -> 3.1 ms. The prefetch runs AHEAD_BYTES
    of rows ahead (16 of SmolLM2's rows, 12 of Gemma 3's, 3 of Qwen3's): where the blocks lie
@@ -234,6 +235,8 @@ void NAME(decode_attention)(const float *restrict q, const CACHE_T *restrict k_c
                 NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 32, BS, scale, hs);
             else if (D == 128)
                 NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 128, BS, scale, hs);
+            else if (D == 256)
+                NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, 256, BS, scale, hs);
             else
                 NAME(one_chunk)(qs, k_cache, v_cache, table, t0, t1, part, scores, H, G, D, BS, scale, hs);
         }
