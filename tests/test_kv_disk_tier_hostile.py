@@ -162,7 +162,6 @@ def test_cause8_links_and_subfolders_in_the_folder_are_skipped_and_counted(tmp_p
 CHURN = """
 import sys, time
 import numpy as np
-from backend.kv.block_pool import block_hashes
 from backend.kv.tiers.disk import DiskStore
 root, seconds, budget, first = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
 store = DiskStore(root, b"F" * 32, 64, *([budget] if budget else []))
@@ -389,8 +388,8 @@ def test_engines_sharing_a_folder_keep_to_one_budget(llama, tmp_path):
     assert int((tmp_path / ".usage").read_text()) == sum(sizes)
     # And what is there serves, right. Which of b's prompts kept their first blocks on disk depends on
     # when each engine's disk thread wrote (the folder keeps the last ones written): those prompts,
-    # served by an engine whose own writes cannot push them out first (a larger budget), load exactly
-    # the blocks found. (Serving all of b's prompts under the same budget, c's own evictions could
+    # served by an engine whose own writes cannot push them out first (a larger budget), load from
+    # what they find. (Serving all of b's prompts under the same budget, c's own evictions could
     # delete a later prompt's files before it came: 0 hits in a loaded CI run.)
     on_disk = {bytes.fromhex(f.name[:-len(".kv")]) for f in block_files(tmp_path)}
     leading = {i: leading_on_disk(p, on_disk) for i, p in enumerate(batches[b])}
@@ -398,7 +397,9 @@ def test_engines_sharing_a_folder_keep_to_one_budget(llama, tmp_path):
     assert kept, (leading, len(on_disk))  # the shared budget left whole prefixes, not only stray blocks
     c = LLM(str(llama), **tiers(tmp_path, 4 * budget), **ENGINE)
     assert generate(c, kept) == generate(plain, kept)
-    assert c.stats()["kv_tiers"]["disk"]["hits"] == sum(leading.values()), leading
+    # (a load stops where no host slot is left to stage a disk block in: two prompts' claims at once
+    # may get fewer than all; the first one's first block always has one)
+    assert 0 < c.stats()["kv_tiers"]["disk"]["hits"] <= sum(leading.values()), leading
     c.close()
 
 
