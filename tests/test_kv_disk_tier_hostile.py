@@ -391,7 +391,7 @@ def test_engines_sharing_a_folder_keep_to_one_budget(llama, tmp_path):
     # served by an engine whose own writes cannot push them out first (a larger budget), load from
     # what they find. (Serving all of b's prompts under the same budget, c's own evictions could
     # delete a later prompt's files before it came: 0 hits in a loaded CI run.)
-    on_disk = {bytes.fromhex(f.name[:-len(".kv")]) for f in block_files(tmp_path)}
+    on_disk = {bytes.fromhex(f.stem) for f in block_files(tmp_path)}
     leading = {i: leading_on_disk(p, on_disk) for i, p in enumerate(batches[b])}
     kept = [batches[b][i] for i, n in leading.items() if n]
     assert kept, (leading, len(on_disk))  # the shared budget left whole prefixes, not only stray blocks
