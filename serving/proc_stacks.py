@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 SYSCALLS = {0: "read", 7: "poll", 23: "select", 35: "nanosleep", 202: "futex", 232: "epoll_wait",
-            230: "clock_nanosleep", 61: "wait4", 271: "ppoll", 281: "epoll_pwait"}  # x86_64 numbers
+            230: "clock_nanosleep", 61: "wait4", 271: "ppoll", 281: "epoll_pwait",
+            219: "restart_syscall"}  # x86_64 numbers; restart_syscall: a wait resumed after a stop signal
 WAIT4 = {"x86_64": 61, "aarch64": 260}  # waitpid's system call, by machine
 STACK_BYTES = 16384
 FRAMES = 12

@@ -366,8 +366,11 @@ def test_the_thread_states_name_tritonserver_and_its_stubs_threads(server):
     assert any("triton_python" in line or "python_backend" in line for line in lines), lines[:20]
     assert all(len(line.split(" ")) >= 4 for line in lines), lines[:20]
     # an idle stub's main thread waits on a futex in its shared-memory queue, reached from the stub's code
+    # (a timed futex wait that a stop signal interrupted resumes as restart_syscall, its arguments kept: seen
+    # in a run where a script stopped and continued the test processes now and then, to imitate a loaded
+    # machine's pauses)
     waits = [line for line in lines if "arg0=triton_python_backend_shm_region_" in line]
-    assert waits and all("syscall=futex" in line for line in waits), lines[:20]
+    assert waits and all("syscall=futex" in line or "syscall=restart_syscall" in line for line in waits), lines[:20]
     assert any("triton_python_backend_stub+0x" in line.partition(" stack: ")[2] for line in waits), waits
     assert any("libtriton_python.so+0x" in line for line in lines), lines[:20]  # the backend's threads in tritonserver
     # and named (binutils' addr2line, which comes with the gcc the kernels are built with)
