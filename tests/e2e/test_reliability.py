@@ -814,13 +814,13 @@ def test_queue_full_and_shutdown_are_unavailable_bad_requests_invalid_arg():
 
 def test_size_limits_are_checked_before_anything_is_decoded():
     big = np.array([b"\xff" * TEN_MB], dtype=np.object_)  # not even valid UTF-8: never decoded
-    started = time.monotonic()
+    started = time.thread_time()  # this thread's CPU time: what a pause of the process does not lengthen
     with pytest.raises(ValueError, match=rf"text_input is {TEN_MB} bytes; the limit is 1000 bytes"):
         adapter.parse_request({"text_input": big}, max_model_len=64, max_input_bytes=1000)
     with pytest.raises(ValueError, match="at most 64 stop strings; got 100000"):
         adapter.parse_request({"text_input": np.array([b"hi"], np.object_),
                                "stop_words": np.array([b"\xff"] * 100_000, np.object_)})
-    assert time.monotonic() - started < 0.5
+    assert time.thread_time() - started < 0.5
     ok = adapter.parse_request({"text_input": np.array([b"a" * 1000], np.object_)},
                                max_model_len=64, max_input_bytes=1000)
     assert ok.prompt == "a" * 1000  # the limit itself is allowed
