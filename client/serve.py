@@ -126,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
             openai_api.check_port()  # before the model loads, not after
         server.start()
         server.wait_ready(args.ready_timeout)
-        for note in server.recoveries:  # a start that Triton's Python backend hung, ended and retried
+        for note in server.recoveries:  # a start that Triton's Python backend hung or crashed, ended and retried
             print(f"inflight serve: {note}", file=sys.stderr)
         if openai_api is not None:
             openai_api.start()

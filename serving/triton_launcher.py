@@ -164,8 +164,9 @@ class TritonServer:
 
         A stub that tritonserver gave up on while it initialized (serving/stub_watch.py: Triton's
         Python backend then waits for it to exit, and it never does) is killed after
-        `abandoned_after` seconds of that wait, and the server started again, on the same ports,
-        at most stub_watch.RESTARTS times a call; `recoveries` says each time why."""
+        `abandoned_after` seconds of that wait, and the server started again, on the same ports; so is
+        a server that died of a known crash in Triton's own code (stub_watch.TRITON_START_CRASHES). At
+        most stub_watch.RESTARTS times a call; `recoveries` says each time why."""
         if self.process is None:
             raise ServerError("not started")
         deadline = time.monotonic() + timeout
@@ -174,8 +175,9 @@ class TritonServer:
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
-                if watch.killed and len(self.recoveries) - before < stub_watch.RESTARTS:
-                    self._start_again(watch)
+                crash = stub_watch.triton_start_crash(self.log_text())
+                if (watch.killed or crash) and len(self.recoveries) - before < stub_watch.RESTARTS:
+                    self._start_again(watch, crash, code)
                     watch = stub_watch.AbandonedStubs(self.process.pid, abandoned_after)
                     continue
                 raise ServerError(f"tritonserver exited with code {code} before the model was ready"
@@ -190,12 +192,17 @@ class TritonServer:
                           f"{self.metrics_listening()}; {asked} stub(s) asked for their stacks)"
                           + self._log_excerpt(lines=120 if asked else 15) + self.thread_states())
 
-    def _start_again(self, watch: stub_watch.AbandonedStubs) -> None:
-        """After a stub Triton gave up on was killed and the server exited: say so, start it again."""
+    def _start_again(self, watch: stub_watch.AbandonedStubs, crash: Optional[str], code: int) -> None:
+        """After a stub Triton gave up on was killed, or Triton crashed in its own code, and the
+        server exited before ready: say so, start it again."""
         reasons = "; ".join(self.load_errors()) or "see its log"
-        note = (f"tritonserver gave up on stub(s) {watch.killed} while they initialized and waited for them "
-                f"to exit (Triton's Python backend: a stub that missed a 1-second health check); killed after "
-                f"{watch.after:.0f} s of that wait, the server exited ({reasons}) and was started again")
+        if watch.killed:
+            note = (f"tritonserver gave up on stub(s) {watch.killed} while they initialized and waited for them "
+                    f"to exit (Triton's Python backend: a stub that missed a 1-second health check); killed after "
+                    f"{watch.after:.0f} s of that wait, the server exited ({reasons}) and was started again")
+        else:
+            note = (f"tritonserver crashed in its own code before the model was ready (exit {code}, '{crash}' in its "
+                    f"log: a known fault of Triton's Python backend) and was started again")
         self.recoveries.append(note)
         log.warning("%s", note)
         self.stop()
