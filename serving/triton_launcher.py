@@ -195,8 +195,8 @@ class TritonServer:
     def _start_again(self, watch: stub_watch.AbandonedStubs, crash: Optional[str], code: int) -> None:
         """After a stub Triton gave up on was killed, or Triton crashed in its own code, and the
         server exited before ready: say so, start it again."""
-        reasons = "; ".join(self.load_errors()) or "see its log"
         if watch.killed:
+            reasons = "; ".join(self.load_errors()) or "see its log"
             note = (f"tritonserver gave up on stub(s) {watch.killed} while they initialized and waited for them "
                     f"to exit (Triton's Python backend: a stub that missed a 1-second health check); killed after "
                     f"{watch.after:.0f} s of that wait, the server exited ({reasons}) and was started again")

@@ -97,7 +97,7 @@ def latencies(publisher: KVEventPublisher, sub, count: int, gap_s: float = 0.01,
 class ReplayWork:
     """Counts the replay socket's units of work (a frame of an answer sent, a malformed request read:
     what REPLAY_FRAMES_PER_ROUND budgets) and, for each batch, how many were done between its
-    submission and its publishing, both read on the publisher's thread's side of the queue. A count,
+    submission (read on the caller's thread) and its publishing (on the publisher's). A count,
     not a time: it says whether replay went before a batch whatever else ran on the machine."""
 
     def __init__(self, publisher: KVEventPublisher):
