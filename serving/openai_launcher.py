@@ -13,7 +13,6 @@ server on its next log line.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 from openai_server.auth import ENV_KEYS
+from serving.process_group import die_with_parent
 from serving.triton_launcher import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -34,14 +34,6 @@ STDERR_TAIL_LINES = 200  # of the server's stderr, kept for the error of a serve
 
 class OpenAIServerError(RuntimeError):
     """The OpenAI server exited or did not answer in time."""
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 class OpenAIServer:
@@ -96,7 +88,7 @@ class OpenAIServer:
         env = {**os.environ, ENV_KEYS: ",".join(self.api_keys)} if self.api_keys else None
         self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stdin=subprocess.DEVNULL, env=env,
                                         stderr=None if self.log_to_console else subprocess.PIPE,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=die_with_parent)
         if self.process.stderr is not None:
             self.stderr_tail.clear()
             self._stderr_reader = threading.Thread(target=self._read_stderr, args=(self.process.stderr,),

@@ -10,7 +10,8 @@ executable file mapping, as `library+0xoffset` (the offset within the file), nam
 unwound backtrace (stale words show up too) but it names the code a blocked thread came through. No
 gdb, no ptrace: reading /proc/PID/mem needs the rights an ancestor of the process has.
 
-Also the process tree the launcher and the stub watch look at: a process's children, tritonserver's
+And a process's Python stacks, asked for by signal (`ask_python_stacks`: the stubs register
+faulthandler on SIGUSR1). Also the process tree the launcher and the stub watch look at: a process's children, tritonserver's
 stubs among them, the children a thread waits for (`waiting_for`).
 """
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -205,3 +208,18 @@ def thread_states(pids: Iterable[int]) -> list[str]:
         where = _where(path, offset)
         return f"{names[(path, offset)]} ({where})" if (path, offset) in names else where
     return [line + (f" stack: {' < '.join(frame(*f) for f in frames)}" if frames else "") for line, frames in threads]
+
+
+def ask_python_stacks(pids: Iterable[int], settle: float = 2.0) -> int:
+    """SIGUSR1 to each of `pids` (processes that registered faulthandler on it print every thread's
+    Python stack), then `settle` seconds for them to write; the number of processes asked."""
+    asked = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            asked += 1
+        except OSError:
+            continue
+    if asked:
+        time.sleep(settle)
+    return asked

@@ -14,7 +14,6 @@ stalled in its start, serving/stub_watch.py), its failure and restart, and its s
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -27,10 +26,11 @@ from typing import Mapping, Optional
 
 from backend.core.kv_events_config import HOST_ENV
 from serving import proc_stacks, shm_regions, stub_watch
+from serving.process_group import die_with_parent, killpg, wait_group_gone
 from serving.ports import free_port, free_ports  # noqa: F401 (public here)
 from serving.run_repository import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, make_run_repository  # noqa: F401 (public here)
 from serving.triton_install import ServerError, ensure_python_stub, find_tritonserver, server_env  # noqa: F401
-from serving.triton_log import ENGINE_REPORT, engine_reports, load_errors  # noqa: F401
+from serving.triton_log import ENGINE_REPORT, engine_reports, load_errors, log_excerpt  # noqa: F401
 
 STOP_FILE = ".inflight-stopping"  # model.py aborts its running requests when this appears
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class TritonServer:
         self.process = subprocess.Popen(cmd, env=env, stdout=out,
                                         stderr=subprocess.STDOUT if out else None,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=die_with_parent)
         return self
 
     def is_ready(self) -> bool:
@@ -241,16 +241,7 @@ class TritonServer:
         the log: where a load that never finishes stands. The number of stubs asked."""
         if self.process is None or self.process.poll() is not None:
             return 0
-        asked = 0
-        for pid in self._stubs():
-            try:
-                os.kill(pid, signal.SIGUSR1)
-                asked += 1
-            except OSError:
-                continue
-        if asked:
-            time.sleep(settle)
-        return asked
+        return proc_stacks.ask_python_stacks(self._stubs(), settle)
 
     def _stubs(self) -> list[int]:
         """The pids of this tritonserver's Python-backend stubs."""
@@ -274,14 +265,7 @@ class TritonServer:
         return engine_reports(self.log_text() or self.last_log)
 
     def _log_excerpt(self, lines: int = 15) -> str:
-        text = self.log_text()
-        if not text:
-            return ""
-        errors = load_errors(text)
-        head = "".join(f"\n{e}" for e in errors)
-        kept = [line for line in text.splitlines() if line and line[0] not in "|+"]  # no tables
-        tail = "\n".join(kept[-lines:])
-        return f"{head}\n--- tritonserver log (last {lines} lines, tables left out) ---\n{tail}"
+        return log_excerpt(self.log_text(), lines)
 
     def stop(self, timeout: float = 30.0) -> Optional[int]:
         """Abort the running requests, SIGTERM (Triton unloads the model: `finalize` runs), then make
@@ -303,18 +287,18 @@ class TritonServer:
                 try:
                     code = proc.wait(timeout)
                 except subprocess.TimeoutExpired:
-                    _killpg(proc.pid, signal.SIGKILL)
+                    killpg(proc.pid, signal.SIGKILL)
                     code = proc.wait(10)
             else:
                 code = proc.returncode
             # A stub whose parent went away too early would linger in the group: end it.
-            _killpg(proc.pid, signal.SIGTERM)
-            _wait_group_gone(proc.pid, 5.0)
-            _killpg(proc.pid, signal.SIGKILL)
+            killpg(proc.pid, signal.SIGTERM)
+            wait_group_gone(proc.pid, 5.0)
+            killpg(proc.pid, signal.SIGKILL)
             # and gone, before the caller starts the next server: a stub of several GB still tearing
             # down its memory would compete with the next one's start (a second server once died at
             # load in a loaded test run, the Python backend's shared-memory mutex failing: not reproduced)
-            _wait_group_gone(proc.pid, 5.0)
+            wait_group_gone(proc.pid, 5.0)
         finally:
             self.shm_left = shm_regions.remove(self.shm_prefix)  # a killed tritonserver unlinks none
             self.process = None
@@ -341,32 +325,3 @@ class TritonServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when our process dies, however it dies (Linux)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_group_gone(pgid: int, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False

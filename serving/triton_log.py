@@ -1,13 +1,13 @@
 """What inflight reads back from a tritonserver log: the models that failed to load and why
-(`load_errors`), and each `llm` instance's start line (`engine_reports`: the ENGINE_REPORT line
-model_repository/llm/1/instance_config.py writes).
+(`load_errors`; `log_excerpt` for an error message), and each `llm` instance's start line
+(`engine_reports`: the ENGINE_REPORT line model_repository/llm/1/instance_config.py writes).
 """
 from __future__ import annotations
 
 import json
 import re
 
-ENGINE_REPORT = "inflight: engine as served: "  # the line model.py logs at start (instance_config.py)
+ENGINE_REPORT = "inflight: engine as served: "  # starts the line model.py logs at start (instance_config.py imports it)
 
 _LOAD_ERROR = re.compile(r"failed to load '([^']+)' version (\d+): (.*)")
 
@@ -35,3 +35,14 @@ def engine_reports(log: str) -> list[dict]:
             line, start = json.loads(line[start - 1:line.rindex('"') + 1]), 0
         found.append(json.loads(line[start + len(ENGINE_REPORT):line.rindex("}") + 1]))
     return found
+
+
+def log_excerpt(text: str, lines: int = 15) -> str:
+    """For an error message: the load errors of a tritonserver log, then its last `lines` lines
+    (its tables left out); "" for an empty log."""
+    if not text:
+        return ""
+    head = "".join(f"\n{e}" for e in load_errors(text))
+    kept = [line for line in text.splitlines() if line and line[0] not in "|+"]
+    tail = "\n".join(kept[-lines:])
+    return f"{head}\n--- tritonserver log (last {lines} lines, tables left out) ---\n{tail}"

@@ -328,7 +328,8 @@ def test_the_inter_token_histogram_counts_every_token(server, stream):
     ({"no_such_key": "1"}, "unknown parameter 'no_such_key'; allowed parameters: "),
 ])
 def test_a_bad_config_parameter_fails_the_load_naming_the_key(model_repository, model_path, params, message):
-    from serving.triton_launcher import ServerError, TritonServer, _group_alive
+    from serving.process_group import group_alive
+    from serving.triton_launcher import ServerError, TritonServer
 
     server = TritonServer(model_repository, params=params, model_path=str(model_path))
     try:
@@ -338,7 +339,7 @@ def test_a_bad_config_parameter_fails_the_load_naming_the_key(model_repository, 
             server.wait_ready(120)
     finally:
         server.stop()
-    assert not _group_alive(pid), "a tritonserver or stub process was left behind"
+    assert not group_alive(pid), "a tritonserver or stub process was left behind"
 
 
 def test_a_stub_asked_for_its_stacks_writes_them_to_the_log_and_serves_on(server):

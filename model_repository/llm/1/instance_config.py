@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from backend.core.config import EngineConfig
 from backend.core.kv_events_config import HOST_ENV, for_instance
+from serving.triton_log import ENGINE_REPORT  # the line's prefix, one literal for the writer and its reader
 
 
 def engine_config(params: Mapping[str, str], instance_kind: str, device_id: int | str,
@@ -63,15 +64,12 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# model.py logs this line at start; serving/triton_log.py's engine_reports reads it back.
-REPORT_PREFIX = "inflight: engine as served: "
-
-
 def engine_report(config: EngineConfig, cpu_placement: list, frozen_objects: int) -> str:
     """One log line: the effective EngineConfig, the engine thread's CPU team (each thread's cores,
     AsyncEngine.cpu_placement), the OpenMP environment the stub was given, and how many objects its
     start froze out of the garbage collector's walks (backend/core/gc_heap.py), as JSON, so a served
-    engine can be held to an in-process one built from the same parameters (issue 47)."""
+    engine can be held to an in-process one built from the same parameters (issue 47); model.py logs
+    it at start and serving/triton_log.py's engine_reports reads it back."""
     omp = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("OMP_", "GOMP_", "KMP_", "INFLIGHT_CPU"))}
-    return REPORT_PREFIX + json.dumps({"config": dataclasses.asdict(config), "cpu_placement": cpu_placement,
+    return ENGINE_REPORT + json.dumps({"config": dataclasses.asdict(config), "cpu_placement": cpu_placement,
                                        "env": omp, "frozen_objects": frozen_objects}, sort_keys=True)
