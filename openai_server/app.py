@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -28,108 +27,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from backend.core.errors import retry_after_of
-from backend.core.input_guard import lone_surrogate
 from openai_server.media import ImageParts, MediaPolicy
 from openai_server.auth import APIKeyMiddleware
+from openai_server.chat_render import DEFAULT_MAX_CHAT_RENDERED_CHARS, ChatRenderer
 from openai_server.echo_logprobs import echo_logprobs, prompt_ids
 from openai_server.lora_api import add_lora_routes, runtime_lora_enabled
 from openai_server.metrics import GatewayMetrics, default_metrics_url
 from openai_server.pooling_api import pooling_routes
 from openai_server.reasoning_request import parse_chat_request
+from openai_server.request_body import parse_body, read_body
 from openai_server.responses import ChoiceState, Reply, sse
 from openai_server.responses_api import Answer, events as response_events, to_chat
 from openai_server.tokenize_api import MaxModelLen, detokenize, tokenize
 from openai_server.translate import APIError, Generation, bad, parse_completion, triton_tensors
 from openai_server.triton_backend import TritonBackend
 
-MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_CHAT_MESSAGES = 10_000
-DEFAULT_MAX_CHAT_RENDERED_CHARS = 4 << 20  # ~1M tokens: past any context the server could serve
 OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on the pool, not the event loop
 PREPARE_THREADS = 2  # each holds the GIL part of the time: fewer leave more of it to the event loop
-# a lone surrogate can only come from a \ud800-\udfff escape or its raw CESU-8 bytes (json.loads
-# decodes bytes with surrogatepass): a body with neither needs no walk through its values
-_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-
-
-class ChatRenderer:
-    """Messages -> prompt token ids, by the checkpoint's chat template. The ids are sent (not the
-    text) because the template writes its own special tokens: the text must be encoded without the
-    tokenizer's BOS, as vLLM and transformers encode a rendered chat."""
-
-    def __init__(self, model_path: Optional[str], max_rendered_chars: int = DEFAULT_MAX_CHAT_RENDERED_CHARS):
-        from backend.text.tokenizer import Tokenizer
-
-        self.model_path = model_path
-        self.max_rendered_chars = max_rendered_chars
-        self.tokenizer = Tokenizer.from_dir(model_path) if model_path else None
-
-    def __call__(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
-        from backend.text.chat_template import ChatTemplateError
-
-        if self.tokenizer is None:
-            raise APIError(400, "chat needs the model's tokenizer and chat template: start the server "
-                                "with --model-path (inflight serve passes it); /v1/completions works without")
-        if self.tokenizer.chat_template is None:
-            raise bad("messages", f"the served model ({self.model_path}) has no chat template; "
-                                  "use /v1/completions with a prompt instead")
-        try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt=True, **variables)  # tools
-        except ChatTemplateError as exc:
-            raise bad("messages", str(exc)) from None
-        except (TypeError, ValueError, LookupError, RuntimeError) as exc:  # the template on these messages
-            raise bad("messages", f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
-        if len(text) > self.max_rendered_chars:
-            raise bad("messages", f"the rendered chat is {len(text)} characters; the limit is {self.max_rendered_chars} "
-                                  "(--max-chat-rendered-chars)")
-        # encode_batch lets go of the GIL while it tokenizes (encode holds it: 1.9 s on 50k messages),
-        # so the event loop runs beside a long prompt
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
-
-
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The body, read chunk by chunk and refused (413) as soon as it passes `limit`: a declared
-    Content-Length past it is refused before anything is read, and a chunked body is never
-    buffered beyond it (reading it whole first would hold any amount a client sends)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, f"Content-Length is not a number: {declared[:40]!r}")
-        if int(declared) > limit:
-            raise APIError(413, f"the request body is {int(declared)} bytes; the limit is {limit}")
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is over {limit} bytes (the limit)")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def _same(obj: dict) -> dict:
-    """json.loads' object_hook: a Python call per object, where the thread can let go of the GIL (a
-    6 MiB body parsed in one C call held the event loop 0.3 s; with it, 0.07 s at most)."""
-    return obj
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body -> its JSON object, refused (400) when it is not one or holds a lone surrogate."""
-    try:
-        body = json.loads(raw, object_hook=_same)
-    except RecursionError:  # json's C scanner recurses once per nesting level
-        raise APIError(400, "the request body is nested too deeply to be a request") from None
-    except ValueError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    if not _MAYBE_SURROGATE.search(raw):
-        return body
-    for key, value in body.items():  # "\ud800" is valid JSON, and no text the model can take
-        where = lone_surrogate(value, key) or (key if lone_surrogate(key, key) else None)
-        if where is not None:
-            raise bad(key, f"{where} is not valid Unicode text: it holds a lone surrogate (an unpaired "
-                           "\\ud800-\\udfff escape), which UTF-8 cannot encode")
-    return body
 
 
 def _error(exc: APIError) -> JSONResponse:

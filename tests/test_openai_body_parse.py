@@ -1,11 +1,11 @@
-"""openai_server.app.parse_body, which runs on the thread pool for large bodies (issue 46, cause 4):
+"""openai_server.request_body.parse_body, which runs on the thread pool for large bodies (issue 46, cause 4):
 a lone surrogate is still refused naming where it is, whether it came as a high or low \\u escape
 or as raw CESU-8 bytes, though a body with none is no longer walked value by value."""
 from __future__ import annotations
 
 import pytest
 
-from openai_server.app import parse_body
+from openai_server.request_body import parse_body
 from openai_server.translate import APIError
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from chat_models import with_chat_template
-from openai_server.app import MAX_BODY_BYTES
+from openai_server.request_body import MAX_BODY_BYTES
 from serving.openai_launcher import OpenAIServer
 from serving.triton_launcher import free_port
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backend.core.sampling_params import SamplingParams
-from openai_server.app import ChatRenderer
+from openai_server.chat_render import ChatRenderer
 from openai_server.responses import ChoiceState, Reply, parse_logprobs, pieces, usage
 from openai_server.translate import (DEFAULT_CHAT_MAX_TOKENS, APIError, parse_chat, parse_completion,
                                             triton_tensors)

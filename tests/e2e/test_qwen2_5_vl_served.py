@@ -83,7 +83,7 @@ def test_the_image_input_and_the_openai_sdk(qwen_server, qwen_setup, reference):
         content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
         out = api.chat.completions.create(model="llm", messages=[{"role": "user", "content": content}],
                                           max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-        from openai_server.app import ChatRenderer  # the ids the OpenAI server sends (its chat template)
+        from openai_server.chat_render import ChatRenderer  # the ids the OpenAI server sends (its chat template)
         chat_ids = ChatRenderer(str(qwen_setup))([{"role": "user", "content":
                                                    "What is this?<|vision_start|><|image_pad|><|vision_end|>"}])
         assert chat_ids.count(PAD) == 1 and chat_ids.count(START) == 1

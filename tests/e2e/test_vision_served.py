@@ -114,7 +114,7 @@ def test_the_openai_sdk_with_image_url_data_urls(vision_server, vision_setup, re
         content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
         out = api.chat.completions.create(model="llm", messages=[{"role": "user", "content": content}],
                                           max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-        from openai_server.app import ChatRenderer  # the ids the OpenAI server sends (its chat template)
+        from openai_server.chat_render import ChatRenderer  # the ids the OpenAI server sends (its chat template)
         ids = ChatRenderer(str(vision_setup))([{"role": "user", "content": "What is this?<start_of_image>"}])
         assert ids.count(BOI) == 1
         assert out.choices[0].message.content == reference(ids, [image])[1]
