@@ -29,7 +29,7 @@ OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "nu
 
 def error_status(message: str) -> int:
     """The HTTP status of an error response from the model. Over the gRPC stream Triton sends the
-    message without its code, so the adapter's wording tells them apart (triton_inputs.error_for):
+    message without its code, so the adapter's wording tells them apart (triton_errors.error_for):
     an adapter that is not loaded 404; overload (a full queue, a time-to-first-token target the
     queue cannot meet: the message ends "retry after N s", app.py's Retry-After) 429; shutting down or a dead engine 503; an internal
     failure is written "<ExceptionType>: ..." 500; anything else is a refused request 400."""

@@ -12,7 +12,7 @@ from openai_server.translate import APIError
 from openai_server.triton_backend import error_status
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model_repository" / "llm" / "1"))
-from triton_inputs import error_for  # noqa: E402
+from triton_errors import error_for  # noqa: E402
 
 
 def test_a_refusal_is_unavailable_on_triton_with_the_figure_in_its_message():

@@ -2,7 +2,8 @@
 
 - `engine_config` (instance_config.py): config.pbtxt `parameters` + the instance's device -> `EngineConfig`.
 - `parse_request` (triton_inputs.py beside this file): a request's input tensors -> prompt,
-  `SamplingParams` and flags, or a `ValueError` that says what is wrong and what is allowed.
+  `SamplingParams` and flags, or a `ValueError` that says what is wrong and what is allowed;
+  `error_for` (triton_errors.py): the message and Triton error code a refused request gets.
 - `Frontend`: hands requests to the engine and carries its outputs back. The engine calls back on
   its own thread; the callbacks only queue. One responder thread builds and sends the responses,
   so the engine loop never waits on Triton's IPC. It also polls `is_cancelled()` (an IPC round
@@ -46,10 +47,11 @@ from instance_config import engine_config, engine_report
 from live_request import Live, NullMetrics, Respond, _Entry
 from pooling_door import pooling_params
 from lora_control import LoRAControl, control_of
-from triton_inputs import DEFAULT_MAX_TOKENS, INPUT_NAMES, Error, ServerClosing, error_for, parse_request
+from triton_errors import Error, ServerClosing, error_for
+from triton_inputs import DEFAULT_MAX_TOKENS, INPUT_NAMES, parse_request
 from triton_outputs import MetricsWriter, output_tensors
 
-# What model.py and the tests use, from here and from the two modules beside this one.
+# What model.py and the tests use, from here and from the modules beside this one.
 __all__ = ["DEFAULT_MAX_TOKENS", "Error", "FAULT_ENV", "FaultInjector", "Frontend", "INPUT_NAMES",
            "engine_config", "engine_report", "error_for", "parse_request"]
 

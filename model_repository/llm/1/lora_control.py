@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from triton_inputs import Error
+from triton_errors import Error
 
 ACTION = "lora_action"
 ACTIONS = ("list", "load", "unload")

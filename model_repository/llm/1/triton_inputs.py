@@ -1,7 +1,8 @@
 """A request's input tensors (numpy arrays by name) and request parameters -> prompt,
 `SamplingParams` and flags, or a `ValueError` that says what is wrong and what is allowed; and the
-error (with its Triton code) a refused request is answered with. No Triton imports: unit-tested
-without a server.
+error (with its Triton code) a refused request is answered with (triton_errors.py). No Triton
+imports: unit-tested without a server. One tensor's value is read by tensor_values.py, the
+TensorRT-LLM inputs that are not sampling keys by trtllm_inputs.py.
 
 This layer only converts: tensors and JSON into one dict of vLLM sampling keys, which
 `SamplingParams.from_dict` checks (every value check lives there, and the prompt's length and
@@ -17,17 +18,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
 from backend.core import defaults
-from backend.core.errors import EngineDeadError, QueueFullError
 from backend.core.images import base64_bytes
 from backend.core.input_guard import check_text, guarded, int32
-from backend.core.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
+from backend.core.sampling_params import SamplingParams
 from openai_server.reasoning import PARSERS as REASONING_PARSERS
 from templates.tensors import INPUTS, RETURN_FLAGS
+from tensor_values import KIND, byte_cap, one_value, tensor_strings, tensor_text, tensor_value
+from trtllm_inputs import Encode, embedding_bias, trtllm_inputs
 
 DEFAULT_MAX_TOKENS = defaults.MAX_TOKENS  # where neither the JSON nor a tensor names max_tokens
 MAX_SAMPLING_PARAMETERS_BYTES = 1 << 20  # the sampling_parameters JSON, and the request parameters
@@ -36,7 +38,6 @@ INPUT_NAMES = tuple(t.name for t in INPUTS)
 KNOWN_PARAMETERS = ("id", "priority", "timeout", "sequence_id", "sequence_start", "sequence_end")
 # The inputs that set a sampling key, and the key (the TensorRT-LLM names map onto the same keys).
 _SAMPLING_INPUTS = {t.name: t.key for t in INPUTS if t.key is not None}
-_KIND = {t.name: t.data_type for t in INPUTS}
 # vLLM backend sampling keys we do not support: refused by name rather than silently dropped.
 _UNSUPPORTED_KEYS: dict[str, str] = {}  # (beam search's keys are served since issue 43)
 
@@ -65,61 +66,6 @@ class ParsedRequest:
         return {key: self.prompt, "multi_modal_data": {"image": self.images}}
 
 
-def _one(name: str, array: np.ndarray) -> Any:
-    # One value in any shape: [1] as the vLLM backend sends it, [1, 1] as the TensorRT-LLM format does.
-    if array.size != 1:
-        raise ValueError(f"{name} must hold exactly one value; got shape {list(array.shape)}")
-    return array.reshape(-1)[0]
-
-
-def _value(name: str, array: np.ndarray) -> Any:
-    """The one value of a scalar input, as a Python value of its declared type."""
-    kind = _KIND[name]
-    want = {"BOOL": "b", "FP32": "fiu", "STRING": "OSU"}.get(kind, "iu")
-    if array.dtype.kind not in want:
-        raise ValueError(f"{name} must be a TYPE_{kind} tensor; got {array.dtype}")
-    value = _one(name, array)
-    if kind == "BOOL":
-        return bool(value)
-    if kind == "FP32":
-        return float(value)
-    if kind == "STRING":
-        return _text(name, value)
-    return int(value)
-
-
-def _text(name: str, value: Any) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"{name} is not valid UTF-8") from None
-    if isinstance(value, str):
-        return value
-    raise ValueError(f"{name} must be a BYTES (string) tensor; got {type(value).__name__}")
-
-
-# The string-list inputs: SamplingParams' limit on each (checked here too, before decoding them).
-_LIST_LIMITS = {"stop_words": (MAX_STOP_STRINGS, "stop strings"), "bad_words": (MAX_BAD_WORDS, "bad words"),
-                "embedding_bias_words": (MAX_LOGIT_BIAS, "words")}
-
-
-def _strings(name: str, array: np.ndarray) -> list[str]:
-    if array.dtype.kind not in "OSU":
-        raise ValueError(f"{name} must be a BYTES (string) tensor; got {array.dtype}")
-    most, what = _LIST_LIMITS[name]
-    if array.size > most:  # a byte cap in effect: before decoding any of them
-        raise ValueError(f"{name}: at most {most} {what}; got {array.size}")
-    return [_text(name, v) for v in array.reshape(-1)]
-
-
-def _byte_cap(name: str, raw: Any, limit: int, what: str = "") -> None:
-    if isinstance(raw, (bytes, np.bytes_, str)) and len(raw) > limit:
-        size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
-        if size > limit:
-            raise ValueError(f"{name} is {size} bytes; the limit is {limit} bytes{what}")
-
-
 def _prompt(get: Mapping[str, np.ndarray], max_input_bytes: Optional[int],
             max_model_len: Optional[int]) -> Union[str, list[int]]:
     text, ids = get.get("text_input"), get.get("input_ids")
@@ -130,11 +76,11 @@ def _prompt(get: Mapping[str, np.ndarray], max_input_bytes: Optional[int],
     if text is not None:
         if text.dtype.kind not in "OSU":
             raise ValueError(f"text_input must be a BYTES (string) tensor; got {text.dtype}")
-        raw = _one("text_input", text)
+        raw = one_value("text_input", text)
         if max_input_bytes:
-            _byte_cap("text_input", raw, max_input_bytes, " (max_input_bytes" + (
+            byte_cap("text_input", raw, max_input_bytes, " (max_input_bytes" + (
                 f"; max_model_len is {max_model_len} tokens)" if max_model_len else ")"))
-        prompt = _text("text_input", raw)
+        prompt = tensor_text("text_input", raw)
         if not prompt:
             raise ValueError("text_input is empty: the prompt needs at least one character")
         return prompt
@@ -203,7 +149,6 @@ def _request_parameters(raw: Optional[str]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in KNOWN_PARAMETERS and not k.startswith("triton_")}
 
 
-Encode = Callable[[str], list[int]]  # text -> token ids, no special tokens added
 
 
 def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str] = None,
@@ -226,15 +171,15 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
     get = {k: v for k, v in inputs.items() if v is not None}
     request_params = _request_parameters(parameters)
     priority = request_params.pop("priority", 0)  # an argument of add_request, not a sampling key
-    returns = frozenset(n for n in RETURN_FLAGS if n in get and _value(n, get[n]))
-    if "stop" in get and _value("stop", get["stop"]):
+    returns = frozenset(n for n in RETURN_FLAGS if n in get and tensor_value(n, get[n]))
+    if "stop" in get and tensor_value("stop", get["stop"]):
         return ParsedRequest(stop=True, returns=returns)
     prompt = _prompt(get, max_input_bytes, max_model_len)
 
     if "sampling_parameters" in get:  # as the vLLM backend: the tensor, else the request parameters
-        raw = _one("sampling_parameters", get["sampling_parameters"])
-        _byte_cap("sampling_parameters", raw, MAX_SAMPLING_PARAMETERS_BYTES)
-        sampling = _json_object("sampling_parameters", _text("sampling_parameters", raw))
+        raw = one_value("sampling_parameters", get["sampling_parameters"])
+        byte_cap("sampling_parameters", raw, MAX_SAMPLING_PARAMETERS_BYTES)
+        sampling = _json_object("sampling_parameters", tensor_text("sampling_parameters", raw))
         priority = sampling.pop("priority", priority)
         lora_name = sampling.pop("lora_name", request_params.pop("lora_name", None))
         _check_keys("sampling_parameters", sampling)
@@ -252,14 +197,14 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
 
     for name, key in _SAMPLING_INPUTS.items():  # explicit tensors win
         if name in get:
-            value = _strings(name, get[name]) if _KIND[name] == "STRING" else _value(name, get[name])
+            value = tensor_strings(name, get[name]) if KIND[name] == "STRING" else tensor_value(name, get[name])
             if key == "stop":
                 sampling.pop("stop_words", None)
             sampling[key] = value
-    _trtllm_inputs(get, sampling, vocab_size)
-    _embedding_bias(get, sampling, encode)
+    trtllm_inputs(get, sampling, vocab_size)
+    embedding_bias(get, sampling, encode)
     if "priority" in get:
-        priority = _value("priority", get["priority"])
+        priority = tensor_value("priority", get["priority"])
     priority = int32(priority, "priority")
 
     try:
@@ -272,8 +217,8 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
                              "negative one)") from None
         raise
 
-    stream = _value("stream", get["stream"]) if "stream" in get else False
-    exclude = _value("exclude_input_in_output", get["exclude_input_in_output"]) \
+    stream = tensor_value("stream", get["stream"]) if "stream" in get else False
+    exclude = tensor_value("exclude_input_in_output", get["exclude_input_in_output"]) \
         if "exclude_input_in_output" in get else None
     if stream and exclude is False:  # the vLLM backend's rule and message
         raise ValueError("When streaming, `exclude_input_in_output` = False is not allowed.")
@@ -281,91 +226,15 @@ def _parse(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str]
         # "" would otherwise run the base model: a client that meant an adapter would never know
         raise ValueError(f"{source}: lora_name must be a loaded adapter's name (omit it for the base model); "
                          f"got {lora_name!r}")
-    reasoning = _value("reasoning_parser", get["reasoning_parser"]) if "reasoning_parser" in get else None
+    reasoning = tensor_value("reasoning_parser", get["reasoning_parser"]) if "reasoning_parser" in get else None
     if reasoning is not None and reasoning not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; got {reasoning!r}")
-    task = _value("pooling_task", get["pooling_task"]) if "pooling_task" in get else None
+    task = tensor_value("pooling_task", get["pooling_task"]) if "pooling_task" in get else None
     if task is not None and task not in ("embed", "classify"):
         raise ValueError(f"pooling_task must be embed or classify; got {task!r}")
     return ParsedRequest(prompt=prompt, params=params, stream=stream, images=_images(get),
                          exclude_input=bool(stream or exclude), priority=priority, returns=returns,
                          lora_name=lora_name, reasoning_parser=reasoning, pooling_task=task,
-                         dimensions=_value("dimensions", get["dimensions"]) if "dimensions" in get else None)
+                         dimensions=tensor_value("dimensions", get["dimensions"]) if "dimensions" in get else None)
 
 
-def _trtllm_inputs(get: Mapping[str, np.ndarray], sampling: dict[str, Any], vocab_size: Optional[int]) -> None:
-    """The TensorRT-LLM ensemble's inputs that are not plain sampling keys: honoured where we have
-    the feature, refused by name where we do not."""
-    if "beam_width" in get and _value("beam_width", get["beam_width"]) != 1:  # beam search (docs/beam_search.md)
-        width = _value("beam_width", get["beam_width"])
-        if not isinstance(width, int) or width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1; got {width}")
-        sampling.update(use_beam_search=True, best_of=width)
-        sampling.setdefault("n", width)  # TensorRT-LLM returns every beam (num_return_sequences: fewer)
-        sampling.setdefault("temperature", 0.0)
-    if "return_log_probs" in get and _value("return_log_probs", get["return_log_probs"]):
-        if sampling.get("logprobs") is None:  # the engine's logprobs: 0 is the sampled token's alone (beams too)
-            sampling["logprobs"] = 0
-    if "end_id" in get:  # TensorRT-LLM: this token ends generation in place of the model's EOS
-        end_id = _value("end_id", get["end_id"])
-        if end_id < 0 or (vocab_size is not None and end_id >= vocab_size):
-            # -1 would otherwise end nothing: the model's EOS off, silently
-            raise ValueError(f"end_id must be a token id in [0, {vocab_size or 'the vocabulary size'}); got {end_id} "
-                             "(to generate past EOS, send ignore_eos=true)")
-        sampling["stop_token_ids"] = list(sampling.get("stop_token_ids", [])) + [end_id]
-        sampling["ignore_eos"] = True
-    if "pad_id" in get:  # no effect: outputs are padded only across beams, with -1
-        _value("pad_id", get["pad_id"])
-
-
-def _embedding_bias(get: Mapping[str, np.ndarray], sampling: dict[str, Any], encode: Optional[Encode]) -> None:
-    """TensorRT-LLM's embedding_bias_words / embedding_bias_weights: each word's tokens get its
-    weight (summed where words share a token), added to the request's logit_bias."""
-    words, weights = get.get("embedding_bias_words"), get.get("embedding_bias_weights")
-    if words is None and weights is None:
-        return
-    if words is None or weights is None:
-        raise ValueError("embedding_bias_words and embedding_bias_weights go together (one weight per word)")
-    words = _strings("embedding_bias_words", words)
-    if weights.dtype.kind not in "fiu" or weights.size != len(words):
-        raise ValueError(f"embedding_bias_weights must hold one FP32 weight per word ({len(words)}); "
-                         f"got {weights.size} of {weights.dtype}")
-    if encode is None:
-        raise ValueError("embedding_bias_words needs a tokenizer: this checkpoint has no tokenizer.json")
-    bias: dict[int, float] = {}
-    for word, weight in zip(words, weights.reshape(-1).tolist()):
-        for tok in encode(word):
-            bias[tok] = bias.get(tok, 0.0) + float(weight)
-    for tok, value in (sampling.get("logit_bias") or {}).items():
-        tok = int(tok)
-        bias[tok] = bias.get(tok, 0.0) + float(value)
-    sampling["logit_bias"] = bias
-
-
-# -- errors ----------------------------------------------------------------------------------------
-
-class Error(str):
-    """An error message for a client, with the Triton error code to answer it with.
-
-    INVALID_ARG: the request is wrong (fix it; gRPC INVALID_ARGUMENT, HTTP 400).
-    UNAVAILABLE: the server cannot take it now (the queue is full, it is shutting down): retry later.
-    INTERNAL: the server failed it (a failed model step)."""
-    code: str
-
-    def __new__(cls, message: str, code: str = "INTERNAL") -> "Error":
-        self = super().__new__(cls, message)
-        self.code = code
-        return self
-
-
-class ServerClosing(RuntimeError):
-    """The model is being unloaded: new requests are refused."""
-
-
-def error_for(exc: BaseException) -> Error:
-    """The message and code a refused request gets for an exception."""
-    if isinstance(exc, ValueError):
-        return Error(str(exc) or type(exc).__name__, "INVALID_ARG")
-    if isinstance(exc, (ServerClosing, QueueFullError, EngineDeadError)):
-        return Error(str(exc) or type(exc).__name__, "UNAVAILABLE")
-    return Error(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, "INTERNAL")
