@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 import urllib.error
 import urllib.request
@@ -32,12 +31,9 @@ from typing import Optional
 from fastapi.responses import PlainTextResponse
 
 from templates import metrics as table
+from templates.exposition import Sample, parse_exposition  # noqa: F401 (the gateway tests read them here too)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_ESCAPED = re.compile(r'\\[\\"n]')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
 _TRITON = table.by_key(table.TRITON)  # Triton's series, by the engine's stats() key
@@ -50,28 +46,6 @@ _TYPES = {table.GAUGE: "gauge", table.INFO: "gauge"}  # an info gauge is a gauge
 
 class MetricsUnavailable(RuntimeError):
     """Triton's metrics could not give this pod's figures; the message says why."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    labels: dict
-    value: float
-
-
-def parse_exposition(text: str) -> list[Sample]:
-    """Prometheus text exposition -> its samples (comments and malformed lines skipped)."""
-    out = []
-    for line in text.splitlines():
-        m = _LINE.match(line.strip())
-        if m is None or line.startswith("#"):
-            continue
-        labels = {k: _ESCAPED.sub(lambda e: _UNESCAPE[e.group(0)], v) for k, v in _LABEL.findall(m.group(2) or "")}
-        try:
-            out.append(Sample(m.group(1), labels, float(m.group(3))))
-        except ValueError:
-            continue
-    return out
 
 
 @dataclass

@@ -2,13 +2,13 @@
 looks like): requests land on both, every inflight_* series carries its instance and device, and
 the per-instance gauges sum to the true running count and the KV blocks of both engines, while the
 counters and histograms add up to what the requests did."""
-import re
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 
 import pytest
+
+from templates.exposition import read_page
 
 from .conftest import SERVER_PARAMS, cpu_repository, requires_tritonserver, wait_until
 
@@ -21,19 +21,9 @@ MAX_TOKENS = 1920    # all eight must be seen running at once (gauges refresh ev
                      # instances over seconds, and the first finished before the last started)
 KV_TOKENS = 16384     # per engine: all eight fit in one (8 x 1932 tokens); small, so the test is quick to start
 BLOCK_SIZE = 16
-SERIES = re.compile(r'^(inflight_[a-z0-9_]+)\{([^}]*)\}\s+(\S+)$')
-
-
 def scrape(server) -> list[tuple[str, dict, float]]:
     """Every inflight_* series: (name, labels, value)."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    out = []
-    for line in text.splitlines():
-        m = SERIES.match(line)
-        if m:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            out.append((m.group(1), labels, float(m.group(3))))
-    return out
+    return [(s.name, s.labels, s.value) for s in read_page(server.metrics_url, timeout=10) if s.name.startswith("inflight_")]
 
 
 def per_instance(series, name: str, **match) -> dict[str, float]:

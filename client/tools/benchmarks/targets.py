@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 import threading
 import time
@@ -16,6 +15,7 @@ from typing import Any, Optional, Sequence
 from client.tools.benchmarks.measure import METRIC_KEYS, Record, Sampler, _progress, cpu_figures, summarize
 from client.tools.benchmarks.mm_requests import EngineRequests, openai_chunks
 from client.tools.benchmarks.workloads import DEFAULT_VOCAB_SIZE, WorkItem
+from templates.exposition import read_page
 
 
 # -- in-process --------------------------------------------------------------------------------
@@ -143,18 +143,13 @@ class OfflineTarget:
 
 
 # -- through the server ------------------------------------------------------------------------
-_METRIC_LINE = re.compile(r"^(inflight_[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|nan|NaN)")
-
-
 def scrape(metrics_url: str, timeout: float = 2.0) -> dict[str, float]:
-    """Our gauges and counters from the Prometheus endpoint, summed over labels (one model)."""
-    with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
-        text = r.read().decode()
+    """Our gauges and counters from the Prometheus endpoint, summed over labels (one model); the
+    series split by a `state` label left out."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_LINE.match(line)
-        if m and 'state="' not in (m.group(2) or ""):
-            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+    for sample in read_page(metrics_url, timeout):
+        if sample.name.startswith("inflight_") and "state" not in sample.labels:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 

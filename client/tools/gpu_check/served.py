@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -21,18 +20,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from templates.exposition import parse_exposition
+
 ROOT = Path(__file__).resolve().parents[3]
-SERIES = re.compile(r'^(inflight_[a-z0-9_]+)\{([^}]*)\}\s+(\S+)$')
 
 
 def scrape(text: str) -> list[tuple[str, dict, float]]:
     """Every inflight_* series of a Prometheus page: (name, labels, value)."""
-    out = []
-    for line in text.splitlines():
-        m = SERIES.match(line)
-        if m:
-            out.append((m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))), float(m.group(3))))
-    return out
+    return [(s.name, s.labels, s.value) for s in parse_exposition(text) if s.name.startswith("inflight_")]
 
 
 def tokens_by_instance(series: list[tuple[str, dict, float]]) -> dict[str, float]:

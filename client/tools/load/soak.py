@@ -38,11 +38,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
 from client.tools.benchmarks.report import machine
+from templates.exposition import read_page
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 LOCUSTFILE = REPO_ROOT / "client" / "tools" / "load" / "soak_locustfile.py"
@@ -52,16 +52,8 @@ MMAP_THRESHOLD = 16 << 20  # see run()
 
 def scrape(metrics_url: str) -> dict[str, float]:
     """Our gauges from the metrics endpoint: 'name' or 'name{state}' -> value."""
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("inflight_") and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            name = key.split("{")[0]
-            if 'state="' in key:
-                name += "{" + key.split('state="')[1].split('"')[0] + "}"
-            values[name] = float(value)
-    return values
+    return {s.name + (f"{{{s.labels['state']}}}" if "state" in s.labels else ""): s.value
+            for s in read_page(metrics_url, timeout=5) if s.name.startswith("inflight_")}
 
 
 def server_processes(pid: int):
