@@ -26,8 +26,8 @@ from typing import Mapping, Optional
 
 from backend.core.kv_events_config import HOST_ENV
 from serving import proc_stacks, shm_regions, stub_watch
-from serving.process_group import die_with_parent, killpg, wait_group_gone
 from serving.ports import free_port, free_ports  # noqa: F401 (public here)
+from serving.process_group import die_with_parent, killpg, wait_group_gone
 from serving.run_repository import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, make_run_repository  # noqa: F401 (public here)
 from serving.triton_install import ServerError, ensure_python_stub, find_tritonserver, server_env  # noqa: F401
 from serving.triton_log import ENGINE_REPORT, engine_reports, load_errors, log_excerpt  # noqa: F401
