@@ -2,14 +2,12 @@
 (templates/exposition.py): the benchmarks' scrape sums a series over its instances and leaves the
 series split by `state` out, the soak's keeps `name{state}` apart, the GPU check's keeps every label
 (escapes undone); comments, other servers' series and malformed lines are skipped."""
-import http.server
-import threading
-
 import pytest
 
 from client.tools.benchmarks.targets import scrape as bench_scrape
 from client.tools.gpu_check.served import scrape as page_series
 from client.tools.load.soak import scrape as soak_scrape
+from loopback_http import Quiet, serving
 from templates.exposition import parse_exposition, read_page
 
 PAGE = """# HELP inflight_num_requests_running Requests running.
@@ -27,23 +25,12 @@ inflight_broken{model="llm"} not-a-number
 
 @pytest.fixture(scope="module")
 def url():
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = PAGE.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    class Page(Quiet):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_body(PAGE.encode(), content_type="text/plain; version=0.0.4")
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/metrics"
-    server.shutdown()
-    server.server_close()
+    with serving(Page) as (base, _):
+        yield f"{base}/metrics"
 
 
 def test_the_benchmarks_scrape_sums_instances_and_leaves_state_series_out(url):

@@ -5,12 +5,12 @@ the instruction sets `make peers-llamacpp` builds llama.cpp for, read from the m
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from client.tools.peers import run_llamacpp
+from loopback_http import Quiet, serving
 
 
-class FakeServer(BaseHTTPRequestHandler):
+class FakeServer(Quiet):
     log: list = []
     active = 0
     most_active = 0
@@ -25,31 +25,19 @@ class FakeServer(BaseHTTPRequestHandler):
         time.sleep(0.05)
         with FakeServer.lock:
             FakeServer.active -= 1
-        data = json.dumps({"tokens_predicted": body["n_predict"],
-                           "timings": {"prompt_per_second": 100.0 * len(body["prompt"])}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.send_body(json.dumps({"tokens_predicted": body["n_predict"],
+                                   "timings": {"prompt_per_second": 100.0 * len(body["prompt"])}}).encode())
 
 
 def serve():
     FakeServer.log, FakeServer.active, FakeServer.most_active = [], 0, 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    return serving(FakeServer)
 
 
 def test_requests_are_token_ids_greedy_ignore_eos_and_concurrent():
-    server = serve()
     items = [([1, 2, 3], 5), ([4], 2), ([5, 6], 7), ([7, 8, 9, 10], 1)]
-    try:
-        replies = run_llamacpp.run(server.server_port, items, 0)
-    finally:
-        server.shutdown()
+    with serve() as (_, port):
+        replies = run_llamacpp.run(port, items, 0)
     assert sorted((b["prompt"], b["n_predict"]) for b in FakeServer.log) == sorted(items)
     assert all(b["temperature"] == 0 and b["top_k"] == 1 and b["ignore_eos"] and not b["cache_prompt"]
                for b in FakeServer.log)
@@ -61,12 +49,9 @@ def test_requests_are_token_ids_greedy_ignore_eos_and_concurrent():
 
 
 def test_concurrency_one_sends_them_in_turn_in_order():
-    server = serve()
     items = [([i], i + 1) for i in range(5)]
-    try:
-        run_llamacpp.run(server.server_port, items, 1)
-    finally:
-        server.shutdown()
+    with serve() as (_, port):
+        run_llamacpp.run(port, items, 1)
     assert [b["prompt"] for b in FakeServer.log] == [[i] for i in range(5)]
     assert FakeServer.most_active == 1
 

@@ -6,12 +6,11 @@ refused for a text-only model. Every refusal is a 400 naming the part."""
 from __future__ import annotations
 
 import base64
-import http.server
 import json
-import threading
 
 import pytest
 
+from loopback_http import Quiet, serving
 from openai_server.media import ImageParts, MediaPolicy
 from openai_server.translate import APIError
 
@@ -28,26 +27,17 @@ def refused(policy, url, words):
 @pytest.fixture(scope="module")
 def web():
     """A loopback HTTP server: /cat.png (the PNG), /big (past a 100-byte limit), /hop (a redirect)."""
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(Quiet):
         def do_GET(self):  # noqa: N802 (http.server's name)
             if self.path == "/hop":
                 self.send_response(302)
                 self.send_header("Location", "/cat.png")
                 self.end_headers()
                 return
-            body = PNG if self.path == "/cat.png" else b"x" * 1000
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.send_body(PNG if self.path == "/cat.png" else b"x" * 1000)
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving(Handler) as (base, _):
+        yield base
 
 
 def test_data_urls_always_and_other_schemes_refused_by_default(tmp_path):
