@@ -15,7 +15,8 @@ KIND = {t.name: t.data_type for t in INPUTS}  # each input's declared type: BOOL
 
 
 def one_value(name: str, array: np.ndarray) -> Any:
-    # One value in any shape: [1] as the vLLM backend sends it, [1, 1] as the TensorRT-LLM format does.
+    """A tensor's one value, in any shape: [1] as the vLLM backend sends it, [1, 1] as the TensorRT-LLM
+    format does."""
     if array.size != 1:
         raise ValueError(f"{name} must hold exactly one value; got shape {list(array.shape)}")
     return array.reshape(-1)[0]
