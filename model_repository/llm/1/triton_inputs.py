@@ -1,6 +1,6 @@
 """A request's input tensors (numpy arrays by name) and request parameters -> prompt,
-`SamplingParams` and flags, or a `ValueError` that says what is wrong and what is allowed; and the
-error (with its Triton code) a refused request is answered with (triton_errors.py). No Triton
+`SamplingParams` and flags, or a `ValueError` that says what is wrong and what is allowed (the
+error a refused request is answered with, and its Triton code: triton_errors.py). No Triton
 imports: unit-tested without a server. One tensor's value is read by tensor_values.py, the
 TensorRT-LLM inputs that are not sampling keys by trtllm_inputs.py.
 
@@ -147,8 +147,6 @@ def _request_parameters(raw: Optional[str]) -> dict[str, Any]:
                          f"{MAX_SAMPLING_PARAMETERS_BYTES} bytes")
     data = _json_object("the request parameters", raw)
     return {k: v for k, v in data.items() if k not in KNOWN_PARAMETERS and not k.startswith("triton_")}
-
-
 
 
 def parse_request(inputs: Mapping[str, Optional[np.ndarray]], parameters: Optional[str] = None,
