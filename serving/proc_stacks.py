@@ -11,8 +11,8 @@ unwound backtrace (stale words show up too) but it names the code a blocked thre
 gdb, no ptrace: reading /proc/PID/mem needs the rights an ancestor of the process has.
 
 And a process's Python stacks, asked for by signal (`ask_python_stacks`: the stubs register
-faulthandler on SIGUSR1). Also the process tree the launcher and the stub watch look at: a process's children, tritonserver's
-stubs among them, the children a thread waits for (`waiting_for`).
+faulthandler on SIGUSR1). Also the process tree the launcher and the stub watch look at: a
+process's children, tritonserver's stubs among them, the children a thread waits for (`waiting_for`).
 """
 from __future__ import annotations
 
