@@ -297,7 +297,8 @@ class TritonServer:
             killpg(proc.pid, signal.SIGKILL)
             # and gone, before the caller starts the next server: a stub of several GB still tearing
             # down its memory would compete with the next one's start (a second server once died at
-            # load in a loaded test run, the Python backend's shared-memory mutex failing: not reproduced)
+            # load in a loaded test run, the Python backend's shared-memory mutex failing; since then
+            # wait_ready starts such a server again: stub_watch.TRITON_START_CRASHES)
             wait_group_gone(proc.pid, 5.0)
         finally:
             self.shm_left = shm_regions.remove(self.shm_prefix)  # a killed tritonserver unlinks none

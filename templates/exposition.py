@@ -5,6 +5,7 @@ benchmarks' and the soak's scrapes and the GPU check read pages through it. Plai
 from __future__ import annotations
 
 import re
+import urllib.request
 from dataclasses import dataclass
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
@@ -37,6 +38,5 @@ def parse_exposition(text: str) -> list[Sample]:
 
 def read_page(url: str, timeout: float = 5.0) -> list[Sample]:
     """The samples of the /metrics page at `url`."""
-    import urllib.request
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return parse_exposition(r.read().decode())

@@ -22,6 +22,7 @@ import pytest
 
 from serving.openai_launcher import OpenAIServer
 from openai_server.metrics import MetricsUnavailable, aggregate, parse_exposition
+from templates.exposition import read_page
 
 from .conftest import cpu_repository, requires_tritonserver, wait_until
 
@@ -60,10 +61,8 @@ def gateway(tmp_path_factory, model_path):
 
 def scrape(url: str) -> dict:
     """{(name, frozenset(labels without model_name)): value} of the inflight_* and vllm:* series."""
-    import urllib.request
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
     return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
-            for s in parse_exposition(text) if s.name.startswith(("inflight_", "vllm:"))}
+            for s in read_page(url, timeout=10) if s.name.startswith(("inflight_", "vllm:"))}
 
 
 def protocol_or_none(url: str):
