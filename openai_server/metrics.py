@@ -31,7 +31,7 @@ from typing import Optional
 from fastapi.responses import PlainTextResponse
 
 from templates import metrics as table
-from templates.exposition import Sample, parse_exposition  # noqa: F401 (the gateway tests read them here too)
+from templates.exposition import Sample, parse_exposition
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
