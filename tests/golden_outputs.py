@@ -19,7 +19,10 @@ while each machine repeats its own bit for bit (two threads, or the native kerne
 AVX2, changed nothing there; the cause is not found: elementwise.c's -ffast-math build holds
 vrsqrtss and vrcpps, whose low bits differ by vendor, a lead not followed). For those the file
 holds a recording per CPU (`by_cpu`, made with `--record-cpu` on that CPU), checked exactly there;
-the float cases still hold every CPU to the main recording.
+the float cases still hold every CPU to the main recording. An AVX2-only CPU is its own key (`cpu_name`):
+a Zen 3 EPYC, named "AMD EPYC" as the AVX-512 ones of the main recording are, runs ENV's uncapped
+-march=native kernels in AVX2, and SmolLM2 Q4_1's logprobs moved by up to ~0.15 from the first token
+(every other case within LOGPROB_TOLERANCE), so it has its own recording of that case (2026-12-07).
 
 Float weights run the default path, float_gemm.c and the C layer stack (INFLIGHT_FLOAT_GEMM=auto,
 named so that a caller's environment cannot switch it). The recording before that (d59236a) had
@@ -59,8 +62,11 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def cpu_name() -> str:
-    from kernels.cpuinfo import cpu_model
-    return cpu_model()
+    """The CPU the outputs are keyed by: its model name, and "(AVX2 only)" where it lacks AVX-512,
+    whose -march=native kernels (ENV keeps them uncapped) then run other instructions than on an
+    AVX-512 CPU of the same name (VMs name a Zen 3 EPYC and a Zen 4 one alike, "AMD EPYC")."""
+    from kernels.cpuinfo import cpu_flags, cpu_model
+    return cpu_model() + ("" if "avx512f" in cpu_flags() else " (AVX2 only)")
 
 
 def token_prompts(n: int, seed: int, vocab: int = 2000, repeat: bool = False) -> list[list[int]]:

@@ -29,6 +29,29 @@ def test_a_packed_linear_computes_the_linear(bias, rows):
     torch.testing.assert_close(PackedLinear(linear)(wide), linear(wide), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("has_bf16", [False, True])
+@pytest.mark.parametrize("rows", [1, 13])
+def test_bf16_weights_without_onednns_bf16_gemm_stay_bf16_and_multiply_widened(monkeypatch, has_bf16, rows):
+    """An AVX2-only CPU's oneDNN has no bf16 GEMM (its reorder raises): the weight stays bfloat16 in
+    memory and each call multiplies it widened to float32, exactly the float32 linear on that weight."""
+    from kernels.cpu import onednn
+    if has_bf16 and not onednn.runs_bf16():
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU (AVX2 only)")
+    monkeypatch.setattr(onednn, "runs_bf16", lambda: has_bf16)
+    gen = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(200, 96, generator=gen) * 0.1)
+        linear.bias.copy_(torch.randn(200, generator=gen))
+    packed = PackedLinear(linear)
+    assert packed.widen is not has_bf16 and packed.packed.dtype == torch.bfloat16
+    x = torch.randn(rows, 96, generator=gen)
+    want = x @ linear.weight.float().T + linear.bias.float()  # the bf16 weight, exactly widened
+    tolerance = 1e-5 if not has_bf16 else 2e-2               # (oneDNN's bf16 GEMM rounds x to bf16)
+    torch.testing.assert_close(packed(x), want, atol=tolerance, rtol=tolerance)
+    assert ("widened" in repr(packed)) is not has_bf16
+
+
 def test_row_counts_fall_in_few_buckets():
     """oneDNN keeps a ~0.6 MB primitive per input shape: every row count may not make its own."""
     buckets = [row_bucket(n) for n in range(1, MAX_ROWS + 1)]

@@ -11,15 +11,17 @@ from kernels.cpu import onednn
 
 @pytest.fixture
 def cpu(monkeypatch):
-    """Set what the CPU offers: (oneDNN runs AMX bf16, torch reports an fp16 kernel)."""
+    """Set what the CPU offers: (oneDNN runs AMX bf16, torch reports an fp16 kernel, and a bf16 one:
+    every AVX-512 CPU, where a forced AVX2 build runs too)."""
     monkeypatch.delenv("INFLIGHT_FLOAT_ONEDNN_FROM", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
 
-    def offer(amx: bool, fp16: bool, isa: str = "avx512_bf16"):
+    def offer(amx: bool, fp16: bool, isa: str = "avx512_bf16", bf16: bool = True):
         from kernels.cpu import float_gemm
         monkeypatch.setattr(float_gemm, "chosen_isa", lambda: isa)
         monkeypatch.setattr(onednn, "runs_amx_bf16", lambda: amx)
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16)
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
     return offer
 
 
@@ -83,7 +85,9 @@ def test_a_capped_onednn_gets_no_float16_and_the_override_follows_what_it_takes(
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")   # (the golden outputs' setting)
     assert fl.float_onednn_from(torch.float16) == 0
     monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "32")
-    assert fl.float_onednn_from(torch.float16) == 0 and fl.float_onednn_from(torch.bfloat16) == 32
+    # neither float16 nor bfloat16: capped at AVX2, oneDNN refuses its bf16 primitive (this AVX-512
+    # build would not widen, as on the AVX2 one): the C kernel at every row count
+    assert fl.float_onednn_from(torch.float16) == 0 and fl.float_onednn_from(torch.bfloat16) == 0
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert fl.float_onednn_from(torch.float16) == 32
 
@@ -140,3 +144,20 @@ def test_widened_for_onednns_float32_gemm(monkeypatch, bias, dtype):
     kernel = layer.kernel.matmul(x, layer.float_bias())
     assert float((got - kernel).abs().max()) <= 1e-5 * float(kernel.abs().max())
     assert torch.equal(layer(x[:127]), layer.kernel.matmul(x[:127], layer.float_bias()))   # under 128 rows: the C kernel
+
+
+def test_an_avx2_only_cpu_widens_bfloat16_and_never_asks_onednn_for_a_bf16_gemm(cpu, monkeypatch):
+    """Where torch reports no bf16 kernel (an AVX2-only CPU: oneDNN's bf16 reorder raises there), the
+    AVX2 build widens bfloat16 as on a forced one; a build that would take oneDNN's own bf16 GEMM (an
+    AVX-512 one, whose CPU this cannot be but for a test) leaves bfloat16 on the C kernel instead."""
+    cpu(amx=False, fp16=False, isa="avx2", bf16=False)
+    assert fl.float_onednn_from(torch.bfloat16) == fl.ONEDNN_FROM_BF16_WIDENED and fl.widened(torch.bfloat16)
+    assert not onednn.runs_bf16()
+    cpu(amx=False, fp16=False, isa="avx512", bf16=False)
+    assert fl.float_onednn_from(torch.bfloat16) == 0
+    monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "32")
+    assert fl.float_onednn_from(torch.bfloat16) == 0
+    cpu(amx=False, fp16=False, isa="avx512", bf16=True)
+    assert fl.float_onednn_from(torch.bfloat16) == 32 and onednn.runs_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # (oneDNN capped below its bf16 kernels)
+    assert not onednn.runs_bf16() and fl.float_onednn_from(torch.bfloat16) == 0

@@ -16,6 +16,7 @@ from backend.models.gguf.importer import import_gguf
 from backend.models.packed_linear import PackedLinear
 from backend.worker.device import resolve_dtype
 from gguf_files import write_gguf
+from kernels.cpu import onednn as onednn_caps
 from test_native_decode import PARAMS, PROMPTS, assert_the_stack_matches_the_python_layers, run
 
 TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
@@ -104,7 +105,8 @@ def test_without_the_c_kernel_float16_runs_onednn_on_a_float32_copy(folder, monk
     llm = LLM(str(path), **ENGINE)
     model = llm.engine.runner.model
     assert not float_layers(llm) and isinstance(model.layers[0].mlp.down_proj, PackedLinear)
-    assert model.layers[0].mlp.down_proj.dtype == (torch.float32 if kind == "F16" else torch.bfloat16)
+    widened = kind == "F16" or not onednn_caps.runs_bf16()  # (bfloat16 too where oneDNN has no bf16 GEMM: AVX2)
+    assert model.layers[0].mlp.down_proj.dtype == (torch.float32 if widened else torch.bfloat16)
     assert llm.engine.runner.decode_path.native is None  # the Python layers
     answers = run(llm)
     assert [t[:3] for t, _ in answers] == [t[:3] for t, _ in reference]
@@ -125,14 +127,14 @@ def test_the_onednn_callback_where_forced(folder, monkeypatch):
     on the same tensor, called back from the stack; an F16 file's too, on oneDNN's fp16 GEMM where it
     has one (AVX512-FP16: a Sapphire Rapids Xeon), else on its float32 GEMM on the weight widened a slice
     at a time (an AMD EPYC), unless ONEDNN_MAX_CPU_ISA caps oneDNN below AVX-512 (then float_gemm.c).
-    Bit for bit either way."""
-    from kernels.cpu import onednn as onednn_caps
+    A BF16 file's on an AVX2-only CPU (no bf16 GEMM in oneDNN) widens the same way. Bit for bit either way."""
     kind, path, _ = folder
     monkeypatch.setenv("INFLIGHT_FLOAT_ONEDNN_FROM", "16")
     llm = LLM(str(path), **ENGINE)
     down, rows = llm.engine.runner.model.layers[1].mlp.down_proj, []
     onednn = kind == "BF16" or onednn_caps.runs_fp16() or onednn_caps.max_isa_allows("AVX512")
-    assert down.widen == (kind == "F16" and onednn and not onednn_caps.runs_fp16())
+    assert down.widen == ((kind == "F16" and onednn and not onednn_caps.runs_fp16())
+                          or (kind == "BF16" and not onednn_caps.runs_bf16()))  # an AVX2-only CPU's bf16
     assert down.onednn_from == (16 if onednn else 0)
     monkeypatch.setattr(down, "onednn", lambda x, f=down.onednn: rows.append(x.shape[0]) or f(x))
     assert_the_stack_matches_the_python_layers(llm)

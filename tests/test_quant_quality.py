@@ -1,9 +1,9 @@
 """SmolLM2-135M-Instruct served from its packed Q4_1 GGUF weights (`make serve`'s model) against the
 same weights dequantized to float32 in our own engine (quantization=none on the same folder):
 perplexity on public-domain prose (its first 3,072 tokens) within 1%, resident weights within 35%
-of float32's, and the greedy outputs on the 8 prompts of tests/test_smollm2.py compared (reported;
-quantized activations need not reproduce every token, docs/quantization.md has the figures and
-llama.cpp's beside them).
+of float32's, and the greedy outputs on the 8 prompts of tests/test_smollm2.py compared (quantized
+activations need not reproduce every token, but where the two part the float model held a near tie;
+docs/quantization.md has the figures and llama.cpp's beside them).
 """
 import pytest
 
@@ -55,15 +55,24 @@ def test_greedy_outputs_against_the_dequantized_weights(folder, engines):
     prompts = [tokenizer.encode(t) for t in PLAIN] + [
         tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]), add_special_tokens=False)
         for q in CHATS]
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
     quant = engines["gguf"].generate(prompts, greedy)
     floats = engines["float32"].generate(prompts, greedy)
-    same_prefix = []
+    same_prefix, gaps = [], []
     for q, f in zip(quant, floats):
         n = next((i for i, (a, b) in enumerate(zip(q.token_ids, f.token_ids)) if a != b), len(f.token_ids))
         same_prefix.append(n)
+        if n < len(f.token_ids):  # where they part, the float model's own odds of the quantized choice
+            step = f.logprobs[n]
+            chosen = step.get(q.token_ids[n])
+            gaps.append(max(v.logprob for v in step.values()) - (chosen.logprob if chosen else float("-inf")))
         print(f"\n{n:2d}/16 same | gguf {q.text!r}\n      | f32  {f.text!r}")
     exact = sum(n == 16 for n in same_prefix)
-    print(f"\ngreedy: {exact} of {len(prompts)} prompts identical over 16 tokens; common prefixes {same_prefix}")
-    assert len(prompts) == 8
-    assert exact >= 4  # most prompts: the rounding of the activations flips no greedy choice
+    print(f"\ngreedy: {exact} of {len(prompts)} prompts identical over 16 tokens; common prefixes {same_prefix}; "
+          f"where they part, the float model's top token leads the quantized choice by {[round(g, 3) for g in gaps]} nats")
+    assert len(prompts) == 8 and exact >= 2
+    # The rounding of the activations flips only near ties: where the outputs part, the float model
+    # ranked the quantized engine's token in its top 5 and within 0.5 nats of its own choice. (How
+    # many prompts stay identical depends on the kernels' summation order: at least 4 of 8 on the AVX-512 CPUs,
+    # 3 on an AVX2-only Zen 3 EPYC, whose four flips were 0.05-0.22 nats apart in the float model.)
+    assert all(g < 0.5 for g in gaps), gaps

@@ -94,7 +94,7 @@ def float_onednn_from(dtype: torch.dtype) -> int:
     from kernels.cpu import float_gemm, onednn
     isa = float_gemm.chosen_isa()
     wide = widened(dtype)
-    own = (dtype == torch.float32 or (dtype == torch.bfloat16 and isa != "avx2")  # a GEMM of oneDNN's own
+    own = (dtype == torch.float32 or (dtype == torch.bfloat16 and isa != "avx2" and onednn.runs_bf16())  # its own GEMM
            or (dtype == torch.float16 and onednn.runs_fp16()))
     forced = os.environ.get("INFLIGHT_FLOAT_ONEDNN_FROM")
     if forced is not None:
@@ -107,6 +107,8 @@ def float_onednn_from(dtype: torch.dtype) -> int:
         return ONEDNN_FROM_FP16 if own else ONEDNN_FROM_F16_WIDENED
     if wide:   # bfloat16 on the AVX2 build
         return ONEDNN_FROM_BF16_WIDENED
+    if dtype == torch.bfloat16 and not own:   # no bf16 GEMM of oneDNN's (capped below AVX-512)
+        return 0
     if isa.startswith("avx512") and dtype == torch.bfloat16 and onednn.runs_amx_bf16():
         return ONEDNN_FROM_AMX_BF16   # (a forced AVX2 build stands for a CPU without AMX)
     return ONEDNN_FROM[isa].get(dtype, 0)

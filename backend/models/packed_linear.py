@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cpu import onednn
+
 BATCH_HINT = 64  # rows the blocked layout is tuned for: in-flight decode batches sit near it
 MAX_ROWS = 4096  # rows per GEMM call; longer inputs go in slices of this many
 
@@ -49,6 +51,10 @@ def padded_rows(rows: int) -> int:
 # avx_ne_convert or avx512_fp16" (torch 2.13), which the AVX-512 EPYC measured here lacks, and
 # torch's own fp16 F.linear ran 4-5x slower than float_gemm.c (docs/performance.md, issue 47's F16
 # rows). float_gemm.c reads them as they are: this is the fallback where it is not used.
+# bfloat16 weights where oneDNN has no bf16 GEMM (an AVX2-only CPU: its reorder "needs the cpu
+# support avx_ne_convert or avx512bw, avx512vl and avx512dq"; kernels/cpu/onednn.py's runs_bf16)
+# stay bfloat16 in memory and are widened to float32 at each call (exact: a 16-bit shift) for
+# oneDNN's float32 GEMM on the plain weight: this path only takes the layers float_gemm.c does not.
 PACKABLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -59,9 +65,15 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         if weight.dtype == torch.float16:
             weight = weight.float()
-        self.dtype = weight.dtype  # bf16 weights: bf16 GEMMs on inputs cast to bf16 (AVX512_BF16)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.widen = weight.dtype == torch.bfloat16 and not onednn.runs_bf16()
+        if self.widen:  # kept as it is (bfloat16), multiplied as float32
+            self.dtype, self.packed = torch.float32, weight.contiguous()
+        else:  # bf16 weights: bf16 GEMMs on inputs cast to bf16 (AVX512_BF16)
+            self.dtype = weight.dtype
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        if self.widen and self.bias is not None:
+            self.bias = self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -77,15 +89,17 @@ class PackedLinear(nn.Module):
         padded = row_bucket(rows)
         if padded != rows:
             x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        weight = self.packed.float() if self.widen else self.packed
         if x.dtype == self.dtype:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         else:  # float32 activations, bf16 weights: the bias is added in float32 after
-            out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), weight, None, "none", [], "")
             out = out.to(x.dtype) if self.bias is None else out.to(x.dtype) + self.bias.to(x.dtype)
         return out if padded == rows else out[:rows]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        widened = ", bfloat16 widened at each call" if self.widen else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn{widened}"
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

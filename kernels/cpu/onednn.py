@@ -1,6 +1,7 @@
 """What oneDNN (torch's CPU GEMMs) runs on this machine, for the choices between it and our C
-kernels: bfloat16 on AMX tiles (kernels/cpu/moe.py's expert panels, backend/models/float_linear.py's
-row thresholds) and float16 on AVX512-FP16 (float_linear.py). Both honour ONEDNN_MAX_CPU_ISA, which
+kernels: bfloat16 at all (backend/models/packed_linear.py widens the weight where it does not),
+bfloat16 on AMX tiles (kernels/cpu/moe.py's expert panels, backend/models/float_linear.py's row
+thresholds) and float16 on AVX512-FP16 (float_linear.py). Each honours ONEDNN_MAX_CPU_ISA, which
 caps oneDNN's instructions as on a smaller CPU (the benches' forced AVX2 runs)."""
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ def max_isa_allows(*markers: str) -> bool:
     `markers` (e.g. "AMX", "FP16": AVX512_CORE_AMX, AVX512_CORE_FP16)."""
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
     return cap == "ALL" or any(m in cap for m in markers)
+
+
+def runs_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs here: torch says the CPU can (AVX-512 BW/VL/DQ, or
+    AVX-NE-CONVERT; an AVX2-only CPU cannot: the weight's reorder raises) and ONEDNN_MAX_CPU_ISA does
+    not cap oneDNN below those (AVX512_CORE and up, AVX2_VNNI_2)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and max_isa_allows("AVX512", "AVX10", "AMX",
+                                                                                    "VNNI_2")
 
 
 def runs_amx_bf16() -> bool:
