@@ -31,7 +31,7 @@ from typing import Optional
 from fastapi.responses import PlainTextResponse
 
 from templates import metrics as table
-from templates.exposition import Sample, parse_exposition
+from templates.exposition import Sample, matching, parse_exposition
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -73,7 +73,7 @@ def aggregate(samples: list[Sample], model: str) -> PodFigures:
         raise MetricsUnavailable(f"no {table.PREFIX}* series for model '{model}' (is the model loaded and ready?)")
 
     def total(name: str, **match: str) -> float:
-        return sum(s.value for s in mine if s.name == name and all(s.labels.get(k) == v for k, v in match.items()))
+        return sum(s.value for s in matching(mine, name, **match))
 
     blocks = {state: total(_BLOCKS.name, **_BLOCKS.keys[f"kv_blocks_{state}"]) for state in _BLOCK_STATES}
     figures = PodFigures(len(instances), total(_RUNNING), total(_WAITING), blocks["used"], blocks["total"],

@@ -1,7 +1,8 @@
 """The metrics as Prometheus' text exposition carries them, read back: `parse_exposition` turns a
 /metrics page (Triton's port, the OpenAI port's) into its samples, each a name, its labels (escapes
-undone) and a value. The one reader of that format here: the OpenAI port's gateway metrics, the
-benchmarks' and the soak's scrapes and the GPU check read pages through it. Plain data, no torch."""
+undone) and a value; `matching` picks a name's samples by their labels. The one reader of that
+format here: the OpenAI port's gateway metrics, the benchmarks' and the soak's scrapes, the GPU check
+and the served tests (tests/e2e/series.py) read pages through it. Plain data, no torch."""
 from __future__ import annotations
 
 import re
@@ -34,6 +35,11 @@ def parse_exposition(text: str) -> list[Sample]:
         except ValueError:
             continue
     return out
+
+
+def matching(samples: list[Sample], name: str, **labels: str) -> list[Sample]:
+    """`name`'s samples whose labels include `labels` (equal values)."""
+    return [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
 
 
 def read_page(url: str, timeout: float = 5.0) -> list[Sample]:

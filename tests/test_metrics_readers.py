@@ -1,14 +1,15 @@
 """The /metrics pages inflight's tools read, through the one reader of the text format
 (templates/exposition.py): the benchmarks' scrape sums a series over its instances and leaves the
 series split by `state` out, the soak's keeps `name{state}` apart, the GPU check's keeps every label
-(escapes undone); comments, other servers' series and malformed lines are skipped."""
+(escapes undone), and `matching` picks a name's samples by their labels; comments, other servers'
+series and malformed lines are skipped."""
 import pytest
 
 from client.tools.benchmarks.targets import scrape as bench_scrape
 from client.tools.gpu_check.served import scrape as page_series
 from client.tools.load.soak import scrape as soak_scrape
 from loopback_http import Quiet, serving
-from templates.exposition import parse_exposition, read_page
+from templates.exposition import matching, parse_exposition, read_page
 
 PAGE = """# HELP inflight_num_requests_running Requests running.
 # TYPE inflight_num_requests_running gauge
@@ -50,3 +51,14 @@ def test_the_gpu_checks_series_keep_every_label_with_its_escapes_undone(url):
     assert [s[0] for s in series].count("inflight_num_requests_running") == 2
     assert all(name.startswith("inflight_") for name, _, _ in series)
     assert read_page(url) == parse_exposition(PAGE)
+
+
+def test_matching_keeps_a_names_samples_whose_labels_include_the_given_ones(url):
+    samples = read_page(url)
+    running = matching(samples, "inflight_num_requests_running")
+    assert [s.value for s in running] == [2.0, 3.0]
+    assert [s.value for s in matching(samples, "inflight_num_requests_running", instance="llm_0_1")] == [3.0]
+    assert [s.value for s in matching(samples, "inflight_kv_blocks", state="free")] == [9.0]
+    assert matching(samples, "inflight_kv_blocks", state="fre") == []           # labels compare whole, not as substrings
+    assert matching(samples, "inflight_kv_blocks", tier="disk") == []           # a label the series lacks
+    assert matching(samples, "inflight_kv") == []                               # names compare whole

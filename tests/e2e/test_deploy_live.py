@@ -11,6 +11,7 @@ from pathlib import Path
 from client.grpc_client import GrpcClient
 
 from .conftest import requires_tritonserver, wait_until
+from .series import names
 
 pytestmark = requires_tritonserver
 
@@ -33,16 +34,11 @@ PER_ADAPTER = {"inflight_lora_requests"}
 PER_TIER_PREFIX = "inflight_kv_tier_"
 
 
-def series_names(server) -> set[str]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return {m.group(1) for m in re.finditer(r"^(inflight_[a-z0-9_]+)[{ ]", text, re.M)}
-
-
 def test_every_metric_the_dashboard_queries_is_served(server):
     with GrpcClient(server.grpc_url) as client:
         client.generate("dashboard", stream=True, max_tokens=4)
     served = wait_until(lambda: (lambda names: names if "inflight_e2e_request_latency_seconds_bucket" in names
-                                 else None)(series_names(server)))
+                                 else None)(names(server)))
     queried = {n for n in dashboard_metric_names() - PER_ADAPTER if not n.startswith(PER_TIER_PREFIX)}
     assert queried and queried <= served, sorted(queried - served)
 

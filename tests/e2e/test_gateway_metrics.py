@@ -21,7 +21,7 @@ import urllib.error
 import pytest
 
 from serving.openai_launcher import OpenAIServer
-from openai_server.metrics import MetricsUnavailable, aggregate, parse_exposition
+from openai_server.metrics import MetricsUnavailable, aggregate
 from templates.exposition import read_page
 
 from .conftest import cpu_repository, requires_tritonserver, wait_until
@@ -159,7 +159,7 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
             streams, once answered late through the whole window: 2 of 2 polls timed out, 3 requests
             done by the third); the gateway's figures are checked below, once the engines are held."""
             try:
-                p = aggregate(parse_exposition(_gauge_lines(triton.metrics_url)[0]), "llm")
+                p = aggregate(read_page(triton.metrics_url, timeout=10), "llm")
             except (OSError, MetricsUnavailable):  # (urllib's errors and timeouts are OSErrors)
                 seen.append(("no answer",))
                 return False
@@ -177,7 +177,7 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
             raise AssertionError(f"never all {len(ADAPTERS)} in the engines; (running, waiting, received) in "
                                  f"turn: {seen[-20:]}; finished: {finished}") from None
         fault.write_text("stall")                       # hold both engines still
-        frozen = wait_until(lambda: _settled(lambda: _gauge_lines(triton.metrics_url)), timeout=30)[0]
+        frozen = wait_until(lambda: _settled(lambda: _gauges(triton.metrics_url)), timeout=30)[0]
         loaded = wait_until(lambda: protocol_or_none(url), timeout=60)  # (the engines held: the same figures)
         # the truth, from the client: the running requests are those that have streamed tokens and
         # not ended, once every token the frozen engines made has arrived (a fast CPU decodes the tiny
@@ -198,7 +198,7 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
         if not ended:
             assert run_set | wait_set == {"sql", "poet"}                                # two adapters in flight
         # the OpenAI port's figures are Triton's per-instance series summed, at the same moment
-        per_instance = aggregate(parse_exposition(frozen), "llm")
+        per_instance = aggregate(frozen, "llm")
         assert (per_instance.running, per_instance.waiting, per_instance.blocks_used) == \
                (loaded["running"], loaded["waiting"], loaded["used"])
         assert float(loaded["lora"]["max_lora"]) == 2 and per_instance.instances == 2
@@ -213,22 +213,20 @@ def test_the_protocol_metrics_follow_the_queue(gateway):
     assert after["usage"] == 0 and lists(after["lora"]) == (set(), set())
 
 
-def _gauge_lines(metrics_url: str) -> tuple[str, list[str]]:
-    import urllib.request
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return text, [line for line in text.splitlines() if line.startswith(("inflight_num_requests", "inflight_kv_blocks",
-                                                                         "inflight_lora_requests_info"))]
+def _gauges(metrics_url: str) -> list:
+    """The engines' request, block and LoRA gauges on Triton's port (what `aggregate` sums)."""
+    return [s for s in read_page(metrics_url, timeout=10)
+            if s.name.startswith(("inflight_num_requests", "inflight_kv_blocks", "inflight_lora_requests_info"))]
 
 
 def _settled(read):
-    """read()'s value once two reads 0.3 s apart agree (the engines' gauges refresh every 0.1 s; a
+    """(read()'s value,) once two reads 0.3 s apart agree (the engines' gauges refresh every 0.1 s; a
     frozen engine's last tokens are still on their way), else None."""
     import time
     first = read()
     time.sleep(0.3)
     second = read()
-    same = first[1] == second[1] if isinstance(first, tuple) else first == second
-    return (second if isinstance(second, tuple) else [second]) if same else None
+    return (second,) if first == second else None
 
 
 def test_tritons_port_has_the_info_gauges_per_instance(gateway):

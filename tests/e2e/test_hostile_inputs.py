@@ -14,7 +14,7 @@ import pytest
 
 from .conftest import requires_tritonserver, wait_until
 from .raw_requests import array, grpc_stream, http_generate
-from .test_server import gauge
+from .series import gauge
 
 pytestmark = requires_tritonserver
 

@@ -8,8 +8,9 @@ import numpy as np
 
 from .conftest import SERVER_PARAMS, requires_tritonserver, wait_until
 from .raw_requests import array, grpc_stream
-from .test_deploy_live import PER_TIER_PREFIX, dashboard_metric_names, series_names
-from .test_server import gauge as metric
+from .series import gauge as metric
+from .series import names as series_names
+from .test_deploy_live import PER_TIER_PREFIX, dashboard_metric_names
 
 pytestmark = requires_tritonserver
 PROMPT = [5 + (7 * i) % 200 for i in range(40)]  # 2 full blocks of 16 and 8 tokens

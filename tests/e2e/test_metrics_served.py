@@ -4,8 +4,6 @@ port, and the port exports exactly the table's series for the server's settings.
 (the session's server), and LoRA on with an adapter and KV tiers (kv_host_cache_bytes), where the
 series made only with enable_lora or the tiers exist too. Mixtures of experts are not run here, so
 no dashboard query may need one (tests/test_moe_rehearsal.py reads their series)."""
-import re
-import urllib.request
 
 import pytest
 from test_metrics_table import dashboard_queries, query_series
@@ -13,17 +11,12 @@ from test_metrics_table import dashboard_queries, query_series
 from client.grpc_client import GrpcClient
 from templates import metrics as table
 
+from . import series
 from .conftest import cpu_repository, requires_tritonserver, wait_until
 
 pytestmark = requires_tritonserver
 LORA_OFF = (table.ALWAYS,)
 LORA_ON = (table.ALWAYS, table.LORA, table.KV_TIERS)
-
-
-def exported(server) -> set[str]:
-    """The inflight_* sample names on the server's metrics port."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return set(re.findall(rf"^({table.PREFIX}[a-zA-Z0-9_:]*)[{{ ]", text, re.M))
 
 
 def not_exported(names: set[str], when) -> list[str]:
@@ -44,9 +37,9 @@ def check(server, when, requests):
     want = table.series_names(table.TRITON, when)
     # the engine's first report makes the LoRA info gauge and the tiers' series (every 0.1 s)
     try:
-        names = wait_until(lambda: (lambda got: got if want <= got else None)(exported(server)), timeout=10)
+        names = wait_until(lambda: (lambda got: got if want <= got else None)(series.names(server)), timeout=10)
     except AssertionError:
-        names = exported(server)
+        names = series.names(server)
     missing = not_exported(names, when)
     assert not missing, "\n".join(missing)
     assert names == want, {"in the table, not exported": sorted(want - names),

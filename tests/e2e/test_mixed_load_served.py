@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 
 from .conftest import MODEL_DIR, cpu_repository, requires_tritonserver, wait_until
 from .raw_requests import grpc_stream, http_generate
+from .series import gauge
 
 pytestmark = requires_tritonserver
 
@@ -60,13 +60,6 @@ def mixed_server(checkpoints, tmp_path_factory):
 def png(seed, width, height):
     from vision_checkpoint import image_bytes, random_image
     return image_bytes(random_image(seed, width, height), "PNG")
-
-
-def metric(server, name, label=""):
-    """The sum of `name`'s series over both models."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + "{") and label in line)
 
 
 def chat(server, prompt, images):
@@ -119,12 +112,12 @@ def test_chat_images_and_embeddings_at_once(mixed_server, checkpoints):
     for got, exp in zip([a for (kind, _, _), a in zip(work, answers) if kind == "embed"], vectors):
         assert got.shape == np.asarray(exp).shape and np.allclose(got, exp, atol=1e-5)
 
-    idle = {"inflight_kv_blocks": 'state="used"', "inflight_num_requests_running": "",
-            "inflight_num_requests_waiting": ""}
-    wait_until(lambda: all(metric(mixed_server, name, label) == 0 for name, label in idle.items())
-               and metric(mixed_server, "inflight_pooling_requests_total") == 10, timeout=15)  # metrics lag a step
-    assert 0 < metric(mixed_server, "inflight_encoder_cache_bytes") <= ENCODER_BUDGET
-    assert metric(mixed_server, "inflight_encoder_runs_total") >= 4
+    idle = {"inflight_kv_blocks": {"state": "used"}, "inflight_num_requests_running": {},
+            "inflight_num_requests_waiting": {}}
+    wait_until(lambda: all(gauge(mixed_server, name, **labels) == 0 for name, labels in idle.items())
+               and gauge(mixed_server, "inflight_pooling_requests_total") == 10, timeout=15)  # metrics lag a step
+    assert 0 < gauge(mixed_server, "inflight_encoder_cache_bytes") <= ENCODER_BUDGET
+    assert gauge(mixed_server, "inflight_encoder_runs_total") >= 4
 
 
 def test_the_locust_scenario_runs_without_failures_and_leaves_the_server_idle(mixed_server, tmp_path):
@@ -151,7 +144,7 @@ def test_the_locust_scenario_runs_without_failures_and_leaves_the_server_idle(mi
     for name in ("chat+image", "chat", "embed"):
         assert name in stats, (name, stats.keys(), proc.stderr[-3000:])
         assert stats[name]["num_requests"] > 0 and stats[name]["num_failures"] == 0, stats[name]
-    idle = {"inflight_kv_blocks": 'state="used"', "inflight_num_requests_running": "",
-            "inflight_num_requests_waiting": ""}
-    wait_until(lambda: all(metric(mixed_server, name, label) == 0 for name, label in idle.items()), timeout=15)
-    assert metric(mixed_server, "inflight_encoder_cache_bytes") <= ENCODER_BUDGET
+    idle = {"inflight_kv_blocks": {"state": "used"}, "inflight_num_requests_running": {},
+            "inflight_num_requests_waiting": {}}
+    wait_until(lambda: all(gauge(mixed_server, name, **labels) == 0 for name, labels in idle.items()), timeout=15)
+    assert gauge(mixed_server, "inflight_encoder_cache_bytes") <= ENCODER_BUDGET

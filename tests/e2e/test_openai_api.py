@@ -1,14 +1,13 @@
 """The OpenAI-compatible server against a real tritonserver, with the official `openai` SDK as the
 client: the tiny model (the session's server) for completions, usage, logprobs, n, errors and the
 disconnect; SmolLM2-135M-Instruct (made the way `make model` makes it) for chat."""
-import urllib.request
-
 import pytest
 
 from serving.openai_launcher import OpenAIServer
 from serving.triton_launcher import free_port
 
 from .conftest import MAX_MODEL_LEN, requires_tritonserver, wait_until
+from .series import gauge
 
 openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
@@ -22,15 +21,6 @@ def sdk(api_server):
 def api(server, model_path):
     with OpenAIServer(server.grpc_url, model_path) as api_server:  # as `inflight serve` starts it
         yield sdk(api_server)
-
-
-def gauge(server, name, **labels) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            return float(value)
-    raise KeyError(name)
 
 
 GREEDY = dict(model="llm", temperature=0)

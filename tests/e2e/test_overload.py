@@ -15,7 +15,7 @@ from client.http_client import HttpClient
 from serving.openai_launcher import OpenAIServer
 
 from .conftest import grpc_error, requires_tritonserver, wait_until
-from .test_server import metrics
+from .series import gauge, samples
 
 openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
@@ -36,12 +36,11 @@ def served(model_repository, model_path):
 
 def rejected(triton) -> dict[str, float]:
     """inflight_num_requests_rejected_total by reason."""
-    return {re.search(r'reason="(\w+)"', key).group(1): value for key, value in metrics(triton).items()
-            if key.startswith("inflight_num_requests_rejected_total{")}
-
-
-def gauge(triton, name: str) -> float:
-    return next(value for key, value in metrics(triton).items() if key.split("{")[0] == name)
+    by_reason: dict[str, float] = {}
+    for s in samples(triton):
+        if s.name == "inflight_num_requests_rejected_total":
+            by_reason[s.labels["reason"]] = by_reason.get(s.labels["reason"], 0.0) + s.value
+    return by_reason
 
 
 def run_in_background(triton, names, max_tokens):

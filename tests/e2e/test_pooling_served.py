@@ -11,6 +11,7 @@ import pytest
 from serving.openai_launcher import OpenAIServer
 
 from .conftest import requires_tritonserver, wait_until
+from .series import gauge
 
 openai = pytest.importorskip("openai")
 pytestmark = requires_tritonserver
@@ -32,13 +33,6 @@ def served(model_repository, embedder):
     with TritonServer(model_repository, params=params, model_path=str(embedder)) as server:
         with OpenAIServer(server.grpc_url, str(embedder)) as api_server:
             yield server, openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _kv_used(server) -> float:
-    import urllib.request
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("inflight_kv_blocks{") and 'state="used"' in line)
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -87,7 +81,7 @@ def test_embeddings_through_the_sdk(served, embedder):
     with pytest.raises(openai.BadRequestError, match="pooling runner"):
         client.completions.create(model="llm", prompt="Hi", max_tokens=2)
     assert client.embeddings.create(model="llm", input="still serving").data[0].embedding  # the server stays up
-    wait_until(lambda: _kv_used(server) == 0, timeout=10)
+    wait_until(lambda: gauge(server, "inflight_kv_blocks", state="used") == 0, timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -125,4 +119,4 @@ def test_rerank_and_score_through_the_server(model_repository, reranker):
             assert status == 400 and "pooling_task" in refused["error"]["message"]
             status, refused = _post(api_server.url + "/v1/rerank", {"model": "llm", "query": "", "documents": ["a"]})
             assert status == 400 and refused["error"]["param"] == "query"
-            wait_until(lambda: _kv_used(server) == 0, timeout=10)
+            wait_until(lambda: gauge(server, "inflight_kv_blocks", state="used") == 0, timeout=10)

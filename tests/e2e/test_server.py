@@ -15,7 +15,9 @@ from client.grpc_client import AsyncGrpcClient, GrpcClient
 from client.http_client import AsyncHttpClient, HttpClient
 from client.protocol import GenerationError
 
+from . import series
 from .conftest import HAND_EDITED_KV_TOKENS, MAX_MODEL_LEN, grpc_error, requires_tritonserver, wait_until
+from .series import gauge
 
 pytestmark = requires_tritonserver
 
@@ -26,24 +28,6 @@ GREEDY = dict(temperature=0.0, exclude_input_in_output=True)
 
 def reference(llm, prompt, max_tokens):
     return llm.greedy(prompt, max_tokens)
-
-
-def metrics(server) -> dict[str, float]:
-    """Our series on the metrics endpoint: 'name{labels}' -> value."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("inflight_"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
-
-
-def gauge(server, name, **labels) -> float:
-    for key, value in metrics(server).items():
-        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            return value
-    raise KeyError(name)
 
 
 # -- correctness over gRPC and HTTP ----------------------------------------------------------------
@@ -287,7 +271,7 @@ def test_metrics_endpoint_shows_the_design_names(server):
         client.generate("count me", stream=True, max_tokens=6)
     wait_until(lambda: gauge(server, "inflight_generation_tokens_total") >= 6)
     wait_until(lambda: _observed_all(server))  # histograms are observed off the responder's thread
-    names = {key.split("{")[0] for key in metrics(server)}
+    names = series.names(server)
     for name in GAUGES + COUNTERS:
         assert name in names, name
     for name in HISTOGRAMS:

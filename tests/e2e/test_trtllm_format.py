@@ -137,7 +137,7 @@ def test_a_cancelled_stream_on_llm_trtllm_stops_the_llm_request(server):
     import tritonclient.grpc as grpcclient
 
     from .conftest import wait_until
-    from .test_server import gauge
+    from .series import gauge
 
     generated = gauge(server, "inflight_generation_tokens_total")
     first = threading.Event()

@@ -7,7 +7,6 @@ field, and the server keeps serving; the encoder metrics count one run for an im
 from __future__ import annotations
 
 import base64
-import urllib.request
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from serving.openai_launcher import OpenAIServer
 
 from .conftest import cpu_repository, grpc_error, requires_tritonserver, wait_until
 from .raw_requests import grpc_stream
+from .series import gauge
 
 pytestmark = requires_tritonserver
 openai = pytest.importorskip("openai")
@@ -78,14 +78,6 @@ def wire(named):
     return [(k, v, kinds[v.dtype.kind]) for k, v in named.items()]
 
 
-def metric(server, name, label=""):
-    """The sum of `name`'s series (those with `label`, e.g. 'state="used"')."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    lines = [line for line in text.splitlines() if line.startswith(name + "{") and label in line]
-    assert lines, f"no series {name} {label}"
-    return sum(float(line.split()[-1]) for line in lines)
-
-
 def test_the_image_input_with_token_and_text_prompts(vision_server, reference):
     images = [png(1, 30, 40), png(2, 64, 20)]
     ids = [5, 6, BOI, 7, BOI, 8]
@@ -98,12 +90,12 @@ def test_the_image_input_with_token_and_text_prompts(vision_server, reference):
                        (tensors([5, BOI, BOI, BOI], images + images[:1]), "the limit is 2 (limit_mm_per_prompt)"),
                        (tensors([5, BOI], [png(3, 8, 8, "GIF")]), "image[0]: not a PNG, JPEG or WebP")]:
         assert words in grpc_error(vision_server, wire(bad))
-    wait_until(lambda: metric(vision_server, "inflight_kv_blocks", 'state="used"') == 0, timeout=10)
-    runs = metric(vision_server, "inflight_encoder_runs_total")
+    wait_until(lambda: gauge(vision_server, "inflight_kv_blocks", state="used") == 0, timeout=10)
+    runs = gauge(vision_server, "inflight_encoder_runs_total")
     assert grpc_stream(vision_server.grpc_url, tensors(ids, images))[-1]["output_ids"].tolist() == \
         reference(ids, images)[0]
-    assert metric(vision_server, "inflight_encoder_runs_total") == runs  # the same two images: no new run
-    assert metric(vision_server, "inflight_encoder_cache_bytes") > 0
+    assert gauge(vision_server, "inflight_encoder_runs_total") == runs  # the same two images: no new run
+    assert gauge(vision_server, "inflight_encoder_cache_bytes") > 0
 
 
 def test_the_openai_sdk_with_image_url_data_urls(vision_server, vision_setup, reference):
