@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of every kernel, as the engine launches it, for sm_80 and sm_90.
 
-    python -m kernels.aot [--json FILE] [--jobs N]
+    python -m kernels.aot [--json FILE] [--jobs N] [--kernels decode_attention_kernel,...]
 
 No GPU is needed: the `triton` wheel's compiler (with its bundled ptxas) builds cubins for a target
 that is not present, and it refuses code that the CPU interpreter runs (e.g. a `tl.dot` with a tile
@@ -82,14 +82,16 @@ def _compile(job: tuple) -> tuple[bool, Optional[int], str, float]:
 
 
 def collect(models: dict[str, ModelShape], dtypes: list[str], targets: list[str],
-            block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[list[dict], dict]:
+            block_size: int = DEFAULT_BLOCK_SIZE, kernels: Optional[set[str]] = None) -> tuple[list[dict], dict]:
     """One row per distinct (kernel, configuration, dtype, target), listing the models that use it;
-    and the compile jobs keyed like the rows."""
+    and the compile jobs keyed like the rows. `kernels`: only the launches of these kernels."""
     rows: dict = {}
     jobs: dict = {}
     for model, shape in models.items():
         for dtype_name, launches in (v for name in dtypes for v in dtype_variants(shape, name, block_size)):
             for launch in launches:
+                if kernels and launch.name not in kernels:
+                    continue
                 for target in targets:
                     arch = TARGETS[target][0]
                     if arch < launch.min_arch:
@@ -114,9 +116,11 @@ def collect(models: dict[str, ModelShape], dtypes: list[str], targets: list[str]
 
 def run(models: Optional[dict[str, ModelShape]] = None, dtypes: Optional[list[str]] = None,
         targets: Optional[list[str]] = None, jobs: int = 0,
-        block_size: int = DEFAULT_BLOCK_SIZE) -> list[dict]:
-    """Compile everything; returns the rows with ok, shared_bytes, error and seconds filled in."""
-    rows, compile_jobs = collect(models or MODELS, dtypes or DEFAULT_DTYPES, targets or list(TARGETS), block_size)
+        block_size: int = DEFAULT_BLOCK_SIZE, kernels: Optional[set[str]] = None) -> list[dict]:
+    """Compile everything (or `kernels`' launches); returns the rows with ok, shared_bytes, error and
+    seconds filled in."""
+    rows, compile_jobs = collect(models or MODELS, dtypes or DEFAULT_DTYPES, targets or list(TARGETS), block_size,
+                                 kernels)
     work = list(compile_jobs.values())
     workers = jobs or min(len(work), os.cpu_count() or 1)
     if workers > 1:
@@ -167,6 +171,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
                    help=f"comma-separated, of {', '.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated (default: %(default)s)")
+    p.add_argument("--kernels", default="", help="comma-separated kernel names (e.g. decode_attention_kernel): "
+                   "only their launches (default: every kernel)")
     args = p.parse_args(argv)
     chosen = {}
     for arg, known in (("models", MODELS), ("dtypes", DTYPES), ("targets", TARGETS)):
@@ -178,9 +184,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--jobs must be >= 0; got {args.jobs}")
     if args.block_size < 1:
         p.error(f"--block-size must be >= 1; got {args.block_size}")
+    kernels = {k for k in args.kernels.split(",") if k}
+    if kernels:
+        known = {r["kernel"] for r in collect({m: MODELS[m] for m in chosen["models"]}, chosen["dtypes"],
+                                              chosen["targets"], args.block_size)[0]}
+        if kernels - known:
+            p.error(f"--kernels: {sorted(kernels - known)} not launched for these models, dtypes and targets; "
+                    f"choose from {', '.join(sorted(known))}")
     start = time.perf_counter()
     rows = run({m: MODELS[m] for m in chosen["models"]}, chosen["dtypes"], chosen["targets"],
-               jobs=args.jobs, block_size=args.block_size)
+               jobs=args.jobs, block_size=args.block_size, kernels=kernels)
     print(format_table(rows))
     failed = [r for r in rows if not r["ok"]]
     print(f"\n{len(rows)} kernel x configuration x dtype x target compiled in "

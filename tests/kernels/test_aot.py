@@ -137,8 +137,10 @@ BREAK_BLOCK_N = "import kernels.gpu.decode_attention as d\nd.DEFAULT_BLOCK_N = 8
 @pytest.mark.slow
 def test_a_kernel_that_no_longer_compiles_for_sm90_fails(tmp_path):
     rc, result, output = run_aot(tmp_path, "--models", "Llama-3.2-1B", "--dtypes", "fp16", "--targets", "sm_90",
-                                 "--jobs", "1", patch=BREAK_BLOCK_N)
+                                 "--kernels", "decode_attention_kernel,store_kv_kernel", "--jobs", "1",
+                                 patch=BREAK_BLOCK_N)
     assert rc == 1, output
+    assert {r["kernel"] for r in result["rows"]} == {"decode_attention_kernel", "store_kv_kernel"}  # (--kernels)
     failed = [r for r in result["rows"] if not r["ok"]]
     assert failed and {r["kernel"] for r in failed} == {"decode_attention_kernel"}
     assert all("K >= 16" in r["error"] for r in failed), failed
@@ -165,7 +167,8 @@ def test_the_interpreter_runs_what_sm90_refuses():
 @pytest.mark.slow
 def test_shared_memory_over_the_target_limit_fails(tmp_path):
     rc, result, output = run_aot(tmp_path, "--models", "Llama-3.2-1B", "--dtypes", "fp16", "--targets", "sm_90",
-                                 "--jobs", "1", patch="from kernels import aot\naot.TARGETS['sm_90'] = (90, 1024)")
+                                 "--kernels", "decode_attention_kernel,prefill_attention_kernel", "--jobs", "1",
+                                 patch="from kernels import aot\naot.TARGETS['sm_90'] = (90, 1024)")
     assert rc == 1, output
     over = [r for r in result["rows"] if not r["ok"]]
     assert over and all(r["shared_bytes"] > 1024 and "shared memory" in r["error"] for r in over)
@@ -177,6 +180,16 @@ def test_command_line_refuses_unknown_names(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--targets", "sm_75"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--targets" in proc.stderr and "sm_90" in proc.stderr
+
+
+
+@pytest.mark.slow
+def test_command_line_refuses_a_kernel_the_models_do_not_launch():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--models", "Gemma-3-270M", "--dtypes", "bf16",
+                           "--targets", "sm_80", "--kernels", "decode_attention_kernel,no_such_kernel"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)  # (refused before any compile)
+    assert proc.returncode == 2 and "['no_such_kernel']" in proc.stderr and "prefill_attention_kernel" in proc.stderr
 
 
 def test_plan_uses_the_gpu_configuration_when_asked():
