@@ -23,7 +23,7 @@ from torch import nn
 
 from backend.models.float_linear import FloatLinear
 from backend.models.packed_linear import PackedLinear
-from kernels.cpu import float_gemm
+from kernels.cpu import float_gemm, onednn
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) of SmolLM2's projections
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -41,8 +41,10 @@ def layers(dtype: torch.dtype, count: int) -> list[tuple]:
 def time_ways(mods: list[tuple], rows: int, rounds: int, repeats: int) -> list[float]:
     """The fastest round's CPU seconds of each way: C kernel, PackedLinear, oneDNN on the same tensor."""
     ways = [lambda f, p, x: f.kernel.matmul(x), lambda f, p, x: p(x), lambda f, p, x: f.onednn(x)]
-    if mods[0][0].weight.dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        ways = ways[:2]   # oneDNN has no fp16 GEMM without avx512_fp16 or avx_ne_convert (PackedLinear: a float32 copy)
+    dtype = mods[0][0].weight.dtype
+    if (dtype == torch.float16 and not onednn.runs_fp16()) or (dtype == torch.bfloat16 and not onednn.runs_bf16()):
+        ways = ways[:2]   # oneDNN has no fp16 GEMM without avx512_fp16 or avx_ne_convert, nor a bf16 one without
+        # AVX-512 (an AVX2-only CPU): PackedLinear multiplies a float32 copy, or the bf16 weight widened at each call
     xs = [torch.randn(rows, f.in_features) for f, _ in mods]
     best = [float("inf")] * 3
     for r in range(rounds):
